@@ -1,0 +1,20 @@
+"""fivar's own cache directory (FIVAR_CACHE_DIR, default ~/.cache/fivar)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import FivarError
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("FIVAR_CACHE_DIR") or Path.home() / ".cache" / "fivar")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FivarError(f"cannot create fivar's cache directory {d} ({e.strerror}); "
+                         "set FIVAR_CACHE_DIR to a writable directory") from None
+    if not os.access(d, os.W_OK):
+        raise FivarError(f"fivar's cache directory {d} is not writable; set FIVAR_CACHE_DIR to a "
+                         "writable directory")
+    return d

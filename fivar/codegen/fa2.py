@@ -1,0 +1,80 @@
+"""FlashInfer FA2 target: render the variant struct and the module sources for each entry point.
+
+fivar reuses FlashInfer's host code and kernel-instantiation templates (they define the Params structs
+FlashInfer's kernels expect) and owns the parts that carry the variant: the struct itself and a mask-mode
+dispatch that instantiates only the modes this variant can use (half the kernels of FlashInfer's path).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import jinja2
+
+from ..paths import templates_dir
+from ..spec import optimize
+from .cuda import CppEmitter, additional_params
+
+MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = "MaskMode::kNone", "MaskMode::kCausal", "MaskMode::kCustom"
+MASK_CODES = {MASK_NONE: 0, MASK_CAUSAL: 1, MASK_CUSTOM: 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _env(directory: str) -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True)
+
+
+def render(relpath: str, **kwargs) -> str:
+    return _env(str(templates_dir())).get_template(relpath).render(**kwargs)
+
+
+def struct_name(variant) -> str:
+    return "Fivar_" + variant.name
+
+
+def mask_modes(variant) -> list[str]:
+    """A variant with a mask owns it on every tile (kCustom) and folds `causal` in itself."""
+    return [MASK_CUSTOM] if variant.mask else [MASK_NONE, MASK_CAUSAL]
+
+
+def runtime_mask_code(variant, causal: bool) -> int:
+    if variant.mask:
+        return MASK_CODES[MASK_CUSTOM]
+    return MASK_CODES[MASK_CAUSAL if causal else MASK_NONE]
+
+
+@dataclass
+class VariantDecl:
+    source: str
+    lowered: optimize.Lowered
+    additional: tuple  # (tensor_names, tensor_types, scalar_names, scalar_types)
+
+
+def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja") -> VariantDecl:
+    lowered = optimize.lower(variant.ir, variant.softmax)
+    emit = CppEmitter(variant, param_ref)
+    extra = [lowered.output_scale] if lowered.output_scale is not None else []
+    members = emit.members(lowered, extra)
+    if not variant.softmax:
+        scale = "1.f"
+    elif lowered.output_scale is not None:
+        scale = f"flashinfer::math::log2e * {emit.expr(lowered.output_scale)}"
+    else:
+        scale = "flashinfer::math::log2e"
+    mask_body = emit.body(lowered.mask) if lowered.mask else None
+    if mask_body is not None:
+        # masked variants run in kCustom mode, so `causal` is a runtime flag applied here
+        mask_body = _with_causal(mask_body, param_ref("fv_causal"))
+    source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
+                    softmax=variant.softmax, members=members, sm_scale_log2=scale,
+                    logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body)
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask)))
+
+
+def _with_causal(body: str, causal_ref: str) -> str:
+    head, _, ret = body.rpartition("return ")
+    causal = (f"({causal_ref} == 0 || int32_t(kv_idx) + int32_t(qo_len) <= "
+              f"int32_t(qo_idx) + int32_t(kv_len))")
+    return f"{head}return {causal} && {ret.rstrip(';')};"

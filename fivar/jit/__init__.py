@@ -1,0 +1,3 @@
+from .build import FivarModule, gen_module
+
+__all__ = ["FivarModule", "gen_module"]

@@ -1,0 +1,86 @@
+"""What a compiled module depends on besides its sources: FlashInfer, nvcc and the target archs."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+
+from ..errors import FivarError
+
+
+def ensure_arch_env() -> None:
+    """FlashInfer fixes its target archs (and cache directory) at import: decide them before that.
+
+    On a machine without a GPU there is nothing to detect, so fivar asks for an explicit arch instead of
+    letting FlashInfer fail deep inside a compile.
+    """
+    if os.environ.get("FLASHINFER_CUDA_ARCH_LIST"):
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise FivarError("no CUDA GPU is visible, so fivar cannot pick a target architecture: set "
+                         "FLASHINFER_CUDA_ARCH_LIST (e.g. FLASHINFER_CUDA_ARCH_LIST=9.0a) or pass --arch")
+
+
+def cuda_home() -> str:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    return "/usr/local/cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version() -> str:
+    nvcc = os.path.join(cuda_home(), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        nvcc = shutil.which("nvcc") or nvcc
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        raise FivarError(f"nvcc was not found (looked for {nvcc}); set CUDA_HOME to the CUDA toolkit, "
+                         "e.g. CUDA_HOME=/usr/local/cuda") from None
+    m = re.search(r"release ([\d.]+), V([\d.]+)", out)
+    return m.group(2) if m else out.strip().splitlines()[-1]
+
+
+def flashinfer_version() -> str:
+    import flashinfer
+    return flashinfer.__version__
+
+
+def arch_flags() -> list[str]:
+    from flashinfer.jit.core import current_compilation_context
+    return sorted(current_compilation_context.get_nvcc_flags_list())
+
+
+def arch_tag() -> str:
+    from flashinfer.jit.core import current_compilation_context
+    return "_".join(f"{a}{b}" for a, b in sorted(current_compilation_context.TARGET_CUDA_ARCHS))
+
+
+def link_flags() -> list[str]:
+    """On a machine with no CUDA driver (CI), link against an empty libcuda stub.
+
+    The stub has the driver's soname, so a library linked here still binds the real driver where one
+    exists; it only lets the linker finish so that builds can be checked without a GPU.
+    """
+    import ctypes.util
+    if ctypes.util.find_library("cuda") or os.path.exists(os.path.join(cuda_home(), "lib64", "stubs", "libcuda.so")):
+        return []
+    from ..cache import cache_dir
+    stub_dir = cache_dir() / "libcuda-stub"
+    stub = stub_dir / "libcuda.so"
+    if not stub.exists():
+        stub_dir.mkdir(parents=True, exist_ok=True)
+        src = stub_dir / "stub.c"
+        src.write_text("/* empty: see fivar.jit.toolchain.link_flags */\n")
+        tmp = stub_dir / f".libcuda.{os.getpid()}.so"
+        subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(src)],
+                       check=True, capture_output=True)
+        os.replace(tmp, stub)
+    return [f"-L{stub_dir}"]

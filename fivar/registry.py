@@ -1,0 +1,83 @@
+"""Finding variants by name: FIVAR_VARIANT_PATH, then ./variants, then fivar's bundled variants."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from .errors import FivarError, FivarSpecError
+from .paths import bundled_variants_dir
+from .spec import AttentionVariant
+
+_loaded: dict[Path, AttentionVariant] = {}
+
+
+def search_path() -> list[Path]:
+    dirs = [Path(p) for p in os.environ.get("FIVAR_VARIANT_PATH", "").split(os.pathsep) if p]
+    dirs.append(Path.cwd() / "variants")
+    dirs.append(bundled_variants_dir())
+    seen, out = set(), []
+    for d in dirs:
+        r = d.resolve()
+        if r not in seen and r.is_dir():
+            seen.add(r)
+            out.append(r)
+    return out
+
+
+def variant_files() -> dict[str, Path]:
+    """name -> file, first match on the search path wins."""
+    found: dict[str, Path] = {}
+    for d in search_path():
+        for f in sorted(d.glob("*.py")):
+            if not f.name.startswith("_"):
+                found.setdefault(f.stem, f)
+    return found
+
+
+def load_file(path: Path) -> AttentionVariant:
+    path = Path(path).resolve()
+    if path in _loaded:
+        return _loaded[path]
+    mod_name = f"fivar_variant_{path.stem}_{abs(hash(str(path))):x}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # inspect.getsource needs the module registered
+    try:
+        spec.loader.exec_module(module)
+    except FivarSpecError:
+        raise
+    except SyntaxError as e:
+        raise FivarSpecError(f"syntax error: {e.msg}", filename=str(path), line=e.lineno,
+                             col=(e.offset or 1) - 1) from None
+    except Exception as e:  # the user's module failed to import: say where, not a fivar traceback
+        tb = e.__traceback__
+        line = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == str(path):
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        raise FivarSpecError(f"importing the variant file failed: {type(e).__name__}: {e}",
+                             filename=str(path), line=line or 1, col=0) from None
+    v = getattr(module, "variant", None)
+    if not isinstance(v, AttentionVariant):
+        raise FivarSpecError("the file must define `variant = fivar.AttentionVariant(...)`",
+                             filename=str(path), line=1, col=0)
+    _loaded[path] = v
+    return v
+
+
+def load_variant(name: str) -> AttentionVariant:
+    if name.endswith(".py") or os.sep in name:
+        return load_file(Path(name))
+    files = variant_files()
+    if name not in files:
+        known = ", ".join(sorted(files)) or "none"
+        raise FivarError(f"no variant named '{name}' (searched {', '.join(map(str, search_path()))}; "
+                         f"found: {known})")
+    v = load_file(files[name])
+    if v.name != name:
+        raise FivarSpecError(f"file {files[name].name} defines variant '{v.name}', expected '{name}'",
+                             filename=str(files[name]), line=1, col=0)
+    return v

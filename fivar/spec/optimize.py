@@ -1,0 +1,98 @@
+"""IR passes for the compiled targets (FA2/FA3 structs, Triton).
+
+The kernels hand the variant the *unscaled* q.k and apply their own `exp2(x * sm_scale_log2)`.
+Users write against the scaled `score`; these passes turn that into what stock kernels do by hand:
+
+* `fold_score_scale`: `score * a / b` becomes `raw * K` with `K = sm_scale * a / b` computed once.
+* `hoist_invariants`: anything that depends only on scalar params moves out of the per-element code.
+* `split_output_scale`: a final `c * f(...)` (c invariant) drops `c` into the softmax exponent scale,
+  e.g. soft-capping becomes `tanh(raw * K)` with `sm_scale_log2 = log2(e) * cap`, the stock kernel's form.
+  The runtime checks c > 0 before launch (a non-positive factor would flip the softmax max).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import ir
+from .ir import F32
+
+SM_SCALE = ir.ScalarParam(F32, "sm_scale")
+
+
+def _scaled_factor(e: ir.Expr) -> ir.Expr | None:
+    """If `e == raw_score * K` with K invariant, return K."""
+    if isinstance(e, ir.Score):
+        return SM_SCALE
+    if isinstance(e, ir.Unary) and e.op == "neg":
+        k = _scaled_factor(e.x)
+        return None if k is None else ir.Unary(F32, "neg", k)
+    if isinstance(e, ir.Binary) and e.op in ("mul", "div"):
+        ka = _scaled_factor(e.a)
+        if ka is not None and ir.is_invariant(e.b):
+            return ir.Binary(F32, e.op, ka, e.b)
+        if e.op == "mul":
+            kb = _scaled_factor(e.b)
+            if kb is not None and ir.is_invariant(e.a):
+                return ir.Binary(F32, "mul", e.a, kb)
+    return None
+
+
+def fold_score_scale(e: ir.Expr) -> ir.Expr:
+    k = _scaled_factor(e)
+    if k is not None:
+        return ir.Binary(F32, "mul", ir.RawScore(F32), k)
+    kids = tuple(fold_score_scale(c) for c in e.children())
+    return ir.rebuild(e, kids) if kids != e.children() else e
+
+
+def split_output_scale(result: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:
+    if isinstance(result, ir.Binary) and result.op == "mul" and result.type == F32:
+        if ir.is_invariant(result.a) and not ir.is_invariant(result.b):
+            return result.b, result.a
+        if ir.is_invariant(result.b) and not ir.is_invariant(result.a):
+            return result.a, result.b
+    return result, None
+
+
+class _Hoister:
+    def __init__(self, prefix: str):
+        self.prefix, self.table, self.names = prefix, {}, {}
+
+    def __call__(self, e: ir.Expr) -> ir.Expr:
+        if ir.is_invariant(e) and not isinstance(e, (ir.Const, ir.ScalarParam, ir.Hoisted)):
+            if e not in self.names:
+                name = f"{self.prefix}{len(self.names)}"
+                self.names[e] = name
+                self.table[name] = e
+            return ir.Hoisted(e.type, self.names[e])
+        kids = tuple(self(c) for c in e.children())
+        return ir.rebuild(e, kids) if kids != e.children() else e
+
+
+@dataclass
+class Lowered:
+    """A variant ready for a compiled target: per-element programs plus per-block invariants."""
+    logits: ir.Program | None
+    mask: ir.Program | None
+    hoisted: dict[str, ir.Expr]
+    #: Invariant factor folded out of the logits (None: the softmax scale is plain log2(e)).
+    output_scale: ir.Expr | None
+
+
+def lower(variant_ir, softmax: bool) -> Lowered:
+    hoister = _Hoister("h")
+    output_scale = None
+    programs = []
+    for prog, is_logits in ((variant_ir.logits, True), (variant_ir.mask, False)):
+        if prog is None:
+            programs.append(None)
+            continue
+        lets = [(n, fold_score_scale(e)) for n, e in prog.lets]
+        result = fold_score_scale(prog.result)
+        if is_logits and softmax:
+            result, output_scale = split_output_scale(result)
+        lets = [(n, hoister(e)) for n, e in lets]
+        programs.append(ir.Program(lets, hoister(result)))
+    if output_scale is not None:
+        output_scale = hoister(output_scale)
+    return Lowered(programs[0], programs[1], hoister.table, output_scale)

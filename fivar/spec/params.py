@@ -1,0 +1,56 @@
+"""Typed variant parameters: runtime scalars and small tensors (tables indexed inside the kernel)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import BOOL, F32, I32
+
+#: Dimension names whose size fivar knows at call time and therefore checks.
+KNOWN_DIMS = ("qo_head", "kv_head", "batch")
+
+#: tensor dtype name -> (IR type of an element, C++ storage type)
+TENSOR_DTYPES = {
+    "float32": (F32, "float"),
+    "float16": (F32, "half"),
+    "bfloat16": (F32, "nv_bfloat16"),
+    "int32": (I32, "int32_t"),
+    "int64": (I32, "int64_t"),
+    "bool": (BOOL, "bool"),
+}
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A runtime scalar, passed by keyword at call time (e.g. `softcap=30.0`)."""
+    dtype: type = float
+    default: float | int | None = None
+    doc: str = ""
+
+    @property
+    def ir_type(self) -> str:
+        return I32 if self.dtype is int else F32
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor read inside the kernel, e.g. per-head ALiBi slopes: `Tensor("float32", ("qo_head",))`.
+
+    `dims` names each dimension; `qo_head`, `kv_head` and `batch` are checked against the call's shapes,
+    any other name is free. Indices are clamped to the tensor's bounds on every target, so an index
+    expression can never read outside the tensor.
+    """
+    dtype: str = "float32"
+    dims: tuple[str, ...] = ("n",)
+    doc: str = ""
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def ir_type(self) -> str:
+        return TENSOR_DTYPES[self.dtype][0]
+
+    @property
+    def cpp_type(self) -> str:
+        return TENSOR_DTYPES[self.dtype][1]

@@ -1,0 +1,386 @@
+"""Front end: a variant's Python functions -> type-checked `ir.Program`s.
+
+Only a small, explicit subset of Python is accepted (see ALLOWED). Everything else is rejected with a
+`FivarSpecError` that points at file:line:column of the offending construct.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import math
+import textwrap
+import types
+from dataclasses import dataclass
+
+from .. import lang
+from ..errors import FivarSpecError
+from . import ir
+from .ir import BOOL, F32, I32, NUMERIC
+from .params import Scalar, Tensor
+
+ALLOWED = ("arithmetic (+ - * / // %), comparisons, and/or/not, `a if c else b`, local assignments, "
+           "numbers, params.NAME, params.TABLE[i, ...], and the functions "
+           "tanh exp exp2 log sigmoid sqrt abs floor minimum maximum clamp where float int "
+           "(from fivar; math.* and torch.* spellings of the same functions are accepted too)")
+
+LOGITS_ARGS = ("score",) + ir.INDEX_VARS + ("params",)
+MASK_ARGS = ir.INDEX_VARS + ("params",)
+
+_BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv",
+           ast.Mod: "mod"}
+_CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
+_MODULE_FUNCS = {  # functions reachable as module.attr, mapped to fivar's names
+    "math": {"tanh": "tanh", "exp": "exp", "log": "log", "sqrt": "sqrt", "floor": "floor",
+             "fabs": "abs"},
+    "torch": {n: n for n in ("tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "abs", "floor",
+                             "minimum", "maximum", "clamp", "where")},
+}
+_BUILTIN_FUNCS = {"abs": "abs", "min": "minimum", "max": "maximum", "float": "float", "int": "int"}
+
+
+@dataclass
+class VariantIR:
+    logits: ir.Program | None
+    mask: ir.Program | None
+
+
+def parse_variant(variant) -> VariantIR:
+    logits = _FunctionParser(variant, variant.logits, "logits").parse() if variant.logits else None
+    mask = _FunctionParser(variant, variant.mask, "mask").parse() if variant.mask else None
+    return VariantIR(logits, mask)
+
+
+def _node_name(node: ast.AST) -> str:
+    return {ast.If: "`if` statement", ast.For: "`for` loop", ast.While: "`while` loop",
+            ast.Lambda: "lambda", ast.ListComp: "list comprehension", ast.Pow: "`**`",
+            ast.BitAnd: "`&`", ast.BitOr: "`|`", ast.BitXor: "`^`", ast.LShift: "`<<`",
+            ast.RShift: "`>>`", ast.Invert: "`~`", ast.MatMult: "`@`", ast.Is: "`is`",
+            ast.In: "`in`", ast.NotIn: "`not in`", ast.IsNot: "`is not`"}.get(
+        type(node), f"`{type(node).__name__}`")
+
+
+class _FunctionParser:
+    def __init__(self, variant, fn, role: str):
+        self.variant, self.fn, self.role = variant, fn, role
+        if not isinstance(fn, types.FunctionType):
+            raise FivarSpecError(f"`{role}` must be a plain Python function (def), got {type(fn).__name__}",
+                                 variant=variant.name)
+        self.filename = fn.__code__.co_filename
+        try:
+            lines, self.first_line = inspect.getsourcelines(fn)
+        except (OSError, TypeError) as e:
+            raise FivarSpecError(f"cannot read the source of `{role}` ({e}); define it in a .py file",
+                                 variant=variant.name, filename=self.filename,
+                                 line=fn.__code__.co_firstlineno) from None
+        self.source = "".join(lines)
+        self.col_offset = len(lines[0]) - len(lines[0].lstrip())
+        self.env: dict[str, ir.Expr] = {}  # python name -> expr (args) or Local
+        self.lets: list[tuple[str, ir.Expr]] = []
+        self.let_names: set[str] = set()
+
+    # --- errors --------------------------------------------------------------------------------
+    def error(self, node: ast.AST | None, message: str, construct: str | None = None, allowed=None):
+        line = self.first_line + (getattr(node, "lineno", 1) - 1) if node is not None else self.first_line
+        col = (getattr(node, "col_offset", 0) + self.col_offset) if node is not None else 0
+        return FivarSpecError(f"in `{self.role}`: {message}", variant=self.variant.name,
+                              filename=self.filename, line=line, col=col, construct=construct,
+                              allowed=allowed)
+
+    def unsupported(self, node: ast.AST, what: str | None = None):
+        what = what or _node_name(node)
+        return self.error(node, f"{what} is not supported in a variant function", construct=what,
+                          allowed=ALLOWED)
+
+    # --- entry ---------------------------------------------------------------------------------
+    def parse(self) -> ir.Program:
+        tree = ast.parse(textwrap.dedent(self.source))
+        fdef = tree.body[0]
+        if not isinstance(fdef, ast.FunctionDef):
+            raise self.error(fdef, f"`{self.role}` must be defined with `def`, not a lambda", "lambda",
+                             "def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params): ...")
+        expected = LOGITS_ARGS if self.role == "logits" else MASK_ARGS
+        a = fdef.args
+        if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults \
+                or len(a.args) != len(expected):
+            raise self.error(fdef, f"`{self.role}` must take exactly {len(expected)} positional "
+                             f"arguments ({', '.join(expected)}); got {len(a.args)}",
+                             "signature", f"def {self.role}({', '.join(expected)})")
+        for arg, role in zip(a.args, expected):
+            if role == "score":
+                self.env[arg.arg] = ir.Score(F32)
+            elif role == "params":
+                self.env[arg.arg] = _PARAMS
+            else:
+                self.env[arg.arg] = ir.Index(I32, role)
+        body = list(fdef.body)
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]  # docstring
+        result = None
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.Return):
+                if i != len(body) - 1:
+                    raise self.error(body[i + 1], "code after `return` is not allowed", "unreachable code")
+                if stmt.value is None:
+                    raise self.error(stmt, "`return` needs a value")
+                result = self.expr(stmt.value)
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                if len(targets) != 1 or not isinstance(targets[0], ast.Name) or stmt.value is None:
+                    raise self.unsupported(stmt, "this assignment form (only `name = expr`)")
+                self.bind(targets[0].id, self.expr(stmt.value), stmt)
+            elif isinstance(stmt, ast.Pass):
+                continue
+            else:
+                raise self.unsupported(stmt)
+        if result is None:
+            raise self.error(fdef, f"`{self.role}` must end with a `return`", "missing return")
+        if self.role == "logits":
+            if result.type == BOOL:
+                raise self.error(body[-1], "`logits` must return a number, but this returns a bool "
+                                 "(a condition belongs in a `mask` function)", "bool result")
+            if result.type == I32:
+                result = ir.Cast(F32, result)
+        elif result.type != BOOL:
+            raise self.error(body[-1], f"`mask` must return a bool (a comparison), but this returns "
+                             f"{'a float' if result.type == F32 else 'an int'}", "non-bool mask")
+        return ir.Program(self.lets, result)
+
+    def bind(self, name: str, value: ir.Expr, node):
+        if self.env.get(name) is _PARAMS or isinstance(self.env.get(name), (ir.Score, ir.Index)):
+            raise self.error(node, f"cannot assign to argument `{name}`", "argument reassignment")
+        if value is _PARAMS:
+            raise self.error(node, "`params` itself cannot be assigned; use params.NAME", "params alias")
+        cname, n = name, 2
+        while cname in self.let_names:
+            cname, n = f"{name}_{n}", n + 1
+        self.let_names.add(cname)
+        self.lets.append((cname, value))
+        self.env[name] = ir.Local(value.type, cname)
+
+    # --- expressions ---------------------------------------------------------------------------
+    def expr(self, node: ast.AST) -> ir.Expr:
+        method = getattr(self, "expr_" + type(node).__name__, None)
+        if method is None:
+            raise self.unsupported(node)
+        out = method(node)
+        if out is _PARAMS:
+            raise self.error(node, "`params` must be used as params.NAME", "bare params")
+        return out
+
+    def expr_Constant(self, node):
+        v = node.value
+        if isinstance(v, bool):
+            return ir.Const(BOOL, v)
+        if isinstance(v, int):
+            return ir.Const(I32, v)
+        if isinstance(v, float):
+            return ir.Const(F32, v)
+        raise self.unsupported(node, f"constant {v!r}")
+
+    def expr_Name(self, node):
+        if node.id in self.env:
+            return self.env[node.id]
+        g = self.lookup_global(node.id, node)
+        if isinstance(g, bool):
+            return ir.Const(BOOL, g)
+        if isinstance(g, int):
+            return ir.Const(I32, g)
+        if isinstance(g, float):
+            return ir.Const(F32, g)
+        raise self.error(node, f"`{node.id}` is a {type(g).__name__}; only numbers can be used from "
+                         "outside the function", "non-numeric global", ALLOWED)
+
+    def lookup_global(self, name: str, node):
+        fn = self.fn
+        if fn.__closure__:
+            for var, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+                if var == name:
+                    return cell.cell_contents
+        if name in fn.__globals__:
+            return fn.__globals__[name]
+        if hasattr(builtins, name):
+            return getattr(builtins, name)
+        raise self.error(node, f"name `{name}` is not defined", "undefined name")
+
+    def expr_Attribute(self, node):
+        base = node.value
+        if isinstance(base, ast.Name) and self.env.get(base.id) is _PARAMS:
+            p = self.variant.params.get(node.attr)
+            if p is None:
+                known = ", ".join(self.variant.params) or "none declared"
+                raise self.error(node, f"unknown parameter `{node.attr}` (declared: {known})",
+                                 "unknown parameter")
+            if isinstance(p, Tensor):
+                raise self.error(node, f"tensor parameter `{node.attr}` must be indexed, e.g. "
+                                 f"params.{node.attr}[{', '.join(p.dims)}]", "unindexed tensor")
+            return ir.ScalarParam(p.ir_type, node.attr)
+        raise self.unsupported(node, "attribute access other than params.NAME")
+
+    def expr_Subscript(self, node):
+        base = node.value
+        if not (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name)
+                and self.env.get(base.value.id) is _PARAMS):
+            raise self.unsupported(node, "indexing anything but a tensor parameter")
+        p = self.variant.params.get(base.attr)
+        if not isinstance(p, Tensor):
+            raise self.error(node, f"`{base.attr}` is not a tensor parameter, it cannot be indexed",
+                             "indexing a scalar")
+        sl = node.slice
+        items = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+        if any(isinstance(i, ast.Slice) for i in items):
+            raise self.unsupported(node, "slicing")
+        if len(items) != p.ndim:
+            raise self.error(node, f"params.{base.attr} has {p.ndim} dimension(s) {p.dims}, "
+                             f"indexed with {len(items)}", "wrong index count")
+        idx = []
+        for item in items:
+            e = self.expr(item)
+            if e.type != I32:
+                raise self.error(item, f"index into params.{base.attr} must be an int, got "
+                                 f"{'a float' if e.type == F32 else 'a bool'} (use int(...))",
+                                 "non-int index")
+            idx.append(e)
+        return ir.Load(p.ir_type, base.attr, tuple(idx))
+
+    def expr_BinOp(self, node):
+        op = _BINOPS.get(type(node.op))
+        if op is None:
+            raise self.unsupported(node.op if hasattr(node.op, "lineno") else node, _node_name(node.op))
+        a, b = self.expr(node.left), self.expr(node.right)
+        for x, n in ((a, node.left), (b, node.right)):
+            if x.type == BOOL:
+                raise self.error(n, "arithmetic on a bool; use `a if cond else b` to turn a condition "
+                                 "into a number", "bool arithmetic")
+        if op == "div" or a.type == F32 or b.type == F32:
+            return ir.Binary(F32, op, self.to_f32(a), self.to_f32(b))
+        return ir.Binary(I32, op, a, b)
+
+    def expr_UnaryOp(self, node):
+        x = self.expr(node.operand)
+        if isinstance(node.op, ast.Not):
+            if x.type != BOOL:
+                raise self.error(node, "`not` needs a bool operand", "not on a number")
+            return ir.Unary(BOOL, "not", x)
+        if isinstance(node.op, ast.USub):
+            if x.type == BOOL:
+                raise self.error(node, "cannot negate a bool", "bool arithmetic")
+            if isinstance(x, ir.Const):
+                return ir.Const(x.type, -x.value)
+            return ir.Unary(x.type, "neg", x)
+        if isinstance(node.op, ast.UAdd):
+            return x
+        raise self.unsupported(node, _node_name(node.op))
+
+    def expr_BoolOp(self, node):
+        op = "and" if isinstance(node.op, ast.And) else "or"
+        vals = [self.expr(v) for v in node.values]
+        for v, n in zip(vals, node.values):
+            if v.type != BOOL:
+                raise self.error(n, f"`{op}` needs bool operands (comparisons), got a number",
+                                 f"`{op}` on a number")
+        out = vals[0]
+        for v in vals[1:]:
+            out = ir.Binary(BOOL, op, out, v)
+        return out
+
+    def expr_Compare(self, node):
+        out, left = None, self.expr(node.left)
+        for op_node, right_node in zip(node.ops, node.comparators):
+            op = _CMPOPS.get(type(op_node))
+            if op is None:
+                raise self.unsupported(node, _node_name(op_node))
+            right = self.expr(right_node)
+            if (left.type == BOOL) != (right.type == BOOL) or (left.type == BOOL and op not in ("eq", "ne")):
+                raise self.error(node, "cannot compare a bool with a number", "bool comparison")
+            a, b = self.promote(left, right)
+            cmp = ir.Binary(BOOL, op, a, b)
+            out = cmp if out is None else ir.Binary(BOOL, "and", out, cmp)
+            left = right
+        return out
+
+    def expr_IfExp(self, node):
+        return self.select(node, self.expr(node.test), self.expr(node.body), self.expr(node.orelse))
+
+    def select(self, node, cond, a, b):
+        if cond.type != BOOL:
+            raise self.error(node, "the condition of `a if cond else b` / where() must be a bool",
+                             "non-bool condition")
+        if (a.type == BOOL) != (b.type == BOOL):
+            raise self.error(node, "both branches must be numbers, or both bools", "mixed branches")
+        a, b = self.promote(a, b)
+        return ir.Select(a.type, cond, a, b)
+
+    def expr_Call(self, node):
+        if node.keywords:
+            raise self.unsupported(node, "keyword arguments in a call")
+        name = self.resolve_function(node.func)
+        args = [self.expr(a) for a in node.args]
+        arity = {"float": 1, "int": 1, **{k: v[0] for k, v in lang.FUNCTIONS.items()}}[name]
+        if len(args) != arity:
+            raise self.error(node, f"{name}() takes {arity} argument(s), got {len(args)}", "arity")
+        if name == "where":
+            return self.select(node, *args)
+        if name in ("float", "int"):
+            x = args[0]
+            want = F32 if name == "float" else I32
+            return x if x.type == want else ir.Cast(want, x)
+        for a, n in zip(args, node.args):
+            if a.type == BOOL:
+                raise self.error(n, f"{name}() needs a number, got a bool", "bool argument")
+        if name in ir.UNARY_FLOAT_FUNCS:
+            return ir.Call(F32, name, (self.to_f32(args[0]),))
+        if name == "abs":
+            return ir.Call(args[0].type, "abs", (args[0],))
+        if name == "clamp":
+            x, lo, hi = args
+            x, lo = self.promote(x, lo)
+            inner = ir.Call(x.type, "maximum", (x, lo))
+            inner, hi = self.promote(inner, hi)
+            return ir.Call(inner.type, "minimum", (inner, hi))
+        a, b = self.promote(*args)
+        return ir.Call(a.type, name, (a, b))
+
+    def resolve_function(self, func: ast.AST) -> str:
+        if isinstance(func, ast.Name):
+            obj = self.lookup_global(func.id, func)
+            for fname in lang.FUNCTIONS:
+                if obj is getattr(lang, fname):
+                    return fname
+            if obj is getattr(builtins, func.id, None) and func.id in _BUILTIN_FUNCS:
+                return _BUILTIN_FUNCS[func.id]
+            raise self.error(func, f"`{func.id}` is not a function fivar can compile", "unknown function",
+                             ALLOWED)
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            mod = self.lookup_global(func.value.id, func)
+            modname = getattr(mod, "__name__", "")
+            if modname in ("fivar", "fivar.lang") and func.attr in lang.FUNCTIONS:
+                return func.attr
+            table = _MODULE_FUNCS.get(modname, {})
+            if func.attr in table:
+                return table[func.attr]
+            raise self.error(func, f"`{func.value.id}.{func.attr}` is not a function fivar can compile",
+                             "unknown function", ALLOWED)
+        raise self.unsupported(func, "this kind of call")
+
+    # --- typing helpers ------------------------------------------------------------------------
+    @staticmethod
+    def to_f32(x: ir.Expr) -> ir.Expr:
+        if x.type == F32:
+            return x
+        if isinstance(x, ir.Const):
+            return ir.Const(F32, float(x.value))
+        return ir.Cast(F32, x)
+
+    def promote(self, a: ir.Expr, b: ir.Expr):
+        if a.type in NUMERIC and b.type in NUMERIC and a.type != b.type:
+            return self.to_f32(a), self.to_f32(b)
+        return a, b
+
+
+class _ParamsMarker:
+    """Stands for the `params` argument while parsing; only `params.NAME` may be used."""
+
+
+_PARAMS = _ParamsMarker()

@@ -1,0 +1,125 @@
+"""`AttentionVariant`: the object a file in `variants/` defines.
+
+Semantics every target implements (and the README repeats):
+
+* `logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params) -> float`
+  - `score` is q.k **already multiplied by sm_scale** (default 1/sqrt(head_dim)), as in FlexAttention's
+    score_mod.
+  - `q_idx` is the query's position in the KV sequence: the i-th of `qo_len` query rows has
+    `q_idx = i + kv_len - qo_len` (bottom-right aligned, the same alignment as FlashInfer's causal
+    mask). For prefill with qo_len == kv_len that is just i; for decode it is kv_len - 1.
+  - `kv_idx` is the key's position in its request, 0..kv_len-1. `batch` is the request index (0 for
+    single prefill). `kv_head = qo_head // (num_qo_heads // num_kv_heads)`.
+  - With `softmax=True` the result is a logit: out = softmax(logits) @ V. With `softmax=False`
+    (sigmoid attention) the result is the weight itself: out = sum_j logits_j * V_j.
+* `mask(batch, qo_head, kv_head, q_idx, kv_idx, params) -> bool`: False removes the pair. The mask is
+  applied on every KV tile. `causal=True` at call time is applied in addition to it.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
+
+from ..errors import FivarSpecError
+from .params import Scalar, Tensor
+
+RESERVED_PARAM_NAMES = {"sm_scale", "causal", "q", "k", "v", "out", "backend"}
+
+
+@dataclass(eq=False)
+class AttentionVariant:
+    name: str
+    logits: Callable | None = None
+    mask: Callable | None = None
+    params: dict[str, Scalar | Tensor] = field(default_factory=dict)
+    softmax: bool = True
+    doc: str = ""
+
+    def __post_init__(self):
+        where = self._where(self.logits or self.mask)
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise FivarSpecError(f"name must be a Python identifier, got {self.name!r}", **where)
+        if self.logits is None and self.mask is None:
+            raise FivarSpecError("a variant needs a `logits` function, a `mask` function, or both",
+                                 variant=self.name, **where)
+        for pname, p in self.params.items():
+            if not pname.isidentifier() or pname.startswith(("maybe", "fv_", "_")) \
+                    or pname in RESERVED_PARAM_NAMES:
+                raise FivarSpecError(
+                    f"parameter name {pname!r} is not allowed (reserved: {sorted(RESERVED_PARAM_NAMES)},"
+                    " and names starting with 'maybe', 'fv_' or '_')", variant=self.name, **where)
+            if not isinstance(p, (Scalar, Tensor)):
+                raise FivarSpecError(f"parameter {pname!r} must be fivar.Scalar(...) or fivar.Tensor(...),"
+                                     f" got {type(p).__name__}", variant=self.name, **where)
+            if isinstance(p, Scalar) and p.dtype not in (float, int):
+                raise FivarSpecError(f"Scalar parameter {pname!r}: dtype must be float or int",
+                                     variant=self.name, **where)
+            if isinstance(p, Tensor):
+                from .params import TENSOR_DTYPES
+                if p.dtype not in TENSOR_DTYPES:
+                    raise FivarSpecError(f"Tensor parameter {pname!r}: dtype {p.dtype!r} is not one of "
+                                         f"{sorted(TENSOR_DTYPES)}", variant=self.name, **where)
+        if not self.doc:
+            fn = self.logits or self.mask
+            module = inspect.getmodule(fn)
+            self.doc = inspect.getdoc(module) or "" if module else ""
+
+    @staticmethod
+    def _where(fn) -> dict:
+        if fn is None or not hasattr(fn, "__code__"):
+            return {}
+        return {"filename": fn.__code__.co_filename, "line": fn.__code__.co_firstlineno, "col": 0}
+
+    @property
+    def source_file(self) -> str | None:
+        fn = self.logits or self.mask
+        return fn.__code__.co_filename if hasattr(fn, "__code__") else None
+
+    @cached_property
+    def ir(self):
+        """The parsed, type-checked programs: `.logits` and `.mask` (either may be None)."""
+        from .parse import parse_variant
+        return parse_variant(self)
+
+    @property
+    def scalar_params(self) -> dict[str, Scalar]:
+        return {k: p for k, p in self.params.items() if isinstance(p, Scalar)}
+
+    @property
+    def tensor_params(self) -> dict[str, Tensor]:
+        return {k: p for k, p in self.params.items() if isinstance(p, Tensor)}
+
+    # --- runtime entry points (thin: the work lives in fivar.runtime) ---------------------------
+    def prefill(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None,
+                backend: str = "fa2", out=None, **params):
+        """Single-request prefill. q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D] (NHD)."""
+        from ..runtime.attention import single_prefill
+        return single_prefill(self, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
+                              out=out, params=params)
+
+    def batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, *, causal: bool = False,
+                             sm_scale: float | None = None, backend: str = "fa2", **params):
+        from ..runtime.attention import batch_prefill_ragged
+        return batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, causal=causal,
+                                    sm_scale=sm_scale, backend=backend, params=params)
+
+    def batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
+                            kv_last_page_len, *, causal: bool = False, sm_scale: float | None = None,
+                            backend: str = "fa2", **params):
+        from ..runtime.attention import batch_prefill_paged
+        return batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
+                                   kv_last_page_len, causal=causal, sm_scale=sm_scale,
+                                   backend=backend, params=params)
+
+    def decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *,
+               sm_scale: float | None = None, backend: str = "fa2", **params):
+        from ..runtime.attention import batch_decode
+        return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
+                            sm_scale=sm_scale, backend=backend, params=params)
+
+    def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, **params):
+        """The torch reference (float32 math) for one request; same shapes as `prefill`."""
+        from ..codegen.torch_ref import reference_attention
+        return reference_attention(self, q, k, v, causal=causal, sm_scale=sm_scale, params=params)

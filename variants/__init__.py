@@ -1,0 +1,1 @@
+"""fivar's bundled variants: each file defines one `variant = AttentionVariant(...)`."""
