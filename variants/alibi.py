@@ -1,4 +1,6 @@
 """ALiBi (Press et al.): a per-head linear bias on the query-key distance."""
+import torch
+
 from fivar import AttentionVariant, Tensor
 
 
@@ -6,4 +8,12 @@ def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score + params.slopes[qo_head] * float(kv_idx - q_idx)
 
 
-variant = AttentionVariant(name="alibi", logits=logits, params={"slopes": Tensor("float32", ("qo_head",))})
+def example(num_qo_heads, num_kv_heads, batch_size, max_len, device):
+    # The paper's geometric slopes 2^(-8 i / H), jittered so every run draws fresh values.
+    i = torch.arange(1, num_qo_heads + 1, dtype=torch.float32)
+    slopes = torch.exp2(-8.0 * i / num_qo_heads) * (0.5 + torch.rand(num_qo_heads))
+    return {"slopes": slopes.to(device)}
+
+
+variant = AttentionVariant(name="alibi", logits=logits, example=example,
+                           params={"slopes": Tensor("float32", ("qo_head",))})

@@ -1,4 +1,6 @@
 """Learned relative-position bias (T5-style): a per-head table indexed by the clamped key-query offset."""
+import torch
+
 from fivar import AttentionVariant, Scalar, Tensor, clamp
 
 
@@ -8,7 +10,12 @@ def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score + params.bias[qo_head, offset]
 
 
-variant = AttentionVariant(name="relative_bias", logits=logits, params={
+def example(num_qo_heads, num_kv_heads, batch_size, max_len, device):
+    r = 64
+    return {"bias": torch.randn(num_qo_heads, 2 * r + 1, device=device), "max_distance": r}
+
+
+variant = AttentionVariant(name="relative_bias", logits=logits, example=example, params={
     "bias": Tensor("float32", ("qo_head", "2*max_distance+1")),
     "max_distance": Scalar(int, default=128),
 })

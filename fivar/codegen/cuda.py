@@ -97,12 +97,13 @@ class CppEmitter:
             return f"{CTYPE[e.type]}({self.expr(e.x)})"
         raise TypeError(f"no C++ for {e!r}")  # an IR node the parser cannot produce
 
-    def body(self, program: ir.Program, indent: str = "    ") -> str:
-        """Statements computing the program, ending in `return`."""
+    def body(self, program: ir.Program, indent: str = "    ", guard: str | None = None) -> str:
+        """Statements computing the program, ending in `return` (of `guard && result` if a guard is given)."""
         used = _used_indices(program)
         lines = [f"const int32_t fv_{n} = {INDEX_INIT[n]};" for n in ir.INDEX_VARS if n in used]
         lines += [f"const {CTYPE[e.type]} {local_name(n)} = {self.expr(e)};" for n, e in program.lets]
-        lines.append(f"return {self.expr(program.result)};")
+        result = self.expr(program.result)
+        lines.append(f"return {guard} && {result};" if guard else f"return {result};")
         return ("\n" + indent).join(lines)
 
     def members(self, lowered: Lowered, extra_exprs=()) -> list[Member]:

@@ -14,10 +14,12 @@ import jinja2
 
 from ..paths import templates_dir
 from ..spec import optimize
-from .cuda import CppEmitter, additional_params
+from .cuda import CppEmitter, Member, additional_params
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = "MaskMode::kNone", "MaskMode::kCausal", "MaskMode::kCustom"
 MASK_CODES = {MASK_NONE: 0, MASK_CAUSAL: 1, MASK_CUSTOM: 2}
+#: FlashInfer's causal rule (bottom-right aligned), in the hook's raw indices.
+CAUSAL_GUARD = "(!fv_causal || kv_idx + qo_len <= qo_idx + kv_len)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,18 +65,12 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
         scale = f"flashinfer::math::log2e * {emit.expr(lowered.output_scale)}"
     else:
         scale = "flashinfer::math::log2e"
-    mask_body = emit.body(lowered.mask) if lowered.mask else None
-    if mask_body is not None:
-        # masked variants run in kCustom mode, so `causal` is a runtime flag applied here
-        mask_body = _with_causal(mask_body, param_ref("fv_causal"))
+    mask_body = None
+    if lowered.mask:
+        # Masked variants run in kCustom mode (mask on every tile), so `causal` is a runtime flag here.
+        members.append(Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0"))
+        mask_body = emit.body(lowered.mask, guard=CAUSAL_GUARD)
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
                     logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body)
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask)))
-
-
-def _with_causal(body: str, causal_ref: str) -> str:
-    head, _, ret = body.rpartition("return ")
-    causal = (f"({causal_ref} == 0 || int32_t(kv_idx) + int32_t(qo_len) <= "
-              f"int32_t(qo_idx) + int32_t(kv_len))")
-    return f"{head}return {causal} && {ret.rstrip(';')};"

@@ -215,3 +215,29 @@ def module_for(variant, op, target, dtype, head_dim) -> FivarModule:
 
 
 _memo: dict[tuple, tuple] = {}
+
+
+def build_many(modules: list[FivarModule], parallel: bool = True) -> list[tuple[str, float]]:
+    """Build modules, all compiles in one parallel ninja. Returns (cold|disk|memory, seconds) per module."""
+    from flashinfer.jit.core import build_jit_specs
+    todo = [m for m in modules if m.uri not in _loaded and not m.library_path.exists()]
+    results = {}
+    for m in modules:
+        if m.uri in _loaded:
+            results[m.uri] = ("memory", 0.0)
+    if parallel and len(todo) > 1:
+        t0 = time.perf_counter()
+        try:
+            build_jit_specs([m.jit_spec() for m in todo], skip_prebuilt=False)
+        except Exception:
+            pass  # fall through: the per-module builds below name the module that failed
+        secs = time.perf_counter() - t0
+        for m in todo:
+            if m.library_path.exists():
+                results[m.uri] = ("cold", secs)
+    for m in modules:
+        if m.uri not in results:
+            t0 = time.perf_counter()
+            kind = m.build()
+            results[m.uri] = (kind, time.perf_counter() - t0)
+    return [results[m.uri] for m in modules]

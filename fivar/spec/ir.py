@@ -187,3 +187,43 @@ def is_invariant(e: Expr) -> bool:
     """Depends only on scalar params and constants: the same for every element of a launch."""
     return all(isinstance(n, (Const, ScalarParam, Hoisted, Binary, Unary, Call, Cast, Select))
                for n in walk(e))
+
+
+_SYM = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%", "lt": "<", "le": "<=",
+        "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "and", "or": "or"}
+
+
+def format_expr(e: Expr) -> str:
+    """Python-like text of an expression, with every node's type made explicit where it matters."""
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, Score):
+        return "score"
+    if isinstance(e, RawScore):
+        return "qk"
+    if isinstance(e, Index):
+        return e.name
+    if isinstance(e, ScalarParam):
+        return f"params.{e.name}"
+    if isinstance(e, (Hoisted, Local)):
+        return e.name
+    if isinstance(e, Load):
+        return f"params.{e.param}[{', '.join(format_expr(i) for i in e.indices)}]"
+    if isinstance(e, Unary):
+        return f"(-{format_expr(e.x)})" if e.op == "neg" else f"(not {format_expr(e.x)})"
+    if isinstance(e, Binary):
+        return f"({format_expr(e.a)} {_SYM[e.op]} {format_expr(e.b)})"
+    if isinstance(e, Select):
+        return f"({format_expr(e.a)} if {format_expr(e.cond)} else {format_expr(e.b)})"
+    if isinstance(e, Call):
+        return f"{e.fn}({', '.join(format_expr(a) for a in e.args)})"
+    if isinstance(e, Cast):
+        return f"{'float' if e.type == F32 else 'int'}({format_expr(e.x)})"
+    return repr(e)
+
+
+def format_program(p: Program, name: str) -> str:
+    lines = [f"{name}:"]
+    lines += [f"  {n}: {e.type} = {format_expr(e)}" for n, e in p.lets]
+    lines.append(f"  return {format_expr(p.result)}  # {p.result.type}")
+    return "\n".join(lines)

@@ -36,6 +36,9 @@ class AttentionVariant:
     params: dict[str, Scalar | Tensor] = field(default_factory=dict)
     softmax: bool = True
     doc: str = ""
+    #: Optional `example(num_qo_heads=, num_kv_heads=, batch_size=, max_len=, device=) -> dict` giving
+    #: realistic random params for checks and benchmarks (fivar draws from the declarations otherwise).
+    example: Callable | None = None
 
     def __post_init__(self):
         where = self._where(self.logits or self.mask)

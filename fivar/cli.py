@@ -1,0 +1,203 @@
+"""The `fivar` command line: new-variant, list, show, build, check."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from .errors import FivarError
+
+console = Console()
+err_console = Console(stderr=True)
+
+OPS = ("single_prefill", "batch_prefill", "batch_decode")
+
+
+def _split(value: str | None, cast=str) -> list:
+    return [cast(x) for x in value.split(",") if x] if value else []
+
+
+class FivarGroup(click.Group):
+    """Turns FivarError into one red line and exit code 1; anything else is a real bug and surfaces."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except FivarError as e:
+            err_console.print(f"[bold red]error:[/] {_escape(str(e))}", highlight=False)
+            sys.exit(1)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+    return escape(text)
+
+
+@click.group(cls=FivarGroup)
+@click.version_option(package_name="fivar", message="fivar %(version)s")
+def main():
+    """Author attention variants once in Python; build them through FlashInfer's JIT; check and bench them."""
+
+
+def _set_arch(arch: str | None):
+    if arch:
+        os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch
+
+
+@main.command("list")
+def list_cmd():
+    """Variants on the search path (FIVAR_VARIANT_PATH, ./variants, bundled)."""
+    from .registry import load_file, variant_files
+    table = Table("name", "kind", "params", "file")
+    for name, path in sorted(variant_files().items()):
+        try:
+            v = load_file(path)
+        except FivarError as e:
+            table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), str(path))
+            continue
+        kind = " + ".join(k for k in ("logits" if v.logits else "", "mask" if v.mask else "") if k)
+        if not v.softmax:
+            kind += " (no softmax)"
+        table.add_row(name, kind, ", ".join(v.params) or "-", str(path))
+    console.print(table)
+
+
+@main.command("new-variant")
+@click.argument("name")
+@click.option("--dir", "variants_dir", default="variants", show_default=True, help="where the variant file goes")
+@click.option("--tests-dir", default="tests/variants", show_default=True, help="where its test goes")
+def new_variant(name, variants_dir, tests_dir):
+    """Scaffold variants/NAME.py and tests/variants/test_NAME.py (never overwrites)."""
+    from .codegen.fa2 import render
+    if not name.isidentifier():
+        raise FivarError(f"variant name {name!r} must be a Python identifier (letters, digits, _)")
+    vpath, tpath = Path(variants_dir) / f"{name}.py", Path(tests_dir) / f"test_{name}.py"
+    for p in (vpath, tpath):
+        if p.exists():
+            raise FivarError(f"{p} already exists; fivar new-variant never overwrites a file")
+    vpath.parent.mkdir(parents=True, exist_ok=True)
+    tpath.parent.mkdir(parents=True, exist_ok=True)
+    vpath.write_text(render("new_variant.py.jinja", name=name))
+    tpath.write_text(render("test_variant.py.jinja", name=name))
+    console.print(f"created [bold]{vpath}[/] and [bold]{tpath}[/]\n"
+                  f"next: edit {vpath}, then `fivar show {name}`, `fivar build {name}`, `fivar check {name}`")
+
+
+@main.command()
+@click.argument("name")
+@click.option("--target", type=click.Choice(["fa2", "ir"]), default="fa2", show_default=True)
+@click.option("--op", type=click.Choice(OPS), default="single_prefill", show_default=True)
+@click.option("--sources", is_flag=True, help="print every generated source file of the module, not just the struct")
+@click.option("--dtype", default="bf16", show_default=True)
+@click.option("--head-dim", default=128, show_default=True)
+@click.option("--arch", default=None, help="target arch for --sources without a GPU, e.g. 9.0a")
+def show(name, target, op, sources, dtype, head_dim, arch):
+    """Print what fivar generates for a variant."""
+    from . import load
+    from .spec import optimize
+    from .spec.ir import format_program
+    v = load(name)
+    if target == "ir":
+        vir = v.ir
+        for prog, role in ((vir.logits, "logits"), (vir.mask, "mask")):
+            if prog:
+                console.print(format_program(prog, role), highlight=False, markup=False)
+        low = optimize.lower(vir, v.softmax)
+        console.print("\n# lowered for the compiled targets (qk = unscaled q.k):", style="dim")
+        for n, e in low.hoisted.items():
+            console.print(f"  per-block {n} = {format_program_expr(e)}", highlight=False, markup=False)
+        for prog, role in ((low.logits, "logits"), (low.mask, "mask")):
+            if prog:
+                console.print(format_program(prog, role), highlight=False, markup=False)
+        if low.output_scale is not None:
+            console.print(f"  softmax exponent scale: log2(e) * {format_program_expr(low.output_scale)}",
+                          highlight=False, markup=False)
+        return
+    from .codegen import fa2
+    if not sources:
+        _print_code(fa2.variant_decl(v).source)
+        return
+    _set_arch(arch)
+    from .jit.build import gen_module
+    m = gen_module(v, op=op, target=target, dtype=dtype, head_dim=head_dim)
+    console.print(f"# module {m.uri}", style="bold")
+    for fname, text in m.sources.items():
+        console.print(f"\n// ===== {fname} =====", style="bold", markup=False)
+        _print_code(text)
+
+
+def _print_code(text: str):
+    if console.is_terminal:
+        console.print(Syntax(text, "cpp", theme="ansi_dark", word_wrap=True))
+    else:  # piped: exact text, no wrapping or truncation
+        click.echo(text)
+
+
+def format_program_expr(e):
+    from .spec.ir import format_expr
+    return format_expr(e)
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="every variant on the search path")
+@click.option("--prewarm", is_flag=True, help="build every requested module in one parallel ninja")
+@click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
+@click.option("--targets", default="fa2", show_default=True)
+@click.option("--dtypes", default="bf16", show_default=True)
+@click.option("--head-dims", default="128", show_default=True)
+@click.option("--arch", default=None, help="e.g. 9.0a; default: FLASHINFER_CUDA_ARCH_LIST or the visible GPU")
+@click.option("--jobs", type=int, default=None, help="parallel nvcc jobs (default: MAX_JOBS or ninja's)")
+def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs):
+    """Compile variants through FlashInfer's JIT (cached: unchanged modules are hits)."""
+    from . import load
+    from .registry import variant_files
+    _set_arch(arch)
+    if jobs:
+        os.environ["MAX_JOBS"] = str(jobs)
+    if all_:
+        names = sorted(variant_files())
+    if not names:
+        raise FivarError("name at least one variant, or pass --all")
+    from .jit.build import build_many, gen_module
+    modules = [gen_module(load(n), op=op, target=t, dtype=dt, head_dim=hd)
+               for n in names for t in _split(targets) for op in _split(ops)
+               for dt in _split(dtypes) for hd in _split(head_dims, int)]
+    t0 = time.perf_counter()
+    results = build_many(modules, parallel=prewarm or len(modules) > 1)
+    table = Table("module", "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
+    for m, (kind, secs) in zip(modules, results):
+        table.add_row(m.uri, {"cold": "[yellow]compiled[/]", "disk": "[green]hit (disk)[/]",
+                              "memory": "[green]hit (memory)[/]"}[kind], f"{secs:.2f}")
+    console.print(table)
+    console.print(f"total {time.perf_counter() - t0:.1f} s")
+
+
+@main.command()
+@click.argument("name")
+@click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
+@click.option("--dtypes", default="bf16", show_default=True)
+@click.option("--head-dims", default="128", show_default=True)
+def check(name, ops, dtypes, head_dims):
+    """Run the variant's kernels at awkward shapes and compare with its torch reference (needs a GPU)."""
+    import torch
+
+    from . import load
+    from .testing import run_checks
+    v = load(name)
+    dts = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in _split(dtypes)]
+    results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_split(head_dims, int))
+    table = Table("case", "rel err", "max err", "result", title=f"fivar check {name} on {torch.cuda.get_device_name()}")
+    for r in results:
+        table.add_row(r.case, f"{r.rel_err:.2e}", f"{r.max_err:.2e}", "[green]pass[/]" if r.passed else "[red]FAIL[/]")
+    console.print(table)
+    failed = sum(not r.passed for r in results)
+    console.print(f"{len(results) - failed} passed, {failed} failed")
+    if failed:
+        sys.exit(1)

@@ -1,0 +1,139 @@
+"""IR -> torch: the reference every kernel is checked against.
+
+The variant's programs are evaluated on broadcast index tensors (the way FlexAttention defines a
+score_mod), with the same semantics the compiled targets implement: Python's // and %, int() truncating
+toward zero, tensor-parameter indices clamped to the tensor's bounds. Attention itself is plain float32
+(or float64) math: no tiling, no online softmax.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..spec import ir
+from ..spec.ir import BOOL, F32, I32
+
+_UNARY = {"tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
+          "sigmoid": torch.sigmoid, "sqrt": torch.sqrt, "floor": torch.floor, "abs": torch.abs}
+
+
+class TorchEvaluator:
+    def __init__(self, env: dict, params: dict, float_dtype=torch.float32, device=None):
+        self.env, self.params, self.fdt = env, params, float_dtype
+        self.device = device
+        self.locals: dict[str, torch.Tensor] = {}
+
+    def tensor(self, value, t: str):
+        dt = {F32: self.fdt, I32: torch.int64, BOOL: torch.bool}[t]
+        return torch.tensor(value, dtype=dt, device=self.device)
+
+    def run(self, program: ir.Program) -> torch.Tensor:
+        self.locals = {}
+        for name, e in program.lets:
+            self.locals[name] = self.eval(e)
+        return self.eval(program.result)
+
+    def eval(self, e: ir.Expr) -> torch.Tensor:
+        if isinstance(e, ir.Const):
+            return self.tensor(e.value, e.type)
+        if isinstance(e, ir.Score):
+            return self.env["score"]
+        if isinstance(e, ir.Index):
+            return self.env[e.name]
+        if isinstance(e, ir.ScalarParam):
+            v = self.env["sm_scale"] if e.name == "sm_scale" else self.params[e.name]
+            return self.tensor(v, e.type)
+        if isinstance(e, ir.Local):
+            return self.locals[e.name]
+        if isinstance(e, ir.Load):
+            table = self.params[e.param]
+            idx = []
+            for d, i in enumerate(e.indices):
+                idx.append(self.eval(i).clamp(0, table.shape[d] - 1))
+            idx = torch.broadcast_tensors(*idx)
+            out = table[tuple(idx)]
+            return out.to({F32: self.fdt, I32: torch.int64, BOOL: torch.bool}[e.type])
+        if isinstance(e, ir.Unary):
+            x = self.eval(e.x)
+            return -x if e.op == "neg" else ~x
+        if isinstance(e, ir.Binary):
+            a, b = self.eval(e.a), self.eval(e.b)
+            op = e.op
+            if op == "add":
+                return a + b
+            if op == "sub":
+                return a - b
+            if op == "mul":
+                return a * b
+            if op == "div":
+                return a / b
+            if op == "floordiv":
+                return torch.div(a, b, rounding_mode="floor") if e.type == I32 else torch.floor(a / b)
+            if op == "mod":
+                return torch.remainder(a, b) if e.type == I32 else a - b * torch.floor(a / b)
+            if op in ("and", "or"):
+                return (a & b) if op == "and" else (a | b)
+            return {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
+                    "ne": torch.ne}[op](a, b)
+        if isinstance(e, ir.Select):
+            return torch.where(self.eval(e.cond), self.eval(e.a), self.eval(e.b))
+        if isinstance(e, ir.Call):
+            args = [self.eval(a) for a in e.args]
+            if e.fn in _UNARY:
+                return _UNARY[e.fn](args[0])
+            return (torch.minimum if e.fn == "minimum" else torch.maximum)(*args)
+        if isinstance(e, ir.Cast):
+            x = self.eval(e.x)
+            if e.type == F32:
+                return x.to(self.fdt)
+            return torch.trunc(x).to(torch.int64) if x.is_floating_point() else x.to(torch.int64)
+        raise TypeError(f"cannot evaluate {e!r}")
+
+
+def eval_scalar(expr: ir.Expr, scalars: dict, sm_scale: float) -> float:
+    """Value of an invariant expression (e.g. the folded output scale) for concrete scalar params."""
+    ev = TorchEvaluator({"sm_scale": sm_scale}, scalars, torch.float64, "cpu")
+    return float(ev.eval(expr))
+
+
+def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params=None, batch_idx=0,
+                        batch_size=None, float_dtype=torch.float32, bound=None):
+    """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype."""
+    from ..runtime.params import bind_params
+    qo_len, hq, d = q.shape
+    kv_len, hkv, _ = k.shape
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    if bound is None:
+        bound = bind_params(variant, params or {}, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch_size or batch_idx + 1,
+                            device=q.device)
+    values = {**bound.scalars, **bound.tensors}
+    group = hq // hkv
+    qf, kf, vf = q.to(float_dtype), k.to(float_dtype), v.to(float_dtype)
+    kf = kf.repeat_interleave(group, dim=1)
+    vf = vf.repeat_interleave(group, dim=1)
+    score = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale
+    dev = q.device
+    qo_head = torch.arange(hq, device=dev).view(hq, 1, 1)
+    env = {
+        "score": score, "sm_scale": sm_scale,
+        "batch": torch.tensor(batch_idx, device=dev),
+        "qo_head": qo_head, "kv_head": qo_head // group,
+        "q_idx": torch.arange(qo_len, device=dev).view(1, qo_len, 1) + (kv_len - qo_len),
+        "kv_idx": torch.arange(kv_len, device=dev).view(1, 1, kv_len),
+    }
+    ev = TorchEvaluator(env, values, float_dtype, dev)
+    vir = variant.ir
+    logits = ev.run(vir.logits).expand_as(score) if vir.logits else score
+    keep = torch.ones_like(score, dtype=torch.bool)
+    if vir.mask:
+        keep = keep & ev.run(vir.mask)
+    if causal:
+        keep = keep & (env["kv_idx"] <= env["q_idx"])
+    if variant.softmax:
+        p = torch.softmax(logits.masked_fill(~keep, -math.inf), dim=-1)
+        p = torch.nan_to_num(p, nan=0.0)  # fully masked rows: FlashInfer writes zeros
+    else:
+        p = torch.where(keep, logits, torch.zeros((), dtype=float_dtype, device=dev))
+    return torch.einsum("hqk,khd->qhd", p, vf)

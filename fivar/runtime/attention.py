@@ -1,0 +1,216 @@
+"""Running a variant's kernels: argument checks, module lookup, launch.
+
+Every entry point validates shapes, dtypes, devices and params *before* touching a module, so a mistake
+is a one-line `FivarError` naming the variant, never a CUDA error from inside a kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codegen import fa2
+from ..codegen.torch_ref import eval_scalar
+from ..errors import FivarError
+from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..spec import optimize
+from .params import bind_params, kernel_args
+
+
+def _check_backend(variant, backend: str) -> str:
+    if backend in ("fa2", "auto"):
+        return "fa2"
+    raise FivarError(f"variant '{variant.name}': backend '{backend}' is not available (use 'fa2' or 'auto')")
+
+
+def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v"):
+    name = variant.name
+    for t, tn in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise FivarError(f"variant '{name}': {tn} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise FivarError(f"variant '{name}': q must be [tokens, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    if k.dim() != k_dims or k.shape != v.shape:
+        raise FivarError(f"variant '{name}': {what} must have {k_dims} dims and equal shapes, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if not q.is_cuda:
+        raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); use "
+                         f"variant.reference(...) on the CPU")
+    if k.device != q.device or v.device != q.device:
+        raise FivarError(f"variant '{name}': q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.dtype not in DTYPES.values() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise FivarError(f"variant '{name}': q, k, v must all be float16 or all bfloat16, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    d = q.shape[-1]
+    if k.shape[-1] != d:
+        raise FivarError(f"variant '{name}': head_dim of q ({d}) and k ({k.shape[-1]}) differ")
+    if d not in HEAD_DIMS:
+        raise FivarError(f"variant '{name}': head_dim {d} is not supported (use one of {HEAD_DIMS})")
+    hkv = k.shape[-2]
+    if hkv == 0 or q.shape[1] % hkv:
+        raise FivarError(f"variant '{name}': num_qo_heads ({q.shape[1]}) must be a multiple of "
+                         f"num_kv_heads ({hkv})")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise FivarError(f"variant '{name}': the last dimension of q, k, v must be contiguous")
+
+
+def _check_output_scale(variant, bound, sm_scale):
+    """The folded logits factor goes into the softmax exponent scale: it must be positive."""
+    lowered = optimize.lower(variant.ir, variant.softmax)
+    if lowered.output_scale is None:
+        return
+    factor = eval_scalar(lowered.output_scale, bound.scalars, sm_scale)
+    if not (factor > 0 and math.isfinite(factor)):
+        from ..codegen.cuda import CppEmitter
+        raise FivarError(f"variant '{variant.name}': the logits factor `{CppEmitter(variant).expr(lowered.output_scale)}`"
+                         f" evaluates to {factor} for these params; it must be a positive finite number "
+                         f"(fivar folds it into the softmax scale)")
+
+
+def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
+    bound = bind_params(variant, params, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
+                        batch_size=batch_size, device=q.device)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    _check_output_scale(variant, bound, sm_scale)
+    return bound, float(sm_scale)
+
+
+def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa2", out=None, params=None):
+    target = _check_backend(variant, backend)
+    _check_qkv(variant, q, k, v)
+    bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
+    module = module_for(variant, "single_prefill", target, dtype_name(q.dtype), q.shape[-1]).load()
+    from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
+    args = kernel_args(variant, bound, sm_scale, causal if variant.mask else None)
+    o = single_prefill_with_kv_cache_with_jit_module(
+        module, q, k, v, *args, kv_layout="NHD", mask_mode=fa2.runtime_mask_code(variant, causal))
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+# --- batch entry points: FlashInfer's own wrappers plan and launch, running fivar's module -------------
+
+_WORKSPACE_BYTES = 128 << 20
+_workspaces: dict = {}
+_wrappers: dict = {}
+
+
+def _workspace(device):
+    ws = _workspaces.get(device)
+    if ws is None:
+        ws = _workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return ws
+
+
+def _attach(wrapper, module, fmod, owns_mask: bool):
+    """Point a FlashInfer wrapper at a module fivar built (FlashInfer would otherwise build its own).
+
+    Touches the private attributes FlashInfer's `jit_args` path sets; pinned to flashinfer 0.7.x.
+    """
+    from flashinfer.decode import get_batch_decode_jit_module
+    from flashinfer.prefill import get_batch_prefill_jit_module
+    t_names, _, s_names, _ = fmod.additional
+    make = get_batch_decode_jit_module if fmod.op == "batch_decode" else get_batch_prefill_jit_module
+    wrapper._jit_module = make(fmod.uri, module)
+    wrapper._jit_additional_tensor_names = list(t_names)
+    if hasattr(wrapper, "_jit_additional_scalar_names"):
+        wrapper._jit_additional_scalar_names = list(s_names)
+    if hasattr(wrapper, "_variant_owns_mask"):
+        wrapper._variant_owns_mask = owns_mask
+    return wrapper
+
+
+def _wrapper(kind: str, variant, fmod, device):
+    import flashinfer
+    key = (kind, fmod.uri, device)
+    w = _wrappers.get(key)
+    if w is None:
+        ws = _workspace(device)
+        if kind == "ragged":
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend="fa2")
+        elif kind == "paged":
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend="fa2")
+        else:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", use_tensor_cores=False,
+                                                              backend="fa2")
+        _attach(w, fmod.load(), fmod, owns_mask=bool(variant.mask))
+        _wrappers[key] = w
+    return w
+
+
+def _check_indptr(variant, name, t, device):
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 2:
+        raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor with batch_size+1 "
+                         f"entries")
+    return t.to(device)
+
+
+def _paged_kv(variant, paged_kv_cache):
+    if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
+        k_cache, v_cache = paged_kv_cache
+    elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
+        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    else:
+        raise FivarError(f"variant '{variant.name}': paged_kv_cache must be (k_cache, v_cache), each "
+                         "[num_pages, page_size, num_kv_heads, head_dim], or one [num_pages, 2, page_size, "
+                         "num_kv_heads, head_dim] tensor")
+    return k_cache, v_cache
+
+
+def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
+                         backend="fa2", params=None):
+    target = _check_backend(variant, backend)
+    _check_qkv(variant, q, k, v)
+    qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+    batch = qo_indptr.numel() - 1
+    if kv_indptr.numel() != batch + 1:
+        raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length")
+    if int(qo_indptr[-1]) != q.shape[0] or int(kv_indptr[-1]) != k.shape[0]:
+        raise FivarError(f"variant '{variant.name}': qo_indptr[-1]/kv_indptr[-1] ({int(qo_indptr[-1])}, "
+                         f"{int(kv_indptr[-1])}) must equal the token counts of q and k ({q.shape[0]}, {k.shape[0]})")
+    bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
+    fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
+    w = _wrapper("ragged", variant, fmod, q.device)
+    w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=bool(causal) and not variant.mask,
+           q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=q.dtype)
+    return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, causal if variant.mask else None))
+
+
+def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
+                        causal=False, sm_scale=None, backend="fa2", params=None):
+    target = _check_backend(variant, backend)
+    k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
+    _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+    batch = qo_indptr.numel() - 1
+    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
+    fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
+    w = _wrapper("paged", variant, fmod, q.device)
+    w.plan(qo_indptr, kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1],
+           k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=bool(causal) and not variant.mask,
+           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype)
+    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, causal if variant.mask else None))
+
+
+def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
+                 backend="fa2", params=None):
+    """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1."""
+    target = _check_backend(variant, backend)
+    k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
+    _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+    batch = kv_indptr.numel() - 1
+    if q.shape[0] != batch:
+        raise FivarError(f"variant '{variant.name}': decode takes one query per request: q has {q.shape[0]} rows, "
+                         f"kv_indptr describes {batch} requests")
+    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
+    fmod = module_for(variant, "batch_decode", target, dtype_name(q.dtype), q.shape[-1])
+    w = _wrapper("decode", variant, fmod, q.device)
+    w.plan(kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1], k_cache.shape[2],
+           q.shape[-1], k_cache.shape[1], q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype)
+    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, False if variant.mask else None))

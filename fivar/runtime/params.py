@@ -1,0 +1,93 @@
+"""Checking the params a caller passes against what the variant declares, before anything launches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FivarError
+from ..spec import Scalar, Tensor
+from ..spec.params import TENSOR_DTYPES
+
+
+@dataclass
+class BoundParams:
+    scalars: dict[str, float | int]
+    tensors: dict[str, torch.Tensor]
+
+
+def _describe(p) -> str:
+    if isinstance(p, Scalar):
+        return f"Scalar({p.dtype.__name__})"
+    return f"Tensor({p.dtype}, dims={p.dims})"
+
+
+def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, batch_size: int,
+                device) -> BoundParams:
+    name = variant.name
+    unknown = sorted(set(given) - set(variant.params))
+    if unknown:
+        declared = ", ".join(f"{k}: {_describe(p)}" for k, p in variant.params.items()) or "none"
+        raise FivarError(f"variant '{name}': unknown parameter(s) {', '.join(unknown)} (declared: {declared})")
+    scalars, tensors = {}, {}
+    known = {"qo_head": num_qo_heads, "kv_head": num_kv_heads, "batch": batch_size}
+    for pname, p in variant.params.items():
+        if pname not in given or given[pname] is None:
+            if isinstance(p, Scalar) and p.default is not None:
+                scalars[pname] = p.default
+                continue
+            raise FivarError(f"variant '{name}': missing parameter '{pname}' ({_describe(p)}); pass it as "
+                             f"{pname}=...")
+        value = given[pname]
+        if isinstance(p, Scalar):
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise FivarError(f"variant '{name}': parameter '{pname}' must be a Python "
+                                 f"{p.dtype.__name__}, got {type(value).__name__}")
+            if p.dtype is int and not float(value).is_integer():
+                raise FivarError(f"variant '{name}': parameter '{pname}' is an int parameter, got {value!r}")
+            scalars[pname] = p.dtype(value)
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise FivarError(f"variant '{name}': parameter '{pname}' must be a torch.Tensor "
+                             f"({_describe(p)}), got {type(value).__name__}")
+        want = getattr(torch, p.dtype)
+        if value.dtype != want:
+            raise FivarError(f"variant '{name}': parameter '{pname}' must have dtype torch.{p.dtype}, "
+                             f"got {value.dtype}")
+        if value.dim() != p.ndim:
+            raise FivarError(f"variant '{name}': parameter '{pname}' must have {p.ndim} dimension(s) "
+                             f"{p.dims}, got shape {tuple(value.shape)}")
+        for d, dim in enumerate(p.dims):
+            if dim in known and value.shape[d] != known[dim]:
+                raise FivarError(f"variant '{name}': parameter '{pname}' dimension {d} ('{dim}') must be "
+                                 f"{known[dim]}, got {value.shape[d]}")
+            if value.shape[d] == 0:
+                raise FivarError(f"variant '{name}': parameter '{pname}' has an empty dimension {d}")
+        if torch.device(device) != value.device:
+            raise FivarError(f"variant '{name}': parameter '{pname}' is on {value.device}, the inputs are "
+                             f"on {device}")
+        tensors[pname] = value.contiguous()
+    return BoundParams(scalars, tensors)
+
+
+def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | None) -> list:
+    """The FlashInfer `additional` arguments in declaration order: tensors, then scalars."""
+    from ..codegen.cuda import additional_params
+    t_names, _, s_names, _ = additional_params(variant, with_causal_flag=causal is not None)
+    args: list = [bound.tensors[n] for n in t_names]
+    for s in s_names:
+        if s == "sm_scale":
+            args.append(float(sm_scale))
+        elif s == "fv_causal":
+            args.append(int(bool(causal)))
+        elif s in bound.scalars:
+            p = variant.params[s]
+            args.append(float(bound.scalars[s]) if p.dtype is float else int(bound.scalars[s]))
+        else:  # NAME_sizeD / NAME_strideD of a tensor param
+            tname, _, what = s.rpartition("_")
+            t = bound.tensors[tname]
+            d = int(what.removeprefix("size").removeprefix("stride"))
+            args.append(int(t.shape[d]) if what.startswith("size") else int(t.stride(d)))
+    return args

@@ -1,0 +1,179 @@
+"""Checking a variant's kernels against its torch reference (used by `fivar check` and the test suite)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import FivarError
+from .spec import Scalar, Tensor
+
+#: ||out - ref|| / ||ref|| and max |out - ref| allowed, by dtype of q/k/v.
+TOLERANCE = {torch.float16: (5e-3, 2e-2), torch.bfloat16: (1.5e-2, 6e-2)}
+
+
+def example_params(variant, *, num_qo_heads: int, num_kv_heads: int, batch_size: int, max_len: int,
+                   device, generator: torch.Generator | None = None) -> dict:
+    """Fresh random params: the variant's own `example` if it has one, else drawn from the declarations."""
+    if variant.example is not None:
+        return variant.example(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch_size,
+                               max_len=max_len, device=device)
+    sizes = {"qo_head": num_qo_heads, "kv_head": num_kv_heads, "batch": batch_size}
+    out = {}
+    for name, p in variant.params.items():
+        if isinstance(p, Scalar):
+            if p.default is not None:
+                out[name] = p.default
+            else:
+                out[name] = int(torch.randint(1, max(2, max_len), (1,))) if p.dtype is int else \
+                    float(torch.rand(1) * 2 + 0.5)
+        elif isinstance(p, Tensor):
+            shape = [sizes.get(d, max_len) for d in p.dims]
+            dt = getattr(torch, p.dtype)
+            if dt.is_floating_point:
+                t = torch.randn(shape)
+            elif dt == torch.bool:
+                t = torch.rand(shape) > 0.3
+            else:
+                t = torch.randint(0, 4, shape)
+            out[name] = t.to(dt).to(device)
+    return out
+
+
+@dataclass
+class CheckResult:
+    variant: str
+    case: str
+    rel_err: float
+    max_err: float
+    passed: bool
+
+    def __str__(self):
+        return (f"{'PASS' if self.passed else 'FAIL'} {self.variant} {self.case}: rel {self.rel_err:.2e}, "
+                f"max {self.max_err:.2e}")
+
+
+def compare(variant_name: str, case: str, out: torch.Tensor, ref: torch.Tensor, dtype) -> CheckResult:
+    rel_tol, abs_tol = TOLERANCE[dtype]
+    out, ref = out.double(), ref.double().to(out.device)
+    if not torch.isfinite(out).all():
+        return CheckResult(variant_name, case, math.inf, math.inf, False)
+    diff = (out - ref)
+    rel = float(diff.norm() / ref.norm().clamp_min(1e-12))
+    mx = float(diff.abs().max()) if diff.numel() else 0.0
+    return CheckResult(variant_name, case, rel, mx, rel <= rel_tol and mx <= abs_tol)
+
+
+def _qkv(lq, lk, hq, hkv, d, dtype, device):
+    return (torch.randn(lq, hq, d, dtype=dtype, device=device), torch.randn(lk, hkv, d, dtype=dtype, device=device),
+            torch.randn(lk, hkv, d, dtype=dtype, device=device))
+
+
+def check_single_prefill(variant, *, qo_len, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                         dtype=torch.bfloat16, causal=False, device="cuda") -> CheckResult:
+    q, k, v = _qkv(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, dtype, device)
+    params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
+                            max_len=kv_len, device=device)
+    out = variant.prefill(q, k, v, causal=causal, **params)
+    ref = variant.reference(q, k, v, causal=causal, **params)
+    return compare(variant.name, f"single_prefill {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
+                   f"qo{qo_len} kv{kv_len}{' causal' if causal else ''}", out, ref, dtype)
+
+
+def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params):
+    outs, qo, ko = [], 0, 0
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        from .codegen.torch_ref import reference_attention
+        outs.append(reference_attention(variant, q[qo:qo + lq], k[ko:ko + lk], v[ko:ko + lk], causal=causal,
+                                        params=params, batch_idx=b, batch_size=len(qo_lens)))
+        qo, ko = qo + lq, ko + lk
+    return torch.cat(outs)
+
+
+def check_batch_prefill(variant, *, qo_lens, kv_lens, paged: bool, page_size=16, num_qo_heads=32,
+                        num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, causal=False,
+                        device="cuda") -> CheckResult:
+    batch = len(qo_lens)
+    q, k, v = _qkv(sum(qo_lens), sum(kv_lens), num_qo_heads, num_kv_heads, head_dim, dtype, device)
+    params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
+                            max_len=max(kv_lens), device=device)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=device)
+    if paged:
+        paged_args = _to_paged(k, v, kv_lens, page_size)
+        out = variant.batch_prefill_paged(q, paged_args[0], qo_indptr, *paged_args[1:], causal=causal, **params)
+    else:
+        kv_indptr = torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=device)
+        out = variant.batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal, **params)
+    ref = _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params)
+    kind = "paged" if paged else "ragged"
+    return compare(variant.name, f"batch_prefill_{kind} {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
+                   f"qo{list(qo_lens)} kv{list(kv_lens)}{' causal' if causal else ''}", out, ref, dtype)
+
+
+def _to_paged(k, v, kv_lens, page_size):
+    """Scatter contiguous per-request K/V into a shuffled page pool: (cache, indptr, indices, last_len)."""
+    device = k.device
+    pages_per = [max(1, math.ceil(n / page_size)) for n in kv_lens]
+    total = sum(pages_per)
+    perm = torch.randperm(total, device=device)
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache = torch.randn(total, page_size, hkv, d, dtype=k.dtype, device=device)
+    v_cache = torch.randn(total, page_size, hkv, d, dtype=k.dtype, device=device)
+    indices, off, p = [], 0, 0
+    for n, np_ in zip(kv_lens, pages_per):
+        ids = perm[p:p + np_]
+        for j in range(np_):
+            lo, hi = off + j * page_size, min(off + (j + 1) * page_size, off + n)
+            k_cache[ids[j], : hi - lo] = k[lo:hi]
+            v_cache[ids[j], : hi - lo] = v[lo:hi]
+        indices.append(ids)
+        off, p = off + n, p + np_
+    indptr = torch.tensor([0] + list(torch.tensor(pages_per).cumsum(0)), dtype=torch.int32, device=device)
+    last = torch.tensor([n - (np_ - 1) * page_size for n, np_ in zip(kv_lens, pages_per)], dtype=torch.int32,
+                        device=device)
+    return (k_cache, v_cache), indptr, torch.cat(indices).to(torch.int32), last
+
+
+def check_decode(variant, *, kv_lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                 dtype=torch.bfloat16, device="cuda") -> CheckResult:
+    batch = len(kv_lens)
+    q = torch.randn(batch, num_qo_heads, head_dim, dtype=dtype, device=device)
+    _, k, v = _qkv(1, sum(kv_lens), num_qo_heads, num_kv_heads, head_dim, dtype, device)
+    params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
+                            max_len=max(kv_lens), device=device)
+    cache, indptr, indices, last = _to_paged(k, v, kv_lens, page_size)
+    out = variant.decode(q, cache, indptr, indices, last, **params)
+    ref = _ragged_reference(variant, q, k, v, [1] * batch, kv_lens, False, params)
+    return compare(variant.name, f"batch_decode {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} kv{list(kv_lens)}",
+                   out, ref, dtype)
+
+
+#: Awkward shapes every bundled variant is checked at (lengths not multiples of 16, qo_len != kv_len).
+SINGLE_CASES = [(1, 1, False), (37, 129, False), (37, 129, True), (300, 300, True), (257, 1000, False)]
+BATCH_CASES = [([17, 1, 40], [17, 70, 300], False), ([17, 1, 40], [17, 70, 300], True)]
+DECODE_CASES = [[1, 33, 517, 1000]]
+
+
+def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"), dtypes=(torch.bfloat16,),
+               head_dims=(128,), heads=((32, 8),)) -> list[CheckResult]:
+    if not torch.cuda.is_available():
+        raise FivarError("fivar check runs the kernels, so it needs a CUDA GPU; on this machine use "
+                         "`fivar build` (compile only) and the CPU test suite")
+    results = []
+    for dtype in dtypes:
+        for hd in head_dims:
+            for hq, hkv in heads:
+                kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=hd, dtype=dtype)
+                if "single_prefill" in ops:
+                    for lq, lk, causal in SINGLE_CASES:
+                        results.append(check_single_prefill(variant, qo_len=lq, kv_len=lk, causal=causal, **kw))
+                if "batch_prefill" in ops:
+                    for qo_lens, kv_lens, causal in BATCH_CASES:
+                        for paged in (False, True):
+                            results.append(check_batch_prefill(variant, qo_lens=qo_lens, kv_lens=kv_lens,
+                                                               paged=paged, causal=causal, **kw))
+                if "batch_decode" in ops:
+                    for kv_lens in DECODE_CASES:
+                        results.append(check_decode(variant, kv_lens=kv_lens, **kw))
+    return results

@@ -1,0 +1,256 @@
+"""Every way a spec can be wrong gets a FivarSpecError naming variant, file:line:col and the construct."""
+import inspect
+import math
+
+import pytest
+
+import fivar
+from fivar import AttentionVariant, FivarSpecError, Scalar, Tensor, tanh
+
+NOT_A_NUMBER = "hello"
+
+
+def _bad_line(fn) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    for i, line in enumerate(lines):
+        if "# BAD" in line:
+            return start + i
+    return start
+
+
+def _expect(fn, role="logits", match=None, **params):
+    kw = {role: fn}
+    with pytest.raises(FivarSpecError) as info:
+        AttentionVariant(name="badvar", params=params, **kw).ir
+    err = info.value
+    text = str(err)
+    assert "variant 'badvar'" in text
+    assert err.filename == __file__
+    assert err.line == _bad_line(fn), text
+    assert f"{__file__}:{err.line}:" in text
+    if match:
+        assert match in text, text
+    return err
+
+
+def test_if_statement():
+    def logits(s, b, h, kh, qi, ki, p):
+        if qi > ki:  # BAD
+            return s
+        return s
+    err = _expect(logits, match="`if` statement is not supported")
+    assert "allowed:" in str(err)
+
+
+def test_for_loop():
+    def logits(s, b, h, kh, qi, ki, p):
+        for _ in range(3):  # BAD
+            s = s + 1.0
+        return s
+    _expect(logits, match="`for` loop")
+
+
+def test_wrong_arity():
+    def logits(s, b, h, qi, ki, p):  # BAD
+        return s
+    _expect(logits, match="exactly 7 positional arguments")
+
+
+def test_unknown_param():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s * p.nope  # BAD
+    _expect(logits, match="unknown parameter `nope`", cap=Scalar(float))
+
+
+def test_tensor_param_used_without_index():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.slopes  # BAD
+    _expect(logits, match="must be indexed", slopes=Tensor("float32", ("qo_head",)))
+
+
+def test_scalar_param_indexed():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.cap[h]  # BAD
+    _expect(logits, match="cannot be indexed", cap=Scalar(float))
+
+
+def test_wrong_index_count():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.t[h, ki]  # BAD
+    _expect(logits, match="has 1 dimension", t=Tensor("float32", ("qo_head",)))
+
+
+def test_float_used_as_index():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.t[s]  # BAD
+    _expect(logits, match="must be an int", t=Tensor("float32", ("qo_head",)))
+
+
+def test_bool_arithmetic():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + (qi > ki)  # BAD
+    _expect(logits, match="arithmetic on a bool")
+
+
+def test_and_on_numbers():
+    def mask(b, h, kh, qi, ki, p):
+        return qi and ki  # BAD
+    _expect(mask, role="mask", match="`and` needs bool operands")
+
+
+def test_not_on_number():
+    def mask(b, h, kh, qi, ki, p):
+        return not qi  # BAD
+    _expect(mask, role="mask", match="`not` needs a bool")
+
+
+def test_logits_returning_bool():
+    def logits(s, b, h, kh, qi, ki, p):
+        return qi >= ki  # BAD
+    _expect(logits, match="must return a number")
+
+
+def test_mask_returning_number():
+    def mask(b, h, kh, qi, ki, p):
+        return qi - ki  # BAD
+    _expect(mask, role="mask", match="must return a bool")
+
+
+def test_unknown_function():
+    def logits(s, b, h, kh, qi, ki, p):
+        return math.sin(s)  # BAD
+    _expect(logits, match="`math.sin` is not a function fivar can compile")
+
+
+def test_builtin_that_is_not_supported():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + len(p)  # BAD
+    _expect(logits, match="`len` is not a function")
+
+
+def test_undefined_name():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s * undefined_thing  # BAD  # noqa: F821
+    _expect(logits, match="name `undefined_thing` is not defined")
+
+
+def test_non_numeric_global():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s * NOT_A_NUMBER  # BAD
+    _expect(logits, match="only numbers can be used")
+
+
+def test_keyword_arguments():
+    def logits(s, b, h, kh, qi, ki, p):
+        return tanh(x=s)  # BAD
+    _expect(logits, match="keyword arguments")
+
+
+def test_power_operator():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s ** 2  # BAD
+    _expect(logits, match="`**` is not supported")
+
+
+def test_missing_return():
+    def logits(s, b, h, kh, qi, ki, p):  # BAD
+        x = s * 2.0  # noqa: F841
+    _expect(logits, match="must end with a `return`")
+
+
+def test_code_after_return():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+        s = s + 1.0  # BAD
+    _expect(logits, match="code after `return`")
+
+
+def test_assign_to_argument():
+    def logits(s, b, h, kh, qi, ki, p):
+        s = s * 2.0  # BAD
+        return s
+    _expect(logits, match="cannot assign to argument")
+
+
+def test_mixed_branch_types():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s if qi > ki else (qi > 0)  # BAD
+    _expect(logits, match="both branches")
+
+
+def test_string_constant():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + "x"  # BAD
+    _expect(logits, match="constant 'x'")
+
+
+def test_tuple_assignment():
+    def logits(s, b, h, kh, qi, ki, p):
+        x, y = s, s  # BAD
+        return x
+    _expect(logits, match="this assignment form")
+
+
+def test_attribute_on_score():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s.real  # BAD
+    _expect(logits, match="attribute access")
+
+
+def test_wrong_arity_of_function():
+    def logits(s, b, h, kh, qi, ki, p):
+        return tanh(s, s)  # BAD
+    _expect(logits, match="tanh() takes 1 argument")
+
+
+def test_lambda_is_refused():
+    with pytest.raises(FivarSpecError, match="plain Python function|lambda"):
+        AttentionVariant(name="badvar", logits=lambda s, b, h, kh, qi, ki, p: s).ir  # noqa: E731
+
+
+@pytest.mark.parametrize("pname", ["sm_scale", "maybe_x", "causal", "fv_x"])
+def test_reserved_param_names(pname):
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    with pytest.raises(FivarSpecError, match="not allowed"):
+        AttentionVariant(name="badvar", logits=logits, params={pname: Scalar(float)})
+
+
+def test_bad_tensor_dtype():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    with pytest.raises(FivarSpecError, match="dtype 'float8'"):
+        AttentionVariant(name="badvar", logits=logits, params={"t": Tensor("float8", ("n",))})
+
+
+def test_neither_logits_nor_mask():
+    with pytest.raises(FivarSpecError, match="needs a `logits` function"):
+        AttentionVariant(name="badvar")
+
+
+def test_variant_file_with_syntax_error(tmp_path):
+    f = tmp_path / "broken.py"
+    f.write_text("from fivar import AttentionVariant\n\ndef logits(s, b, h, kh, qi, ki, p)\n    return s\n")
+    with pytest.raises(FivarSpecError) as info:
+        fivar.load(str(f))
+    assert f"{f}:3:" in str(info.value) and "syntax error" in str(info.value)
+
+
+def test_variant_file_that_raises_on_import(tmp_path):
+    f = tmp_path / "raises.py"
+    f.write_text("import fivar\n\nx = 1\nraise RuntimeError('boom')\n")
+    with pytest.raises(FivarSpecError) as info:
+        fivar.load(str(f))
+    assert f"{f}:4:" in str(info.value) and "RuntimeError: boom" in str(info.value)
+
+
+def test_variant_file_without_variant(tmp_path):
+    f = tmp_path / "empty.py"
+    f.write_text("x = 1\n")
+    with pytest.raises(FivarSpecError, match="must define `variant"):
+        fivar.load(str(f))
+
+
+def test_unknown_variant_name_lists_what_exists():
+    with pytest.raises(fivar.FivarError, match="no variant named 'nope'.*softcap"):
+        fivar.load("nope")
