@@ -1,9 +1,18 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+if not torch.cuda.is_available():
+    # No GPU to detect an arch from: compile for Hopper, which is what fivar's kernels target.
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1":
+    # A fresh FlashInfer cache per test session, so the build tests really run nvcc (FlashInfer fixes
+    # its cache directory at import, which happens after this).
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="fivar-test-jit-")
+os.environ.setdefault("FIVAR_CACHE_DIR", tempfile.mkdtemp(prefix="fivar-test-cache-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ URI (never a stale library), and an unchanged one hits the existing build.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -91,16 +92,50 @@ class FivarModule:
                                       extra_ldflags=toolchain.link_flags() or None)
         return self.spec
 
+    @property
+    def manifest_path(self) -> Path:
+        return self.build_dir / "fivar_manifest.json"
+
+    def manifest_ok(self) -> bool:
+        """The library fivar recorded after its last successful build is still there, unchanged.
+
+        Trusting this (instead of asking ninja) is safe because the URI already hashes every input.
+        """
+        try:
+            man = json.loads(self.manifest_path.read_text())
+            st = self.library_path.stat()
+        except (OSError, ValueError):
+            return False
+        return man.get("uri") == self.uri and man.get("so_size") == st.st_size and \
+            man.get("so_mtime_ns") == st.st_mtime_ns
+
+    def write_manifest(self, seconds: float) -> None:
+        st = self.library_path.stat()
+        man = {"uri": self.uri, "variant": self.variant.name, "op": self.op, "target": self.target,
+               "dtype": self.dtype, "head_dim": self.head_dim, "so_size": st.st_size,
+               "so_mtime_ns": st.st_mtime_ns, "compile_seconds": round(seconds, 3),
+               "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
+               "arch": toolchain.arch_tag(), "created": time.time()}
+        _write_if_different(self.manifest_path, json.dumps(man, indent=1))
+
     def build(self) -> str:
         """Compile if needed. Returns 'memory', 'disk' or 'cold' (what it took to get the library)."""
         if self.uri in _loaded:
             return "memory"
-        was_built = self.library_path.exists()
+        if self.manifest_ok():
+            return "disk"
         spec = self.jit_spec()
         from filelock import FileLock
+        t0 = time.perf_counter()
         try:
             with FileLock(spec.lock_path, thread_local=False):
+                if self.manifest_ok():  # another process finished it while we waited
+                    return "disk"
                 spec.build()
+                self.write_manifest(time.perf_counter() - t0)
+        except OSError as e:
+            raise FivarError(f"variant '{self.variant.name}': cannot write the JIT cache at {self.build_dir} "
+                             f"({e.strerror}); set FLASHINFER_WORKSPACE_BASE to a writable directory") from None
         except Exception as e:  # ninja/nvcc failure on sources fivar accepted: a fivar bug, say so plainly
             log = self.build_dir / "fivar_build_error.log"
             try:
@@ -111,7 +146,7 @@ class FivarModule:
             raise FivarBuildError(
                 f"variant '{self.variant.name}': compiling {self.uri} failed. fivar accepted this spec, "
                 f"so this is a fivar bug; please report it with the log at {log}") from None
-        return "disk" if was_built else "cold"
+        return "cold"
 
     def load(self):
         mod = _loaded.get(self.uri)
@@ -218,22 +253,25 @@ _memo: dict[tuple, tuple] = {}
 
 
 def build_many(modules: list[FivarModule], parallel: bool = True) -> list[tuple[str, float]]:
-    """Build modules, all compiles in one parallel ninja. Returns (cold|disk|memory, seconds) per module."""
+    """Build modules, all cold compiles in one parallel ninja. Returns (cold|disk|memory, seconds) each."""
     from flashinfer.jit.core import build_jit_specs
-    todo = [m for m in modules if m.uri not in _loaded and not m.library_path.exists()]
-    results = {}
+    results: dict[str, tuple[str, float]] = {}
     for m in modules:
         if m.uri in _loaded:
             results[m.uri] = ("memory", 0.0)
+        elif m.manifest_ok():
+            results[m.uri] = ("disk", 0.0)
+    todo = list({m.uri: m for m in modules if m.uri not in results}.values())
     if parallel and len(todo) > 1:
         t0 = time.perf_counter()
         try:
             build_jit_specs([m.jit_spec() for m in todo], skip_prebuilt=False)
         except Exception:
-            pass  # fall through: the per-module builds below name the module that failed
+            pass  # the per-module builds below name the module that failed
         secs = time.perf_counter() - t0
         for m in todo:
             if m.library_path.exists():
+                m.write_manifest(secs)
                 results[m.uri] = ("cold", secs)
     for m in modules:
         if m.uri not in results:

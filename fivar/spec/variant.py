@@ -122,7 +122,9 @@ class AttentionVariant:
         return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                             sm_scale=sm_scale, backend=backend, params=params)
 
-    def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, **params):
-        """The torch reference (float32 math) for one request; same shapes as `prefill`."""
+    def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, batch_idx: int = 0,
+                  batch_size: int | None = None, **params):
+        """The torch reference (float32 math) for request `batch_idx` of a batch; same shapes as `prefill`."""
         from ..codegen.torch_ref import reference_attention
-        return reference_attention(self, q, k, v, causal=causal, sm_scale=sm_scale, params=params)
+        return reference_attention(self, q, k, v, causal=causal, sm_scale=sm_scale, params=params,
+                                   batch_idx=batch_idx, batch_size=batch_size)

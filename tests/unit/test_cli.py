@@ -1,0 +1,109 @@
+"""The command line as a new user drives it."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fivar.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_list_shows_bundled_variants(runner):
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 0
+    for name in ("softcap", "alibi", "document_mask"):
+        assert name in r.output
+
+
+def test_show_prints_the_fa2_struct(runner):
+    r = runner.invoke(main, ["show", "softcap"])
+    assert r.exit_code == 0, r.output
+    assert "struct Fivar_softcap : flashinfer::AttentionVariantBase" in r.output
+    assert "fivar::tanh" in r.output
+
+
+def test_show_ir(runner):
+    r = runner.invoke(main, ["show", "alibi", "--target", "ir"])
+    assert r.exit_code == 0, r.output
+    assert "params.slopes[qo_head]" in r.output
+
+
+def test_show_sources_lists_every_file(runner):
+    r = runner.invoke(main, ["show", "sliding_window", "--sources", "--arch", "9.0a"])
+    assert r.exit_code == 0, r.output
+    for f in ("single_prefill_config.inc", "single_prefill_kernel_mask_2.cu", "fivar_ops.cuh"):
+        assert f"===== {f} =====" in r.output
+
+
+def test_new_variant_scaffolds_and_never_overwrites(tmp_path, monkeypatch, runner):
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(main, ["new-variant", "my_softcap_alibi"])
+    assert r.exit_code == 0, r.output
+    vfile, tfile = tmp_path / "variants/my_softcap_alibi.py", tmp_path / "tests/variants/test_my_softcap_alibi.py"
+    assert vfile.exists() and tfile.exists()
+    vfile.write_text(vfile.read_text() + "\n# my edit\n")
+    r = runner.invoke(main, ["new-variant", "my_softcap_alibi"])
+    assert r.exit_code == 1 and "already exists" in r.output
+    assert vfile.read_text().endswith("# my edit\n")  # nothing lost
+    r = runner.invoke(main, ["show", "my_softcap_alibi"])
+    assert r.exit_code == 0 and "struct Fivar_my_softcap_alibi" in r.output
+    # the scaffolded test runs as-is (its GPU tests skip here)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tfile)], cwd=tmp_path,
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2 passed" in p.stdout
+
+
+def test_bad_name_for_new_variant(runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(main, ["new-variant", "not-valid"])
+    assert r.exit_code == 1 and "must be a Python identifier" in r.output
+
+
+def test_spec_error_is_one_clear_message_not_a_traceback(tmp_path, monkeypatch, runner):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "loopy.py").write_text(
+        "from fivar import AttentionVariant\n\n"
+        "def logits(score, b, h, kh, qi, ki, p):\n"
+        "    while True:\n"
+        "        pass\n"
+        "    return score\n\n"
+        "variant = AttentionVariant(name='loopy', logits=logits)\n")
+    monkeypatch.setenv("FIVAR_VARIANT_PATH", str(d))
+    r = runner.invoke(main, ["show", "loopy"])
+    assert r.exit_code == 1
+    assert "Traceback" not in r.output
+    assert f"{d / 'loopy.py'}:4:5" in r.output.replace("\n", "") and "`while` loop" in r.output
+
+
+def test_check_without_gpu_says_so(runner):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = runner.invoke(main, ["check", "softcap"])
+    assert r.exit_code == 1 and "needs a CUDA GPU" in r.output
+
+
+def test_build_without_gpu_or_arch_asks_for_one(runner, monkeypatch):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
+    r = runner.invoke(main, ["build", "softcap"])
+    assert r.exit_code == 1 and "FLASHINFER_CUDA_ARCH_LIST" in r.output
+
+
+def test_python_dash_m_fivar_works():
+    p = subprocess.run([sys.executable, "-m", "fivar", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0 and "new-variant" in p.stdout
