@@ -1,0 +1,87 @@
+"""Every bundled variant, every entry point, against its torch reference on the GPU (marked `gpu`)."""
+import pytest
+import torch
+
+import fivar
+from fivar import AttentionVariant
+from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
+                           check_single_prefill)
+
+BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
+           "softcap_sliding_window"]
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("qo_len,kv_len,causal", SINGLE_CASES)
+@pytest.mark.parametrize("name", BUNDLED)
+def test_single_prefill(name, qo_len, kv_len, causal):
+    r = check_single_prefill(fivar.load(name), qo_len=qo_len, kv_len=kv_len, causal=causal)
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads", [(torch.float16, 64, (32, 8)), (torch.bfloat16, 256, (8, 8)),
+                                                  (torch.float16, 128, (32, 32))])
+@pytest.mark.parametrize("name", ["softcap", "alibi", "document_mask"])
+def test_single_prefill_dtypes_and_head_dims(name, dtype, head_dim, heads):
+    r = check_single_prefill(fivar.load(name), qo_len=77, kv_len=301, causal=True, dtype=dtype,
+                             head_dim=head_dim, num_qo_heads=heads[0], num_kv_heads=heads[1])
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+@pytest.mark.parametrize("qo_lens,kv_lens,causal", BATCH_CASES)
+@pytest.mark.parametrize("name", BUNDLED)
+def test_batch_prefill(name, qo_lens, kv_lens, causal, paged):
+    r = check_batch_prefill(fivar.load(name), qo_lens=qo_lens, kv_lens=kv_lens, paged=paged, causal=causal)
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("kv_lens", DECODE_CASES)
+@pytest.mark.parametrize("name", BUNDLED)
+def test_decode(name, kv_lens):
+    r = check_decode(fivar.load(name), kv_lens=kv_lens)
+    assert r.passed, r
+
+
+# A mask that is neither causal- nor window-shaped: it removes a band in the middle of the keys. A kernel
+# that applies masks only on boundary tiles gets this wrong (FlashInfer issue #4695).
+def _middle_band(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx < 64 or kv_idx >= 320
+
+
+MIDDLE_BAND = AttentionVariant(name="middle_band", mask=_middle_band)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_applies_on_interior_tiles(causal):
+    r = check_single_prefill(MIDDLE_BAND, qo_len=500, kv_len=1000, causal=causal)
+    assert r.passed, r
+    r = check_batch_prefill(MIDDLE_BAND, qo_lens=[300, 450], kv_lens=[700, 1000], paged=True, causal=causal)
+    assert r.passed, r
+
+
+def test_loaded_module_is_cached_in_memory():
+    from fivar.jit.build import _loaded, module_for
+    v = fivar.load("softcap")
+    m = module_for(v, "single_prefill", "fa2", "bf16", 128)
+    first = m.load()
+    assert m.build() == "memory" and m.load() is first and _loaded[m.uri] is first
+
+
+def test_bad_inputs_are_clear_errors_before_launch():
+    v = fivar.load("alibi")
+    q = torch.randn(8, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(8, 8, 128, dtype=torch.bfloat16, device="cuda")
+    slopes = torch.rand(32, device="cuda")
+    with pytest.raises(fivar.FivarError, match="missing parameter 'slopes'"):
+        v.prefill(q, k, k)
+    with pytest.raises(fivar.FivarError, match="float16 or all bfloat16"):
+        v.prefill(q.float(), k.float(), k.float(), slopes=slopes)
+    with pytest.raises(fivar.FivarError, match="multiple of"):
+        v.prefill(q[:, :30], k[:, :8], k[:, :8], slopes=slopes[:30])
+    with pytest.raises(fivar.FivarError, match="head_dim 96"):
+        v.prefill(q[..., :96], k[..., :96], k[..., :96], slopes=slopes)
+    with pytest.raises(fivar.FivarError, match="is on cpu"):
+        v.prefill(q, k, k, slopes=slopes.cpu())
+    with pytest.raises(fivar.FivarError, match="must be a positive finite number"):
+        fivar.load("softcap").prefill(q, k, k, softcap=-5.0)
