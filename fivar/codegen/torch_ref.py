@@ -19,8 +19,9 @@ _UNARY = {"tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch
 
 
 class TorchEvaluator:
-    def __init__(self, env: dict, params: dict, float_dtype=torch.float32, device=None):
+    def __init__(self, env: dict, params: dict, float_dtype=torch.float32, device=None, hoisted=None):
         self.env, self.params, self.fdt = env, params, float_dtype
+        self.hoisted = hoisted or {}  # lowered programs: per-block invariants by name
         self.device = device
         self.locals: dict[str, torch.Tensor] = {}
 
@@ -39,6 +40,10 @@ class TorchEvaluator:
             return self.tensor(e.value, e.type)
         if isinstance(e, ir.Score):
             return self.env["score"]
+        if isinstance(e, ir.RawScore):
+            return self.env["raw"]
+        if isinstance(e, ir.Hoisted):
+            return self.eval(self.hoisted[e.name])
         if isinstance(e, ir.Index):
             return self.env[e.name]
         if isinstance(e, ir.ScalarParam):

@@ -176,7 +176,7 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("ragged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=bool(causal) and not variant.mask,
-           q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=q.dtype)
+           q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=q.dtype, disable_split_kv=not variant.softmax)
     return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, causal if variant.mask else None))
 
 
@@ -193,7 +193,8 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
     w = _wrapper("paged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1],
            k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=bool(causal) and not variant.mask,
-           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype)
+           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype,
+           disable_split_kv=not variant.softmax)
     return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, causal if variant.mask else None))
 
 
@@ -208,6 +209,12 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
     if q.shape[0] != batch:
         raise FivarError(f"variant '{variant.name}': decode takes one query per request: q has {q.shape[0]} rows, "
                          f"kv_indptr describes {batch} requests")
+    if not variant.softmax:
+        # FlashInfer merges split-KV partial results through their log-sum-exp, which a no-softmax
+        # variant does not have; run decode as a one-token paged prefill with the KV split disabled.
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        return batch_prefill_paged(variant, q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices,
+                                   kv_last_page_len, sm_scale=sm_scale, backend=backend, params=params)
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     fmod = module_for(variant, "batch_decode", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("decode", variant, fmod, q.device)

@@ -83,7 +83,9 @@ def lower(variant_ir, softmax: bool) -> Lowered:
     hoister = _Hoister("h")
     output_scale = None
     programs = []
-    for prog, is_logits in ((variant_ir.logits, True), (variant_ir.mask, False)):
+    # A mask-only variant still has logits: the scaled score (the kernels hand over the unscaled q.k).
+    logits = variant_ir.logits or ir.Program([], ir.Score(F32))
+    for prog, is_logits in ((logits, True), (variant_ir.mask, False)):
         if prog is None:
             programs.append(None)
             continue
