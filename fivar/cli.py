@@ -91,18 +91,25 @@ def new_variant(name, variants_dir, tests_dir):
 
 @main.command()
 @click.argument("name")
-@click.option("--target", type=click.Choice(["fa2", "ir"]), default="fa2", show_default=True)
+@click.option("--target", type=click.Choice(["fa2", "fa3", "ir"]), default="fa2", show_default=True)
+@click.option("--explain", is_flag=True, help="say which target `backend='auto'` picks for each op here, and why")
 @click.option("--op", type=click.Choice(OPS), default="single_prefill", show_default=True)
 @click.option("--sources", is_flag=True, help="print every generated source file of the module, not just the struct")
 @click.option("--dtype", default="bf16", show_default=True)
 @click.option("--head-dim", default=128, show_default=True)
 @click.option("--arch", default=None, help="target arch for --sources without a GPU, e.g. 9.0a")
-def show(name, target, op, sources, dtype, head_dim, arch):
+def show(name, target, op, sources, dtype, head_dim, arch, explain):
     """Print what fivar generates for a variant."""
     from . import load
     from .spec import optimize
     from .spec.ir import format_program
     v = load(name)
+    if explain:
+        from .runtime.attention import choose_target
+        for o in OPS:
+            t, why = choose_target(v, "auto", o)
+            console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
+        return
     if target == "ir":
         vir = v.ir
         for prog, role in ((vir.logits, "logits"), (vir.mask, "mask")):
@@ -119,9 +126,9 @@ def show(name, target, op, sources, dtype, head_dim, arch):
             console.print(f"  softmax exponent scale: log2(e) * {format_program_expr(low.output_scale)}",
                           highlight=False, markup=False)
         return
-    from .codegen import fa2
+    from .codegen import fa2, fa3
     if not sources:
-        _print_code(fa2.variant_decl(v).source)
+        _print_code((fa3 if target == "fa3" else fa2).variant_decl(v).source)
         return
     _set_arch(arch)
     from .jit.build import gen_module
@@ -149,7 +156,7 @@ def format_program_expr(e):
 @click.option("--all", "all_", is_flag=True, help="every variant on the search path")
 @click.option("--prewarm", is_flag=True, help="build every requested module in one parallel ninja")
 @click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
-@click.option("--targets", default="fa2", show_default=True)
+@click.option("--targets", default="fa2", show_default=True, help="fa2,fa3 (fa3 has no decode: skipped)")
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--head-dims", default="128", show_default=True)
 @click.option("--arch", default=None, help="e.g. 9.0a; default: FLASHINFER_CUDA_ARCH_LIST or the visible GPU")
@@ -168,7 +175,8 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs):
     from .jit.build import build_many, gen_module
     modules = [gen_module(load(n), op=op, target=t, dtype=dt, head_dim=hd)
                for n in names for t in _split(targets) for op in _split(ops)
-               for dt in _split(dtypes) for hd in _split(head_dims, int)]
+               for dt in _split(dtypes) for hd in _split(head_dims, int)
+               if not (t == "fa3" and op == "batch_decode")]
     t0 = time.perf_counter()
     results = build_many(modules, parallel=prewarm or len(modules) > 1)
     table = Table("module", "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
@@ -184,7 +192,8 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs):
 @click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--head-dims", default="128", show_default=True)
-def check(name, ops, dtypes, head_dims):
+@click.option("--backends", default="auto", show_default=True, help="comma list of auto, fa2, fa3")
+def check(name, ops, dtypes, head_dims, backends):
     """Run the variant's kernels at awkward shapes and compare with its torch reference (needs a GPU)."""
     import torch
 
@@ -192,7 +201,8 @@ def check(name, ops, dtypes, head_dims):
     from .testing import run_checks
     v = load(name)
     dts = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in _split(dtypes)]
-    results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_split(head_dims, int))
+    results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_split(head_dims, int),
+                         backends=_split(backends))
     table = Table("case", "rel err", "max err", "result", title=f"fivar check {name} on {torch.cuda.get_device_name()}")
     for r in results:
         table.add_row(r.case, f"{r.rel_err:.2e}", f"{r.max_err:.2e}", "[green]pass[/]" if r.passed else "[red]FAIL[/]")

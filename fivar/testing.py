@@ -72,13 +72,13 @@ def _qkv(lq, lk, hq, hkv, d, dtype, device):
 
 
 def check_single_prefill(variant, *, qo_len, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                         dtype=torch.bfloat16, causal=False, device="cuda") -> CheckResult:
+                         dtype=torch.bfloat16, causal=False, device="cuda", backend="auto") -> CheckResult:
     q, k, v = _qkv(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, dtype, device)
     params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
                             max_len=kv_len, device=device)
-    out = variant.prefill(q, k, v, causal=causal, **params)
+    out = variant.prefill(q, k, v, causal=causal, backend=backend, **params)
     ref = variant.reference(q, k, v, causal=causal, **params)
-    return compare(variant.name, f"single_prefill {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
+    return compare(variant.name, f"single_prefill[{backend}] {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
                    f"qo{qo_len} kv{kv_len}{' causal' if causal else ''}", out, ref, dtype)
 
 
@@ -94,7 +94,7 @@ def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params):
 
 def check_batch_prefill(variant, *, qo_lens, kv_lens, paged: bool, page_size=16, num_qo_heads=32,
                         num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, causal=False,
-                        device="cuda") -> CheckResult:
+                        device="cuda", backend="auto") -> CheckResult:
     batch = len(qo_lens)
     q, k, v = _qkv(sum(qo_lens), sum(kv_lens), num_qo_heads, num_kv_heads, head_dim, dtype, device)
     params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
@@ -102,13 +102,14 @@ def check_batch_prefill(variant, *, qo_lens, kv_lens, paged: bool, page_size=16,
     qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=device)
     if paged:
         paged_args = _to_paged(k, v, kv_lens, page_size)
-        out = variant.batch_prefill_paged(q, paged_args[0], qo_indptr, *paged_args[1:], causal=causal, **params)
+        out = variant.batch_prefill_paged(q, paged_args[0], qo_indptr, *paged_args[1:], causal=causal,
+                                          backend=backend, **params)
     else:
         kv_indptr = torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=device)
-        out = variant.batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal, **params)
+        out = variant.batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal, backend=backend, **params)
     ref = _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params)
     kind = "paged" if paged else "ragged"
-    return compare(variant.name, f"batch_prefill_{kind} {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
+    return compare(variant.name, f"batch_prefill_{kind}[{backend}] {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
                    f"qo{list(qo_lens)} kv{list(kv_lens)}{' causal' if causal else ''}", out, ref, dtype)
 
 
@@ -157,7 +158,7 @@ DECODE_CASES = [[1, 33, 517, 1000]]
 
 
 def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"), dtypes=(torch.bfloat16,),
-               head_dims=(128,), heads=((32, 8),)) -> list[CheckResult]:
+               head_dims=(128,), heads=((32, 8),), backends=("auto",)) -> list[CheckResult]:
     if not torch.cuda.is_available():
         raise FivarError("fivar check runs the kernels, so it needs a CUDA GPU; on this machine use "
                          "`fivar build` (compile only) and the CPU test suite")
@@ -166,14 +167,16 @@ def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"),
         for hd in head_dims:
             for hq, hkv in heads:
                 kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=hd, dtype=dtype)
-                if "single_prefill" in ops:
-                    for lq, lk, causal in SINGLE_CASES:
-                        results.append(check_single_prefill(variant, qo_len=lq, kv_len=lk, causal=causal, **kw))
-                if "batch_prefill" in ops:
-                    for qo_lens, kv_lens, causal in BATCH_CASES:
-                        for paged in (False, True):
-                            results.append(check_batch_prefill(variant, qo_lens=qo_lens, kv_lens=kv_lens,
-                                                               paged=paged, causal=causal, **kw))
+                for backend in backends:
+                    if "single_prefill" in ops:
+                        for lq, lk, causal in SINGLE_CASES:
+                            results.append(check_single_prefill(variant, qo_len=lq, kv_len=lk, causal=causal,
+                                                                backend=backend, **kw))
+                    if "batch_prefill" in ops:
+                        for qo_lens, kv_lens, causal in BATCH_CASES:
+                            for paged in (False, True):
+                                results.append(check_batch_prefill(variant, qo_lens=qo_lens, kv_lens=kv_lens,
+                                                                   paged=paged, causal=causal, backend=backend, **kw))
                 if "batch_decode" in ops:
                     for kv_lens in DECODE_CASES:
                         results.append(check_decode(variant, kv_lens=kv_lens, **kw))

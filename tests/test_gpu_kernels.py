@@ -12,27 +12,34 @@ BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "re
 pytestmark = pytest.mark.gpu
 
 
+BACKENDS = ["fa2", "fa3"]
+
+
 @pytest.mark.parametrize("qo_len,kv_len,causal", SINGLE_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", BUNDLED)
-def test_single_prefill(name, qo_len, kv_len, causal):
-    r = check_single_prefill(fivar.load(name), qo_len=qo_len, kv_len=kv_len, causal=causal)
+def test_single_prefill(name, backend, qo_len, kv_len, causal):
+    r = check_single_prefill(fivar.load(name), qo_len=qo_len, kv_len=kv_len, causal=causal, backend=backend)
     assert r.passed, r
 
 
 @pytest.mark.parametrize("dtype,head_dim,heads", [(torch.float16, 64, (32, 8)), (torch.bfloat16, 256, (8, 8)),
                                                   (torch.float16, 128, (32, 32))])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["softcap", "alibi", "document_mask"])
-def test_single_prefill_dtypes_and_head_dims(name, dtype, head_dim, heads):
-    r = check_single_prefill(fivar.load(name), qo_len=77, kv_len=301, causal=True, dtype=dtype,
+def test_single_prefill_dtypes_and_head_dims(name, backend, dtype, head_dim, heads):
+    r = check_single_prefill(fivar.load(name), qo_len=77, kv_len=301, causal=True, dtype=dtype, backend=backend,
                              head_dim=head_dim, num_qo_heads=heads[0], num_kv_heads=heads[1])
     assert r.passed, r
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
 @pytest.mark.parametrize("qo_lens,kv_lens,causal", BATCH_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", BUNDLED)
-def test_batch_prefill(name, qo_lens, kv_lens, causal, paged):
-    r = check_batch_prefill(fivar.load(name), qo_lens=qo_lens, kv_lens=kv_lens, paged=paged, causal=causal)
+def test_batch_prefill(name, backend, qo_lens, kv_lens, causal, paged):
+    r = check_batch_prefill(fivar.load(name), qo_lens=qo_lens, kv_lens=kv_lens, paged=paged, causal=causal,
+                            backend=backend)
     assert r.passed, r
 
 
@@ -52,12 +59,22 @@ def _middle_band(batch, qo_head, kv_head, q_idx, kv_idx, params):
 MIDDLE_BAND = AttentionVariant(name="middle_band", mask=_middle_band)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_mask_applies_on_interior_tiles(causal):
-    r = check_single_prefill(MIDDLE_BAND, qo_len=500, kv_len=1000, causal=causal)
+def test_mask_applies_on_interior_tiles(causal, backend):
+    r = check_single_prefill(MIDDLE_BAND, qo_len=500, kv_len=1000, causal=causal, backend=backend)
     assert r.passed, r
-    r = check_batch_prefill(MIDDLE_BAND, qo_lens=[300, 450], kv_lens=[700, 1000], paged=True, causal=causal)
+    r = check_batch_prefill(MIDDLE_BAND, qo_lens=[300, 450], kv_lens=[700, 1000], paged=True, causal=causal,
+                            backend=backend)
     assert r.passed, r
+
+
+def test_auto_picks_fa3_on_hopper_and_fa2_for_decode():
+    from fivar.runtime.attention import choose_target
+    v = fivar.load("softcap")
+    want = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+    assert choose_target(v, "auto", "single_prefill")[0] == want
+    assert choose_target(v, "auto", "batch_decode")[0] == "fa2"
 
 
 def test_loaded_module_is_cached_in_memory():

@@ -56,8 +56,9 @@ class Member:
 class CppEmitter:
     """Renders expressions. `param_ref(name)` is how a params field is spelled on this target."""
 
-    def __init__(self, variant, param_ref=lambda n: f"params.{n}"):
+    def __init__(self, variant, param_ref=lambda n: f"params.{n}", index_init=None):
         self.variant, self.param_ref = variant, param_ref
+        self.index_init = {**INDEX_INIT, **(index_init or {})}
 
     def expr(self, e: ir.Expr) -> str:
         if isinstance(e, ir.Const):
@@ -97,12 +98,20 @@ class CppEmitter:
             return f"{CTYPE[e.type]}({self.expr(e.x)})"
         raise TypeError(f"no C++ for {e!r}")  # an IR node the parser cannot produce
 
+    def prologue(self, *programs: ir.Program) -> list[str]:
+        """Declarations of the index variables the programs use."""
+        used = set().union(*(_used_indices(p) for p in programs if p))
+        return [f"const int32_t fv_{n} = {self.index_init[n]};" for n in ir.INDEX_VARS if n in used]
+
+    def statements(self, program: ir.Program) -> tuple[list[str], str]:
+        """The program's let-bindings as C++ statements, and the expression of its result."""
+        lines = [f"const {CTYPE[e.type]} {local_name(n)} = {self.expr(e)};" for n, e in program.lets]
+        return lines, self.expr(program.result)
+
     def body(self, program: ir.Program, indent: str = "    ", guard: str | None = None) -> str:
         """Statements computing the program, ending in `return` (of `guard && result` if a guard is given)."""
-        used = _used_indices(program)
-        lines = [f"const int32_t fv_{n} = {INDEX_INIT[n]};" for n in ir.INDEX_VARS if n in used]
-        lines += [f"const {CTYPE[e.type]} {local_name(n)} = {self.expr(e)};" for n, e in program.lets]
-        result = self.expr(program.result)
+        lines, result = self.statements(program)
+        lines = self.prologue(program) + lines
         lines.append(f"return {guard} && {result};" if guard else f"return {result};")
         return ("\n" + indent).join(lines)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,13 +22,13 @@ from pathlib import Path
 import jinja2
 import torch
 
-from ..codegen import fa2
+from ..codegen import fa2, fa3
 from ..errors import FivarBuildError, FivarError
 from ..paths import csrc_dir
-from . import toolchain
+from . import records, toolchain
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
-TARGETS = ("fa2",)
+TARGETS = ("fa2", "fa3")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 128, 256)
 
@@ -44,7 +45,18 @@ _FA2_LAYOUT = {
                      ["batch_decode.cu", "batch_decode_jit_binding.cu"], "batch_decode_config.inc"),
 }
 
+#: FA3 (Hopper): single and batch prefill only; decode stays on FA2's decode kernel (FlashInfer has no FA3 one).
+_FA3_LAYOUT = {
+    "single_prefill": ("single_prefill_sm90_customize_config.jinja", ["single_prefill_sm90_kernel_inst.jinja"],
+                       ["single_prefill_sm90.cu", "single_prefill_sm90_jit_binding.cu"],
+                       "single_prefill_sm90_config.inc"),
+    "batch_prefill": ("batch_prefill_sm90_customize_config.jinja",
+                      ["batch_prefill_paged_sm90_kernel_inst.jinja", "batch_prefill_ragged_sm90_kernel_inst.jinja"],
+                      ["batch_prefill_sm90.cu", "batch_prefill_sm90_jit_binding.cu"], "batch_prefill_sm90_config.inc"),
+}
+
 _loaded: dict[str, object] = {}  # URI -> loaded module (the in-process cache)
+log = logging.getLogger("fivar")
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -89,7 +101,8 @@ class FivarModule:
                 _write_if_different(self.gen_dir / name, text)
             paths = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
             self.spec = gen_jit_spec(self.uri, paths, extra_cuda_cflags=self.cuda_cflags or None,
-                                      extra_ldflags=toolchain.link_flags() or None)
+                                      extra_ldflags=toolchain.link_flags() or None,
+                                      extra_include_paths=toolchain.extra_include_paths() or None)
         return self.spec
 
     @property
@@ -115,28 +128,57 @@ class FivarModule:
                "dtype": self.dtype, "head_dim": self.head_dim, "so_size": st.st_size,
                "so_mtime_ns": st.st_mtime_ns, "compile_seconds": round(seconds, 3),
                "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
-               "arch": toolchain.arch_tag(), "created": time.time()}
+               "arch": toolchain.arch_tag(), "created": time.time(),
+               "so_sha256": _sha256(self.library_path), "sources": sorted(self.sources),
+               "variant_file": getattr(self.variant, "source_file", None)}
         _write_if_different(self.manifest_path, json.dumps(man, indent=1))
 
+    def _prepare(self) -> None:
+        """Before running ninja: regenerate any missing source, and drop a library that does not match
+        its manifest (ninja would trust a truncated .so whose mtime is newer than its objects)."""
+        self.jit_spec()
+        for name, text in self.sources.items():
+            if not (self.gen_dir / name).exists():
+                log.warning("fivar: %s: generated source %s was missing; regenerated", self.uri, name)
+            _write_if_different(self.gen_dir / name, text)
+        if self.library_path.exists() and not self.manifest_ok():
+            why = "has no manifest" if not self.manifest_path.exists() else "does not match its manifest"
+            log.warning("fivar: %s: library %s %s (interrupted build or corrupted file); rebuilding",
+                        self.uri, self.library_path, why)
+            self.library_path.unlink()
+            self.manifest_path.unlink(missing_ok=True)
+
     def build(self) -> str:
-        """Compile if needed. Returns 'memory', 'disk' or 'cold' (what it took to get the library)."""
+        """Compile if needed. Returns 'memory', 'disk' or 'cold' (what it took to get the library).
+
+        Every call is recorded (fivar.jit.records): cold/disk at once, memory hits counted in process."""
+        t0 = time.perf_counter()
+        kind = self._build()
+        records.record(self, kind, time.perf_counter() - t0)
+        return kind
+
+    def _build(self) -> str:
         if self.uri in _loaded:
             return "memory"
         if self.manifest_ok():
             return "disk"
-        spec = self.jit_spec()
         from filelock import FileLock
         t0 = time.perf_counter()
         try:
+            spec = self.jit_spec()
             with FileLock(spec.lock_path, thread_local=False):
                 if self.manifest_ok():  # another process finished it while we waited
                     return "disk"
+                self._prepare()
                 spec.build()
                 self.write_manifest(time.perf_counter() - t0)
+        except FivarError:
+            raise
         except OSError as e:
-            raise FivarError(f"variant '{self.variant.name}': cannot write the JIT cache at {self.build_dir} "
-                             f"({e.strerror}); set FLASHINFER_WORKSPACE_BASE to a writable directory") from None
+            raise _cache_write_error(self, e) from None
         except Exception as e:  # ninja/nvcc failure on sources fivar accepted: a fivar bug, say so plainly
+            if "No space left on device" in str(e):
+                raise _cache_write_error(self, OSError(28, "No space left on device")) from None
             log = self.build_dir / "fivar_build_error.log"
             try:
                 log.parent.mkdir(parents=True, exist_ok=True)
@@ -151,14 +193,36 @@ class FivarModule:
     def load(self):
         mod = _loaded.get(self.uri)
         if mod is None:
-            self.build()
+            t0 = time.perf_counter()
+            kind = self._build()
             try:
                 mod = self.jit_spec().load()
             except Exception as e:
                 raise FivarError(f"variant '{self.variant.name}': loading {self.library_path} failed: "
                                  f"{e}") from None
             _loaded[self.uri] = mod
+            records.record(self, kind, time.perf_counter() - t0, action="load", holder=True)
+        else:
+            records.memory_hit(self)  # a counter bump, no I/O (see fivar.jit.records)
         return mod
+
+
+def _cache_write_error(m: FivarModule, e: OSError) -> FivarError:
+    where = e.filename or m.build_dir
+    if e.errno == 28:  # ENOSPC
+        return FivarError(f"variant '{m.variant.name}': the JIT cache at {where} is full (No space left on "
+                          f"device); free space (`fivar cache prune --max-size ...`) or set "
+                          f"FLASHINFER_WORKSPACE_BASE to a directory with room")
+    return FivarError(f"variant '{m.variant.name}': cannot write the JIT cache at {where} ({e.strerror}); "
+                      f"set FLASHINFER_WORKSPACE_BASE to a writable directory")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _write_if_different(path: Path, text: str) -> None:
@@ -174,12 +238,12 @@ def _render_flashinfer(name: str, **kwargs) -> str:
     return jinja2.Template((jit_env.FLASHINFER_CSRC_DIR / name).read_text()).render(**kwargs)
 
 
-def _dispatch_override(config: str, variant) -> str:
+def _dispatch_override(config: str, variant, mask_modes: list[str]) -> str:
     m = re.search(r"#define DISPATCH_context\(([^)]*)\)", config)
     if not m or "mask_mode" not in config.split("#define DISPATCH_context", 1)[1].split("\n\n", 1)[0]:
         return ""  # this op has no mask-mode dispatch (decode)
     args = ", ".join(a.strip() for a in m.group(1).split(",") if a.strip() != "...")
-    return fa2.render("fa2/dispatch.inc.jinja", dispatch_args=args, mask_modes=fa2.mask_modes(variant),
+    return fa2.render("fa2/dispatch.inc.jinja", dispatch_args=args, mask_modes=mask_modes,
                       variant_name=fa2.struct_name(variant))
 
 
@@ -193,14 +257,18 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         raise FivarError(f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})")
     if head_dim not in HEAD_DIMS:
         raise FivarError(f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})")
+    if target == "fa3" and op not in _FA3_LAYOUT:
+        raise FivarError(f"variant '{variant.name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
     toolchain.ensure_arch_env()
     from flashinfer.jit import env as jit_env
     from flashinfer.jit.attention.utils import generate_additional_params
     from flashinfer.jit.utils import dtype_map, mask_mode_literal
 
-    decl = fa2.variant_decl(variant)
+    codegen = fa3 if target == "fa3" else fa2
+    decl = codegen.variant_decl(variant)
     t_names, t_types, s_names, s_types = decl.additional
-    params_decl, func_params, params_setter = generate_additional_params(t_names, t_types, s_names, s_types)
+    params_decl, func_params, params_setter = generate_additional_params(
+        t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
     tdt = DTYPES[dtype]
     kwargs = dict(
         variant_decl=decl.source, variant_name=fa2.struct_name(variant),
@@ -211,15 +279,15 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         additional_params_setter=params_setter, require_fp4_kv_cache=False,
         paged_kv_stride_mode="runtime", same_kv_strides_values=["true", "false"],
     )
-    config_t, inst_ts, host_files, config_name = _FA2_LAYOUT[op]
+    config_t, inst_ts, host_files, config_name = (_FA3_LAYOUT if target == "fa3" else _FA2_LAYOUT)[op]
     config = _render_flashinfer(config_t, **kwargs)
-    sources = {config_name: config + _dispatch_override(config, variant),
+    sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
                "fivar_ops.cuh": (csrc_dir() / "fivar_ops.cuh").read_text()}
     has_mask_dispatch = op != "batch_decode"
     for inst_t in inst_ts:
         stem = inst_t.removesuffix("_inst.jinja")
         if has_mask_dispatch:
-            for mode in fa2.mask_modes(variant):
+            for mode in codegen.mask_modes(variant):
                 code = fa2.MASK_CODES[mode]
                 sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(
                     inst_t, mask_mode=mask_mode_literal[code], **kwargs)
@@ -229,6 +297,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         sources[host] = (jit_env.FLASHINFER_CSRC_DIR / host).read_text()
 
     cuda_cflags: list[str] = []
+    if target == "fa3":
+        from flashinfer.jit.core import sm90a_nvcc_flags
+        cuda_cflags = list(sm90a_nvcc_flags)
     h = hashlib.sha256()
     for name in sorted(sources):
         h.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
@@ -265,6 +336,8 @@ def build_many(modules: list[FivarModule], parallel: bool = True) -> list[tuple[
     if parallel and len(todo) > 1:
         t0 = time.perf_counter()
         try:
+            for m in todo:
+                m._prepare()
             build_jit_specs([m.jit_spec() for m in todo], skip_prebuilt=False)
         except Exception:
             pass  # the per-module builds below name the module that failed
@@ -276,6 +349,7 @@ def build_many(modules: list[FivarModule], parallel: bool = True) -> list[tuple[
     for m in modules:
         if m.uri not in results:
             t0 = time.perf_counter()
-            kind = m.build()
+            kind = m._build()
             results[m.uri] = (kind, time.perf_counter() - t0)
+    records.record_many([(m, *results[m.uri]) for m in {m.uri: m for m in modules}.values()])
     return [results[m.uri] for m in modules]

@@ -84,3 +84,22 @@ def link_flags() -> list[str]:
                        check=True, capture_output=True)
         os.replace(tmp, stub)
     return [f"-L{stub_dir}"]
+
+
+def extra_include_paths() -> list[str]:
+    """Headers a minimal CUDA toolkit may lack (FA3's CUTLASS utilities include curand_kernel.h).
+
+    Falls back to the pip-installed NVIDIA packages (`pip install nvidia-curand`) when the toolkit has none.
+    """
+    if os.path.exists(os.path.join(cuda_home(), "include", "curand_kernel.h")):
+        return []
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    for base in nvidia.__path__:
+        for sub in ("cu13/include", "curand/include", "cu12/include"):
+            d = os.path.join(base, sub)
+            if os.path.exists(os.path.join(d, "curand_kernel.h")):
+                return [d]
+    return []

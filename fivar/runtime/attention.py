@@ -17,10 +17,45 @@ from ..spec import optimize
 from .params import bind_params, kernel_args
 
 
-def _check_backend(variant, backend: str) -> str:
-    if backend in ("fa2", "auto"):
-        return "fa2"
-    raise FivarError(f"variant '{variant.name}': backend '{backend}' is not available (use 'fa2' or 'auto')")
+BACKENDS = ("auto", "fa2", "fa3")
+
+
+def choose_target(variant, backend: str, op: str, device=None) -> tuple[str, str]:
+    """(target, reason): which generated kernel runs this op, and why."""
+    if backend not in BACKENDS:
+        raise FivarError(f"variant '{variant.name}': backend '{backend}' is not available "
+                         f"(choose from {', '.join(BACKENDS)})")
+    if op == "batch_decode":
+        if backend == "fa3":
+            raise FivarError(f"variant '{variant.name}': FlashInfer has no FA3 decode kernel; use backend "
+                             "'fa2' or 'auto' for decode")
+        return "fa2", "decode runs FlashInfer's FA2 decode kernel (there is no FA3 decode)"
+    if backend != "auto":
+        return backend, f"backend='{backend}' was requested"
+    if device is not None and torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+    elif torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+    else:
+        return "fa2", "no GPU visible: FA2 (FA3 needs sm90)"
+    if (major, minor) == (9, 0):
+        return "fa3", ("sm90 GPU and every construct of this variant is expressible in FA3 "
+                       "(masks fold into LogitsTransform)")
+    return "fa2", f"sm{major}{minor} GPU: FA3 kernels are built for sm90a only"
+
+
+def _check_backend(variant, backend: str, op: str = "single_prefill", device=None) -> str:
+    return choose_target(variant, backend, op, device)[0]
+
+
+def _codegen(target: str):
+    from ..codegen import fa3
+    return fa3 if target == "fa3" else fa2
+
+
+def _causal_flag(variant, target: str, causal: bool):
+    """FA2 runs masked variants in kCustom mode and applies `causal` inside the mask: a runtime flag."""
+    return bool(causal) if (variant.mask and target == "fa2") else None
 
 
 def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v"):
@@ -77,14 +112,14 @@ def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
 
 
 def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa2", out=None, params=None):
-    target = _check_backend(variant, backend)
     _check_qkv(variant, q, k, v)
+    target = _check_backend(variant, backend, "single_prefill", q.device)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     module = module_for(variant, "single_prefill", target, dtype_name(q.dtype), q.shape[-1]).load()
     from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
-    args = kernel_args(variant, bound, sm_scale, causal if variant.mask else None)
+    args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
     o = single_prefill_with_kv_cache_with_jit_module(
-        module, q, k, v, *args, kv_layout="NHD", mask_mode=fa2.runtime_mask_code(variant, causal))
+        module, q, k, v, *args, kv_layout="NHD", mask_mode=_codegen(target).runtime_mask_code(variant, causal))
     if out is not None:
         out.copy_(o)
         return out
@@ -130,15 +165,25 @@ def _wrapper(kind: str, variant, fmod, device):
     if w is None:
         ws = _workspace(device)
         if kind == "ragged":
-            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend="fa2")
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
         elif kind == "paged":
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend="fa2")
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
         else:
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", use_tensor_cores=False,
                                                               backend="fa2")
-        _attach(w, fmod.load(), fmod, owns_mask=bool(variant.mask))
+        _attach(w, fmod.load(), fmod, owns_mask=bool(variant.mask) and fmod.target == "fa2")
         _wrappers[key] = w
     return w
+
+
+def _plan_causal(variant, target: str, causal: bool) -> bool:
+    # FA2 masked variants fold causal into their kCustom mask; everything else uses the kernel's causal mode
+    return bool(causal) and not (variant.mask and target == "fa2")
+
+
+def _split_kwargs(variant, target: str) -> dict:
+    # Split-KV partials are merged through their log-sum-exp, which a no-softmax variant does not have.
+    return {"disable_split_kv": True} if (target == "fa2" and not variant.softmax) else {}
 
 
 def _check_indptr(variant, name, t, device):
@@ -162,8 +207,8 @@ def _paged_kv(variant, paged_kv_cache):
 
 def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
                          backend="fa2", params=None):
-    target = _check_backend(variant, backend)
     _check_qkv(variant, q, k, v)
+    target = _check_backend(variant, backend, "batch_prefill", q.device)
     qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
     batch = qo_indptr.numel() - 1
@@ -175,16 +220,16 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("ragged", variant, fmod, q.device)
-    w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=bool(causal) and not variant.mask,
-           q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=q.dtype, disable_split_kv=not variant.softmax)
-    return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, causal if variant.mask else None))
+    w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=_plan_causal(variant, target, causal),
+           q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=q.dtype, **_split_kwargs(variant, target))
+    return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)))
 
 
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
                         causal=False, sm_scale=None, backend="fa2", params=None):
-    target = _check_backend(variant, backend)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    target = _check_backend(variant, backend, "batch_prefill", q.device)
     qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
     batch = qo_indptr.numel() - 1
@@ -192,18 +237,17 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
     fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("paged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1],
-           k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=bool(causal) and not variant.mask,
-           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype,
-           disable_split_kv=not variant.softmax)
-    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, causal if variant.mask else None))
+           k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=_plan_causal(variant, target, causal),
+           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype, **_split_kwargs(variant, target))
+    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)))
 
 
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
                  backend="fa2", params=None):
     """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1."""
-    target = _check_backend(variant, backend)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    target = _check_backend(variant, backend, "batch_decode", q.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
     batch = kv_indptr.numel() - 1
     if q.shape[0] != batch:
@@ -214,7 +258,7 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         # variant does not have; run decode as a one-token paged prefill with the KV split disabled.
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         return batch_prefill_paged(variant, q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices,
-                                   kv_last_page_len, sm_scale=sm_scale, backend=backend, params=params)
+                                   kv_last_page_len, sm_scale=sm_scale, backend="fa2", params=params)
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     fmod = module_for(variant, "batch_decode", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("decode", variant, fmod, q.device)

@@ -96,28 +96,28 @@ class AttentionVariant:
 
     # --- runtime entry points (thin: the work lives in fivar.runtime) ---------------------------
     def prefill(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                backend: str = "fa2", out=None, **params):
+                backend: str = "auto", out=None, **params):
         """Single-request prefill. q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D] (NHD)."""
         from ..runtime.attention import single_prefill
         return single_prefill(self, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
                               out=out, params=params)
 
     def batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, *, causal: bool = False,
-                             sm_scale: float | None = None, backend: str = "fa2", **params):
+                             sm_scale: float | None = None, backend: str = "auto", **params):
         from ..runtime.attention import batch_prefill_ragged
         return batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, causal=causal,
                                     sm_scale=sm_scale, backend=backend, params=params)
 
     def batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                             kv_last_page_len, *, causal: bool = False, sm_scale: float | None = None,
-                            backend: str = "fa2", **params):
+                            backend: str = "auto", **params):
         from ..runtime.attention import batch_prefill_paged
         return batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                                    kv_last_page_len, causal=causal, sm_scale=sm_scale,
                                    backend=backend, params=params)
 
     def decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *,
-               sm_scale: float | None = None, backend: str = "fa2", **params):
+               sm_scale: float | None = None, backend: str = "auto", **params):
         from ..runtime.attention import batch_decode
         return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                             sm_scale=sm_scale, backend=backend, params=params)

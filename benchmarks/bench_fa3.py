@@ -1,0 +1,192 @@
+"""Hopper: fivar's FA3 variants vs stock FlashInfer FA3, FlexAttention, and decode vs stock, in one run.
+
+    python3 benchmarks/bench_fa3.py [--json FILE] [--quick]
+
+1. softcap on fa3 vs stock `single_prefill_with_kv_cache(..., logits_soft_cap=30, backend="fa3")`,
+   bf16, hd128, 32 heads, S in {4096, 8192, 16384}, causal and not (target >= 0.97x);
+2. every bundled variant on fa3 vs FlexAttention (torch.compile) running the same score_mod/mask_mod,
+   S=8192 (target >= 2.5x);
+3. batch decode, paged (page 16), batch 128 x kv 8192, GQA 32/8: fivar softcap vs stock
+   BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (target >= 0.95x), KV-read TB/s.
+Every contender is checked against another (stock or the reference) before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+import fivar
+from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved
+from fivar.testing import compare, example_params
+
+H, HKV_DECODE, D = 32, 8, 128
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def bench_softcap_vs_stock(seqlens, rounds):
+    import flashinfer
+    v = fivar.load("softcap")
+    rows = []
+    for S in seqlens:
+        for causal in (False, True):
+            q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+            fns = {
+                "fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, softcap=30.0, backend="fa3"),
+                "stock_fa3": lambda: flashinfer.single_prefill_with_kv_cache(
+                    q, k, vv, causal=causal, logits_soft_cap=30.0, backend="fa3"),
+                "fivar_fa2": lambda: v.prefill(q, k, vv, causal=causal, softcap=30.0, backend="fa2"),
+            }
+            ref = fns["stock_fa3"]()
+            errs = {n: rel(fn(), ref) for n, fn in fns.items()}
+            assert all(e < 1e-2 for e in errs.values()), errs
+            t = time_interleaved(fns, rounds)
+            fl = attention_flops(S, S, H, D, causal)
+            rows.append(dict(S=S, causal=causal, rel_err_vs_stock=errs,
+                             ms={n: x.median for n, x in t.items()}, spread_ms={n: x.spread for n, x in t.items()},
+                             tflops={n: fl / x.median / 1e9 for n, x in t.items()},
+                             ratio_vs_stock=t["stock_fa3"].median / t["fivar_fa3"].median))
+            print(f"softcap S={S} causal={causal}: " + ", ".join(
+                f"{n} {fl / x.median / 1e9:.0f} TF/s" for n, x in t.items()) +
+                f", fivar/stock {rows[-1]['ratio_vs_stock']:.3f}", flush=True)
+    return rows
+
+
+def bench_variants_vs_flex(S, rounds, causal=False):
+    from fivar.flex import flex_attention_fn
+    rows = []
+    for name in ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
+                 "softcap_sliding_window"]:
+        v = fivar.load(name)
+        q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        params = example_params(v, num_qo_heads=H, num_kv_heads=H, batch_size=1, max_len=S, device="cuda")
+        if name in ("sliding_window", "softcap_sliding_window"):
+            params["window"] = 1024
+        fns = {"fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params),
+               "fivar_fa2": lambda: v.prefill(q, k, vv, causal=causal, backend="fa2", **params)}
+        # correctness: against the reference on a slice of queries (the full reference would not fit)
+        qs = q[-256:]
+        ref = v.reference(qs, k, vv, causal=causal, **params)
+        out = fns["fivar_fa3"]()[-256:]
+        check = compare(name, "fa3 vs reference (last 256 rows)", out, ref, torch.bfloat16)
+        row = dict(variant=name, S=S, causal=causal, check=str(check))
+        if not check.passed:
+            row["error"] = "fa3 failed correctness; not timed"
+            rows.append(row)
+            print(row, flush=True)
+            continue
+        if v.softmax:
+            try:
+                flex = flex_attention_fn(v, params, q, k, vv, causal=causal)
+                e = rel(flex(), fns["fivar_fa3"]())
+                assert e < 2e-2, f"flex disagrees: {e}"
+                fns["flex"] = flex
+            except Exception as ex:  # report, do not hide
+                row["flex_error"] = f"{type(ex).__name__}: {ex}"[:300]
+        t = time_interleaved(fns, rounds)
+        # masked-out work is not useful work: count the kept pairs from the reference mask
+        fl = attention_flops(S, S, H, D, causal)
+        if v.mask is not None:
+            fl *= _kept_fraction(v, params, S, causal)
+        row.update(ms={n: x.median for n, x in t.items()}, tflops={n: fl / x.median / 1e9 for n, x in t.items()})
+        if "flex" in t:
+            row["fa3_vs_flex"] = t["flex"].median / t["fivar_fa3"].median
+        rows.append(row)
+        print(f"{name}: " + ", ".join(f"{n} {row['tflops'][n]:.0f} TF/s" for n in t) +
+              (f", fa3/flex {row['fa3_vs_flex']:.2f}x" if "fa3_vs_flex" in row else ""), flush=True)
+    return rows
+
+
+def _kept_fraction(v, params, S, causal):
+    from fivar.codegen.torch_ref import TorchEvaluator
+    from fivar.runtime.params import bind_params
+    b = bind_params(v, params, num_qo_heads=H, num_kv_heads=H, batch_size=1, device="cuda")
+    n = 1024  # sample rows
+    rows = torch.linspace(0, S - 1, n, device="cuda").long().view(1, n, 1)
+    kv = torch.arange(S, device="cuda").view(1, 1, S)
+    env = {"batch": torch.tensor(0, device="cuda"), "qo_head": torch.arange(H, device="cuda").view(H, 1, 1),
+           "kv_head": torch.arange(H, device="cuda").view(H, 1, 1), "q_idx": rows, "kv_idx": kv}
+    keep = TorchEvaluator(env, {**b.scalars, **b.tensors}, torch.float32, "cuda").run(v.ir.mask)
+    keep = keep.expand(H, n, S)
+    if causal:
+        keep = keep & (kv <= rows)
+        return float(keep.float().mean()) / 0.5
+    return float(keep.float().mean())
+
+
+def bench_decode(rounds, batch=128, kv_len=8192, page=16):
+    import flashinfer
+    from fivar.testing import _to_paged
+    v = fivar.load("softcap")
+    q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
+    pages = kv_len // page
+    total = batch * pages
+    k_cache = torch.randn(total, page, HKV_DECODE, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    indptr = torch.arange(0, total + 1, pages, dtype=torch.int32, device="cuda")
+    indices = torch.randperm(total, device="cuda").to(torch.int32)
+    last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    stock = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    stock.plan(indptr, indices, last, H, HKV_DECODE, D, page, logits_soft_cap=30.0, q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16)
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    fns = {
+        "stock_tc_decode": lambda: stock.run(q, (k_cache, v_cache)),
+        "fivar_decode": lambda: v.decode(q, (k_cache, v_cache), indptr, indices, last, softcap=30.0),
+        "fivar_paged_prefill_fa2": lambda: v.batch_prefill_paged(q, (k_cache, v_cache), qo_indptr, indptr, indices,
+                                                                 last, softcap=30.0, backend="fa2"),
+        "fivar_paged_prefill_fa3": lambda: v.batch_prefill_paged(q, (k_cache, v_cache), qo_indptr, indptr, indices,
+                                                                 last, softcap=30.0, backend="fa3"),
+    }
+    ref = fns["stock_tc_decode"]()
+    errs = {}
+    for n, fn in list(fns.items()):
+        try:
+            errs[n] = rel(fn(), ref)
+        except Exception as ex:
+            errs[n] = f"{type(ex).__name__}: {ex}"[:200]
+            del fns[n]
+    bad = {n: e for n, e in errs.items() if not isinstance(e, float) or e > 1e-2}
+    for n in bad:
+        fns.pop(n, None)
+    t = time_interleaved(fns, rounds)
+    nbytes = decode_kv_bytes([kv_len] * batch, HKV_DECODE, D)
+    row = dict(batch=batch, kv_len=kv_len, page=page, rel_err_vs_stock=errs,
+               ms={n: x.median for n, x in t.items()}, kv_tbps={n: nbytes / x.median / 1e9 for n, x in t.items()})
+    best = min((n for n in t if n != "stock_tc_decode"), key=lambda n: t[n].median)
+    row["best_fivar"] = best
+    row["best_vs_stock"] = t["stock_tc_decode"].median / t[best].median
+    print("decode: " + ", ".join(f"{n} {row['kv_tbps'][n]:.2f} TB/s" for n in t) +
+          f"; best fivar {best} = {row['best_vs_stock']:.3f}x stock", flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+    ap.add_argument("--parts", default="softcap,flex,decode")
+    args = ap.parse_args()
+    rounds = 2 if args.quick else 4
+    parts = args.parts.split(",")
+    out = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
+    if "softcap" in parts:
+        out["softcap_vs_stock"] = bench_softcap_vs_stock([4096, 8192] if args.quick else [4096, 8192, 16384], rounds)
+    if "flex" in parts:
+        out["variants_vs_flex"] = bench_variants_vs_flex(8192, rounds)
+    if "decode" in parts:
+        out["decode"] = bench_decode(rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Timing that does not lie: CUDA-event medians, interleaved contenders, spreads, counted work.
+
+Contenders are timed round-robin (A, B, C, A, B, C, ...) so clock and thermal drift hit all alike, and
+every figure is a median over rounds with its min..max spread. Inputs are random; callers check
+correctness before calling any of this.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timing:
+    samples_ms: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return (min(self.samples_ms), max(self.samples_ms))
+
+
+def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms: float = 300) -> dict[str, Timing]:
+    """Median ms per call of each contender; each round times every contender once (do_bench median)."""
+    from triton.testing import do_bench
+    out = {name: Timing() for name in fns}
+    for fn in fns.values():  # first call: JIT/autotune/compile out of the timed region
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out[name].samples_ms.append(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return out
+
+
+def attention_flops(qo_len: int, kv_len: int, num_qo_heads: int, head_dim: int, causal: bool,
+                    batch: int = 1) -> float:
+    """Useful FLOPs of attention forward: 2 matmuls x 2 FLOP/MAC; masked-out work not counted.
+
+    Causal keeps, for query row i (bottom-right aligned), kv_len - qo_len + i + 1 keys.
+    """
+    if causal:
+        offset = kv_len - qo_len
+        pairs = qo_len * offset + qo_len * (qo_len + 1) // 2
+    else:
+        pairs = qo_len * kv_len
+    return 4.0 * pairs * num_qo_heads * head_dim * batch
+
+
+def decode_kv_bytes(kv_lens, num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> float:
+    """Bytes of K and V read by decode (each read once): the figure decode is judged by."""
+    return 2.0 * sum(kv_lens) * num_kv_heads * head_dim * elem_bytes

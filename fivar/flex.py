@@ -1,0 +1,68 @@
+"""A variant as FlexAttention's score_mod / mask_mod (the "flex" contender in benchmarks).
+
+Both are the torch reference evaluator applied to the index tensors FlexAttention passes, so Flex runs
+exactly the function the kernels were generated from. Flex always normalises with softmax, so
+no-softmax variants (sigmoid attention) have no Flex equivalent.
+"""
+from __future__ import annotations
+
+import torch
+
+from .codegen.torch_ref import TorchEvaluator
+from .errors import FivarError
+from .runtime.params import bind_params
+
+
+def flex_mods(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: int,
+              sm_scale: float, causal: bool, device, batch_size: int = 1):
+    """(score_mod, mask_mod) for torch.nn.attention.flex_attention (mask_mod None if nothing is masked)."""
+    if not variant.softmax:
+        raise FivarError(f"variant '{variant.name}': FlexAttention always applies softmax, so a no-softmax "
+                         "variant has no Flex equivalent")
+    bound = bind_params(variant, params, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                        batch_size=batch_size, device=device)
+    values = {**bound.scalars, **bound.tensors}
+    group = num_qo_heads // num_kv_heads
+    offset = kv_len - qo_len
+    vir = variant.ir
+
+    def env(b, h, q_idx, kv_idx, score=None):
+        return {"score": score, "sm_scale": sm_scale, "batch": b, "qo_head": h, "kv_head": h // group,
+                "q_idx": q_idx + offset, "kv_idx": kv_idx}
+
+    score_mod = None
+    if vir.logits is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return TorchEvaluator(env(b, h, q_idx, kv_idx, score), values, torch.float32).run(vir.logits)
+
+    mask_mod = None
+    if vir.mask is not None or causal:
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = (kv_idx <= q_idx + offset) if causal else (kv_idx >= 0)
+            if vir.mask is not None:
+                keep = keep & TorchEvaluator(env(b, h, q_idx, kv_idx), values, torch.float32).run(vir.mask)
+            return keep
+    return score_mod, mask_mod
+
+
+def flex_attention_fn(variant, params, q, k, v, *, causal=False, sm_scale=None, compile=True):
+    """A callable running `variant` through FlexAttention on [len, heads, dim] tensors (one request)."""
+    import math
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    qo_len, hq, d = q.shape
+    kv_len, hkv, _ = k.shape
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    score_mod, mask_mod = flex_mods(variant, params, qo_len=qo_len, kv_len=kv_len, num_qo_heads=hq,
+                                    num_kv_heads=hkv, sm_scale=sm_scale, causal=causal, device=q.device)
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, None, None, qo_len, kv_len, device=q.device)
+    fa = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, dim]
+
+    def run():
+        out = fa(qb, kb, vb, score_mod=score_mod, block_mask=block_mask, scale=sm_scale,
+                 enable_gqa=hq != hkv)
+        return out.squeeze(0).transpose(0, 1)
+    return run
