@@ -1,0 +1,247 @@
+"""A record of every build and load, in an embedded SQLite database (FIVAR_CACHE_DIR/records.sqlite).
+
+Each row says what it took to get a module's library: `cold` (nvcc ran), `disk` (a library built earlier,
+trusted through its manifest) or `memory` (already loaded in this process), with the seconds it took, the
+toolchain (arch, FlashInfer, nvcc, torch), host and pid. `fivar cache ls|show|stats|prune` read it.
+
+Cost model, deliberately asymmetric:
+
+- `cold` and `disk` events are written at once, one short transaction each (WAL mode, a busy timeout, so
+  any number of processes can write at the same time; a writer waits for the lock instead of failing).
+  Their cost (about a millisecond) is noise next to a compile or a dlopen.
+- `memory` hits happen on every attention call (`module_for(...).load()`), so they never touch the
+  database on the hot path: `memory_hit(uri)` only bumps a per-process counter (well under a microsecond).
+  The counters are written as one aggregated row per URI (`kind='memory'`, `count=N`) when the process
+  exits (atexit), and at most once a minute when a hit notices the minute has passed. A process killed
+  with SIGKILL loses at most a minute of memory-hit counts; that only affects hit statistics.
+- Loads also record a *holder* row (uri, host, pid), so that `fivar cache prune` never evicts a module
+  a live process has mapped.
+
+Recording never breaks a build: every error here is logged as a warning (once per process) and
+swallowed.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("fivar")
+
+FLUSH_INTERVAL_S = 60.0
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    time REAL NOT NULL,
+    action TEXT NOT NULL,          -- build | load
+    uri TEXT NOT NULL,
+    variant TEXT, target TEXT, op TEXT, dtype TEXT, head_dim INTEGER,
+    kind TEXT NOT NULL,            -- cold | disk | memory
+    count INTEGER NOT NULL DEFAULT 1,
+    seconds REAL NOT NULL DEFAULT 0,
+    arch TEXT, flashinfer TEXT, nvcc TEXT, torch TEXT,
+    host TEXT, pid INTEGER
+);
+CREATE INDEX IF NOT EXISTS events_uri ON events(uri, time);
+CREATE INDEX IF NOT EXISTS events_time ON events(time);
+CREATE TABLE IF NOT EXISTS holders (
+    uri TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, time REAL NOT NULL,
+    PRIMARY KEY (uri, host, pid)
+);
+"""
+
+_mem_hits: dict[str, list] = {}  # uri -> [count, last_time, module fields tuple]
+_last_flush = time.monotonic()
+_warned = False
+_lock = threading.Lock()
+_schema_ready: set[str] = set()
+HOST = socket.gethostname()
+
+
+def db_path() -> Path:
+    from ..cache import cache_dir
+    return cache_dir() / "records.sqlite"
+
+
+def connect(path: Path | None = None) -> sqlite3.Connection:
+    """A connection with WAL journaling and a 30 s busy timeout (concurrent writers wait, not fail)."""
+    path = Path(path or db_path())
+    con = sqlite3.connect(str(path), timeout=30.0, isolation_level=None)
+    con.execute("PRAGMA busy_timeout=30000")
+    if str(path) not in _schema_ready:
+        mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":  # e.g. a filesystem without shared memory: still correct, just slower
+            log.debug("fivar records: journal_mode is %s at %s", mode, path)
+        con.executescript(SCHEMA)
+        _schema_ready.add(str(path))
+    con.execute("PRAGMA synchronous=NORMAL")
+    return con
+
+
+def _toolchain() -> dict:
+    from . import toolchain
+    out = {}
+    for key, fn in (("arch", toolchain.arch_tag), ("flashinfer", toolchain.flashinfer_version),
+                    ("nvcc", toolchain.nvcc_version)):
+        try:
+            out[key] = fn()
+        except Exception:
+            out[key] = None
+    try:
+        import torch
+        out["torch"] = torch.__version__
+    except Exception:
+        out["torch"] = None
+    return out
+
+
+def _fields(module) -> tuple:
+    return (module.uri, getattr(module.variant, "name", None), module.target, module.op, module.dtype,
+            module.head_dim)
+
+
+def _warn(what: str, e: BaseException) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("fivar: could not write build records (%s): %s: %s; builds are unaffected",
+                    what, type(e).__name__, e)
+
+
+def _insert(con, rows: list[tuple]) -> None:
+    con.executemany(
+        "INSERT INTO events(time, action, uri, variant, target, op, dtype, head_dim, kind, count, seconds,"
+        " arch, flashinfer, nvcc, torch, host, pid) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+
+
+def record(module, kind: str, seconds: float, action: str = "build", holder: bool = False) -> None:
+    """Record one build or load (kind 'memory' is counted in process, see the module docstring)."""
+    if kind == "memory":
+        memory_hit(module)
+        return
+    record_many([(module, kind, seconds)], action=action, holder=holder)
+
+
+def record_many(items: list[tuple], action: str = "build", holder: bool = False) -> None:
+    """Record (module, kind, seconds) triples in one transaction; never raises."""
+    try:
+        rows, now, tc, pid = [], time.time(), _toolchain(), os.getpid()
+        for module, kind, seconds in items:
+            if kind == "memory":
+                memory_hit(module)
+                continue
+            rows.append((now, action, *_fields(module), kind, 1, float(seconds), tc["arch"], tc["flashinfer"],
+                         tc["nvcc"], tc["torch"], HOST, pid))
+        if not rows and not holder:
+            return
+        con = connect()
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            _insert(con, rows)
+            if holder:
+                con.executemany("INSERT OR REPLACE INTO holders(uri, host, pid, time) VALUES (?,?,?,?)",
+                                [(m.uri, HOST, pid, now) for m, _, _ in items])
+            con.execute("COMMIT")
+        finally:
+            con.close()
+    except Exception as e:  # noqa: BLE001 - records must never break a build
+        _warn("build/load event", e)
+
+
+def memory_hit(module) -> None:
+    """Count an in-process hit. No I/O: a dict update, plus a flush at most once a minute."""
+    entry = _mem_hits.get(module.uri)
+    if entry is None:
+        _mem_hits[module.uri] = entry = [0, 0.0, _fields(module)]
+    entry[0] += 1
+    now = time.monotonic()
+    entry[1] = now
+    if now - _last_flush > FLUSH_INTERVAL_S:
+        flush()
+
+
+def pending_memory_hits() -> dict[str, int]:
+    return {uri: e[0] for uri, e in _mem_hits.items() if e[0]}
+
+
+def flush() -> None:
+    """Write the aggregated memory-hit counters (one row per URI) and reset them; never raises."""
+    global _last_flush
+    with _lock:
+        _last_flush = time.monotonic()
+        pending = [(uri, e[0], e[1], e[2]) for uri, e in _mem_hits.items() if e[0]]
+        if not pending:
+            return
+        for uri, *_ in pending:
+            _mem_hits[uri][0] = 0
+    try:
+        tc, pid = _toolchain(), os.getpid()
+        wall = time.time() - time.monotonic()  # monotonic -> wall clock
+        rows = [(mono + wall, "load", *fields, "memory", count, 0.0, tc["arch"], tc["flashinfer"], tc["nvcc"],
+                 tc["torch"], HOST, pid) for uri, count, mono, fields in pending]
+        con = connect()
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            _insert(con, rows)
+            con.execute("COMMIT")
+        finally:
+            con.close()
+    except Exception as e:  # noqa: BLE001
+        _warn("memory-hit counters", e)
+
+
+atexit.register(flush)
+
+
+# ----------------------------------------------------------------------------------------------- queries
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OSError:
+        return False
+    return True
+
+
+def live_holders(con, uri: str) -> list[int]:
+    """Pids on this host that loaded `uri` and are still running (rows of other hosts count as live
+    unless older than a day: fivar cannot check a pid on another machine)."""
+    out = []
+    for host, pid, t in con.execute("SELECT host, pid, time FROM holders WHERE uri=?", (uri,)):
+        if host == HOST:
+            if pid != os.getpid() and pid_alive(pid):
+                out.append(pid)
+        elif time.time() - t < 86400:
+            out.append(pid)
+    return out
+
+
+def forget_dead_holders(con) -> int:
+    dead = [(uri, pid) for uri, host, pid in con.execute("SELECT uri, host, pid FROM holders")
+            if host == HOST and not pid_alive(pid)]
+    con.executemany("DELETE FROM holders WHERE uri=? AND host=? AND pid=?", [(u, HOST, p) for u, p in dead])
+    return len(dead)
+
+
+def usage(con) -> dict[str, dict]:
+    """uri -> {hits, colds, last_use, compile_seconds} over all recorded events."""
+    out: dict[str, dict] = {}
+    for uri, kind, n, last, secs in con.execute(
+            "SELECT uri, kind, SUM(count), MAX(time), MAX(seconds) FROM events GROUP BY uri, kind"):
+        u = out.setdefault(uri, {"hits": 0, "colds": 0, "last_use": 0.0, "compile_seconds": None})
+        if kind == "cold":
+            u["colds"] += n
+            u["compile_seconds"] = secs
+        else:
+            u["hits"] += n
+        u["last_use"] = max(u["last_use"], last or 0.0)
+    return out
