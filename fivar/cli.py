@@ -91,7 +91,7 @@ def new_variant(name, variants_dir, tests_dir):
 
 @main.command()
 @click.argument("name")
-@click.option("--target", type=click.Choice(["fa2", "fa3", "ir"]), default="fa2", show_default=True)
+@click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default="fa2", show_default=True)
 @click.option("--explain", is_flag=True, help="say which target `backend='auto'` picks for each op here, and why")
 @click.option("--op", type=click.Choice(OPS), default="single_prefill", show_default=True)
 @click.option("--sources", is_flag=True, help="print every generated source file of the module, not just the struct")
@@ -109,6 +109,10 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         for o in OPS:
             t, why = choose_target(v, "auto", o)
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
+        return
+    if target == "triton":  # the Triton twin: one Python module with every kernel
+        from .codegen.triton import render_attention
+        _print_code(render_attention(v), lexer="python")
         return
     if target == "ir":
         vir = v.ir
@@ -139,9 +143,9 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         _print_code(text)
 
 
-def _print_code(text: str):
+def _print_code(text: str, lexer: str = "cpp"):
     if console.is_terminal:
-        console.print(Syntax(text, "cpp", theme="ansi_dark", word_wrap=True))
+        console.print(Syntax(text, lexer, theme="ansi_dark", word_wrap=True))
     else:  # piped: exact text, no wrapping or truncation
         click.echo(text)
 
@@ -160,14 +164,17 @@ def format_program_expr(e):
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--head-dims", default="128", show_default=True)
 @click.option("--arch", default=None, help="e.g. 9.0a; default: FLASHINFER_CUDA_ARCH_LIST or the visible GPU")
-@click.option("--jobs", type=int, default=None, help="parallel nvcc jobs (default: MAX_JOBS or ninja's)")
-def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs):
+@click.option("--jobs", type=int, default=None,
+              help="parallel nvcc jobs (default: MAX_JOBS, else min(cores, MemAvailable / 3 GiB))")
+@click.option("--launcher", default=None, help="compiler launcher for nvcc and c++, e.g. sccache or ccache")
+def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, launcher):
     """Compile variants through FlashInfer's JIT (cached: unchanged modules are hits)."""
     from . import load
     from .registry import variant_files
     _set_arch(arch)
-    if jobs:
-        os.environ["MAX_JOBS"] = str(jobs)
+    from .jit.prewarm import configure_jobs, configure_launcher, live_progress
+    jobs, jobs_why = configure_jobs(jobs)
+    launcher = configure_launcher(launcher)
     if all_:
         names = sorted(variant_files())
     if not names:
@@ -178,7 +185,11 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs):
                for dt in _split(dtypes) for hd in _split(head_dims, int)
                if not (t == "fa3" and op == "batch_decode")]
     t0 = time.perf_counter()
-    results = build_many(modules, parallel=prewarm or len(modules) > 1)
+    if prewarm or len(modules) > 1:
+        console.print(f"building {len(modules)} module(s) with {jobs} nvcc job(s) ({jobs_why})"
+                      + (f", launcher {launcher}" if launcher else ""), highlight=False)
+    with live_progress(modules, console, enabled=prewarm or len(modules) > 1):
+        results = build_many(modules, parallel=prewarm or len(modules) > 1)
     table = Table("module", "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
     for m, (kind, secs) in zip(modules, results):
         table.add_row(m.uri, {"cold": "[yellow]compiled[/]", "disk": "[green]hit (disk)[/]",
@@ -211,3 +222,7 @@ def check(name, ops, dtypes, head_dims, backends):
     console.print(f"{len(results) - failed} passed, {failed} failed")
     if failed:
         sys.exit(1)
+
+
+from .cache_cli import cache  # noqa: E402
+main.add_command(cache)

@@ -133,13 +133,20 @@ class FivarModule:
                "variant_file": getattr(self.variant, "source_file", None)}
         _write_if_different(self.manifest_path, json.dumps(man, indent=1))
 
-    def _prepare(self) -> None:
+    def _missing_sources(self) -> list[str]:
+        """Generated sources gone from a module built here before (a first build has none yet)."""
+        if not self.build_dir.exists():
+            return []
+        return [n for n in self.sources if not (self.gen_dir / n).exists()]
+
+    def _prepare(self, missing: list[str] | None = None) -> None:
         """Before running ninja: regenerate any missing source, and drop a library that does not match
         its manifest (ninja would trust a truncated .so whose mtime is newer than its objects)."""
+        missing = self._missing_sources() if missing is None else missing
         self.jit_spec()
+        for name in missing:
+            log.warning("fivar: %s: generated source %s was missing; regenerated", self.uri, name)
         for name, text in self.sources.items():
-            if not (self.gen_dir / name).exists():
-                log.warning("fivar: %s: generated source %s was missing; regenerated", self.uri, name)
             _write_if_different(self.gen_dir / name, text)
         if self.library_path.exists() and not self.manifest_ok():
             why = "has no manifest" if not self.manifest_path.exists() else "does not match its manifest"
@@ -165,11 +172,12 @@ class FivarModule:
         from filelock import FileLock
         t0 = time.perf_counter()
         try:
+            missing = self._missing_sources()
             spec = self.jit_spec()
             with FileLock(spec.lock_path, thread_local=False):
                 if self.manifest_ok():  # another process finished it while we waited
                     return "disk"
-                self._prepare()
+                self._prepare(missing)
                 spec.build()
                 self.write_manifest(time.perf_counter() - t0)
         except FivarError:

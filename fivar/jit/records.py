@@ -218,7 +218,7 @@ def live_holders(con, uri: str) -> list[int]:
     out = []
     for host, pid, t in con.execute("SELECT host, pid, time FROM holders WHERE uri=?", (uri,)):
         if host == HOST:
-            if pid != os.getpid() and pid_alive(pid):
+            if pid_alive(pid):  # this process too: it has the library mapped
                 out.append(pid)
         elif time.time() - t < 86400:
             out.append(pid)

@@ -58,7 +58,8 @@ def _causal_flag(variant, target: str, causal: bool):
     return bool(causal) if (variant.mask and target == "fa2") else None
 
 
-def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v"):
+def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cpu: bool = False,
+               head_dims=HEAD_DIMS):
     name = variant.name
     for t, tn in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
@@ -68,7 +69,7 @@ def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v"):
     if k.dim() != k_dims or k.shape != v.shape:
         raise FivarError(f"variant '{name}': {what} must have {k_dims} dims and equal shapes, got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if not q.is_cuda:
+    if not q.is_cuda and not allow_cpu:
         raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); use "
                          f"variant.reference(...) on the CPU")
     if k.device != q.device or v.device != q.device:
@@ -79,8 +80,8 @@ def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v"):
     d = q.shape[-1]
     if k.shape[-1] != d:
         raise FivarError(f"variant '{name}': head_dim of q ({d}) and k ({k.shape[-1]}) differ")
-    if d not in HEAD_DIMS:
-        raise FivarError(f"variant '{name}': head_dim {d} is not supported (use one of {HEAD_DIMS})")
+    if d not in head_dims:
+        raise FivarError(f"variant '{name}': head_dim {d} is not supported (use one of {tuple(head_dims)})")
     hkv = k.shape[-2]
     if hkv == 0 or q.shape[1] % hkv:
         raise FivarError(f"variant '{name}': num_qo_heads ({q.shape[1]}) must be a multiple of "
@@ -112,6 +113,9 @@ def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
 
 
 def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa2", out=None, params=None):
+    if backend == "triton":
+        from .triton_attention import triton_prefill
+        return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params)
     _check_qkv(variant, q, k, v)
     target = _check_backend(variant, backend, "single_prefill", q.device)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
@@ -205,10 +209,7 @@ def _paged_kv(variant, paged_kv_cache):
     return k_cache, v_cache
 
 
-def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
-                         backend="fa2", params=None):
-    _check_qkv(variant, q, k, v)
-    target = _check_backend(variant, backend, "batch_prefill", q.device)
+def _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr):
     qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
     batch = qo_indptr.numel() - 1
@@ -217,6 +218,27 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     if int(qo_indptr[-1]) != q.shape[0] or int(kv_indptr[-1]) != k.shape[0]:
         raise FivarError(f"variant '{variant.name}': qo_indptr[-1]/kv_indptr[-1] ({int(qo_indptr[-1])}, "
                          f"{int(kv_indptr[-1])}) must equal the token counts of q and k ({q.shape[0]}, {k.shape[0]})")
+    return qo_indptr, kv_indptr, batch
+
+
+def _check_decode_indptr(variant, q, kv_indptr):
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+    batch = kv_indptr.numel() - 1
+    if q.shape[0] != batch:
+        raise FivarError(f"variant '{variant.name}': decode takes one query per request: q has {q.shape[0]} rows, "
+                         f"kv_indptr describes {batch} requests")
+    return kv_indptr, batch
+
+
+def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
+                         backend="fa2", params=None):
+    if backend == "triton":
+        from .triton_attention import triton_batch_prefill_ragged
+        return triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
+                                           sm_scale=sm_scale, params=params)
+    _check_qkv(variant, q, k, v)
+    target = _check_backend(variant, backend, "batch_prefill", q.device)
+    qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("ragged", variant, fmod, q.device)
@@ -245,14 +267,14 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
                  backend="fa2", params=None):
     """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1."""
+    if backend == "triton":
+        from .triton_attention import triton_decode
+        return triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
+                             sm_scale=sm_scale, params=params)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
     target = _check_backend(variant, backend, "batch_decode", q.device)
-    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
-    batch = kv_indptr.numel() - 1
-    if q.shape[0] != batch:
-        raise FivarError(f"variant '{variant.name}': decode takes one query per request: q has {q.shape[0]} rows, "
-                         f"kv_indptr describes {batch} requests")
+    kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
     if not variant.softmax:
         # FlashInfer merges split-KV partial results through their log-sum-exp, which a no-softmax
         # variant does not have; run decode as a one-token paged prefill with the KV split disabled.

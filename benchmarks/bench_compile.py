@@ -1,0 +1,253 @@
+"""Build and cache costs, in one run, into a fresh FlashInfer workspace and a fresh fivar cache.
+
+Measures:
+  1. cold compile of one variant module through fivar (`FivarModule.build()`), wall and CPU seconds;
+  2. the same variant declaration through FlashInfer's own path,
+     `flashinfer.jit.attention.modules.gen_customize_single_prefill_module(...).build_and_load()` (distinct URI),
+     which instantiates every mask mode where fivar instantiates only the ones the variant can use;
+  3. in-process hit latency (`module.load()` once loaded: the per-attention-call path), in microseconds;
+  4. fresh-process disk hit: a new Python imports fivar and calls `module.load()` (ms, import excluded and
+     included);
+  5. prewarm of N (default 8) uncached variant modules in one parallel ninja (`build_many`), against the ideal
+     `CPU seconds of that build / cores` (perfect parallelism) and, with --singles, `sum(single cold) / cores`
+     (each compiled alone into another fresh workspace).
+
+  python benchmarks/bench_compile.py --json benchmarks/results/bench_compile_h200.json      # GPU host
+  FLASHINFER_CUDA_ARCH_LIST=9.0a python benchmarks/bench_compile.py --no-load --prewarm-count 0 \
+      --variant softcap --dtype fp16 --head-dim 64                                         # CPU sanity check
+
+--no-load compiles only (no GPU needed): hits are then `build()` disk checks instead of loads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED = ["alibi", "document_mask", "relative_bias", "sigmoid", "sliding_window", "softcap",
+           "softcap_sliding_window"]
+
+
+def child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def fresh_dirs(tag: str) -> tuple[str, str]:
+    base = tempfile.mkdtemp(prefix=f"fivar-bench-{tag}-")
+    return os.path.join(base, "ws"), os.path.join(base, "fivar")
+
+
+FRESH_PROCESS = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import fivar
+from fivar.jit.build import gen_module
+t1 = time.perf_counter()
+name, dtype, hd, load = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+m = gen_module(fivar.load(name), op="single_prefill", dtype=dtype, head_dim=hd)
+t2 = time.perf_counter()
+kind = None
+if load:
+    m.load()
+else:
+    kind = m.build()
+t3 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "gen_module_s": t2 - t1, "hit_s": t3 - t2, "kind": kind}))
+'''
+
+SINGLE_COLD = r'''
+import json, sys, time
+import fivar
+from fivar.jit.build import gen_module
+m = gen_module(fivar.load(sys.argv[1]), op="single_prefill", dtype=sys.argv[2], head_dim=int(sys.argv[3]))
+t0 = time.perf_counter(); kind = m.build(); print(json.dumps({"kind": kind, "s": time.perf_counter() - t0}))
+'''
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", default="softcap", help="variant for the single-module measurements "
+                    "(logits-only, so FlashInfer's generic path is a like-for-like comparison)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--no-load", action="store_true", help="compile only (no GPU): hits are build() checks")
+    ap.add_argument("--skip-flashinfer", action="store_true", help="skip FlashInfer's gen_customize path")
+    ap.add_argument("--prewarm-count", type=int, default=8, help="modules in the prewarm (0: skip)")
+    ap.add_argument("--singles", action="store_true", help="also compile each prewarm module alone, for "
+                    "sum(single cold)/cores (N more compiles)")
+    ap.add_argument("--jobs", type=int, default=None, help="ninja jobs (default: fivar's min(cores, mem/3GiB))")
+    ap.add_argument("--hits", type=int, default=100000, help="in-process hit iterations")
+    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary workspaces")
+    args = ap.parse_args()
+
+    ws, fc = fresh_dirs("main")
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = ws  # before flashinfer is imported: it fixes its dirs then
+    os.environ["FIVAR_CACHE_DIR"] = fc
+    os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    import fivar
+    from fivar.jit import build as jb
+    from fivar.jit import prewarm, toolchain
+    from fivar.jit.build import build_many, gen_module
+    jobs, jobs_why = prewarm.configure_jobs(args.jobs)
+    cores = prewarm.cpu_count()
+    load = not args.no_load
+    if load and not torch.cuda.is_available():
+        print("no GPU visible: use --no-load to compile only", file=sys.stderr)
+        return 2
+    res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-only",
+                 "arch": None, "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
+                 "torch": torch.__version__, "cores": cores, "jobs": jobs, "jobs_why": jobs_why, "load": load,
+                 "variant": args.variant, "dtype": args.dtype, "head_dim": args.head_dim}
+    v = fivar.load(args.variant)
+    m = gen_module(v, op="single_prefill", dtype=args.dtype, head_dim=args.head_dim)
+    res["arch"] = toolchain.arch_tag()
+    res["uri"] = m.uri
+
+    # 1. fivar cold compile
+    c0, t0 = child_cpu(), time.perf_counter()
+    kind = m.build()
+    res["fivar_cold_s"], res["fivar_cold_cpu_s"] = time.perf_counter() - t0, child_cpu() - c0
+    assert kind == "cold", kind
+    res["fivar_units"] = sum(n.endswith(".cu") for n in m.sources)
+    print(f"fivar cold compile: {res['fivar_cold_s']:.1f} s", flush=True)
+
+    # 2. FlashInfer's own path for the same variant declaration
+    if not args.skip_flashinfer:
+        from flashinfer.jit import env as jit_env
+        from flashinfer.jit.attention.modules import gen_customize_single_prefill_module
+
+        from fivar.codegen import fa2
+        from fivar.paths import csrc_dir
+        decl = fa2.variant_decl(v)
+        tn, tt, sn, st = decl.additional
+        uri = f"flashinfer_ref_{m.uri}"
+        gen = jit_env.FLASHINFER_GEN_SRC_DIR / uri
+        gen.mkdir(parents=True, exist_ok=True)
+        shutil.copy(csrc_dir() / "fivar_ops.cuh", gen / "fivar_ops.cuh")  # the decl's helper header
+        stub = toolchain.link_flags()  # only on a machine without libcuda (a CPU box)
+        if stub:
+            os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub)
+        dt = jb.DTYPES[args.dtype]
+        spec = gen_customize_single_prefill_module(
+            "fa2", uri, dt, dt, dt, args.head_dim, args.head_dim, list(tn), list(tt), list(sn), list(st),
+            fa2.struct_name(v), decl.source)
+        c0, t0 = child_cpu(), time.perf_counter()
+        spec.build_and_load() if load else spec.build(need_lock=True)
+        res["flashinfer_cold_s"], res["flashinfer_cold_cpu_s"] = time.perf_counter() - t0, child_cpu() - c0
+        res["flashinfer_units"] = len(spec.sources)
+        print(f"FlashInfer gen_customize cold compile: {res['flashinfer_cold_s']:.1f} s", flush=True)
+
+    # 3. in-process hits
+    if load:
+        t0 = time.perf_counter()
+        m.load()
+        res["first_load_ms"] = (time.perf_counter() - t0) * 1e3
+        n = args.hits
+        t0 = time.perf_counter()
+        for _ in range(n):
+            m.load()
+        res["in_process_hit_us"] = (time.perf_counter() - t0) / n * 1e6
+        res["in_process_hit_what"] = "load() of a loaded module (memory hit)"
+    else:
+        n = max(1, args.hits // 100)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            m.build()
+        res["in_process_hit_us"] = (time.perf_counter() - t0) / n * 1e6
+        res["in_process_hit_what"] = "build() of a built, unloaded module (manifest check + record)"
+    print(f"in-process hit: {res['in_process_hit_us']:.2f} us", flush=True)
+
+    # 4. a fresh process hitting the disk cache
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS, args.variant, args.dtype, str(args.head_dim),
+                          "1" if load else "0"], env=env, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    fp = json.loads(out.stdout.strip().splitlines()[-1])
+    res["fresh_process"] = {**fp, "process_wall_s": wall}
+    res["fresh_process_disk_hit_ms"] = fp["hit_s"] * 1e3
+    print(f"fresh-process disk hit: {res['fresh_process_disk_hit_ms']:.1f} ms (+{fp['gen_module_s']:.2f} s "
+          f"gen_module, +{fp['import_s']:.2f} s import)", flush=True)
+
+    # 5. prewarm
+    if args.prewarm_count > 0:
+        specs = [(n, "fp16" if args.dtype == "bf16" else "bf16", args.head_dim) for n in BUNDLED] + \
+                [(args.variant, args.dtype, 64 if args.head_dim != 64 else 128)]
+        specs = specs[:args.prewarm_count]
+        mods = [gen_module(fivar.load(n), op="single_prefill", dtype=d, head_dim=h) for n, d, h in specs]
+        c0, t0 = child_cpu(), time.perf_counter()
+        results = build_many(mods, parallel=True)
+        wall, cpu = time.perf_counter() - t0, child_cpu() - c0
+        assert all(k == "cold" for k, _ in results), results
+        res["prewarm"] = {"modules": [x.uri for x in mods], "n": len(mods), "wall_s": wall, "cpu_s": cpu,
+                          "ideal_cpu_over_cores_s": cpu / cores, "efficiency": (cpu / cores) / wall}
+        print(f"prewarm {len(mods)}: {wall:.1f} s (ideal {cpu / cores:.1f} s)", flush=True)
+        if args.singles:
+            singles = []
+            for n, d, h in specs:
+                sws, sfc = fresh_dirs("single")
+                senv = {**env, "FLASHINFER_WORKSPACE_BASE": sws, "FIVAR_CACHE_DIR": sfc}
+                o = subprocess.run([sys.executable, "-c", SINGLE_COLD, n, d, str(h)], env=senv,
+                                   capture_output=True, text=True, check=True)
+                singles.append(json.loads(o.stdout.strip().splitlines()[-1])["s"])
+                if not args.keep:
+                    shutil.rmtree(os.path.dirname(sws), ignore_errors=True)
+            res["prewarm"]["single_cold_s"] = singles
+            res["prewarm"]["ideal_sum_single_over_cores_s"] = sum(singles) / cores
+
+    from fivar.jit import records
+    records.flush()
+    print_table(res)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.json_path}")
+    if not args.keep:
+        shutil.rmtree(os.path.dirname(ws), ignore_errors=True)
+    return 0
+
+
+def print_table(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table("measurement", "value", title=f"fivar build/cache costs on {res['device']} "
+              f"(arch {res['arch']}, {res['cores']} cores, {res['jobs']} jobs; FlashInfer {res['flashinfer']}, "
+              f"nvcc {res['nvcc']})")
+    t.add_row(f"cold compile, fivar ({res['fivar_units']} nvcc units)",
+              f"{res['fivar_cold_s']:.1f} s wall, {res['fivar_cold_cpu_s']:.1f} s CPU")
+    if "flashinfer_cold_s" in res:
+        t.add_row(f"cold compile, FlashInfer gen_customize ({res['flashinfer_units']} units)",
+                  f"{res['flashinfer_cold_s']:.1f} s wall, {res['flashinfer_cold_cpu_s']:.1f} s CPU "
+                  f"({res['flashinfer_cold_s'] / res['fivar_cold_s']:.2f}x fivar)")
+    t.add_row(f"in-process hit ({res['in_process_hit_what']})", f"{res['in_process_hit_us']:.2f} us")
+    if "first_load_ms" in res:
+        t.add_row("first load in process (dlopen)", f"{res['first_load_ms']:.1f} ms")
+    fp = res["fresh_process"]
+    t.add_row("fresh-process disk hit (load() or build() after gen_module)",
+              f"{res['fresh_process_disk_hit_ms']:.1f} ms (+ gen_module {fp['gen_module_s'] * 1e3:.0f} ms, "
+              f"import {fp['import_s'] * 1e3:.0f} ms; process {fp['process_wall_s']:.2f} s)")
+    if "prewarm" in res:
+        p = res["prewarm"]
+        t.add_row(f"prewarm {p['n']} modules (one ninja)", f"{p['wall_s']:.1f} s wall, {p['cpu_s']:.1f} s CPU")
+        t.add_row("  ideal: CPU s / cores", f"{p['ideal_cpu_over_cores_s']:.1f} s "
+                  f"(parallel efficiency {100 * p['efficiency']:.0f}%)")
+        if "ideal_sum_single_over_cores_s" in p:
+            t.add_row("  ideal: sum(single cold) / cores", f"{p['ideal_sum_single_over_cores_s']:.1f} s")
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

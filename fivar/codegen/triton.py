@@ -1,0 +1,229 @@
+"""IR -> Triton: the variant as two small `@triton.jit` functions, inlined into a FlashAttention-2 kernel.
+
+The same lowered programs as the CUDA structs (`fivar.spec.optimize.lower`): `qk` is the unscaled q.k,
+invariants are computed once per program in the kernel prologue, and a folded output factor goes into
+the exp2 scale. Inside a tile, `q_idx` is a column [BLOCK_M, 1], `kv_idx` a row [1, BLOCK_N] and the
+heads/batch are scalars (decode: `qo_head` is a column of the group's heads), so every expression simply
+broadcasts. Semantics follow the torch reference: Python's // and % (Triton's integer ops truncate, the
+helpers below fix that up), int() truncates toward zero, tensor-parameter indices are clamped.
+"""
+from __future__ import annotations
+
+import keyword
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import ir, optimize
+from ..spec.ir import BOOL, F32, I32
+from .fa2 import render
+
+#: Names the rendered module and its kernels use themselves; a variant name that collides gets a `_`.
+_TAKEN = {"tl", "triton", "torch", "os", "math", "float", "int", "True", "False", "None", "qk", "logits",
+          "mask", "keep", "acc", "q", "k", "v", "p", "w", "Q", "K", "V", "Out", "sm_scale", "qk_scale",
+          "INTERPRET", "LOG2E", "GROUP", "HEAD_DIM", "CAUSAL", "BLOCK_M", "BLOCK_N", "BLOCK_H", "PAGE_SIZE",
+          "batch", "qo_head", "kv_head", "q_idx", "kv_idx", "qo_len", "kv_len", "qo_start", "kv_start",
+          "offs_m", "offs_n", "offs_d", "offs_h", "m_i", "l_i", "m_new", "m_safe", "alpha", "page", "slot"}
+
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+          "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+_CALLS = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt", "floor": "tl.floor",
+          "abs": "tl.abs", "minimum": "tl.minimum", "maximum": "tl.maximum", "sigmoid": "tl.sigmoid",
+          "tanh": "_tanh"}
+_TL_TYPE = {F32: "tl.float32", I32: "tl.int32"}
+
+
+def _safe(name: str, taken) -> str:
+    while name in taken or keyword.iskeyword(name):
+        name += "_"
+    return name
+
+
+def float_literal(v: float) -> str:
+    if v != v:
+        return 'float("nan")'
+    if v in (float("inf"), float("-inf")):
+        return f'float("{"-" if v < 0 else ""}inf")'
+    return repr(float(v))
+
+
+def _constant(e: ir.Expr, const_locals: dict) -> bool:
+    return all(isinstance(n, ir.Const) or (isinstance(n, ir.Local) and n.name in const_locals)
+               or (n.children() and not isinstance(n, ir.Load)) for n in ir.walk(e))
+
+
+@dataclass
+class KernelArg:
+    """One variant argument of the kernels: its name in the module and how the runtime fills it."""
+    name: str
+    source: str  # "sm_scale", "scalar", "tensor", "size", "stride"
+    param: str | None = None
+    dim: int = 0
+    specialize: bool = False  # ints only: let Triton specialise on the value (strides)
+
+
+class TritonEmitter:
+    def __init__(self, variant):
+        self.variant = variant
+        self.lowered = optimize.lower(variant.ir, variant.softmax)
+        taken = set(_TAKEN)
+        self.param_names = {}
+        for name in variant.params:
+            self.param_names[name] = _safe(name, taken)
+            taken.add(self.param_names[name])
+        self.hoisted_names = {h: f"fv_{h}" for h in self.lowered.hoisted}  # user names never start with fv_
+        self.args = self._kernel_args()
+        self.taken = taken | {a.name for a in self.args} | set(self.hoisted_names.values())
+        self.helpers: set[str] = set()
+        self.local_names: dict[str, str] = {}
+        self.const_locals: dict[str, ir.Expr] = {}
+
+    # --- arguments -------------------------------------------------------------------------------
+    def _kernel_args(self) -> list[KernelArg]:
+        args = [KernelArg("sm_scale", "sm_scale")]
+        for name, p in self.variant.tensor_params.items():
+            pname = self.param_names[name]
+            args.append(KernelArg(pname, "tensor", name))
+            for d in range(p.ndim):
+                args.append(KernelArg(f"{pname}_size{d}", "size", name, d))
+                if d < p.ndim - 1:
+                    args.append(KernelArg(f"{pname}_stride{d}", "stride", name, d, specialize=True))
+        for name in self.variant.scalar_params:
+            args.append(KernelArg(self.param_names[name], "scalar", name))
+        return args
+
+    def variant_args(self) -> list[str]:
+        """What the logits/mask functions take after the index variables: kernel args, then invariants."""
+        return [a.name for a in self.args] + list(self.hoisted_names.values())
+
+    def unspecialized(self) -> list[str]:
+        return [a.name for a in self.args if a.source in ("scalar", "size")]
+
+    # --- expressions -----------------------------------------------------------------------------
+    def expr(self, e: ir.Expr) -> str:
+        if not isinstance(e, ir.Const) and _constant(e, self.const_locals):
+            return self.literal(self.fold(e), e.type)
+        if isinstance(e, ir.Const):
+            return self.literal(e.value, e.type)
+        if isinstance(e, ir.RawScore):
+            return "qk"
+        if isinstance(e, ir.Score):
+            return "(qk * sm_scale)"
+        if isinstance(e, ir.Index):
+            return e.name
+        if isinstance(e, ir.ScalarParam):
+            return "sm_scale" if e.name == "sm_scale" else self.param_names[e.name]
+        if isinstance(e, ir.Hoisted):
+            return self.hoisted_names[e.name]
+        if isinstance(e, ir.Local):
+            return self.local_names[e.name]
+        if isinstance(e, ir.Load):
+            return self.load(e)
+        if isinstance(e, ir.Unary):
+            return f"(-{self.expr(e.x)})" if e.op == "neg" else f"(~{self.expr(e.x)})"
+        if isinstance(e, ir.Binary):
+            a, b = self.expr(e.a), self.expr(e.b)
+            if e.op in ("floordiv", "mod"):
+                if e.type == F32:
+                    return f"tl.floor({a} / {b})" if e.op == "floordiv" else f"({a} - {b} * tl.floor({a} / {b}))"
+                self.helpers.add(e.op)
+                return f"_py_{e.op}({a}, {b})"
+            return f"({a} {_INFIX[e.op]} {b})"
+        if isinstance(e, ir.Select):
+            return f"tl.where({self.expr(e.cond)}, {self.expr(e.a)}, {self.expr(e.b)})"
+        if isinstance(e, ir.Call):
+            if e.fn == "tanh":
+                self.helpers.add("tanh")
+            return f"{_CALLS[e.fn]}({', '.join(self.expr(a) for a in e.args)})"
+        if isinstance(e, ir.Cast):
+            return f"{self.expr(e.x)}.to({_TL_TYPE[e.type]})"
+        raise TypeError(f"no Triton for {e!r}")  # an IR node the parser cannot produce
+
+    def load(self, e: ir.Load) -> str:
+        p = self.variant.params[e.param]
+        name = self.param_names[e.param]
+        terms = []
+        for d, index in enumerate(e.indices):
+            clamped = f"tl.minimum(tl.maximum({self.expr(index)}, 0), {name}_size{d} - 1)"
+            terms.append(clamped + (f" * {name}_stride{d}" if d < p.ndim - 1 else ""))
+        value = f"tl.load({name} + {' + '.join(terms)})"
+        return f"({value} != 0)" if e.type == BOOL else f"{value}.to({_TL_TYPE[e.type]})"
+
+    def fold(self, e: ir.Expr):
+        """Constant subtrees are computed here (float32, the reference's semantics): Triton would
+        otherwise evaluate them as Python constexprs, with Python's float64 and no tensor methods."""
+        from .torch_ref import TorchEvaluator
+        ev = TorchEvaluator({}, {}, torch.float32, "cpu")
+        for name, value in self.const_locals.items():
+            ev.locals[name] = ev.eval(value)
+        return ev.eval(e).item()
+
+    @staticmethod
+    def literal(value, t: str) -> str:
+        if t == BOOL:
+            return "True" if value else "False"
+        if t == F32:
+            return float_literal(float(value))
+        return str(int(value))
+
+    # --- functions -------------------------------------------------------------------------------
+    def function(self, program: ir.Program, name: str, first_args: tuple[str, ...]) -> str:
+        """A `@triton.jit` function computing the program (lets as statements, then the return)."""
+        self.local_names, self.const_locals = {}, {}
+        lines = []
+        taken = set(self.taken)
+        for lname, e in program.lets:
+            if _constant(e, self.const_locals):
+                self.const_locals[lname] = e  # folded wherever it is used
+                continue
+            self.local_names[lname] = _safe(lname, taken)
+            taken.add(self.local_names[lname])
+            lines.append(f"{self.local_names[lname]} = {self.expr(e)}")
+        lines.append(f"return {self.expr(program.result)}")
+        args = ", ".join(list(first_args) + self.variant_args())
+        body = "\n".join("    " + line for line in lines)
+        return f"@triton.jit\ndef {name}({args}):\n{body}\n"
+
+    def prologue(self) -> list[str]:
+        """Kernel statements computing the per-program invariants and the exp2 scale of the softmax."""
+        self.local_names, self.const_locals = {}, {}
+        lines = [f"{self.hoisted_names[h]} = {self.expr(e)}" for h, e in self.lowered.hoisted.items()]
+        if self.variant.softmax:
+            scale = self.lowered.output_scale
+            lines.append("qk_scale = LOG2E" if scale is None else f"qk_scale = LOG2E * {self.expr(scale)}")
+        return lines
+
+
+def render_attention(variant) -> str:
+    """The whole Python module of the variant's Triton twin (prefill and decode kernels, launchers)."""
+    emit = TritonEmitter(variant)
+    logits = emit.lowered.logits
+    logits_fn = emit.function(logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
+    mask_fn = emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS) if emit.lowered.mask else None
+    prologue = emit.prologue()
+    source = os.path.basename(variant.source_file or "<unknown>")
+    return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
+                  softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, helpers=sorted(emit.helpers),
+                  prologue=prologue, kernel_args=[a.name for a in emit.args],
+                  variant_args=emit.variant_args(), unspecialized=emit.unspecialized(),
+                  logits_text=ir.format_program(variant.ir.logits, "logits") if variant.ir.logits else None,
+                  mask_text=ir.format_program(variant.ir.mask, "mask") if variant.ir.mask else None)
+
+
+def kernel_arg_values(variant, bound, sm_scale: float) -> dict:
+    """The variant's kernel arguments by name, from params checked by `bind_params`."""
+    values = {}
+    for a in TritonEmitter(variant).args:
+        if a.source == "sm_scale":
+            values[a.name] = float(sm_scale)
+        elif a.source == "scalar":
+            p = variant.params[a.param]
+            values[a.name] = float(bound.scalars[a.param]) if p.dtype is float else int(bound.scalars[a.param])
+        elif a.source == "tensor":
+            values[a.name] = bound.tensors[a.param]
+        elif a.source == "size":
+            values[a.name] = int(bound.tensors[a.param].shape[a.dim])
+        else:
+            values[a.name] = int(bound.tensors[a.param].stride(a.dim))
+    return values

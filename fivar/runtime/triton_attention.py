@@ -1,0 +1,69 @@
+"""Running a variant's Triton twin (`backend="triton"`): the same argument conventions and checks as the
+FlashInfer entry points in `fivar.runtime.attention`, then a launch of the generated Triton module.
+
+Under TRITON_INTERPRET=1 the twin also runs on CPU tensors (slowly; for tests without a GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..codegen.triton import kernel_arg_values
+from ..errors import FivarError
+from ..jit.triton_module import load_triton_module
+from .attention import (_check_decode_indptr, _check_qkv, _check_ragged_indptr, _paged_kv, _prepare)
+
+#: tl.arange and tl.dot want a power of two of at least 16.
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _check_inputs(variant, q, k, v, **kw):
+    _check_qkv(variant, q, k, v, allow_cpu=os.environ.get("TRITON_INTERPRET") == "1",
+               head_dims=TRITON_HEAD_DIMS, **kw)
+
+
+def _indptr(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, params=None):
+    """Single-request prefill: q [qo_len, Hq, D], k/v [kv_len, Hkv, D]."""
+    _check_inputs(variant, q, k, v)
+    bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
+    o = load_triton_module(variant).prefill(
+        q, k, v, _indptr([q.shape[0]], q.device), _indptr([k.shape[0]], q.device), q.shape[0], causal,
+        kernel_arg_values(variant, bound, sm_scale))
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
+                                params=None):
+    """Requests packed back to back: request b owns q[qo_indptr[b]:qo_indptr[b+1]] and likewise k/v."""
+    _check_inputs(variant, q, k, v)
+    qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
+    bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
+    max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    return load_triton_module(variant).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal,
+                                               kernel_arg_values(variant, bound, sm_scale))
+
+
+def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
+                  params=None):
+    """One query token per request over a paged KV cache: q [batch, Hq, D]; q_idx is kv_len - 1."""
+    k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
+    _check_inputs(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
+    kv_indices = kv_indices.to(device=q.device, dtype=torch.int32)
+    kv_last_page_len = kv_last_page_len.to(device=q.device, dtype=torch.int32)
+    if kv_last_page_len.numel() != batch:
+        raise FivarError(f"variant '{variant.name}': kv_last_page_len must have one entry per request "
+                         f"({batch}), got {kv_last_page_len.numel()}")
+    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
+    page_size = k_cache.shape[1]
+    kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * page_size + kv_last_page_len
+    return load_triton_module(variant).decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
+                                              int(kv_lens.max()), kernel_arg_values(variant, bound, sm_scale))

@@ -1,0 +1,337 @@
+"""`fivar cache ...` and `fivar build --prewarm/--jobs/--launcher`, against an isolated cache.
+
+No compiles: entries are real fivar modules (real URIs, sources, manifests) whose library is a stand-in file,
+which is all the cache commands look at. FlashInfer's cache dirs and FIVAR_CACHE_DIR point into tmp_path.
+"""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import fivar
+from fivar.cli import main
+from fivar.jit import prewarm, records
+from fivar.jit.build import _sha256, gen_module
+from fivar.jit import toolchain
+
+VARIANT = '''from fivar import AttentionVariant, tanh
+
+
+def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return 20.0 * tanh(score / 20.0)
+
+
+variant = AttentionVariant(name="cachev", logits=logits)
+'''
+KIB = 1024
+
+
+@pytest.fixture
+def iso(tmp_path, monkeypatch):
+    from flashinfer.jit import env as jit_env
+    root = tmp_path / "ws" / ".cache" / "flashinfer"
+    ws = root / jit_env.FLASHINFER_WORKSPACE_DIR.relative_to(jit_env.FLASHINFER_CACHE_DIR)
+    monkeypatch.setattr(jit_env, "FLASHINFER_CACHE_DIR", root)
+    monkeypatch.setattr(jit_env, "FLASHINFER_JIT_DIR", ws / "cached_ops")
+    monkeypatch.setattr(jit_env, "FLASHINFER_GEN_SRC_DIR", ws / "generated")
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path / "fivar"))
+    vdir = tmp_path / "variants"
+    vdir.mkdir()
+    (vdir / "cachev.py").write_text(VARIANT)
+    monkeypatch.setenv("FIVAR_VARIANT_PATH", str(vdir))
+    return root, ws, vdir / "cachev.py"
+
+
+def fake_built(m, size=1000, age_s=0.0):
+    """A module whose library is a stand-in of `size` bytes, with a real manifest written by fivar."""
+    m.jit_spec()  # writes the generated sources
+    m.build_dir.mkdir(parents=True, exist_ok=True)
+    m.library_path.write_bytes(os.urandom(size))
+    m.write_manifest(12.5)
+    if age_s:
+        man = json.loads(m.manifest_path.read_text())
+        man["created"] = time.time() - age_s
+        m.manifest_path.write_text(json.dumps(man))
+    assert m.manifest_ok()
+    return m
+
+
+def module(vfile, dtype="bf16", head_dim=128):
+    return gen_module(fivar.load(str(vfile)), op="single_prefill", dtype=dtype, head_dim=head_dim)
+
+
+def invoke(*args):
+    r = CliRunner().invoke(main, list(args))
+    return r
+
+
+def as_json(*args):
+    r = invoke(*args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_ls_size_provenance_hits_and_staleness(iso):
+    root, ws, vfile = iso
+    m = fake_built(module(vfile), size=100 * KIB)
+    # the same module left behind by an older FlashInfer
+    old_dir = root / "0.6.0" / ws.name / "cached_ops" / m.uri
+    old_dir.mkdir(parents=True)
+    man = json.loads(m.manifest_path.read_text())
+    (old_dir / f"{m.uri}.so").write_bytes(b"x" * 10)
+    (old_dir / "fivar_manifest.json").write_text(json.dumps({**man, "flashinfer": "0.6.0"}))
+    # an interrupted build: objects, no manifest
+    broken = ws / "cached_ops" / "fivar_cachev_fa2_single_prefill_fp16_hd64_000000000000"
+    broken.mkdir(parents=True)
+    (broken / "x.cuda.o").write_bytes(b"o" * 50)
+    records.record_many([(m, "disk", 0.01)] * 3)
+    for _ in range(5):
+        records.memory_hit(m)
+
+    rows = as_json("cache", "ls")
+    by = {(r["uri"], r["flashinfer"]): r for r in rows}
+    assert len(rows) == 3
+    cur = by[(m.uri, toolchain.flashinfer_version())]
+    assert cur["stale"] is False and cur["hits"] == 8 and cur["compile_seconds"] == 12.5
+    assert cur["size_bytes"] >= 100 * KIB + sum(len(t) for t in m.sources.values())
+    assert (cur["variant"], cur["op"], cur["dtype"], cur["head_dim"], cur["target"]) == \
+        ("cachev", "single_prefill", "bf16", 128, "fa2")
+    assert cur["last_use"] and time.time() - cur["last_use"] < 60
+    old = by[(m.uri, "0.6.0")]
+    assert old["stale"] is True and any("flashinfer 0.6.0" in r for r in old["stale_reasons"])
+    br = by[(broken.name, None)]
+    assert br["stale"] is True and "no manifest" in br["stale_reasons"][0] and br["size_bytes"] == 50
+
+    # edit the variant: its module is now stale (it renders another URI); revert: fresh again
+    vfile.write_text(VARIANT.replace("20.0", "25.0"))
+    cur = [r for r in as_json("cache", "ls") if r["uri"] == m.uri and r["flashinfer"] != "0.6.0"][0]
+    assert cur["stale"] is True and "was edited" in cur["stale_reasons"][0]
+    vfile.write_text(VARIANT)
+    cur = [r for r in as_json("cache", "ls") if r["uri"] == m.uri and r["flashinfer"] != "0.6.0"][0]
+    assert cur["stale"] is False
+    r = invoke("cache", "ls")
+    assert r.exit_code == 0 and "stale" in r.output and "3 module(s)" in r.output
+
+
+def test_show_gives_manifest_files_and_events(iso):
+    _, _, vfile = iso
+    m = fake_built(module(vfile))
+    records.record_many([(m, "cold", 42.0)])
+    records.record_many([(m, "disk", 0.02)], action="load", holder=True)
+    d = as_json("cache", "show", m.uri[:-6])  # a unique prefix is enough
+    assert d["uri"] == m.uri and d["manifest"]["so_sha256"] == _sha256(m.library_path)
+    assert [(e["action"], e["kind"]) for e in d["events"]] == [("load", "disk"), ("build", "cold")]
+    assert d["live_holders"] == [os.getpid()]  # this process recorded a load and is alive
+    assert any(f.endswith(f"{m.uri}.so") for f in d["files"]) and \
+        any(f.endswith("single_prefill_config.inc") for f in d["files"])
+    r = invoke("cache", "show", "fivar_nope")
+    assert r.exit_code == 1 and "no fivar module" in r.output
+
+
+def test_stats_hit_rate_and_compile_distribution_over_a_window(iso):
+    _, _, vfile = iso
+    m = module(vfile)
+    records.record_many([(m, "cold", 10.0), (m, "cold", 30.0)] + [(m, "disk", 0.01)] * 3)
+    for _ in range(5):
+        records.memory_hit(m)
+    records.flush()
+    con = records.connect()
+    con.execute("INSERT INTO events(time, action, uri, variant, kind, count, seconds) VALUES (?,?,?,?,?,?,?)",
+                (time.time() - 20 * 86400, "build", m.uri, "cachev", "cold", 1, 999.0))
+    con.close()
+    s = as_json("cache", "stats", "--window", "7d")
+    assert (s["cold"], s["disk_hits"], s["memory_hits"]) == (2, 3, 5)
+    assert s["hit_rate"] == pytest.approx(8 / 10)
+    cs = s["compile_seconds"]
+    assert (cs["count"], cs["total"], cs["min"], cs["max"]) == (2, 40.0, 10.0, 30.0)
+    assert s["per_variant"][0]["variant"] == "cachev" and s["per_variant"][0]["cold"] == 2
+    s = as_json("cache", "stats", "--window", "30d")
+    assert s["cold"] == 3 and s["compile_seconds"]["max"] == 999.0
+    assert invoke("cache", "stats", "--window", "soon").exit_code == 1
+
+
+def _hold_lock(path):
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
+                          "l = FileLock(sys.argv[1], thread_local=False); l.acquire(); print('locked', flush=True)\n"
+                          "time.sleep(120)", str(path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_prune_lru_by_size_and_age_never_evicting_live_or_locked(iso):
+    _, ws, vfile = iso
+    # five modules, 100 KiB libraries, least recently used first: a (held), b (being built), c, d, e
+    ms = [fake_built(module(vfile, dt, hd), size=100 * KIB, age_s=age) for (dt, hd), age in zip(
+        [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp16", 64), ("fp16", 128)],
+        [5 * 86400, 4 * 86400, 3 * 86400, 2 * 3600, 60])]
+    a, b, c, d, e = ms
+    sizes = {r["uri"]: r["size_bytes"] for r in as_json("cache", "ls", "--no-stale-check")}
+    holder = subprocess.Popen(["sleep", "120"])
+    con = records.connect()
+    con.execute("INSERT INTO holders(uri, host, pid, time) VALUES (?,?,?,?)", (a.uri, records.HOST, holder.pid,
+                                                                            time.time()))
+    con.close()
+    (ws / "cached_ops" / "tmp").mkdir(parents=True, exist_ok=True)
+    locker = _hold_lock(ws / "cached_ops" / "tmp" / f"{b.uri}.lock")
+    try:
+        limit = sum(sizes.values()) - sizes[c.uri] - sizes[d.uri] // 2  # evicting c alone is not enough
+        dry = as_json("cache", "prune", "--max-size", str(limit), "--dry-run")
+        assert [r["uri"] for r in dry["evicted"]] == [c.uri, d.uri]
+        assert all(m.library_path.exists() for m in ms)  # a dry run deletes nothing
+        res = as_json("cache", "prune", "--max-size", str(limit))
+        assert [r["uri"] for r in res["evicted"]] == [c.uri, d.uri]
+        assert res["freed_bytes"] == sizes[c.uri] + sizes[d.uri]
+        assert not c.build_dir.exists() and not c.gen_dir.exists() and not d.build_dir.exists()
+        assert a.manifest_ok() and b.manifest_ok() and e.manifest_ok()
+        # by age: a and b are old enough, but one is held by a live process and one is being built
+        res = as_json("cache", "prune", "--older-than", "1d")
+        assert res["evicted"] == []
+        skipped = {r["uri"]: r["skipped"] for r in res["skipped"]}
+        assert str(holder.pid) in skipped[a.uri] and "lock" in skipped[b.uri]
+    finally:
+        holder.kill()
+        holder.wait()
+        locker.kill()
+        locker.wait()
+    # both gone now (a killed holder is dead, a killed builder's lock is released): evictable
+    res = as_json("cache", "prune", "--older-than", "1d")
+    assert sorted(r["uri"] for r in res["evicted"]) == sorted([a.uri, b.uri])
+    assert e.manifest_ok() and not a.build_dir.exists()
+    con = records.connect()
+    assert con.execute("SELECT COUNT(*) FROM holders WHERE pid=?", (holder.pid,)).fetchone()[0] == 0
+    con.close()
+    assert invoke("cache", "prune").exit_code == 1  # nothing to go by
+
+
+def test_export_clear_import_round_trip_and_refusals(iso, tmp_path):
+    _, ws, vfile = iso
+    m1, m2 = fake_built(module(vfile, "bf16", 128)), fake_built(module(vfile, "fp16", 64))
+    shas = {m.uri: _sha256(m.library_path) for m in (m1, m2)}
+    out = tmp_path / "mods.tar.gz"
+    ex = as_json("cache", "export", str(out))
+    assert sorted(ex["modules"]) == sorted(shas)
+    with tarfile.open(out) as tar:
+        meta = json.loads(tar.extractfile("fivar_export.json").read())
+        names = tar.getnames()
+    assert (meta["arch"], meta["flashinfer"], meta["nvcc"]) == \
+        (toolchain.arch_tag(), toolchain.flashinfer_version(), toolchain.nvcc_version())
+    assert f"cached_ops/{m1.uri}/{m1.uri}.so" in names and f"generated/{m1.uri}/single_prefill_config.inc" in names
+    assert not any(n.endswith(".o") or n.endswith("build.ninja") for n in names)
+
+    cl = as_json("cache", "clear", "--yes")
+    assert sorted(r["uri"] for r in cl["removed"]) == sorted(shas)
+    assert not m1.manifest_ok() and not m1.gen_dir.exists()
+    im = as_json("cache", "import", str(out))
+    assert sorted(im["imported"]) == sorted(shas)
+    for m in (m1, m2):
+        assert m.manifest_ok() and _sha256(m.library_path) == shas[m.uri]
+        assert m.build() == "disk"  # the imported module is a hit: no compile
+        assert all((m.gen_dir / n).read_text() == t for n, t in m.sources.items())
+    assert sorted(as_json("cache", "import", str(out))["already_present"]) == sorted(shas)
+
+    # another toolchain's export is refused, naming both sides
+    bad = tmp_path / "other.tar.gz"
+    with tarfile.open(out) as src, tarfile.open(bad, "w:gz") as dst:
+        for mem in src.getmembers():
+            data = src.extractfile(mem).read()
+            if mem.name == "fivar_export.json":
+                data = json.dumps({**json.loads(data), "flashinfer": "0.0.1", "nvcc": "12.4.131"}).encode()
+                mem.size = len(data)
+            import io
+            dst.addfile(mem, io.BytesIO(data))
+    r = invoke("cache", "import", str(bad))
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and "flashinfer 0.0.1" in flat and f"flashinfer {toolchain.flashinfer_version()}" in flat
+    assert "nvcc 12.4.131" in flat and "mismatch: flashinfer, nvcc" in flat
+
+    # a member outside the two trees is refused before anything is written
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(out) as src, tarfile.open(evil, "w:gz") as dst:
+        for mem in src.getmembers():
+            dst.addfile(mem, src.extractfile(mem))
+        info = tarfile.TarInfo(f"cached_ops/{m1.uri}/../../../escape.txt")
+        info.size = 1
+        dst.addfile(info, __import__("io").BytesIO(b"x"))
+    r = invoke("cache", "import", str(evil))
+    assert r.exit_code == 1 and "unexpected member" in r.output
+    assert not (ws.parent / "escape.txt").exists()
+
+
+def test_records_survive_concurrent_writers(tmp_path):
+    """Several processes appending at once (WAL + busy timeout): no lost rows, no 'database is locked'."""
+    db = tmp_path / "r.sqlite"
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('rec', {str(Path(records.__file__))!r})\n"
+        "rec = importlib.util.module_from_spec(spec); spec.loader.exec_module(rec)\n"
+        "for i in range(200):\n"
+        "    con = rec.connect(sys.argv[1]); con.execute('BEGIN IMMEDIATE')\n"
+        "    rec._insert(con, [(0.0, 'build', 'u', 'v', 'fa2', 'op', 'bf16', 64, 'disk', 1, 0.0,"
+        " None, None, None, None, 'h', i)])\n"
+        "    con.execute('COMMIT'); con.close()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(db)], stderr=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    con = records.connect(db)
+    assert con.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 1200
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
+
+
+def test_default_jobs_is_min_of_cores_and_memory(monkeypatch):
+    monkeypatch.setattr(prewarm, "cpu_count", lambda: 16)
+    monkeypatch.setattr(prewarm, "mem_available", lambda: 10 * prewarm.GIB)
+    assert prewarm.default_jobs()[0] == 3
+    monkeypatch.setattr(prewarm, "mem_available", lambda: 1 * prewarm.GIB)
+    assert prewarm.default_jobs()[0] == 1
+    monkeypatch.setattr(prewarm, "mem_available", lambda: 200 * prewarm.GIB)
+    assert prewarm.default_jobs()[0] == 16
+    assert prewarm.mem_available() is None or prewarm.mem_available() > 0
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.delenv("FLASHINFER_JIT_PREBUILD_MAX_JOBS", raising=False)
+    assert prewarm.configure_jobs(None)[0] == 16 and os.environ["MAX_JOBS"] == "16"
+    assert prewarm.configure_jobs(5)[0] == 5 and os.environ["FLASHINFER_JIT_PREBUILD_MAX_JOBS"] == "5"
+
+
+def test_build_prewarm_progress_jobs_and_summary(iso, monkeypatch):
+    _, _, vfile = iso
+    mods = [fake_built(module(vfile, dt, 64)) for dt in ("fp16", "bf16")]
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.setattr(prewarm, "mem_available", lambda: 4 * prewarm.GIB)  # room for one nvcc job
+    r = invoke("build", "cachev", "--prewarm", "--ops", "single_prefill", "--dtypes", "fp16,bf16",
+               "--head-dims", "64")
+    assert r.exit_code == 0, r.output
+    assert "with 1 nvcc job(s)" in r.output and os.environ["MAX_JOBS"] == "1"
+    assert "modules" in r.output and "2/2" in r.output  # the progress display's final state
+    assert r.output.count("hit (disk)") == 2
+    assert sorted(k for (k,) in records.connect().execute("SELECT kind FROM events")) == ["disk", "disk"]
+    assert all(m.manifest_ok() for m in mods)
+
+
+def test_launcher_lands_in_build_ninja(iso, tmp_path, monkeypatch):
+    _, _, vfile = iso
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "fakecache"
+    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("FLASHINFER_NVCC_LAUNCHER", raising=False)
+    monkeypatch.delenv("FLASHINFER_CXX_LAUNCHER", raising=False)
+    assert prewarm.configure_launcher("fakecache") == str(fake)
+    m = module(vfile)
+    m.jit_spec().write_ninja()
+    text = (m.build_dir / "build.ninja").read_text()
+    assert f"nvcc_launcher = {fake}" in text and f"cxx_launcher = {fake}" in text
+    assert "$nvcc_launcher $nvcc" in text
+    assert module(vfile).uri == m.uri  # a launcher does not change what is built
+    r = invoke("build", "cachev", "--launcher", "no-such-launcher-xyz")
+    assert r.exit_code == 1 and "no-such-launcher-xyz" in r.output and "not found" in r.output

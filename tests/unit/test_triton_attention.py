@@ -1,0 +1,149 @@
+"""The Triton twin of every bundled variant, run by Triton's interpreter on the CPU, against the torch
+reference at small awkward shapes (lengths off the tile size, qo_len != kv_len, GQA, ragged batches,
+paged decode with several KV splits)."""
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fivar
+from fivar import AttentionVariant, Scalar, Tensor
+from fivar.testing import _ragged_reference, _to_paged, compare, example_params
+
+BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
+           "softcap_sliding_window"]
+DTYPE = torch.float16  # the interpreter has no bfloat16 arithmetic; fp16 is a dtype the kernels accept
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    """Triton picks interpreted vs compiled when a kernel is defined: set the mode for this module only."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _params(variant, hq, hkv, batch, max_len):
+    # Windows short enough to mask inside these small sequences.
+    params = example_params(variant, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, max_len=max_len,
+                            device="cpu")
+    if "window" in variant.params:
+        params["window"] = int(torch.randint(2, max(3, max_len // 2), (1,)))
+    if "max_distance" in params:
+        params["max_distance"] = 6
+        params["bias"] = torch.randn(hq, 13)
+    return params
+
+
+def _qkv(lq, lk, hq, hkv, d):
+    return (torch.randn(lq, hq, d, dtype=DTYPE), torch.randn(lk, hkv, d, dtype=DTYPE),
+            torch.randn(lk, hkv, d, dtype=DTYPE))
+
+
+def _check(name, case, out, ref):
+    r = compare(name, case, out, ref, DTYPE)
+    assert r.passed, r
+
+
+SINGLE = [(5, 19, 4, 2, 16, False), (5, 19, 4, 2, 16, True), (16, 16, 2, 2, 32, True), (37, 45, 4, 1, 32, False),
+          (23, 7, 2, 1, 16, True)]  # qo_len > kv_len: the first rows see no key
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv,d,causal", SINGLE)
+@pytest.mark.parametrize("name", BUNDLED)
+def test_single_prefill(name, lq, lk, hq, hkv, d, causal):
+    v = fivar.load(name)
+    q, k, vv = _qkv(lq, lk, hq, hkv, d)
+    params = _params(v, hq, hkv, 1, lk)
+    out = v.prefill(q, k, vv, causal=causal, backend="triton", **params)
+    _check(name, f"qo{lq} kv{lk} {hq}/{hkv} hd{d} causal={causal}", out, v.reference(q, k, vv, causal=causal,
+                                                                                   **params))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", BUNDLED)
+def test_batch_prefill_ragged(name, causal):
+    v = fivar.load(name)
+    qo_lens, kv_lens, hq, hkv, d = [5, 1, 17], [19, 7, 17], 4, 2, 16
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), hq, hkv, d)
+    params = _params(v, hq, hkv, len(qo_lens), max(kv_lens))
+    qo_indptr = torch.tensor([0, 5, 6, 23], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 19, 26, 43], dtype=torch.int32)
+    out = v.batch_prefill_ragged(q, k, vv, qo_indptr, kv_indptr, causal=causal, backend="triton", **params)
+    _check(name, f"ragged causal={causal}", out, _ragged_reference(v, q, k, vv, qo_lens, kv_lens, causal, params))
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_decode_paged(name):
+    v = fivar.load(name)
+    kv_lens, hq, hkv, d = [1, 9, 40], 4, 2, 16
+    q = torch.randn(len(kv_lens), hq, d, dtype=DTYPE)
+    _, k, vv = _qkv(1, sum(kv_lens), hq, hkv, d)
+    params = _params(v, hq, hkv, len(kv_lens), max(kv_lens))
+    cache, indptr, indices, last = _to_paged(k, vv, kv_lens, page_size=4)
+    out = v.decode(q, cache, indptr, indices, last, backend="triton", **params)
+    _check(name, "decode page 4", out, _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params))
+
+
+def test_decode_merges_several_splits():
+    """40 keys at the interpreter's 16-token minimum split: the merge step combines 3 partial results."""
+    mod = fivar.jit.triton_module.load_triton_module(fivar.load("softcap"))
+    assert mod.decode_splits(programs=1, max_kv_len=40, device=torch.device("cpu")) == 3
+
+
+# --- semantics the emitter must get right: Python // and %, int() truncation, clamped indices, masks
+def _semantics_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    d = kv_idx - q_idx
+    wrapped = float(d // 3) * 0.25 + float(d % 5) * 0.5 - float(int(score * 2.5)) * 0.1
+    return score + wrapped + params.table[qo_head, d + params.shift]  # reads past both ends: clamped
+
+
+def _middle_band(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx < 6 or kv_idx >= 30  # interior tiles are masked too
+
+
+SEMANTICS = AttentionVariant(name="triton_semantics", logits=_semantics_logits, mask=_middle_band, params={
+    "table": Tensor("float32", ("qo_head", "offset")), "shift": Scalar(int, default=3)})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_floor_division_truncation_clamping_and_interior_masks(causal):
+    q, k, vv = _qkv(21, 45, 4, 2, 16)
+    params = {"table": torch.randn(4, 9), "shift": 3}
+    out = SEMANTICS.prefill(q, k, vv, causal=causal, backend="triton", **params)
+    _check("triton_semantics", f"causal={causal}", out, SEMANTICS.reference(q, k, vv, causal=causal, **params))
+
+
+def test_module_is_cached_by_content_hash(tmp_path, monkeypatch):
+    from fivar.jit import triton_module
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path))
+    v = AttentionVariant(name="hash_probe", logits=_semantics_logits, params=SEMANTICS.params)
+    mod = triton_module.load_triton_module(v)
+    files = list((tmp_path / "triton").glob("fivar_hash_probe_triton_*.py"))
+    assert [f.stem for f in files] == [mod.__name__.removesuffix("_interpreted")]
+    assert files[0].read_text() == fivar.codegen.triton.render_attention(v)
+    assert triton_module.load_triton_module(v) is mod
+
+
+def test_cpu_inputs_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    v = fivar.load("softcap")
+    q, k, vv = _qkv(4, 4, 2, 2, 16)
+    with pytest.raises(fivar.FivarError, match="CUDA tensors"):
+        v.prefill(q, k, vv, backend="triton")
+
+
+def test_bad_params_are_reported_before_launch():
+    v = fivar.load("alibi")
+    q, k, vv = _qkv(4, 4, 2, 2, 16)
+    with pytest.raises(fivar.FivarError, match="missing parameter 'slopes'"):
+        v.prefill(q, k, vv, backend="triton")
+    with pytest.raises(fivar.FivarError, match="head_dim 24"):
+        fivar.load("softcap").prefill(*_qkv(4, 4, 2, 2, 24), backend="triton")
+
+
+def test_show_prints_the_triton_twin():
+    from fivar.cli import main
+    result = CliRunner().invoke(main, ["show", "softcap", "--target", "triton"])
+    assert result.exit_code == 0, result.output
+    assert "def variant_logits(qk, batch, qo_head, kv_head, q_idx, kv_idx" in result.output
+    assert "return _tanh((qk * fv_h0))" in result.output and "qk_scale = LOG2E * softcap" in result.output
