@@ -226,3 +226,68 @@ def check(name, ops, dtypes, head_dims, backends):
 
 from .cache_cli import cache  # noqa: E402
 main.add_command(cache)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--vs", "vs", multiple=True, type=click.Choice(["stock", "triton", "flex", "sdpa"]),
+              help="contenders besides fivar's own kernels (repeatable); default: stock, triton, flex")
+@click.option("--op", type=click.Choice(["prefill", "batch-prefill", "decode"]), default="prefill", show_default=True)
+@click.option("--seqlens", default="1024,4096,8192", show_default=True)
+@click.option("--batch", default=1, show_default=True, help="requests (batch-prefill, decode)")
+@click.option("--heads", default="32/32", show_default=True, help="Hq/Hkv")
+@click.option("--head-dim", default=128, show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--causal", is_flag=True)
+@click.option("--rounds", default=4, show_default=True, help="interleaved timing rounds (each a do_bench median)")
+@click.option("--json", "json_path", default=None, help="write the full report (raw samples included)")
+@click.option("--plot", "plot_path", default=None, help="write a PNG: throughput vs seqlen + roofline")
+@click.option("--compile", "compile_", is_flag=True, help="cold/disk/memory build latency, fivar vs FlashInfer's path")
+def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, json_path, plot_path, compile_):
+    """Benchmark a variant against stock FlashInfer, its Triton twin and FlexAttention (needs a GPU)."""
+    import json as _json
+
+    import torch
+
+    if compile_:
+        script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_compile.py"
+        if not script.exists():
+            raise FivarError("fivar bench --compile runs benchmarks/bench_compile.py from a fivar checkout")
+        args = [sys.executable, str(script), "--variant", name] + (["--json", json_path] if json_path else [])
+        sys.exit(__import__("subprocess").call(args))
+    if not torch.cuda.is_available():
+        raise FivarError("fivar bench times kernels, so it needs a CUDA GPU")
+    from . import load
+    from .bench import ceilings as ceil_mod
+    from .bench.harness import run
+    v = load(name)
+    try:
+        hq, hkv = (int(x) for x in heads.split("/"))
+    except ValueError:
+        raise FivarError(f"--heads must look like 32/8, got {heads!r}") from None
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    ceilings = ceil_mod.get()
+    console.print(f"ceilings on {ceilings['gpu']}: copy {ceilings['copy_tb_per_s']:.2f} TB/s, "
+                  f"bf16 matmul {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s")
+    report = run(v, op=op, seqlens=_split(seqlens, int), batch=batch, heads=(hq, hkv), head_dim=head_dim, dtype=dt,
+                 causal=causal, vs=vs or ("stock", "triton", "flex"), rounds=rounds, ceilings=ceilings,
+                 progress=lambda s: console.print(s, style="dim", markup=False))
+    table = Table("S", "contender", "status", "ms (min..max)", "TFLOP/s", "% matmul", "TB/s", "% copy",
+                  "vs stock", title=f"fivar bench {name} --op {op} on {report['gpu']} ({report['date']})")
+    for r in report["results"]:
+        stock = r["ratio_vs"].get("stock")
+        table.add_row(str(r["seqlen"]), _escape(r["contender"] + (f" [{r['label']}]" if r["label"] else "")),
+                      {"ok": "[green]ok[/]", "failed": "[red]FAILED check[/]", "error": "[red]error[/]"}[r["status"]],
+                      f"{r['median_ms']:.3f} ({r['spread_ms'][0]:.3f}..{r['spread_ms'][1]:.3f})" if r["median_ms"] else
+                      _escape(str(r["check"].get("error") or r["check"].get("rel_err")))[:40],
+                      f"{r['tflops']:.1f}" if r["tflops"] else "-", f"{r['pct_of_matmul']:.0f}%" if r["tflops"] else "-",
+                      f"{r['tb_per_s']:.2f}" if r["tb_per_s"] else "-", f"{r['pct_of_copy']:.0f}%" if r["tb_per_s"] else "-",
+                      f"{stock:.2f}x" if stock else "-")
+    console.print(table)
+    if json_path:
+        Path(json_path).write_text(_json.dumps(report, indent=1, default=str))
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        from .bench.plot import plot
+        plot(report, plot_path)
+        console.print(f"wrote {plot_path}")

@@ -23,9 +23,30 @@ class Timing:
         return (min(self.samples_ms), max(self.samples_ms))
 
 
-def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms: float = 300) -> dict[str, Timing]:
-    """Median ms per call of each contender; each round times every contender once (do_bench median)."""
-    from triton.testing import do_bench
+def _cpu_bench(fn, warmup_ms: float, rep_ms: float) -> float:
+    import time
+    t_end = time.perf_counter() + warmup_ms / 1e3
+    while time.perf_counter() < t_end:
+        fn()
+    times = []
+    t_end = time.perf_counter() + rep_ms / 1e3
+    while time.perf_counter() < t_end or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms: float = 300,
+                     device: str = "cuda") -> dict[str, Timing]:
+    """Median ms per call of each contender; each round times every contender once.
+
+    On CUDA: triton's do_bench (CUDA events, L2 flushed between calls). On the CPU (tests): wall clock.
+    """
+    if device == "cpu":
+        do_bench = lambda fn, warmup, rep, return_mode: _cpu_bench(fn, warmup, rep)  # noqa: E731
+    else:
+        from triton.testing import do_bench
     out = {name: Timing() for name in fns}
     for fn in fns.values():  # first call: JIT/autotune/compile out of the timed region
         fn()

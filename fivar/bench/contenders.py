@@ -1,0 +1,152 @@
+"""Who runs against a variant: fivar's kernels, the closest stock FlashInfer kernel, the Triton twin,
+FlexAttention and SDPA. Each contender is a zero-argument callable plus how its output is checked.
+
+"stock" is the closest built-in FlashInfer kernel: soft-capping and sliding windows map onto FlashInfer's
+`logits_soft_cap` / `window_left`; anything else runs plain attention, labelled as such and checked
+against a plain-attention reference (it computes a different function, it is only a speed yardstick).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Contender:
+    name: str
+    fn: Callable[[], torch.Tensor]
+    label: str = ""
+    #: output rows to check and the variant whose reference they must match (None: plain attention)
+    checks_variant: bool = True
+
+
+@dataclass
+class Problem:
+    """One benchmark problem: which op, the shapes, and fresh random inputs."""
+    op: str  # prefill | batch-prefill | decode
+    seqlen: int
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    causal: bool
+    device: str = "cuda"
+    tensors: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+
+
+def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
+    """FlashInfer built-in kwargs computing exactly this variant, or None if there is no such built-in."""
+    name = variant.name
+    if name == "softcap":
+        return {"logits_soft_cap": float(params["softcap"])}, "stock logits_soft_cap"
+    if name == "sliding_window":  # fivar keeps q - kv < window; FlashInfer keeps q - kv <= window_left
+        return {"window_left": int(params["window"]) - 1}, "stock window_left"
+    if name == "softcap_sliding_window":
+        return ({"logits_soft_cap": float(params["softcap"]), "window_left": int(params["window"]) - 1},
+                "stock logits_soft_cap + window_left")
+    return None
+
+
+def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, device="cuda") -> Problem:
+    from ..testing import _to_paged, example_params
+    hq, hkv = heads
+    p = Problem(op, seqlen, batch, hq, hkv, head_dim, dtype, causal, device)
+    rnd = lambda *s: torch.randn(*s, dtype=dtype, device=device)  # noqa: E731
+    if op == "prefill":
+        p.tensors = dict(q=rnd(seqlen, hq, head_dim), k=rnd(seqlen, hkv, head_dim), v=rnd(seqlen, hkv, head_dim))
+    elif op == "batch-prefill":
+        n = batch * seqlen
+        p.tensors = dict(q=rnd(n, hq, head_dim), k=rnd(n, hkv, head_dim), v=rnd(n, hkv, head_dim),
+                         indptr=torch.arange(0, n + 1, seqlen, dtype=torch.int32, device=device))
+    elif op == "decode":
+        k, v = rnd(batch * seqlen, hkv, head_dim), rnd(batch * seqlen, hkv, head_dim)
+        cache, indptr, indices, last = _to_paged(k, v, [seqlen] * batch, 16)
+        p.tensors = dict(q=rnd(batch, hq, head_dim), k=k, v=v, cache=cache, kv_indptr=indptr, kv_indices=indices,
+                         last=last)
+    else:
+        raise ValueError(f"unknown op {op}")
+    p.params = example_params(variant, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, max_len=seqlen,
+                              device=device)
+    return p
+
+
+def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
+    t, prm = p.tensors, p.params
+    out: list[Contender] = []
+    if p.op == "prefill":
+        q, k, v = t["q"], t["k"], t["v"]
+        for backend in ("fa3", "fa2") if torch.cuda.get_device_capability() == (9, 0) else ("fa2",):
+            out.append(Contender(f"fivar-{backend}",
+                                 lambda b=backend: variant.prefill(q, k, v, causal=p.causal, backend=b, **prm)))
+        if "triton" in wanted:
+            out.append(Contender("triton", lambda: variant.prefill(q, k, v, causal=p.causal, backend="triton", **prm)))
+        if "stock" in wanted:
+            import flashinfer
+            mapped = stock_mapping(variant, prm)
+            kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")
+            out.append(Contender("stock", lambda: flashinfer.single_prefill_with_kv_cache(
+                q, k, v, causal=p.causal, **kw), label, checks_variant=mapped is not None))
+        if "flex" in wanted and variant.softmax:
+            from ..flex import flex_attention_fn
+            out.append(Contender("flex", flex_attention_fn(variant, prm, q, k, v, causal=p.causal), "torch.compile"))
+        if "sdpa" in wanted:
+            g = p.num_qo_heads // p.num_kv_heads
+            qt, kt, vt = q.transpose(0, 1), k.repeat_interleave(g, 1).transpose(0, 1), v.repeat_interleave(g, 1).transpose(0, 1)
+            out.append(Contender("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=p.causal).transpose(0, 1), "plain attention", checks_variant=False))
+    elif p.op == "batch-prefill":
+        q, k, v, ind = t["q"], t["k"], t["v"], t["indptr"]
+        out.append(Contender("fivar", lambda: variant.batch_prefill_ragged(q, k, v, ind, ind, causal=p.causal, **prm)))
+        if "triton" in wanted:
+            out.append(Contender("triton", lambda: variant.batch_prefill_ragged(q, k, v, ind, ind, causal=p.causal,
+                                                                                backend="triton", **prm)))
+        if "stock" in wanted:
+            import flashinfer
+            mapped = stock_mapping(variant, prm)
+            kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                torch.empty(256 << 20, dtype=torch.uint8, device=p.device), "NHD")
+            w.plan(ind, ind, p.num_qo_heads, p.num_kv_heads, p.head_dim, causal=p.causal, q_data_type=q.dtype,
+                   kv_data_type=k.dtype, **kw)
+            out.append(Contender("stock", lambda: w.run(q, k, v), label, checks_variant=mapped is not None))
+    else:  # decode
+        q, cache, ind, idx, last = t["q"], t["cache"], t["kv_indptr"], t["kv_indices"], t["last"]
+        out.append(Contender("fivar", lambda: variant.decode(q, cache, ind, idx, last, **prm)))
+        if "triton" in wanted:
+            out.append(Contender("triton", lambda: variant.decode(q, cache, ind, idx, last, backend="triton", **prm)))
+        if "stock" in wanted:
+            import flashinfer
+            mapped = stock_mapping(variant, prm)
+            kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(256 << 20, dtype=torch.uint8, device=p.device), "NHD", use_tensor_cores=True)
+            w.plan(ind, idx, last, p.num_qo_heads, p.num_kv_heads, p.head_dim, 16, q_data_type=q.dtype,
+                   kv_data_type=q.dtype, **kw)
+            out.append(Contender("stock", lambda: w.run(q, cache), label + " (tensor-core decode)",
+                                 checks_variant=mapped is not None))
+    return out
+
+
+def _keep_all(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx >= 0
+
+
+def plain(variant=None):
+    """Plain softmax attention: the reference for contenders that compute it instead of the variant."""
+    from ..spec import AttentionVariant
+    global _PLAIN
+    if _PLAIN is None:
+        _PLAIN = AttentionVariant(name="plain", mask=_keep_all)
+    return _PLAIN
+
+
+_PLAIN = None
+
+
+def sm_scale_of(p: Problem) -> float:
+    return 1.0 / math.sqrt(p.head_dim)

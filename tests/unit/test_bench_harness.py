@@ -1,0 +1,115 @@
+"""The benchmark harness on the CPU: statistics, work counting, the report schema, the plot, and that a
+contender failing its check is reported as failed and never timed."""
+import json
+import math
+
+import pytest
+import torch
+
+import fivar
+from fivar.bench.contenders import Contender
+from fivar.bench.harness import Row, evaluate, validate
+from fivar.bench.timing import Timing, attention_flops, decode_kv_bytes
+from fivar.bench.work import attention_bytes, kept_fraction
+from fivar.testing import compare
+
+
+def test_timing_median_and_spread():
+    t = Timing([3.0, 1.0, 2.0, 10.0])
+    assert t.median == 2.5 and t.spread == (1.0, 10.0)
+
+
+def test_flops_noncausal_causal_and_gqa():
+    assert attention_flops(4, 4, 2, 8, False) == 4 * 16 * 2 * 8
+    # causal, bottom-right aligned: rows see 1, 2, 3, 4 keys
+    assert attention_flops(4, 4, 2, 8, True) == 4 * 10 * 2 * 8
+    # append: 2 queries over 5 keys see 4 and 5 keys
+    assert attention_flops(2, 5, 1, 1, True) == 4 * 9
+    # GQA does not change FLOPs (q heads do the work), but it does change bytes
+    assert attention_bytes(4, 4, 8, 2, 16) == 2 * 16 * (2 * 4 * 8 + 2 * 4 * 2)
+    assert decode_kv_bytes([10, 20], 8, 128) == 2 * 30 * 8 * 128 * 2
+
+
+def test_kept_fraction_of_masks():
+    sw = fivar.load("sliding_window")
+    f = kept_fraction(sw, {"window": 16}, qo_len=256, kv_len=256, num_qo_heads=2, num_kv_heads=1, causal=True)
+    exact = sum(min(16, i + 1) for i in range(256)) / sum(i + 1 for i in range(256))
+    assert abs(f - exact) < 0.02
+    assert kept_fraction(fivar.load("softcap"), {}, qo_len=8, kv_len=8, num_qo_heads=1, num_kv_heads=1,
+                         causal=False) == 1.0
+
+
+def _cpu_problem():
+    v = fivar.load("softcap")
+    q, k, vv = torch.randn(48, 4, 16), torch.randn(48, 2, 16), torch.randn(48, 2, 16)
+    ref = v.reference(q, k, vv, softcap=10.0)
+    return v, q, k, vv, ref
+
+
+def test_failing_contender_is_reported_not_timed_and_errors_are_caught():
+    v, q, k, vv, ref = _cpu_problem()
+    good = Contender("good", lambda: v.reference(q, k, vv, softcap=10.0))
+    wrong = Contender("wrong", lambda: v.reference(q, k, vv, softcap=10.0) * 1.05 + 0.01)
+
+    def broken():
+        raise RuntimeError("kernel exploded")
+    bad = Contender("broken", broken)
+    check = lambda c: compare("softcap", c.name, c.fn(), ref, torch.float16)  # noqa: E731
+    rows = evaluate([good, wrong, bad], check, flops=1e6, nbytes=1e5, seqlen=48, rounds=2, device="cpu",
+                    ceilings={"bf16_matmul_tflops": 100.0, "copy_tb_per_s": 1.0})
+    by = {r.contender: r for r in rows}
+    assert by["good"].status == "ok" and len(by["good"].samples_ms) == 2 and by["good"].median_ms > 0
+    assert by["wrong"].status == "failed" and by["wrong"].samples_ms == [] and by["wrong"].median_ms is None
+    assert by["broken"].status == "error" and "kernel exploded" in by["broken"].check["error"]
+    assert math.isclose(by["good"].tflops, 1e6 / by["good"].median_ms / 1e9)
+    assert math.isclose(by["good"].pct_of_copy, 100 * by["good"].tb_per_s / 1.0)
+
+
+def test_ratios_are_within_one_run():
+    v, q, k, vv, ref = _cpu_problem()
+    fast = Contender("fast", lambda: ref.clone())
+    slow = Contender("slow", lambda: v.reference(q, k, vv, softcap=10.0))
+    check = lambda c: compare("softcap", c.name, c.fn(), ref, torch.float16)  # noqa: E731
+    rows = evaluate([fast, slow], check, flops=1.0, nbytes=1.0, seqlen=48, rounds=3, device="cpu", ceilings=None)
+    by = {r.contender: r for r in rows}
+    assert math.isclose(by["fast"].ratio_vs["slow"], by["slow"].median_ms / by["fast"].median_ms)
+    assert by["fast"].ratio_vs["slow"] > 1.0
+
+
+def _report(rows):
+    from dataclasses import asdict
+    return {"schema": "fivar.bench/1", "variant": "softcap", "op": "prefill", "gpu": "cpu", "versions": {},
+            "config": {}, "ceilings": {"bf16_matmul_tflops": 100.0, "copy_tb_per_s": 1.0},
+            "results": [asdict(r) for r in rows]}
+
+
+def test_report_schema_and_plot(tmp_path):
+    v, q, k, vv, ref = _cpu_problem()
+    check = lambda c: compare("softcap", c.name, c.fn(), ref, torch.float16)  # noqa: E731
+    rows = []
+    for S in (48, 96):
+        rows += evaluate([Contender("a", lambda: ref.clone()), Contender("b", lambda: ref * 2)], check,
+                         flops=S * 1e4, nbytes=S * 1e3, seqlen=S, rounds=2, device="cpu",
+                         ceilings={"bf16_matmul_tflops": 100.0, "copy_tb_per_s": 1.0})
+    report = json.loads(json.dumps(_report(rows), default=str))
+    validate(report)
+    with pytest.raises(ValueError):
+        validate({**report, "schema": "other"})
+    tampered = json.loads(json.dumps(report))
+    tampered["results"][1]["samples_ms"] = [1.0]  # "b" failed: it must not carry timings
+    with pytest.raises(ValueError, match="must not have been timed"):
+        validate(tampered)
+    from fivar.bench.plot import plot
+    out = tmp_path / "bench.png"
+    plot(report, str(out))
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cli_without_gpu_is_a_clear_error():
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    if torch.cuda.is_available():
+        pytest.skip("GPU present")
+    r = CliRunner().invoke(main, ["bench", "softcap", "--vs", "stock"])
+    assert r.exit_code == 1 and "needs a CUDA GPU" in r.output
