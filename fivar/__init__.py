@@ -2,6 +2,7 @@
 from .errors import FivarBuildError, FivarError, FivarSpecError
 from .lang import abs, clamp, exp, exp2, floor, log, maximum, minimum, sigmoid, sqrt, tanh, where
 from .spec import AttentionVariant, Scalar, Tensor
+from .fusion import FusionVariant
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,6 @@ def load(name: str) -> AttentionVariant:
     return load_variant(name)
 
 
-__all__ = ["AttentionVariant", "Scalar", "Tensor", "FivarError", "FivarSpecError", "FivarBuildError",
+__all__ = ["AttentionVariant", "FusionVariant", "Scalar", "Tensor", "FivarError", "FivarSpecError", "FivarBuildError",
            "load", "tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "abs", "floor", "minimum", "maximum",
            "clamp", "where"]

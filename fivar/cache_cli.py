@@ -209,8 +209,12 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
         return None, [v]
     from .jit.build import gen_module
     try:
-        now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
-                         head_dim=man["head_dim"]).uri
+        if getattr(v, "kind", None) == "fusion":
+            from .fusion.build import gen_fusion_module
+            now = gen_fusion_module(v, man["dtype"]).uri
+        else:
+            now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
+                             head_dim=man["head_dim"]).uri
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all
         return True, [f"variant '{man.get('variant')}' no longer builds: {str(ex).splitlines()[0]}"]
     if now != e.uri:

@@ -61,6 +61,9 @@ def list_cmd():
         except FivarError as e:
             table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), str(path))
             continue
+        if getattr(v, "kind", None) == "fusion":
+            table.add_row(name, "fusion", _escape(v.describe()), str(path))
+            continue
         kind = " + ".join(k for k in ("logits" if v.logits else "", "mask" if v.mask else "") if k)
         if not v.softmax:
             kind += " (no softmax)"
@@ -72,7 +75,9 @@ def list_cmd():
 @click.argument("name")
 @click.option("--dir", "variants_dir", default="variants", show_default=True, help="where the variant file goes")
 @click.option("--tests-dir", default="tests/variants", show_default=True, help="where its test goes")
-def new_variant(name, variants_dir, tests_dir):
+@click.option("--kind", type=click.Choice(["attention", "fusion"]), default="attention", show_default=True,
+              help="an attention variant, or a norm/residual/RoPE fusion")
+def new_variant(name, variants_dir, tests_dir, kind):
     """Scaffold variants/NAME.py and tests/variants/test_NAME.py (never overwrites)."""
     from .codegen.fa2 import render
     if not name.isidentifier():
@@ -83,8 +88,9 @@ def new_variant(name, variants_dir, tests_dir):
             raise FivarError(f"{p} already exists; fivar new-variant never overwrites a file")
     vpath.parent.mkdir(parents=True, exist_ok=True)
     tpath.parent.mkdir(parents=True, exist_ok=True)
-    vpath.write_text(render("new_variant.py.jinja", name=name))
-    tpath.write_text(render("test_variant.py.jinja", name=name))
+    fusion = kind == "fusion"
+    vpath.write_text(render("new_fusion.py.jinja" if fusion else "new_variant.py.jinja", name=name))
+    tpath.write_text(render("test_fusion.py.jinja" if fusion else "test_variant.py.jinja", name=name))
     console.print(f"created [bold]{vpath}[/] and [bold]{tpath}[/]\n"
                   f"next: edit {vpath}, then `fivar show {name}`, `fivar build {name}`, `fivar check {name}`")
 
@@ -104,6 +110,16 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
     from .spec import optimize
     from .spec.ir import format_program
     v = load(name)
+    if getattr(v, "kind", None) == "fusion":  # a fusion: its rendered CUDA source (--sources: with the header)
+        _set_arch(arch)
+        from .fusion.build import render_sources
+        srcs = render_sources(v, dtype)
+        for fname, text in srcs.items():
+            if sources or fname.endswith(".cu"):
+                if sources:
+                    console.print(f"\n// ===== {fname} =====", style="bold", markup=False)
+                _print_code(text)
+        return
     if explain:
         from .runtime.attention import choose_target
         for o in OPS:
@@ -180,10 +196,13 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
     if not names:
         raise FivarError("name at least one variant, or pass --all")
     from .jit.build import build_many, gen_module
-    modules = [gen_module(load(n), op=op, target=t, dtype=dt, head_dim=hd)
+    from .fusion.build import gen_fusion_module
+    modules = [gen_fusion_module(load(n), dt) if getattr(load(n), "kind", None) == "fusion" else
+               gen_module(load(n), op=op, target=t, dtype=dt, head_dim=hd)
                for n in names for t in _split(targets) for op in _split(ops)
                for dt in _split(dtypes) for hd in _split(head_dims, int)
                if not (t == "fa3" and op == "batch_decode")]
+    modules = list({m.uri: m for m in modules}.values())  # a fusion ignores --ops/--targets/--head-dims
     t0 = time.perf_counter()
     if prewarm or len(modules) > 1:
         console.print(f"building {len(modules)} module(s) with {jobs} nvcc job(s) ({jobs_why})"
@@ -212,8 +231,13 @@ def check(name, ops, dtypes, head_dims, backends):
     from .testing import run_checks
     v = load(name)
     dts = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in _split(dtypes)]
-    results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_split(head_dims, int),
-                         backends=_split(backends))
+    if getattr(v, "kind", None) == "fusion":  # odd token counts, and a packed QKV view for per-head fusions
+        from .fusion.check import check_fusion
+        results = [r for t in (1, 7, 4097) for p in ((False, True) if v.is_head else (False,))
+                   for dt in dts for r in check_fusion(v, tokens=t, packed=p, dtype=dt)]
+    else:
+        results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_split(head_dims, int),
+                             backends=_split(backends))
     table = Table("case", "rel err", "max err", "result", title=f"fivar check {name} on {torch.cuda.get_device_name()}")
     for r in results:
         table.add_row(r.case, f"{r.rel_err:.2e}", f"{r.max_err:.2e}", "[green]pass[/]" if r.passed else "[red]FAIL[/]")

@@ -308,14 +308,19 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if target == "fa3":
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
+    uri = f"fivar_{variant.name}_{target}_{op}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
+    return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional)
+
+
+def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
+    """12 hex digits over every source (name and text), the flags, FlashInfer/nvcc versions and archs."""
     h = hashlib.sha256()
     for name in sorted(sources):
         h.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
     for item in (cuda_cflags, toolchain.arch_flags(), toolchain.flashinfer_version(), toolchain.nvcc_version(),
                  os.environ.get("FLASHINFER_JIT_DEBUG", ""), os.environ.get("FLASHINFER_JIT_LINEINFO", "")):
         h.update(repr(item).encode() + b"\0")
-    uri = f"fivar_{variant.name}_{target}_{op}_{dtype}_hd{head_dim}_{h.hexdigest()[:12]}"
-    return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional)
+    return h.hexdigest()[:12]
 
 
 def module_for(variant, op, target, dtype, head_dim) -> FivarModule:
