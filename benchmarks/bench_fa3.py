@@ -137,8 +137,11 @@ def bench_decode(rounds, batch=128, kv_len=8192, page=16):
     stock.plan(indptr, indices, last, H, HKV_DECODE, D, page, logits_soft_cap=30.0, q_data_type=torch.bfloat16,
                kv_data_type=torch.bfloat16)
     qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    planned = v.plan_decode(indptr, indices, last, num_qo_heads=H, num_kv_heads=HKV_DECODE, head_dim=D,
+                            page_size=page, dtype=torch.bfloat16, backend="fa2", softcap=30.0)
     fns = {
         "stock_tc_decode": lambda: stock.run(q, (k_cache, v_cache)),
+        "fivar_planned_decode": lambda: planned.run(q, (k_cache, v_cache)),
         "fivar_decode": lambda: v.decode(q, (k_cache, v_cache), indptr, indices, last, softcap=30.0),
         "fivar_paged_prefill_fa2": lambda: v.batch_prefill_paged(q, (k_cache, v_cache), qo_indptr, indptr, indices,
                                                                  last, softcap=30.0, backend="fa2"),

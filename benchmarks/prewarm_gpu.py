@@ -22,8 +22,24 @@ def wanted():
     return mods
 
 
+def second_session():
+    """What the fusion/Triton tests and the benchmarks need (the first session ran the kernel tests)."""
+    from fivar.fusion.build import gen_fusion_module
+    mods = []
+    for name in BUNDLED:
+        v = fivar.load(name)
+        mods += [gen_module(v, op="single_prefill", target=t) for t in ("fa2", "fa3")]
+        mods.append(gen_module(v, op="batch_prefill", target="fa2"))
+    for name in ("softcap", "alibi", "document_mask", "sigmoid"):
+        mods.append(gen_module(fivar.load(name), op="batch_decode", target="fa2"))
+    for name in ("qwen3_qk_norm_rope", "llama_add_rmsnorm", "add_rmsnorm_fp8", "partial_rope_gptj"):
+        mods.append(gen_fusion_module(fivar.load(name)))
+    return mods
+
+
 if __name__ == "__main__":
-    mods = wanted()
+    import sys
+    mods = second_session() if "--second" in sys.argv else wanted()
     t0 = time.perf_counter()
     res = build_many(mods)
     kinds = [k for k, _ in res]

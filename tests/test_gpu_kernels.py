@@ -102,3 +102,29 @@ def test_bad_inputs_are_clear_errors_before_launch():
         v.prefill(q, k, k, slopes=slopes.cpu())
     with pytest.raises(fivar.FivarError, match="must be a positive finite number"):
         fivar.load("softcap").prefill(q, k, k, softcap=-5.0)
+
+
+@pytest.mark.parametrize("name", ["softcap", "alibi", "document_mask", "sigmoid"])
+def test_decode_cuda_core_path(name):
+    """Few query heads per KV head: decode runs FlashInfer's CUDA-core decode kernel."""
+    r = check_decode(fivar.load(name), kv_lens=[1, 33, 517, 1000], num_qo_heads=16, num_kv_heads=16)
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("name", ["softcap", "document_mask", "sigmoid"])
+def test_planned_decode_matches_reference(name):
+    from fivar.testing import _ragged_reference, _to_paged, compare, example_params
+    v = fivar.load(name)
+    kv_lens = [5, 300, 1000]
+    q = torch.randn(3, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k, vv = (torch.randn(sum(kv_lens), 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    cache, indptr, indices, last = _to_paged(k, vv, kv_lens, 16)
+    params = example_params(v, num_qo_heads=32, num_kv_heads=8, batch_size=3, max_len=1000, device="cuda")
+    plan = v.plan_decode(indptr, indices, last, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                         dtype=torch.bfloat16, **params)
+    ref = _ragged_reference(v, q, k, vv, [1, 1, 1], kv_lens, False, params)
+    for _ in range(2):  # a plan runs many times
+        r = compare(name, "planned decode", plan.run(q, cache), ref, torch.bfloat16)
+        assert r.passed, r
+    with pytest.raises(fivar.FivarError, match="do not match the plan"):
+        plan.run(q[:, :16], cache)

@@ -86,6 +86,12 @@ class AttentionVariant:
         from .parse import parse_variant
         return parse_variant(self)
 
+    @cached_property
+    def lowered(self):
+        """The IR after the compiled targets' passes (see fivar.spec.optimize)."""
+        from .optimize import lower
+        return lower(self.ir, self.softmax)
+
     @property
     def scalar_params(self) -> dict[str, Scalar]:
         return {k: p for k, p in self.params.items() if isinstance(p, Scalar)}
@@ -121,6 +127,23 @@ class AttentionVariant:
         from ..runtime.attention import batch_decode
         return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                             sm_scale=sm_scale, backend=backend, params=params)
+
+    def plan_paged(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
+                   num_kv_heads: int, head_dim: int, page_size: int, dtype=None, causal: bool = False,
+                   sm_scale: float | None = None, backend: str = "auto", device="cuda", **params):
+        """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split)."""
+        from ..runtime.attention import PagedAttentionPlan
+        return PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
+                                  backend=backend, device=device, params=params)
+
+    def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, **kwargs):
+        """`plan_paged` for one query token per request (decode on the tensor-core paged kernel)."""
+        import torch
+        n = kv_indptr.numel()
+        qo_indptr = torch.arange(n, dtype=torch.int32, device=kwargs.get("device", "cuda"))
+        return self.plan_paged(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, **kwargs)
 
     def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, batch_idx: int = 0,
                   batch_size: int | None = None, **params):
