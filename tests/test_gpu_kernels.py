@@ -100,6 +100,8 @@ def test_bad_inputs_are_clear_errors_before_launch():
         v.prefill(q[..., :96], k[..., :96], k[..., :96], slopes=slopes)
     with pytest.raises(fivar.FivarError, match="is on cpu"):
         v.prefill(q, k, k, slopes=slopes.cpu())
+    with pytest.raises(fivar.FivarError, match="qo_len \\(8\\) > kv_len \\(4\\)"):
+        v.prefill(q, k[:4], k[:4], causal=True, slopes=slopes)
     with pytest.raises(fivar.FivarError, match="must be a positive finite number"):
         fivar.load("softcap").prefill(q, k, k, softcap=-5.0)
 

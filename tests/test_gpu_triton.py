@@ -23,7 +23,7 @@ def _flashinfer_available() -> bool:
 def _agree(name, case, triton_out, ref, flashinfer_fn):
     r = compare(name, f"triton vs reference, {case}", triton_out, ref, DTYPE)
     assert r.passed, r
-    if _flashinfer_available():
+    if flashinfer_fn is not None and _flashinfer_available():
         r = compare(name, f"triton vs flashinfer, {case}", triton_out, flashinfer_fn(), DTYPE)
         assert r.passed, r
 
@@ -45,8 +45,9 @@ def test_single_prefill(name, lq, lk, causal):
     q, k, vv = _qkv(lq, lk)
     params = _params(v, 1, lk)
     out = v.prefill(q, k, vv, causal=causal, backend="triton", **params)
-    _agree(name, f"qo{lq} kv{lk} causal={causal}", out, v.reference(q, k, vv, causal=causal, **params),
-           lambda: v.prefill(q, k, vv, causal=causal, backend="fa2", **params))
+    # FlashInfer's kernels refuse causal with qo_len > kv_len (fivar says so before launch): reference only
+    fi = None if (causal and lq > lk) else (lambda: v.prefill(q, k, vv, causal=causal, backend="fa2", **params))
+    _agree(name, f"qo{lq} kv{lk} causal={causal}", out, v.reference(q, k, vv, causal=causal, **params), fi)
 
 
 @pytest.mark.parametrize("causal", [False, True])

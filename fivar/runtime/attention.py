@@ -119,6 +119,10 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params)
     _check_qkv(variant, q, k, v)
     target = _check_backend(variant, backend, "single_prefill", q.device)
+    if causal and q.shape[0] > k.shape[0]:
+        raise FivarError(f"variant '{variant.name}': causal attention with qo_len ({q.shape[0]}) > kv_len "
+                         f"({k.shape[0]}) is not supported by FlashInfer's kernels (the first rows would see no "
+                         "key); use backend='triton', which returns zeros for those rows like the reference")
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     module = module_for(variant, "single_prefill", target, dtype_name(q.dtype), q.shape[-1]).load()
     from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module

@@ -22,6 +22,16 @@ def _describe(p) -> str:
     return f"Tensor({p.dtype}, dims={p.dims})"
 
 
+def _same_device(a, b) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda" and (a.index is None) != (b.index is None):  # "cuda" means the current device
+        cur = torch.cuda.current_device()
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index
+
+
 def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, batch_size: int,
                 device) -> BoundParams:
     name = variant.name
@@ -65,7 +75,7 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
                                  f"{known[dim]}, got {value.shape[d]}")
             if value.shape[d] == 0:
                 raise FivarError(f"variant '{name}': parameter '{pname}' has an empty dimension {d}")
-        if torch.device(device) != value.device:
+        if _same_device(device, value.device) is False:
             raise FivarError(f"variant '{name}': parameter '{pname}' is on {value.device}, the inputs are "
                              f"on {device}")
         tensors[pname] = value.contiguous()
