@@ -105,7 +105,7 @@ def work(variant, p: Problem) -> tuple[float, float]:
         return flops, decode_kv_bytes([p.seqlen] * p.batch, p.num_kv_heads, p.head_dim, p.dtype.itemsize)
     flops = attention_flops(p.seqlen, p.seqlen, p.num_qo_heads, p.head_dim, p.causal, batch=p.batch)
     flops *= kept_fraction(variant, p.params, qo_len=p.seqlen, kv_len=p.seqlen, num_qo_heads=p.num_qo_heads,
-                           num_kv_heads=p.num_kv_heads, causal=p.causal, device=p.device)
+                           num_kv_heads=p.num_kv_heads, causal=p.causal, device=p.device, batch_size=p.batch)
     nbytes = attention_bytes(p.seqlen, p.seqlen, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype.itemsize,
                              p.batch)
     return flops, nbytes

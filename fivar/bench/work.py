@@ -13,15 +13,15 @@ def attention_bytes(qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: i
 
 
 def kept_fraction(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: int,
-                  causal: bool, device="cpu", sample_rows: int = 512) -> float:
+                  causal: bool, device="cpu", sample_rows: int = 512, batch_size: int = 1) -> float:
     """Fraction of (query, key) pairs the variant's mask (and causal) keeps, relative to the causal-or-full
     count that `attention_flops` already assumes. 1.0 for variants without a mask."""
     if variant.mask is None:
         return 1.0
     from ..codegen.torch_ref import TorchEvaluator
     from ..runtime.params import bind_params
-    b = bind_params(variant, params, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
-                    device=device)
+    b = bind_params(variant, params, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                    batch_size=batch_size, device=device)
     n = min(sample_rows, qo_len)
     rows = torch.linspace(0, qo_len - 1, n, device=device).round().long().view(1, n, 1) + (kv_len - qo_len)
     kv = torch.arange(kv_len, device=device).view(1, 1, kv_len)
