@@ -116,7 +116,10 @@ def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
             out.append(Contender("stock", lambda: w.run(q, k, v), label, checks_variant=mapped is not None))
     else:  # decode
         q, cache, ind, idx, last = t["q"], t["cache"], t["kv_indptr"], t["kv_indices"], t["last"]
-        out.append(Contender("fivar", lambda: variant.decode(q, cache, ind, idx, last, **prm)))
+        # planned once like the stock wrapper below, so both time only the kernel launch
+        plan = variant.plan_decode(ind, idx, last, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
+                                   head_dim=p.head_dim, page_size=16, dtype=p.dtype, device=p.device, **prm)
+        out.append(Contender("fivar", lambda: plan.run(q, cache), "planned"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.decode(q, cache, ind, idx, last, backend="triton", **prm)))
         if "stock" in wanted:
