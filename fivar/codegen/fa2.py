@@ -54,17 +54,21 @@ class VariantDecl:
     additional: tuple  # (tensor_names, tensor_types, scalar_names, scalar_types)
 
 
-def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja") -> VariantDecl:
-    lowered = optimize.lower(variant.ir, variant.softmax)
-    emit = CppEmitter(variant, param_ref)
-    extra = [lowered.output_scale] if lowered.output_scale is not None else []
-    members = emit.members(lowered, extra)
+def softmax_scale_log2(variant, emit: CppEmitter) -> str:
+    """The exp2 scale of the kernel's softmax: log2(e) times the logits factor the optimizer folded out."""
+    lowered = variant.lowered
     if not variant.softmax:
-        scale = "1.f"
-    elif lowered.output_scale is not None:
-        scale = f"flashinfer::math::log2e * {emit.expr(lowered.output_scale)}"
-    else:
-        scale = "flashinfer::math::log2e"
+        return "1.f"
+    if lowered.output_scale is not None:
+        return f"flashinfer::math::log2e * {emit.expr(lowered.output_scale)}"
+    return "flashinfer::math::log2e"
+
+
+def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja") -> VariantDecl:
+    lowered = variant.lowered
+    emit = CppEmitter(variant, param_ref)
+    members = emit.members(lowered, [lowered.output_scale] if lowered.output_scale is not None else [])
+    scale = softmax_scale_log2(variant, emit)
     mask_body = None
     if lowered.mask:
         # Masked variants run in kCustom mode (mask on every tile), so `causal` is a runtime flag here.

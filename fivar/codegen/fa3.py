@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 
-from ..spec import optimize
 from .cuda import CppEmitter, Member, additional_params
-from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, struct_name
+from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
 
 
@@ -25,7 +24,7 @@ def runtime_mask_code(variant, causal: bool) -> int:
 
 def variant_decl(variant) -> VariantDecl:
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
-    lowered = optimize.lower(variant.ir, variant.softmax)
+    lowered = variant.lowered
     emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx"})
     extra = [lowered.output_scale] if lowered.output_scale is not None else []
     members = emit.members(lowered, extra)
@@ -35,12 +34,7 @@ def variant_decl(variant) -> VariantDecl:
             m.init = "int32_t(kv_len) - int32_t(qo_len)"
     if any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
         members.insert(0, Member("int32_t", "fv_batch_idx", "int32_t(batch_idx)"))
-    if not variant.softmax:
-        scale = "1.f"
-    elif lowered.output_scale is not None:
-        scale = f"flashinfer::math::log2e * {emit.expr(lowered.output_scale)}"
-    else:
-        scale = "flashinfer::math::log2e"
+    scale = softmax_scale_log2(variant, emit)
     lines = emit.prologue(lowered.logits, lowered.mask)
     if lowered.mask:
         mask_lines, keep = emit.statements(lowered.mask)
