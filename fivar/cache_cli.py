@@ -448,10 +448,16 @@ def verify_entry(e: Entry) -> list[str]:
 @click.option("--fix", is_flag=True, help="delete invalid libraries (and their manifests) so the next build "
               "rebuilds them")
 @click.option("--json", "as_json", is_flag=True)
-def verify(fix, as_json):
-    """Check every module's library against its manifest (size, mtime, sha256) and its generated sources."""
+@click.argument("prefix", required=False, default="")
+def verify(fix, as_json, prefix):
+    """Check modules' libraries against their manifests (size, mtime, sha256) and generated sources.
+
+    PREFIX limits the check to modules whose URI starts with it (default: every module).
+    """
     results = []
     for e in scan_entries():
+        if not e.uri.startswith(prefix):
+            continue
         problems = verify_entry(e)
         fixed = False
         if problems and fix and any("sources missing" not in p for p in problems):

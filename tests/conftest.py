@@ -8,6 +8,9 @@ os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
 if not torch.cuda.is_available():
     # No GPU to detect an arch from: compile for Hopper, which is what fivar's kernels target.
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    # Triton kernels run in its interpreter. Triton fixes interpreted-vs-compiled when it is first
+    # imported/when a kernel is defined, and other tests (FlexAttention) import it early: set it here.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1":
     # A fresh FlashInfer cache per test session, so the build tests really run nvcc (FlashInfer fixes
     # its cache directory at import, which happens after this).

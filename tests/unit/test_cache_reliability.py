@@ -241,11 +241,11 @@ def test_manifest_hash_and_size_mismatches_are_caught(raced, tiny_file):
     # a hash mismatch is invisible to the cheap size+mtime check; `fivar cache verify` finds it
     man["so_sha256"] = "0" * 64
     m.manifest_path.write_text(json.dumps(man))
-    r = CliRunner().invoke(main, ["cache", "verify", "--json"])
+    r = CliRunner().invoke(main, ["cache", "verify", "--json", m.uri])
     assert r.exit_code == 1
     bad = [x for x in json.loads(r.output) if x["uri"] == m.uri][0]
     assert any("sha256" in p for p in bad["problems"]) and not bad["fixed"]
-    r = CliRunner().invoke(main, ["cache", "verify", "--fix", "--json"])
+    r = CliRunner().invoke(main, ["cache", "verify", "--fix", "--json", m.uri])
     assert r.exit_code == 0, r.output
     assert not m.library_path.exists() and not m.manifest_ok()
     assert m.build() == "cold" and m.manifest_ok()
@@ -256,7 +256,7 @@ def test_manifest_hash_and_size_mismatches_are_caught(raced, tiny_file):
     assert not m.manifest_ok()
     assert m.build() == "cold"
     assert json.loads(m.manifest_path.read_text())["so_sha256"] == good["so_sha256"]
-    r = CliRunner().invoke(main, ["cache", "verify", "--json"])
+    r = CliRunner().invoke(main, ["cache", "verify", "--json", m.uri])  # other tests leave broken modules
     assert r.exit_code == 0, r.output
 
 
@@ -270,7 +270,7 @@ def test_deleted_generated_source_is_detected_regenerated_and_logged(raced, tiny
     src = m.gen_dir / "single_prefill_jit_binding.cu"
     src.unlink()
     assert m.build() == "disk"  # the library itself is intact: sources only matter for a rebuild
-    r = CliRunner().invoke(main, ["cache", "verify", "--json"])
+    r = CliRunner().invoke(main, ["cache", "verify", "--json", m.uri])
     mine = [x for x in json.loads(r.output) if x["uri"] == m.uri][0]
     assert any("single_prefill_jit_binding.cu" in p for p in mine["problems"]) and r.exit_code == 1
     m.library_path.unlink()  # now a rebuild is needed, and it needs that source
