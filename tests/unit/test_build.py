@@ -81,3 +81,17 @@ def test_nvcc_failure_is_reported_as_a_fivar_bug_not_a_raw_error():
     assert "variant 'softcap'" in text and "fivar bug" in text and "error:" not in text.lower().split("log at")[0]
     log = text.rsplit("log at ", 1)[1].strip()
     assert os.path.exists(log) and "this is not C++" in open(log).read()
+
+
+@requires_nvcc
+def test_fa3_module_compiles_for_sm90a():
+    """The Hopper struct (mask folded into LogitsTransform, request index from the block coordinate)."""
+    m = gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3")
+    assert sorted(n for n in m.sources if "kernel_mask" in n) == [
+        "single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_1.cu"]
+    assert m.build() == "cold" and m.library_path.exists()
+
+
+def test_fa3_has_no_decode():
+    with pytest.raises(fivar.FivarError, match="no FA3 kernel for batch_decode"):
+        gen_module(fivar.load("softcap"), op="batch_decode", target="fa3")
