@@ -1,0 +1,149 @@
+"""
+Per-head q/k RMSNorm + RoPE in Triton, in place on packed QKV
+=============================================================
+
+Qwen3, Gemma 3, OLMo 2 and friends normalise every query and key head on its own (RMSNorm over the head
+dim, with one weight vector for q and another for k) and then apply rotary embeddings:
+
+    q[t, h] <- rope(rmsnorm(q[t, h]) * q_weight, positions[t])
+    k[t, h] <- rope(rmsnorm(k[t, h]) * k_weight, positions[t])
+
+Unfused that is three kernels and three round trips through HBM for q and k (`rmsnorm(q)`,
+`rmsnorm(k)`, `rope(q, k)`); here it is one read and one write of each element. The structure is the
+RoPE kernel's (rope.py), with the norm in front:
+
+* **one program per token**, which loads the position and the cos/sin row once and walks over the q
+  heads, then the k heads, a chunk of `BLOCK_H` heads at a time;
+* each head is loaded **in the pieces RoPE needs**, so the rotation partners already sit in the same
+  thread's registers after the norm: NeoX loads the two halves of the rotated part as two
+  `[BLOCK_H, half]` tiles, GPT-J loads `[BLOCK_H, half, 2]` pairs and splits them into even/odd; the
+  pass-through tail (`rotary_dim < head_dim`) is a third tile. The norm's sum of squares is the sum over
+  all the pieces; the weight is loaded in the same pieces;
+* **float32 math**; normalised values are rotated in float32 and rounded to the storage dtype once;
+* q `[T, Hq, D]` / k `[T, Hk, D]` may be strided views into a packed QKV buffer; only the head dim
+  must be contiguous. The V part of the buffer is never touched.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rope import _style_is_neox, block_heads, check_rope_args
+
+
+@triton.jit
+def _norm_rope_heads(base, stride_h, H, W, cos, sin, eps,
+                     D: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr, GEMMA: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """RMSNorm (weight W [D]) then RoPE of the H heads at `base`, in place."""
+    ROT: tl.constexpr = 2 * HALF
+    HAS_TAIL: tl.constexpr = D > ROT
+    i = tl.arange(0, BLOCK_HALF)
+    i_mask = i < HALF
+    c, s = cos[None, :], sin[None, :]
+    # Pass-through tail features [ROT, D) and their weights.
+    tail = ROT + tl.arange(0, BLOCK_TAIL)
+    tail_mask = tail < D
+    if HAS_TAIL:
+        w_tail = tl.load(W + tail, mask=tail_mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            w_tail += 1.0
+    # Weights of the rotated part, in the same layout as the activations below.
+    if IS_NEOX:
+        w1 = tl.load(W + i, mask=i_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(W + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
+    else:
+        j = tl.arange(0, 2)
+        w_offs = (2 * i)[:, None] + j[None, :]
+        w = tl.load(W + w_offs, mask=i_mask[:, None] & (j < 2)[None, :], other=0.0).to(tl.float32)
+        w1, w2 = tl.split(w)
+    if GEMMA:
+        w1 += 1.0
+        w2 += 1.0
+
+    for h0 in range(0, H, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        h_mask = heads < H
+        rows = base + heads.to(tl.int64)[:, None] * stride_h
+        # Load the head in RoPE's pieces: x1/x2 are rotation partners.
+        if IS_NEOX:
+            mask = h_mask[:, None] & i_mask[None, :]
+            p1 = rows + i[None, :]
+            p2 = p1 + HALF
+            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+        else:
+            j = tl.arange(0, 2)
+            ptrs = rows[:, :, None] + (2 * i)[None, :, None] + j[None, None, :]
+            mask = h_mask[:, None, None] & i_mask[None, :, None] & (j < 2)[None, None, :]
+            x1, x2 = tl.split(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32))
+        sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if HAS_TAIL:
+            t_ptrs = rows + tail[None, :]
+            t_mask = h_mask[:, None] & tail_mask[None, :]
+            xt = tl.load(t_ptrs, mask=t_mask, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(xt * xt, axis=1)
+        rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
+        # Norm, then rotate the normalised (float32) values.
+        y1 = x1 * rstd * w1[None, :]
+        y2 = x2 * rstd * w2[None, :]
+        o1 = y1 * c - y2 * s
+        o2 = y2 * c + y1 * s
+        if IS_NEOX:
+            tl.store(p1, o1.to(base.dtype.element_ty), mask=mask)
+            tl.store(p2, o2.to(base.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ptrs, tl.join(o1, o2).to(base.dtype.element_ty), mask=mask)
+        if HAS_TAIL:
+            tl.store(t_ptrs, (xt * rstd * w_tail[None, :]).to(base.dtype.element_ty), mask=t_mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(Q, K, QW, KW, POS, CS,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                         HQ, HK, eps,
+                         D: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr, GEMMA: tl.constexpr,
+                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         BLOCK_TAIL: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    i_mask = i < HALF
+    cos = tl.load(CS + pos * stride_cs + i, mask=i_mask, other=0.0).to(tl.float32)
+    sin = tl.load(CS + pos * stride_cs + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
+    _norm_rope_heads(Q + t * stride_qt, stride_qh, HQ, QW, cos, sin, eps,
+                     D, HALF, IS_NEOX, GEMMA, BLOCK_HQ, BLOCK_HALF, BLOCK_TAIL)
+    _norm_rope_heads(K + t * stride_kt, stride_kh, HK, KW, cos, sin, eps,
+                     D, HALF, IS_NEOX, GEMMA, BLOCK_HK, BLOCK_HALF, BLOCK_TAIL)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, eps: float = 1e-6,
+                 style: str = "neox", gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: every head of q [T, Hq, D] is RMS-normalised with q_weight [D] (k: k_weight [D]), then
+    its first `rotary_dim` features are rotated at `positions` [T] with `cos_sin_cache`
+    [max_pos, rotary_dim] (cos first half, sin second). `gemma=True` scales by 1 + weight. Returns (q, k).
+    """
+    is_neox = _style_is_neox(style)
+    t, hq, hk, d = check_rope_args(q, k, positions, cos_sin_cache, rotary_dim)
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (d,) or w.stride(0) != 1 or w.device != q.device:
+            raise ValueError(f"{name} must be a contiguous [{d}] tensor on {q.device}, got "
+                             f"{tuple(w.shape)} on {w.device}")
+    if t == 0:
+        return q, k
+    half = rotary_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_tail = triton.next_power_of_2(max(d - rotary_dim, 1))
+    per_head = 2 * block_half + (block_tail if d > rotary_dim else 0)
+    bq, bk = block_heads(hq, per_head), block_heads(hk, per_head)
+    tile = max(bq, bk) * per_head
+    _qk_norm_rope_kernel[(t,)](
+        q, k, q_weight, k_weight, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        hq, hk, float(eps),
+        D=d, HALF=half, IS_NEOX=is_neox, GEMMA=bool(gemma),
+        BLOCK_HQ=bq, BLOCK_HK=bk, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
+        num_warps=min(max(tile // 512, 1), 8))
+    return q, k
