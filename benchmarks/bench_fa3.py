@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
@@ -122,7 +121,6 @@ def _kept_fraction(v, params, S, causal):
 
 def bench_decode(rounds, batch=128, kv_len=8192, page=16):
     import flashinfer
-    from fivar.testing import _to_paged
     v = fivar.load("softcap")
     q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
     pages = kv_len // page

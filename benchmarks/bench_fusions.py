@@ -22,6 +22,8 @@ import argparse
 import json
 import time
 
+from fivar.bench.membound import bandwidth_row, check_close, copy_bandwidth
+
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -29,33 +31,6 @@ def _args(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds (smoke run)")
     ap.add_argument("--rounds", type=int, default=5)
     return ap.parse_args(argv)
-
-
-def copy_bandwidth(torch, nbytes=1 << 30):
-    """Achieved GB/s of a device-to-device torch copy (read + write counted)."""
-    from fivar.bench.timing import time_interleaved
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    t = time_interleaved({"copy": lambda: b.copy_(a)}, rounds=3)["copy"]
-    return 2 * nbytes / (t.median * 1e-3) / 1e9, t.median
-
-
-def _check(torch, name, got, ref, tol=2e-2):
-    got, ref = got.double(), ref.double().to(got.device)
-    rel = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-    if not rel < tol:
-        raise SystemExit(f"{name}: rel err {rel:.3e} >= {tol}: not timing a wrong kernel")
-    return rel
-
-
-def _row(name, timings, bytes_moved, copy_gbs, **extra):
-    r = dict(case=name, **extra)
-    for k, t in timings.items():
-        r[f"{k}_ms"] = t.median
-        r[f"{k}_spread_ms"] = t.spread
-        r[f"{k}_GBps"] = bytes_moved / (t.median * 1e-3) / 1e9
-        r[f"{k}_pct_copy"] = 100 * r[f"{k}_GBps"] / copy_gbs
-    return r
 
 
 def bench_qwen3(torch, flashinfer, copy_gbs, rounds, token_list):
@@ -86,13 +61,13 @@ def bench_qwen3(torch, flashinfer, copy_gbs, rounds, token_list):
         a, b = qkv.clone(), qkv.clone()
         fq, fk = v(qkv=a, **kw_args)
         sq, sk = stock(b)
-        errs = dict(fivar_vs_ref=_check(torch, "qwen3 q", fq, q_ref), fivar_k_vs_ref=_check(torch, "qwen3 k", fk, k_ref),
-                    stock_vs_ref=_check(torch, "stock q", sq, q_ref), fivar_vs_stock=_check(torch, "q vs stock", fq, sq))
+        errs = dict(fivar_vs_ref=check_close("qwen3 q", fq, q_ref), fivar_k_vs_ref=check_close("qwen3 k", fk, k_ref),
+                    stock_vs_ref=check_close("stock q", sq, q_ref), fivar_vs_stock=check_close("q vs stock", fq, sq))
         bound = v.bind(qkv=a, **kw_args)
         t = time_interleaved({"fivar": lambda: v(qkv=a, **kw_args), "fivar_bound": bound,
                               "stock": lambda: stock(b)}, rounds=rounds)
         moved = tokens * (hq + hk) * d * 2 * 2 + tokens * d * 4 + tokens * 8  # q,k read+write; cos/sin; pos
-        rows.append(_row("qwen3_qk_norm_rope", t, moved, copy_gbs, tokens=tokens, heads=(hq, hk), head_dim=d,
+        rows.append(bandwidth_row("qwen3_qk_norm_rope", t, moved, copy_gbs, tokens=tokens, heads=(hq, hk), head_dim=d,
                          errs=errs, speedup_vs_stock=t["stock"].median / t["fivar_bound"].median))
     return rows
 
@@ -111,15 +86,15 @@ def bench_add_rmsnorm(torch, flashinfer, copy_gbs, rounds, token_list, hiddens):
             x1, r1, x2, r2 = x.clone(), r.clone(), x.clone(), r.clone()
             v(x=x1, residual=r1, weight=w, eps=1e-5, out=x1)
             flashinfer.fused_add_rmsnorm(x2, r2, w, 1e-5)
-            errs = dict(fivar_vs_ref=_check(torch, "add_rmsnorm", x1, out_ref),
-                        residual=_check(torch, "residual", r1, res_ref),
-                        fivar_vs_stock=_check(torch, "vs stock", x1, x2))
+            errs = dict(fivar_vs_ref=check_close("add_rmsnorm", x1, out_ref),
+                        residual=check_close("residual", r1, res_ref),
+                        fivar_vs_stock=check_close("vs stock", x1, x2))
             bound = v.bind(x=x1, residual=r1, weight=w, eps=1e-5, out=x1)
             t = time_interleaved({"fivar": lambda: v(x=x1, residual=r1, weight=w, eps=1e-5, out=x1),
                                   "fivar_bound": bound,
                                   "stock": lambda: flashinfer.fused_add_rmsnorm(x2, r2, w, 1e-5)}, rounds=rounds)
             moved = tokens * hidden * 2 * 4 + hidden * 2  # read x, r; write r, out; weight
-            rows.append(_row("llama_add_rmsnorm", t, moved, copy_gbs, tokens=tokens, hidden=hidden, errs=errs,
+            rows.append(bandwidth_row("llama_add_rmsnorm", t, moved, copy_gbs, tokens=tokens, hidden=hidden, errs=errs,
                              speedup_vs_stock=t["stock"].median / t["fivar_bound"].median))
             del x, r, x1, r1, x2, r2
     return rows
@@ -142,15 +117,15 @@ def bench_rope(torch, flashinfer, copy_gbs, rounds, tokens):
         v(q=q1, k=k1, positions=pos, cos_sin_cache=cs)
         is_neox = v.rope == "neox"
         flashinfer.apply_rope_with_cos_sin_cache_inplace(pos, q2, k2, d, cs, is_neox=is_neox)
-        errs = dict(fivar_vs_ref=_check(torch, v.name, q1.unflatten(1, (hq, d)), q_ref),
-                    stock_vs_ref=_check(torch, "stock rope", q2.unflatten(1, (hq, d)), q_ref),
-                    fivar_vs_stock=_check(torch, "rope vs stock", q1, q2))
+        errs = dict(fivar_vs_ref=check_close(v.name, q1.unflatten(1, (hq, d)), q_ref),
+                    stock_vs_ref=check_close("stock rope", q2.unflatten(1, (hq, d)), q_ref),
+                    fivar_vs_stock=check_close("rope vs stock", q1, q2))
         bound = v.bind(q=q1, k=k1, positions=pos, cos_sin_cache=cs)
         t = time_interleaved({"fivar": lambda: v(q=q1, k=k1, positions=pos, cos_sin_cache=cs), "fivar_bound": bound,
                               "stock": lambda: flashinfer.apply_rope_with_cos_sin_cache_inplace(
                                   pos, q2, k2, d, cs, is_neox=is_neox)}, rounds=rounds)
         moved = tokens * (hq + hk) * d * 2 * 2 + tokens * v.rotary_dim * 4 + tokens * 8
-        rows.append(_row(f"rope_only:{v.name}", t, moved, copy_gbs, tokens=tokens, heads=(hq, hk), head_dim=d,
+        rows.append(bandwidth_row(f"rope_only:{v.name}", t, moved, copy_gbs, tokens=tokens, heads=(hq, hk), head_dim=d,
                          rotary_dim=v.rotary_dim, errs=errs,
                          speedup_vs_stock=t["stock"].median / t["fivar_bound"].median))
     return rows
@@ -163,7 +138,7 @@ def main(argv=None):
 
     rounds = 2 if args.quick else args.rounds
     dev = torch.cuda.get_device_name()
-    copy_gbs, copy_ms = copy_bandwidth(torch)
+    copy_gbs, copy_ms = copy_bandwidth()
     print(f"{dev}: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write)")
     rows = []
     rows += bench_qwen3(torch, flashinfer, copy_gbs, rounds, [4096] if args.quick else [4096, 65536])

@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import time
 
 import torch
 
-
-def bench(fn, reps=5):
-    from triton.testing import do_bench
-    return [do_bench(fn, warmup=100, rep=300, return_mode="median") for _ in range(reps)]
+from fivar.bench.timing import attention_flops, time_interleaved
 
 
 def main():
@@ -43,26 +38,23 @@ def main():
     # correctness against the torch reference at a size the reference can afford
     q, k, vv = (torch.randn(1024, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     for causal in (False, True):
-        r = compare("softcap", f"vs reference S=1024 causal={causal}", v.prefill(q, k, vv, causal=causal, softcap=cap),
+        r = compare("softcap", f"vs reference S=1024 causal={causal}", v.prefill(q, k, vv, causal=causal, softcap=cap, backend="fa2"),
                     v.reference(q, k, vv, causal=causal, softcap=cap), torch.bfloat16)
         print(r)
         assert r.passed, r
     for S in [int(s) for s in args.seqlens.split(",")]:
         for causal in (False, True):
             q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-            fivar_fn = lambda: v.prefill(q, k, vv, causal=causal, softcap=cap)  # noqa: E731
+            fivar_fn = lambda: v.prefill(q, k, vv, causal=causal, softcap=cap, backend="fa2")  # noqa: E731
             stock_fn = lambda: flashinfer.single_prefill_with_kv_cache(  # noqa: E731
                 q, k, vv, causal=causal, logits_soft_cap=cap, backend="fa2")
             a, b = fivar_fn(), stock_fn()
             rel = float((a.double() - b.double()).norm() / b.double().norm())
             assert rel < 1e-2, f"fivar and stock disagree: rel {rel}"
-            # interleave rounds so clock drift hits both alike
-            tf, ts = [], []
-            for _ in range(3):
-                tf += bench(fivar_fn, 2)
-                ts += bench(stock_fn, 2)
-            flops = 4 * S * S * H * D / (2 if causal else 1)
-            mf, ms = statistics.median(tf), statistics.median(ts)
+            t = time_interleaved({"fivar": fivar_fn, "stock": stock_fn}, rounds=6)
+            tf, ts = t["fivar"].samples_ms, t["stock"].samples_ms
+            flops = attention_flops(S, S, H, D, causal)
+            mf, ms = t["fivar"].median, t["stock"].median
             rows.append(dict(S=S, causal=causal, fivar_ms=mf, stock_ms=ms, fivar_tflops=flops / mf / 1e9,
                              stock_tflops=flops / ms / 1e9, ratio=ms / mf, rel_err_vs_stock=rel,
                              fivar_samples=tf, stock_samples=ts,

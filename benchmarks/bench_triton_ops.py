@@ -24,6 +24,8 @@ import argparse
 import json
 import time
 
+from fivar.bench.membound import bandwidth_row, check_close, copy_bandwidth
+
 HEAD_DIM = 128
 MAX_POS = 8192
 
@@ -39,32 +41,8 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
-def copy_bandwidth(torch, nbytes=1 << 30):
-    """Achieved GB/s of a device-to-device torch copy (read + write counted), timed like the contenders."""
-    from fivar.bench.timing import time_interleaved
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    t = time_interleaved({"copy": lambda: b.copy_(a)}, rounds=3)["copy"]
-    del a, b
-    return 2 * nbytes / (t.median * 1e-3) / 1e9, t.median
-
-
-def _check(name, got, ref, tol=2e-2):
-    """Relative Frobenius error of `got` vs `ref`; exits (times nothing) if it is not below `tol`."""
-    got, ref = got.double(), ref.double().to(got.device)
-    rel = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-    if not rel < tol:
-        raise SystemExit(f"{name}: rel err {rel:.3e} >= {tol}: not timing a wrong kernel")
-    return rel
-
-
 def _row(case, timings, bytes_moved, copy_gbs, **extra):
-    r = dict(case=case, bytes_moved=bytes_moved, **extra)
-    for k, t in timings.items():
-        r[f"{k}_ms"] = t.median
-        r[f"{k}_spread_ms"] = t.spread
-        r[f"{k}_GBps"] = bytes_moved / (t.median * 1e-3) / 1e9
-        r[f"{k}_pct_copy"] = 100 * r[f"{k}_GBps"] / copy_gbs
+    r = bandwidth_row(case, timings, bytes_moved, copy_gbs, **extra)
     r["triton_vs_flashinfer"] = timings["flashinfer"].median / timings["triton"].median
     return r
 
@@ -78,9 +56,9 @@ def bench_rmsnorm(torch, flashinfer, T, copy_gbs, rounds, tokens, hidden, eps=1e
     out_t, out_f = torch.empty_like(x), torch.empty_like(x)
     T.rmsnorm(x, w, eps, out=out_t)
     flashinfer.rmsnorm(x, w, eps, out=out_f)
-    errs = dict(triton_vs_ref=_check("triton rmsnorm", out_t, ref),
-                flashinfer_vs_ref=_check("flashinfer rmsnorm", out_f, ref),
-                triton_vs_flashinfer=_check("rmsnorm triton vs flashinfer", out_t, out_f))
+    errs = dict(triton_vs_ref=check_close("triton rmsnorm", out_t, ref),
+                flashinfer_vs_ref=check_close("flashinfer rmsnorm", out_f, ref),
+                triton_vs_flashinfer=check_close("rmsnorm triton vs flashinfer", out_t, out_f))
     t = time_interleaved({"triton": lambda: T.rmsnorm(x, w, eps, out=out_t),
                           "flashinfer": lambda: flashinfer.rmsnorm(x, w, eps, out=out_f)}, rounds=rounds)
     moved = tokens * hidden * 2 * 2 + hidden * 2  # read x, write out; weight
@@ -99,10 +77,10 @@ def bench_fused_add_rmsnorm(torch, flashinfer, T, copy_gbs, rounds, tokens, hidd
     del x, r
     T.fused_add_rmsnorm(x1, r1, w, eps)
     flashinfer.fused_add_rmsnorm(x2, r2, w, eps)
-    errs = dict(triton_vs_ref=_check("triton fused_add_rmsnorm", x1, ref_out),
-                triton_residual=_check("triton residual", r1, s),
-                flashinfer_vs_ref=_check("flashinfer fused_add_rmsnorm", x2, ref_out),
-                triton_vs_flashinfer=_check("fused_add_rmsnorm triton vs flashinfer", x1, x2))
+    errs = dict(triton_vs_ref=check_close("triton fused_add_rmsnorm", x1, ref_out),
+                triton_residual=check_close("triton residual", r1, s),
+                flashinfer_vs_ref=check_close("flashinfer fused_add_rmsnorm", x2, ref_out),
+                triton_vs_flashinfer=check_close("fused_add_rmsnorm triton vs flashinfer", x1, x2))
     del s, ref_out
     t = time_interleaved({"triton": lambda: T.fused_add_rmsnorm(x1, r1, w, eps),
                           "flashinfer": lambda: flashinfer.fused_add_rmsnorm(x2, r2, w, eps)}, rounds=rounds)
@@ -143,10 +121,10 @@ def bench_rope(torch, flashinfer, T, copy_gbs, rounds, tokens, hidden, style, ro
 
     T.apply_rope(qa, ka, pos, cs, rotary_dim, style)
     stock()
-    errs = dict(triton_vs_ref=_check(f"triton rope {style}", qa, q_ref),
-                triton_k_vs_ref=_check(f"triton rope {style} k", ka, k_ref),
-                flashinfer_vs_ref=_check(f"flashinfer rope {style}", qb, q_ref),
-                triton_vs_flashinfer=_check(f"rope {style} triton vs flashinfer", a, b))
+    errs = dict(triton_vs_ref=check_close(f"triton rope {style}", qa, q_ref),
+                triton_k_vs_ref=check_close(f"triton rope {style} k", ka, k_ref),
+                flashinfer_vs_ref=check_close(f"flashinfer rope {style}", qb, q_ref),
+                triton_vs_flashinfer=check_close(f"rope {style} triton vs flashinfer", a, b))
     del q_ref, k_ref
     t = time_interleaved({"triton": lambda: T.apply_rope(qa, ka, pos, cs, rotary_dim, style),
                           "flashinfer": stock}, rounds=rounds)
@@ -181,10 +159,10 @@ def bench_qk_norm_rope(torch, flashinfer, T, copy_gbs, rounds, tokens, hidden, e
 
     T.qk_norm_rope(qa, ka, qw, kw, pos, cs, d, eps=eps)
     stock()
-    errs = dict(triton_vs_ref=_check("triton qk_norm_rope q", qa, q_ref),
-                triton_k_vs_ref=_check("triton qk_norm_rope k", ka, k_ref),
-                flashinfer_vs_ref=_check("stock q", qb, q_ref),
-                triton_vs_flashinfer=_check("qk_norm_rope triton vs stock", a, b))
+    errs = dict(triton_vs_ref=check_close("triton qk_norm_rope q", qa, q_ref),
+                triton_k_vs_ref=check_close("triton qk_norm_rope k", ka, k_ref),
+                flashinfer_vs_ref=check_close("stock q", qb, q_ref),
+                triton_vs_flashinfer=check_close("qk_norm_rope triton vs stock", a, b))
     del q_ref, k_ref
     t = time_interleaved({"triton": lambda: T.qk_norm_rope(qa, ka, qw, kw, pos, cs, d, eps=eps),
                           "flashinfer": stock}, rounds=rounds)
@@ -205,7 +183,7 @@ def main(argv=None):
     if args.hidden % HEAD_DIM:
         raise SystemExit(f"--hidden must be a multiple of {HEAD_DIM}")
     dev = torch.cuda.get_device_name()
-    copy_gbs, copy_ms = copy_bandwidth(torch)
+    copy_gbs, copy_ms = copy_bandwidth()
     print(f"{dev}: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write); {tokens} tokens x {args.hidden} hidden")
     common = (torch, flashinfer, T, copy_gbs, rounds, tokens, args.hidden)
     rows = []

@@ -7,7 +7,6 @@ against a plain-attention reference (it computes a different function, it is onl
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -149,7 +148,3 @@ def plain(variant=None):
 
 
 _PLAIN = None
-
-
-def sm_scale_of(p: Problem) -> float:
-    return 1.0 / math.sqrt(p.head_dim)

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -13,7 +13,6 @@ from ..codegen import fa2
 from ..codegen.torch_ref import eval_scalar
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
-from ..spec import optimize
 from .params import bind_params, kernel_args
 
 
@@ -91,12 +90,20 @@ def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cp
         raise FivarError(f"variant '{name}': the last dimension of q, k, v must be contiguous")
 
 
+_output_factors: dict = {}
+
+
 def _check_output_scale(variant, bound, sm_scale):
     """The folded logits factor goes into the softmax exponent scale: it must be positive."""
     lowered = variant.lowered
     if lowered.output_scale is None:
         return
-    factor = eval_scalar(lowered.output_scale, bound.scalars, sm_scale)
+    key = (id(variant), tuple(sorted(bound.scalars.items())), sm_scale)
+    factor = _output_factors.get(key)
+    if factor is None:  # evaluated once per distinct scalar values, not on every launch
+        if len(_output_factors) > 4096:
+            _output_factors.clear()
+        factor = _output_factors[key] = eval_scalar(lowered.output_scale, bound.scalars, sm_scale)
     if not (factor > 0 and math.isfinite(factor)):
         from ..codegen.cuda import CppEmitter
         raise FivarError(f"variant '{variant.name}': the logits factor `{CppEmitter(variant).expr(lowered.output_scale)}`"

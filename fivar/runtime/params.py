@@ -6,8 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FivarError
-from ..spec import Scalar, Tensor
-from ..spec.params import TENSOR_DTYPES
+from ..spec import Scalar
 
 
 @dataclass

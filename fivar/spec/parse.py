@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
-import math
 import textwrap
 import types
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from .. import lang
 from ..errors import FivarSpecError
 from . import ir
 from .ir import BOOL, F32, I32, NUMERIC
-from .params import Scalar, Tensor
+from .params import Tensor
 
 ALLOWED = ("arithmetic (+ - * / // %), comparisons, and/or/not, `a if c else b`, local assignments, "
            "numbers, params.NAME, params.TABLE[i, ...], and the functions "

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rope import _style_is_neox, block_heads, check_rope_args
+from .rope import _style_is_neox, _token_cos_sin, block_heads, check_rope_args
 
 
 @triton.jit
@@ -107,11 +107,7 @@ def _qk_norm_rope_kernel(Q, K, QW, KW, POS, CS,
                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_TAIL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POS + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    i_mask = i < HALF
-    cos = tl.load(CS + pos * stride_cs + i, mask=i_mask, other=0.0).to(tl.float32)
-    sin = tl.load(CS + pos * stride_cs + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
+    cos, sin = _token_cos_sin(POS, CS, t, stride_cs, HALF, BLOCK_HALF)
     _norm_rope_heads(Q + t * stride_qt, stride_qh, HQ, QW, cos, sin, eps,
                      D, HALF, IS_NEOX, GEMMA, BLOCK_HQ, BLOCK_HALF, BLOCK_TAIL)
     _norm_rope_heads(K + t * stride_kt, stride_kh, HK, KW, cos, sin, eps,

@@ -71,17 +71,24 @@ def _rope_heads(base, stride_h, H, cos, sin,
 
 
 @triton.jit
+def _token_cos_sin(POS, CS, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin (fp32, BLOCK_HALF wide) of token t's position, from FlashInfer's cos_sin_cache layout."""
+    pos = tl.load(POS + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    i_mask = i < HALF
+    cos = tl.load(CS + pos * stride_cs + i, mask=i_mask, other=0.0).to(tl.float32)
+    sin = tl.load(CS + pos * stride_cs + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(Q, K, POS, CS,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                  HQ, HK,
                  HALF: tl.constexpr, IS_NEOX: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POS + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    i_mask = i < HALF
-    cos = tl.load(CS + pos * stride_cs + i, mask=i_mask, other=0.0).to(tl.float32)
-    sin = tl.load(CS + pos * stride_cs + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
+    cos, sin = _token_cos_sin(POS, CS, t, stride_cs, HALF, BLOCK_HALF)
     _rope_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, HALF, IS_NEOX, BLOCK_HQ, BLOCK_HALF)
     _rope_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, IS_NEOX, BLOCK_HK, BLOCK_HALF)
 

@@ -8,7 +8,7 @@ import torch
 
 import fivar
 from fivar.bench.contenders import Contender
-from fivar.bench.harness import Row, evaluate, validate
+from fivar.bench.harness import evaluate, validate
 from fivar.bench.timing import Timing, attention_flops, decode_kv_bytes
 from fivar.bench.work import attention_bytes, kept_fraction
 from fivar.testing import compare

@@ -10,7 +10,6 @@ import math
 import random
 import shutil
 import subprocess
-import textwrap
 import types
 
 import pytest
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
-from fivar.codegen.cuda import CTYPE, CppEmitter
+from fivar.codegen.cuda import CppEmitter
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.paths import csrc_dir
 from fivar.spec import optimize
