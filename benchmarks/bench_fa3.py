@@ -4,8 +4,9 @@
 
 1. softcap on fa3 vs stock `single_prefill_with_kv_cache(..., logits_soft_cap=30, backend="fa3")`,
    bf16, hd128, 32 heads, S in {4096, 8192, 16384}, causal and not (target >= 0.97x);
-2. every bundled variant on fa3 vs FlexAttention (torch.compile) running the same score_mod/mask_mod,
-   S=8192 (target >= 2.5x);
+2. every bundled variant on fa3 (and its Triton twin at --triton-seqlens) vs FlexAttention
+   (torch.compile) running the same score_mod/mask_mod, at --flex-seqlens x --flex-causal (target >= 2.5x);
+   TF/s count useful work only: masked-out pairs are not counted (kept fraction from the reference mask);
 3. batch decode, paged (page 16), batch 128 x kv 8192, GQA 32/8: fivar softcap vs stock
    BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (target >= 0.95x), KV-read TB/s.
 Every contender is checked against another (stock or the reference) before it is timed.
@@ -23,6 +24,7 @@ from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleave
 from fivar.testing import compare, example_params
 
 H, HKV_DECODE, D = 32, 8, 128
+VARIANTS = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
 
 
 def rel(a, b):
@@ -57,49 +59,60 @@ def bench_softcap_vs_stock(seqlens, rounds):
     return rows
 
 
-def bench_variants_vs_flex(S, rounds, causal=False):
-    from fivar.flex import flex_attention_fn
+def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=()):
     rows = []
-    for name in ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
-                 "softcap_sliding_window"]:
-        v = fivar.load(name)
-        q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-        params = example_params(v, num_qo_heads=H, num_kv_heads=H, batch_size=1, max_len=S, device="cuda")
-        if name in ("sliding_window", "softcap_sliding_window"):
-            params["window"] = 1024
-        fns = {"fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params),
-               "fivar_fa2": lambda: v.prefill(q, k, vv, causal=causal, backend="fa2", **params)}
-        # correctness: against the reference on a slice of queries (the full reference would not fit)
-        qs = q[-256:]
-        ref = v.reference(qs, k, vv, causal=causal, **params)
-        out = fns["fivar_fa3"]()[-256:]
-        check = compare(name, "fa3 vs reference (last 256 rows)", out, ref, torch.bfloat16)
-        row = dict(variant=name, S=S, causal=causal, check=str(check))
-        if not check.passed:
-            row["error"] = "fa3 failed correctness; not timed"
-            rows.append(row)
-            print(row, flush=True)
-            continue
-        if v.softmax:
-            try:
-                flex = flex_attention_fn(v, params, q, k, vv, causal=causal)
-                e = rel(flex(), fns["fivar_fa3"]())
-                assert e < 2e-2, f"flex disagrees: {e}"
-                fns["flex"] = flex
-            except Exception as ex:  # report, do not hide
-                row["flex_error"] = f"{type(ex).__name__}: {ex}"[:300]
-        t = time_interleaved(fns, rounds)
-        # masked-out work is not useful work: count the kept pairs from the reference mask
-        fl = attention_flops(S, S, H, D, causal)
-        if v.mask is not None:
-            fl *= _kept_fraction(v, params, S, causal)
-        row.update(ms={n: x.median for n, x in t.items()}, tflops={n: fl / x.median / 1e9 for n, x in t.items()})
-        if "flex" in t:
-            row["fa3_vs_flex"] = t["flex"].median / t["fivar_fa3"].median
-        rows.append(row)
-        print(f"{name}: " + ", ".join(f"{n} {row['tflops'][n]:.0f} TF/s" for n in t) +
-              (f", fa3/flex {row['fa3_vs_flex']:.2f}x" if "fa3_vs_flex" in row else ""), flush=True)
+    for S in seqlens:
+        for causal in causals:
+            for name in variants:
+                rows.append(_variant_vs_flex(name, S, causal, rounds, with_triton=S in triton_seqlens))
     return rows
+
+
+def _variant_vs_flex(name, S, causal, rounds, with_triton):
+    from fivar.flex import flex_attention_fn
+    v = fivar.load(name)
+    q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    params = example_params(v, num_qo_heads=H, num_kv_heads=H, batch_size=1, max_len=S, device="cuda")
+    if name in ("sliding_window", "softcap_sliding_window"):
+        params["window"] = 1024
+    fns = {"fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params)}
+    if with_triton:
+        fns["fivar_triton"] = lambda: v.prefill(q, k, vv, causal=causal, backend="triton", **params)
+    # correctness: against the reference on a slice of queries (the full reference would not fit)
+    qs = q[-256:]
+    ref = v.reference(qs, k, vv, causal=causal, **params)
+    row = dict(variant=name, S=S, causal=causal, checks={})
+    for n in list(fns):
+        check = compare(name, f"{n} vs reference (last 256 rows)", fns[n]()[-256:], ref, torch.bfloat16)
+        row["checks"][n] = str(check)
+        if not check.passed:
+            row.setdefault("errors", {})[n] = "failed correctness; not timed"
+            del fns[n]
+    if "fivar_fa3" not in fns:
+        print(row, flush=True)
+        return row
+    if v.softmax:
+        try:
+            flex = flex_attention_fn(v, params, q, k, vv, causal=causal)
+            e = rel(flex(), fns["fivar_fa3"]())
+            assert e < 2e-2, f"flex disagrees: {e}"
+            fns["flex"] = flex
+        except Exception as ex:  # report, do not hide
+            row["flex_error"] = f"{type(ex).__name__}: {ex}"[:300]
+    t = time_interleaved(fns, rounds)
+    # masked-out work is not useful work: count the kept pairs from the reference mask
+    fl = attention_flops(S, S, H, D, causal)
+    if v.mask is not None:
+        fl *= _kept_fraction(v, params, S, causal)
+    row.update(ms={n: x.median for n, x in t.items()}, spread_ms={n: x.spread for n, x in t.items()},
+               tflops={n: fl / x.median / 1e9 for n, x in t.items()})
+    for n in ("fivar_fa3", "fivar_triton"):
+        if "flex" in t and n in t:
+            row[f"{n}_vs_flex"] = t["flex"].median / t[n].median
+    print(f"{name} S={S} causal={causal}: " + ", ".join(f"{n} {row['tflops'][n]:.0f} TF/s" for n in t) +
+          "".join(f", {n}/flex {row[f'{n}_vs_flex']:.2f}x" for n in ("fivar_fa3", "fivar_triton")
+                  if f"{n}_vs_flex" in row), flush=True)
+    return row
 
 
 def _kept_fraction(v, params, S, causal):
@@ -169,19 +182,30 @@ def bench_decode(rounds, batch=128, kv_len=8192, page=16):
     return row
 
 
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
     ap.add_argument("--parts", default="softcap,flex,decode")
+    ap.add_argument("--softcap-seqlens", default="4096,8192,16384")
+    ap.add_argument("--flex-seqlens", default="8192")
+    ap.add_argument("--flex-causal", default="0,1", help="0 = non-causal, 1 = causal")
+    ap.add_argument("--triton-seqlens", default="8192", help="flex sizes where the Triton twin is timed too")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     rounds = 2 if args.quick else 4
     parts = args.parts.split(",")
     out = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     if "softcap" in parts:
-        out["softcap_vs_stock"] = bench_softcap_vs_stock([4096, 8192] if args.quick else [4096, 8192, 16384], rounds)
+        out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
     if "flex" in parts:
-        out["variants_vs_flex"] = bench_variants_vs_flex(8192, rounds)
+        out["variants_vs_flex"] = bench_variants_vs_flex(
+            _ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds, args.variants.split(","),
+            _ints(args.triton_seqlens))
     if "decode" in parts:
         out["decode"] = bench_decode(rounds)
     if args.json:

@@ -37,9 +37,21 @@ def second_session():
     return mods
 
 
+def third_session():
+    """Session 3: FA3 for every variant (flex benchmark, window tests), FA2 single prefill (Triton
+    agreement tests). The fusion benchmark builds its own modules."""
+    mods = []
+    for name in BUNDLED:
+        v = fivar.load(name)
+        mods += [gen_module(v, op="single_prefill", target=t) for t in ("fa2", "fa3")]
+    mods.append(gen_module(fivar.load("sliding_window"), op="batch_prefill", target="fa3"))
+    return mods
+
+
 if __name__ == "__main__":
     import sys
-    mods = second_session() if "--second" in sys.argv else wanted()
+    mods = second_session() if "--second" in sys.argv else third_session() if "--session3" in sys.argv \
+        else wanted()
     t0 = time.perf_counter()
     res = build_many(mods)
     kinds = [k for k, _ in res]

@@ -95,6 +95,26 @@ def new_variant(name, variants_dir, tests_dir, kind):
                   f"next: edit {vpath}, then `fivar show {name}`, `fivar build {name}`, `fivar check {name}`")
 
 
+def _tile_skipping(v) -> str:
+    """What each target skips instead of masking, from the band fivar reads off the mask."""
+    from .spec.bounds import kv_band
+    from .spec.ir import format_expr
+    if v.ir.mask is None:
+        return "KV tile skipping: causal only (no mask)"
+    band = kv_band(v.ir.mask)
+    sides = [f"kv_idx >= q_idx - {format_expr(band.left)}"] if band.left is not None else []
+    sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
+    if not sides:
+        return ("KV tile skipping: the mask implies no band; fa2/fa3 evaluate it on every tile, triton "
+                "pre-scans it per query block and attends over the tiles between the first and last kept one")
+    how = "is exactly" if band.exact else "implies"
+    fa3_part = ("fa3 builds with FlashInfer's sliding-window schedule (window_left from the band)"
+                if band.left is not None else "fa3 has no hook for a right-only band")
+    return (f"KV tile skipping: the mask {how} the band {' and '.join(sides)}; {fa3_part}; triton bounds its "
+            f"KV loop by it{'' if band.exact else ' and pre-scans the rest'}; fa2 masks element-wise "
+            "(FlashInfer's FA2 kernels visit every tile)")
+
+
 @main.command()
 @click.argument("name")
 @click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default="fa2", show_default=True)
@@ -125,6 +145,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         for o in OPS:
             t, why = choose_target(v, "auto", o)
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
+        console.print(_escape(_tile_skipping(v)))
         return
     if target == "triton":  # the Triton twin: one Python module with every kernel
         from .codegen.triton import render_attention

@@ -72,14 +72,21 @@ def _qkv(lq, lk, hq, hkv, d, dtype, device):
 
 
 def check_single_prefill(variant, *, qo_len, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                         dtype=torch.bfloat16, causal=False, device="cuda", backend="auto") -> CheckResult:
+                         dtype=torch.bfloat16, causal=False, device="cuda", backend="auto",
+                         params: dict | None = None) -> CheckResult:
+    """`params` override the random example params by name."""
     q, k, v = _qkv(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, dtype, device)
-    params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
-                            max_len=kv_len, device=device)
+    params = {**example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
+                               max_len=kv_len, device=device), **(params or {})}
     out = variant.prefill(q, k, v, causal=causal, backend=backend, **params)
     ref = variant.reference(q, k, v, causal=causal, **params)
     return compare(variant.name, f"single_prefill[{backend}] {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
-                   f"qo{qo_len} kv{kv_len}{' causal' if causal else ''}", out, ref, dtype)
+                   f"qo{qo_len} kv{kv_len}{' causal' if causal else ''}{_shown(params)}", out, ref, dtype)
+
+
+def _shown(params: dict) -> str:
+    scalars = {n: p for n, p in params.items() if not isinstance(p, torch.Tensor)}
+    return f" {scalars}" if scalars else ""
 
 
 def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params):
@@ -94,11 +101,11 @@ def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params):
 
 def check_batch_prefill(variant, *, qo_lens, kv_lens, paged: bool, page_size=16, num_qo_heads=32,
                         num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, causal=False,
-                        device="cuda", backend="auto") -> CheckResult:
+                        device="cuda", backend="auto", params: dict | None = None) -> CheckResult:
     batch = len(qo_lens)
     q, k, v = _qkv(sum(qo_lens), sum(kv_lens), num_qo_heads, num_kv_heads, head_dim, dtype, device)
-    params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
-                            max_len=max(kv_lens), device=device)
+    params = {**example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
+                               max_len=max(kv_lens), device=device), **(params or {})}
     qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=device)
     if paged:
         paged_args = _to_paged(k, v, kv_lens, page_size)

@@ -43,6 +43,31 @@ def test_batch_prefill(name, backend, qo_lens, kv_lens, causal, paged):
     assert r.passed, r
 
 
+# Band skipping: FA3's sliding-window schedule and the Triton loop bounds skip KV tiles left of the
+# band read off the mask. Windows from empty (0) to wider than the sequence, aligned and not.
+WINDOWS = [0, 1, 37, 128, 700, 5000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("qo_len,kv_len,causal", [(1000, 1000, False), (1000, 1000, True), (300, 1500, False),
+                                                  (300, 1500, True)])
+@pytest.mark.parametrize("backend", ["fa3", "triton"])
+@pytest.mark.parametrize("name", ["sliding_window", "softcap_sliding_window"])
+def test_window_tile_skipping(name, backend, qo_len, kv_len, causal, window):
+    r = check_single_prefill(fivar.load(name), qo_len=qo_len, kv_len=kv_len, causal=causal, backend=backend,
+                             params={"window": window})
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("window", [1, 100])
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_tile_skipping_batch(paged, causal, window):
+    r = check_batch_prefill(fivar.load("sliding_window"), qo_lens=[300, 1, 700], kv_lens=[900, 250, 700],
+                            paged=paged, causal=causal, backend="fa3", params={"window": window})
+    assert r.passed, r
+
+
 @pytest.mark.parametrize("kv_lens", DECODE_CASES)
 @pytest.mark.parametrize("name", BUNDLED)
 def test_decode(name, kv_lens):

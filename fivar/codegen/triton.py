@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import ir, optimize
+from ..spec.bounds import kv_band
 from ..spec.ir import BOOL, F32, I32
 from .fa2 import render
 
@@ -180,7 +181,10 @@ class TritonEmitter:
             self.local_names[lname] = _safe(lname, taken)
             taken.add(self.local_names[lname])
             lines.append(f"{self.local_names[lname]} = {self.expr(e)}")
-        lines.append(f"return {self.expr(program.result)}")
+        result = self.expr(program.result)
+        if first_args[0] == "qk" and "score" not in ir.uses(program):
+            result = f"tl.zeros_like(qk) + {result}"  # logits that ignore the score: still a full tile
+        lines.append(f"return {result}")
         args = ", ".join(list(first_args) + self.variant_args())
         body = "\n".join("    " + line for line in lines)
         return f"@triton.jit\ndef {name}({args}):\n{body}\n"
@@ -189,6 +193,10 @@ class TritonEmitter:
         """Kernel statements computing the per-program invariants and the exp2 scale of the softmax."""
         self.local_names, self.const_locals = {}, {}
         lines = [f"{self.hoisted_names[h]} = {self.expr(e)}" for h, e in self.lowered.hoisted.items()]
+        band = kv_band(self.variant.ir.mask)
+        for side, e in (("left", band.left), ("right", band.right)):
+            if e is not None:
+                lines.append(f"fv_band_{side} = {self.expr(e)}")
         if self.variant.softmax:
             scale = self.lowered.output_scale
             lines.append("qk_scale = LOG2E" if scale is None else f"qk_scale = LOG2E * {self.expr(scale)}")
@@ -202,10 +210,14 @@ def render_attention(variant) -> str:
     logits_fn = emit.function(logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
     mask_fn = emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS) if emit.lowered.mask else None
     prologue = emit.prologue()
+    band = kv_band(variant.ir.mask)
     source = os.path.basename(variant.source_file or "<unknown>")
     return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
                   softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, helpers=sorted(emit.helpers),
                   prologue=prologue, kernel_args=[a.name for a in emit.args],
+                  band_left=band.left and ir.format_expr(band.left),
+                  band_right=band.right and ir.format_expr(band.right),
+                  prescan=emit.lowered.mask is not None and not band.exact,
                   variant_args=emit.variant_args(), unspecialized=emit.unspecialized(),
                   logits_text=ir.format_program(variant.ir.logits, "logits") if variant.ir.logits else None,
                   mask_text=ir.format_program(variant.ir.mask, "mask") if variant.ir.mask else None)

@@ -111,6 +111,29 @@ def _check_output_scale(variant, bound, sm_scale):
                          f"(fivar folds it into the softmax scale)")
 
 
+_window_lefts: dict = {}
+
+
+def _window_left(variant, target: str, bound) -> int:
+    """FlashInfer's `window_left` for a kernel fivar built with FA3's sliding-window schedule, else -1.
+
+    The band is implied by the mask, and the mask still runs on every visited tile, so the kernel's window
+    only has to be no tighter than the mask: a band reaching right of the diagonal is clamped to 0.
+    """
+    if target != "fa3":
+        return -1
+    from ..codegen.fa3 import window_band
+    key = (id(variant), tuple(sorted(bound.scalars.items())))
+    left = _window_lefts.get(key)
+    if left is None:
+        band = window_band(variant)
+        if len(_window_lefts) > 4096:
+            _window_lefts.clear()
+        left = _window_lefts[key] = -1 if band is None else \
+            min(max(int(eval_scalar(band, bound.scalars, 1.0)), 0), 1 << 30)
+    return left
+
+
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
     bound = bind_params(variant, params, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
                         batch_size=batch_size, device=q.device)
@@ -135,7 +158,8 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
     o = single_prefill_with_kv_cache_with_jit_module(
-        module, q, k, v, *args, kv_layout="NHD", mask_mode=_codegen(target).runtime_mask_code(variant, causal))
+        module, q, k, v, *args, kv_layout="NHD", mask_mode=_codegen(target).runtime_mask_code(variant, causal),
+        window_left=_window_left(variant, target, bound))
     if out is not None:
         out.copy_(o)
         return out
@@ -255,7 +279,8 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("ragged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=_plan_causal(variant, target, causal),
-           q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=q.dtype, **_split_kwargs(variant, target))
+           window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k.dtype,
+           o_data_type=q.dtype, **_split_kwargs(variant, target))
     return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)))
 
 
@@ -272,7 +297,8 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
     w = _wrapper("paged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1],
            k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=_plan_causal(variant, target, causal),
-           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype, **_split_kwargs(variant, target))
+           window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+           o_data_type=q.dtype, **_split_kwargs(variant, target))
     return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)))
 
 
@@ -332,7 +358,8 @@ class PagedAttentionPlan:
         _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask) and self.target == "fa2")
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices.to(self.device), kv_last_page_len.to(self.device),
                            num_qo_heads, num_kv_heads, head_dim, page_size,
-                           causal=_plan_causal(variant, self.target, causal), q_data_type=dtype,
+                           causal=_plan_causal(variant, self.target, causal),
+                           window_left=_window_left(variant, self.target, bound), q_data_type=dtype,
                            kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
         self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal))
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)

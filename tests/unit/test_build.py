@@ -89,6 +89,8 @@ def test_fa3_module_compiles_for_sm90a():
     m = gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3")
     assert sorted(n for n in m.sources if "kernel_mask" in n) == [
         "single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_1.cu"]
+    # the window mask gives a band: FA3's sliding-window schedule skips the KV tiles left of it
+    assert "USE_SLIDING_WINDOW=*/true" in m.sources["single_prefill_sm90_kernel_mask_0.cu"]
     assert m.build() == "cold" and m.library_path.exists()
 
 

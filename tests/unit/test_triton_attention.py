@@ -147,3 +147,48 @@ def test_show_prints_the_triton_twin():
     assert result.exit_code == 0, result.output
     assert "def variant_logits(qk, batch, qo_head, kv_head, q_idx, kv_idx" in result.output
     assert "return _tanh((qk * fv_h0))" in result.output and "qk_scale = LOG2E * softcap" in result.output
+
+
+# --- KV tile skipping: a band read off the mask bounds the loop, other masks are pre-scanned per block
+def _two_sided(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx <= params.left and kv_idx - q_idx <= params.right
+
+
+def _band_and_doc(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.left and params.doc[q_idx] == params.doc[kv_idx]
+
+
+TWO_SIDED = AttentionVariant(name="two_sided_band", mask=_two_sided,
+                             params={"left": Scalar(int), "right": Scalar(int)})
+BAND_AND_DOC = AttentionVariant(name="band_and_doc", mask=_band_and_doc,
+                                params={"left": Scalar(int), "doc": Tensor("int32", ("position",))})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq,lk", [(100, 100), (37, 100)])
+def test_tiles_outside_a_band_are_skipped_exactly(lq, lk, causal):
+    """Several 16-wide tiles per row, windows from empty to wider than the sequence."""
+    q, k, vv = _qkv(lq, lk, 2, 1, 16)
+    sw = fivar.load("sliding_window")
+    for window in (-2, 0, 1, 5, 16, 33, 200):
+        out = sw.prefill(q, k, vv, causal=causal, backend="triton", window=window)
+        _check("sliding_window", f"window={window}", out, sw.reference(q, k, vv, causal=causal, window=window))
+    for left, right in ((3, 7), (20, -2), (0, 0), (-5, 40)):
+        p = {"left": left, "right": right}
+        out = TWO_SIDED.prefill(q, k, vv, causal=causal, backend="triton", **p)
+        _check("two_sided_band", str(p), out, TWO_SIDED.reference(q, k, vv, causal=causal, **p))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_prescanned_masks_keep_every_tile_they_need(causal):
+    """Documents of assorted lengths (one key long up to several tiles), alone and under a window."""
+    q, k, vv = _qkv(90, 90, 2, 2, 16)
+    lengths = [1, 17, 3, 40, 29]
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+    dm = fivar.load("document_mask")
+    p = {"doc_ids": doc_ids[None]}
+    _check("document_mask", "5 docs", dm.prefill(q, k, vv, causal=causal, backend="triton", **p),
+           dm.reference(q, k, vv, causal=causal, **p))
+    p = {"left": 9, "doc": doc_ids}
+    _check("band_and_doc", "5 docs, window 9", BAND_AND_DOC.prefill(q, k, vv, causal=causal, backend="triton", **p),
+           BAND_AND_DOC.reference(q, k, vv, causal=causal, **p))

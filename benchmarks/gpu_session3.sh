@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Device calls of session 3, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
+# git-ignored, so a later call on the same machine reuses it). From the repo root:
+#   bash benchmarks/gpu_session3.sh build|tests|attention|membound|compile
+# Logs and JSON go to $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FIVAR_TEST_FRESH_JIT_CACHE=0
+export FLASHINFER_WORKSPACE_BASE=$PWD/.gpu-jit FIVAR_CACHE_DIR=$PWD/.gpu-jit/fivar
+step=${1:-build}
+quiet() { grep -v "^\[\|INFO\|UserWarning\|warnings.warn"; }
+case $step in
+build)
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --session3) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
+tests)
+  timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+    "tests/test_gpu_kernels.py::test_window_tile_skipping" "tests/test_gpu_kernels.py::test_window_tile_skipping_batch" \
+    tests/test_gpu_triton.py -k "not decode and not ragged" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
+    | tee "$OUT/gpu_tests_fusions.log" | tail -4 ;;
+attention)
+  timeout 560 python3 benchmarks/bench_fa3.py --parts softcap,flex --softcap-seqlens 16384 --flex-seqlens 8192 \
+    --flex-causal 0,1 --triton-seqlens 8192 --json "$OUT/bench_fa3.json" 2>&1 | quiet | tee "$OUT/bench_fa3.log" \
+    | grep -v "^CheckResult\|passed" | tail -40 ;;
+membound)
+  timeout 250 python3 benchmarks/bench_fusions.py --json "$OUT/bench_fusions.json" 2>&1 | quiet \
+    | tee "$OUT/bench_fusions.log" | tail -22
+  timeout 250 python3 benchmarks/bench_triton_ops.py --json "$OUT/bench_triton_ops.json" 2>&1 | quiet \
+    | tee "$OUT/bench_triton_ops.log" | tail -16 ;;
+compile)
+  timeout 500 python3 benchmarks/bench_compile.py --json "$OUT/bench_compile.json" 2>&1 | quiet \
+    | tee "$OUT/bench_compile.log" | tail -25 ;;
+esac

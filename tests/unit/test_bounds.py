@@ -1,0 +1,91 @@
+"""The KV band read off a mask must be implied by it: every pair the mask keeps lies inside the band.
+Checked by brute force over all (q_idx, kv_idx) pairs with random scalar params, for masks written in
+the shapes users write them, plus masks where no band (or only part of one) may be claimed."""
+import pytest
+import torch
+
+from fivar import AttentionVariant, Scalar, Tensor
+from fivar.codegen.torch_ref import eval_scalar
+from fivar.spec.bounds import kv_band
+
+
+def _variant(mask):
+    return AttentionVariant(name="band_probe", mask=mask, params={
+        "w": Scalar(int, default=4), "r": Scalar(int, default=2), "doc": Tensor("int32", ("position",))})
+
+
+def m_window(b, h, kh, q, kv, p):
+    return q - kv < p.w
+
+
+def m_flipped(b, h, kv_h, q, kv, p):
+    return kv - q > -p.w
+
+
+def m_shifted(b, h, kh, q, kv, p):
+    return q - p.w <= kv
+
+
+def m_two_sided(b, h, kh, q, kv, p):
+    lo = q - kv <= p.w + 1
+    return lo and kv <= q + p.r
+
+
+def m_right_only(b, h, kh, q, kv, p):
+    return kv - q < p.r
+
+
+def m_window_and_doc(b, h, kh, q, kv, p):
+    return q - kv < p.w and p.doc[q] == p.doc[kv]
+
+
+def m_two_windows(b, h, kh, q, kv, p):
+    return q - kv < p.w and q - kv <= p.r + 3
+
+
+def m_either(b, h, kh, q, kv, p):
+    return q - kv < p.w or kv < 2  # a disjunction: no band may be claimed
+
+
+def m_scaled(b, h, kh, q, kv, p):
+    return 2 * q - kv < p.w  # not unit coefficients: not a band fivar reads
+
+
+def m_doc(b, h, kh, q, kv, p):
+    return p.doc[q] == p.doc[kv]
+
+
+CASES = {m_window: ("left", True), m_flipped: ("left", True), m_shifted: ("left", True),
+         m_two_sided: ("both", True), m_right_only: ("right", True), m_window_and_doc: ("left", False),
+         m_two_windows: ("left", True), m_either: (None, False), m_scaled: (None, False), m_doc: (None, False)}
+
+
+@pytest.mark.parametrize("mask", list(CASES), ids=lambda f: f.__name__)
+def test_band_is_implied_by_the_mask(mask):
+    v = _variant(mask)
+    band = kv_band(v.ir.mask)
+    sides, exact = CASES[mask]
+    assert (band.left is not None) == (sides in ("left", "both"))
+    assert (band.right is not None) == (sides in ("right", "both"))
+    assert band.exact == exact
+    n = 40
+    q_idx = torch.arange(n).view(-1, 1).expand(n, n)
+    kv_idx = torch.arange(n).view(1, -1).expand(n, n)
+    for _ in range(20):
+        scalars = {"w": int(torch.randint(-3, 12, ())), "r": int(torch.randint(-3, 12, ()))}
+        doc = torch.randint(0, 3, (n,)).sort().values.to(torch.int32)
+        keep = torch.tensor([[bool(mask(0, 0, 0, int(i), int(j), _P(scalars, doc))) for j in range(n)]
+                             for i in range(n)])
+        inside = torch.ones(n, n, dtype=torch.bool)
+        if band.left is not None:
+            inside &= kv_idx >= q_idx - int(eval_scalar(band.left, scalars, 1.0))
+        if band.right is not None:
+            inside &= kv_idx <= q_idx + int(eval_scalar(band.right, scalars, 1.0))
+        assert not (keep & ~inside).any(), f"{mask.__name__} keeps pairs outside its band for {scalars}"
+        if band.exact:
+            assert torch.equal(keep, inside), f"{mask.__name__}: an exact band must equal the mask"
+
+
+class _P:
+    def __init__(self, scalars, doc):
+        self.w, self.r, self.doc = scalars["w"], scalars["r"], doc.tolist()
