@@ -14,6 +14,7 @@ build)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   (time python3 benchmarks/prewarm_gpu.py --session3) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
 tests)
+  export FIVAR_TRITON_AUTOTUNE=0
   timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
     "tests/test_gpu_kernels.py::test_window_tile_skipping" "tests/test_gpu_kernels.py::test_window_tile_skipping_batch" \
     tests/test_gpu_triton.py -k "not decode and not ragged" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
