@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls of session 3, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session3.sh build|tests|attention|membound|compile
+#   bash benchmarks/gpu_session3.sh build|tests|attention|fusiontests|membound|compile
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -17,7 +17,8 @@ tests)
   export FIVAR_TRITON_AUTOTUNE=0
   timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
     "tests/test_gpu_kernels.py::test_window_tile_skipping" "tests/test_gpu_kernels.py::test_window_tile_skipping_batch" \
-    tests/test_gpu_triton.py -k "not decode and not ragged" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_gpu_triton.py -k "not decode and not ragged" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+fusiontests)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
     | tee "$OUT/gpu_tests_fusions.log" | tail -4 ;;
 attention)
