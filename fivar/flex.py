@@ -55,6 +55,11 @@ def flex_attention_fn(variant, params, q, k, v, *, causal=False, sm_scale=None, 
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     score_mod, mask_mod = flex_mods(variant, params, qo_len=qo_len, kv_len=kv_len, num_qo_heads=hq,
                                     num_kv_heads=hkv, sm_scale=sm_scale, causal=causal, device=q.device)
+    # Every variant/shape is a new score_mod closure, so torch.compile recompiles per call here; past
+    # dynamo's default limit (8) it silently falls back to eager Flex, which would make Flex look ~100x
+    # slower than it is in a benchmark over many variants.
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     block_mask = None
     if mask_mod is not None:
         block_mask = create_block_mask(mask_mod, None, None, qo_len, kv_len, device=q.device)

@@ -217,7 +217,10 @@ def render_attention(variant) -> str:
                   prologue=prologue, kernel_args=[a.name for a in emit.args],
                   band_left=band.left and ir.format_expr(band.left),
                   band_right=band.right and ir.format_expr(band.right),
+                  band_exact=band.exact,
                   prescan=emit.lowered.mask is not None and not band.exact,
+                  range_per_head=bool({"qo_head", "kv_head"} & ir.uses(emit.lowered.mask)) if emit.lowered.mask
+                  else False,
                   variant_args=emit.variant_args(), unspecialized=emit.unspecialized(),
                   logits_text=ir.format_program(variant.ir.logits, "logits") if variant.ir.logits else None,
                   mask_text=ir.format_program(variant.ir.mask, "mask") if variant.ir.mask else None)

@@ -158,6 +158,12 @@ def _band_and_doc(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return q_idx - kv_idx < params.left and params.doc[q_idx] == params.doc[kv_idx]
 
 
+def _per_head_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.windows[qo_head]  # a tensor bound: no band, pre-scanned per head
+
+
+PER_HEAD_WINDOW = AttentionVariant(name="per_head_window", mask=_per_head_window,
+                                   params={"windows": Tensor("int32", ("qo_head",))})
 TWO_SIDED = AttentionVariant(name="two_sided_band", mask=_two_sided,
                              params={"left": Scalar(int), "right": Scalar(int)})
 BAND_AND_DOC = AttentionVariant(name="band_and_doc", mask=_band_and_doc,
@@ -189,6 +195,9 @@ def test_prescanned_masks_keep_every_tile_they_need(causal):
     p = {"doc_ids": doc_ids[None]}
     _check("document_mask", "5 docs", dm.prefill(q, k, vv, causal=causal, backend="triton", **p),
            dm.reference(q, k, vv, causal=causal, **p))
+    p = {"windows": torch.tensor([3, 40], dtype=torch.int32)}
+    _check("per_head_window", str(p), PER_HEAD_WINDOW.prefill(q, k, vv, causal=causal, backend="triton", **p),
+           PER_HEAD_WINDOW.reference(q, k, vv, causal=causal, **p))
     p = {"left": 9, "doc": doc_ids}
     _check("band_and_doc", "5 docs, window 9", BAND_AND_DOC.prefill(q, k, vv, causal=causal, backend="triton", **p),
            BAND_AND_DOC.reference(q, k, vv, causal=causal, **p))
