@@ -59,12 +59,14 @@ def bench_softcap_vs_stock(seqlens, rounds):
     return rows
 
 
-def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=()):
+def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=(), on_row=None):
     rows = []
     for S in seqlens:
         for causal in causals:
             for name in variants:
                 rows.append(_variant_vs_flex(name, S, causal, rounds, with_triton=S in triton_seqlens))
+                if on_row:
+                    on_row(rows)
     return rows
 
 
@@ -200,17 +202,24 @@ def main():
     rounds = 2 if args.quick else 4
     parts = args.parts.split(",")
     out = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
+
+
+    def write(data):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=1, default=str)
+
     if "softcap" in parts:
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
     if "flex" in parts:
-        out["variants_vs_flex"] = bench_variants_vs_flex(
-            _ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds, args.variants.split(","),
-            _ints(args.triton_seqlens))
+        def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
+            out["variants_vs_flex"] = rows
+            write(out)
+        bench_variants_vs_flex(_ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds,
+                               args.variants.split(","), _ints(args.triton_seqlens), on_row=save)
     if "decode" in parts:
         out["decode"] = bench_decode(rounds)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    write(out)
 
 
 if __name__ == "__main__":
