@@ -28,6 +28,25 @@ def test_row_fusion_hidden_sizes(hidden):
             assert r.passed, r
 
 
+def test_row_fusion_many_rows():
+    # more rows than two per SM: hidden 8192 takes the 512-thread, two-vectors-per-thread instance
+    # (few rows take one vector per thread, up to 1024 threads)
+    for name in ("llama_add_rmsnorm", "add_rmsnorm_fp8"):
+        for r in check_fusion(fivar.load(name), tokens=1000, hidden=8192):
+            assert r.passed, r
+
+
+@pytest.mark.parametrize("norm, rope, rd, out", [("layernorm", "neox", 64, "same"), ("gemma", "gptj", 64, "same"),
+                                                 ("rmsnorm", "neox", 128, "fp8_e4m3")])
+def test_head_fusion_two_heads_per_lane(norm, rope, rd, out):
+    # enough tokens for the two-heads-per-lane instance; with 5 + 3 heads at head_dim 128 (8 per warp) some
+    # lanes hold a q head and a k head, so they need both weights
+    v = fivar.FusionVariant(name=f"u2_{norm}_{rope}_{rd}_{out}", norm=norm, norm_scope="head", rope=rope,
+                            head_dim=128, rotary_dim=rd, out_dtype=out)
+    for r in check_fusion(v, tokens=4099, packed=True, num_q_heads=5, num_kv_heads=3):
+        assert r.passed, r
+
+
 def test_qwen3_int32_positions_and_in_place_on_packed_qkv():
     v = fivar.load("qwen3_qk_norm_rope")
     a = random_inputs(v, tokens=33, packed=True, num_q_heads=32, num_kv_heads=8, pos_dtype=torch.int32)
