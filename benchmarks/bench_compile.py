@@ -3,8 +3,12 @@
 Measures:
   1. cold compile of one variant module through fivar (`FivarModule.build()`), wall and CPU seconds;
   2. the same variant declaration through FlashInfer's own path,
-     `flashinfer.jit.attention.modules.gen_customize_single_prefill_module(...).build_and_load()` (distinct URI),
-     which instantiates every mask mode where fivar instantiates only the ones the variant can use;
+     `flashinfer.jit.attention.modules.gen_customize_single_prefill_module(...).build()` (distinct URI),
+     which instantiates every mask mode where fivar instantiates only the ones the variant can use.
+     Like for like: same variant, dtype and head dim, same nvcc flags and ninja job count, both timed from
+     sources already generated to the library on disk (no dlopen in either), one after the other in this
+     process. With --repeat N the two alternate N times (build outputs deleted in between, so every run is
+     cold) and the medians are reported: on a shared machine one run of each can land on different load;
   3. in-process hit latency (`module.load()` once loaded: the per-attention-call path), in microseconds;
   4. fresh-process disk hit: a new Python imports fivar and calls `module.load()` (ms, import excluded and
      included);
@@ -81,6 +85,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-load", action="store_true", help="compile only (no GPU): hits are build() checks")
     ap.add_argument("--skip-flashinfer", action="store_true", help="skip FlashInfer's gen_customize path")
+    ap.add_argument("--repeat", type=int, default=1, help="cold compiles of each (alternating fivar and "
+                    "FlashInfer, outputs deleted in between); medians are reported")
     ap.add_argument("--prewarm-count", type=int, default=8, help="modules in the prewarm (0: skip)")
     ap.add_argument("--singles", action="store_true", help="also compile each prewarm module alone, for "
                     "sum(single cold)/cores (N more compiles)")
@@ -116,15 +122,8 @@ def main() -> int:
     res["arch"] = toolchain.arch_tag()
     res["uri"] = m.uri
 
-    # 1. fivar cold compile
-    c0, t0 = child_cpu(), time.perf_counter()
-    kind = m.build()
-    res["fivar_cold_s"], res["fivar_cold_cpu_s"] = time.perf_counter() - t0, child_cpu() - c0
-    assert kind == "cold", kind
-    res["fivar_units"] = sum(n.endswith(".cu") for n in m.sources)
-    print(f"fivar cold compile: {res['fivar_cold_s']:.1f} s", flush=True)
-
-    # 2. FlashInfer's own path for the same variant declaration
+    # 1./2. cold compiles: fivar, then FlashInfer's own path for the same variant declaration
+    fi_spec = None
     if not args.skip_flashinfer:
         from flashinfer.jit import env as jit_env
         from flashinfer.jit.attention.modules import gen_customize_single_prefill_module
@@ -141,14 +140,39 @@ def main() -> int:
         if stub:
             os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub)
         dt = jb.DTYPES[args.dtype]
-        spec = gen_customize_single_prefill_module(
+        fi_spec = gen_customize_single_prefill_module(
             "fa2", uri, dt, dt, dt, args.head_dim, args.head_dim, list(tn), list(tt), list(sn), list(st),
             fa2.struct_name(v), decl.source)
+        res["flashinfer_units"] = len(fi_spec.sources)
+    res["fivar_units"] = sum(n.endswith(".cu") for n in m.sources)
+    runs: dict[str, list] = {"fivar": [], "flashinfer": []}
+    for i in range(max(1, args.repeat)):
+        if i:  # make the next run cold again: drop build outputs, keep the generated sources
+            shutil.rmtree(m.build_dir, ignore_errors=True)
+            if fi_spec is not None:
+                shutil.rmtree(fi_spec.build_dir, ignore_errors=True)
+        load0 = os.getloadavg()[0]
         c0, t0 = child_cpu(), time.perf_counter()
-        spec.build_and_load() if load else spec.build(need_lock=True)
-        res["flashinfer_cold_s"], res["flashinfer_cold_cpu_s"] = time.perf_counter() - t0, child_cpu() - c0
-        res["flashinfer_units"] = len(spec.sources)
-        print(f"FlashInfer gen_customize cold compile: {res['flashinfer_cold_s']:.1f} s", flush=True)
+        kind = m.build()
+        runs["fivar"].append((time.perf_counter() - t0, child_cpu() - c0, load0))
+        assert kind == "cold", kind
+        print(f"fivar cold compile: {runs['fivar'][-1][0]:.1f} s (load before {load0:.2f})", flush=True)
+        if fi_spec is not None:
+            load0 = os.getloadavg()[0]
+            c0, t0 = child_cpu(), time.perf_counter()
+            fi_spec.build(need_lock=True)
+            runs["flashinfer"].append((time.perf_counter() - t0, child_cpu() - c0, load0))
+            print(f"FlashInfer gen_customize cold compile: {runs['flashinfer'][-1][0]:.1f} s "
+                  f"(load before {load0:.2f})", flush=True)
+    res["cold_runs"] = runs
+    res["fivar_cold_s"], res["fivar_cold_cpu_s"] = median(runs["fivar"], 0), median(runs["fivar"], 1)
+    if runs["flashinfer"]:
+        res["flashinfer_cold_s"] = median(runs["flashinfer"], 0)
+        res["flashinfer_cold_cpu_s"] = median(runs["flashinfer"], 1)
+        res["cold_ratio_fivar_over_flashinfer"] = res["fivar_cold_s"] / res["flashinfer_cold_s"]
+        print(f"cold compile ratio fivar/FlashInfer: {res['cold_ratio_fivar_over_flashinfer']:.2f}", flush=True)
+    if load and fi_spec is not None:
+        fi_spec.build_and_load()  # untimed: the reference module is loadable too
 
     # 3. in-process hits
     if load:
@@ -220,6 +244,12 @@ def main() -> int:
     return 0
 
 
+def median(rows: list, col: int) -> float:
+    vals = sorted(r[col] for r in rows)
+    n = len(vals)
+    return vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+
+
 def print_table(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -231,7 +261,12 @@ def print_table(res: dict) -> None:
     if "flashinfer_cold_s" in res:
         t.add_row(f"cold compile, FlashInfer gen_customize ({res['flashinfer_units']} units)",
                   f"{res['flashinfer_cold_s']:.1f} s wall, {res['flashinfer_cold_cpu_s']:.1f} s CPU "
-                  f"({res['flashinfer_cold_s'] / res['fivar_cold_s']:.2f}x fivar)")
+                  f"({res['flashinfer_cold_s'] / res['fivar_cold_s']:.2f}x fivar; fivar/FlashInfer "
+                  f"{res['cold_ratio_fivar_over_flashinfer']:.2f})")
+    if len(res["cold_runs"]["fivar"]) > 1:
+        t.add_row("  cold runs (wall s: fivar | FlashInfer)",
+                  " ".join(f"{r[0]:.1f}" for r in res["cold_runs"]["fivar"]) + " | " +
+                  " ".join(f"{r[0]:.1f}" for r in res["cold_runs"]["flashinfer"]))
     t.add_row(f"in-process hit ({res['in_process_hit_what']})", f"{res['in_process_hit_us']:.2f} us")
     if "first_load_ms" in res:
         t.add_row("first load in process (dlopen)", f"{res['first_load_ms']:.1f} ms")

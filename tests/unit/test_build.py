@@ -47,6 +47,27 @@ def test_only_needed_mask_modes_are_instantiated():
     assert "case MaskMode::kCustom" in masked.sources["single_prefill_config.inc"]
 
 
+@pytest.mark.parametrize("op,target", [("single_prefill", "fa2"), ("batch_prefill", "fa2"),
+                                       ("batch_decode", "fa2"), ("single_prefill", "fa3"),
+                                       ("batch_prefill", "fa3")])
+def test_host_sources_are_one_host_only_translation_unit(op, target):
+    """FlashInfer's host .cu files (launcher wrapper + tvm-ffi binding) compile as one nvcc unit, hidden from
+    the device pass (they define no device code): one nvcc run and no cicc over their headers."""
+    m = gen_module(fivar.load("softcap"), op=op, target=target)
+    stem = op + ("_sm90" if target == "fa3" else "")
+    host = [n for n in m.sources if n.endswith(".cu") and "kernel" not in n]
+    assert host == [f"{stem}_jit_binding.cu"]
+    text = m.sources[host[0]]
+    lines = text.rstrip().splitlines()
+    assert lines[1] == "#ifndef __CUDA_ARCH__" and lines[-1] == "#endif  // __CUDA_ARCH__"
+    assert text.count("#ifndef __CUDA_ARCH__") == 1
+    # the binding's declarations (no default arguments) come before the definitions
+    assert text.index(f"// ---- {stem}_jit_binding.cu ----") < text.index(f"// ---- {stem}.cu ----")
+    # kernel units come first, so ninja starts the long ones first
+    cus = [n for n in m.sources if n.endswith(".cu")]
+    assert cus[-1] == host[0]
+
+
 @requires_nvcc
 def test_every_bundled_variant_compiles_for_sm90a():
     assert sorted(variant_files()) == BUNDLED or set(BUNDLED) <= set(variant_files())
