@@ -25,11 +25,11 @@ The kernel is memory bound (read and write each rotated element once, plus one c
 * **one program per token**: it loads the token's position and its cos/sin row once, then walks over
   the query heads and then the key heads in chunks of `BLOCK_H` heads. NeoX: each chunk is a
   `[BLOCK_H, half]` tile per half (two contiguous half-rows, the partners in the same thread). GPT-J:
-  the chunk is one contiguous `[BLOCK_H, rotary_dim]` tile plus a second load of the same bytes at the
-  partner index `i ^ 1` (an L1 hit, no extra HBM traffic), and cos/sin come expanded to the full rotary
-  width with the sign folded in: `y = x * cos[i // 2] + x[i ^ 1] * (+-sin[i // 2])`. (De-interleaving a
-  `[BLOCK_H, half, 2]` tile with `tl.split`/`tl.join` instead measured 12.6% of copy bandwidth on an
-  H200: the 2-wide last dimension defeats vectorised access.)
+  one contiguous `[BLOCK_H, rotary_dim]` load, de-interleaved in registers (`tl.reshape` + `tl.split`)
+  and re-interleaved the same way before one contiguous store. (Measured on an H200, GPT-J rot 64 of 128:
+  a `[BLOCK_H, half, 2]` pointer tile 12.6% of copy bandwidth, a second load at the partner index
+  `i ^ 1` 24.9%: both defeat vectorised access.) `_load_pairs`/`_store_pairs` are shared with the
+  QK-norm+RoPE kernel.
 * **float32 math**, results rounded once to the storage dtype;
 * q `[T, Hq, D]` and k `[T, Hk, D]` may be **strided views** into a packed QKV buffer
   (`qkv[:, :Hq*D].view(T, Hq, D)`): the token and head strides are kernel arguments, only the last dim
@@ -48,45 +48,52 @@ TILE = 4096  # elements of q/k per chunk of heads (both halves): ~16 fp32 regist
 def _rope_heads(base, stride_h, H, cos, sin,
                 HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotates x[:, :2*HALF] of the H heads at `base` (head stride `stride_h`), in place."""
-    i = tl.arange(0, BLOCK_HALF)
-    i_mask = i < HALF
+    c, s = cos[None, :], sin[None, :]
     for h0 in range(0, H, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         rows = base + heads.to(tl.int64)[:, None] * stride_h
-        if IS_NEOX:
-            mask = (heads < H)[:, None] & i_mask[None, :]
-            p1 = rows + i[None, :]          # first half of the rotated part
-            p2 = p1 + HALF                  # its partner, second half
-            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-            c, s = cos[None, :], sin[None, :]
-            tl.store(p1, (x1 * c - x2 * s).to(base.dtype.element_ty), mask=mask)
-            tl.store(p2, (x2 * c + x1 * s).to(base.dtype.element_ty), mask=mask)
-        else:  # cos/sin are [2 * BLOCK_HALF]: expanded to the rotary width, sin signed (_token_cos_sin)
-            r = tl.arange(0, 2 * BLOCK_HALF)
-            mask = (heads < H)[:, None] & (r < 2 * HALF)[None, :]
-            ptrs = rows + r[None, :]
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            partner = tl.load(rows + (r ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, (x * cos[None, :] + partner * sin[None, :]).to(base.dtype.element_ty), mask=mask)
+        x1, x2, offs, mask = _load_pairs(rows, heads < H, HALF, IS_NEOX, BLOCK_HALF)
+        _store_pairs(rows, x1 * c - x2 * s, x2 * c + x1 * s, offs, mask, HALF, IS_NEOX)
 
 
 @triton.jit
-def _token_cos_sin(POS, CS, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
-    """cos and sin (fp32) of token t's position, from FlashInfer's cos_sin_cache layout. NeoX: BLOCK_HALF
-    wide. GPT-J: 2 * BLOCK_HALF wide, entry i for feature i (pair i // 2), sin negated on even features."""
+def _token_cos_sin(POS, CS, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin (fp32, BLOCK_HALF wide) of token t's position, from FlashInfer's cos_sin_cache layout."""
     pos = tl.load(POS + t).to(tl.int64)
-    if IS_NEOX:
-        i = tl.arange(0, BLOCK_HALF)
-        sign = 1.0
-    else:
-        r = tl.arange(0, 2 * BLOCK_HALF)
-        i = r // 2
-        sign = tl.where(r % 2 == 0, -1.0, 1.0)
+    i = tl.arange(0, BLOCK_HALF)
     i_mask = i < HALF
     cos = tl.load(CS + pos * stride_cs + i, mask=i_mask, other=0.0).to(tl.float32)
     sin = tl.load(CS + pos * stride_cs + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
-    return cos, sin * sign
+    return cos, sin
+
+
+@triton.jit
+def _load_pairs(rows, mask_h, HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The rotated features of a [BLOCK_H] chunk of heads as rotation partners (x1, x2), each
+    [BLOCK_H, BLOCK_HALF] fp32, plus what `_store_pairs` needs to write them back."""
+    if IS_NEOX:  # two contiguous half-rows
+        i = tl.arange(0, BLOCK_HALF)
+        offs = i[None, :]
+        mask = mask_h[:, None] & (i < HALF)[None, :]
+        x1 = tl.load(rows + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(rows + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    else:  # one contiguous run, de-interleaved in registers
+        r = tl.arange(0, 2 * BLOCK_HALF)
+        offs = r[None, :]
+        mask = mask_h[:, None] & (r < 2 * HALF)[None, :]
+        x = tl.load(rows + offs, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [x.shape[0], BLOCK_HALF, 2]))
+    return x1, x2, offs, mask
+
+
+@triton.jit
+def _store_pairs(rows, y1, y2, offs, mask, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    if IS_NEOX:
+        tl.store(rows + offs, y1.to(rows.dtype.element_ty), mask=mask)
+        tl.store(rows + offs + HALF, y2.to(rows.dtype.element_ty), mask=mask)
+    else:
+        y = tl.reshape(tl.join(y1, y2), [y1.shape[0], 2 * y1.shape[1]])
+        tl.store(rows + offs, y.to(rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -96,7 +103,7 @@ def _rope_kernel(Q, K, POS, CS,
                  HALF: tl.constexpr, IS_NEOX: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    cos, sin = _token_cos_sin(POS, CS, t, stride_cs, HALF, BLOCK_HALF, IS_NEOX)
+    cos, sin = _token_cos_sin(POS, CS, t, stride_cs, HALF, BLOCK_HALF)
     _rope_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, HALF, IS_NEOX, BLOCK_HQ, BLOCK_HALF)
     _rope_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, IS_NEOX, BLOCK_HK, BLOCK_HALF)
 
