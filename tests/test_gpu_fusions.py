@@ -106,3 +106,29 @@ def test_llama3_cache_on_gpu_matches_cpu():
           "original_max_position": 8192}
     assert torch.allclose(R.cos_sin_cache(64, 128, 500000.0, sc, device="cuda").cpu(),
                           R.cos_sin_cache(64, 128, 500000.0, sc))
+
+
+@pytest.mark.parametrize("scaling", [None, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position": 8192},
+                                     {"type": "yarn", "factor": 4.0, "original_max_position": 32768}])
+@pytest.mark.parametrize("norm, rope, rd", [("rmsnorm", "neox", 128), ("gemma", "gptj", 64), (None, "neox", 64)])
+def test_computed_cos_sin(norm, rope, rd, scaling):
+    """cos/sin from the position and inv_freq in the kernel (Llama-3.1 and YaRN scaling), positions up to 32k."""
+    v = fivar.FusionVariant(name=f"computed_{norm}_{rope}_{rd}", norm=norm, norm_scope="head", rope=rope,
+                            head_dim=128, rotary_dim=rd, cos_sin="computed")
+    for tokens in (1, 7, 4099):
+        for r in check_fusion(v, tokens=tokens, packed=tokens == 7, num_q_heads=5, num_kv_heads=3,
+                              max_pos=32768, rope_scaling=scaling):
+            assert r.passed, r
+
+
+def test_computed_cos_sin_arguments_on_gpu():
+    v = fivar.FusionVariant(name="computed_args_gpu", norm=None, norm_scope="head", rope="neox", head_dim=64,
+                            cos_sin="computed")
+    a = random_inputs(v, tokens=3)
+    with pytest.raises(fivar.FivarError, match="argument 'inv_freq': shape must be"):
+        v(**{**a, "inv_freq": a["inv_freq"][:8]})
+    with pytest.raises(fivar.FivarError, match="argument 'attention_factor'"):
+        v(**{**a, "attention_factor": -1.0})
+    with pytest.raises(fivar.FivarError, match="argument 'cos_sin_cache'"):
+        v(**{**a, "cos_sin_cache": R.cos_sin_cache(8, 64, device="cuda")})

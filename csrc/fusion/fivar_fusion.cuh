@@ -255,9 +255,11 @@ struct HeadParams {
   O* k_out;
   int64_t q_s0, q_s1, k_s0, k_s1, qo_s0, qo_s1, ko_s0, ko_s1;
   const IdT* positions;
-  const float* cos_sin;
+  const float* cos_sin;   // cos_sin="cache": [max_pos, ROT_DIM] rows
   int64_t cs_s0;
   int max_pos;
+  const float* inv_freq;  // cos_sin="computed": [ROT_DIM / 2]
+  float attention_factor;
   const T* q_weight;
   const T* k_weight;
   const T* q_bias;
@@ -316,6 +318,26 @@ __device__ __forceinline__ void ldg_f4(const float* p, float* d, bool pred) {
   d[3] = __uint_as_float(t.w);
 }
 
+// cos/sin of rotary frequencies f .. f+3 at this token: read from its cache row, or computed from
+// inv_freq (sincosf: full-precision range reduction, angles reach ~1e5 rad at long positions).
+template <bool COMPUTED, int ROT_DIM>
+__device__ __forceinline__ void cos_sin4(const float* row, const float* inv_freq, float pos, float factor, int f,
+                                         float* c, float* s, bool pred) {
+  if constexpr (COMPUTED) {
+    float fr[4];
+    ldg_f4(inv_freq + f, fr, pred);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      sincosf(pos * fr[m], &s[m], &c[m]);
+      c[m] *= factor;
+      s[m] *= factor;
+    }
+  } else {
+    ldg_f4(row + f, c, pred);
+    ldg_f4(row + ROT_DIM / 2 + f, s, pred);
+  }
+}
+
 // GPT-J: pairs (2m, 2m+1) of a chunk rotate by frequency chunk * 4 + m; c/s hold those 4 cos/sin.
 __device__ __forceinline__ void gptj_rotate(float (&x)[8], const float* c, const float* s) {
 #pragma unroll
@@ -326,7 +348,8 @@ __device__ __forceinline__ void gptj_rotate(float (&x)[8], const float* c, const
   }
 }
 
-template <typename T, typename O, typename IdT, int HEAD_DIM, int ROT_DIM, int NORM, int ROPE, bool FP8, int U>
+template <typename T, typename O, typename IdT, int HEAD_DIM, int ROT_DIM, int NORM, int ROPE, bool FP8, int U,
+          bool COMPUTED>
 __global__ void __launch_bounds__(HeadLayout<HEAD_DIM, U>::kThreads) head_kernel(const HeadParams<T, O, IdT> p) {
   using L = HeadLayout<HEAD_DIM, U>;
   constexpr int NP = ROT_DIM / 16;  // NeoX: chunk pairs (c, c + NP) rotated together
@@ -352,11 +375,16 @@ __global__ void __launch_bounds__(HeadLayout<HEAD_DIM, U>::kThreads) head_kernel
   // Every load first, the position leading: a warp then waits for x, weights and position together,
   // then for the cos/sin row (which needs the position), instead of for each in turn.
   const float* cs = nullptr;
+  float posf = 0.f;
   if constexpr (ROPE != kRopeNone) {
     if (tok < p.num_tokens) {
       int64_t pos = int64_t(p.positions[tok]);
-      pos = pos < 0 ? 0 : (pos >= p.max_pos ? p.max_pos - 1 : pos);  // clamped: never reads outside the cache
-      cs = p.cos_sin + pos * p.cs_s0;
+      if constexpr (COMPUTED) {
+        posf = float(pos);
+      } else {
+        pos = pos < 0 ? 0 : (pos >= p.max_pos ? p.max_pos - 1 : pos);  // clamped: never reads outside the cache
+        cs = p.cos_sin + pos * p.cs_s0;
+      }
     }
   }
   uint4 xa[U], xb[U];
@@ -385,17 +413,14 @@ __global__ void __launch_bounds__(HeadLayout<HEAD_DIM, U>::kThreads) head_kernel
   // cos/sin for this lane's chunks, the same for all its heads. NeoX: frequencies ca*8 .. ca*8+7;
   // GPT-J: ca*4 .. ca*4+3 in [0, 4), cb*4 .. cb*4+3 in [4, 8).
   float c[8], s[8];
+  const float af = p.attention_factor;
   if constexpr (ROPE == kRopeNeox) {
     const bool rot = lane_ok && sub < NP;
-    ldg_f4(cs + ca * 8, c, rot);
-    ldg_f4(cs + ca * 8 + 4, c + 4, rot);
-    ldg_f4(cs + ROT_DIM / 2 + ca * 8, s, rot);
-    ldg_f4(cs + ROT_DIM / 2 + ca * 8 + 4, s + 4, rot);
+    cos_sin4<COMPUTED, ROT_DIM>(cs, p.inv_freq, posf, af, ca * 8, c, s, rot);
+    cos_sin4<COMPUTED, ROT_DIM>(cs, p.inv_freq, posf, af, ca * 8 + 4, c + 4, s + 4, rot);
   } else if constexpr (ROPE == kRopeGptj) {
-    ldg_f4(cs + ca * 4, c, lane_ok && ca * 8 < ROT_DIM);
-    ldg_f4(cs + ROT_DIM / 2 + ca * 4, s, lane_ok && ca * 8 < ROT_DIM);
-    ldg_f4(cs + cb * 4, c + 4, lane_ok && cb * 8 < ROT_DIM);
-    ldg_f4(cs + ROT_DIM / 2 + cb * 4, s + 4, lane_ok && cb * 8 < ROT_DIM);
+    cos_sin4<COMPUTED, ROT_DIM>(cs, p.inv_freq, posf, af, ca * 4, c, s, lane_ok && ca * 8 < ROT_DIM);
+    cos_sin4<COMPUTED, ROT_DIM>(cs, p.inv_freq, posf, af, cb * 4, c + 4, s + 4, lane_ok && cb * 8 < ROT_DIM);
   }
   float inv_scale = 1.f;
   if constexpr (FP8) inv_scale = 1.f / ldg_f32(p.scale);

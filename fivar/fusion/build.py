@@ -46,7 +46,7 @@ def render_sources(variant: FusionVariant, dtype: str | None = None) -> dict[str
         head_dim=variant.head_dim or 0, rotary_dim=variant.rotary_dim or 0,
         norm=variant.norm is not None, layernorm=variant.norm == "layernorm", rope=variant.rope is not None,
         norm_enum=NORM_ENUM[variant.norm], rope_enum=ROPE_ENUM[variant.rope], residual=variant.residual,
-        fp8=variant.fp8)
+        fp8=variant.fp8, computed_cos_sin=variant.cos_sin == "computed")
     return {f"fusion_{variant.name}.cu": text, HEADER: (d / HEADER).read_text()}
 
 

@@ -11,7 +11,8 @@ from . import reference as R
 
 def random_inputs(v, *, tokens: int, device="cuda", dtype=None, hidden: int = 1024, num_q_heads: int = 8,
                   num_kv_heads: int = 2, packed: bool = False, max_pos: int = 4096,
-                  pos_dtype=torch.int64, generator: torch.Generator | None = None) -> dict:
+                  pos_dtype=torch.int64, generator: torch.Generator | None = None,
+                  rope_scaling: dict | None = None) -> dict:
     """Keyword arguments for calling `v` (and v.reference): realistic random tensors on `device`."""
     dt = dtype or {"bf16": torch.bfloat16, "fp16": torch.float16}[v.dtype]
     g = generator
@@ -45,7 +46,11 @@ def random_inputs(v, *, tokens: int, device="cuda", dtype=None, hidden: int = 10
             a["k"] = randn(tokens, num_kv_heads, d, scale=2.0, shift=0.5)
         if v.rope:
             a["positions"] = torch.randint(0, max_pos, (tokens,), generator=g).to(pos_dtype).to(device)
-            a["cos_sin_cache"] = R.cos_sin_cache(max_pos, v.rotary_dim, device=device)
+            if v.cos_sin == "computed":
+                a["inv_freq"] = R.rope_inv_freq(v.rotary_dim, scaling=rope_scaling).to(device)
+                a["attention_factor"] = R.rope_attention_factor(rope_scaling)
+            else:
+                a["cos_sin_cache"] = R.cos_sin_cache(max_pos, v.rotary_dim, scaling=rope_scaling, device=device)
         if v.norm:
             a.update(weights(d, "q_"))
             a.update(weights(d, "k_"))

@@ -61,17 +61,18 @@ def dequant_fp8(q: torch.Tensor, scale) -> torch.Tensor:
     return q.float() * s
 
 
-def cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0, scaling: dict | None = None,
-                  device="cpu") -> torch.Tensor:
-    """float32 [max_pos, rotary_dim]: cos in the first half, sin in the second (FlashInfer/vLLM layout).
+def rope_inv_freq(rotary_dim: int, base: float = 10000.0, scaling: dict | None = None) -> torch.Tensor:
+    """float32 [rotary_dim / 2] rotary frequencies, optionally scaled (the `inv_freq` of a fusion with
+    `cos_sin="computed"`; `cos_sin_cache` tabulates the same frequencies).
 
     `scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position": 8192}` applies Llama-3.1's frequency scaling.
+    "original_max_position": 8192}`: Llama-3.1. `scaling={"type": "yarn", "factor": 4.0,
+    "original_max_position": 32768, "beta_fast": 32, "beta_slow": 1}`: YaRN's blend of interpolated and
+    extrapolated frequencies (its attention factor is `rope_attention_factor(scaling)`).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    if scaling is not None:
-        if scaling.get("type") != "llama3":
-            raise ValueError(f"unsupported rope scaling {scaling.get('type')!r} (have: llama3)")
+    kind = (scaling or {}).get("type")
+    if kind == "llama3":
         factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old = scaling["original_max_position"]
         wavelen = 2 * math.pi / inv_freq
@@ -79,10 +80,43 @@ def cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0, scaling:
         smooth = ((old / wavelen) - lo) / (hi - lo)
         scaled = torch.where(wavelen > lo_wl, inv_freq / factor, inv_freq)
         mid = (wavelen <= lo_wl) & (wavelen >= hi_wl)
-        scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-        inv_freq = scaled
-    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], -1).float().to(device)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "yarn":
+        factor, old = scaling["factor"], scaling["original_max_position"]
+
+        def correction_dim(rotations):  # the dimension that turns `rotations` times over `old` positions
+            return rotary_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(correction_dim(scaling.get("beta_fast", 32))), 0)
+        high = min(math.ceil(correction_dim(scaling.get("beta_slow", 1))), rotary_dim - 1)
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate (divide by factor)
+        inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    elif kind is not None:
+        raise ValueError(f"unsupported rope scaling {kind!r} (have: llama3, yarn)")
+    return inv_freq.float()
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """YaRN scales cos/sin by `0.1 * ln(factor) + 1` (or its `attention_factor`); 1 for everything else."""
+    if not scaling or scaling.get("type") != "yarn":
+        return 1.0
+    if "attention_factor" in scaling:
+        return float(scaling["attention_factor"])
+    return 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+
+
+def cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0, scaling: dict | None = None,
+                  device="cpu") -> torch.Tensor:
+    """float32 [max_pos, rotary_dim]: cos in the first half, sin in the second (FlashInfer/vLLM layout),
+    for `rope_inv_freq(rotary_dim, base, scaling)`, times the scaling's attention factor."""
+    return _cos_sin(torch.arange(max_pos), rope_inv_freq(rotary_dim, base, scaling),
+                    rope_attention_factor(scaling)).to(device)
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float) -> torch.Tensor:
+    """[len(positions), rotary_dim] cos | sin rows, computed in float64."""
+    freqs = positions.double().cpu()[:, None] * inv_freq.double().cpu()[None, :]
+    return (torch.cat([freqs.cos(), freqs.sin()], -1) * attention_factor).float()
 
 
 def reference(variant, **kwargs):
@@ -108,7 +142,10 @@ def reference(variant, **kwargs):
         t = a[name].float()
         if variant.norm:
             t = norm(variant.norm, t, a[f"{name}_weight"], a.get(f"{name}_bias"), eps)
-        if variant.rope:
+        if variant.rope and variant.cos_sin == "computed":  # each token's own row, computed here
+            rows = _cos_sin(a["positions"], a["inv_freq"], float(a.get("attention_factor", 1.0)))
+            t = apply_rope(t, torch.arange(t.shape[0]), rows, variant.rotary_dim, variant.rope)
+        elif variant.rope:
             t = apply_rope(t, a["positions"], a["cos_sin_cache"], variant.rotary_dim, variant.rope)
         if variant.fp8:
             t = quant_fp8(t, a["scale"])

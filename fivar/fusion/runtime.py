@@ -11,7 +11,8 @@ Per-row fusions take `x [tokens, hidden]` (last dim contiguous), `weight [hidden
 `out=x` for in place). Per-head fusions take `q [tokens, Hq, D]` and `k [tokens, Hk, D]` (or 2-D
 `[tokens, H*D]`, or `qkv=` a packed `[tokens, (Hq + 2 Hk) * D]` buffer with `num_q_heads=`,
 `num_kv_heads=`), `positions [tokens]` (int32/int64, clamped to the cache), `cos_sin_cache
-[max_pos, rotary_dim]` float32, `q_weight`/`k_weight [D]` (+ `q_bias`/`k_bias` for layernorm), `scale`
+[max_pos, rotary_dim]` float32 (or, for `cos_sin="computed"`, `inv_freq [rotary_dim / 2]` float32 and an
+optional `attention_factor=1.0`), `q_weight`/`k_weight [D]` (+ `q_bias`/`k_bias` for layernorm), `scale`
 (fp8). Same-dtype per-head fusions work in place unless `q_out`/`k_out` are given; fp8 ones allocate
 their outputs. Every problem is a FivarError naming the fusion and the argument.
 """
@@ -22,8 +23,8 @@ import torch
 from ..errors import FivarError
 
 ROW_ARGS = ("x", "weight", "residual", "bias", "scale", "eps", "out")
-HEAD_ARGS = ("q", "k", "qkv", "num_q_heads", "num_kv_heads", "positions", "cos_sin_cache", "q_weight",
-             "k_weight", "q_bias", "k_bias", "scale", "eps", "q_out", "k_out")
+HEAD_ARGS = ("q", "k", "qkv", "num_q_heads", "num_kv_heads", "positions", "cos_sin_cache", "inv_freq",
+             "attention_factor", "q_weight", "k_weight", "q_bias", "k_bias", "scale", "eps", "q_out", "k_out")
 FP8 = torch.float8_e4m3fn
 _scale_cache: dict[tuple, torch.Tensor] = {}
 
@@ -39,7 +40,8 @@ def required_args(v) -> list[str]:
         req += ["bias"] if v.norm == "layernorm" else []
     else:
         req = ["q", "k"]
-        req += ["positions", "cos_sin_cache"] if v.rope else []
+        if v.rope:
+            req += ["positions", "inv_freq" if v.cos_sin == "computed" else "cos_sin_cache"]
         req += ["q_weight", "k_weight"] if v.norm else []
         req += ["q_bias", "k_bias"] if v.norm == "layernorm" else []
     return req + (["scale"] if v.fp8 else [])
@@ -170,6 +172,19 @@ def _validate_head(v, a):
         _tensor(v, "positions", p, device=dev, dtypes=(torch.int32, torch.int64), shape=(tokens,))
         if p.stride(0) != 1 and tokens > 1:
             raise _err(v, "positions", "must be contiguous")
+    if v.rope and v.cos_sin == "computed":
+        _tensor(v, "inv_freq", a["inv_freq"], device=dev, dtype=torch.float32, shape=(v.rotary_dim // 2,))
+        _aligned(v, "inv_freq", a["inv_freq"])
+        af = a.setdefault("attention_factor", 1.0)
+        if not isinstance(af, (int, float)) or not 0 < float(af) < float("inf"):
+            raise _err(v, "attention_factor", f"must be a positive finite number, got {af!r}")
+        if "cos_sin_cache" in a:
+            raise _err(v, "cos_sin_cache", "this fusion computes cos/sin (cos_sin='computed'): pass inv_freq=")
+    elif v.rope:
+        if "inv_freq" in a or "attention_factor" in a:
+            raise _err(v, "inv_freq" if "inv_freq" in a else "attention_factor",
+                       "this fusion reads cos/sin from cos_sin_cache= (declare cos_sin='computed' to pass "
+                       "inv_freq)")
         cs = a["cos_sin_cache"]
         _tensor(v, "cos_sin_cache", cs, device=dev, dtype=torch.float32)
         if cs.dim() != 2 or cs.shape[1] != v.rotary_dim or cs.shape[0] < 1:
@@ -224,7 +239,10 @@ def bind(v, **kwargs):
             return out
         return launch_row
     args = [a["q"], a["k"], a["q_out"], a["k_out"]]
-    args += [a["positions"], a["cos_sin_cache"]] if v.rope else []
+    if v.rope and v.cos_sin == "computed":
+        args += [a["positions"], a["inv_freq"], float(a["attention_factor"])]
+    elif v.rope:
+        args += [a["positions"], a["cos_sin_cache"]]
     args += [a["q_weight"], a["k_weight"]] if v.norm else []
     args += [a["q_bias"], a["k_bias"]] if v.norm == "layernorm" else []
     args += [a["scale"]] if v.fp8 else []

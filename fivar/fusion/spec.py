@@ -9,9 +9,11 @@ A fusion is one pass over each token (or each token x head) that does, in order:
    (``norm_scope="head"``, Qwen3's q_norm / k_norm, separate q and k weights);
 3. optional rotary embedding (``norm_scope="head"`` or no norm) on the first ``rotary_dim`` features of
    every q and k head: ``rope="neox"`` rotates the halves ``(x[:r/2], x[r/2:r])``, ``rope="gptj"`` the
-   interleaved pairs ``(x[2i], x[2i+1])``; cos/sin come from a float32 ``cos_sin_cache
-   [max_pos, rotary_dim]`` (cos in the first half, sin in the second, FlashInfer's layout) at each
-   token's position;
+   interleaved pairs ``(x[2i], x[2i+1])``; with ``cos_sin="cache"`` cos/sin come from a float32
+   ``cos_sin_cache [max_pos, rotary_dim]`` (cos in the first half, sin in the second, FlashInfer's
+   layout) at each token's position; with ``cos_sin="computed"`` the kernel computes them from the
+   position and ``inv_freq [rotary_dim / 2]`` (``fivar.fusion.rope_inv_freq`` builds it, with Llama-3.1
+   or YaRN frequency scaling), times ``attention_factor`` (YaRN's mscale; 1 otherwise);
 4. output in the input dtype (in place by default for q/k), or FP8 e4m3 as ``clamp(y / scale, +-448)``.
 
 Everything marked compile-time (head_dim, rotary_dim, the styles, norm kind, residual, fp8, dtype) is
@@ -28,6 +30,7 @@ from ..errors import FivarSpecError
 NORMS = ("rmsnorm", "gemma", "layernorm")
 SCOPES = ("row", "head")
 ROPES = ("neox", "gptj")
+COS_SIN = ("cache", "computed")
 DTYPES = ("bf16", "fp16")
 OUT_DTYPES = ("same", "fp8_e4m3")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 64, 512
@@ -52,6 +55,7 @@ class FusionVariant:
     rope: str | None = None
     head_dim: int | None = None
     rotary_dim: int | None = None
+    cos_sin: str = "cache"
     dtype: str = "bf16"
     out_dtype: str = "same"
     eps: float = 1e-6
@@ -100,9 +104,13 @@ class FusionVariant:
                           f"got {self.head_dim!r}")
         elif self.head_dim is not None:
             raise bad("head_dim", "only per-head fusions take head_dim (the row length is a runtime size)")
+        if self.cos_sin not in COS_SIN:
+            raise bad("cos_sin", f"{self.cos_sin!r} is not one of {COS_SIN}")
         if self.rope is None:
             if self.rotary_dim is not None:
                 raise bad("rotary_dim", "rotary_dim needs rope='neox' or rope='gptj'")
+            if self.cos_sin != "cache":
+                raise bad("cos_sin", "cos_sin='computed' needs rope='neox' or rope='gptj'")
         else:
             if self.rotary_dim is None:
                 self.rotary_dim = self.head_dim
@@ -134,7 +142,8 @@ class FusionVariant:
         if self.norm:
             parts.append(f"{self.norm} per {self.norm_scope}")
         if self.rope:
-            parts.append(f"{self.rope} rope (rotary_dim {self.rotary_dim} of {self.head_dim})")
+            parts.append(f"{self.rope} rope (rotary_dim {self.rotary_dim} of {self.head_dim}"
+                         f"{', cos/sin computed' if self.cos_sin == 'computed' else ''})")
         if self.fp8:
             parts.append("fp8 e4m3 out")
         return " + ".join(parts)

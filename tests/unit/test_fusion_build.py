@@ -50,3 +50,15 @@ def test_every_bundled_fusion_compiles_for_sm90a():
     r = CliRunner().invoke(main, ["build", *BUNDLED_FUSIONS, "--arch", "9.0a"])
     assert r.exit_code == 0, r.output
     assert r.output.count("hit (disk)") == len(BUNDLED_FUSIONS) and "compiled" not in r.output
+
+
+@requires_nvcc
+def test_computed_cos_sin_fusions_compile_for_sm90a():
+    """cos/sin from positions and inv_freq (sincosf in the kernel), NeoX and GPT-J."""
+    modules = [gen_fusion_module(fivar.FusionVariant(
+        name=f"computed_{rope}", norm=norm, norm_scope="head", rope=rope, head_dim=128, rotary_dim=rd,
+        cos_sin="computed")) for rope, norm, rd in (("neox", "rmsnorm", 128), ("gptj", None, 64))]
+    for m in modules:
+        assert "constexpr bool kComputedCosSin = true;" in m.sources[f"fusion_{m.variant.name}.cu"]
+    assert [k for k, _ in build_many(modules)] == ["cold", "cold"]
+    assert all(m.library_path.exists() for m in modules)

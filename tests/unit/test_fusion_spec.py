@@ -254,3 +254,45 @@ def test_cli_show_row_fusion():
     r = CliRunner().invoke(main, ["show", "add_rmsnorm_fp8"])
     assert r.exit_code == 0, r.output
     assert "constexpr bool kFp8 = true;" in r.output and "constexpr bool kResidual = true;" in r.output
+
+
+def test_yarn_keeps_high_interpolates_low_frequencies_and_scales_attention():
+    sc = {"type": "yarn", "factor": 4.0, "original_max_position": 32768, "beta_fast": 32, "beta_slow": 1}
+    plain, scaled = R.rope_inv_freq(128, 1e6).double(), R.rope_inv_freq(128, 1e6, sc).double()
+    assert torch.allclose(scaled[:4], plain[:4])  # many rotations over the original context: extrapolated
+    assert torch.allclose(scaled[-4:], plain[-4:] / 4.0)  # few rotations: interpolated (divided by factor)
+    assert ((scaled <= plain * (1 + 1e-6)) & (scaled >= plain / 4.0 * (1 - 1e-6))).all()  # a blend between
+    assert R.rope_attention_factor(sc) == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert R.rope_attention_factor(None) == 1.0
+    cs = R.cos_sin_cache(3, 128, 1e6, sc)
+    th = 2 * float(scaled[70 - 64])
+    assert abs(float(cs[2, 6]) - R.rope_attention_factor(sc) * math.cos(th)) < 1e-6
+
+
+@pytest.mark.parametrize("rope", ["neox", "gptj"])
+def test_computed_cos_sin_reference_equals_the_cached_one(rope):
+    sc = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position": 8192}
+    computed = fivar.FusionVariant(name="computed_probe", norm="rmsnorm", norm_scope="head", rope=rope, head_dim=64,
+                                   rotary_dim=32, cos_sin="computed")
+    cached = fivar.FusionVariant(name="cached_probe", norm="rmsnorm", norm_scope="head", rope=rope, head_dim=64,
+                                 rotary_dim=32)
+    a = random_inputs(computed, tokens=9, device="cpu", max_pos=3000, rope_scaling=sc)
+    b = {k: v for k, v in a.items() if k not in ("inv_freq", "attention_factor")}
+    b["cos_sin_cache"] = R.cos_sin_cache(3000, 32, scaling=sc)
+    for x, y in zip(computed.reference(**a), cached.reference(**b)):
+        assert torch.allclose(x, y, atol=1e-5)
+    assert "cos/sin computed" in computed.describe()
+
+
+def test_computed_cos_sin_arguments_are_checked():
+    v = fivar.FusionVariant(name="computed_args", norm=None, norm_scope="head", rope="neox", head_dim=64,
+                            cos_sin="computed")
+    with pytest.raises(fivar.FivarSpecError, match="cos_sin"):
+        fivar.FusionVariant(name="bad", norm="rmsnorm", cos_sin="computed")
+    with pytest.raises(fivar.FivarSpecError, match="cos_sin"):
+        fivar.FusionVariant(name="bad", norm=None, norm_scope="head", rope="neox", head_dim=64, cos_sin="table")
+    a = random_inputs(v, tokens=3, device="cpu")
+    assert "cos_sin_cache" not in a and a["inv_freq"].shape == (32,)
+    with pytest.raises(fivar.FivarError, match="argument 'inv_freq': is required"):
+        v(**{k: x for k, x in a.items() if k != "inv_freq"})  # (the GPU tests check values and devices)
