@@ -38,6 +38,9 @@ def _args(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="4096 tokens and 2 rounds (smoke run)")
     ap.add_argument("--json", default=None, help="write every row here")
+    ap.add_argument("--cases", default="rmsnorm,fused_add_rmsnorm,rope_neox,rope_gptj,qk_norm_rope")
+    ap.add_argument("--tile", type=int, default=None,
+                    help="elements per chunk of heads in the RoPE kernels (fivar.triton_ops.rope.TILE), to sweep")
     return ap.parse_args(argv)
 
 
@@ -177,6 +180,9 @@ def main(argv=None):
     import torch
 
     import fivar.triton_ops as T
+    if args.tile:
+        import fivar.triton_ops.rope
+        fivar.triton_ops.rope.TILE = args.tile
 
     tokens = 4096 if args.quick else args.tokens
     rounds = 2 if args.quick else args.rounds
@@ -187,10 +193,12 @@ def main(argv=None):
     print(f"{dev}: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write); {tokens} tokens x {args.hidden} hidden")
     common = (torch, flashinfer, T, copy_gbs, rounds, tokens, args.hidden)
     rows = []
-    for fn, kw in ((bench_rmsnorm, {}), (bench_fused_add_rmsnorm, {}),
-                   (bench_rope, dict(style="neox", rotary_dim=HEAD_DIM)),
-                   (bench_rope, dict(style="gptj", rotary_dim=HEAD_DIM // 2)),
-                   (bench_qk_norm_rope, {})):
+    cases = {"rmsnorm": (bench_rmsnorm, {}), "fused_add_rmsnorm": (bench_fused_add_rmsnorm, {}),
+             "rope_neox": (bench_rope, dict(style="neox", rotary_dim=HEAD_DIM)),
+             "rope_gptj": (bench_rope, dict(style="gptj", rotary_dim=HEAD_DIM // 2)),
+             "qk_norm_rope": (bench_qk_norm_rope, {})}
+    for name in args.cases.split(","):
+        fn, kw = cases[name]
         rows.append(fn(*common, **kw))
         torch.cuda.empty_cache()
     print(f"\n{'case':<22} {'MB moved':>9} {'triton ms':>10} {'fi ms':>9} {'fi/triton':>9} "
