@@ -40,7 +40,7 @@ def _args(argv=None):
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument("--cases", default="rmsnorm,fused_add_rmsnorm,rope_neox,rope_gptj,qk_norm_rope")
     ap.add_argument("--tile", type=int, default=None,
-                    help="elements per chunk of heads in the RoPE kernels (fivar.triton_ops.rope.TILE), to sweep")
+                    help="elements per chunk of heads in the RoPE and QK-norm+RoPE kernels (their TILE), to sweep")
     return ap.parse_args(argv)
 
 
@@ -181,8 +181,9 @@ def main(argv=None):
 
     import fivar.triton_ops as T
     if args.tile:
+        import fivar.triton_ops.qk_norm_rope
         import fivar.triton_ops.rope
-        fivar.triton_ops.rope.TILE = args.tile
+        fivar.triton_ops.rope.TILE = fivar.triton_ops.qk_norm_rope.TILE = args.tile
 
     tokens = 4096 if args.quick else args.tokens
     rounds = 2 if args.quick else args.rounds

@@ -32,6 +32,11 @@ import triton.language as tl
 
 from .rope import _load_pairs, _store_pairs, _style_is_neox, _token_cos_sin, block_heads, check_rope_args
 
+#: Elements of q/k per chunk of heads. Measured on an H200 (65536 tokens, 32/8 heads, hd128, NeoX): 1024
+#: (8 heads, 2 warps) 95.5% of copy bandwidth, 2048 87.4%, 4096 77.7%, 8192 77.7%: the norm's reduction
+#: wants small programs, many of them resident per SM.
+TILE = 1024
+
 
 @triton.jit
 def _norm_rope_heads(base, stride_h, H, W, cos, sin, eps,
@@ -105,7 +110,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     block_half = triton.next_power_of_2(half)
     block_tail = triton.next_power_of_2(max(d - rotary_dim, 1))
     per_head = 2 * block_half + (block_tail if d > rotary_dim else 0)
-    bq, bk = block_heads(hq, per_head), block_heads(hk, per_head)
+    bq, bk = block_heads(hq, per_head, TILE), block_heads(hk, per_head, TILE)
     tile = max(bq, bk) * per_head
     _qk_norm_rope_kernel[(t,)](
         q, k, q_weight, k_weight, positions, cos_sin_cache,

@@ -139,9 +139,10 @@ def check_rope_args(q, k, positions, cos_sin_cache, rotary_dim):
     return t, hq, k.shape[1], d
 
 
-def block_heads(h: int, elems_per_head: int) -> int:
-    """Heads per chunk: all of them if they fit in TILE elements, else as many as do (a power of 2)."""
-    return max(1, min(triton.next_power_of_2(max(h, 1)), TILE // elems_per_head))
+def block_heads(h: int, elems_per_head: int, tile: int | None = None) -> int:
+    """Heads per chunk: all of them if they fit in `tile` (default TILE) elements, else as many as do (a
+    power of 2)."""
+    return max(1, min(triton.next_power_of_2(max(h, 1)), (tile or TILE) // elems_per_head))
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
