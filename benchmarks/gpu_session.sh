@@ -1,16 +1,43 @@
 #!/usr/bin/env bash
-# One device call: prewarm every module the GPU tests and benchmarks need (one parallel ninja), run the
-# GPU tests, then the benchmarks. Logs and JSON go to $OUT (or ./gpu-out). From the repo root:
-#   bash benchmarks/gpu_session.sh [tests|bench|all] [bench args...]
+# Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
+# git-ignored, so a later call on the same machine reuses it). From the repo root:
+#   bash benchmarks/gpu_session.sh build|tests|attention|fusiontests|membound|compile|build-all|tests-all
+# build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
+# every GPU test (about 5 min of 16-core compile first).
+# Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-what=${1:-all}; shift || true
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FIVAR_TEST_FRESH_JIT_CACHE=0
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 benchmarks/prewarm_gpu.py 2>&1 | grep -v "^\[\|INFO" | tail -5 | tee "$OUT/prewarm.log"
-if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-fi
-if [[ $what == all || $what == bench ]]; then
-  python3 benchmarks/bench_fa3.py --json "$OUT/bench_fa3.json" "$@" 2>&1 | grep -v "INFO\|warn" | tee "$OUT/bench_fa3.log" | tail -30
-fi
+export FLASHINFER_WORKSPACE_BASE=$PWD/.gpu-jit FIVAR_CACHE_DIR=$PWD/.gpu-jit/fivar
+step=${1:-build}
+quiet() { grep -v "^\[\|INFO\|UserWarning\|warnings.warn"; }
+case $step in
+build)
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
+build-all)
+  (time python3 benchmarks/prewarm_gpu.py --all) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
+tests-all)
+  export FIVAR_TRITON_AUTOTUNE=0
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
+tests)
+  export FIVAR_TRITON_AUTOTUNE=0
+  timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+    "tests/test_gpu_kernels.py::test_window_tile_skipping" "tests/test_gpu_kernels.py::test_window_tile_skipping_batch" \
+    tests/test_gpu_triton.py -k "not decode and not ragged" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+fusiontests)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
+    | tee "$OUT/gpu_tests_fusions.log" | tail -4 ;;
+attention)
+  timeout 560 python3 benchmarks/bench_fa3.py --parts softcap,flex --softcap-seqlens 16384 --flex-seqlens 8192 \
+    --flex-causal 0,1 --triton-seqlens 8192 --json "$OUT/bench_fa3.json" 2>&1 | quiet | tee "$OUT/bench_fa3.log" \
+    | grep -v "^CheckResult\|passed" | tail -40 ;;
+membound)
+  timeout 250 python3 benchmarks/bench_fusions.py --json "$OUT/bench_fusions.json" 2>&1 | quiet \
+    | tee "$OUT/bench_fusions.log" | tail -22
+  timeout 250 python3 benchmarks/bench_triton_ops.py --json "$OUT/bench_triton_ops.json" 2>&1 | quiet \
+    | tee "$OUT/bench_triton_ops.log" | tail -16 ;;
+compile)
+  timeout 500 python3 benchmarks/bench_compile.py --json "$OUT/bench_compile.json" 2>&1 | quiet \
+    | tee "$OUT/bench_compile.log" | tail -25 ;;
+esac

@@ -1,4 +1,5 @@
-"""Build, in one parallel ninja, every module the GPU tests and the benchmarks use (one device call)."""
+"""Build, in one parallel ninja, the modules a device call needs: `--all` for the whole GPU test suite,
+else the benchmark set."""
 import time
 
 import fivar
@@ -22,24 +23,10 @@ def wanted():
     return mods
 
 
-def second_session():
-    """What the fusion/Triton tests and the benchmarks need (the first session ran the kernel tests)."""
-    from fivar.fusion.build import gen_fusion_module
-    mods = []
-    for name in BUNDLED:
-        v = fivar.load(name)
-        mods += [gen_module(v, op="single_prefill", target=t) for t in ("fa2", "fa3")]
-        mods.append(gen_module(v, op="batch_prefill", target="fa2"))
-    for name in ("softcap", "alibi", "document_mask", "sigmoid"):
-        mods.append(gen_module(fivar.load(name), op="batch_decode", target="fa2"))
-    for name in ("qwen3_qk_norm_rope", "llama_add_rmsnorm", "add_rmsnorm_fp8", "partial_rope_gptj"):
-        mods.append(gen_fusion_module(fivar.load(name)))
-    return mods
-
-
-def third_session():
-    """Session 3: FA3 for every variant (flex benchmark, window tests), FA2 single prefill (Triton
-    agreement tests). The fusion benchmark builds its own modules."""
+def bench_set():
+    """What the benchmarks and the quick GPU tests need: FA2 and FA3 single prefill of every variant (the
+    Flex benchmark, Triton agreement tests), FA3 batch prefill for the window tests. Fusion benchmarks
+    build their own modules."""
     mods = []
     for name in BUNDLED:
         v = fivar.load(name)
@@ -50,8 +37,7 @@ def third_session():
 
 if __name__ == "__main__":
     import sys
-    mods = second_session() if "--second" in sys.argv else third_session() if "--session3" in sys.argv \
-        else wanted()
+    mods = wanted() if "--all" in sys.argv else bench_set()
     t0 = time.perf_counter()
     res = build_many(mods)
     kinds = [k for k, _ in res]

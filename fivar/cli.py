@@ -97,11 +97,10 @@ def new_variant(name, variants_dir, tests_dir, kind):
 
 def _tile_skipping(v) -> str:
     """What each target skips instead of masking, from the band fivar reads off the mask."""
-    from .spec.bounds import kv_band
     from .spec.ir import format_expr
     if v.ir.mask is None:
         return "KV tile skipping: causal only (no mask)"
-    band = kv_band(v.ir.mask)
+    band = v.kv_band
     sides = [f"kv_idx >= q_idx - {format_expr(band.left)}"] if band.left is not None else []
     sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
     if not sides:

@@ -27,45 +27,39 @@ enum RopeKind { kRopeNone = 0, kRopeNeox = 1, kRopeGptj = 2 };
 
 constexpr float kFp8Max = 448.f;  // e4m3fn
 
+// A 16-byte vector of 8 bf16/fp16 values <-> 8 floats, through the type's 2-wide vector type.
 template <typename T>
-struct Pack;
-
+struct Half2;
 template <>
-struct Pack<nv_bfloat16> {
-  static __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 t = __bfloat1622float2(p[i]);
-      f[2 * i] = t.x;
-      f[2 * i + 1] = t.y;
-    }
-  }
-  static __device__ __forceinline__ uint4 pack(const float (&f)[8]) {
-    uint4 v;
-    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    return v;
-  }
+struct Half2<nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <>
+struct Half2<half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2half2_rn(a, b); }
 };
 
-template <>
-struct Pack<half> {
+template <typename T>
+struct Pack {
+  using H2 = Half2<T>;
   static __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
-    const __half2* p = reinterpret_cast<const __half2*>(&v);
+    const typename H2::type* p = reinterpret_cast<const typename H2::type*>(&v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float2 t = __half22float2(p[i]);
+      const float2 t = H2::to_float2(p[i]);
       f[2 * i] = t.x;
       f[2 * i + 1] = t.y;
     }
   }
   static __device__ __forceinline__ uint4 pack(const float (&f)[8]) {
     uint4 v;
-    __half2* p = reinterpret_cast<__half2*>(&v);
+    typename H2::type* p = reinterpret_cast<typename H2::type*>(&v);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) p[i] = H2::from_floats(f[2 * i], f[2 * i + 1]);
     return v;
   }
 };

@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import os
 
-from ..spec.bounds import kv_band
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
-
-
-def window_band(variant):
-    """The mask's left band `kv_idx >= q_idx - left` if it has one: FA3 then builds with its sliding-window
-    schedule and skips the KV tiles left of the band (the mask itself still applies on every tile)."""
-    return kv_band(variant.ir.mask).left
 
 
 def mask_modes(variant) -> list[str]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import ir, optimize
-from ..spec.bounds import kv_band
 from ..spec.ir import BOOL, F32, I32
 from .fa2 import render
 
@@ -193,7 +192,7 @@ class TritonEmitter:
         """Kernel statements computing the per-program invariants and the exp2 scale of the softmax."""
         self.local_names, self.const_locals = {}, {}
         lines = [f"{self.hoisted_names[h]} = {self.expr(e)}" for h, e in self.lowered.hoisted.items()]
-        band = kv_band(self.variant.ir.mask)
+        band = self.variant.kv_band
         for side, e in (("left", band.left), ("right", band.right)):
             if e is not None:
                 lines.append(f"fv_band_{side} = {self.expr(e)}")
@@ -210,7 +209,7 @@ def render_attention(variant) -> str:
     logits_fn = emit.function(logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
     mask_fn = emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS) if emit.lowered.mask else None
     prologue = emit.prologue()
-    band = kv_band(variant.ir.mask)
+    band = variant.kv_band
     source = os.path.basename(variant.source_file or "<unknown>")
     return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
                   softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, helpers=sorted(emit.helpers),

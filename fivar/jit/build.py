@@ -315,7 +315,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         variant_decl=decl.source, variant_name=fa2.struct_name(variant),
         dtype_q=dtype_map[tdt], dtype_kv=dtype_map[tdt], dtype_o=dtype_map[tdt], idtype="int32_t",
         head_dim_qk=head_dim, head_dim_vo=head_dim, pos_encoding_mode="PosEncodingMode::kNone",
-        use_sliding_window="true" if target == "fa3" and fa3.window_band(variant) is not None else "false",
+        # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it
+        use_sliding_window="true" if target == "fa3" and variant.kv_band.left is not None else "false",
         use_logits_soft_cap="false", use_fp16_qk_reduction="false",
         additional_params_decl=params_decl, additional_func_params=func_params,
         additional_params_setter=params_setter, require_fp4_kv_cache=False,

@@ -90,28 +90,32 @@ def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cp
         raise FivarError(f"variant '{name}': the last dimension of q, k, v must be contiguous")
 
 
-_output_factors: dict = {}
+_invariants: dict = {}
+
+
+def _invariant(variant, expr, bound, sm_scale: float = 1.0) -> float:
+    """Value of an invariant IR expression for these scalar params, evaluated once per distinct values
+    (not on every launch)."""
+    key = (id(variant), id(expr), tuple(sorted(bound.scalars.items())), sm_scale)
+    value = _invariants.get(key)
+    if value is None:
+        if len(_invariants) > 4096:
+            _invariants.clear()
+        value = _invariants[key] = eval_scalar(expr, bound.scalars, sm_scale)
+    return value
 
 
 def _check_output_scale(variant, bound, sm_scale):
     """The folded logits factor goes into the softmax exponent scale: it must be positive."""
-    lowered = variant.lowered
-    if lowered.output_scale is None:
+    scale = variant.lowered.output_scale
+    if scale is None:
         return
-    key = (id(variant), tuple(sorted(bound.scalars.items())), sm_scale)
-    factor = _output_factors.get(key)
-    if factor is None:  # evaluated once per distinct scalar values, not on every launch
-        if len(_output_factors) > 4096:
-            _output_factors.clear()
-        factor = _output_factors[key] = eval_scalar(lowered.output_scale, bound.scalars, sm_scale)
+    factor = _invariant(variant, scale, bound, sm_scale)
     if not (factor > 0 and math.isfinite(factor)):
         from ..codegen.cuda import CppEmitter
-        raise FivarError(f"variant '{variant.name}': the logits factor `{CppEmitter(variant).expr(lowered.output_scale)}`"
+        raise FivarError(f"variant '{variant.name}': the logits factor `{CppEmitter(variant).expr(scale)}`"
                          f" evaluates to {factor} for these params; it must be a positive finite number "
                          f"(fivar folds it into the softmax scale)")
-
-
-_window_lefts: dict = {}
 
 
 def _window_left(variant, target: str, bound) -> int:
@@ -120,18 +124,10 @@ def _window_left(variant, target: str, bound) -> int:
     The band is implied by the mask, and the mask still runs on every visited tile, so the kernel's window
     only has to be no tighter than the mask: a band reaching right of the diagonal is clamped to 0.
     """
-    if target != "fa3":
+    left = variant.kv_band.left
+    if target != "fa3" or left is None:
         return -1
-    from ..codegen.fa3 import window_band
-    key = (id(variant), tuple(sorted(bound.scalars.items())))
-    left = _window_lefts.get(key)
-    if left is None:
-        band = window_band(variant)
-        if len(_window_lefts) > 4096:
-            _window_lefts.clear()
-        left = _window_lefts[key] = -1 if band is None else \
-            min(max(int(eval_scalar(band, bound.scalars, 1.0)), 0), 1 << 30)
-    return left
+    return min(max(int(_invariant(variant, left, bound)), 0), 1 << 30)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):

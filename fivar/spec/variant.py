@@ -92,6 +92,12 @@ class AttentionVariant:
         from .optimize import lower
         return lower(self.ir, self.softmax)
 
+    @cached_property
+    def kv_band(self):
+        """The KV band its mask implies (fivar.spec.bounds): what FA3 and the Triton twin skip."""
+        from .bounds import kv_band
+        return kv_band(self.ir.mask)
+
     @property
     def scalar_params(self) -> dict[str, Scalar]:
         return {k: p for k, p in self.params.items() if isinstance(p, Scalar)}
