@@ -108,6 +108,10 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton):
         fl *= _kept_fraction(v, params, S, causal)
     row.update(ms={n: x.median for n, x in t.items()}, spread_ms={n: x.spread for n, x in t.items()},
                tflops={n: fl / x.median / 1e9 for n, x in t.items()})
+    if "fivar_triton" in t:
+        from fivar.jit.triton_module import load_triton_module
+        best = getattr(load_triton_module(v).prefill_kernel, "best_config", None)
+        row["triton_config"] = str(best)
     for n in ("fivar_fa3", "fivar_triton"):
         if "flex" in t and n in t:
             row[f"{n}_vs_flex"] = t["flex"].median / t[n].median

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|attention|fusiontests|membound|compile|build-all|tests-all
+#   bash benchmarks/gpu_session.sh build|tests|attention|triton|fusiontests|membound|compile|build-all|tests-all
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -32,6 +32,10 @@ attention)
   timeout 560 python3 benchmarks/bench_fa3.py --parts softcap,flex --softcap-seqlens 16384 --flex-seqlens 8192 \
     --flex-causal 0,1 --triton-seqlens 8192 --json "$OUT/bench_fa3.json" 2>&1 | quiet | tee "$OUT/bench_fa3.log" \
     | grep -v "^CheckResult\|passed" | tail -40 ;;
+triton)  # the Triton twin vs Flex (and FA3), non-causal or causal (CAUSAL=1): each about 5 min
+  timeout 570 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal ${CAUSAL:-0} \
+    --triton-seqlens 8192 --json "$OUT/bench_triton_flex_c${CAUSAL:-0}.json" 2>&1 | quiet \
+    | tee "$OUT/bench_triton_flex_c${CAUSAL:-0}.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 membound)
   timeout 250 python3 benchmarks/bench_fusions.py --json "$OUT/bench_fusions.json" 2>&1 | quiet \
     | tee "$OUT/bench_fusions.log" | tail -22

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import keyword
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from ..spec import ir, optimize
+from ..spec import ir
 from ..spec.ir import BOOL, F32, I32
 from .fa2 import render
 
@@ -66,7 +67,7 @@ class KernelArg:
 class TritonEmitter:
     def __init__(self, variant):
         self.variant = variant
-        self.lowered = optimize.lower(variant.ir, variant.softmax)
+        self.lowered = variant.lowered
         taken = set(_TAKEN)
         self.param_names = {}
         for name in variant.params:
@@ -225,10 +226,16 @@ def render_attention(variant) -> str:
                   mask_text=ir.format_program(variant.ir.mask, "mask") if variant.ir.mask else None)
 
 
+_kernel_args: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def kernel_arg_values(variant, bound, sm_scale: float) -> dict:
     """The variant's kernel arguments by name, from params checked by `bind_params`."""
+    args = _kernel_args.get(variant)
+    if args is None:
+        args = _kernel_args[variant] = TritonEmitter(variant).args
     values = {}
-    for a in TritonEmitter(variant).args:
+    for a in args:
         if a.source == "sm_scale":
             values[a.name] = float(sm_scale)
         elif a.source == "scalar":

@@ -23,8 +23,18 @@ def _check_inputs(variant, q, k, v, **kw):
                head_dims=TRITON_HEAD_DIMS, **kw)
 
 
-def _indptr(lengths: list[int], device) -> torch.Tensor:
-    return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+_single_indptrs: dict = {}
+
+
+def _single_indptr(length: int, device) -> torch.Tensor:
+    """[0, length] on the device, kept: a fresh host->device copy on every call would synchronise."""
+    key = (length, device)
+    t = _single_indptrs.get(key)
+    if t is None:
+        if len(_single_indptrs) > 256:
+            _single_indptrs.clear()
+        t = _single_indptrs[key] = torch.tensor([0, length], dtype=torch.int32, device=device)
+    return t
 
 
 def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, params=None):
@@ -32,7 +42,7 @@ def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, p
     _check_inputs(variant, q, k, v)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     o = load_triton_module(variant).prefill(
-        q, k, v, _indptr([q.shape[0]], q.device), _indptr([k.shape[0]], q.device), q.shape[0], causal,
+        q, k, v, _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device), q.shape[0], causal,
         kernel_arg_values(variant, bound, sm_scale))
     if out is not None:
         out.copy_(o)

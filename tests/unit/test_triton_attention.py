@@ -185,10 +185,19 @@ def test_tiles_outside_a_band_are_skipped_exactly(lq, lk, causal):
         _check("two_sided_band", str(p), out, TWO_SIDED.reference(q, k, vv, causal=causal, **p))
 
 
+def _all_but_one(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx != q_idx - params.gap  # each row keeps two runs of keys: no tile is kept for every row
+
+
+ALL_BUT_ONE = AttentionVariant(name="all_but_one", mask=_all_but_one, params={"gap": Scalar(int)})
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_prescanned_masks_keep_every_tile_they_need(causal):
-    """Documents of assorted lengths (one key long up to several tiles), alone and under a window."""
-    q, k, vv = _qkv(90, 90, 2, 2, 16)
+@pytest.mark.parametrize("lq", [90, 53])
+def test_prescanned_masks_keep_every_tile_they_need(lq, causal):
+    """Documents of assorted lengths (one key long up to several tiles), alone and under a window; tiles
+    the mask keeps for every row run unmasked, so a mask with a hole in each row must still be applied."""
+    q, k, vv = _qkv(lq, 90, 2, 2, 16)
     lengths = [1, 17, 3, 40, 29]
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
     dm = fivar.load("document_mask")
@@ -201,3 +210,7 @@ def test_prescanned_masks_keep_every_tile_they_need(causal):
     p = {"left": 9, "doc": doc_ids}
     _check("band_and_doc", "5 docs, window 9", BAND_AND_DOC.prefill(q, k, vv, causal=causal, backend="triton", **p),
            BAND_AND_DOC.reference(q, k, vv, causal=causal, **p))
+    for gap in (3, 40):
+        p = {"gap": gap}
+        _check("all_but_one", str(p), ALL_BUT_ONE.prefill(q, k, vv, causal=causal, backend="triton", **p),
+               ALL_BUT_ONE.reference(q, k, vv, causal=causal, **p))
