@@ -33,6 +33,8 @@ _CALLS = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt"
           "abs": "tl.abs", "minimum": "tl.minimum", "maximum": "tl.maximum", "sigmoid": "tl.sigmoid",
           "tanh": "_tanh"}
 _TL_TYPE = {F32: "tl.float32", I32: "tl.int32"}
+#: After the index variables, every variant function takes the tile's query and key index ranges.
+TILE_RANGE_ARGS = ("fv_q_lo", "fv_q_hi", "fv_kv_lo", "fv_kv_hi")
 
 
 def _safe(name: str, taken) -> str:
@@ -74,11 +76,17 @@ class TritonEmitter:
             self.param_names[name] = _safe(name, taken)
             taken.add(self.param_names[name])
         self.hoisted_names = {h: f"fv_{h}" for h in self.lowered.hoisted}  # user names never start with fv_
+        self.row_loads = self._row_loads()
         self.args = self._kernel_args()
-        self.taken = taken | {a.name for a in self.args} | set(self.hoisted_names.values())
+        self.taken = (taken | {a.name for a in self.args} | set(self.hoisted_names.values())
+                      | set(self.row_loads.values()))
         self.helpers: set[str] = set()
         self.local_names: dict[str, str] = {}
         self.const_locals: dict[str, ir.Expr] = {}
+        self.let_exprs: dict[str, ir.Expr] = {}
+        self.in_prologue = False
+        self.statements: list[str] | None = None  # where a tile-uniform load emits its if/else
+        self.tile_loads = 0
 
     # --- arguments -------------------------------------------------------------------------------
     def _kernel_args(self) -> list[KernelArg]:
@@ -94,9 +102,23 @@ class TritonEmitter:
             args.append(KernelArg(self.param_names[name], "scalar", name))
         return args
 
+    def _row_loads(self) -> dict[ir.Load, str]:
+        """Tensor-param reads that do not depend on the key (say `doc_ids[batch, q_idx]`): the same for every
+        KV tile, so each kernel reads them once before its KV loop instead of once per tile."""
+        loads: dict[ir.Load, str] = {}
+        for program in (self.lowered.logits, self.lowered.mask):
+            for root in (program.exprs() if program else ()):
+                for e in ir.walk(root):
+                    if isinstance(e, ir.Load) and e not in loads and not any(
+                            isinstance(n, (ir.Score, ir.RawScore, ir.Local)) or
+                            (isinstance(n, ir.Index) and n.name == "kv_idx") for n in ir.walk(e)):
+                        loads[e] = f"fv_row{len(loads)}"
+        return loads
+
     def variant_args(self) -> list[str]:
-        """What the logits/mask functions take after the index variables: kernel args, then invariants."""
-        return [a.name for a in self.args] + list(self.hoisted_names.values())
+        """What the logits/mask functions take after the index variables: kernel args, then invariants
+        (per launch, then per query row)."""
+        return [a.name for a in self.args] + list(self.hoisted_names.values()) + list(self.row_loads.values())
 
     def unspecialized(self) -> list[str]:
         return [a.name for a in self.args if a.source in ("scalar", "size")]
@@ -120,7 +142,7 @@ class TritonEmitter:
         if isinstance(e, ir.Local):
             return self.local_names[e.name]
         if isinstance(e, ir.Load):
-            return self.load(e)
+            return self.row_loads[e] if e in self.row_loads and not self.in_prologue else self.load(e)
         if isinstance(e, ir.Unary):
             return f"(-{self.expr(e.x)})" if e.op == "neg" else f"(~{self.expr(e.x)})"
         if isinstance(e, ir.Binary):
@@ -144,12 +166,100 @@ class TritonEmitter:
     def load(self, e: ir.Load) -> str:
         p = self.variant.params[e.param]
         name = self.param_names[e.param]
-        terms = []
-        for d, index in enumerate(e.indices):
-            clamped = f"tl.minimum(tl.maximum({self.expr(index)}, 0), {name}_size{d} - 1)"
-            terms.append(clamped + (f" * {name}_stride{d}" if d < p.ndim - 1 else ""))
-        value = f"tl.load({name} + {' + '.join(terms)})"
-        return f"({value} != 0)" if e.type == BOOL else f"{value}.to({_TL_TYPE[e.type]})"
+
+        def offset(indices: list[str]) -> str:
+            terms = [f"tl.minimum(tl.maximum({i}, 0), {name}_size{d} - 1)" + (f" * {name}_stride{d}" if d < p.ndim - 1
+                                                                                else "")
+                     for d, i in enumerate(indices)]
+            return " + ".join(terms)
+
+        def typed(value: str) -> str:
+            return f"({value} != 0)" if e.type == BOOL else f"{value}.to({_TL_TYPE[e.type]})"
+
+        full = offset([self.expr(i) for i in e.indices])
+        ranges = self.tile_ranges(e) if self.statements is not None else None
+        if ranges is None:
+            return typed(f"tl.load({name} + {full})")
+        # A gather over a whole (query, key) tile whose index often does not vary across the tile (a clamped
+        # offset far from the diagonal): test that from the tile's index ranges and read one value instead.
+        n = self.tile_loads
+        self.tile_loads += 1
+        uniform = " & ".join(f"({lo} == {hi})" for lo, hi in (
+            (f"tl.minimum(tl.maximum({lo}, 0), {name}_size{d} - 1)",
+             f"tl.minimum(tl.maximum({hi}, 0), {name}_size{d} - 1)") for d, (lo, hi) in ranges.items()))
+        at_lo = offset([ranges[d][0] if d in ranges else self.expr(i) for d, i in enumerate(e.indices)])
+        self.statements += [f"fv_offset{n} = {full}",
+                            f"if {uniform}:",
+                            f"    fv_gather{n} = tl.zeros_like(fv_offset{n}).to({name}.dtype.element_ty) + "
+                            f"tl.load({name} + {at_lo})",
+                            "else:",
+                            f"    fv_gather{n} = tl.load({name} + fv_offset{n})"]
+        return typed(f"fv_gather{n}")
+
+    def tile_ranges(self, e: ir.Load) -> dict[int, tuple[str, str]] | None:
+        """For a load indexed by both q_idx and kv_idx: each such index's [lo, hi] over the tile, as scalar
+        expressions of the tile's query and key ranges (fv_q_lo.., fv_kv_lo..). None if not such a load or
+        an index is not a monotone expression fivar can bound."""
+        deps = [self.index_vars(i) for i in e.indices]
+        if not ({"q_idx", "kv_idx"} <= set().union(*deps)):
+            return None
+        ranges = {}
+        for d, (index, used) in enumerate(zip(e.indices, deps)):
+            if used & {"q_idx", "kv_idx"}:
+                bounds = self.interval(index)
+                if bounds is None:
+                    return None
+                ranges[d] = bounds
+        return ranges
+
+    def index_vars(self, e: ir.Expr) -> set[str]:
+        out = set()
+        for n in ir.walk(e):
+            if isinstance(n, ir.Index):
+                out.add(n.name)
+            elif isinstance(n, ir.Local) and n.name in self.let_exprs:
+                out |= self.index_vars(self.let_exprs[n.name])
+        return out
+
+    def interval(self, e: ir.Expr) -> tuple[str, str] | None:
+        """[lo, hi] of an integer/float expression over the tile, by interval arithmetic; None if an
+        operation is not supported (the load then stays a plain gather)."""
+        if isinstance(e, ir.Index):
+            return {"q_idx": ("fv_q_lo", "fv_q_hi"), "kv_idx": ("fv_kv_lo", "fv_kv_hi")}.get(e.name)
+        if isinstance(e, (ir.Const, ir.ScalarParam, ir.Hoisted)):
+            x = self.expr(e)
+            return x, x
+        if isinstance(e, ir.Local):
+            if e.name in self.const_locals:
+                x = self.expr(e)
+                return x, x
+            return self.interval(self.let_exprs[e.name]) if e.name in self.let_exprs else None
+        if isinstance(e, ir.Cast) and e.type == I32 and e.x.type == I32:
+            return self.interval(e.x)
+        if isinstance(e, ir.Unary) and e.op == "neg":
+            b = self.interval(e.x)
+            return None if b is None else (f"(-{b[1]})", f"(-{b[0]})")
+        kids = [self.interval(c) for c in e.children()]
+        if None in kids or not kids:
+            return None
+        if isinstance(e, ir.Binary) and e.op == "add":
+            (alo, ahi), (blo, bhi) = kids
+            return f"({alo} + {blo})", f"({ahi} + {bhi})"
+        if isinstance(e, ir.Binary) and e.op == "sub":
+            (alo, ahi), (blo, bhi) = kids
+            return f"({alo} - {bhi})", f"({ahi} - {blo})"
+        if isinstance(e, ir.Binary) and e.op == "mul" and e.type == I32:
+            (alo, ahi), (blo, bhi) = kids
+            corners = [f"{a} * {b}" for a in (alo, ahi) for b in (blo, bhi)]
+            lo, hi = corners[0], corners[0]
+            for c in corners[1:]:
+                lo, hi = f"tl.minimum({lo}, {c})", f"tl.maximum({hi}, {c})"
+            return lo, hi
+        if isinstance(e, ir.Call) and e.fn in ("minimum", "maximum") and e.type == I32:
+            (alo, ahi), (blo, bhi) = kids
+            f = f"tl.{e.fn}"
+            return f"{f}({alo}, {blo})", f"{f}({ahi}, {bhi})"
+        return None
 
     def fold(self, e: ir.Expr):
         """Constant subtrees are computed here (float32, the reference's semantics): Triton would
@@ -172,7 +282,8 @@ class TritonEmitter:
     def function(self, program: ir.Program, name: str, first_args: tuple[str, ...]) -> str:
         """A `@triton.jit` function computing the program (lets as statements, then the return)."""
         self.local_names, self.const_locals = {}, {}
-        lines = []
+        self.let_exprs = dict(program.lets)
+        lines = self.statements = []
         taken = set(self.taken)
         for lname, e in program.lets:
             if _constant(e, self.const_locals):
@@ -182,10 +293,11 @@ class TritonEmitter:
             taken.add(self.local_names[lname])
             lines.append(f"{self.local_names[lname]} = {self.expr(e)}")
         result = self.expr(program.result)
+        self.statements = None
         if first_args[0] == "qk" and "score" not in ir.uses(program):
             result = f"tl.zeros_like(qk) + {result}"  # logits that ignore the score: still a full tile
         lines.append(f"return {result}")
-        args = ", ".join(list(first_args) + self.variant_args())
+        args = ", ".join(list(first_args) + list(TILE_RANGE_ARGS) + self.variant_args())
         body = "\n".join("    " + line for line in lines)
         return f"@triton.jit\ndef {name}({args}):\n{body}\n"
 
@@ -203,6 +315,16 @@ class TritonEmitter:
         return lines
 
 
+    def row_prologue(self) -> list[str]:
+        """Kernel statements reading the per-row values (`row_loads`), once the index variables exist."""
+        self.local_names, self.const_locals = {}, {}
+        self.in_prologue = True
+        try:
+            return [f"{name} = {self.expr(e)}" for e, name in self.row_loads.items()]
+        finally:
+            self.in_prologue = False
+
+
 def render_attention(variant) -> str:
     """The whole Python module of the variant's Triton twin (prefill and decode kernels, launchers)."""
     emit = TritonEmitter(variant)
@@ -214,7 +336,7 @@ def render_attention(variant) -> str:
     source = os.path.basename(variant.source_file or "<unknown>")
     return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
                   softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, helpers=sorted(emit.helpers),
-                  prologue=prologue, kernel_args=[a.name for a in emit.args],
+                  prologue=prologue, row_prologue=emit.row_prologue(), kernel_args=[a.name for a in emit.args],
                   band_left=band.left and ir.format_expr(band.left),
                   band_right=band.right and ir.format_expr(band.right),
                   band_exact=band.exact,

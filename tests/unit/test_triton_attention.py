@@ -214,3 +214,25 @@ def test_prescanned_masks_keep_every_tile_they_need(lq, causal):
         p = {"gap": gap}
         _check("all_but_one", str(p), ALL_BUT_ONE.prefill(q, k, vv, causal=causal, backend="triton", **p),
                ALL_BUT_ONE.reference(q, k, vv, causal=causal, **p))
+
+
+# --- a gather indexed by query and key reads one value on tiles where its clamped index cannot vary
+def _stepped_table(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + params.table[qo_head, max(-(q_idx - kv_idx) * params.step, kv_idx - q_idx - params.reach) + params.shift]
+
+
+STEPPED = AttentionVariant(name="stepped_table", logits=_stepped_table, params={
+    "table": Tensor("float32", ("qo_head", "offset")), "step": Scalar(int), "reach": Scalar(int),
+    "shift": Scalar(int)})
+
+
+@pytest.mark.parametrize("step", [-3, 2])
+def test_tile_uniform_gathers_match_the_reference(step):
+    """Clamped at both ends of a 25-entry table: tiles far from the diagonal read one entry, the others
+    gather; negative steps flip which corner of the tile bounds the index."""
+    q, k, vv = _qkv(70, 100, 2, 1, 16)
+    for causal in (False, True):
+        p = {"table": torch.randn(2, 25), "step": step, "reach": 7, "shift": 9}
+        _check("stepped_table", f"step={step} causal={causal}",
+               STEPPED.prefill(q, k, vv, causal=causal, backend="triton", **p),
+               STEPPED.reference(q, k, vv, causal=causal, **p))
