@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|attention|triton|fusiontests|membound|compile|build-all|tests-all
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|fusiontests|membound|compile|build-all|tests-all
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -20,6 +20,11 @@ build-all)
 tests-all)
   export FIVAR_TRITON_AUTOTUNE=0
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
+triton-tests)  # every Triton GPU test (ragged and decode too), against FA2 modules built first
+  (time python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4
+  export FIVAR_TRITON_AUTOTUNE=0
+  timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_triton.py 2>&1 \
+    | tee "$OUT/gpu_tests_triton.log" | tail -6 ;;
 tests)
   export FIVAR_TRITON_AUTOTUNE=0
   timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -x \

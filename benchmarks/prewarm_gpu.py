@@ -35,9 +35,15 @@ def bench_set():
     return mods
 
 
+def triton_agreement_set():
+    """What tests/test_gpu_triton.py compares the Triton twins against: FA2 single/batch prefill, decode."""
+    return [gen_module(fivar.load(name), op=op, target="fa2") for name in BUNDLED
+            for op in ("single_prefill", "batch_prefill", "batch_decode")]
+
+
 if __name__ == "__main__":
     import sys
-    mods = wanted() if "--all" in sys.argv else bench_set()
+    mods = wanted() if "--all" in sys.argv else triton_agreement_set() if "--triton" in sys.argv else bench_set()
     t0 = time.perf_counter()
     res = build_many(mods)
     kinds = [k for k, _ in res]
