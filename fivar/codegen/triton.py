@@ -30,7 +30,7 @@ _TAKEN = {"tl", "triton", "torch", "os", "math", "float", "int", "True", "False"
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&", "or": "|"}
 _CALLS = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt", "floor": "tl.floor",
-          "abs": "tl.abs", "minimum": "tl.minimum", "maximum": "tl.maximum", "sigmoid": "tl.sigmoid",
+          "abs": "tl.abs", "minimum": "tl.minimum", "maximum": "tl.maximum", "sigmoid": "_sigmoid",
           "tanh": "_tanh"}
 _TL_TYPE = {F32: "tl.float32", I32: "tl.int32"}
 #: After the index variables, every variant function takes the tile's query and key index ranges.
@@ -156,8 +156,8 @@ class TritonEmitter:
         if isinstance(e, ir.Select):
             return f"tl.where({self.expr(e.cond)}, {self.expr(e.a)}, {self.expr(e.b)})"
         if isinstance(e, ir.Call):
-            if e.fn == "tanh":
-                self.helpers.add("tanh")
+            if e.fn in ("tanh", "sigmoid"):
+                self.helpers.add(e.fn)
             return f"{_CALLS[e.fn]}({', '.join(self.expr(a) for a in e.args)})"
         if isinstance(e, ir.Cast):
             return f"{self.expr(e.x)}.to({_TL_TYPE[e.type]})"
