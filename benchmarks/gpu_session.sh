@@ -38,7 +38,7 @@ attention)
     --flex-causal 0,1 --triton-seqlens 8192 --json "$OUT/bench_fa3.json" 2>&1 | quiet | tee "$OUT/bench_fa3.log" \
     | grep -v "^CheckResult\|passed" | tail -40 ;;
 triton)  # the Triton twin vs Flex (and FA3), non-causal or causal (CAUSAL=1): each about 5 min
-  timeout 570 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal ${CAUSAL:-0} \
+  timeout 570 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal ${CAUSAL:-0} ${VARIANTS:+--variants $VARIANTS} \
     --triton-seqlens 8192 --json "$OUT/bench_triton_flex_c${CAUSAL:-0}.json" 2>&1 | quiet \
     | tee "$OUT/bench_triton_flex_c${CAUSAL:-0}.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 membound)

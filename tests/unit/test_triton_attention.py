@@ -236,3 +236,16 @@ def test_tile_uniform_gathers_match_the_reference(step):
         _check("stepped_table", f"step={step} causal={causal}",
                STEPPED.prefill(q, k, vv, causal=causal, backend="triton", **p),
                STEPPED.reference(q, k, vv, causal=causal, **p))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_programs_ordered_longest_first_cover_every_block(causal):
+    """Past one 128-row slab, prefill programs take slabs in the order of their work (pre-pass ranges):
+    every query block must still be computed exactly once, for short and long documents alike."""
+    q, k, vv = _qkv(290, 330, 2, 1, 16)
+    lengths = [200, 7, 60, 63]
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+    dm = fivar.load("document_mask")
+    p = {"doc_ids": doc_ids[None]}
+    _check("document_mask", f"causal={causal}", dm.prefill(q, k, vv, causal=causal, backend="triton", **p),
+           dm.reference(q, k, vv, causal=causal, **p))
