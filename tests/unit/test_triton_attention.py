@@ -239,9 +239,9 @@ def test_tile_uniform_gathers_match_the_reference(step):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_programs_ordered_longest_first_cover_every_block(causal):
-    """Past one 128-row slab, prefill programs take slabs in the order of their work (pre-pass ranges):
-    every query block must still be computed exactly once, for short and long documents alike."""
+def test_many_query_blocks_with_documents(causal):
+    """Many query blocks (causal runs them last block first), short and long documents: every block is
+    computed exactly once, with the pre-pass ranges of its own rows."""
     q, k, vv = _qkv(290, 330, 2, 1, 16)
     lengths = [200, 7, 60, 63]
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
