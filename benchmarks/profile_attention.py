@@ -15,6 +15,31 @@ import fivar
 from fivar.testing import example_params
 
 
+def host_overhead(v, params, causal, n=200):
+    """Host microseconds per call at a shape whose GPU work is negligible: launches queue faster than the
+    GPU drains them only if the host path is cheap, so this is what a call costs the CPU."""
+    import time
+    q, k, vv = (torch.randn(128, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    small = example_params(v, num_qo_heads=2, num_kv_heads=2, batch_size=1, max_len=128, device="cuda")
+    small.update({n_: params[n_] for n_ in params if not isinstance(params[n_], torch.Tensor)})
+    fns = {"triton": lambda: v.prefill(q, k, vv, causal=causal, backend="triton", **small),
+           "fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **small)}
+    if v.softmax:
+        from fivar.flex import flex_attention_fn
+        fns["flex"] = flex_attention_fn(v, small, q, k, vv, causal=causal)
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("variant")
@@ -35,10 +60,12 @@ def main():
     if v.softmax:
         from fivar.flex import flex_attention_fn
         fns["flex"] = flex_attention_fn(v, params, q, k, vv, causal=args.causal)
+    host_us = host_overhead(v, params, args.causal)
     for name, fn in fns.items():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
+        print(f"{name}: host time per call {host_us[name]:.0f} us (tiny shape: CPU-bound)")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
                 fn()
