@@ -9,6 +9,7 @@ URI (never a stale library), and an unchanged one hits the existing build.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ import torch
 
 from ..codegen import fa2, fa3
 from ..errors import FivarBuildError, FivarError
-from ..paths import csrc_dir
+from ..paths import csrc_dir, templates_dir
 from . import records, toolchain
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
@@ -259,7 +260,7 @@ def _host_unit_name(host_units: list[str]) -> str:
     return next(h for h in host_units if h.endswith("_jit_binding.cu"))
 
 
-def _host_unit(texts: dict[str, str]) -> str:
+def _host_unit(texts: dict[str, str], includes: tuple[str, ...] = ()) -> str:
     """FlashInfer's host sources for one op (the launcher wrapper and the tvm-ffi binding) as ONE
     translation unit whose text is hidden from nvcc's device pass.
 
@@ -281,6 +282,8 @@ def _host_unit(texts: dict[str, str]) -> str:
     order = sorted(texts, key=lambda n: not n.endswith("_jit_binding.cu"))
     parts = ["// fivar: FlashInfer's " + ", ".join(order) + " in one host-only translation unit "
              "(see fivar.jit.build._host_unit).", "#ifndef __CUDA_ARCH__"]
+    for inc in includes:  # fivar's host-side definitions these sources call (see _fa2_tile_split)
+        parts += [f"// ---- {inc} ----", f'#include "{inc}"']
     for name in order:
         text = texts[name]
         parts += [f"// ---- {name} ----", text.rstrip("\n")]
@@ -288,8 +291,168 @@ def _host_unit(texts: dict[str, str]) -> str:
     return "\n".join(parts)
 
 
+#: What each FA2 prefill op's split kernel units include: fivar's cut of FlashInfer's launcher (source name
+#: in the module -> file under templates/fa2), and the header the host unit includes (see _fa2_tile_split).
+_SPLIT_HEADERS = {"single_prefill": {"fivar_single_prefill_tile.cuh": "single_prefill_tile.cuh",
+                                     "fivar_single_prefill_dispatch.cuh": "single_prefill_dispatch.cuh"},
+                  "batch_prefill": {}}
+_SPLIT_HOST_INCLUDES = {"single_prefill": ("fivar_single_prefill_dispatch.cuh",), "batch_prefill": ()}
+_split_warned: set[str] = set()
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _fa2_reachable_tiles(head_dim_qk: int, head_dim_vo: int) -> list[int]:
+    """The CTA_TILE_Q values FlashInfer's FA2DetermineCtaTileQ can return for these head dims (FlashInfer
+    0.7.2, include/flashinfer/utils.cuh:411-470: 128 only for head_dim_vo < 256). This only groups tiles
+    into units: which tiles get instantiated stays FlashInfer's choice, and a tile it never picks (no valid
+    kernel there: KernelTraits::IsInvalid) shares a unit instead of costing a compiler run of its own."""
+    if head_dim_vo >= 512:
+        return [32, 16]
+    if head_dim_qk >= 512:
+        return [16]
+    return ([128] if head_dim_vo < 256 else []) + [64, 16]
+
+
+def _tile_groups(tiles: list[int], head_dim_qk: int, head_dim_vo: int) -> list[list[int]]:
+    """One kernel unit per tile FlashInfer can pick, largest first; the others join the last unit."""
+    tiles = sorted(set(tiles), reverse=True)
+    reachable = _fa2_reachable_tiles(head_dim_qk, head_dim_vo)
+    groups = [[t] for t in tiles if t in reachable] or [[]]
+    groups[-1] += [t for t in tiles if t not in reachable]
+    return groups
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatch_cta_tiles() -> tuple[int, ...]:
+    """The cases of FlashInfer's DISPATCH_CTA_TILE_Q (include/flashinfer/utils.cuh)."""
+    from flashinfer.jit import env as jit_env
+    utils = (jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "utils.cuh").read_text()
+    m = re.search(r"#define DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \.\.\.\)((?:[^\n]*\\\n)+)", utils)
+    return tuple(int(c) for c in re.findall(r"case (\d+):", m.group(1))) if m else ()
+
+
+@functools.lru_cache(maxsize=None)
+def _single_prefill_split_problem() -> str | None:
+    """Why fivar's cut of FlashInfer's single-prefill launcher does not fit the installed FlashInfer, or None.
+
+    templates/fa2/single_prefill_tile.cuh and single_prefill_dispatch.cuh carry FlashInfer's text (0.7.2,
+    include/flashinfer/attention/prefill.cuh:2723-2925); this compares them token for token (whitespace
+    aside) with the installed prefill.cuh, and fivar's dispatcher signature with the declaration in
+    csrc/single_prefill.cu, so that a FlashInfer whose launcher changed gets FlashInfer's own unsplit
+    kernel units rather than a stale copy."""
+    from flashinfer.jit import env as jit_env
+    prefill = (jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "attention" / "prefill.cuh").read_text()
+    host = (jit_env.FLASHINFER_CSRC_DIR / "single_prefill.cu").read_text()
+    tile = (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text()
+    dispatch = (templates_dir() / "fa2" / "single_prefill_dispatch.cuh").read_text()
+    signature = (r"(template <uint32_t HEAD_DIM_QK[^>]*>\s*cudaError_t SinglePrefillWithKVCacheDispatched\("
+                 r"Params params, typename Params::DTypeO\* tmp,\s*cudaStream_t stream\))")
+    fi = re.search(signature + r" \{\n(.*?)\n  DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \{\n(.*?)\n  \}\);\n"
+                   r"  return cudaSuccess;\n\}\n", prefill, re.S)
+    if not fi:
+        return "prefill.cuh has no SinglePrefillWithKVCacheDispatched of the form fivar splits"
+    fi_sig, fi_preamble, fi_body = fi.groups()
+    decl = re.search(signature + ";", host)
+    ours_sig = re.search(signature + " {", dispatch)
+    ours_preamble = re.search(r"// ---- BEGIN FlashInfer preamble[^\n]*\n(.*?)\n  // ---- END FlashInfer preamble",
+                              dispatch, re.S)
+    ours_body = re.search(r"// ---- BEGIN FlashInfer DISPATCH_CTA_TILE_Q body[^\n]*\n  \{\n(.*?)\n  \}\n"
+                          r"  // ---- END FlashInfer DISPATCH_CTA_TILE_Q body", tile, re.S)
+    tile_locals = re.search(r"cudaError_t fivar_single_prefill_tile\([^)]*\) \{\n(.*?)\n  // ---- BEGIN", tile, re.S)
+    if not (decl and ours_sig and ours_preamble and ours_body and tile_locals):
+        return "fivar's single-prefill templates or FlashInfer's single_prefill.cu lack the expected markers"
+    if not _norm(fi_sig) == _norm(decl.group(1)) == _norm(ours_sig.group(1)):
+        return "the signature of SinglePrefillWithKVCacheDispatched changed"
+    if _norm(fi_preamble) != _norm(ours_preamble.group(1)):
+        return "the preamble of SinglePrefillWithKVCacheDispatched changed"
+    if _norm(fi_body) != _norm(ours_body.group(1)):
+        return "the DISPATCH_CTA_TILE_Q body of SinglePrefillWithKVCacheDispatched changed"
+    fi_lines = {line.strip() for line in fi_preamble.splitlines()}
+    if any(line.strip() not in fi_lines for line in tile_locals.group(1).splitlines()):
+        return "a local the tile function copies from FlashInfer's preamble changed"
+    if not _dispatch_cta_tiles():
+        return "utils.cuh has no DISPATCH_CTA_TILE_Q of the expected form"
+    return None
+
+
+def _inst_statements(text: str) -> list[str]:
+    """The launcher instantiations (`template cudaError_t ...Dispatched<...>(...);`) in a kernel unit, normalised."""
+    return sorted(_norm(s) for s in re.findall(r"^template cudaError_t \w+Dispatched<.*?>\(.*?\);", text,
+                                                re.S | re.M))
+
+
+def _fa2_tile_split(op: str, variant, kwargs: dict):
+    """FA2 prefill kernel units, one per (mask mode, CTA_TILE_Q), or None to keep FlashInfer's layout.
+
+    FlashInfer's FA2 prefill kernel units hold every CTA tile (and, below each, every NUM_MMA_KV) of one mask
+    mode, so the longest unit bounds a cold build however many cores there are. Here each tile that
+    FA2DetermineCtaTileQ can pick gets a unit of its own; the kernels, their launch configuration and the
+    tile choice at run time are FlashInfer's:
+      - single_prefill: FlashInfer's SinglePrefillWithKVCacheDispatched picks the tile at run time inside one
+        function; fivar's copy is cut at that switch (templates/fa2/single_prefill_tile.cuh: the per-tile
+        body; single_prefill_dispatch.cuh: the preamble and switch, compiled into the host unit). Used only
+        while the copy matches the installed FlashInfer token for token (_single_prefill_split_problem).
+      - batch_prefill: CTA_TILE_Q is already a template parameter, picked by FlashInfer's host code; the
+        units hold FlashInfer's own explicit instantiations, paged and ragged, grouped by tile (checked
+        statement for statement against FlashInfer's rendered *_kernel_inst.jinja).
+    The split-KV merge (MergeStates & co.) is instantiated in one unit per module, extern in the others.
+
+    Returns (kernel units, headers, host-unit includes).
+    """
+    if op not in ("single_prefill", "batch_prefill"):
+        return None
+    from flashinfer.jit.utils import mask_mode_literal
+    problem = _single_prefill_split_problem() if op == "single_prefill" else None
+    flashinfer_units: dict[int, str] = {}
+    modes = fa2.mask_modes(variant)
+    if op == "single_prefill":
+        tiles = list(_dispatch_cta_tiles())
+    else:
+        for mode in modes:
+            code = fa2.MASK_CODES[mode]
+            flashinfer_units[code] = "".join(
+                _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs)
+                for inst_t in _FA2_LAYOUT[op][1])
+        tiles = [int(c) for c in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", "".join(flashinfer_units.values()))]
+        if not tiles:
+            problem = "FlashInfer's batch prefill instantiations name no CTA_TILE_Q"
+    units: dict[str, str] = {}
+    if problem is None:
+        groups = _tile_groups(tiles, kwargs["head_dim_qk"], kwargs["head_dim_vo"])
+        for i, mode in enumerate(modes):
+            code = fa2.MASK_CODES[mode]
+            texts = []
+            for j, group in enumerate(groups):
+                text = fa2.render(f"fa2/{op}_tile_inst.jinja", op=op, mask_mode=mask_mode_literal[code],
+                                  tiles=group, merge_here=i == 0 and j == 0, softmax=variant.softmax, **kwargs)
+                suffix = "" if j == 0 and op == "single_prefill" else "_cta" + "_".join(map(str, group))
+                units[f"{op}_kernel_mask_{code}{suffix}.cu"] = text
+                texts.append(text)
+            if op == "batch_prefill" and _inst_statements("".join(texts)) != _inst_statements(
+                    flashinfer_units[code]):
+                problem = "fivar's batch prefill units do not instantiate what FlashInfer's do"
+                break
+    if problem is not None:
+        if problem not in _split_warned:
+            _split_warned.add(problem)
+            log.warning("fivar: FlashInfer %s: %s; compiling its %s kernels unsplit (one unit per mask mode)",
+                        toolchain.flashinfer_version(), problem, op)
+        return None
+    headers = {name: (templates_dir() / "fa2" / src).read_text() for name, src in _SPLIT_HEADERS[op].items()}
+    return units, headers, _SPLIT_HOST_INCLUDES[op]
+
+
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128) -> FivarModule:
+               head_dim: int = 128, *, split_cta_tiles: bool | None = None) -> FivarModule:
+    """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
+    prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
+    same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
+    only on hosts with cores to spare; off by default."""
+    if split_cta_tiles is None:
+        split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
         raise FivarError(f"unknown op '{op}' (choose from {', '.join(OPS)})")
     if target not in TARGETS:
@@ -327,21 +490,28 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
                "fivar_ops.cuh": (csrc_dir() / "fivar_ops.cuh").read_text()}
     has_mask_dispatch = op != "batch_decode"
-    for inst_t in inst_ts:
-        stem = inst_t.removesuffix("_inst.jinja")
-        if has_mask_dispatch:
-            for mode in codegen.mask_modes(variant):
-                code = fa2.MASK_CODES[mode]
-                sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(
-                    inst_t, mask_mode=mask_mode_literal[code], **kwargs)
-        else:
-            sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
+    split = _fa2_tile_split(op, variant, kwargs) if target == "fa2" and split_cta_tiles else None
+    host_includes: tuple[str, ...] = ()
+    if split is not None:
+        units, headers, host_includes = split
+        sources.update(units)
+        sources.update(headers)
+    else:
+        for inst_t in inst_ts:
+            stem = inst_t.removesuffix("_inst.jinja")
+            if has_mask_dispatch:
+                for mode in codegen.mask_modes(variant):
+                    code = fa2.MASK_CODES[mode]
+                    sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(
+                        inst_t, mask_mode=mask_mode_literal[code], **kwargs)
+            else:
+                sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
     for host in host_files:
         if not host.endswith(".cu"):
             sources[host] = (jit_env.FLASHINFER_CSRC_DIR / host).read_text()
     host_units = [h for h in host_files if h.endswith(".cu")]
     sources[_host_unit_name(host_units)] = _host_unit(
-        {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units})
+        {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units}, host_includes)
 
     cuda_cflags: list[str] = []
     if target == "fa3":

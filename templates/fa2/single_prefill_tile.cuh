@@ -1,32 +1,32 @@
 // fivar: ONE CTA_TILE_Q of FlashInfer's FA2 single-prefill launcher, so that each tile's kernels compile in a
-// translation unit of their own (fivar.jit.build renders one per mask mode and tile:
+// translation unit of their own (fivar.jit.build renders one per mask mode and tile from
 // single_prefill_tile_inst.jinja).
 //
-// Mirrors FlashInfer 0.7.2, include/flashinfer/attention/prefill.cuh, SinglePrefillWithKVCacheDispatched
-// (lines 2723-2925). That function computes cta_tile_q at run time (FA2DetermineCtaTileQ) and switches over
-// DISPATCH_CTA_TILE_Q {128, 64, 32, 16}, so one translation unit instantiates the launcher body, and the
-// kernels it launches, for every tile: the longest unit of a module's build. Here the function is cut at
-// that switch:
-//   - fivar::SinglePrefillTile<CTA_TILE_Q, ...> (below) is the body for one tile. The text between the
-//     "BEGIN/END FlashInfer DISPATCH_CTA_TILE_Q body" markers is FlashInfer's (prefill.cuh:2751-2920), the
-//     same tokens; fivar.jit.build compares the two at generation time and uses FlashInfer's own unsplit
-//     instantiation instead if the installed FlashInfer's text differs. The lines above the marker are the
-//     locals of FlashInfer's preamble (prefill.cuh:2728-2731, 2742-2744) that the body reads.
-//   - flashinfer::SinglePrefillWithKVCacheDispatched (single_prefill_dispatch.cuh, compiled into the
-//     host unit) keeps FlashInfer's preamble (the kCausal check, FA2DetermineCtaTileQ) and its
-//     DISPATCH_CTA_TILE_Q, each case calling the tile function instead of inlining the body.
-// Same tile choice, same kernels, same launch configuration and split-KV/MergeStates decision: only the
-// translation unit each tile's code is compiled in differs.
+// Mirrors FlashInfer 0.7.2, include/flashinfer/attention/prefill.cuh:2723-2925,
+// SinglePrefillWithKVCacheDispatched. That function picks cta_tile_q at run time (FA2DetermineCtaTileQ) and
+// switches over DISPATCH_CTA_TILE_Q {128, 64, 32, 16}, so the one unit that instantiates it compiles the
+// launcher body, and the kernels it launches (one per NUM_MMA_KV), for every tile. Here it is cut at that
+// switch:
+//   - flashinfer::fivar_single_prefill_tile<CTA_TILE_Q, ...> (below) is the body for one tile. The text
+//     between the "BEGIN/END FlashInfer DISPATCH_CTA_TILE_Q body" markers is FlashInfer's
+//     (prefill.cuh:2751-2920), the same tokens: fivar.jit.build compares the two at generation time and
+//     renders FlashInfer's own unsplit instantiation instead when the installed FlashInfer's text differs.
+//     The lines above the marker are the locals of FlashInfer's preamble that the body reads
+//     (prefill.cuh:2728-2734, 2743-2745; checked too).
+//   - flashinfer::SinglePrefillWithKVCacheDispatched (single_prefill_dispatch.cuh, compiled in the host
+//     unit) keeps FlashInfer's preamble (the kCausal check, FA2DetermineCtaTileQ) and its
+//     DISPATCH_CTA_TILE_Q, each case calling the tile function instead of holding the body.
+// Same tile choice, same kernels (the same SASS), same launch configuration and split-KV/MergeStates
+// decision: only the translation unit each tile's code is compiled in differs.
 #pragma once
 #include <flashinfer/attention/prefill.cuh>
 
-namespace fivar {
+namespace flashinfer {
 
-using namespace flashinfer;
-
+// In namespace flashinfer, like the function it is cut from, so every name in the body resolves as there.
 template <uint32_t CTA_TILE_Q, uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, PosEncodingMode POS_ENCODING_MODE,
           bool USE_FP16_QK_REDUCTION, MaskMode MASK_MODE, typename AttentionVariant, typename Params>
-cudaError_t SinglePrefillTile(Params params, typename Params::DTypeO* tmp, cudaStream_t stream) {
+cudaError_t fivar_single_prefill_tile(Params params, typename Params::DTypeO* tmp, cudaStream_t stream) {
   using DTypeQ = typename Params::DTypeQ;
   using DTypeKV = typename Params::DTypeKV;
   using DTypeO = typename Params::DTypeO;
@@ -214,4 +214,4 @@ cudaError_t SinglePrefillTile(Params params, typename Params::DTypeO* tmp, cudaS
   return cudaSuccess;
 }
 
-}  // namespace fivar
+}  // namespace flashinfer

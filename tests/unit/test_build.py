@@ -2,6 +2,7 @@
 import os
 import re
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -38,13 +39,117 @@ def test_editing_a_variant_changes_the_uri_and_reverting_restores_it(tmp_path):
     assert uris[0] != uris[1] and uris[0] == uris[2]
 
 
-def test_only_needed_mask_modes_are_instantiated():
-    plain = gen_module(fivar.load("softcap"))
-    masked = gen_module(fivar.load("sliding_window"))
+def test_only_needed_mask_modes_are_instantiated(monkeypatch):
+    monkeypatch.delenv("FIVAR_SPLIT_CTA_TILES", raising=False)
+    plain = gen_module(fivar.load("softcap"), split_cta_tiles=True)
+    masked = gen_module(fivar.load("sliding_window"), split_cta_tiles=True)
     assert sorted(n for n in plain.sources if "kernel_mask" in n) == [
-        "single_prefill_kernel_mask_0.cu", "single_prefill_kernel_mask_1.cu"]
-    assert sorted(n for n in masked.sources if "kernel_mask" in n) == ["single_prefill_kernel_mask_2.cu"]
+        "single_prefill_kernel_mask_0.cu", "single_prefill_kernel_mask_0_cta16_32.cu",
+        "single_prefill_kernel_mask_0_cta64.cu", "single_prefill_kernel_mask_1.cu",
+        "single_prefill_kernel_mask_1_cta16_32.cu", "single_prefill_kernel_mask_1_cta64.cu"]
+    assert sorted(n for n in masked.sources if "kernel_mask" in n) == [
+        "single_prefill_kernel_mask_2.cu", "single_prefill_kernel_mask_2_cta16_32.cu",
+        "single_prefill_kernel_mask_2_cta64.cu"]
     assert "case MaskMode::kCustom" in masked.sources["single_prefill_config.inc"]
+    # FlashInfer's own layout (the default; FIVAR_SPLIT_CTA_TILES=1 splits): one unit per mask mode
+    whole = gen_module(fivar.load("softcap"))
+    assert sorted(n for n in whole.sources if "kernel_mask" in n) == [
+        "single_prefill_kernel_mask_0.cu", "single_prefill_kernel_mask_1.cu"]
+    assert whole.uri != plain.uri and whole.uri == gen_module(fivar.load("softcap"), split_cta_tiles=False).uri
+    monkeypatch.setenv("FIVAR_SPLIT_CTA_TILES", "1")
+    assert gen_module(fivar.load("softcap")).uri == plain.uri
+
+
+def _units(m):
+    """kernel unit -> (mask codes, CTA tiles) it instantiates; plus the unit that instantiates the merge."""
+    units, merge_units = {}, []
+    for name, text in m.sources.items():
+        if not name.endswith(".cu") or "kernel" not in name:
+            continue
+        insts = re.findall(r"^template cudaError_t (\w+)<(.*?)>\(", text, re.S | re.M)
+        tiles = {int(x) for _, args in insts for x in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", args)}
+        codes = {"None": 0, "Causal": 1, "Custom": 2}
+        masks = {codes[x] for _, args in insts for x in re.findall(r"MaskMode::k(None|Causal|Custom)", args)}
+        units[name] = (masks, tiles)
+        if any(f in ("MergeStates", "AttentionSum", "VariableLengthMergeStates", "VariableLengthAttentionSum")
+               for f, _ in insts):
+            merge_units.append(name)
+        else:
+            assert "extern template" in text, name
+    return units, merge_units
+
+
+@pytest.mark.parametrize("op", ["single_prefill", "batch_prefill"])
+@pytest.mark.parametrize("variant,head_dim", [("softcap", 128), ("document_mask", 64), ("sigmoid", 256)])
+def test_fa2_prefill_kernels_are_one_unit_per_mask_mode_and_cta_tile(op, variant, head_dim):
+    """Each CTA tile FlashInfer's FA2DetermineCtaTileQ can pick compiles in a unit of its own (the longest
+    unit of a cold build was one mask mode with all its tiles); together the units instantiate exactly what
+    FlashInfer's per-mask-mode units do, and the split-KV merge once per module."""
+    from flashinfer.jit.utils import mask_mode_literal
+
+    from fivar.codegen import fa2
+    from fivar.jit import build
+    v = fivar.load(variant)
+    m = gen_module(v, op=op, head_dim=head_dim, split_cta_tiles=True)
+    units, merge_units = _units(m)
+    masks = {fa2.MASK_CODES[mode] for mode in fa2.mask_modes(v)}
+    reachable = [128, 64, 16] if head_dim < 256 else [64, 16]  # FA2DetermineCtaTileQ, head_dim < 512
+    instantiated = [128, 64, 32, 16] if op == "single_prefill" else [128, 64, 16]
+    assert len(units) == len(masks) * len(reachable)
+    for mask in masks:
+        mine = {n: tiles for n, (ms, tiles) in units.items() if ms == {mask}}
+        assert sorted(len([n for n, tiles in mine.items() if t in tiles]) for t in instantiated) == \
+            [1] * len(instantiated)  # every tile in exactly one unit of this mask mode
+        own = sorted(next(iter(tiles & set(reachable))) for tiles in mine.values())
+        assert own == sorted(reachable)  # one unit per tile FlashInfer can pick
+    assert len(merge_units) == 1
+    if op == "batch_prefill":  # FlashInfer's explicit instantiations, the same statements
+        ours = build._inst_statements("".join(t for n, t in m.sources.items() if n in units))
+        theirs = build._inst_statements("".join(
+            build._render_flashinfer(inst, mask_mode=mask_mode_literal[code], dtype_o="nv_bfloat16",
+                                     head_dim_qk=head_dim, head_dim_vo=head_dim,
+                                     pos_encoding_mode="PosEncodingMode::kNone", use_fp16_qk_reduction="false",
+                                     variant_name=fa2.struct_name(v), same_kv_strides_values=["true", "false"])
+            for code in masks for inst in ("batch_prefill_paged_kernel_inst.jinja",
+                                           "batch_prefill_ragged_kernel_inst.jinja")))
+        assert ours == theirs and len(ours) == 9 * len(masks)
+    else:  # the host unit carries the dispatcher, the tile function goes with the kernel units
+        assert '#include "fivar_single_prefill_dispatch.cuh"' in m.sources["single_prefill_jit_binding.cu"]
+        assert "fivar_single_prefill_tile.cuh" in m.sources
+
+
+def test_single_prefill_split_is_used_only_while_fivar_copy_matches_flashinfer(tmp_path, monkeypatch, caplog):
+    """fivar's tile function carries FlashInfer's launcher body; a FlashInfer whose body differs (here: the
+    256-row minimum KV chunk of its split-KV heuristic changed) gets FlashInfer's own unsplit units."""
+    import logging
+
+    from flashinfer.jit import env as jit_env
+
+    from fivar.jit import build
+    assert build._single_prefill_split_problem() is None  # the installed FlashInfer: split
+    inc = tmp_path / "include"
+    shutil.copytree(jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer", inc / "flashinfer")
+    prefill = inc / "flashinfer" / "attention" / "prefill.cuh"
+    text = prefill.read_text()
+    body_at = text.index("cudaError_t SinglePrefillWithKVCacheDispatched(")
+    line = "uint32_t chunk_size = max(ceil_div(kv_len, max_num_kv_chunks), 256);"
+    assert text.index(line, body_at) > body_at
+    prefill.write_text(text[:body_at] + text[body_at:].replace(line, line.replace("256", "512"), 1))
+    monkeypatch.setattr(jit_env, "FLASHINFER_INCLUDE_DIR", inc)
+    build._single_prefill_split_problem.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fivar"):
+            m = gen_module(fivar.load("softcap"), split_cta_tiles=True)
+        assert build._single_prefill_split_problem() == \
+            "the DISPATCH_CTA_TILE_Q body of SinglePrefillWithKVCacheDispatched changed"
+        assert sorted(n for n in m.sources if "kernel" in n and n.endswith(".cu")) == [
+            "single_prefill_kernel_mask_0.cu", "single_prefill_kernel_mask_1.cu"]
+        assert "fivar_single_prefill_tile.cuh" not in m.sources
+        assert m.uri == gen_module(fivar.load("softcap"), split_cta_tiles=False).uri
+        assert any("compiling its single_prefill kernels unsplit" in r.getMessage() for r in caplog.records)
+    finally:
+        build._single_prefill_split_problem.cache_clear()
+        build._split_warned.clear()
 
 
 @pytest.mark.parametrize("op,target", [("single_prefill", "fa2"), ("batch_prefill", "fa2"),
@@ -83,12 +188,91 @@ def test_every_bundled_variant_compiles_for_sm90a():
     assert time.perf_counter() - t0 < 5
 
 
+def _cuobjdump():
+    import importlib.util
+    found = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump"),
+             shutil.which("cuobjdump") or ""]
+    spec = importlib.util.find_spec("triton")  # Triton bundles one
+    if spec and spec.submodule_search_locations:
+        found.append(os.path.join(spec.submodule_search_locations[0], "backends", "nvidia", "bin", "cuobjdump"))
+    return next((c for c in found if c and os.path.exists(c)), None)
+
+
+CUOBJDUMP = _cuobjdump()
+requires_cuobjdump = pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump to list the kernels with")
+
+
+def _kernels_per_unit(m):
+    """kernel unit (source name) -> the kernels (mangled names) in its object's cubin."""
+    out = {}
+    for obj in m.build_dir.glob("*.cuda.o"):
+        elf = subprocess.run([CUOBJDUMP, "-elf", str(obj)], capture_output=True, text=True, check=True).stdout
+        out[obj.name[len(m.uri) + 1:-len(".cuda.o")] + ".cu"] = set(re.findall(r"\.text\.(\w+)", elf))
+    return out
+
+
+def _sass(path):
+    """kernel (mangled name) -> the distinct instruction streams its copies in the library have."""
+    text = subprocess.run([CUOBJDUMP, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    copies, name = [], None
+    for line in text.splitlines():
+        if m := re.match(r"\s*Function : (\S+)", line):
+            name = m.group(1)
+            copies.append((name, []))
+        elif (m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)) and name:
+            copies[-1][1].append(m.group(1))
+    fns = {}
+    for name, code in copies:
+        fns.setdefault(name, set()).add("\n".join(code))
+    return fns
+
+
+def _check_split_objects(m):
+    """Each kernel unit's object holds the kernels of its own mask mode and tiles, no kernel is compiled in two
+    units, the host unit holds none, and one unit holds the split-KV merge kernels. Returns all kernels."""
+    units, merge_units = _units(m)
+    per_unit = _kernels_per_unit(m)
+    assert set(per_unit) == {n for n in m.sources if n.endswith(".cu")}
+    every = [k for ks in per_unit.values() for k in ks]
+    assert len(every) == len(set(every)), "a kernel compiled in two units"
+    for unit, kernels in per_unit.items():
+        if unit not in units:
+            assert kernels == set(), unit  # the host unit
+            continue
+        masks, tiles = units[unit]
+        prefill = [k for k in kernels if "PrefillWith" in k]
+        assert {tuple(map(int, re.search(r"KernelTraitsILNS_8MaskModeE(\d)ELj(\d+)E", k).groups()))
+                for k in prefill} <= {(mask, t) for mask in masks for t in tiles}, unit
+        assert bool(kernels - set(prefill)) == (unit in merge_units), unit  # merge kernels: that unit only
+        assert prefill, unit  # every unit of a tile FlashInfer can pick has kernels
+    return set(every)
+
+
+@requires_nvcc
+@requires_cuobjdump
+def test_split_single_prefill_compiles_to_flashinfer_kernels_instruction_for_instruction():
+    """The per-tile units build the kernels FlashInfer's per-mask-mode unit does, each once, the same SASS."""
+    v = fivar.load("document_mask")
+    split = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=True)
+    whole = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False)
+    build_many([split, whole])
+    kernels = _check_split_objects(split)
+    whole_kernels = set().union(*_kernels_per_unit(whole).values())
+    assert kernels == whole_kernels and len(kernels) > 10
+    assert _sass(split.library_path) == _sass(whole.library_path)
+    # nothing the split library calls is left for the loader to find (the tile launchers, the merge)
+    undefined = subprocess.run(["nm", "-uC", str(split.library_path)], capture_output=True, text=True).stdout
+    assert "flashinfer::" not in undefined
+
+
 @requires_nvcc
 def test_batch_prefill_and_decode_modules_compile():
-    modules = [gen_module(fivar.load("document_mask"), op="batch_prefill"),
+    modules = [gen_module(fivar.load("document_mask"), op="batch_prefill", split_cta_tiles=True),
                gen_module(fivar.load("alibi"), op="batch_decode")]
     build_many(modules)
     assert all(m.library_path.exists() for m in modules)
+    if CUOBJDUMP:  # batch prefill: FlashInfer's instantiations, one unit per (mask mode, tile), kernels once
+        assert len(_check_split_objects(modules[0])) > 10
 
 
 @requires_nvcc
