@@ -145,6 +145,9 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
             t, why = choose_target(v, "auto", o)
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
         console.print(_escape(_tile_skipping(v)))
+        from .codegen.triton import TritonEmitter
+        for read, how in TritonEmitter(v).read_plan():
+            console.print(_escape(f"triton reads {read}: {how}"))
         return
     if target == "triton":  # the Triton twin: one Python module with every kernel
         from .codegen.triton import render_attention

@@ -315,6 +315,28 @@ class TritonEmitter:
         return lines
 
 
+    def read_plan(self) -> list[tuple[str, str]]:
+        """(tensor read, how the twin does it) for every tensor-param read in the lowered logits and mask."""
+        plan = []
+        for program in (self.lowered.logits, self.lowered.mask):
+            if program is None:
+                continue
+            self.let_exprs = dict(program.lets)
+            for root in program.exprs():
+                for e in ir.walk(root):
+                    if not isinstance(e, ir.Load) or any(e == seen for seen, _ in plan):
+                        continue
+                    if e in self.row_loads:
+                        how = "once per program (does not depend on the key)"
+                    elif self.tile_ranges(e) is not None:
+                        how = "one value per tile where its clamped index cannot vary, else a gather"
+                    elif "q_idx" not in self.index_vars(e):
+                        how = "once per key (a row of values per tile)"
+                    else:
+                        how = "a gather per element"
+                    plan.append((e, how))
+        return [(ir.format_expr(e), how) for e, how in plan]
+
     def row_prologue(self) -> list[str]:
         """Kernel statements reading the per-row values (`row_loads`), once the index variables exist."""
         self.local_names, self.const_locals = {}, {}

@@ -141,6 +141,23 @@ def test_bad_params_are_reported_before_launch():
         fivar.load("softcap").prefill(*_qkv(4, 4, 2, 2, 24), backend="triton")
 
 
+def _wrapped_offset(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + params.table[qo_head, (kv_idx - q_idx) % 5]
+
+
+def test_explain_says_how_the_twin_reads_each_tensor():
+    from fivar.codegen.triton import TritonEmitter
+    plan = dict(TritonEmitter(fivar.load("document_mask")).read_plan())
+    assert plan == {"params.doc_ids[batch, q_idx]": "once per program (does not depend on the key)",
+                    "params.doc_ids[batch, kv_idx]": "once per key (a row of values per tile)"}
+    assert dict(TritonEmitter(fivar.load("relative_bias")).read_plan()) == {
+        "params.bias[qo_head, offset]": "one value per tile where its clamped index cannot vary, else a gather"}
+    wrapped = AttentionVariant(name="wrapped", logits=_wrapped_offset,
+                               params={"table": Tensor("float32", ("qo_head", "offset"))})
+    assert dict(TritonEmitter(wrapped).read_plan()) == {
+        "params.table[qo_head, ((kv_idx - q_idx) % 5)]": "a gather per element"}  # % has no interval rule
+
+
 def test_show_prints_the_triton_twin():
     from fivar.cli import main
     result = CliRunner().invoke(main, ["show", "softcap", "--target", "triton"])
