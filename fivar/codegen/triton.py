@@ -30,7 +30,7 @@ _TAKEN = {"tl", "triton", "torch", "os", "math", "float", "int", "True", "False"
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&", "or": "|"}
 _CALLS = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt", "floor": "tl.floor",
-          "abs": "tl.abs", "minimum": "tl.minimum", "maximum": "tl.maximum", "sigmoid": "_sigmoid",
+          "abs": "tl.abs", "minimum": "tl.minimum", "maximum": "tl.maximum", "sigmoid": "tl.sigmoid",
           "tanh": "_tanh"}
 _TL_TYPE = {F32: "tl.float32", I32: "tl.int32"}
 #: After the index variables, every variant function takes the tile's query and key index ranges.
@@ -156,8 +156,8 @@ class TritonEmitter:
         if isinstance(e, ir.Select):
             return f"tl.where({self.expr(e.cond)}, {self.expr(e.a)}, {self.expr(e.b)})"
         if isinstance(e, ir.Call):
-            if e.fn in ("tanh", "sigmoid"):
-                self.helpers.add(e.fn)
+            if e.fn == "tanh":
+                self.helpers.add("tanh")
             return f"{_CALLS[e.fn]}({', '.join(self.expr(a) for a in e.args)})"
         if isinstance(e, ir.Cast):
             return f"{self.expr(e.x)}.to({_TL_TYPE[e.type]})"
@@ -211,6 +211,13 @@ class TritonEmitter:
                     return None
                 ranges[d] = bounds
         return ranges
+
+    def walk_lets(self, e: ir.Expr):
+        """Every node of `e`, and of the lets its locals name."""
+        for n in ir.walk(e):
+            yield n
+            if isinstance(n, ir.Local) and n.name in self.let_exprs:
+                yield from self.walk_lets(self.let_exprs[n.name])
 
     def index_vars(self, e: ir.Expr) -> set[str]:
         out = set()
@@ -292,7 +299,15 @@ class TritonEmitter:
             self.local_names[lname] = _safe(lname, taken)
             taken.add(self.local_names[lname])
             lines.append(f"{self.local_names[lname]} = {self.expr(e)}")
-        result = self.expr(program.result)
+        weight = program.result
+        if (first_args[0] == "qk" and not self.variant.softmax and isinstance(weight, ir.Call)
+                and weight.fn == "sigmoid"):
+            # the weight itself, rounded to bf16/fp16 for P.V next: tanh.approx's error does not show there
+            # (it would inside log(sigmoid(x)) or as a small factor, so only this position gets it)
+            self.helpers.update({"tanh", "sigmoid"})
+            result = f"_sigmoid({self.expr(weight.args[0])})"
+        else:
+            result = self.expr(weight)
         self.statements = None
         if first_args[0] == "qk" and "score" not in ir.uses(program):
             result = f"tl.zeros_like(qk) + {result}"  # logits that ignore the score: still a full tile
@@ -330,6 +345,8 @@ class TritonEmitter:
                         how = "once per program (does not depend on the key)"
                     elif self.tile_ranges(e) is not None:
                         how = "one value per tile where its clamped index cannot vary, else a gather"
+                    elif any(isinstance(n, (ir.Score, ir.RawScore)) for n in self.walk_lets(e)):
+                        how = "a gather per element"
                     elif "q_idx" not in self.index_vars(e):
                         how = "once per key (a row of values per tile)"
                     else:

@@ -534,7 +534,7 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 def module_for(variant, op, target, dtype, head_dim) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
-    key = (id(variant), op, target, dtype, head_dim)
+    key = (id(variant), op, target, dtype, head_dim, os.environ.get("FIVAR_SPLIT_CTA_TILES", "0"))
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim))

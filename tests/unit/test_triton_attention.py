@@ -3,6 +3,7 @@ reference at small awkward shapes (lengths off the tile size, qo_len != kv_len, 
 paged decode with several KV splits)."""
 import pytest
 import torch
+import triton
 from click.testing import CliRunner
 
 import fivar
@@ -141,6 +142,11 @@ def test_bad_params_are_reported_before_launch():
         fivar.load("softcap").prefill(*_qkv(4, 4, 2, 2, 24), backend="triton")
 
 
+def _score_indexed(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    bucket = int(score * 4.0) + 8
+    return score + params.table[bucket]
+
+
 def _wrapped_offset(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score + params.table[qo_head, (kv_idx - q_idx) % 5]
 
@@ -156,6 +162,9 @@ def test_explain_says_how_the_twin_reads_each_tensor():
                                params={"table": Tensor("float32", ("qo_head", "offset"))})
     assert dict(TritonEmitter(wrapped).read_plan()) == {
         "params.table[qo_head, ((kv_idx - q_idx) % 5)]": "a gather per element"}  # % has no interval rule
+    by_score = AttentionVariant(name="by_score", logits=_score_indexed,
+                                params={"table": Tensor("float32", ("offset",))})
+    assert [how for _, how in TritonEmitter(by_score).read_plan()] == ["a gather per element"]
 
 
 def test_show_prints_the_triton_twin():
@@ -266,3 +275,39 @@ def test_many_query_blocks_with_documents(causal):
     p = {"doc_ids": doc_ids[None]}
     _check("document_mask", f"causal={causal}", dm.prefill(q, k, vv, causal=causal, backend="triton", **p),
            dm.reference(q, k, vv, causal=causal, **p))
+
+
+def _log_gate(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + torch.log(torch.sigmoid(params.gate[qo_head]))
+
+
+LOG_GATE = AttentionVariant(name="log_gate", logits=_log_gate, params={"gate": Tensor("float32", ("qo_head",))})
+
+
+def test_sigmoid_inside_the_logits_stays_exact():
+    """The tanh form of sigmoid is for a no-softmax weight only: log(sigmoid(-40)) must stay finite."""
+    q, k, vv = _qkv(20, 20, 2, 2, 16)
+    p = {"gate": torch.tensor([-40.0, 3.0])}
+    _check("log_gate", str(p), LOG_GATE.prefill(q, k, vv, backend="triton", **p), LOG_GATE.reference(q, k, vv, **p))
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 32), (32, 64)])
+def test_other_tile_shapes(block_m, block_n):
+    """Query blocks spanning several 16-row pre-pass ranges, and BLOCK_M != BLOCK_N (the interpreter's own
+    config is 16 x 16): ranges, full ranges and band edges combine across the block."""
+    from fivar.jit.triton_module import load_triton_module
+    cases = [("document_mask", {"doc_ids": torch.repeat_interleave(torch.arange(4), torch.tensor([70, 3, 50, 77]))
+                                .to(torch.int32)[None]}),
+             ("sliding_window", {"window": 37}), ("relative_bias", {"bias": torch.randn(2, 9), "max_distance": 4})]
+    q, k, vv = _qkv(150, 200, 2, 1, 16)
+    for name, p in cases:
+        v = fivar.load(name)
+        kernel = load_triton_module(v).prefill_kernel
+        saved = kernel.configs
+        kernel.configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4, num_stages=1)]
+        try:
+            for causal in (False, True):
+                _check(name, f"{block_m}x{block_n} causal={causal}", v.prefill(q, k, vv, causal=causal, backend="triton", **p),
+                       v.reference(q, k, vv, causal=causal, **p))
+        finally:
+            kernel.configs = saved
