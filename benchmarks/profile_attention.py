@@ -15,6 +15,15 @@ import fivar
 from fivar.testing import example_params
 
 
+def contenders(v, params, q, k, vv, causal):
+    fns = {"triton": lambda: v.prefill(q, k, vv, causal=causal, backend="triton", **params),
+           "fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params)}
+    if v.softmax:
+        from fivar.flex import flex_attention_fn
+        fns["flex"] = flex_attention_fn(v, params, q, k, vv, causal=causal)
+    return fns
+
+
 def host_overhead(v, params, causal, n=200):
     """Host microseconds per call at a shape whose GPU work is negligible: launches queue faster than the
     GPU drains them only if the host path is cheap, so this is what a call costs the CPU."""
@@ -22,13 +31,8 @@ def host_overhead(v, params, causal, n=200):
     q, k, vv = (torch.randn(128, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     small = example_params(v, num_qo_heads=2, num_kv_heads=2, batch_size=1, max_len=128, device="cuda")
     small.update({n_: params[n_] for n_ in params if not isinstance(params[n_], torch.Tensor)})
-    fns = {"triton": lambda: v.prefill(q, k, vv, causal=causal, backend="triton", **small),
-           "fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **small)}
-    if v.softmax:
-        from fivar.flex import flex_attention_fn
-        fns["flex"] = flex_attention_fn(v, small, q, k, vv, causal=causal)
     out = {}
-    for name, fn in fns.items():
+    for name, fn in contenders(v, small, q, k, vv, causal).items():
         for _ in range(10):
             fn()
         torch.cuda.synchronize()
@@ -55,13 +59,8 @@ def main():
     params = example_params(v, num_qo_heads=H, num_kv_heads=H, batch_size=1, max_len=S, device="cuda")
     if "window" in v.params:
         params["window"] = 1024
-    fns = {"triton": lambda: v.prefill(q, k, vv, causal=args.causal, backend="triton", **params),
-           "fa3": lambda: v.prefill(q, k, vv, causal=args.causal, backend="fa3", **params)}
-    if v.softmax:
-        from fivar.flex import flex_attention_fn
-        fns["flex"] = flex_attention_fn(v, params, q, k, vv, causal=args.causal)
     host_us = host_overhead(v, params, args.causal)
-    for name, fn in fns.items():
+    for name, fn in contenders(v, params, q, k, vv, args.causal).items():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -76,8 +75,6 @@ def main():
         print(f"{args.variant} S={S} causal={args.causal} {name}: {total:.0f} us of kernels per call")
         for key, us, count in rows[:6]:
             print(f"    {us:8.1f} us  x{count}  {key[:90]}")
-    if hasattr(fivar, "__version__"):
-        print("fivar", fivar.__version__)
 
 
 if __name__ == "__main__":

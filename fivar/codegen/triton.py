@@ -220,13 +220,7 @@ class TritonEmitter:
                 yield from self.walk_lets(self.let_exprs[n.name])
 
     def index_vars(self, e: ir.Expr) -> set[str]:
-        out = set()
-        for n in ir.walk(e):
-            if isinstance(n, ir.Index):
-                out.add(n.name)
-            elif isinstance(n, ir.Local) and n.name in self.let_exprs:
-                out |= self.index_vars(self.let_exprs[n.name])
-        return out
+        return {n.name for n in self.walk_lets(e) if isinstance(n, ir.Index)}
 
     def interval(self, e: ir.Expr) -> tuple[str, str] | None:
         """[lo, hi] of an integer/float expression over the tile, by interval arithmetic; None if an
@@ -332,27 +326,23 @@ class TritonEmitter:
 
     def read_plan(self) -> list[tuple[str, str]]:
         """(tensor read, how the twin does it) for every tensor-param read in the lowered logits and mask."""
-        plan = []
+        plan: dict[ir.Load, str] = {}
         for program in (self.lowered.logits, self.lowered.mask):
             if program is None:
                 continue
             self.let_exprs = dict(program.lets)
             for root in program.exprs():
                 for e in ir.walk(root):
-                    if not isinstance(e, ir.Load) or any(e == seen for seen, _ in plan):
+                    if not isinstance(e, ir.Load) or e in plan:
                         continue
-                    if e in self.row_loads:
-                        how = "once per program (does not depend on the key)"
-                    elif self.tile_ranges(e) is not None:
-                        how = "one value per tile where its clamped index cannot vary, else a gather"
-                    elif any(isinstance(n, (ir.Score, ir.RawScore)) for n in self.walk_lets(e)):
-                        how = "a gather per element"
-                    elif "q_idx" not in self.index_vars(e):
-                        how = "once per key (a row of values per tile)"
-                    else:
-                        how = "a gather per element"
-                    plan.append((e, how))
-        return [(ir.format_expr(e), how) for e, how in plan]
+                    by_key_only = "q_idx" not in self.index_vars(e) and not any(
+                        isinstance(n, (ir.Score, ir.RawScore)) for n in self.walk_lets(e))
+                    plan[e] = ("once per program (does not depend on the key)" if e in self.row_loads else
+                               "one value per tile where its clamped index cannot vary, else a gather"
+                               if self.tile_ranges(e) is not None else
+                               "once per key (a row of values per tile)" if by_key_only else
+                               "a gather per element")
+        return [(ir.format_expr(e), how) for e, how in plan.items()]
 
     def row_prologue(self) -> list[str]:
         """Kernel statements reading the per-row values (`row_loads`), once the index variables exist."""
