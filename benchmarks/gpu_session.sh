@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|fusiontests|membound|compile|build-all|tests-all
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|fusiontests|membound|compile|build-all|tests-all
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -30,6 +30,17 @@ tests)
   timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
     "tests/test_gpu_kernels.py::test_window_tile_skipping" "tests/test_gpu_kernels.py::test_window_tile_skipping_batch" \
     tests/test_gpu_triton.py -k "not decode and not ragged" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+kvranges)  # FA3's KV-range form (masks that are more than a band): its modules, its GPU tests, then the
+  # document mask vs Flex (one-shot and planned), non-causal and causal
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --kv-ranges) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
+  export FIVAR_TRITON_AUTOTUNE=0
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "kv_ranges or (document_mask and fa3) or (interior_tiles and fa3)" 2>&1 | tee "$OUT/gpu_tests_kv_ranges.log" | tail -8
+  unset FIVAR_TRITON_AUTOTUNE
+  timeout 300 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
+    --variants ${VARIANTS:-document_mask} --triton-seqlens 8192 --json "$OUT/bench_kv_ranges.json" 2>&1 | quiet \
+    | tee "$OUT/bench_kv_ranges.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 fusiontests)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
     | tee "$OUT/gpu_tests_fusions.log" | tail -4 ;;

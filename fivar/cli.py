@@ -103,11 +103,16 @@ def _tile_skipping(v) -> str:
     band = v.kv_band
     sides = [f"kv_idx >= q_idx - {format_expr(band.left)}"] if band.left is not None else []
     sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
+    kv_ranges = ("fa3 runs each 128-row query block (192 at head_dim 64) as its own request over the keys a "
+                 "mask pre-pass finds it keeps (KV-range form; single and ragged prefill, planned per call or "
+                 "once with plan_ragged; paged prefill visits every tile)")
     if not sides:
-        return ("KV tile skipping: the mask implies no band; fa2/fa3 evaluate it on every tile, triton "
-                "pre-scans it per query block and attends over the tiles between the first and last kept one")
+        return (f"KV tile skipping: the mask implies no band; {kv_ranges}; triton pre-scans it per query "
+                "block and attends over the tiles between the first and last kept one; fa2 evaluates it on "
+                "every tile")
     how = "is exactly" if band.exact else "implies"
-    fa3_part = ("fa3 builds with FlashInfer's sliding-window schedule (window_left from the band)"
+    fa3_part = (kv_ranges if v.scans_mask else
+                "fa3 builds with FlashInfer's sliding-window schedule (window_left from the band)"
                 if band.left is not None else "fa3 has no hook for a right-only band")
     return (f"KV tile skipping: the mask {how} the band {' and '.join(sides)}; {fa3_part}; triton bounds its "
             f"KV loop by it{'' if band.exact else ' and pre-scans the rest'}; fa2 masks element-wise "
@@ -171,7 +176,9 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         return
     from .codegen import fa2, fa3
     if not sources:
-        _print_code((fa3 if target == "fa3" else fa2).variant_decl(v).source)
+        decl = (fa3.variant_decl(v, kv_ranges=fa3.uses_kv_ranges(v, op)) if target == "fa3"
+                else fa2.variant_decl(v))
+        _print_code(decl.source)
         return
     _set_arch(arch)
     from .jit.build import gen_module
@@ -218,10 +225,10 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
         names = sorted(variant_files())
     if not names:
         raise FivarError("name at least one variant, or pass --all")
-    from .jit.build import build_many, gen_module
+    from .jit.build import build_many, gen_module, serving_op
     from .fusion.build import gen_fusion_module
     modules = [gen_fusion_module(load(n), dt) if getattr(load(n), "kind", None) == "fusion" else
-               gen_module(load(n), op=op, target=t, dtype=dt, head_dim=hd)
+               gen_module(load(n), op=serving_op(load(n), op, t), target=t, dtype=dt, head_dim=hd)
                for n in names for t in _split(targets) for op in _split(ops)
                for dt in _split(dtypes) for hd in _split(head_dims, int)
                if not (t == "fa3" and op == "batch_decode")]

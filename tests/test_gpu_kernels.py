@@ -26,7 +26,7 @@ def test_single_prefill(name, backend, qo_len, kv_len, causal):
 @pytest.mark.parametrize("dtype,head_dim,heads", [(torch.float16, 64, (32, 8)), (torch.bfloat16, 256, (8, 8)),
                                                   (torch.float16, 128, (32, 32))])
 @pytest.mark.parametrize("name,backend", [("softcap", "fa2"), ("softcap", "fa3"), ("alibi", "fa2"),
-                                          ("document_mask", "fa2")])
+                                          ("document_mask", "fa2"), ("document_mask", "fa3")])
 def test_single_prefill_dtypes_and_head_dims(name, backend, dtype, head_dim, heads):
     r = check_single_prefill(fivar.load(name), qo_len=77, kv_len=301, causal=True, dtype=dtype, backend=backend,
                              head_dim=head_dim, num_qo_heads=heads[0], num_kv_heads=heads[1])
@@ -92,6 +92,51 @@ def test_mask_applies_on_interior_tiles(causal, backend):
     r = check_batch_prefill(MIDDLE_BAND, qo_lens=[300, 450], kv_lens=[700, 1000], paged=True, causal=causal,
                             backend=backend)
     assert r.passed, r
+
+
+# FA3's KV-range form (fivar.runtime.kv_ranges): masks that are more than a band, many query blocks per
+# request, requests of one row to several tiles, qo_len < kv_len, GQA, per-head masks.
+def _per_head_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.windows[qo_head] and kv_idx <= q_idx + 5
+
+
+PER_HEAD_WINDOW = AttentionVariant(name="gpu_per_head_window", mask=_per_head_window,
+                                   params={"windows": fivar.Tensor("int32", ("qo_head",))})
+
+
+def _kv_range_cases():
+    docs = lambda lengths: torch.repeat_interleave(  # noqa: E731
+        torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+    doc_ids = torch.stack([docs([1, 130, 3, 700, 1166]), docs([1000, 1000]), docs([2000])]).cuda()
+    windows = torch.randint(0, 400, (32,), dtype=torch.int32, device="cuda")
+    return [(fivar.load("document_mask"), {"doc_ids": doc_ids}), (MIDDLE_BAND, {}),
+            (PER_HEAD_WINDOW, {"windows": windows})]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_kv_ranges_ragged_paged_and_planned(causal):
+    from fivar.testing import _ragged_reference, compare
+    qo_lens, kv_lens = [1000, 1, 300], [2000, 700, 300]
+    qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    q = torch.randn(sum(qo_lens), 32, 128, dtype=torch.bfloat16, device="cuda")
+    k, vv = (torch.randn(sum(kv_lens), 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    for v, params in _kv_range_cases():
+        assert v.scans_mask
+        ref = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, causal, params)
+        out = v.batch_prefill_ragged(q, k, vv, qo_indptr, kv_indptr, causal=causal, backend="fa3", **params)
+        r = compare(v.name, f"fa3 kv ranges ragged causal={causal}", out, ref, torch.bfloat16)
+        assert r.passed, r
+        plan = v.plan_ragged(qo_indptr, kv_indptr, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                             causal=causal, backend="fa3", **params)
+        for _ in range(2):
+            r = compare(v.name, f"fa3 kv ranges planned causal={causal}", plan.run(q, k, vv), ref, torch.bfloat16)
+            assert r.passed, r
+        r = check_batch_prefill(v, qo_lens=qo_lens, kv_lens=kv_lens, paged=True, causal=causal, backend="fa3",
+                                params=params)
+        assert r.passed, r
+    with pytest.raises(fivar.FivarError, match="do not match the plan"):
+        plan.run(q[:-1], k, vv)
 
 
 def test_auto_picks_fa3_on_hopper_and_fa2_for_decode():

@@ -143,12 +143,13 @@ def _used_indices(program: ir.Program) -> set[str]:
     return {n.name for root in program.exprs() for n in ir.walk(root) if isinstance(n, ir.Index)}
 
 
-def additional_params(variant, with_causal_flag: bool):
+def additional_params(variant, with_causal_flag: bool, extra_tensors=()):
     """FlashInfer `additional_*` lists: tensors, then scalars (sm_scale first), all fivar-owned names.
+    `extra_tensors` are fivar's own int32 tables (FA3's KV-range form), before the variant's tensors.
 
     Returns (tensor_names, tensor_ctypes, scalar_names, scalar_ctypes).
     """
-    t_names, t_types, s_names, s_types = [], [], ["sm_scale"], ["double"]
+    t_names, t_types, s_names, s_types = list(extra_tensors), ["int32_t"] * len(extra_tensors), ["sm_scale"], ["double"]
     for name, p in variant.tensor_params.items():
         t_names.append(name)
         t_types.append(p.cpp_type)

@@ -4,6 +4,12 @@ Same IR, same emitter as FA2. Differences the FA3 interface imposes: the constru
 params and the block coordinate (lengths and the request index come from there: the hook's batch_idx is
 always 0), params live under `params.additional_params`, the softmax scale goes to the updater
 (`OnlineSoftmax`, or `DefaultUpdater` without softmax), and a mask becomes part of LogitsTransform.
+
+A mask that is more than a band (`variant.scans_mask`) gets a second form of the batch-prefill struct, the
+KV-range form (fivar.runtime.kv_ranges): each FA3 request is one query block over the keys its mask can
+keep, and the struct maps a request's local row/key back to the original request, query and key through
+the `fv_blocks` table ([request] -> batch, q_idx of its first row, kv_idx of its first key). Causal is a
+runtime flag there, since FA3's own causal rule would align the diagonal to the block, not the request.
 """
 from __future__ import annotations
 
@@ -12,6 +18,14 @@ import os
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
+#: The KV-range form's per-request table: int32 [requests, 3] = (batch, q_idx of row 0, kv_idx of key 0).
+BLOCKS = "fv_blocks"
+
+
+def uses_kv_ranges(variant, op: str) -> bool:
+    """Batch prefill of a mask that is more than a band is built in the KV-range form (single prefill of
+    such a variant runs as a batch of one through it)."""
+    return op == "batch_prefill" and variant.scans_mask
 
 
 def mask_modes(variant) -> list[str]:
@@ -22,22 +36,34 @@ def runtime_mask_code(variant, causal: bool) -> int:
     return 1 if causal else 0
 
 
-def variant_decl(variant) -> VariantDecl:
+def variant_decl(variant, kv_ranges: bool = False) -> VariantDecl:
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
-    emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx"})
+    block = lambda i: f"{param_ref(BLOCKS)}[3 * batch_idx + {i}]"  # noqa: E731
+    index_init = {"batch": "fv_batch_idx"}
+    if kv_ranges:
+        index_init["kv_idx"] = "int32_t(kv_idx) + fv_kv_offset"
+    emit = CppEmitter(variant, param_ref, index_init=index_init)
     extra = [lowered.output_scale] if lowered.output_scale is not None else []
     members = emit.members(lowered, extra)
     # FA3 reads the request's lengths from the block coordinate; q_offset needs them in scope
     for m in members:
         if m.name == "fv_q_offset":
-            m.init = "int32_t(kv_len) - int32_t(qo_len)"
-    if any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
-        members.insert(0, Member("int32_t", "fv_batch_idx", "int32_t(batch_idx)"))
+            m.init = block(1) if kv_ranges else "int32_t(kv_len) - int32_t(qo_len)"
+    if kv_ranges:
+        if not any(m.name == "fv_q_offset" for m in members):
+            members.insert(0, Member("int32_t", "fv_q_offset", block(1)))
+        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)),
+                        Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
+    if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
+        members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
     lines = emit.prologue(lowered.logits, lowered.mask)
     if lowered.mask:
         mask_lines, keep = emit.statements(lowered.mask)
+        if kv_ranges:
+            keep = (f"(!fv_causal || int32_t(kv_idx) + fv_kv_offset <= int32_t(qo_idx) + fv_q_offset) && "
+                    f"{keep}")
         lines += ["bool fv_keep;", "{"] + ["  " + ln for ln in mask_lines] + [f"  fv_keep = {keep};", "}"]
     logit_lines, value = emit.statements(lowered.logits)
     lines += logit_lines
@@ -47,5 +73,6 @@ def variant_decl(variant) -> VariantDecl:
     lines.append(f"return {value};")
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
-                    members=members, sm_scale_log2=scale, body="\n    ".join(lines))
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=False))
+                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges)
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges,
+                                                          extra_tensors=[BLOCKS] if kv_ranges else []))

@@ -369,7 +369,7 @@ def render_attention(variant) -> str:
                   band_left=band.left and ir.format_expr(band.left),
                   band_right=band.right and ir.format_expr(band.right),
                   band_exact=band.exact,
-                  prescan=emit.lowered.mask is not None and not band.exact,
+                  prescan=variant.scans_mask,
                   range_per_head=bool({"qo_head", "kv_head"} & ir.uses(emit.lowered.mask)) if emit.lowered.mask
                   else False,
                   variant_args=emit.variant_args(), unspecialized=emit.unspecialized(),

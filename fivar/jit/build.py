@@ -469,7 +469,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     from flashinfer.jit.utils import dtype_map, mask_mode_literal
 
     codegen = fa3 if target == "fa3" else fa2
-    decl = codegen.variant_decl(variant)
+    kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
+    decl = fa3.variant_decl(variant, kv_ranges=kv_ranges) if target == "fa3" else fa2.variant_decl(variant)
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
@@ -478,8 +479,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         variant_decl=decl.source, variant_name=fa2.struct_name(variant),
         dtype_q=dtype_map[tdt], dtype_kv=dtype_map[tdt], dtype_o=dtype_map[tdt], idtype="int32_t",
         head_dim_qk=head_dim, head_dim_vo=head_dim, pos_encoding_mode="PosEncodingMode::kNone",
-        # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it
-        use_sliding_window="true" if target == "fa3" and variant.kv_band.left is not None else "false",
+        # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it (the KV-range
+        # form skips them through its ranges; the window would be measured from the block, not the request)
+        use_sliding_window="true" if target == "fa3" and variant.kv_band.left is not None and not kv_ranges
+        else "false",
         use_logits_soft_cap="false", use_fp16_qk_reduction="false",
         additional_params_decl=params_decl, additional_func_params=func_params,
         additional_params_setter=params_setter, require_fp4_kv_cache=False,
@@ -519,6 +522,12 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         cuda_cflags = list(sm90a_nvcc_flags)
     uri = f"fivar_{variant.name}_{target}_{op}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional)
+
+
+def serving_op(variant, op: str, target: str) -> str:
+    """The op whose module runs `op` at runtime: FA3 single prefill of a mask that is more than a band runs
+    as a batch of one in the KV-range form (fivar.runtime.kv_ranges), so builds and prewarms take that."""
+    return "batch_prefill" if (target == "fa3" and op == "single_prefill" and variant.scans_mask) else op
 
 
 def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:

@@ -58,6 +58,28 @@ def _causal_flag(variant, target: str, causal: bool):
     return bool(causal) if (variant.mask and target == "fa2") else None
 
 
+def _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_scale):
+    from .kv_ranges import KvRangePrefill
+    return KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
+                          head_dim=q.shape[-1], dtype=q.dtype, causal=causal, bound=bound, sm_scale=sm_scale,
+                          device=q.device)
+
+
+def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size):
+    """Run arguments of a paged batch. FA3's batch module of a mask that is more than a band is the KV-range
+    form (fivar.runtime.kv_ranges); paged batches run it unsplit, one block per request, with FA3's own
+    causal mode (so no runtime flag) and each request's q_idx offset kv_len - qo_len in `fv_blocks`."""
+    if not (target == "fa3" and variant.scans_mask):
+        return kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
+    from ..codegen.fa3 import BLOCKS
+    qo_h, kv_h, last_h = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_last_page_len.cpu().long()
+    kv_lens = (kv_h.diff() - 1).clamp(min=0) * page_size + torch.where(kv_h.diff() > 0, last_h, 0)
+    batch = qo_h.numel() - 1
+    blocks = torch.stack([torch.arange(batch), kv_lens - qo_h.diff(), torch.zeros(batch, dtype=torch.long)], 1)
+    return kernel_args(variant, bound, sm_scale, False,
+                       tables={BLOCKS: blocks.to(device=qo_indptr.device, dtype=torch.int32)})
+
+
 def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cpu: bool = False,
                head_dims=HEAD_DIMS):
     name = variant.name
@@ -125,7 +147,7 @@ def _window_left(variant, target: str, bound) -> int:
     only has to be no tighter than the mask: a band reaching right of the diagonal is clamped to 0.
     """
     left = variant.kv_band.left
-    if target != "fa3" or left is None:
+    if target != "fa3" or left is None or variant.scans_mask:  # the KV-range form skips through its ranges
         return -1
     return min(max(int(_invariant(variant, left, bound)), 0), 1 << 30)
 
@@ -150,6 +172,11 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
                          f"({k.shape[0]}) is not supported by FlashInfer's kernels (the first rows would see no "
                          "key); use backend='triton', which returns zeros for those rows like the reference")
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
+    if target == "fa3" and variant.scans_mask:  # a batch of one in FA3's KV-range form
+        indptr = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
+        o = _kv_range_prefill(variant, q, k, indptr(q.shape[0]), indptr(k.shape[0]), causal, bound,
+                              sm_scale).run(q, k, v)
+        return out.copy_(o) if out is not None else o
     module = module_for(variant, "single_prefill", target, dtype_name(q.dtype), q.shape[-1]).load()
     from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
@@ -272,6 +299,8 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     target = _check_backend(variant, backend, "batch_prefill", q.device)
     qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
+    if target == "fa3" and variant.scans_mask:
+        return _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_scale).run(q, k, v)
     fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("ragged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=_plan_causal(variant, target, causal),
@@ -295,7 +324,8 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
            k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=_plan_causal(variant, target, causal),
            window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k_cache.dtype,
            o_data_type=q.dtype, **_split_kwargs(variant, target))
-    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)))
+    return w.run(q, (k_cache, v_cache), *_paged_args(variant, target, bound, sm_scale, causal, qo_indptr,
+                                                     kv_indptr, kv_last_page_len, k_cache.shape[1]))
 
 
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
@@ -357,7 +387,8 @@ class PagedAttentionPlan:
                            causal=_plan_causal(variant, self.target, causal),
                            window_left=_window_left(variant, self.target, bound), q_data_type=dtype,
                            kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
-        self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal))
+        self._args = _paged_args(variant, self.target, bound, sm_scale, causal, qo_indptr, kv_indptr,
+                                 kv_last_page_len, page_size)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
     def run(self, q, paged_kv_cache):
@@ -368,3 +399,60 @@ class PagedAttentionPlan:
                              f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
                              f"{tuple(k_cache.shape)}, {q.dtype}")
         return self._wrapper.run(q, (k_cache, v_cache), *self._args)
+
+
+class RaggedAttentionPlan:
+    """A planned ragged batch (`v.plan_ragged`): plan once per batch layout, then `run(q, k, v)` per layer.
+
+    For a mask that is more than a band on FA3, planning is where the KV-range lowering happens (the mask
+    pre-pass and FA3's schedule, fivar.runtime.kv_ranges); the one-shot entry points redo it every call.
+    """
+
+    def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype=None,
+                 causal=False, sm_scale=None, backend="auto", device="cuda", params=None):
+        dtype = dtype or torch.bfloat16
+        if dtype not in DTYPES.values():
+            raise FivarError(f"variant '{variant.name}': dtype must be float16 or bfloat16, got {dtype}")
+        if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
+            raise FivarError(f"variant '{variant.name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a "
+                             f"multiple of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
+        self.variant, self.device = variant, torch.device(device)
+        self.target = _check_backend(variant, backend, "batch_prefill", self.device)
+        qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, self.device)
+        kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, self.device)
+        if kv_indptr.numel() != qo_indptr.numel():
+            raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length")
+        self.batch = qo_indptr.numel() - 1
+        self._tokens = (int(qo_indptr[-1]), int(kv_indptr[-1]))
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
+        bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
+        if self.target == "fa3" and variant.scans_mask:
+            from .kv_ranges import KvRangePrefill
+            self._kv_ranges = KvRangePrefill(
+                variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
+            return
+        import flashinfer
+        self._kv_ranges = None
+        fmod = module_for(variant, "batch_prefill", self.target, dtype_name(dtype), head_dim)
+        self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(self.device), kv_layout="NHD",
+                                                                        backend=self.target)
+        _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask) and self.target == "fa2")
+        self._wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
+                           causal=_plan_causal(variant, self.target, causal),
+                           window_left=_window_left(variant, self.target, bound), q_data_type=dtype,
+                           kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
+        self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal))
+
+    def run(self, q, k, v):
+        _check_qkv(self.variant, q, k, v)
+        hq, hkv, d, dtype = self._shape
+        if (q.shape[0], k.shape[0]) != self._tokens or q.shape[1:] != (hq, d) or k.shape[1:] != (hkv, d) \
+                or q.dtype != dtype or k.dtype != dtype:
+            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self._tokens[0]}, "
+                             f"{hq}, {d}], k/v [{self._tokens[1]}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, {q.dtype}")
+        if self._kv_ranges is not None:
+            return self._kv_ranges.run(q, k, v)
+        return self._wrapper.run(q, k, v, *self._args)

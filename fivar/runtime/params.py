@@ -81,11 +81,14 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
     return BoundParams(scalars, tensors)
 
 
-def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | None) -> list:
-    """The FlashInfer `additional` arguments in declaration order: tensors, then scalars."""
+def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | None, tables=None) -> list:
+    """The FlashInfer `additional` arguments in declaration order: tensors, then scalars. `tables` are
+    fivar's own int32 tensors by name (FA3's KV-range form: fv_blocks), declared before the variant's."""
     from ..codegen.cuda import additional_params
-    t_names, _, s_names, _ = additional_params(variant, with_causal_flag=causal is not None)
-    args: list = [bound.tensors[n] for n in t_names]
+    tables = tables or {}
+    t_names, _, s_names, _ = additional_params(variant, with_causal_flag=causal is not None,
+                                               extra_tensors=list(tables))
+    args: list = [tables[n] if n in tables else bound.tensors[n] for n in t_names]
     for s in s_names:
         if s == "sm_scale":
             args.append(float(sm_scale))

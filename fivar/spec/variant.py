@@ -99,6 +99,12 @@ class AttentionVariant:
         return kv_band(self.ir.mask)
 
     @property
+    def scans_mask(self) -> bool:
+        """True when the mask is more than a band (a document mask): a kernel that skips KV tiles has to
+        find the kept keys by evaluating the mask first (the Triton twin's pre-pass, FA3's KV ranges)."""
+        return self.lowered.mask is not None and not self.kv_band.exact
+
+    @property
     def scalar_params(self) -> dict[str, Scalar]:
         return {k: p for k, p in self.params.items() if isinstance(p, Scalar)}
 
@@ -143,6 +149,15 @@ class AttentionVariant:
                                   num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
                                   backend=backend, device=device, params=params)
+
+    def plan_ragged(self, qo_indptr, kv_indptr, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                    dtype=None, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
+                    device="cuda", **params):
+        """Plan a ragged batch (a single request: indptrs [0, len]) once, then `.run(q, k, v)` per layer."""
+        from ..runtime.attention import RaggedAttentionPlan
+        return RaggedAttentionPlan(self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads,
+                                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
+                                   sm_scale=sm_scale, backend=backend, device=device, params=params)
 
     def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, **kwargs):
         """`plan_paged` for one query token per request (decode on the tensor-core paged kernel)."""

@@ -1,0 +1,142 @@
+"""FA3 for a mask that is more than a band (a document mask): attend each query block over the keys its
+mask can keep.
+
+FlashInfer's FA3 kernels visit every KV tile of a request, and a variant's mask is only a logits transform
+to them, so a document mask used to cost a full S x S pass (0.28x FlexAttention on an H200). A band gets
+FA3's sliding-window schedule; any other mask goes through this lowering:
+
+1. the Triton twin's mask pre-pass (`mask_ranges`, index arithmetic only) finds, per 16 query rows, the
+   first and last key the mask keeps;
+2. each request is cut into query blocks of one FA3 CTA tile (128 rows, 192 at head_dim 64) and each block
+   becomes its own FA3 request over [lo, hi) of its keys, the union of its rows' ranges (and, if causal,
+   no key right of its last row);
+3. FA3's ragged batch kernel runs them all. The requests overlap in K/V, which FA3's scheduler allows: its
+   plan takes every request's KV start and length as separate arrays (`PrefillSM90Plan`), and the run reads
+   KV offsets from that plan. The KV-range form of the variant struct (fivar.codegen.fa3) maps a block's
+   local rows and keys back through `fv_blocks` and still applies the mask (and causal) to every pair.
+
+FlashInfer's own BlockSparseAttentionWrapper maps a block-sparse mask onto batch prefill the same way
+(one request per block row). Planning costs one pre-pass and one device->host copy; `plan_ragged` does it
+once per batch layout, as FlashInfer's wrappers do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen.fa3 import BLOCKS
+from ..errors import FivarError
+
+_RANGE_ROWS = 16  # the pre-pass granularity (RANGE_ROWS in templates/triton/attention.py.jinja)
+
+
+def block_rows(head_dim: int) -> int:
+    """FA3's query tile (PrefillSM90Plan's cta_tile_q): one request per tile wastes no rows."""
+    return 192 if head_dim == 64 else 128
+
+
+@dataclass
+class KvRangeLayout:
+    """The lowered batch. Host tensors except `blocks`, which the kernel reads."""
+    qo_indptr: torch.Tensor  # int32 [R + 1]: the blocks' rows (a refinement of the batch's qo_indptr)
+    kv_starts: torch.Tensor  # int32 [R + 1]: the token in k/v of each block's first key (last entry unused)
+    kv_lens: torch.Tensor    # int32 [R]
+    blocks: torch.Tensor     # int32 [R, 3]: (batch, q_idx of the block's first row, kv_idx of its first key)
+
+    @property
+    def kv_indptr_for_lengths(self) -> torch.Tensor:
+        """An indptr whose differences are the blocks' KV lengths (what a wrapper's plan derives them from)."""
+        return torch.cat([torch.zeros(1, dtype=torch.int64), self.kv_lens.long().cumsum(0)]).to(torch.int32)
+
+
+def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
+                    causal: bool) -> KvRangeLayout:
+    """From the pre-pass's ranges ([batch, heads, ceil(max_qo_len / 16), >= 2] of [lo, hi) relative to each
+    request's keys; host tensors) to one request per `rows` query rows over the keys any of them keeps."""
+    if rows % _RANGE_ROWS:
+        raise ValueError(f"block rows {rows} must be a multiple of {_RANGE_ROWS}")
+    qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
+    qo_lens, kv_lens = qo_indptr.diff(), kv_indptr.diff()
+    batch = qo_lens.numel()
+    lo = ranges[..., 0].long().amin(1)  # the union over heads: the kernel still masks per head
+    hi = ranges[..., 1].long().amax(1)
+    per = rows // _RANGE_ROWS
+    pad = -lo.shape[1] % per
+    lo = torch.nn.functional.pad(lo, (0, pad), value=1 << 40).view(batch, -1, per).amin(-1)
+    hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(batch, -1, per).amax(-1)
+    counts = (qo_lens + rows - 1) // rows
+    b = torch.repeat_interleave(torch.arange(batch), counts)
+    t = torch.arange(b.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    row0 = t * rows
+    row1 = torch.minimum(row0 + rows, qo_lens[b])
+    shift = kv_lens[b] - qo_lens[b]  # q_idx of row r is r + kv_len - qo_len (bottom-right aligned)
+    lo_b, hi_b = lo[b, t], hi[b, t]
+    if causal:
+        hi_b = torch.minimum(hi_b, row1 - 1 + shift + 1)
+    empty = hi_b <= lo_b  # no row keeps a key: one key, masked in the kernel like any other
+    lo_b = torch.where(empty, 0, lo_b)
+    hi_b = torch.where(empty, torch.clamp(kv_lens[b], max=1), hi_b)
+    starts = kv_indptr[b] + lo_b
+    return KvRangeLayout(
+        qo_indptr=torch.cat([qo_indptr[b] + row0, qo_indptr[-1:]]).to(torch.int32),
+        kv_starts=torch.cat([starts, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
+        kv_lens=(hi_b - lo_b).to(torch.int32),
+        blocks=torch.stack([b, row0 + shift, lo_b], 1).to(torch.int32))
+
+
+class _KvStartsModule:
+    """FlashInfer's module with its `plan` given the blocks' KV starts: the wrapper derives KV starts and
+    lengths from one indptr, which cannot describe overlapping ranges; the lengths it derives are kept."""
+
+    def __init__(self, module, kv_starts: torch.Tensor):
+        self._module, self._kv_starts = module, kv_starts
+
+    def plan(self, *args):
+        args = list(args)
+        # FA3 plan: (float_ws, int_ws, pinned_ws, qo_indptr_host, kv_indptr_host, kv_len_arr_host, ...)
+        if args[4].shape != self._kv_starts.shape:
+            raise FivarError("fivar KV ranges: FlashInfer's FA3 plan arguments changed; this flashinfer "
+                             "version is not supported")
+        args[4] = self._kv_starts
+        return self._module.plan(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class KvRangePrefill:
+    """A ragged batch (a single request is a batch of one) planned on FA3 in the KV-range form; `run(q, k, v)`
+    per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan)."""
+
+    def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal,
+                 bound, sm_scale, device):
+        import flashinfer
+
+        from ..codegen.triton import kernel_arg_values
+        from ..jit.build import dtype_name, module_for
+        from ..jit.triton_module import load_triton_module
+        from .attention import _attach, _workspace
+        from .params import kernel_args
+        qo_h, kv_h = qo_indptr.cpu(), kv_indptr.cpu()
+        max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
+        self.empty = max_qo_len == 0
+        if self.empty:
+            return
+        ranges = load_triton_module(variant).mask_ranges(
+            qo_indptr.to(device), kv_indptr.to(device), max_qo_len, num_qo_heads, num_qo_heads // num_kv_heads,
+            kernel_arg_values(variant, bound, sm_scale))
+        layout = kv_range_layout(ranges.cpu(), qo_h, kv_h, block_rows(head_dim), causal)
+        fmod = module_for(variant, "batch_prefill", "fa3", dtype_name(dtype), head_dim)
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), kv_layout="NHD", backend="fa3")
+        _attach(w, fmod.load(), fmod, owns_mask=False)
+        w._jit_module = _KvStartsModule(w._jit_module, layout.kv_starts)
+        w.plan(layout.qo_indptr, layout.kv_indptr_for_lengths, num_qo_heads, num_kv_heads, head_dim,
+               causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        self.layout, self._wrapper = layout, w
+        self._args = kernel_args(variant, bound, sm_scale, causal, tables={BLOCKS: layout.blocks.to(device)})
+
+    def run(self, q, k, v):
+        if self.empty:
+            return torch.empty_like(q)
+        return self._wrapper.run(q, k, v, *self._args)

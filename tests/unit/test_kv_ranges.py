@@ -1,0 +1,109 @@
+"""FA3's KV-range lowering of masks that are more than a band (fivar.runtime.kv_ranges), on the CPU: the
+mask pre-pass runs in Triton's interpreter, and the lowered batch is checked against the mask evaluated
+on every (row, key) pair by the torch evaluator. The GPU tests run the FA3 kernels themselves."""
+import pytest
+import torch
+
+import fivar
+from fivar import AttentionVariant, Scalar, Tensor
+from fivar.codegen.torch_ref import TorchEvaluator
+from fivar.codegen.triton import kernel_arg_values
+from fivar.jit.triton_module import load_triton_module
+from fivar.runtime.kv_ranges import block_rows, kv_range_layout
+from fivar.runtime.params import bind_params
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _per_head_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.windows[qo_head] and kv_idx <= q_idx
+
+
+def _band_and_doc(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx <= params.left and params.doc[q_idx] == params.doc[kv_idx]
+
+
+def _holed(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx < q_idx - params.gap or kv_idx > q_idx + params.gap  # each row: two runs of keys
+
+
+PER_HEAD_WINDOW = AttentionVariant(name="kvr_per_head_window", mask=_per_head_window,
+                                   params={"windows": Tensor("int32", ("qo_head",))})
+BAND_AND_DOC = AttentionVariant(name="kvr_band_and_doc", mask=_band_and_doc,
+                                params={"left": Scalar(int), "doc": Tensor("int32", ("position",))})
+HOLED = AttentionVariant(name="kvr_holed", mask=_holed, params={"gap": Scalar(int)})
+
+
+def _docs(lengths):
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+
+
+def _cases(total):
+    """(variant, params) pairs over sequences of up to `total` positions, batch of 3 requests."""
+    doc_ids = torch.stack([_docs([1, 130, 3, 200, total - 334]), _docs([total // 2, total - total // 2]),
+                           _docs([total])])
+    return [(fivar.load("document_mask"), {"doc_ids": doc_ids}),
+            (PER_HEAD_WINDOW, {"windows": torch.tensor([3, 150, 1, 40], dtype=torch.int32)}),
+            (BAND_AND_DOC, {"left": 90, "doc": doc_ids[0]}),
+            (HOLED, {"gap": 70})]
+
+
+def _kept(variant, bound, b, qo_len, kv_len, heads, causal):
+    """[heads, qo_len, kv_len] bool: the mask (and causal) on every pair of request b."""
+    env = {"batch": torch.tensor(b), "qo_head": torch.arange(heads).view(-1, 1, 1),
+           "kv_head": torch.arange(heads).view(-1, 1, 1) // 2,
+           "q_idx": torch.arange(qo_len).view(1, -1, 1) + kv_len - qo_len,
+           "kv_idx": torch.arange(kv_len).view(1, 1, -1), "sm_scale": 1.0}
+    keep = TorchEvaluator(env, {**bound.scalars, **bound.tensors}).run(variant.ir.mask)
+    keep = keep.expand(heads, qo_len, kv_len)
+    if causal:
+        keep = keep & (env["kv_idx"] <= env["q_idx"])
+    return keep
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
+    """Each lowered request covers one FA3 query tile of one original request; its KV range holds every key
+    any of its rows keeps, lies inside that request's keys, and `fv_blocks` maps local rows and keys back
+    to the original q_idx / kv_idx. Holes, documents, per-head windows, requests shorter than a tile and
+    qo_len < kv_len all appear."""
+    heads, rows = 4, block_rows(head_dim)
+    qo_lens, kv_lens = [500, 0, 77], [520, 40, 600]
+    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    for variant, params in _cases(600):
+        bound = bind_params(variant, params, num_qo_heads=heads, num_kv_heads=2, batch_size=3, device="cpu")
+        ranges = load_triton_module(variant).mask_ranges(qo_indptr, kv_indptr, max(qo_lens), heads, 2,
+                                                         kernel_arg_values(variant, bound, 1.0))
+        lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal)
+        covered_rows, kv_work = 0, 0
+        for r in range(lay.kv_lens.numel()):
+            b, q0, k0 = lay.blocks[r].tolist()
+            row0, row1 = int(lay.qo_indptr[r] - qo_indptr[b]), int(lay.qo_indptr[r + 1] - qo_indptr[b])
+            assert 0 < row1 - row0 <= rows and row0 % rows == 0, (variant.name, r)
+            assert q0 == row0 + kv_lens[b] - qo_lens[b]
+            assert int(lay.kv_starts[r]) == int(kv_indptr[b]) + k0
+            k1 = k0 + int(lay.kv_lens[r])
+            assert 0 <= k0 < k1 <= kv_lens[b], (variant.name, r, k0, k1)
+            keep = _kept(variant, bound, b, qo_lens[b], kv_lens[b], heads, causal)[:, row0:row1]
+            keys = keep.any(0).any(0).nonzero().flatten()
+            if keys.numel():
+                assert k0 <= int(keys.min()) and int(keys.max()) < k1, (variant.name, causal, r, k0, k1)
+            covered_rows += row1 - row0
+            kv_work += (row1 - row0) * (k1 - k0)
+        assert covered_rows == sum(qo_lens) and int(lay.qo_indptr[-1]) == sum(qo_lens)
+        if variant.name == "document_mask":  # the point of it: far less than every key for every row
+            assert kv_work < 0.7 * sum(q * k for q, k in zip(qo_lens, kv_lens))
+
+
+def test_a_block_that_keeps_nothing_gets_one_masked_key():
+    """A query block whose rows keep no key at all still runs (the kernel masks its one key: zeros out)."""
+    ranges = torch.tensor([[[[50, 0, 50, 50]] * 8]], dtype=torch.int32)  # lo = kv_len, hi = 0: nothing kept
+    lay = kv_range_layout(ranges, torch.tensor([0, 128]), torch.tensor([0, 50]), 128, causal=False)
+    assert lay.kv_lens.tolist() == [1] and lay.blocks.tolist() == [[0, -78, 0]]
