@@ -18,8 +18,9 @@ import os
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
-#: The KV-range form's per-request table: int32 [requests, 3] = (batch, q_idx of row 0, kv_idx of key 0).
-BLOCKS = "fv_blocks"
+#: The KV-range form's per-request table: int32 [requests, BLOCK_FIELDS] = (batch, q_idx of row 0, kv_idx of
+#: key 0, [full_lo, full_hi): the keys every row of the block keeps, in the request's kv_idx).
+BLOCKS, BLOCK_FIELDS = "fv_blocks", 5
 
 
 def uses_kv_ranges(variant, op: str) -> bool:
@@ -39,7 +40,7 @@ def runtime_mask_code(variant, causal: bool) -> int:
 def variant_decl(variant, kv_ranges: bool = False) -> VariantDecl:
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
-    block = lambda i: f"{param_ref(BLOCKS)}[3 * batch_idx + {i}]"  # noqa: E731
+    block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731
     index_init = {"batch": "fv_batch_idx"}
     if kv_ranges:
         index_init["kv_idx"] = "int32_t(kv_idx) + fv_kv_offset"
@@ -53,17 +54,23 @@ def variant_decl(variant, kv_ranges: bool = False) -> VariantDecl:
     if kv_ranges:
         if not any(m.name == "fv_q_offset" for m in members):
             members.insert(0, Member("int32_t", "fv_q_offset", block(1)))
-        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)),
+        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), Member("int32_t", "fv_full_lo", block(3)),
+                        Member("int32_t", "fv_full_hi", block(4)),
                         Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
     if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
     lines = emit.prologue(lowered.logits, lowered.mask)
-    if lowered.mask:
+    if lowered.mask and kv_ranges:
+        # Keys every row of the block keeps skip the mask: interior tiles of a document run no loads (and, the
+        # loads being under a branch, the compiler does not keep a tile's worth of them in flight: spills).
         mask_lines, keep = emit.statements(lowered.mask)
-        if kv_ranges:
-            keep = (f"(!fv_causal || int32_t(kv_idx) + fv_kv_offset <= int32_t(qo_idx) + fv_q_offset) && "
-                    f"{keep}")
+        kv = "(int32_t(kv_idx) + fv_kv_offset)"
+        lines += [f"bool fv_keep = {kv} >= fv_full_lo && {kv} < fv_full_hi;", "if (!fv_keep) {"]
+        lines += ["  " + ln for ln in mask_lines] + [f"  fv_keep = {keep};", "}"]
+        lines.append(f"if (fv_causal && {kv} > int32_t(qo_idx) + fv_q_offset) fv_keep = false;")
+    elif lowered.mask:
+        mask_lines, keep = emit.statements(lowered.mask)
         lines += ["bool fv_keep;", "{"] + ["  " + ln for ln in mask_lines] + [f"  fv_keep = {keep};", "}"]
     logit_lines, value = emit.statements(lowered.logits)
     lines += logit_lines

@@ -62,7 +62,7 @@ def _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_sca
     from .kv_ranges import KvRangePrefill
     return KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
                           head_dim=q.shape[-1], dtype=q.dtype, causal=causal, bound=bound, sm_scale=sm_scale,
-                          device=q.device)
+                          device=q.device, shared=True)
 
 
 def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size):
@@ -75,7 +75,8 @@ def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, 
     qo_h, kv_h, last_h = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_last_page_len.cpu().long()
     kv_lens = (kv_h.diff() - 1).clamp(min=0) * page_size + torch.where(kv_h.diff() > 0, last_h, 0)
     batch = qo_h.numel() - 1
-    blocks = torch.stack([torch.arange(batch), kv_lens - qo_h.diff(), torch.zeros(batch, dtype=torch.long)], 1)
+    zeros = torch.zeros(batch, dtype=torch.long)  # no full range: the mask runs on every pair
+    blocks = torch.stack([torch.arange(batch), kv_lens - qo_h.diff(), zeros, zeros, zeros], 1)
     return kernel_args(variant, bound, sm_scale, False,
                        tables={BLOCKS: blocks.to(device=qo_indptr.device, dtype=torch.int32)})
 

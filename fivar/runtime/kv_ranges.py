@@ -42,7 +42,8 @@ class KvRangeLayout:
     qo_indptr: torch.Tensor  # int32 [R + 1]: the blocks' rows (a refinement of the batch's qo_indptr)
     kv_starts: torch.Tensor  # int32 [R + 1]: the token in k/v of each block's first key (last entry unused)
     kv_lens: torch.Tensor    # int32 [R]
-    blocks: torch.Tensor     # int32 [R, 3]: (batch, q_idx of the block's first row, kv_idx of its first key)
+    blocks: torch.Tensor     # int32 [R, 5]: (batch, q_idx of the block's first row, kv_idx of its first key,
+    #                          full_lo, full_hi): keys [full_lo, full_hi) are kept by every row, the mask skipped
 
     @property
     def kv_indptr_for_lengths(self) -> torch.Tensor:
@@ -63,8 +64,12 @@ def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: to
     hi = ranges[..., 1].long().amax(1)
     per = rows // _RANGE_ROWS
     pad = -lo.shape[1] % per
-    lo = torch.nn.functional.pad(lo, (0, pad), value=1 << 40).view(batch, -1, per).amin(-1)
-    hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(batch, -1, per).amax(-1)
+    full_lo = ranges[..., 2].long().amax(1)  # kept by every row of every head
+    full_hi = ranges[..., 3].long().amin(1)
+    pad_to_blocks = lambda x, fill, reduce: reduce(  # noqa: E731
+        torch.nn.functional.pad(x, (0, pad), value=fill).view(batch, -1, per), -1)
+    lo, hi = pad_to_blocks(lo, 1 << 40, torch.amin), pad_to_blocks(hi, 0, torch.amax)
+    full_lo, full_hi = pad_to_blocks(full_lo, 0, torch.amax), pad_to_blocks(full_hi, 1 << 40, torch.amin)
     counts = (qo_lens + rows - 1) // rows
     b = torch.repeat_interleave(torch.arange(batch), counts)
     t = torch.arange(b.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
@@ -78,45 +83,64 @@ def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: to
     lo_b = torch.where(empty, 0, lo_b)
     hi_b = torch.where(empty, torch.clamp(kv_lens[b], max=1), hi_b)
     starts = kv_indptr[b] + lo_b
+    full_lo_b, full_hi_b = full_lo[b, t], torch.maximum(full_hi[b, t], full_lo[b, t])
     return KvRangeLayout(
         qo_indptr=torch.cat([qo_indptr[b] + row0, qo_indptr[-1:]]).to(torch.int32),
         kv_starts=torch.cat([starts, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
         kv_lens=(hi_b - lo_b).to(torch.int32),
-        blocks=torch.stack([b, row0 + shift, lo_b], 1).to(torch.int32))
+        blocks=torch.stack([b, row0 + shift, lo_b, full_lo_b, full_hi_b], 1).clamp(max=2**31 - 1).to(torch.int32))
 
 
 class _KvStartsModule:
     """FlashInfer's module with its `plan` given the blocks' KV starts: the wrapper derives KV starts and
     lengths from one indptr, which cannot describe overlapping ranges; the lengths it derives are kept."""
 
-    def __init__(self, module, kv_starts: torch.Tensor):
-        self._module, self._kv_starts = module, kv_starts
+    def __init__(self, module):
+        self._module, self.kv_starts = module, None
 
     def plan(self, *args):
         args = list(args)
         # FA3 plan: (float_ws, int_ws, pinned_ws, qo_indptr_host, kv_indptr_host, kv_len_arr_host, ...)
-        if args[4].shape != self._kv_starts.shape:
+        if self.kv_starts is None or args[4].shape != self.kv_starts.shape:
             raise FivarError("fivar KV ranges: FlashInfer's FA3 plan arguments changed; this flashinfer "
                              "version is not supported")
-        args[4] = self._kv_starts
+        args[4] = self.kv_starts
         return self._module.plan(*args)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
 
 
+_shared_wrappers: dict = {}
+
+
+def _fa3_wrapper(fmod, device, shared: bool):
+    """A ragged FA3 wrapper running fivar's module with the KV-starts plan. One-shot calls share one per
+    module (a wrapper allocates pinned host memory: too slow to make per call); a plan owns its own."""
+    import flashinfer
+
+    from .attention import _attach, _workspace
+    key = (fmod.uri, device)
+    if shared and key in _shared_wrappers:
+        return _shared_wrappers[key]
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), kv_layout="NHD", backend="fa3")
+    _attach(w, fmod.load(), fmod, owns_mask=False)
+    w._jit_module = _KvStartsModule(w._jit_module)
+    if shared:
+        _shared_wrappers[key] = w
+    return w
+
+
 class KvRangePrefill:
     """A ragged batch (a single request is a batch of one) planned on FA3 in the KV-range form; `run(q, k, v)`
-    per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan)."""
+    per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan). `shared=True` (the
+    one-shot entry points) plans on a wrapper shared by later one-shot calls: run it before planning again."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal,
-                 bound, sm_scale, device):
-        import flashinfer
-
+                 bound, sm_scale, device, shared=False):
         from ..codegen.triton import kernel_arg_values
         from ..jit.build import dtype_name, module_for
         from ..jit.triton_module import load_triton_module
-        from .attention import _attach, _workspace
         from .params import kernel_args
         qo_h, kv_h = qo_indptr.cpu(), kv_indptr.cpu()
         max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
@@ -128,9 +152,8 @@ class KvRangePrefill:
             kernel_arg_values(variant, bound, sm_scale))
         layout = kv_range_layout(ranges.cpu(), qo_h, kv_h, block_rows(head_dim), causal)
         fmod = module_for(variant, "batch_prefill", "fa3", dtype_name(dtype), head_dim)
-        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), kv_layout="NHD", backend="fa3")
-        _attach(w, fmod.load(), fmod, owns_mask=False)
-        w._jit_module = _KvStartsModule(w._jit_module, layout.kv_starts)
+        w = _fa3_wrapper(fmod, device, shared)
+        w._jit_module.kv_starts = layout.kv_starts
         w.plan(layout.qo_indptr, layout.kv_indptr_for_lengths, num_qo_heads, num_kv_heads, head_dim,
                causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         self.layout, self._wrapper = layout, w

@@ -84,7 +84,7 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
         lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal)
         covered_rows, kv_work = 0, 0
         for r in range(lay.kv_lens.numel()):
-            b, q0, k0 = lay.blocks[r].tolist()
+            b, q0, k0, full_lo, full_hi = lay.blocks[r].tolist()
             row0, row1 = int(lay.qo_indptr[r] - qo_indptr[b]), int(lay.qo_indptr[r + 1] - qo_indptr[b])
             assert 0 < row1 - row0 <= rows and row0 % rows == 0, (variant.name, r)
             assert q0 == row0 + kv_lens[b] - qo_lens[b]
@@ -93,6 +93,9 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
             assert 0 <= k0 < k1 <= kv_lens[b], (variant.name, r, k0, k1)
             keep = _kept(variant, bound, b, qo_lens[b], kv_lens[b], heads, causal)[:, row0:row1]
             keys = keep.any(0).any(0).nonzero().flatten()
+            # the kernel skips the mask on [full_lo, full_hi): every row of every head keeps those keys
+            assert bool(_kept(variant, bound, b, qo_lens[b], kv_lens[b], heads, False)[:, row0:row1,
+                                                                                     full_lo:full_hi].all())
             if keys.numel():
                 assert k0 <= int(keys.min()) and int(keys.max()) < k1, (variant.name, causal, r, k0, k1)
             covered_rows += row1 - row0
@@ -106,4 +109,4 @@ def test_a_block_that_keeps_nothing_gets_one_masked_key():
     """A query block whose rows keep no key at all still runs (the kernel masks its one key: zeros out)."""
     ranges = torch.tensor([[[[50, 0, 50, 50]] * 8]], dtype=torch.int32)  # lo = kv_len, hi = 0: nothing kept
     lay = kv_range_layout(ranges, torch.tensor([0, 128]), torch.tensor([0, 50]), 128, causal=False)
-    assert lay.kv_lens.tolist() == [1] and lay.blocks.tolist() == [[0, -78, 0]]
+    assert lay.kv_lens.tolist() == [1] and lay.blocks.tolist()[0][:3] == [0, -78, 0]
