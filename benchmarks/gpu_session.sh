@@ -40,7 +40,9 @@ kvranges)  # FA3's KV-range form (masks that are more than a band): its modules,
   unset FIVAR_TRITON_AUTOTUNE
   timeout 300 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
     --variants ${VARIANTS:-document_mask} --triton-seqlens 8192 --json "$OUT/bench_kv_ranges.json" 2>&1 | quiet \
-    | tee "$OUT/bench_kv_ranges.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
+    | tee "$OUT/bench_kv_ranges.log" | grep -v "^CheckResult\|passed" | tail -12
+  timeout 200 python3 benchmarks/profile_kv_ranges.py --json "$OUT/profile_kv_ranges.json" 2>&1 | quiet \
+    | grep -A7 '"wall_us\|"checks\|row_runs' ;;
 kvprofile)  # FA3's KV-range form, kernel by kernel, next to stock FA3 (after kvranges on a warm machine)
   [ -d .gpu-jit ] || (python3 benchmarks/prewarm_gpu.py --kv-ranges 2>&1 | quiet | tail -2)
   timeout 300 python3 benchmarks/profile_kv_ranges.py --json "$OUT/profile_kv_ranges.json" 2>&1 | quiet | tail -60 ;;

@@ -3,7 +3,7 @@ else the benchmark set."""
 import time
 
 import fivar
-from fivar.jit.build import build_many, gen_module, serving_op
+from fivar.jit.build import build_many, gen_module, serving_modules
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
            "softcap_sliding_window"]
@@ -14,13 +14,12 @@ def wanted():
     for name in BUNDLED:
         v = fivar.load(name)
         mods += [gen_module(v, op=op, target="fa2") for op in ("single_prefill", "batch_prefill", "batch_decode")]
-        mods += [gen_module(v, op=serving_op(v, op, "fa3"), target="fa3") for op in ("single_prefill", "batch_prefill")]
+        mods += [m for op in ("single_prefill", "batch_prefill") for m in serving_modules(v, op, "fa3")]
     for name in ("softcap", "alibi", "document_mask"):
         v = fivar.load(name)
         for target in ("fa2", "fa3") if name in ("softcap", "document_mask") else ("fa2",):
             for dtype, hd in (("fp16", 64), ("fp16", 128), ("bf16", 256)):
-                mods.append(gen_module(v, op=serving_op(v, "single_prefill", target), target=target, dtype=dtype,
-                                       head_dim=hd))
+                mods += serving_modules(v, "single_prefill", target, dtype, hd)
     return mods
 
 
@@ -31,7 +30,7 @@ def bench_set():
     mods = []
     for name in BUNDLED:
         v = fivar.load(name)
-        mods += [gen_module(v, op=serving_op(v, "single_prefill", t), target=t) for t in ("fa2", "fa3")]
+        mods += [m for t in ("fa2", "fa3") for m in serving_modules(v, "single_prefill", t)]
     mods.append(gen_module(fivar.load("sliding_window"), op="batch_prefill", target="fa3"))
     return mods
 
@@ -45,8 +44,8 @@ def triton_agreement_set():
 def kv_range_set():
     """FA3's KV-range form of the document mask at the tested dtypes / head dims."""
     v = fivar.load("document_mask")
-    return [gen_module(v, op="batch_prefill", target="fa3", dtype=dt, head_dim=hd)
-            for dt, hd in (("bf16", 128), ("fp16", 64), ("fp16", 128), ("bf16", 256))]
+    return [m for dt, hd in (("bf16", 128), ("fp16", 64), ("fp16", 128), ("bf16", 256))
+            for m in serving_modules(v, "batch_prefill", "fa3", dt, hd)]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 Contenders at S=8192, 32 heads, head_dim 128, bf16, non-causal: the document mask planned once and run, the
 same one-shot (plans every call), the KV-range form with one document (every block's range is every key and
 every key is in its full range: the mask never runs, so this is the form's per-tile cost), and stock FA3
-(single prefill, no mask). Every contender is checked against stock FA3 or the torch
+(single prefill, and ragged with one request per 128 query rows over all keys; no mask). Every contender is checked against stock FA3 or the torch
 reference on the last rows first.
 """
 import argparse
@@ -62,11 +62,19 @@ def main():
     t0 = time.perf_counter()
     plan_one = v.plan_ragged(indptr, indptr, num_qo_heads=H, num_kv_heads=H, head_dim=D, backend="fa3", **one_doc)
     plan_one_s = time.perf_counter() - t0
+    stock_ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout="NHD", backend="fa3")
+    blocks = S // 128  # stock FA3 over the one-doc layout: 128-row requests, each over all S keys (copied)
+    k_rep, v_rep = k.repeat(blocks, 1, 1), vv.repeat(blocks, 1, 1)
+    stock_ragged.plan(torch.arange(0, S + 1, 128, dtype=torch.int32, device="cuda"),
+                      torch.arange(0, blocks * S + 1, S, dtype=torch.int32, device="cuda"), H, H, D,
+                      q_data_type=torch.bfloat16)
     fns = {
         "doc_planned": lambda: plan.run(q, k, vv),
         "doc_oneshot": lambda: v.prefill(q, k, vv, backend="fa3", **docs),
         "one_doc_planned": lambda: plan_one.run(q, k, vv),
         "stock_fa3_single": lambda: flashinfer.single_prefill_with_kv_cache(q, k, vv, backend="fa3"),
+        "stock_fa3_ragged_128_row_requests": lambda: stock_ragged.run(q, k_rep, v_rep),
     }
     ref_rows = v.reference(q[-256:], k, vv, **docs)
     checks = {"doc_planned": compare("document_mask", "planned", fns["doc_planned"]()[-256:], ref_rows,
@@ -74,7 +82,10 @@ def main():
               "one_doc_planned": compare("document_mask", "one doc vs stock", fns["one_doc_planned"](),
                                          fns["stock_fa3_single"]().float(), torch.bfloat16).passed}
     lay = plan._kv_ranges.layout
+    checks["stock_ragged_blocks"] = compare("none", "stock ragged blocks vs single", fns["stock_fa3_ragged_128_row_requests"](),
+                                            fns["stock_fa3_single"]().float(), torch.bfloat16).passed
     res = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), checks=checks,
+               row_runs={"docs": plan._kv_ranges.row_runs, "one_doc": plan_one._kv_ranges.row_runs},
                plan_ms={"docs": plan_s * 1e3, "one_doc": plan_one_s * 1e3},
                layout=dict(blocks=int(lay.kv_lens.numel()),
                            work_fraction=float((lay.kv_lens.double() * 128).sum() / S / S),

@@ -225,13 +225,13 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
         names = sorted(variant_files())
     if not names:
         raise FivarError("name at least one variant, or pass --all")
-    from .jit.build import build_many, gen_module, serving_op
+    from .jit.build import build_many, serving_modules
     from .fusion.build import gen_fusion_module
-    modules = [gen_fusion_module(load(n), dt) if getattr(load(n), "kind", None) == "fusion" else
-               gen_module(load(n), op=serving_op(load(n), op, t), target=t, dtype=dt, head_dim=hd)
-               for n in names for t in _split(targets) for op in _split(ops)
+    modules = [m for n in names for t in _split(targets) for op in _split(ops)
                for dt in _split(dtypes) for hd in _split(head_dims, int)
-               if not (t == "fa3" and op == "batch_decode")]
+               if not (t == "fa3" and op == "batch_decode")
+               for m in ([gen_fusion_module(load(n), dt)] if getattr(load(n), "kind", None) == "fusion" else
+                         serving_modules(load(n), op, t, dt, hd))]
     modules = list({m.uri: m for m in modules}.values())  # a fusion ignores --ops/--targets/--head-dims
     t0 = time.perf_counter()
     if prewarm or len(modules) > 1:

@@ -19,8 +19,9 @@ from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
 #: The KV-range form's per-request table: int32 [requests, BLOCK_FIELDS] = (batch, q_idx of row 0, kv_idx of
-#: key 0, [full_lo, full_hi): the keys every row of the block keeps, in the request's kv_idx).
-BLOCKS, BLOCK_FIELDS = "fv_blocks", 5
+#: key 0, then for the mask form [full_lo, full_hi): the keys every row of the block keeps (request kv_idx);
+#: for the row-run form the offset of the block's first row in ROW_RUNS and the stride of a query head there).
+BLOCKS, BLOCK_FIELDS, ROW_RUNS = "fv_blocks", 5, "fv_row_runs"
 
 
 def uses_kv_ranges(variant, op: str) -> bool:
@@ -37,7 +38,11 @@ def runtime_mask_code(variant, causal: bool) -> int:
     return 1 if causal else 0
 
 
-def variant_decl(variant, kv_ranges: bool = False) -> VariantDecl:
+def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> VariantDecl:
+    """`kv_ranges`: the KV-range form. `row_runs` (with it): the form for a batch whose every row keeps one
+    run of keys (a document mask always does): the mask pre-pass stored each row's run and the kernel checks
+    it with two loads per row, instead of evaluating the mask per element (its gathers spill registers in
+    FA3's consumer warps)."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
     block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731
@@ -54,14 +59,21 @@ def variant_decl(variant, kv_ranges: bool = False) -> VariantDecl:
     if kv_ranges:
         if not any(m.name == "fv_q_offset" for m in members):
             members.insert(0, Member("int32_t", "fv_q_offset", block(1)))
-        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), Member("int32_t", "fv_full_lo", block(3)),
-                        Member("int32_t", "fv_full_hi", block(4)),
+        extra = ([Member("const int32_t*", "fv_runs", f"{param_ref(ROW_RUNS)} + {block(3)} + {block(4)} * "
+                                                       "int32_t(qo_head_idx)")] if row_runs else
+                 [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
+        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *extra,
                         Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
     if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
-    lines = emit.prologue(lowered.logits, lowered.mask)
-    if lowered.mask and kv_ranges:
+    lines = emit.prologue(lowered.logits, None if row_runs else lowered.mask)
+    if lowered.mask and row_runs:
+        kv = "(int32_t(kv_idx) + fv_kv_offset)"
+        lines += ["const int32_t* fv_run = fv_runs + 2 * int32_t(qo_idx);",
+                  f"bool fv_keep = ({kv} >= __ldg(fv_run)) & ({kv} < __ldg(fv_run + 1));",
+                  f"if (fv_causal && {kv} > int32_t(qo_idx) + fv_q_offset) fv_keep = false;"]
+    elif lowered.mask and kv_ranges:
         # Keys every row of the block keeps skip the mask: interior tiles of a document run no loads (and, the
         # loads being under a branch, the compiler does not keep a tile's worth of them in flight: spills).
         mask_lines, keep = emit.statements(lowered.mask)
@@ -81,5 +93,5 @@ def variant_decl(variant, kv_ranges: bool = False) -> VariantDecl:
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
                     members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges)
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges,
-                                                          extra_tensors=[BLOCKS] if kv_ranges else []))
+    tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges, extra_tensors=tables))

@@ -446,11 +446,12 @@ def _fa2_tile_split(op: str, variant, kwargs: dict):
 
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, split_cta_tiles: bool | None = None) -> FivarModule:
+               head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
-    only on hosts with cores to spare; off by default."""
+    only on hosts with cores to spare; off by default. `row_runs`: FA3 batch prefill of a mask that is more
+    than a band, in the row-run form (fivar.codegen.fa3.variant_decl)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -470,7 +471,11 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
 
     codegen = fa3 if target == "fa3" else fa2
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
-    decl = fa3.variant_decl(variant, kv_ranges=kv_ranges) if target == "fa3" else fa2.variant_decl(variant)
+    if row_runs and not kv_ranges:
+        raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
+                         "than a band")
+    decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs) if target == "fa3"
+            else fa2.variant_decl(variant))
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
@@ -520,8 +525,19 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if target == "fa3":
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
-    uri = f"fivar_{variant.name}_{target}_{op}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
+    form = "_runs" if row_runs else ""
+    uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional)
+
+
+def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim: int = 128) -> list[FivarModule]:
+    """What a build or prewarm of (variant, op, target) compiles: the modules that run `op` at runtime (a mask
+    that is more than a band on FA3: the KV-range form's mask and row-run modules)."""
+    op = serving_op(variant, op, target)
+    mods = [gen_module(variant, op, target, dtype, head_dim)]
+    if target == "fa3" and fa3.uses_kv_ranges(variant, op):
+        mods.append(gen_module(variant, op, target, dtype, head_dim, row_runs=True))
+    return mods
 
 
 def serving_op(variant, op: str, target: str) -> str:
@@ -541,12 +557,12 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
     return h.hexdigest()[:12]
 
 
-def module_for(variant, op, target, dtype, head_dim) -> FivarModule:
+def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
-    key = (id(variant), op, target, dtype, head_dim, os.environ.get("FIVAR_SPLIT_CTA_TILES", "0"))
+    key = (id(variant), op, target, dtype, head_dim, os.environ.get("FIVAR_SPLIT_CTA_TILES", "0"), row_runs)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
-        m = (variant, gen_module(variant, op, target, dtype, head_dim))
+        m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs))
         _memo[key] = m
     return m[1]
 

@@ -15,6 +15,11 @@ FA3's sliding-window schedule; any other mask goes through this lowering:
    KV offsets from that plan. The KV-range form of the variant struct (fivar.codegen.fa3) maps a block's
    local rows and keys back through `fv_blocks` and still applies the mask (and causal) to every pair.
 
+The pre-pass also records each row's run of kept keys. When every row keeps one run (a document mask, a
+per-head window), the struct's row-run form checks the key against its row's run (two loads per row)
+instead of evaluating the mask per element: the mask's per-element gathers made FA3's consumer warps spill
+(H200: the mask form ran 4.3x slower per tile than stock FA3 even when the mask was skipped by a branch).
+
 FlashInfer's own BlockSparseAttentionWrapper maps a block-sparse mask onto batch prefill the same way
 (one request per block row). Planning costs one pre-pass and one device->host copy; `plan_ragged` does it
 once per batch layout, as FlashInfer's wrappers do.
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codegen.fa3 import BLOCKS
+from ..codegen.fa3 import BLOCKS, ROW_RUNS
 from ..errors import FivarError
 
 _RANGE_ROWS = 16  # the pre-pass granularity (RANGE_ROWS in templates/triton/attention.py.jinja)
@@ -42,8 +47,8 @@ class KvRangeLayout:
     qo_indptr: torch.Tensor  # int32 [R + 1]: the blocks' rows (a refinement of the batch's qo_indptr)
     kv_starts: torch.Tensor  # int32 [R + 1]: the token in k/v of each block's first key (last entry unused)
     kv_lens: torch.Tensor    # int32 [R]
-    blocks: torch.Tensor     # int32 [R, 5]: (batch, q_idx of the block's first row, kv_idx of its first key,
-    #                          full_lo, full_hi): keys [full_lo, full_hi) are kept by every row, the mask skipped
+    blocks: torch.Tensor     # int32 [R, 5]: (batch, q_idx of the block's first row, kv_idx of its first key, then
+    #                          fivar.codegen.fa3.BLOCKS: the full range, or where the block's row runs are)
 
     @property
     def kv_indptr_for_lengths(self) -> torch.Tensor:
@@ -52,9 +57,11 @@ class KvRangeLayout:
 
 
 def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
-                    causal: bool) -> KvRangeLayout:
-    """From the pre-pass's ranges ([batch, heads, ceil(max_qo_len / 16), >= 2] of [lo, hi) relative to each
-    request's keys; host tensors) to one request per `rows` query rows over the keys any of them keeps."""
+                    causal: bool, runs_shape: tuple | None = None) -> KvRangeLayout:
+    """From the pre-pass's ranges ([batch, heads, ceil(max_qo_len / 16), 4] of [lo, hi, full_lo, full_hi)
+    relative to each request's keys; host tensors) to one request per `rows` query rows over the keys any of
+    them keeps. With `runs_shape` (the pre-pass's per-row runs, contiguous [batch, heads, max_qo_len, 2]) the
+    blocks point into the runs (the row-run form) instead of carrying a full range."""
     if rows % _RANGE_ROWS:
         raise ValueError(f"block rows {rows} must be a multiple of {_RANGE_ROWS}")
     qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
@@ -83,12 +90,17 @@ def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: to
     lo_b = torch.where(empty, 0, lo_b)
     hi_b = torch.where(empty, torch.clamp(kv_lens[b], max=1), hi_b)
     starts = kv_indptr[b] + lo_b
-    full_lo_b, full_hi_b = full_lo[b, t], torch.maximum(full_hi[b, t], full_lo[b, t])
+    if runs_shape is None:
+        tail = (full_lo[b, t], torch.maximum(full_hi[b, t], full_lo[b, t]))
+    else:  # offset of (request b, head 0, row row0) in the runs, and the step to the next query head
+        _, run_heads, max_rows, _ = runs_shape
+        head_step = 2 * max_rows if run_heads > 1 else 0
+        tail = ((b * run_heads * max_rows + row0) * 2, torch.full_like(b, head_step))
     return KvRangeLayout(
         qo_indptr=torch.cat([qo_indptr[b] + row0, qo_indptr[-1:]]).to(torch.int32),
         kv_starts=torch.cat([starts, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
         kv_lens=(hi_b - lo_b).to(torch.int32),
-        blocks=torch.stack([b, row0 + shift, lo_b, full_lo_b, full_hi_b], 1).clamp(max=2**31 - 1).to(torch.int32))
+        blocks=torch.stack([b, row0 + shift, lo_b, *tail], 1).clamp(max=2**31 - 1).to(torch.int32))
 
 
 class _KvStartsModule:
@@ -147,17 +159,23 @@ class KvRangePrefill:
         self.empty = max_qo_len == 0
         if self.empty:
             return
-        ranges = load_triton_module(variant).mask_ranges(
+        ranges, runs = load_triton_module(variant).mask_ranges(
             qo_indptr.to(device), kv_indptr.to(device), max_qo_len, num_qo_heads, num_qo_heads // num_kv_heads,
-            kernel_arg_values(variant, bound, sm_scale))
-        layout = kv_range_layout(ranges.cpu(), qo_h, kv_h, block_rows(head_dim), causal)
-        fmod = module_for(variant, "batch_prefill", "fa3", dtype_name(dtype), head_dim)
+            kernel_arg_values(variant, bound, sm_scale), row_runs=True)
+        # every row keeps one run of keys (or none): the row-run form checks runs, not the mask
+        self.row_runs = not bool((runs[..., 0] < 0).any())
+        layout = kv_range_layout(ranges.cpu(), qo_h, kv_h, block_rows(head_dim), causal,
+                                 runs_shape=tuple(runs.shape) if self.row_runs else None)
+        fmod = module_for(variant, "batch_prefill", "fa3", dtype_name(dtype), head_dim, row_runs=self.row_runs)
         w = _fa3_wrapper(fmod, device, shared)
         w._jit_module.kv_starts = layout.kv_starts
         w.plan(layout.qo_indptr, layout.kv_indptr_for_lengths, num_qo_heads, num_kv_heads, head_dim,
                causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         self.layout, self._wrapper = layout, w
-        self._args = kernel_args(variant, bound, sm_scale, causal, tables={BLOCKS: layout.blocks.to(device)})
+        tables = {BLOCKS: layout.blocks.to(device)}
+        if self.row_runs:
+            tables[ROW_RUNS] = runs
+        self._args = kernel_args(variant, bound, sm_scale, causal, tables=tables)
 
     def run(self, q, k, v):
         if self.empty:

@@ -79,9 +79,12 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
     kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
     for variant, params in _cases(600):
         bound = bind_params(variant, params, num_qo_heads=heads, num_kv_heads=2, batch_size=3, device="cpu")
-        ranges = load_triton_module(variant).mask_ranges(qo_indptr, kv_indptr, max(qo_lens), heads, 2,
-                                                         kernel_arg_values(variant, bound, 1.0))
+        ranges, runs = load_triton_module(variant).mask_ranges(qo_indptr, kv_indptr, max(qo_lens), heads, 2,
+                                                               kernel_arg_values(variant, bound, 1.0), row_runs=True)
+        _check_row_runs(variant, bound, runs, qo_lens, kv_lens, heads)
         lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal)
+        run_lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal, runs_shape=tuple(runs.shape))
+        assert torch.equal(run_lay.blocks[:, :3], lay.blocks[:, :3]) and torch.equal(run_lay.kv_lens, lay.kv_lens)
         covered_rows, kv_work = 0, 0
         for r in range(lay.kv_lens.numel()):
             b, q0, k0, full_lo, full_hi = lay.blocks[r].tolist()
@@ -98,11 +101,36 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
                                                                                      full_lo:full_hi].all())
             if keys.numel():
                 assert k0 <= int(keys.min()) and int(keys.max()) < k1, (variant.name, causal, r, k0, k1)
+            # the row-run form finds row row0 + i of head h at run_base + head_step * h + 2 * i
+            run_base, head_step = run_lay.blocks[r, 3:].tolist()
+            flat = runs.reshape(-1)
+            for h in range(heads):
+                got = flat[run_base + head_step * h: run_base + head_step * h + 2 * (row1 - row0)].view(-1, 2)
+                assert torch.equal(got, runs[b, h if runs.shape[1] > 1 else 0, row0:row1])
             covered_rows += row1 - row0
             kv_work += (row1 - row0) * (k1 - k0)
         assert covered_rows == sum(qo_lens) and int(lay.qo_indptr[-1]) == sum(qo_lens)
         if variant.name == "document_mask":  # the point of it: far less than every key for every row
             assert kv_work < 0.7 * sum(q * k for q, k in zip(qo_lens, kv_lens))
+
+
+def _check_row_runs(variant, bound, runs, qo_lens, kv_lens, heads):
+    """Each row's run is exactly the keys it keeps ([-1, -1) when it keeps more than one run)."""
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        keep = _kept(variant, bound, b, lq, lk, heads, False)
+        for h in range(runs.shape[1]):
+            for i in range(lq):
+                first, end = runs[b, h, i].tolist()
+                kept = keep[h, i]
+                if first < 0:
+                    idx = kept.nonzero().flatten()
+                    assert idx.numel() and idx.numel() != int(idx.max() - idx.min() + 1), (variant.name, b, h, i)
+                else:
+                    want = torch.zeros(lk, dtype=torch.bool)
+                    want[first:end] = True
+                    assert torch.equal(kept, want), (variant.name, b, h, i, first, end)
+    if variant is HOLED:
+        assert bool((runs[..., 0] < 0).any())  # so it runs in the mask form
 
 
 def test_a_block_that_keeps_nothing_gets_one_masked_key():
