@@ -105,7 +105,8 @@ def _tile_skipping(v) -> str:
     sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
     kv_ranges = ("fa3 runs each 128-row query block (192 at head_dim 64) as its own request over the keys a "
                  "mask pre-pass finds it keeps (KV-range form; single and ragged prefill, planned per call or "
-                 "once with plan_ragged; paged prefill visits every tile)")
+                 "once with plan_ragged; when every row keeps one run of keys the kernel checks each row's run "
+                 "instead of the mask; paged prefill visits every tile)")
     if not sides:
         return (f"KV tile skipping: the mask implies no band; {kv_ranges}; triton pre-scans it per query "
                 "block and attends over the tiles between the first and last kept one; fa2 evaluates it on "
