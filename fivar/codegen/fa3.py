@@ -40,9 +40,9 @@ def runtime_mask_code(variant, causal: bool) -> int:
 
 def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> VariantDecl:
     """`kv_ranges`: the KV-range form. `row_runs` (with it): the form for a batch whose every row keeps one
-    run of keys (a document mask always does): the mask pre-pass stored each row's run and the kernel checks
-    it with two loads per row, instead of evaluating the mask per element (its gathers spill registers in
-    FA3's consumer warps)."""
+    run of keys (a document mask always does): the mask pre-pass stored each row's run (made relative to its
+    block's first key, causal folded in) and the kernel checks it with one 8-byte load per row, instead of
+    evaluating the mask per element (its gathers spill registers in FA3's consumer warps)."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
     block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731
@@ -62,17 +62,16 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> Va
         extra = ([Member("const int32_t*", "fv_runs", f"{param_ref(ROW_RUNS)} + {block(3)} + {block(4)} * "
                                                        "int32_t(qo_head_idx)")] if row_runs else
                  [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
-        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *extra,
-                        Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
+        causal = [] if row_runs else [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
+        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *extra, *causal]
     if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
     lines = emit.prologue(lowered.logits, None if row_runs else lowered.mask)
     if lowered.mask and row_runs:
-        kv = "(int32_t(kv_idx) + fv_kv_offset)"
-        lines += ["const int32_t* fv_run = fv_runs + 2 * int32_t(qo_idx);",
-                  f"bool fv_keep = ({kv} >= __ldg(fv_run)) & ({kv} < __ldg(fv_run + 1));",
-                  f"if (fv_causal && {kv} > int32_t(qo_idx) + fv_q_offset) fv_keep = false;"]
+        # runs are relative to the block's first key, causal already folded in (fivar.runtime.kv_ranges)
+        lines += ["const int2 fv_run = __ldg(reinterpret_cast<const int2*>(fv_runs) + int32_t(qo_idx));",
+                  "bool fv_keep = (int32_t(kv_idx) >= fv_run.x) & (int32_t(kv_idx) < fv_run.y);"]
     elif lowered.mask and kv_ranges:
         # Keys every row of the block keeps skip the mask: interior tiles of a document run no loads (and, the
         # loads being under a branch, the compiler does not keep a tile's worth of them in flight: spills).
@@ -94,4 +93,5 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> Va
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
                     members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges)
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges, extra_tensors=tables))
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
+                                                          extra_tensors=tables))

@@ -16,7 +16,7 @@ FA3's sliding-window schedule; any other mask goes through this lowering:
    local rows and keys back through `fv_blocks` and still applies the mask (and causal) to every pair.
 
 The pre-pass also records each row's run of kept keys. When every row keeps one run (a document mask, a
-per-head window), the struct's row-run form checks the key against its row's run (two loads per row)
+per-head window), the struct's row-run form checks the key against its row's run (one load per row)
 instead of evaluating the mask per element: the mask's per-element gathers made FA3's consumer warps spill
 (H200: the mask form ran 4.3x slower per tile than stock FA3 even when the mask was skipped by a branch).
 
@@ -103,6 +103,29 @@ def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: to
         blocks=torch.stack([b, row0 + shift, lo_b, *tail], 1).clamp(max=2**31 - 1).to(torch.int32))
 
 
+def relative_runs(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                  rows: int, causal: bool) -> torch.Tensor:
+    """The pre-pass's row runs ([batch, heads, max_qo_len, 2] of [first, end) in request kv_idx) made what the
+    row-run struct compares the kernel's kv_idx with: relative to the first key of the row's block, and cut at
+    the diagonal if causal. Runs on the runs' device; host tensors for the rest."""
+    batch, _, max_rows, _ = runs.shape
+    qo_lens = qo_indptr.long().diff()
+    counts = (qo_lens + rows - 1) // rows
+    first_block = counts.cumsum(0) - counts
+    n_blocks = max(1, (max_rows + rows - 1) // rows)
+    k0 = torch.zeros(batch, n_blocks, dtype=torch.long)  # [request, tile] -> kv_idx of the block's first key
+    for b in range(batch):
+        k0[b, :counts[b]] = layout.blocks[first_block[b]:first_block[b] + counts[b], 2].long()
+    dev = runs.device
+    row = torch.arange(max_rows, device=dev)
+    k0_rows = k0.to(dev)[:, row // rows]  # [batch, max_rows]
+    out = runs.long()
+    if causal:  # q_idx of row r is r + kv_len - qo_len
+        shift = (kv_indptr.long().diff() - qo_lens).to(dev)
+        out[..., 1] = torch.minimum(out[..., 1], (row[None, :] + shift[:, None] + 1)[:, None, :])
+    return (out - k0_rows[:, None, :, None]).to(torch.int32).contiguous()
+
+
 class _KvStartsModule:
     """FlashInfer's module with its `plan` given the blocks' KV starts: the wrapper derives KV starts and
     lengths from one indptr, which cannot describe overlapping ranges; the lengths it derives are kept."""
@@ -174,8 +197,8 @@ class KvRangePrefill:
         self.layout, self._wrapper = layout, w
         tables = {BLOCKS: layout.blocks.to(device)}
         if self.row_runs:
-            tables[ROW_RUNS] = runs
-        self._args = kernel_args(variant, bound, sm_scale, causal, tables=tables)
+            tables[ROW_RUNS] = relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal)
+        self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
 
     def run(self, q, k, v):
         if self.empty:

@@ -9,7 +9,7 @@ from fivar import AttentionVariant, Scalar, Tensor
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
-from fivar.runtime.kv_ranges import block_rows, kv_range_layout
+from fivar.runtime.kv_ranges import block_rows, kv_range_layout, relative_runs
 from fivar.runtime.params import bind_params
 
 
@@ -84,6 +84,9 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
         _check_row_runs(variant, bound, runs, qo_lens, kv_lens, heads)
         lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal)
         run_lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal, runs_shape=tuple(runs.shape))
+        one_run_rows = bool((runs[..., 0] >= 0).all())
+        assert one_run_rows == (variant is not HOLED)
+        flat_rel = relative_runs(runs, run_lay, qo_indptr, kv_indptr, rows, causal).reshape(-1)
         assert torch.equal(run_lay.blocks[:, :3], lay.blocks[:, :3]) and torch.equal(run_lay.kv_lens, lay.kv_lens)
         covered_rows, kv_work = 0, 0
         for r in range(lay.kv_lens.numel()):
@@ -101,12 +104,17 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
                                                                                      full_lo:full_hi].all())
             if keys.numel():
                 assert k0 <= int(keys.min()) and int(keys.max()) < k1, (variant.name, causal, r, k0, k1)
-            # the row-run form finds row row0 + i of head h at run_base + head_step * h + 2 * i
+            # the row-run form finds row row0 + i of head h at run_base + head_step * h + 2 * i, relative to the
+            # block's first key and cut at the diagonal: exactly the pairs the mask (and causal) keeps
             run_base, head_step = run_lay.blocks[r, 3:].tolist()
-            flat = runs.reshape(-1)
-            for h in range(heads):
-                got = flat[run_base + head_step * h: run_base + head_step * h + 2 * (row1 - row0)].view(-1, 2)
-                assert torch.equal(got, runs[b, h if runs.shape[1] > 1 else 0, row0:row1])
+            for h in range(heads if one_run_rows else 0):  # the row-run form runs only then
+                got = flat_rel[run_base + head_step * h: run_base + head_step * h + 2 * (row1 - row0)].view(-1, 2)
+                local = torch.arange(k1 - k0)
+                by_runs = (local[None, :] >= got[:, :1]) & (local[None, :] < got[:, 1:])
+                assert torch.equal(by_runs, keep[h, :, k0:k1]), (variant.name, causal, r, h)
+                outside = keep[h].clone()
+                outside[:, k0:k1] = False
+                assert not bool(outside.any())
             covered_rows += row1 - row0
             kv_work += (row1 - row0) * (k1 - k0)
         assert covered_rows == sum(qo_lens) and int(lay.qo_indptr[-1]) == sum(qo_lens)
