@@ -356,6 +356,23 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
     return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, False if variant.mask else None))
 
 
+def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
+                device):
+    """The planned entry points' shared checks; sets plan.variant, .device, .target and .batch."""
+    dtype = dtype or torch.bfloat16
+    if dtype not in DTYPES.values():
+        raise FivarError(f"variant '{variant.name}': dtype must be float16 or bfloat16, got {dtype}")
+    if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
+        raise FivarError(f"variant '{variant.name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a "
+                         f"multiple of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
+    plan.variant, plan.device = variant, torch.device(device)
+    plan.target = _check_backend(variant, backend, "batch_prefill", plan.device)
+    qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, plan.device)
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, plan.device)
+    plan.batch = qo_indptr.numel() - 1
+    return dtype, qo_indptr, kv_indptr
+
+
 class PagedAttentionPlan:
     """A planned paged batch: validate and plan once per batch layout, then `run(q, cache)` per layer.
 
@@ -366,17 +383,8 @@ class PagedAttentionPlan:
                  num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
                  device="cuda", params=None):
         import flashinfer
-        dtype = dtype or torch.bfloat16
-        if dtype not in DTYPES.values():
-            raise FivarError(f"variant '{variant.name}': dtype must be float16 or bfloat16, got {dtype}")
-        if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
-            raise FivarError(f"variant '{variant.name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a "
-                             f"multiple of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
-        self.variant, self.device = variant, torch.device(device)
-        self.target = _check_backend(variant, backend, "batch_prefill", self.device)
-        qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, self.device)
-        kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, self.device)
-        self.batch = qo_indptr.numel() - 1
+        dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
+                                                  head_dim, dtype, backend, device)
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         fmod = module_for(variant, "batch_prefill", self.target, dtype_name(dtype), head_dim)
@@ -411,19 +419,10 @@ class RaggedAttentionPlan:
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype=None,
                  causal=False, sm_scale=None, backend="auto", device="cuda", params=None):
-        dtype = dtype or torch.bfloat16
-        if dtype not in DTYPES.values():
-            raise FivarError(f"variant '{variant.name}': dtype must be float16 or bfloat16, got {dtype}")
-        if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
-            raise FivarError(f"variant '{variant.name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a "
-                             f"multiple of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
-        self.variant, self.device = variant, torch.device(device)
-        self.target = _check_backend(variant, backend, "batch_prefill", self.device)
-        qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, self.device)
-        kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, self.device)
+        dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
+                                                  head_dim, dtype, backend, device)
         if kv_indptr.numel() != qo_indptr.numel():
             raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length")
-        self.batch = qo_indptr.numel() - 1
         self._tokens = (int(qo_indptr[-1]), int(kv_indptr[-1]))
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
