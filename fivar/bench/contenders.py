@@ -82,6 +82,13 @@ def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
         for backend in ("fa3", "fa2") if torch.cuda.get_device_capability() == (9, 0) else ("fa2",):
             out.append(Contender(f"fivar-{backend}",
                                  lambda b=backend: variant.prefill(q, k, v, causal=p.causal, backend=b, **prm)))
+        if variant.scans_mask and torch.cuda.get_device_capability() == (9, 0):
+            # FA3's KV-range form plans per call; planned once here, as Flex's block mask is built once
+            ind = torch.tensor([0, p.seqlen], dtype=torch.int32, device=p.device)
+            plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
+                                       head_dim=p.head_dim, dtype=p.dtype, causal=p.causal, backend="fa3",
+                                       device=p.device, **prm)
+            out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, k, v), "KV ranges planned once"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.prefill(q, k, v, causal=p.causal, backend="triton", **prm)))
         if "stock" in wanted:
