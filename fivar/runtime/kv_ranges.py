@@ -110,12 +110,10 @@ def relative_runs(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Te
     the diagonal if causal. Runs on the runs' device; host tensors for the rest."""
     batch, _, max_rows, _ = runs.shape
     qo_lens = qo_indptr.long().diff()
-    counts = (qo_lens + rows - 1) // rows
-    first_block = counts.cumsum(0) - counts
-    n_blocks = max(1, (max_rows + rows - 1) // rows)
-    k0 = torch.zeros(batch, n_blocks, dtype=torch.long)  # [request, tile] -> kv_idx of the block's first key
-    for b in range(batch):
-        k0[b, :counts[b]] = layout.blocks[first_block[b]:first_block[b] + counts[b], 2].long()
+    b = layout.blocks[:, 0].long()
+    tile = (layout.qo_indptr[:-1].long() - qo_indptr.long()[b]) // rows
+    k0 = torch.zeros(batch, max(1, (max_rows + rows - 1) // rows), dtype=torch.long)
+    k0[b, tile] = layout.blocks[:, 2].long()  # [request, tile] -> kv_idx of the block's first key
     dev = runs.device
     row = torch.arange(max_rows, device=dev)
     k0_rows = k0.to(dev)[:, row // rows]  # [batch, max_rows]
