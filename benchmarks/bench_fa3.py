@@ -5,7 +5,8 @@
 1. softcap on fa3 vs stock `single_prefill_with_kv_cache(..., logits_soft_cap=30, backend="fa3")`,
    bf16, hd128, 32 heads, S in {4096, 8192, 16384}, causal and not (target >= 0.97x);
 2. every bundled variant on fa3 (and its Triton twin at --triton-seqlens) vs FlexAttention
-   (torch.compile) running the same score_mod/mask_mod, at --flex-seqlens x --flex-causal (target >= 2.5x);
+   (torch.compile) running the same score_mod/mask_mod, at --flex-seqlens x --flex-causal (target >= 2.5x),
+   and stock FA3 where FlashInfer has the same function built in (soft-cap, sliding window);
    TF/s count useful work only: masked-out pairs are not counted (kept fraction from the reference mask);
 3. batch decode, paged (page 16), batch 128 x kv 8192, GQA 32/8: fivar softcap vs stock
    BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (target >= 0.95x), KV-read TB/s.
@@ -20,11 +21,12 @@ import time
 import torch
 
 import fivar
+from fivar.bench.contenders import stock_mapping
 from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved
 from fivar.testing import compare, example_params
 
 H, HKV_DECODE, D = 32, 8, 128
-CONTENDERS = ("fivar_fa3", "fivar_fa3_planned", "fivar_triton")
+CONTENDERS = ("fivar_fa3", "fivar_fa3_planned", "fivar_triton", "stock_fa3")
 VARIANTS = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
 
 
@@ -79,6 +81,11 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton):
     if name in ("sliding_window", "softcap_sliding_window"):
         params["window"] = 1024
     fns = {"fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params)}
+    stock = stock_mapping(v, params)
+    if stock is not None:  # FlashInfer's built-in FA3 computing the same function (soft-cap, window)
+        import flashinfer
+        fns["stock_fa3"] = lambda: flashinfer.single_prefill_with_kv_cache(q, k, vv, causal=causal, backend="fa3",
+                                                                           **stock[0])
     if v.scans_mask:  # KV-range form: planned once (like Flex's block mask, built outside the timed call)
         indptr = torch.tensor([0, S], dtype=torch.int32, device="cuda")
         plan = v.plan_ragged(indptr, indptr, num_qo_heads=H, num_kv_heads=H, head_dim=D, causal=causal,
@@ -121,9 +128,12 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton):
     for n in CONTENDERS:
         if "flex" in t and n in t:
             row[f"{n}_vs_flex"] = t["flex"].median / t[n].median
+    if "stock_fa3" in t:
+        row["fivar_fa3_vs_stock_fa3"] = t["stock_fa3"].median / t["fivar_fa3"].median
     print(f"{name} S={S} causal={causal}: " + ", ".join(f"{n} {row['tflops'][n]:.0f} TF/s" for n in t) +
           "".join(f", {n}/flex {row[f'{n}_vs_flex']:.2f}x" for n in CONTENDERS
-                  if f"{n}_vs_flex" in row), flush=True)
+                  if f"{n}_vs_flex" in row) +
+          (f", fivar_fa3/stock_fa3 {row['fivar_fa3_vs_stock_fa3']:.3f}" if "stock_fa3" in t else ""), flush=True)
     return row
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|kvprofile|fusiontests|membound|compile|build-all|tests-all
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -43,6 +43,18 @@ kvranges)  # FA3's KV-range form (masks that are more than a band): its modules,
     | tee "$OUT/bench_kv_ranges.log" | grep -v "^CheckResult\|passed" | tail -12
   timeout 200 python3 benchmarks/profile_kv_ranges.py --json "$OUT/profile_kv_ranges.json" 2>&1 | quiet \
     | grep -A7 '"wall_us\|"checks\|row_runs' ;;
+window)  # masks that are exactly a window run as FA3's own sliding window: its modules and GPU tests, and the
+  # planned-ragged tests; then `windowbench`: the window variants vs stock FA3 and Flex, non-causal and causal
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --window --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
+  export FIVAR_TRITON_AUTOTUNE=0
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "(window_tile_skipping and not triton) or planned_ragged_without" 2>&1 | tee "$OUT/gpu_tests_window.log" | tail -8
+  ;;
+windowbench)  # after `window` on a warm machine
+  timeout 560 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
+    --variants ${VARIANTS:-softcap,sliding_window,softcap_sliding_window} --triton-seqlens 0 \
+    --json "$OUT/bench_window.json" 2>&1 | quiet | tee "$OUT/bench_window.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 kvprofile)  # FA3's KV-range form, kernel by kernel, next to stock FA3 (after kvranges on a warm machine)
   [ -d .gpu-jit ] || (python3 benchmarks/prewarm_gpu.py --kv-ranges 2>&1 | quiet | tail -2)
   timeout 300 python3 benchmarks/profile_kv_ranges.py --json "$OUT/profile_kv_ranges.json" 2>&1 | quiet | tail -60 ;;

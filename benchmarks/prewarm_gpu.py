@@ -48,12 +48,41 @@ def kv_range_set():
             for m in serving_modules(v, "batch_prefill", "fa3", dt, hd)]
 
 
+def window_set():
+    """FA3's own sliding window (masks that are exactly a window), the planned-ragged tests, the window
+    benchmark: FA3 single + batch prefill of the window variants and of softcap/alibi, FA2 batch prefill."""
+    mods = []
+    for name in ("softcap", "alibi", "sliding_window", "softcap_sliding_window"):
+        v = fivar.load(name)
+        mods += [gen_module(v, op="batch_prefill", target=t) for t in ("fa2", "fa3")]
+        mods.append(gen_module(v, op="single_prefill", target="fa3"))
+    return mods
+
+
+def stock_fa3_specs():
+    """Stock FA3 single prefill (bf16, hd128) with soft-cap, window, and both: the benchmark's yardsticks."""
+    import torch
+    from flashinfer.jit.attention.modules import gen_single_prefill_module
+    bf = torch.bfloat16
+    return [gen_single_prefill_module("fa3", bf, bf, bf, 128, 128, 0, window, softcap, False)
+            for window, softcap in ((False, True), (True, False), (True, True))]
+
+
 if __name__ == "__main__":
     import sys
     mods = (wanted() if "--all" in sys.argv else triton_agreement_set() if "--triton" in sys.argv
-            else kv_range_set() if "--kv-ranges" in sys.argv else bench_set())
+            else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
+            else bench_set())
     t0 = time.perf_counter()
+    stock = None
+    if "--stock" in sys.argv:  # FlashInfer's own ninja, alongside fivar's
+        import threading
+        from flashinfer.jit.core import build_jit_specs
+        stock = threading.Thread(target=build_jit_specs, args=(stock_fa3_specs(),))
+        stock.start()
     res = build_many(mods)
+    if stock is not None:
+        stock.join()
     kinds = [k for k, _ in res]
     print(f"prewarm: {len(mods)} modules ({kinds.count('cold')} compiled, {kinds.count('disk')} cached) "
           f"in {time.perf_counter() - t0:.0f} s")

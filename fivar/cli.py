@@ -112,9 +112,13 @@ def _tile_skipping(v) -> str:
                 "block and attends over the tiles between the first and last kept one; fa2 evaluates it on "
                 "every tile")
     how = "is exactly" if band.exact else "implies"
+    from .codegen.fa3 import runs_as_window
     fa3_part = (kv_ranges if v.scans_mask else
-                "fa3 builds with FlashInfer's sliding-window schedule (window_left from the band)"
-                if band.left is not None else "fa3 has no hook for a right-only band")
+                "fa3 runs it as FlashInfer's own sliding window (window_left from the band: only the window's "
+                "boundary tiles are masked, and the struct carries no mask)" if runs_as_window(v) else
+                "fa3 builds with FlashInfer's sliding-window schedule (window_left from the band) and masks "
+                "element-wise on every tile it visits" if band.left is not None else
+                "fa3 has no hook for a right-only band")
     return (f"KV tile skipping: the mask {how} the band {' and '.join(sides)}; {fa3_part}; triton bounds its "
             f"KV loop by it{'' if band.exact else ' and pre-scans the rest'}; fa2 masks element-wise "
             "(FlashInfer's FA2 kernels visit every tile)")

@@ -59,7 +59,7 @@ def test_window_tile_skipping(name, backend, qo_len, kv_len, causal, window):
     assert r.passed, r
 
 
-@pytest.mark.parametrize("window", [1, 100])
+@pytest.mark.parametrize("window", [0, 1, 100])
 @pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_tile_skipping_batch(paged, causal, window):
@@ -137,6 +137,32 @@ def test_fa3_kv_ranges_ragged_paged_and_planned(causal):
         assert r.passed, r
     with pytest.raises(fivar.FivarError, match="do not match the plan"):
         plan.run(q[:-1], k, vv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_planned_ragged_without_kv_ranges(causal, backend):
+    """`plan_ragged` for variants that run through one planned FlashInfer wrapper (no KV-range lowering):
+    logits only, a per-head tensor param, and a window FA3 applies itself (window 0 included: keys right of
+    the diagonal only). The plan is reused across runs and layers."""
+    from fivar.testing import _ragged_reference, compare, example_params
+    qo_lens, kv_lens = [700, 1, 300], [1500, 700, 300]
+    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32).cuda()
+    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32).cuda()
+    for name, extra in (("softcap", {}), ("alibi", {}), ("softcap_sliding_window", {"window": 200}),
+                        ("sliding_window", {"window": 0})):
+        v = fivar.load(name)
+        params = {**example_params(v, num_qo_heads=32, num_kv_heads=8, batch_size=3, max_len=1500, device="cuda"),
+                  **extra}
+        plan = v.plan_ragged(qo_indptr, kv_indptr, num_qo_heads=32, num_kv_heads=8, head_dim=128, causal=causal,
+                             backend=backend, **params)
+        assert plan._kv_ranges is None
+        for _ in range(2):  # two layers, fresh inputs, one plan
+            q = torch.randn(sum(qo_lens), 32, 128, dtype=torch.bfloat16, device="cuda")
+            k, vv = (torch.randn(sum(kv_lens), 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            ref = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, causal, params)
+            r = compare(name, f"{backend} planned ragged causal={causal}", plan.run(q, k, vv), ref, torch.bfloat16)
+            assert r.passed, r
 
 
 def test_auto_picks_fa3_on_hopper_and_fa2_for_decode():

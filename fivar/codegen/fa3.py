@@ -3,7 +3,8 @@
 Same IR, same emitter as FA2. Differences the FA3 interface imposes: the constructor takes the mainloop
 params and the block coordinate (lengths and the request index come from there: the hook's batch_idx is
 always 0), params live under `params.additional_params`, the softmax scale goes to the updater
-(`OnlineSoftmax`, or `DefaultUpdater` without softmax), and a mask becomes part of LogitsTransform.
+(`OnlineSoftmax`, or `DefaultUpdater` without softmax), and a mask becomes part of LogitsTransform, except
+a mask that is exactly a sliding window: FA3 masks that itself (`runs_as_window`).
 
 A mask that is more than a band (`variant.scans_mask`) gets a second form of the batch-prefill struct, the
 KV-range form (fivar.runtime.kv_ranges): each FA3 request is one query block over the keys its mask can
@@ -13,6 +14,7 @@ runtime flag there, since FA3's own causal rule would align the diagonal to the 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from .cuda import CppEmitter, Member, additional_params
@@ -28,6 +30,15 @@ def uses_kv_ranges(variant, op: str) -> bool:
     """Batch prefill of a mask that is more than a band is built in the KV-range form (single prefill of
     such a variant runs as a batch of one through it)."""
     return op == "batch_prefill" and variant.scans_mask
+
+
+def runs_as_window(variant) -> bool:
+    """True when the mask is exactly `kv_idx >= q_idx - left` (a sliding window, causal or not): FA3's own
+    sliding-window schedule then masks it, on the window's boundary tiles only, so the struct carries no
+    mask (fivar.runtime.attention passes `window_left = left`, negative values included: FA3's kernel
+    applies any value it is given once built with the window)."""
+    band = variant.kv_band
+    return variant.lowered.mask is not None and band.exact and band.left is not None and band.right is None
 
 
 def mask_modes(variant) -> list[str]:
@@ -50,6 +61,9 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> Va
     if kv_ranges:
         index_init["kv_idx"] = "int32_t(kv_idx) + fv_kv_offset"
     emit = CppEmitter(variant, param_ref, index_init=index_init)
+    as_window = not kv_ranges and runs_as_window(variant)
+    if as_window:
+        lowered = dataclasses.replace(lowered, mask=None)
     extra = [lowered.output_scale] if lowered.output_scale is not None else []
     members = emit.members(lowered, extra)
     # FA3 reads the request's lengths from the block coordinate; q_offset needs them in scope
@@ -91,7 +105,8 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> Va
     lines.append(f"return {value};")
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
-                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges)
+                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges,
+                    window=as_window)
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
                                                           extra_tensors=tables))

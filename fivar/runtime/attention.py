@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ..codegen import fa2
+from ..codegen import fa2, fa3
 from ..codegen.torch_ref import eval_scalar
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
@@ -49,7 +49,6 @@ def _check_backend(variant, backend: str, op: str = "single_prefill", device=Non
 
 
 def _codegen(target: str):
-    from ..codegen import fa3
     return fa3 if target == "fa3" else fa2
 
 
@@ -144,13 +143,17 @@ def _check_output_scale(variant, bound, sm_scale):
 def _window_left(variant, target: str, bound) -> int:
     """FlashInfer's `window_left` for a kernel fivar built with FA3's sliding-window schedule, else -1.
 
-    The band is implied by the mask, and the mask still runs on every visited tile, so the kernel's window
-    only has to be no tighter than the mask: a band reaching right of the diagonal is clamped to 0.
+    A mask that is exactly the window is FA3's own to apply (fa3.runs_as_window): window_left is then the
+    band's left edge exactly, negative ones included (keys right of the diagonal only; FlashInfer's -1 means
+    "no window" only to its Python wrappers, the kernel built with the window applies it as given). Otherwise
+    the mask still runs on every visited tile, so the window only has to be no tighter than the mask: a band
+    reaching right of the diagonal is clamped to 0. Keys and rows stay below 2**30, so clamping there is exact.
     """
     left = variant.kv_band.left
     if target != "fa3" or left is None or variant.scans_mask:  # the KV-range form skips through its ranges
         return -1
-    return min(max(int(_invariant(variant, left, bound)), 0), 1 << 30)
+    lowest = -(1 << 30) if fa3.runs_as_window(variant) else 0
+    return min(max(int(_invariant(variant, left, bound)), lowest), 1 << 30)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):

@@ -89,3 +89,42 @@ def test_band_is_implied_by_the_mask(mask):
 class _P:
     def __init__(self, scalars, doc):
         self.w, self.r, self.doc = scalars["w"], scalars["r"], doc.tolist()
+
+
+# FA3 runs a mask that is exactly a left band as its own sliding window, with no mask in the struct. The
+# kernel's rule (hopper/mainloop_mma.cuh, col_limit_left/right): keep kv_idx >= q + kv_len - qo_len -
+# window_left, and kv_idx <= q + kv_len - qo_len under causal. With the window_left fivar passes, that rule
+# must equal the mask for every param, empty and right-of-diagonal windows included.
+WINDOW_FORM = {m_window: True, m_flipped: True, m_shifted: True, m_two_windows: True, m_two_sided: False,
+               m_right_only: False, m_window_and_doc: False, m_doc: False}
+
+
+@pytest.mark.parametrize("mask", list(WINDOW_FORM), ids=lambda f: f.__name__)
+def test_fa3_window_form_is_the_mask(mask):
+    from fivar.codegen import fa3
+    from fivar.runtime.attention import _window_left
+    from fivar.runtime.params import bind_params
+    v = _variant(mask)
+    assert fa3.runs_as_window(v) == WINDOW_FORM[mask]
+    struct = fa3.variant_decl(v).source
+    assert ("fv_keep" in struct) != WINDOW_FORM[mask], "the struct masks exactly when FA3's window cannot"
+    if not WINDOW_FORM[mask]:
+        return
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        scalars = {"w": int(torch.randint(-6, 50, (), generator=gen)), "r": int(torch.randint(-6, 50, (), generator=gen))}
+        kv_len = int(torch.randint(1, 60, (), generator=gen))
+        qo_len = int(torch.randint(1, kv_len + 1, (), generator=gen))
+        doc = torch.zeros(kv_len, dtype=torch.int32)
+        bound = bind_params(v, {**scalars, "doc": doc}, num_qo_heads=1, num_kv_heads=1, batch_size=1, device="cpu")
+        window_left = _window_left(v, "fa3", bound)
+        q_pos = torch.arange(qo_len).view(-1, 1) + kv_len - qo_len
+        kv_idx = torch.arange(kv_len).view(1, -1)
+        truth = torch.tensor([[bool(mask(0, 0, 0, int(q), int(k), _P(scalars, doc))) for k in range(kv_len)]
+                              for q in q_pos.flatten()])
+        for causal in (False, True):
+            fa3_keeps = kv_idx >= q_pos - window_left
+            if causal:
+                fa3_keeps &= kv_idx <= q_pos
+            want = truth & (kv_idx <= q_pos) if causal else truth
+            assert torch.equal(fa3_keeps, want), (mask.__name__, scalars, qo_len, kv_len, causal, window_left)
