@@ -107,7 +107,10 @@ def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
                 qt, kt, vt, is_causal=p.causal).transpose(0, 1), "plain attention", checks_variant=False))
     elif p.op == "batch-prefill":
         q, k, v, ind = t["q"], t["k"], t["v"], t["indptr"]
-        out.append(Contender("fivar", lambda: variant.batch_prefill_ragged(q, k, v, ind, ind, causal=p.causal, **prm)))
+        # planned once like the stock wrapper below (and FA3's KV ranges, when the mask needs them)
+        plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
+                                   head_dim=p.head_dim, dtype=p.dtype, causal=p.causal, device=p.device, **prm)
+        out.append(Contender("fivar", lambda: plan.run(q, k, v), f"planned, {plan.target}"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.batch_prefill_ragged(q, k, v, ind, ind, causal=p.causal,
                                                                                 backend="triton", **prm)))
