@@ -77,6 +77,33 @@ t0 = time.perf_counter(); kind = m.build(); print(json.dumps({"kind": kind, "s":
 '''
 
 
+def flashinfer_customize_spec(v, fivar_uri: str, dtype: str, head_dim: int):
+    """FlashInfer's own JitSpec for fivar's FA2 variant declaration of `v` (single prefill): its
+    `gen_customize_single_prefill_module` path, every mask mode instantiated, URI `flashinfer_ref_<fivar uri>`."""
+    from flashinfer.jit import env as jit_env
+    from flashinfer.jit.attention.modules import gen_customize_single_prefill_module
+
+    from fivar.codegen import fa2
+    from fivar.jit import build as jb
+    from fivar.jit import toolchain
+    from fivar.paths import csrc_dir
+    decl = fa2.variant_decl(v)
+    tn, tt, sn, st = decl.additional
+    uri = f"flashinfer_ref_{fivar_uri}"
+    gen = jit_env.FLASHINFER_GEN_SRC_DIR / uri
+    gen.mkdir(parents=True, exist_ok=True)
+    header = (csrc_dir() / "fivar_ops.cuh").read_text()  # the decl's helper header; rewritten only when it
+    if not (gen / "fivar_ops.cuh").exists() or (gen / "fivar_ops.cuh").read_text() != header:  # differs (ninja
+        (gen / "fivar_ops.cuh").write_text(header)  # would rebuild on a newer mtime)
+    stub = toolchain.link_flags()  # only on a machine without libcuda (a CPU box)
+    if stub:
+        os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub)
+    dt = jb.DTYPES[dtype]
+    return gen_customize_single_prefill_module(
+        "fa2", uri, dt, dt, dt, head_dim, head_dim, list(tn), list(tt), list(sn), list(st),
+        fa2.struct_name(v), decl.source)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="softcap", help="variant for the single-module measurements "
@@ -104,7 +131,6 @@ def main() -> int:
     import torch
 
     import fivar
-    from fivar.jit import build as jb
     from fivar.jit import prewarm, toolchain
     from fivar.jit.build import build_many, gen_module
     jobs, jobs_why = prewarm.configure_jobs(args.jobs)
@@ -125,24 +151,7 @@ def main() -> int:
     # 1./2. cold compiles: fivar, then FlashInfer's own path for the same variant declaration
     fi_spec = None
     if not args.skip_flashinfer:
-        from flashinfer.jit import env as jit_env
-        from flashinfer.jit.attention.modules import gen_customize_single_prefill_module
-
-        from fivar.codegen import fa2
-        from fivar.paths import csrc_dir
-        decl = fa2.variant_decl(v)
-        tn, tt, sn, st = decl.additional
-        uri = f"flashinfer_ref_{m.uri}"
-        gen = jit_env.FLASHINFER_GEN_SRC_DIR / uri
-        gen.mkdir(parents=True, exist_ok=True)
-        shutil.copy(csrc_dir() / "fivar_ops.cuh", gen / "fivar_ops.cuh")  # the decl's helper header
-        stub = toolchain.link_flags()  # only on a machine without libcuda (a CPU box)
-        if stub:
-            os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub)
-        dt = jb.DTYPES[args.dtype]
-        fi_spec = gen_customize_single_prefill_module(
-            "fa2", uri, dt, dt, dt, args.head_dim, args.head_dim, list(tn), list(tt), list(sn), list(st),
-            fa2.struct_name(v), decl.source)
+        fi_spec = flashinfer_customize_spec(v, m.uri, args.dtype, args.head_dim)
         res["flashinfer_units"] = len(fi_spec.sources)
     res["fivar_units"] = sum(n.endswith(".cu") for n in m.sources)
     runs: dict[str, list] = {"fivar": [], "flashinfer": []}

@@ -6,9 +6,13 @@ toolchain (arch, FlashInfer, nvcc, torch), host and pid. `fivar cache ls|show|st
 
 Cost model, deliberately asymmetric:
 
-- `cold` and `disk` events are written at once, one short transaction each (WAL mode, a busy timeout, so
-  any number of processes can write at the same time; a writer waits for the lock instead of failing).
-  Their cost (about a millisecond) is noise next to a compile or a dlopen.
+- `cold` and `disk` build events are written at once, one short transaction each (WAL mode, a busy
+  timeout, so any number of processes can write at the same time; a writer waits for the lock instead of
+  failing). Their cost (1-2 ms in a fresh process) is noise next to a compile.
+- Load events (and their holder rows) are handed to a background writer thread instead: a fresh process
+  that loads a module from disk would otherwise spend as long on the transaction as on the dlopen. They
+  are written moments later; `flush()` (which every reader in `fivar cache` calls first, and atexit)
+  waits for them.
 - `memory` hits happen on every attention call (`module_for(...).load()`), so they never touch the
   database on the hot path: `memory_hit(uri)` only bumps a per-process counter (well under a microsecond).
   The counters are written as one aggregated row per URI (`kind='memory'`, `count=N`) when the process
@@ -25,6 +29,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import queue
 import socket
 import sqlite3
 import threading
@@ -119,16 +124,18 @@ def _insert(con, rows: list[tuple]) -> None:
         " arch, flashinfer, nvcc, torch, host, pid) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
 
 
-def record(module, kind: str, seconds: float, action: str = "build", holder: bool = False) -> None:
+def record(module, kind: str, seconds: float, action: str = "build", holder: bool = False,
+           background: bool = False) -> None:
     """Record one build or load (kind 'memory' is counted in process, see the module docstring)."""
     if kind == "memory":
         memory_hit(module)
         return
-    record_many([(module, kind, seconds)], action=action, holder=holder)
+    record_many([(module, kind, seconds)], action=action, holder=holder, background=background)
 
 
-def record_many(items: list[tuple], action: str = "build", holder: bool = False) -> None:
-    """Record (module, kind, seconds) triples in one transaction; never raises."""
+def record_many(items: list[tuple], action: str = "build", holder: bool = False, background: bool = False) -> None:
+    """Record (module, kind, seconds) triples in one transaction; never raises. `background`: hand the
+    transaction to the writer thread (see the module docstring) instead of waiting for it."""
     try:
         rows, now, tc, pid = [], time.time(), _toolchain(), os.getpid()
         for module, kind, seconds in items:
@@ -139,18 +146,58 @@ def record_many(items: list[tuple], action: str = "build", holder: bool = False)
                          tc["nvcc"], tc["torch"], HOST, pid))
         if not rows and not holder:
             return
+        holders = [(m.uri, HOST, pid, now) for m, _, _ in items] if holder else []
+        if background:
+            _submit(rows, holders)
+        else:
+            _write(rows, holders)
+    except Exception as e:  # noqa: BLE001 - records must never break a build
+        _warn("build/load event", e)
+
+
+def _write(rows: list[tuple], holders: list[tuple]) -> None:
+    try:
         con = connect()
         try:
             con.execute("BEGIN IMMEDIATE")
             _insert(con, rows)
-            if holder:
-                con.executemany("INSERT OR REPLACE INTO holders(uri, host, pid, time) VALUES (?,?,?,?)",
-                                [(m.uri, HOST, pid, now) for m, _, _ in items])
+            con.executemany("INSERT OR REPLACE INTO holders(uri, host, pid, time) VALUES (?,?,?,?)", holders)
             con.execute("COMMIT")
         finally:
             con.close()
-    except Exception as e:  # noqa: BLE001 - records must never break a build
+    except Exception as e:  # noqa: BLE001
         _warn("build/load event", e)
+
+
+_writes: queue.Queue = queue.Queue()
+_writer: threading.Thread | None = None
+
+
+def _write_loop(q: queue.Queue) -> None:
+    while True:
+        rows, holders = q.get()
+        try:
+            _write(rows, holders)
+        finally:
+            q.task_done()
+
+
+def _submit(rows: list[tuple], holders: list[tuple]) -> None:
+    global _writer
+    with _lock:
+        if _writer is None:
+            _writer = threading.Thread(target=_write_loop, args=(_writes,), name="fivar-records", daemon=True)
+            _writer.start()
+    _writes.put((rows, holders))
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no writer thread; what was queued at the fork is the parent's to write."""
+    global _writes, _writer, _lock
+    _writes, _writer, _lock = queue.Queue(), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def memory_hit(module) -> None:
@@ -170,8 +217,11 @@ def pending_memory_hits() -> dict[str, int]:
 
 
 def flush() -> None:
-    """Write the aggregated memory-hit counters (one row per URI) and reset them; never raises."""
+    """Write the aggregated memory-hit counters (one row per URI) and reset them, and wait for the writer
+    thread to finish what it was handed; never raises."""
     global _last_flush
+    if _writer is not None:
+        _writes.join()
     with _lock:
         _last_flush = time.monotonic()
         pending = [(uri, e[0], e[1], e[2]) for uri, e in _mem_hits.items() if e[0]]

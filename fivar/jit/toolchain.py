@@ -63,14 +63,20 @@ def arch_tag() -> str:
     return "_".join(f"{a}{b}" for a, b in sorted(current_compilation_context.TARGET_CUDA_ARCHS))
 
 
+@functools.cache
+def _libcuda_linkable() -> bool:
+    import ctypes.util  # find_library runs ldconfig and gcc (tens of ms): asked once per process, and last
+    return os.path.exists(os.path.join(cuda_home(), "lib64", "stubs", "libcuda.so")) or \
+        bool(ctypes.util.find_library("cuda"))
+
+
 def link_flags() -> list[str]:
     """On a machine with no CUDA driver (CI), link against an empty libcuda stub.
 
     The stub has the driver's soname, so a library linked here still binds the real driver where one
     exists; it only lets the linker finish so that builds can be checked without a GPU.
     """
-    import ctypes.util
-    if ctypes.util.find_library("cuda") or os.path.exists(os.path.join(cuda_home(), "lib64", "stubs", "libcuda.so")):
+    if _libcuda_linkable():
         return []
     from ..cache import cache_dir
     stub_dir = cache_dir() / "libcuda-stub"

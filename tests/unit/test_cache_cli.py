@@ -119,12 +119,40 @@ def test_ls_size_provenance_hits_and_staleness(iso):
     assert r.exit_code == 0 and "stale" in r.output and "3 module(s)" in r.output
 
 
+def test_background_load_records_are_written_by_flush_and_survive_fork(iso):
+    """Load events go through the writer thread: flush() waits for them; a forked child (no writer thread
+    of its own at the fork) records its loads too."""
+    _, _, vfile = iso
+    m = fake_built(module(vfile))
+    records.record_many([(m, "disk", 0.01)], action="load", holder=True, background=True)
+    pid = os.fork()
+    if pid == 0:  # child: its own load, then a flush (SIGALRM ends a child whose flush would hang)
+        import signal
+        signal.alarm(20)
+        code = 0
+        try:
+            records.record_many([(m, "disk", 0.03)], action="load", holder=True, background=True)
+            records.flush()
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    records.flush()
+    con = records.connect()
+    try:
+        rows = sorted(con.execute("SELECT pid, seconds FROM events WHERE uri=? AND action='load'", (m.uri,)))
+        holders = sorted(p for (p,) in con.execute("SELECT pid FROM holders WHERE uri=?", (m.uri,)))
+    finally:
+        con.close()
+    assert rows == sorted([(os.getpid(), 0.01), (pid, 0.03)]) and holders == sorted([os.getpid(), pid])
+
+
 def test_show_gives_manifest_files_and_events(iso):
     _, _, vfile = iso
     m = fake_built(module(vfile))
     records.record_many([(m, "cold", 42.0)])
-    records.record_many([(m, "disk", 0.02)], action="load", holder=True)
-    d = as_json("cache", "show", m.uri[:-6])  # a unique prefix is enough
+    records.record_many([(m, "disk", 0.02)], action="load", holder=True, background=True)  # as load() does
+    d = as_json("cache", "show", m.uri[:-6])  # a unique prefix is enough (and the reader waits for the writer)
     assert d["uri"] == m.uri and d["manifest"]["so_sha256"] == _sha256(m.library_path)
     assert [(e["action"], e["kind"]) for e in d["events"]] == [("load", "disk"), ("build", "cold")]
     assert d["live_holders"] == [os.getpid()]  # this process recorded a load and is alive
