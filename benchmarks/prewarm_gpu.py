@@ -74,15 +74,10 @@ if __name__ == "__main__":
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
             else bench_set())
     t0 = time.perf_counter()
-    stock = None
-    if "--stock" in sys.argv:  # FlashInfer's own ninja, alongside fivar's
-        import threading
-        from flashinfer.jit.core import build_jit_specs
-        stock = threading.Thread(target=build_jit_specs, args=(stock_fa3_specs(),))
-        stock.start()
     res = build_many(mods)
-    if stock is not None:
-        stock.join()
+    if "--stock" in sys.argv:  # then FlashInfer's own modules, in one ninja of their own (errors propagate)
+        from flashinfer.jit.core import build_jit_specs
+        build_jit_specs(stock_fa3_specs())
     kinds = [k for k, _ in res]
     print(f"prewarm: {len(mods)} modules ({kinds.count('cold')} compiled, {kinds.count('disk')} cached) "
           f"in {time.perf_counter() - t0:.0f} s")

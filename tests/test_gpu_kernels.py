@@ -44,8 +44,10 @@ def test_batch_prefill(name, backend, qo_lens, kv_lens, causal, paged):
 
 
 # Band skipping: FA3's sliding-window schedule and the Triton loop bounds skip KV tiles left of the
-# band read off the mask. Windows from empty (0) to wider than the sequence, aligned and not.
-WINDOWS = [0, 1, 37, 128, 700, 5000]
+# band read off the mask. Windows from empty (0) to wider than the sequence, aligned and not, and negative
+# ones (keys right of the diagonal only; none kept under causal): FA3 gets window_left = window - 1 as is,
+# which relies on FlashInfer's FA3 kernel treating -1 and below like any other window_left (0.7.x does).
+WINDOWS = [-5000, -37, -1, 0, 1, 37, 128, 700, 5000]
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -59,7 +61,7 @@ def test_window_tile_skipping(name, backend, qo_len, kv_len, causal, window):
     assert r.passed, r
 
 
-@pytest.mark.parametrize("window", [0, 1, 100])
+@pytest.mark.parametrize("window", [-37, 0, 1, 100])
 @pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_tile_skipping_batch(paged, causal, window):

@@ -43,6 +43,8 @@ def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
     name = variant.name
     if name == "softcap":
         return {"logits_soft_cap": float(params["softcap"])}, "stock logits_soft_cap"
+    if name in ("sliding_window", "softcap_sliding_window") and int(params["window"]) < 1:
+        return None  # FlashInfer's window_left = -1 means no window at all
     if name == "sliding_window":  # fivar keeps q - kv < window; FlashInfer keeps q - kv <= window_left
         return {"window_left": int(params["window"]) - 1}, "stock window_left"
     if name == "softcap_sliding_window":

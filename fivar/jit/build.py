@@ -549,11 +549,14 @@ def serving_op(variant, op: str, target: str) -> str:
 
 
 def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
-    """12 hex digits over every source (name and text), the flags, FlashInfer/nvcc versions and archs."""
+    """12 hex digits over every source (name and text), the flags, FlashInfer/nvcc versions and archs.
+
+    The target archs go in as FlashInfer's arch list, not the -gencode flags it derives from them: those
+    follow from the archs and the two versions, and deriving them runs nvcc in every fresh process."""
     h = hashlib.sha256()
     for name in sorted(sources):
         h.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
-    for item in (cuda_cflags, toolchain.arch_flags(), toolchain.flashinfer_version(), toolchain.nvcc_version(),
+    for item in (cuda_cflags, toolchain.arch_tag(), toolchain.flashinfer_version(), toolchain.nvcc_version(),
                  os.environ.get("FLASHINFER_JIT_DEBUG", ""), os.environ.get("FLASHINFER_JIT_LINEINFO", "")):
         h.update(repr(item).encode() + b"\0")
     return h.hexdigest()[:12]

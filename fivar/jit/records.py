@@ -10,9 +10,12 @@ Cost model, deliberately asymmetric:
   timeout, so any number of processes can write at the same time; a writer waits for the lock instead of
   failing). Their cost (1-2 ms in a fresh process) is noise next to a compile.
 - Load events (and their holder rows) are handed to a background writer thread instead: a fresh process
-  that loads a module from disk would otherwise spend as long on the transaction as on the dlopen. They
-  are written moments later; `flush()` (which every reader in `fivar cache` calls first, and atexit)
-  waits for them.
+  that loads a module from disk would otherwise spend longer on the transaction (3-7 ms) than on the
+  dlopen (about 1 ms). They are written moments later; `flush()` (which every reader in `fivar cache`
+  calls first, and atexit) waits for them. Another process's `fivar cache prune` cannot see a holder row
+  that is still queued: for those few milliseconds a prune could delete the files of a library that is
+  already mapped (harmless on Linux: the mapping stays valid; a later load rebuilds or re-imports).
+  A forked child writes synchronously (it may leave through os._exit, which skips atexit).
 - `memory` hits happen on every attention call (`module_for(...).load()`), so they never touch the
   database on the hot path: `memory_hit(uri)` only bumps a per-process counter (well under a microsecond).
   The counters are written as one aggregated row per URI (`kind='memory'`, `count=N`) when the process
@@ -147,57 +150,96 @@ def record_many(items: list[tuple], action: str = "build", holder: bool = False,
         if not rows and not holder:
             return
         holders = [(m.uri, HOST, pid, now) for m, _, _ in items] if holder else []
-        if background:
-            _submit(rows, holders)
-        else:
-            _write(rows, holders)
+        path = db_path()  # now: FIVAR_CACHE_DIR may change before the writer thread gets to it
+        if background and _submit(rows, holders, path):
+            return
+        _write(rows, holders, path)
     except Exception as e:  # noqa: BLE001 - records must never break a build
         _warn("build/load event", e)
 
 
-def _write(rows: list[tuple], holders: list[tuple]) -> None:
+#: Held around every transaction this process makes, and across fork(): a child must not inherit SQLite's
+#: internal locks taken by the writer thread mid-transaction.
+_db_lock = threading.Lock()
+_writes: queue.Queue = queue.Queue()
+_writer: threading.Thread | None = None
+#: A forked child writes at once: it may end in os._exit (multiprocessing does), which skips atexit.
+_sync_only = False
+WRITER_WAIT_S = 60.0
+
+
+def _write(rows: list[tuple], holders: list[tuple], path: Path | None = None) -> None:
     try:
-        con = connect()
-        try:
-            con.execute("BEGIN IMMEDIATE")
-            _insert(con, rows)
-            con.executemany("INSERT OR REPLACE INTO holders(uri, host, pid, time) VALUES (?,?,?,?)", holders)
-            con.execute("COMMIT")
-        finally:
-            con.close()
+        with _db_lock:
+            con = connect(path)
+            try:
+                con.execute("BEGIN IMMEDIATE")
+                _insert(con, rows)
+                con.executemany("INSERT OR REPLACE INTO holders(uri, host, pid, time) VALUES (?,?,?,?)", holders)
+                con.execute("COMMIT")
+            finally:
+                con.close()
     except Exception as e:  # noqa: BLE001
         _warn("build/load event", e)
 
 
-_writes: queue.Queue = queue.Queue()
-_writer: threading.Thread | None = None
-
-
 def _write_loop(q: queue.Queue) -> None:
     while True:
-        rows, holders = q.get()
+        item = q.get()
         try:
-            _write(rows, holders)
+            _write(*item)
         finally:
             q.task_done()
 
 
-def _submit(rows: list[tuple], holders: list[tuple]) -> None:
+def _submit(rows: list[tuple], holders: list[tuple], path: Path) -> bool:
+    """Queue a transaction for the writer thread (started on first use). False: write it yourself."""
     global _writer
+    if _sync_only:
+        return False
     with _lock:
         if _writer is None:
-            _writer = threading.Thread(target=_write_loop, args=(_writes,), name="fivar-records", daemon=True)
-            _writer.start()
-    _writes.put((rows, holders))
+            t = threading.Thread(target=_write_loop, args=(_writes,), name="fivar-records", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # no threads left, or the interpreter is shutting down
+                return False
+            _writer = t
+    _writes.put((rows, holders, path))
+    return True
+
+
+def _wait_for_writer(timeout: float = WRITER_WAIT_S) -> None:
+    q = _writes
+    deadline = time.monotonic() + timeout
+    with q.all_tasks_done:
+        while q.unfinished_tasks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _warn("load events", TimeoutError(f"{q.unfinished_tasks} still queued after {timeout:.0f} s"))
+                return
+            q.all_tasks_done.wait(left)
+
+
+def _before_fork() -> None:
+    _db_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _db_lock.release()
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has no writer thread; what was queued at the fork is the parent's to write."""
-    global _writes, _writer, _lock
-    _writes, _writer, _lock = queue.Queue(), None, threading.Lock()
+    """No writer thread survives a fork: start over, write synchronously from now on, and leave what was
+    queued, and the memory-hit counts so far, to the parent."""
+    global _writes, _writer, _lock, _db_lock, _sync_only
+    _writes, _writer, _lock, _db_lock, _sync_only = queue.Queue(), None, threading.Lock(), threading.Lock(), True
+    for entry in _mem_hits.values():
+        entry[0] = 0
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def memory_hit(module) -> None:
@@ -221,7 +263,7 @@ def flush() -> None:
     thread to finish what it was handed; never raises."""
     global _last_flush
     if _writer is not None:
-        _writes.join()
+        _wait_for_writer()
     with _lock:
         _last_flush = time.monotonic()
         pending = [(uri, e[0], e[1], e[2]) for uri, e in _mem_hits.items() if e[0]]
@@ -234,15 +276,10 @@ def flush() -> None:
         wall = time.time() - time.monotonic()  # monotonic -> wall clock
         rows = [(mono + wall, "load", *fields, "memory", count, 0.0, tc["arch"], tc["flashinfer"], tc["nvcc"],
                  tc["torch"], HOST, pid) for uri, count, mono, fields in pending]
-        con = connect()
-        try:
-            con.execute("BEGIN IMMEDIATE")
-            _insert(con, rows)
-            con.execute("COMMIT")
-        finally:
-            con.close()
     except Exception as e:  # noqa: BLE001
         _warn("memory-hit counters", e)
+        return
+    _write(rows, [])
 
 
 atexit.register(flush)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -36,26 +37,58 @@ def cuda_home() -> str:
 
 @functools.lru_cache(maxsize=None)
 def nvcc_version() -> str:
+    """nvcc's version (part of every module's content hash). Running `nvcc --version` costs 3-12 ms, in
+    every fresh process that renders a module, so the answer is kept on disk per nvcc binary (its real
+    path, size and mtime: a replaced or upgraded nvcc is asked again)."""
     nvcc = os.path.join(cuda_home(), "bin", "nvcc")
     if not os.path.exists(nvcc):
         nvcc = shutil.which("nvcc") or nvcc
+    try:
+        st = os.stat(nvcc)
+        key = f"{os.path.realpath(nvcc)}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        key = None
+    known = _nvcc_versions()
+    if key in known:
+        return known[key]
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         raise FivarError(f"nvcc was not found (looked for {nvcc}); set CUDA_HOME to the CUDA toolkit, "
                          "e.g. CUDA_HOME=/usr/local/cuda") from None
     m = re.search(r"release ([\d.]+), V([\d.]+)", out)
-    return m.group(2) if m else out.strip().splitlines()[-1]
+    version = m.group(2) if m else out.strip().splitlines()[-1]
+    if key is not None and m:
+        _remember_nvcc_version(key, version)
+    return version
+
+
+def _nvcc_versions_file():
+    from ..cache import cache_dir
+    return cache_dir() / "nvcc_versions.json"
+
+
+def _nvcc_versions() -> dict:
+    try:
+        return json.loads(_nvcc_versions_file().read_text())
+    except (OSError, ValueError, FivarError):
+        return {}
+
+
+def _remember_nvcc_version(key: str, version: str) -> None:
+    try:
+        path = _nvcc_versions_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({**_nvcc_versions(), key: version}))
+        os.replace(tmp, path)
+    except (OSError, FivarError):
+        pass  # only a cache
 
 
 def flashinfer_version() -> str:
     import flashinfer
     return flashinfer.__version__
-
-
-def arch_flags() -> list[str]:
-    from flashinfer.jit.core import current_compilation_context
-    return sorted(current_compilation_context.get_nvcc_flags_list())
 
 
 def arch_tag() -> str:
