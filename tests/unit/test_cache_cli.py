@@ -363,3 +363,29 @@ def test_launcher_lands_in_build_ninja(iso, tmp_path, monkeypatch):
     assert module(vfile).uri == m.uri  # a launcher does not change what is built
     r = invoke("build", "cachev", "--launcher", "no-such-launcher-xyz")
     assert r.exit_code == 1 and "no-such-launcher-xyz" in r.output and "not found" in r.output
+
+
+def test_nvcc_version_is_cached_per_binary_and_asked_again_when_nvcc_changes(tmp_path, monkeypatch):
+    """The nvcc version goes into every URI; fivar keeps it on disk so a fresh process does not run nvcc,
+    but a replaced nvcc (another size or mtime) must be asked again, or a stale library would load."""
+    home, calls = tmp_path / "cuda", tmp_path / "calls"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+
+    def install(version: str, mtime_ns: int):
+        nvcc.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'Cuda compilation tools, release 13.0, V{version}'\n")
+        nvcc.chmod(0o755)
+        os.utime(nvcc, ns=(mtime_ns, mtime_ns))
+
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path / "fivar"))
+    ask = lambda: (toolchain.nvcc_version.cache_clear(), toolchain.nvcc_version())[1]  # noqa: E731
+    runs = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0  # noqa: E731
+    try:
+        install("13.0.88", 1_000_000_000_000_000_000)
+        assert ask() == "13.0.88" and runs() == 1
+        assert ask() == "13.0.88" and runs() == 1  # a "fresh process": answered from disk
+        install("13.1.05", 1_000_000_000_500_000_000)  # an upgrade in place: same size, new mtime
+        assert ask() == "13.1.05" and runs() == 2
+    finally:
+        toolchain.nvcc_version.cache_clear()
