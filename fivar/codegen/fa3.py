@@ -73,11 +73,11 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> Va
     if kv_ranges:
         if not any(m.name == "fv_q_offset" for m in members):
             members.insert(0, Member("int32_t", "fv_q_offset", block(1)))
-        extra = ([Member("const int32_t*", "fv_runs", f"{param_ref(ROW_RUNS)} + {block(3)} + {block(4)} * "
-                                                       "int32_t(qo_head_idx)")] if row_runs else
-                 [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
+        keys = ([Member("const int32_t*", "fv_runs", f"{param_ref(ROW_RUNS)} + {block(3)} + {block(4)} * "
+                                                      "int32_t(qo_head_idx)")] if row_runs else
+                [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
         causal = [] if row_runs else [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
-        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *extra, *causal]
+        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *keys, *causal]
     if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
