@@ -11,6 +11,10 @@
 3. batch decode, paged (page 16), batch 128 x kv 8192, GQA 32/8: fivar softcap vs stock
    BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (target >= 0.95x), KV-read TB/s.
 Every contender is checked against another (stock or the reference) before it is timed.
+
+`--exp2-splits 0,3,4,6` adds, in part 2, one FA3 contender per split `fivar_fa3_exp2_K`: K of every 8 score
+columns compute the softmax's exp2 on the FMA pipe (FIVAR_FA3_EXP2_EMULATION, fivar/codegen/fa3.py; 0 is
+FlashInfer's own OnlineSoftmax), all built first in one parallel ninja: how EXP2_EMULATED_OF_8 was chosen.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import fivar
 from fivar.bench.contenders import stock_mapping
 from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved
+from fivar.codegen.fa3 import exp2_split
 from fivar.testing import compare, example_params
 
 H, HKV_DECODE, D = 32, 8, 128
@@ -62,18 +67,38 @@ def bench_softcap_vs_stock(seqlens, rounds):
     return rows
 
 
-def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=(), on_row=None):
+def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=(), on_row=None, exp2_splits=()):
     rows = []
     for S in seqlens:
         for causal in causals:
             for name in variants:
-                rows.append(_variant_vs_flex(name, S, causal, rounds, with_triton=S in triton_seqlens))
+                rows.append(_variant_vs_flex(name, S, causal, rounds, with_triton=S in triton_seqlens,
+                                             exp2_splits=exp2_splits))
                 if on_row:
                     on_row(rows)
     return rows
 
 
-def _variant_vs_flex(name, S, causal, rounds, with_triton):
+def _with_exp2_split(k, fn):
+    def call():
+        with exp2_split(k):
+            return fn()
+    return call
+
+
+def build_exp2_splits(variants, splits):
+    """The FA3 single-prefill modules of every split, in one parallel ninja."""
+    from fivar.jit.build import build_many, gen_module
+    mods = []
+    for k in splits:
+        with exp2_split(k):
+            mods += [gen_module(fivar.load(n), op="single_prefill", target="fa3") for n in variants]
+    t0 = time.perf_counter()
+    build_many(mods)
+    print(f"built {len(mods)} exp2-split modules in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _variant_vs_flex(name, S, causal, rounds, with_triton, exp2_splits=()):
     from fivar.flex import flex_attention_fn
     v = fivar.load(name)
     q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
@@ -81,6 +106,9 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton):
     if name in ("sliding_window", "softcap_sliding_window"):
         params["window"] = 1024
     fns = {"fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params)}
+    for split in exp2_splits:
+        fns[f"fivar_fa3_exp2_{split}"] = _with_exp2_split(
+            split, lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params))
     stock = stock_mapping(v, params)
     if stock is not None:  # FlashInfer's built-in FA3 computing the same function (soft-cap, window)
         import flashinfer
@@ -125,14 +153,15 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton):
         from fivar.jit.triton_module import load_triton_module
         best = getattr(load_triton_module(v).prefill_kernel, "best_config", None)
         row["triton_config"] = str(best)
-    for n in CONTENDERS:
+    for n in (*CONTENDERS, *(f"fivar_fa3_exp2_{k}" for k in exp2_splits)):
         if "flex" in t and n in t:
             row[f"{n}_vs_flex"] = t["flex"].median / t[n].median
+        if "stock_fa3" in t and n.startswith("fivar_fa3_exp2") and n in t:
+            row[f"{n}_vs_stock_fa3"] = t["stock_fa3"].median / t[n].median
     if "stock_fa3" in t:
         row["fivar_fa3_vs_stock_fa3"] = t["stock_fa3"].median / t["fivar_fa3"].median
     print(f"{name} S={S} causal={causal}: " + ", ".join(f"{n} {row['tflops'][n]:.0f} TF/s" for n in t) +
-          "".join(f", {n}/flex {row[f'{n}_vs_flex']:.2f}x" for n in CONTENDERS
-                  if f"{n}_vs_flex" in row) +
+          "".join(f", {n}/flex {row[f'{n}_vs_flex']:.2f}x" for n in t if f"{n}_vs_flex" in row) +
           (f", fivar_fa3/stock_fa3 {row['fivar_fa3_vs_stock_fa3']:.3f}" if "stock_fa3" in t else ""), flush=True)
     return row
 
@@ -218,6 +247,7 @@ def main():
     ap.add_argument("--flex-causal", default="0,1", help="0 = non-causal, 1 = causal")
     ap.add_argument("--triton-seqlens", default="8192", help="flex sizes where the Triton twin is timed too")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--exp2-splits", default="", help="e.g. 0,3,4,6: FA3 contenders per exp2 split (see top)")
     args = ap.parse_args()
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
     rounds = 2 if args.quick else 4
@@ -232,12 +262,16 @@ def main():
 
     if "softcap" in parts:
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
+    exp2_splits = _ints(args.exp2_splits)
+    if exp2_splits and "flex" in parts:
+        build_exp2_splits(args.variants.split(","), exp2_splits)
     if "flex" in parts:
         def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
             out["variants_vs_flex"] = rows
             write(out)
         bench_variants_vs_flex(_ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds,
-                               args.variants.split(","), _ints(args.triton_seqlens), on_row=save)
+                               args.variants.split(","), _ints(args.triton_seqlens), on_row=save,
+                               exp2_splits=exp2_splits)
     if "decode" in parts:
         out["decode"] = bench_decode(rounds)
     write(out)

@@ -15,6 +15,10 @@ def wanted():
         v = fivar.load(name)
         mods += [gen_module(v, op=op, target="fa2") for op in ("single_prefill", "batch_prefill", "batch_decode")]
         mods += [m for op in ("single_prefill", "batch_prefill") for m in serving_modules(v, op, "fa3")]
+    from fivar.codegen.fa3 import exp2_split
+    for k in (0, 8):  # tests/test_gpu_kernels.py::test_fa3_exp2_split_extremes
+        with exp2_split(k):
+            mods.append(gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3"))
     for name in ("softcap", "alibi", "document_mask"):
         v = fivar.load(name)
         for target in ("fa2", "fa3") if name in ("softcap", "document_mask") else ("fa2",):
@@ -59,6 +63,21 @@ def window_set():
     return mods
 
 
+EXP2_SPLITS = (0, 3, 4, 5, 6)
+
+
+def exp2_split_set():
+    """FA3 single prefill of the soft-capped variants at every exp2 split the benchmark compares (bench_fa3.py
+    --exp2-splits), and the split-extremes GPU test's modules."""
+    from fivar.codegen.fa3 import exp2_split
+    mods = []
+    for k in sorted({*EXP2_SPLITS, 8}):
+        with exp2_split(k):
+            names = ("softcap", "softcap_sliding_window") if k in EXP2_SPLITS else ("softcap_sliding_window",)
+            mods += [gen_module(fivar.load(n), op="single_prefill", target="fa3") for n in names]
+    return mods
+
+
 def stock_fa3_specs():
     """Stock FA3 single prefill (bf16, hd128) with soft-cap, window, and both: the benchmark's yardsticks."""
     import torch
@@ -72,6 +91,7 @@ if __name__ == "__main__":
     import sys
     mods = (wanted() if "--all" in sys.argv else triton_agreement_set() if "--triton" in sys.argv
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
+            else exp2_split_set() if "--exp2" in sys.argv
             else bench_set())
     t0 = time.perf_counter()
     res = build_many(mods)

@@ -4,6 +4,7 @@ import torch
 
 import fivar
 from fivar import AttentionVariant
+from fivar.codegen.fa3 import exp2_split
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
                            check_single_prefill)
 
@@ -67,6 +68,17 @@ def test_window_tile_skipping(name, backend, qo_len, kv_len, causal, window):
 def test_window_tile_skipping_batch(paged, causal, window):
     r = check_batch_prefill(fivar.load("sliding_window"), qo_lens=[300, 1, 700], kv_lens=[900, 250, 700],
                             paged=paged, causal=causal, backend="fa3", params={"window": window})
+    assert r.passed, r
+
+
+# FA3's softmax with none and with every one of its exp2s on the FMA pipe (fivar_fa3_softmax.cuh; the default
+# split lies between): the reference's results, rows with no kept key included (window -37: the last 37 rows).
+@pytest.mark.parametrize("split", [0, 8])
+@pytest.mark.parametrize("window,causal", [(100, False), (100, True), (-37, False)])
+def test_fa3_exp2_split_extremes(split, window, causal):
+    with exp2_split(split):
+        r = check_single_prefill(fivar.load("softcap_sliding_window"), qo_len=1000, kv_len=1000, causal=causal,
+                                 backend="fa3", params={"window": window})
     assert r.passed, r
 
 

@@ -14,8 +14,12 @@ runtime flag there, since FA3's own causal rule would align the diagonal to the 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+
+from ..errors import FivarError
+from ..spec import ir
 
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
@@ -39,6 +43,61 @@ def runs_as_window(variant) -> bool:
     applies any value it is given once built with the window)."""
     band = variant.kv_band
     return variant.lowered.mask is not None and band.exact and band.left is not None and band.right is None
+
+
+#: MUFU ops per call of a function in the emitted code (sigmoid: an exp and a reciprocal).
+_MUFU_OPS = {"tanh": 1, "exp": 1, "exp2": 1, "log": 1, "sqrt": 1, "sigmoid": 2}
+#: Of every 8 score columns, how many compute their softmax exp2 on the FMA pipe when the logits transform
+#: itself needs the MUFU pipe (tuned on an H200 with soft-capping: benchmarks/tune_fa3_exp2.py).
+EXP2_EMULATED_OF_8 = 4
+EXP2_EMULATION_ENV = "FIVAR_FA3_EXP2_EMULATION"
+
+
+def mufu_ops_per_score(variant) -> int:
+    """MUFU (special function unit) ops the logits transform and mask cost per score, hoisted values aside:
+    transcendental calls and divisions by a non-constant."""
+    lowered, count = variant.lowered, 0
+    for prog in (lowered.logits, lowered.mask):
+        if prog is None:
+            continue
+        for expr in [e for _, e in prog.lets] + [prog.result]:
+            for node in ir.walk(expr):
+                if isinstance(node, ir.Call):
+                    count += _MUFU_OPS.get(node.fn, 0)
+                elif isinstance(node, ir.Binary) and node.op == "div" and not isinstance(node.b, ir.Const):
+                    count += 1
+    return count
+
+
+def exp2_emulated_of_8(variant) -> int:
+    """How many of every 8 score columns take fivar::exp2_fma instead of the MUFU exp2 (csrc/fivar_fa3_softmax.cuh):
+    0 for a variant without softmax or whose logits transform needs no MUFU op (the softmax's exp2 alone does not
+    keep the MUFU pipe longer than the wgmmas), else EXP2_EMULATED_OF_8. FIVAR_FA3_EXP2_EMULATION=0..8 overrides
+    it for every softmax variant (it changes the generated source, so the module URI)."""
+    if not variant.softmax:
+        return 0
+    override = os.environ.get(EXP2_EMULATION_ENV, "").strip()
+    if override:
+        if not override.isdigit() or int(override) > 8:
+            raise FivarError(f"{EXP2_EMULATION_ENV}={override!r}: expected an integer from 0 to 8 (how many of "
+                             "every 8 score columns compute exp2 on the FMA pipe)")
+        return int(override)
+    return EXP2_EMULATED_OF_8 if mufu_ops_per_score(variant) else 0
+
+
+@contextlib.contextmanager
+def exp2_split(k: int):
+    """Generate (and, through fivar's module memo, run) FA3 modules with k of every 8 exp2 columns on the FMA
+    pipe while inside: for benchmarks and tests that compare splits in one process."""
+    before = os.environ.get(EXP2_EMULATION_ENV)
+    os.environ[EXP2_EMULATION_ENV] = str(k)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(EXP2_EMULATION_ENV, None)
+        else:
+            os.environ[EXP2_EMULATION_ENV] = before
 
 
 def mask_modes(variant) -> list[str]:
@@ -106,7 +165,7 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> Va
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
                     members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges,
-                    window=as_window)
+                    window=as_window, exp2_emulated_of_8=exp2_emulated_of_8(variant))
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
                                                           extra_tensors=tables))

@@ -45,6 +45,9 @@ _FA2_LAYOUT = {
                      ["batch_decode.cu", "batch_decode_jit_binding.cu"], "batch_decode_config.inc"),
 }
 
+#: fivar's own headers a generated module includes, copied into its sources (so hashed into its URI).
+_FIVAR_HEADERS = {"fa2": ("fivar_ops.cuh",), "fa3": ("fivar_ops.cuh", "fivar_fa3_softmax.cuh")}
+
 #: FA3 (Hopper): single and batch prefill only; decode stays on FA2's decode kernel (FlashInfer has no FA3 one).
 _FA3_LAYOUT = {
     "single_prefill": ("single_prefill_sm90_customize_config.jinja", ["single_prefill_sm90_kernel_inst.jinja"],
@@ -498,7 +501,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     config_t, inst_ts, host_files, config_name = (_FA3_LAYOUT if target == "fa3" else _FA2_LAYOUT)[op]
     config = _render_flashinfer(config_t, **kwargs)
     sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
-               "fivar_ops.cuh": (csrc_dir() / "fivar_ops.cuh").read_text()}
+               **{h: (csrc_dir() / h).read_text() for h in _FIVAR_HEADERS[target]}}
     has_mask_dispatch = op != "batch_decode"
     split = _fa2_tile_split(op, variant, kwargs) if target == "fa2" and split_cta_tiles else None
     host_includes: tuple[str, ...] = ()
@@ -564,7 +567,8 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
-    key = (id(variant), op, target, dtype, head_dim, os.environ.get("FIVAR_SPLIT_CTA_TILES", "0"), row_runs)
+    knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", "FIVAR_FA3_EXP2_EMULATION"))
+    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs))

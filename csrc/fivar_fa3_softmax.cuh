@@ -1,0 +1,62 @@
+// FA3's online softmax with part of its exp2s moved off the MUFU pipe.
+//
+// A Hopper SM quadrant issues one MUFU op per 8 cycles per warp (16 lanes per SM) against one FMA-pipe op per
+// cycle. A plain softmax spends one MUFU op per score (exp2); a logits transform that itself needs MUFU (tanh
+// for soft-capping, exp for sigmoid) doubles that, and the MUFU pipe then takes as long per tile as the two
+// wgmmas, so the softmax no longer hides behind them. Computing 2^x for some of the score columns with
+// fivar::exp2_fma (8 FMA/ALU ops, no MUFU) balances the two pipes. Which columns is a compile-time choice per
+// unrolled column, so no branch is taken at run time.
+//
+// The row max, the rescale of the running sum and output, finalize and the LSE are FlashInfer's OnlineSoftmax.
+#pragma once
+#include "fivar_ops.cuh"
+
+namespace fivar {
+
+template <int NUM_ROWS_PER_THREAD, int EMULATED_OF_8>
+struct Fa3OnlineSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true> {
+  using Base = flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true>;
+  static_assert(EMULATED_OF_8 >= 0 && EMULATED_OF_8 <= 8, "emulate 0 to 8 of every 8 columns");
+
+  CUTLASS_DEVICE Fa3OnlineSoftmax(float sm_scale_log2) : Base(sm_scale_log2) {}
+
+  template <typename Tensor0, typename Tensor1>
+  __forceinline__ __device__ void exp2_rows(Tensor0& scores, const Tensor1& row_max) {
+#pragma unroll
+    for (int mi = 0; mi < cute::size<0>(scores); ++mi) {
+      // a fully masked row (max -inf) gives exp2(-inf) = 0, as in FlashInfer's scale_apply_exp2
+      const float max_scaled =
+          ::fmaxf(row_max(mi) * this->sm_scale_log2, -cuda::std::numeric_limits<float>::max());
+#pragma unroll
+      for (int ni = 0; ni < cute::size<1>(scores); ++ni) {
+        const float x = scores(mi, ni) * this->sm_scale_log2 - max_scaled;
+        scores(mi, ni) = (ni % 8) < EMULATED_OF_8 ? exp2_fma(x) : exp2f(x);
+      }
+    }
+  }
+
+  template <bool init, typename Tensor0>
+  __forceinline__ __device__ void update(Tensor0& acc_s) {
+    auto scores = cute::make_tensor(acc_s.data(), flashinfer::convert_layout_acc_rowcol(acc_s.layout()));
+    static_assert(decltype(cute::size<0>(scores))::value == NUM_ROWS_PER_THREAD);
+    if constexpr (init) {
+      flashinfer::reduce_max</*init=*/true>(scores, this->row_max);
+      exp2_rows(scores, this->row_max);
+      flashinfer::reduce_sum</*init=*/true, /*warp_reduce=*/false>(scores, this->row_sum);
+    } else {
+      auto previous_max = cute::make_fragment_like(this->row_max);
+      cute::copy(this->row_max, previous_max);
+      flashinfer::reduce_max</*init=*/false>(scores, this->row_max);
+#pragma unroll
+      for (int mi = 0; mi < cute::size(this->row_max); ++mi) {
+        const float current = ::fmaxf(this->row_max(mi), -cuda::std::numeric_limits<float>::max());
+        this->scores_scale(mi) = exp2f((previous_max(mi) - current) * this->sm_scale_log2);
+        this->row_sum(mi) *= this->scores_scale(mi);
+      }
+      exp2_rows(scores, this->row_max);
+      flashinfer::reduce_sum</*init=*/false, /*warp_reduce=*/false>(scores, this->row_sum);
+    }
+  }
+};
+
+}  // namespace fivar

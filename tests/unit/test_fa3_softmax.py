@@ -1,0 +1,108 @@
+"""FA3's softmax with part of its exp2s on the FMA pipe (csrc/fivar_fa3_softmax.cuh, fivar.codegen.fa3):
+fivar::exp2_fma against float64 exp2 (compiled for the host with g++), and which variants get it."""
+import math
+import random
+import shutil
+import struct
+import subprocess
+
+import pytest
+
+import fivar
+from fivar import AttentionVariant, Scalar, tanh
+from fivar.codegen import fa3
+from fivar.paths import csrc_dir
+
+HARNESS = r"""
+#include <cstdio>
+#include "fivar_ops.cuh"
+int main() {
+  float x;
+  while (std::scanf("%f", &x) == 1) std::printf("%.9g\n", fivar::exp2_fma(x));
+}
+"""
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@pytest.fixture(scope="module")
+def exp2_fma(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    d = tmp_path_factory.mktemp("exp2")
+    (d / "h.cpp").write_text(HARNESS)
+    subprocess.run(["g++", "-std=c++17", "-O2", "-I", str(csrc_dir()), "-o", str(d / "h"), str(d / "h.cpp")],
+                   check=True, capture_output=True, text=True)
+
+    def run(xs):
+        out = subprocess.run([str(d / "h")], input="\n".join(repr(float(x)) for x in xs), check=True,
+                             capture_output=True, text=True).stdout
+        return [float(v) for v in out.split()]
+    return run
+
+
+def test_exp2_fma_relative_error_over_the_softmax_range(exp2_fma):
+    r = random.Random()
+    xs = [-r.uniform(0, 126) for _ in range(20000)]
+    xs += [-r.uniform(0, 1e-3) for _ in range(200)]                       # next to the row max
+    xs += [h - 0.5 + d for h in range(-125, 1) for d in (-1e-5, 0.0, 1e-5)]  # where round(x) steps
+    xs += [0.0, -0.0]
+    for x, y in zip(xs, exp2_fma(xs)):
+        want = 2.0 ** _f32(x)  # the harness reads x as a float
+        assert abs(y - want) <= 1.05e-4 * want, (x, y, want)
+
+
+def test_exp2_fma_underflows_to_exactly_zero(exp2_fma):
+    """x <= -127 (a masked score: -inf minus the row max) gives 0, so a fully masked row sums to 0; between -127
+    and -126 the result is below the smallest normal float (flushed to zero by the kernel's fast math)."""
+    xs = [-math.inf, -1e30, -1000.0, -127.0, -127.0 - 1e-4] + [-r for r in (126.01, 126.5, 126.99)]
+    ys = exp2_fma(xs)
+    assert ys[:5] == [0.0] * 5, ys
+    assert all(0.0 <= y < 2.0 ** -126 for y in ys[5:]), ys
+
+
+def _struct(v):
+    return fa3.variant_decl(v).source
+
+
+def test_softmax_variants_with_mufu_in_their_transform_split_the_exp2(monkeypatch):
+    monkeypatch.delenv(fa3.EXP2_EMULATION_ENV, raising=False)
+    softcap = fivar.load("softcap")
+    assert fa3.mufu_ops_per_score(softcap) == 1
+    k = fa3.EXP2_EMULATED_OF_8
+    assert 0 < k <= 8
+    src = _struct(softcap)
+    assert f"fivar::Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {k}>(sm_scale_log2)" in src
+    assert '#include "fivar_fa3_softmax.cuh"' in src
+    for name in ("alibi", "relative_bias", "sliding_window"):  # no MUFU op per score: FlashInfer's own softmax
+        v = fivar.load(name)
+        assert fa3.mufu_ops_per_score(v) == 0, name
+        src = _struct(v)
+        assert "flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true>" in src, name
+        assert "fivar_fa3_softmax.cuh" not in src, name
+    sigmoid = fivar.load("sigmoid")  # no softmax at all
+    assert fa3.exp2_emulated_of_8(sigmoid) == 0 and "DefaultUpdater" in _struct(sigmoid)
+
+
+def test_mufu_count_sees_divisions_and_transcendentals_per_score_only():
+    def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+        # a division by the per-score value costs a reciprocal; the per-block tanh(params.a) is hoisted
+        return tanh(params.a) * score / (1.0 + kv_idx * params.a)
+    v = AttentionVariant(name="div_by_key", logits=logits, params={"a": Scalar(float, default=0.5)})
+    assert fa3.mufu_ops_per_score(v) == 1
+    assert fa3.exp2_emulated_of_8(v) == fa3.EXP2_EMULATED_OF_8
+
+
+def test_exp2_split_override_changes_the_source_and_rejects_bad_values(monkeypatch):
+    softcap = fivar.load("softcap")
+    monkeypatch.setenv(fa3.EXP2_EMULATION_ENV, "0")
+    assert "flashinfer::OnlineSoftmax<" in _struct(softcap)
+    monkeypatch.setenv(fa3.EXP2_EMULATION_ENV, "6")
+    assert "Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, 6>" in _struct(softcap)
+    assert "Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, 6>" in _struct(fivar.load("alibi"))  # forced on any softmax
+    for bad in ("9", "half", "-1"):
+        monkeypatch.setenv(fa3.EXP2_EMULATION_ENV, bad)
+        with pytest.raises(fivar.FivarError, match=f"{fa3.EXP2_EMULATION_ENV}=.*0 to 8"):
+            _struct(softcap)
