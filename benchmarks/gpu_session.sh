@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|exp2bench
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -58,15 +58,14 @@ windowbench)  # after `window` on a warm machine
 kvprofile)  # FA3's KV-range form, kernel by kernel, next to stock FA3 (after kvranges on a warm machine)
   [ -d .gpu-jit ] || (python3 benchmarks/prewarm_gpu.py --kv-ranges 2>&1 | quiet | tail -2)
   timeout 300 python3 benchmarks/profile_kv_ranges.py --json "$OUT/profile_kv_ranges.json" 2>&1 | quiet | tail -60 ;;
-exp2)  # FA3's exp2 split between the MUFU and FMA pipes (fivar_fa3_softmax.cuh): its modules, stock FA3, its
-  # GPU tests; then `exp2bench`: every split vs stock FA3 and Flex, soft-capped variants, non-causal and causal
+exp2)  # FA3's exp2 split between the MUFU and FMA pipes (fivar_fa3_softmax.cuh), one call: its modules and stock
+  # FA3's, its GPU tests, then every split vs stock FA3 and Flex, soft-capped variants, non-causal and causal
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   (time python3 benchmarks/prewarm_gpu.py --exp2 --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "exp2 or (test_single_prefill and not dtypes and softcap and fa3)" \
-    2>&1 | tee "$OUT/gpu_tests_exp2.log" | tail -6 ;;
-exp2bench)  # after `exp2` on a warm machine
-  timeout 560 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
-    --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 --exp2-splits ${SPLITS:-0,3,4,5,6} \
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "exp2 or (test_single_prefill and not dtypes and softcap and fa3)" \
+    2>&1 | tee "$OUT/gpu_tests_exp2.log" | tail -6
+  timeout ${BENCH_S:-330} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
+    --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 --exp2-splits ${SPLITS:-0,4,6} \
     --json "$OUT/bench_exp2.json" 2>&1 | quiet | tee "$OUT/bench_exp2.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 fusiontests)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
