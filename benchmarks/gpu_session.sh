@@ -65,7 +65,7 @@ exp2)  # FA3's exp2 split between the MUFU and FMA pipes (fivar_fa3_softmax.cuh)
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "(exp2 and 8]) or (window_tile_skipping and softcap and fa3)" \
     2>&1 | tee "$OUT/gpu_tests_exp2.log" | tail -6
   timeout ${BENCH_S:-330} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
-    --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 --exp2-splits ${SPLITS:-4,6} \
+    --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 --exp2-splits ${SPLITS:-2,4,6} \
     --json "$OUT/bench_exp2.json" 2>&1 | quiet | tee "$OUT/bench_exp2.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 fusiontests)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \

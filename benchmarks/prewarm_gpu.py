@@ -63,7 +63,7 @@ def window_set():
     return mods
 
 
-EXP2_SPLITS = (4, 6)
+EXP2_SPLITS = (2, 4, 6)
 
 
 def exp2_split_set():
