@@ -1,11 +1,12 @@
 // FA3's online softmax with part of its exp2s moved off the MUFU pipe.
 //
-// A Hopper SM quadrant issues one MUFU op per 8 cycles per warp (16 lanes per SM) against one FMA-pipe op per
-// cycle. A plain softmax spends one MUFU op per score (exp2); a logits transform that itself needs MUFU (tanh
-// for soft-capping, exp for sigmoid) doubles that, and the MUFU pipe then takes as long per tile as the two
-// wgmmas, so the softmax no longer hides behind them. Computing 2^x for some of the score columns with
-// fivar::exp2_fma (8 FMA/ALU ops, no MUFU) balances the two pipes. Which columns is a compile-time choice per
-// unrolled column, so no branch is taken at run time.
+// A Hopper SM quadrant finishes one warp-wide MUFU op per 8 cycles (16 lanes per SM) against one FMA-pipe op
+// per cycle. A plain softmax spends one MUFU op per score (exp2); a logits transform that itself needs MUFU (tanh
+// for soft-capping, exp for sigmoid) doubles that, and per tile the MUFU pipe then takes about as long as the
+// two wgmmas. Computing 2^x for some score columns with fivar::exp2_fma (3 FADD, 3 FFMA, a clamp and an LEA, no
+// MUFU) moves work to the FMA pipe; those slots are busy too, so only a small share pays (2 of 8 columns on an
+// H200: fivar/codegen/fa3.py EXP2_EMULATED_OF_8). Which columns is a compile-time choice per unrolled column,
+// so no branch is taken at run time.
 //
 // The row max, the rescale of the running sum and output, finalize and the LSE are FlashInfer's OnlineSoftmax.
 #pragma once

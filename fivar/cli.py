@@ -124,6 +124,18 @@ def _tile_skipping(v) -> str:
             "(FlashInfer's FA2 kernels visit every tile)")
 
 
+def _fa3_softmax(v) -> str:
+    from .codegen import fa3
+    if not v.softmax:
+        return "fa3 softmax: none (the variant's weights are used as they are)"
+    mufu, k = fa3.mufu_ops_per_score(v), fa3.exp2_emulated_of_8(v)
+    cost = f"the logits transform costs {mufu} MUFU op(s) per score"
+    if not k:
+        return f"fa3 softmax: FlashInfer's OnlineSoftmax, every exp2 on the MUFU pipe ({cost})"
+    return (f"fa3 softmax: {k} of every 8 score columns compute exp2 on the FMA pipe ({cost}; "
+            f"{fa3.EXP2_EMULATION_ENV}=0..8 overrides)")
+
+
 @main.command()
 @click.argument("name")
 @click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default="fa2", show_default=True)
@@ -155,6 +167,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
             t, why = choose_target(v, "auto", o)
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
         console.print(_escape(_tile_skipping(v)))
+        console.print(_escape(_fa3_softmax(v)))
         from .codegen.triton import TritonEmitter
         for read, how in TritonEmitter(v).read_plan():
             console.print(_escape(f"triton reads {read}: {how}"))

@@ -48,8 +48,10 @@ def runs_as_window(variant) -> bool:
 #: MUFU ops per call of a function in the emitted code (sigmoid: an exp and a reciprocal).
 _MUFU_OPS = {"tanh": 1, "exp": 1, "exp2": 1, "log": 1, "sqrt": 1, "sigmoid": 2}
 #: Of every 8 score columns, how many compute their softmax exp2 on the FMA pipe when the logits transform
-#: itself needs the MUFU pipe (tuned on an H200 with soft-capping: benchmarks/tune_fa3_exp2.py).
-EXP2_EMULATED_OF_8 = 4
+#: itself needs the MUFU pipe. Measured on an H200 (bf16, hd128, S=8192; `bench_fa3.py --exp2-splits 2,4,6`,
+#: benchmarks/results/bench_exp2_h200.json): 2 gives +1-4% over FlashInfer's softmax on soft-capped variants
+#: (-2%..0 on non-causal soft-cap alone), 4 and 6 lose 3-6%: the FMA and issue slots are not idle either.
+EXP2_EMULATED_OF_8 = 2
 EXP2_EMULATION_ENV = "FIVAR_FA3_EXP2_EMULATION"
 
 
