@@ -34,23 +34,25 @@ FIVAR_INLINE float exp2(float x) {
 #endif
 }
 
-// 2^x on the FMA pipe, no MUFU op: for x <= 0, as the softmax uses it (x <= -127 gives exactly 0, so a
-// fully masked row still sums to 0). x = j + f with j = round(x) (the 1.5 * 2^23 trick leaves j in the low
-// mantissa bits), 2^f from a cubic fitted for relative error on [-0.5, 0.5] (max 1.02e-4, against bf16's
-// 3.9e-3 rounding of the probabilities), and j added to the exponent field.
+// 2^x on the FMA pipe, no MUFU op, for the softmax's x <= 0 (x = score * scale - row max): x <= -127 gives
+// exactly 0, so a masked score (-inf) weighs nothing and a fully masked row still sums to 0; so does a NaN
+// (fmaxf drops it; FlashInfer's MUFU exp2 would return NaN); x >= 128 is outside the domain. x = j + f with
+// j = round(x) (the 1.5 * 2^23 trick leaves j in the low mantissa bits), 2^f from a cubic fitted for relative
+// error on [-0.5, 0.5] (max 1.02e-4, against bf16's 3.9e-3 rounding of the probabilities), and j added to the
+// exponent field.
 FIVAR_INLINE float exp2_fma(float x) {
   const float kRound = 12582912.f;
-  x = x < -127.f ? -127.f : x;
+  x = ::fmaxf(x, -127.f);
   const float shifted = x + kRound;
   const float f = x - (shifted - kRound);
   const float p = ::fmaf(::fmaf(::fmaf(0.05500862f, f, 0.24221021f), f, 0.69328288f), f, 1.f);
 #if defined(__CUDA_ARCH__)
-  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(shifted) << 23));
 #else
-  int32_t pb, jb;
+  uint32_t pb, jb;
   std::memcpy(&pb, &p, 4);
   std::memcpy(&jb, &shifted, 4);
-  const int32_t bits = static_cast<int32_t>(static_cast<uint32_t>(pb) + (static_cast<uint32_t>(jb) << 23));
+  const uint32_t bits = pb + (jb << 23);
   float y;
   std::memcpy(&y, &bits, 4);
   return y;

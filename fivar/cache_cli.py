@@ -213,8 +213,10 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
             from .fusion.build import gen_fusion_module
             now = gen_fusion_module(v, man["dtype"]).uri
         else:
+            # rendered the way it was built (row-run form, CTA-tile split, FA3 exp2 split), not as this
+            # process's environment would render it now
             now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
-                             head_dim=man["head_dim"]).uri
+                             head_dim=man["head_dim"], **man.get("options", {})).uri
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all
         return True, [f"variant '{man.get('variant')}' no longer builds: {str(ex).splitlines()[0]}"]
     if now != e.uri:

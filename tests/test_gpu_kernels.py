@@ -5,6 +5,7 @@ import torch
 import fivar
 from fivar import AttentionVariant
 from fivar.codegen.fa3 import exp2_split
+from fivar.jit.build import module_for
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
                            check_single_prefill)
 
@@ -76,9 +77,12 @@ def test_window_tile_skipping_batch(paged, causal, window):
 @pytest.mark.parametrize("split", [0, 8])
 @pytest.mark.parametrize("window,causal", [(100, False), (100, True), (-37, False)])
 def test_fa3_exp2_split_extremes(split, window, causal):
+    v = fivar.load("softcap_sliding_window")
     with exp2_split(split):
-        r = check_single_prefill(fivar.load("softcap_sliding_window"), qo_len=1000, kv_len=1000, causal=causal,
-                                 backend="fa3", params={"window": window})
+        # the module this runs is the split's (the memo is keyed by it), not one an earlier test left loaded
+        updater = "flashinfer::OnlineSoftmax<" if split == 0 else f"Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {split}>"
+        assert updater in module_for(v, "single_prefill", "fa3", "bf16", 128).sources["single_prefill_sm90_config.inc"]
+        r = check_single_prefill(v, qo_len=1000, kv_len=1000, causal=causal, backend="fa3", params={"window": window})
     assert r.passed, r
 
 

@@ -48,25 +48,27 @@ def runs_as_window(variant) -> bool:
 #: MUFU ops per call of a function in the emitted code (sigmoid: an exp and a reciprocal).
 _MUFU_OPS = {"tanh": 1, "exp": 1, "exp2": 1, "log": 1, "sqrt": 1, "sigmoid": 2}
 #: Of every 8 score columns, how many compute their softmax exp2 on the FMA pipe when the logits transform
-#: itself needs the MUFU pipe. Measured on an H200 (bf16, hd128, S=8192; `bench_fa3.py --exp2-splits 2,4,6`,
-#: benchmarks/results/bench_exp2_h200.json): 2 gives +1-4% over FlashInfer's softmax on soft-capped variants
-#: (-2%..0 on non-causal soft-cap alone), 4 and 6 lose 3-6%: the FMA and issue slots are not idle either.
+#: itself needs the MUFU pipe. Measured on an H200 with single prefill, bf16, hd128, S=8192 only (`bench_fa3.py
+#: --exp2-splits 2,4,6`, benchmarks/results/bench_exp2_h200.json): against stock FA3 in the same run, 2 gave
+#: 0.98-1.04x on soft-capped variants, 4 and 6 lost 3-6% (the FMA and issue slots are not idle either). Batch
+#: prefill and head dims 64/256 take the same split, unmeasured.
 EXP2_EMULATED_OF_8 = 2
 EXP2_EMULATION_ENV = "FIVAR_FA3_EXP2_EMULATION"
 
 
 def mufu_ops_per_score(variant) -> int:
     """MUFU (special function unit) ops the logits transform and mask cost per score, hoisted values aside:
-    transcendental calls and divisions by a non-constant."""
+    transcendental calls and divisions by a non-constant (a mask FA3 runs as its own window costs none)."""
     lowered, count = variant.lowered, 0
-    for prog in (lowered.logits, lowered.mask):
+    for prog in (lowered.logits, None if runs_as_window(variant) else lowered.mask):
         if prog is None:
             continue
         for expr in [e for _, e in prog.lets] + [prog.result]:
             for node in ir.walk(expr):
                 if isinstance(node, ir.Call):
                     count += _MUFU_OPS.get(node.fn, 0)
-                elif isinstance(node, ir.Binary) and node.op == "div" and not isinstance(node.b, ir.Const):
+                elif (isinstance(node, ir.Binary) and node.op in ("div", "floordiv", "mod")
+                      and not isinstance(node.b, ir.Const)):  # a reciprocal, also in integer division
                     count += 1
     return count
 
@@ -80,11 +82,19 @@ def exp2_emulated_of_8(variant) -> int:
         return 0
     override = os.environ.get(EXP2_EMULATION_ENV, "").strip()
     if override:
-        if not override.isdigit() or int(override) > 8:
+        if override not in tuple("012345678"):
             raise FivarError(f"{EXP2_EMULATION_ENV}={override!r}: expected an integer from 0 to 8 (how many of "
                              "every 8 score columns compute exp2 on the FMA pipe)")
         return int(override)
     return EXP2_EMULATED_OF_8 if mufu_ops_per_score(variant) else 0
+
+
+def exp2_split_for(variant, requested: int | None) -> int:
+    if requested is None:
+        return exp2_emulated_of_8(variant)
+    if not 0 <= requested <= 8:
+        raise FivarError(f"variant '{variant.name}': exp2_emulated_of_8={requested}: expected 0 to 8")
+    return requested if variant.softmax else 0
 
 
 @contextlib.contextmanager
@@ -110,7 +120,8 @@ def runtime_mask_code(variant, causal: bool) -> int:
     return 1 if causal else 0
 
 
-def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> VariantDecl:
+def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
+                 exp2_emulated_of_8: int | None = None) -> VariantDecl:
     """`kv_ranges`: the KV-range form. `row_runs` (with it): the form for a batch whose every row keeps one
     run of keys (a document mask always does): the mask pre-pass stored each row's run (made relative to its
     block's first key, causal folded in) and the kernel checks it with one 8-byte load per row, instead of
@@ -167,7 +178,7 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False) -> Va
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
                     members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges,
-                    window=as_window, exp2_emulated_of_8=exp2_emulated_of_8(variant))
+                    window=as_window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8))
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
                                                           extra_tensors=tables))

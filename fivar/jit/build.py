@@ -45,9 +45,6 @@ _FA2_LAYOUT = {
                      ["batch_decode.cu", "batch_decode_jit_binding.cu"], "batch_decode_config.inc"),
 }
 
-#: fivar's own headers a generated module includes, copied into its sources (so hashed into its URI).
-_FIVAR_HEADERS = {"fa2": ("fivar_ops.cuh",), "fa3": ("fivar_ops.cuh", "fivar_fa3_softmax.cuh")}
-
 #: FA3 (Hopper): single and batch prefill only; decode stays on FA2's decode kernel (FlashInfer has no FA3 one).
 _FA3_LAYOUT = {
     "single_prefill": ("single_prefill_sm90_customize_config.jinja", ["single_prefill_sm90_kernel_inst.jinja"],
@@ -81,6 +78,9 @@ class FivarModule:
     cuda_cflags: list[str]
     additional: tuple
     spec: object = field(default=None, repr=False)
+    #: gen_module's rendering options beyond (variant, op, target, dtype, head_dim), resolved: recorded in the
+    #: manifest, so `fivar cache` re-renders a module the way it was built to decide whether it is stale.
+    options: dict = field(default_factory=dict)
 
     @property
     def gen_dir(self) -> Path:
@@ -133,7 +133,7 @@ class FivarModule:
                "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
                "arch": toolchain.arch_tag(), "created": time.time(),
                "so_sha256": _sha256(self.library_path), "sources": sorted(self.sources),
-               "variant_file": getattr(self.variant, "source_file", None)}
+               "variant_file": getattr(self.variant, "source_file", None), "options": self.options}
         _write_if_different(self.manifest_path, json.dumps(man, indent=1))
 
     def _missing_sources(self) -> list[str]:
@@ -450,15 +450,32 @@ def _fa2_tile_split(op: str, variant, kwargs: dict):
     return units, headers, _SPLIT_HOST_INCLUDES[op]
 
 
+def fivar_headers(source: str) -> dict[str, str]:
+    """fivar's own headers (csrc/) that `source` includes, directly or through each other: copied into the
+    module's sources, so hashed into its URI (an edit to one rebuilds exactly the modules that include it)."""
+    found: dict[str, str] = {}
+    todo = re.findall(r'#include "(fivar_\w+\.cuh)"', source)
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found[name] = (csrc_dir() / name).read_text()
+            todo += re.findall(r'#include "(fivar_\w+\.cuh)"', found[name])
+    return dict(sorted(found.items()))
+
+
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False) -> FivarModule:
+               head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
+               exp2_emulated_of_8: int | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
     only on hosts with cores to spare; off by default. `row_runs`: FA3 batch prefill of a mask that is more
-    than a band, in the row-run form (fivar.codegen.fa3.variant_decl)."""
+    than a band, in the row-run form (fivar.codegen.fa3.variant_decl). `exp2_emulated_of_8`: FA3's softmax
+    exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
+    if target == "fa3" and exp2_emulated_of_8 is None:
+        exp2_emulated_of_8 = fa3.exp2_emulated_of_8(variant)
     if op not in OPS:
         raise FivarError(f"unknown op '{op}' (choose from {', '.join(OPS)})")
     if target not in TARGETS:
@@ -479,7 +496,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if row_runs and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
                          "than a band")
-    decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs) if target == "fa3"
+    decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8)
+            if target == "fa3"
             else fa2.variant_decl(variant))
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
@@ -501,7 +519,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     config_t, inst_ts, host_files, config_name = (_FA3_LAYOUT if target == "fa3" else _FA2_LAYOUT)[op]
     config = _render_flashinfer(config_t, **kwargs)
     sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
-               **{h: (csrc_dir() / h).read_text() for h in _FIVAR_HEADERS[target]}}
+               **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
     split = _fa2_tile_split(op, variant, kwargs) if target == "fa2" and split_cta_tiles else None
     host_includes: tuple[str, ...] = ()
@@ -532,7 +550,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         cuda_cflags = list(sm90a_nvcc_flags)
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
-    return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional)
+    options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8} if target == "fa3" else
+                                        {"split_cta_tiles": bool(split)})}
+    return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
+                       options=options)
 
 
 def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim: int = 128) -> list[FivarModule]:

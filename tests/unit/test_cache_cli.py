@@ -119,6 +119,27 @@ def test_ls_size_provenance_hits_and_staleness(iso):
     assert r.exit_code == 0 and "stale" in r.output and "3 module(s)" in r.output
 
 
+def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
+    """Modules built with non-default rendering options (FA3 exp2 split, FA2 CTA-tile split) are fresh whatever
+    this process's environment says, and still go stale when their variant is edited."""
+    from fivar.codegen.fa3 import EXP2_EMULATION_ENV, exp2_split
+    _, _, vfile = iso
+    v = fivar.load(str(vfile))
+    with exp2_split(8):
+        fa3_8 = fake_built(gen_module(v, op="single_prefill", target="fa3"))
+    fa3_default = fake_built(gen_module(v, op="single_prefill", target="fa3"))
+    fa2_split = fake_built(gen_module(v, op="single_prefill", split_cta_tiles=True))
+    assert len({fa3_8.uri, fa3_default.uri}) == 2 and fa3_8.options["exp2_emulated_of_8"] == 8
+    assert fa2_split.options["split_cta_tiles"] is True
+    monkeypatch.setenv(EXP2_EMULATION_ENV, "3")  # a process that would render FA3 modules another way
+    mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri}
+    rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
+    assert len(rows) == 3 and all(r["stale"] is False for r in rows), rows
+    vfile.write_text(VARIANT.replace("20.0", "25.0"))
+    rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
+    assert len(rows) == 3 and all(r["stale"] is True and "was edited" in r["stale_reasons"][0] for r in rows), rows
+
+
 def test_background_load_records_are_written_by_flush_and_survive_fork(iso):
     """Load events go through the writer thread: flush() waits for them; a forked child (no writer thread
     of its own at the fork) records its loads too."""

@@ -55,11 +55,12 @@ def test_exp2_fma_relative_error_over_the_softmax_range(exp2_fma):
 
 
 def test_exp2_fma_underflows_to_exactly_zero(exp2_fma):
-    """x <= -127 (a masked score: -inf minus the row max) gives 0, so a fully masked row sums to 0; between -127
-    and -126 the result is below the smallest normal float (flushed to zero by the kernel's fast math)."""
-    xs = [-math.inf, -1e30, -1000.0, -127.0, -127.0 - 1e-4] + [-r for r in (126.01, 126.5, 126.99)]
+    """x <= -127 (a masked score: -inf minus the row max) and NaN give 0, so a fully masked row sums to 0;
+    between -127 and -126 the result is below the smallest normal float (flushed to zero by the kernel's fast
+    math)."""
+    xs = [-math.inf, -1e30, -1000.0, -127.0, -127.0 - 1e-4, math.nan] + [-r for r in (126.01, 126.5, 126.99)]
     ys = exp2_fma(xs)
-    assert ys[:5] == [0.0] * 5, ys
+    assert ys[:6] == [0.0] * 6, ys
     assert all(0.0 <= y < 2.0 ** -126 for y in ys[5:]), ys
 
 
@@ -86,7 +87,8 @@ def test_softmax_variants_with_mufu_in_their_transform_split_the_exp2(monkeypatc
     assert fa3.exp2_emulated_of_8(sigmoid) == 0 and "DefaultUpdater" in _struct(sigmoid)
 
 
-def test_mufu_count_sees_divisions_and_transcendentals_per_score_only():
+def test_mufu_count_sees_divisions_and_transcendentals_per_score_only(monkeypatch):
+    monkeypatch.delenv(fa3.EXP2_EMULATION_ENV, raising=False)
     def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
         # a division by the per-score value costs a reciprocal; the per-block tanh(params.a) is hoisted
         return tanh(params.a) * score / (1.0 + kv_idx * params.a)
@@ -102,7 +104,42 @@ def test_exp2_split_override_changes_the_source_and_rejects_bad_values(monkeypat
     monkeypatch.setenv(fa3.EXP2_EMULATION_ENV, "6")
     assert "Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, 6>" in _struct(softcap)
     assert "Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, 6>" in _struct(fivar.load("alibi"))  # forced on any softmax
-    for bad in ("9", "half", "-1"):
+    for bad in ("9", "half", "-1", "\u00b2", "12"):
         monkeypatch.setenv(fa3.EXP2_EMULATION_ENV, bad)
         with pytest.raises(fivar.FivarError, match=f"{fa3.EXP2_EMULATION_ENV}=.*0 to 8"):
             _struct(softcap)
+
+
+def test_modules_of_different_splits_differ_and_carry_the_header_only_when_they_include_it(monkeypatch):
+    from fivar.jit.build import gen_module, module_for
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.delenv(fa3.EXP2_EMULATION_ENV, raising=False)
+    softcap, alibi = fivar.load("softcap"), fivar.load("alibi")
+    uris = {}
+    for k in (0, 2, 8):
+        with fa3.exp2_split(k):
+            m = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
+            assert m is module_for(softcap, "single_prefill", "fa3", "bf16", 128)  # memo, per split
+        uris[k] = m.uri
+        assert m.options["exp2_emulated_of_8"] == k
+        assert ("fivar_fa3_softmax.cuh" in m.sources) == (k > 0), (k, sorted(m.sources))
+        assert ("fivar_ops.cuh" in m.sources)
+    assert len(set(uris.values())) == 3
+    # the default is the split fivar picks, the same module as asking for it
+    assert module_for(softcap, "single_prefill", "fa3", "bf16", 128).uri == uris[fa3.EXP2_EMULATED_OF_8]
+    assert gen_module(softcap, "single_prefill", "fa3", exp2_emulated_of_8=8).uri == uris[8]
+    # a variant without a MUFU op per score neither includes nor carries the softmax header
+    assert "fivar_fa3_softmax.cuh" not in gen_module(alibi, "single_prefill", "fa3").sources
+
+
+def test_flashinfer_online_softmax_update_is_the_one_fivar_mirrors():
+    """Fa3OnlineSoftmax::update repeats FlashInfer's OnlineSoftmax::update around its own exp2 step. A FlashInfer
+    whose update differs must be read again before fivar's copy is trusted: re-check csrc/fivar_fa3_softmax.cuh
+    against it, then add its fingerprint here."""
+    import hashlib
+    from flashinfer.jit import env as jit_env
+    text = (jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer/attention/hopper/attention_updater.cuh").read_text()
+    start = text.index("void update(", text.index("struct OnlineSoftmax"))
+    body = " ".join(text[start:text.index("void finalize(", start)].split())
+    known = {"a50beb469a2c53f7"}  # flashinfer-python 0.7.2 and 0.7.2.post1
+    assert hashlib.sha256(body.encode()).hexdigest()[:16] in known
