@@ -50,8 +50,8 @@ _MUFU_OPS = {"tanh": 1, "exp": 1, "exp2": 1, "log": 1, "sqrt": 1, "sigmoid": 2}
 #: Of every 8 score columns, how many compute their softmax exp2 on the FMA pipe when the logits transform
 #: itself needs the MUFU pipe. Measured on an H200 with single prefill, bf16, hd128, S=8192 only (`bench_fa3.py
 #: --exp2-splits 2,4,6`, benchmarks/results/bench_exp2_h200.json): against stock FA3 in the same run, 2 gave
-#: 0.98-1.04x on soft-capped variants, 4 and 6 lost 3-6% (the FMA and issue slots are not idle either). Batch
-#: prefill and head dims 64/256 take the same split, unmeasured.
+#: 0.98-1.04x on soft-capped variants (timing noise there is up to 3.5%), 4 and 6 were 4-9% slower than 2 (the
+#: FMA and issue slots are not idle either). Batch prefill and head dims 64/256 take the same split, unmeasured.
 EXP2_EMULATED_OF_8 = 2
 EXP2_EMULATION_ENV = "FIVAR_FA3_EXP2_EMULATION"
 
