@@ -20,7 +20,6 @@ import os
 
 from ..errors import FivarError
 from ..spec import ir
-
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
@@ -90,6 +89,7 @@ def exp2_emulated_of_8(variant) -> int:
 
 
 def exp2_split_for(variant, requested: int | None) -> int:
+    """The split a module is rendered with: `requested`, else the variant's default (exp2_emulated_of_8)."""
     if requested is None:
         return exp2_emulated_of_8(variant)
     if not 0 <= requested <= 8:

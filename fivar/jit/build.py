@@ -474,8 +474,6 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
-    if target == "fa3" and exp2_emulated_of_8 is None:
-        exp2_emulated_of_8 = fa3.exp2_emulated_of_8(variant)
     if op not in OPS:
         raise FivarError(f"unknown op '{op}' (choose from {', '.join(OPS)})")
     if target not in TARGETS:
@@ -492,6 +490,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     from flashinfer.jit.utils import dtype_map, mask_mode_literal
 
     codegen = fa3 if target == "fa3" else fa2
+    if target == "fa3":
+        exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     if row_runs and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
