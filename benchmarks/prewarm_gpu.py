@@ -15,10 +15,7 @@ def wanted():
         v = fivar.load(name)
         mods += [gen_module(v, op=op, target="fa2") for op in ("single_prefill", "batch_prefill", "batch_decode")]
         mods += [m for op in ("single_prefill", "batch_prefill") for m in serving_modules(v, op, "fa3")]
-    from fivar.codegen.fa3 import exp2_split
-    for k in (0, 8):  # tests/test_gpu_kernels.py::test_fa3_exp2_split_extremes
-        with exp2_split(k):
-            mods.append(gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3"))
+    mods += fa3_at_exp2_splits(["softcap_sliding_window"], (0, 8))  # test_fa3_exp2_split_extremes
     for name in ("softcap", "alibi", "document_mask"):
         v = fivar.load(name)
         for target in ("fa2", "fa3") if name in ("softcap", "document_mask") else ("fa2",):
@@ -66,16 +63,18 @@ def window_set():
 EXP2_SPLITS = (2, 4, 6)
 
 
+def fa3_at_exp2_splits(names, splits):
+    """FA3 single prefill (bf16, hd128) of each variant at each exp2 split: the modules a call run under
+    fivar.codegen.fa3.exp2_split(k) loads."""
+    return [gen_module(fivar.load(n), op="single_prefill", target="fa3", exp2_emulated_of_8=k)
+            for k in splits for n in names]
+
+
 def exp2_split_set():
-    """FA3 single prefill of the soft-capped variants at every exp2 split the benchmark compares (bench_fa3.py
-    --exp2-splits), and the split-extremes GPU test's modules."""
-    from fivar.codegen.fa3 import exp2_split
-    mods = []
-    for k in sorted({*EXP2_SPLITS, 8}):
-        with exp2_split(k):
-            names = ("softcap", "softcap_sliding_window") if k in EXP2_SPLITS else ("softcap_sliding_window",)
-            mods += [gen_module(fivar.load(n), op="single_prefill", target="fa3") for n in names]
-    return mods
+    """The soft-capped variants at every split `gpu_session.sh exp2` benchmarks (bench_fa3.py --exp2-splits),
+    and the split-extremes GPU test's K=8 module."""
+    return (fa3_at_exp2_splits(["softcap", "softcap_sliding_window"], EXP2_SPLITS)
+            + fa3_at_exp2_splits(["softcap_sliding_window"], (8,)))
 
 
 def stock_fa3_specs():
