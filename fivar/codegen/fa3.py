@@ -82,8 +82,8 @@ def exp2_emulated_of_8(variant) -> int:
     override = os.environ.get(EXP2_EMULATION_ENV, "").strip()
     if override:
         if override not in tuple("012345678"):
-            raise FivarError(f"{EXP2_EMULATION_ENV}={override!r}: expected an integer from 0 to 8 (how many of "
-                             "every 8 score columns compute exp2 on the FMA pipe)")
+            raise FivarError(f"variant '{variant.name}': {EXP2_EMULATION_ENV}={override!r}: expected an integer from 0 "
+                             "to 8 (how many of every 8 score columns compute exp2 on the FMA pipe)")
         return int(override)
     return EXP2_EMULATED_OF_8 if mufu_ops_per_score(variant) else 0
 

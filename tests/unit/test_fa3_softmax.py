@@ -106,7 +106,7 @@ def test_exp2_split_override_changes_the_source_and_rejects_bad_values(monkeypat
     assert "Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, 6>" in _struct(fivar.load("alibi"))  # forced on any softmax
     for bad in ("9", "half", "-1", "\u00b2", "12"):
         monkeypatch.setenv(fa3.EXP2_EMULATION_ENV, bad)
-        with pytest.raises(fivar.FivarError, match=f"{fa3.EXP2_EMULATION_ENV}=.*0 to 8"):
+        with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {fa3.EXP2_EMULATION_ENV}=.*0 to 8"):
             _struct(softcap)
 
 
