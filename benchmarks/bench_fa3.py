@@ -14,7 +14,9 @@ Every contender is checked against another (stock or the reference) before it is
 
 `--exp2-splits 0,3,4,6` adds, in part 2, one FA3 contender per split `fivar_fa3_exp2_K`: K of every 8 score
 columns compute the softmax's exp2 on the FMA pipe (FIVAR_FA3_EXP2_EMULATION, fivar/codegen/fa3.py; 0 is
-FlashInfer's own OnlineSoftmax), all built first in one parallel ninja: how EXP2_EMULATED_OF_8 was chosen.
+FlashInfer's own OnlineSoftmax): how EXP2_EMULATED_OF_8 was chosen. `--cta-tiles 128x176,128x128` adds one per
+CTA tile `fivar_fa3_tile_QxKV` (FIVAR_FA3_CTA_TILE; FlashInfer's own is 128x192 non-causal, 128x128 causal at
+hd128), at the default split. All are built first in one parallel ninja.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 import fivar
 from fivar.bench.contenders import stock_mapping
 from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved
-from fivar.codegen.fa3 import exp2_split
+from fivar.codegen.fa3 import cta_tile, exp2_split
 from fivar.testing import compare, example_params
 
 H, HKV_DECODE, D = 32, 8, 128
@@ -67,36 +69,42 @@ def bench_softcap_vs_stock(seqlens, rounds):
     return rows
 
 
-def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=(), on_row=None, exp2_splits=()):
+def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=(), on_row=None, options=()):
     rows = []
     for S in seqlens:
         for causal in causals:
             for name in variants:
                 rows.append(_variant_vs_flex(name, S, causal, rounds, with_triton=S in triton_seqlens,
-                                             exp2_splits=exp2_splits))
+                                             options=options))
                 if on_row:
                     on_row(rows)
     return rows
 
 
-def _with_exp2_split(k, fn):
+def option_contenders(exp2_splits=(), cta_tiles=()):
+    """[(contender name, the fivar.codegen.fa3 context manager its calls run under)] for --exp2-splits/--cta-tiles."""
+    return ([(f"fivar_fa3_exp2_{k}", lambda k=k: exp2_split(k)) for k in exp2_splits]
+            + [(f"fivar_fa3_tile_{t.replace(',', '_')}", lambda t=t: cta_tile(t)) for t in cta_tiles])
+
+
+def _run_under(option, fn):
     def call():
-        with exp2_split(k):
+        with option():
             return fn()
     return call
 
 
-def build_exp2_splits(variants, splits):
-    """The FA3 single-prefill modules of every split, in one parallel ninja."""
+def build_option_modules(variants, exp2_splits, cta_tiles):
+    """The FA3 single-prefill modules of every split and tile, in one parallel ninja."""
     from fivar.jit.build import build_many
-    from prewarm_gpu import fa3_at_exp2_splits  # benchmarks/ is this script's directory
-    mods = fa3_at_exp2_splits(variants, splits)
+    from prewarm_gpu import fa3_variants_at  # benchmarks/ is this script's directory
+    mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles)
     t0 = time.perf_counter()
     build_many(mods)
-    print(f"built {len(mods)} exp2-split modules in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"built {len(mods)} split/tile modules in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def _variant_vs_flex(name, S, causal, rounds, with_triton, exp2_splits=()):
+def _variant_vs_flex(name, S, causal, rounds, with_triton, options=()):
     from fivar.flex import flex_attention_fn
     v = fivar.load(name)
     q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
@@ -104,9 +112,8 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, exp2_splits=()):
     if name in ("sliding_window", "softcap_sliding_window"):
         params["window"] = 1024
     fns = {"fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params)}
-    for split in exp2_splits:
-        fns[f"fivar_fa3_exp2_{split}"] = _with_exp2_split(
-            split, lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params))
+    for contender, option in options:
+        fns[contender] = _run_under(option, lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params))
     stock = stock_mapping(v, params)
     if stock is not None:  # FlashInfer's built-in FA3 computing the same function (soft-cap, window)
         import flashinfer
@@ -151,10 +158,10 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, exp2_splits=()):
         from fivar.jit.triton_module import load_triton_module
         best = getattr(load_triton_module(v).prefill_kernel, "best_config", None)
         row["triton_config"] = str(best)
-    for n in (*CONTENDERS, *(f"fivar_fa3_exp2_{k}" for k in exp2_splits)):
+    for n in (*CONTENDERS, *(c for c, _ in options)):
         if "flex" in t and n in t:
             row[f"{n}_vs_flex"] = t["flex"].median / t[n].median
-        if "stock_fa3" in t and n.startswith("fivar_fa3_exp2") and n in t:
+        if "stock_fa3" in t and n in t and n not in CONTENDERS:
             row[f"{n}_vs_stock_fa3"] = t["stock_fa3"].median / t[n].median
     if "stock_fa3" in t:
         row["fivar_fa3_vs_stock_fa3"] = t["stock_fa3"].median / t["fivar_fa3"].median
@@ -246,6 +253,7 @@ def main():
     ap.add_argument("--triton-seqlens", default="8192", help="flex sizes where the Triton twin is timed too")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--exp2-splits", default="", help="e.g. 0,3,4,6: FA3 contenders per exp2 split (see top)")
+    ap.add_argument("--cta-tiles", default="", help="e.g. 128x176,128x160: FA3 contenders per CTA tile (see top)")
     args = ap.parse_args()
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
     rounds = 2 if args.quick else 4
@@ -260,16 +268,17 @@ def main():
 
     if "softcap" in parts:
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
-    exp2_splits = _ints(args.exp2_splits)
-    if exp2_splits and "flex" in parts:
-        build_exp2_splits(args.variants.split(","), exp2_splits)
+    exp2_splits, cta_tiles = _ints(args.exp2_splits), [t for t in args.cta_tiles.split(",") if t]
+    options = option_contenders(exp2_splits, cta_tiles)
+    if options and "flex" in parts:
+        build_option_modules(args.variants.split(","), exp2_splits, cta_tiles)
     if "flex" in parts:
         def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
             out["variants_vs_flex"] = rows
             write(out)
         bench_variants_vs_flex(_ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds,
                                args.variants.split(","), _ints(args.triton_seqlens), on_row=save,
-                               exp2_splits=exp2_splits)
+                               options=options)
     if "decode" in parts:
         out["decode"] = bench_decode(rounds)
     write(out)

@@ -15,7 +15,8 @@ def wanted():
         v = fivar.load(name)
         mods += [gen_module(v, op=op, target="fa2") for op in ("single_prefill", "batch_prefill", "batch_decode")]
         mods += [m for op in ("single_prefill", "batch_prefill") for m in serving_modules(v, op, "fa3")]
-    mods += fa3_at_exp2_splits(["softcap_sliding_window"], (0, 8))  # test_fa3_exp2_split_extremes
+    mods += fa3_variants_at(["softcap_sliding_window"], exp2_splits=(0, 8))  # test_fa3_exp2_split_extremes
+    mods += fa3_variants_at(["softcap"], cta_tiles=CTA_TILES_TESTED)  # test_fa3_cta_tile_override
     for name in ("softcap", "alibi", "document_mask"):
         v = fivar.load(name)
         for target in ("fa2", "fa3") if name in ("softcap", "document_mask") else ("fa2",):
@@ -63,18 +64,23 @@ def window_set():
 EXP2_SPLITS = (2, 4, 6)
 
 
-def fa3_at_exp2_splits(names, splits):
-    """FA3 single prefill (bf16, hd128) of each variant at each exp2 split: the modules a call run under
-    fivar.codegen.fa3.exp2_split(k) loads."""
-    return [gen_module(fivar.load(n), op="single_prefill", target="fa3", exp2_emulated_of_8=k)
-            for k in splits for n in names]
+#: tiles test_fa3_cta_tile_override runs: one FlashInfer never instantiates at hd128 per mode
+CTA_TILES_TESTED = ("128x176,192x128",)
+
+
+def fa3_variants_at(names, exp2_splits=(), cta_tiles=()):
+    """FA3 single prefill (bf16, hd128) of each variant at each exp2 split, then at each CTA tile (default split):
+    the modules a call run under fivar.codegen.fa3.exp2_split(k) or cta_tile(t) loads."""
+    single = lambda n, **opt: gen_module(fivar.load(n), op="single_prefill", target="fa3", **opt)  # noqa: E731
+    return ([single(n, exp2_emulated_of_8=k) for k in exp2_splits for n in names]
+            + [single(n, cta_tile=t) for t in cta_tiles for n in names])
 
 
 def exp2_split_set():
     """The soft-capped variants at every split `gpu_session.sh exp2` benchmarks (bench_fa3.py --exp2-splits),
     and the split-extremes GPU test's K=8 module."""
-    return (fa3_at_exp2_splits(["softcap", "softcap_sliding_window"], EXP2_SPLITS)
-            + fa3_at_exp2_splits(["softcap_sliding_window"], (8,)))
+    return (fa3_variants_at(["softcap", "softcap_sliding_window"], exp2_splits=EXP2_SPLITS)
+            + fa3_variants_at(["softcap_sliding_window"], exp2_splits=(8,)))
 
 
 def stock_fa3_specs():

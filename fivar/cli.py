@@ -136,6 +136,15 @@ def _fa3_softmax(v) -> str:
             f"{fa3.EXP2_EMULATION_ENV}=0..8 overrides)")
 
 
+def _fa3_tile(v) -> str:
+    from .codegen import fa3
+    tiles = fa3.tile_text(fa3.cta_tiles(v, "single_prefill", 128, None))
+    if not tiles:
+        return (f"fa3 single prefill CTA tile: FlashInfer's (128x192 non-causal, 128x128 causal at hd128; "
+                f"{fa3.CTA_TILE_ENV}=QxKV[,QxKV] overrides)")
+    return f"fa3 single prefill CTA tile: {tiles} ({fa3.CTA_TILE_ENV}; non-causal, causal where two)"
+
+
 @main.command()
 @click.argument("name")
 @click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default="fa2", show_default=True)
@@ -168,6 +177,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
         console.print(_escape(_tile_skipping(v)))
         console.print(_escape(_fa3_softmax(v)))
+        console.print(_escape(_fa3_tile(v)))
         from .codegen.triton import TritonEmitter
         for read, how in TritonEmitter(v).read_plan():
             console.print(_escape(f"triton reads {read}: {how}"))

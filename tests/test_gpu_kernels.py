@@ -4,7 +4,7 @@ import torch
 
 import fivar
 from fivar import AttentionVariant
-from fivar.codegen.fa3 import exp2_split
+from fivar.codegen.fa3 import cta_tile, exp2_split
 from fivar.jit.build import module_for
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
                            check_single_prefill)
@@ -83,6 +83,20 @@ def test_fa3_exp2_split_extremes(split, window, causal):
         updater = "flashinfer::OnlineSoftmax<" if split == 0 else f"Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {split}>"
         assert updater in module_for(v, "single_prefill", "fa3", "bf16", 128).sources["single_prefill_sm90_config.inc"]
         r = check_single_prefill(v, qo_len=1000, kv_len=1000, causal=causal, backend="fa3", params={"window": window})
+    assert r.passed, r
+
+
+# FA3 single prefill at CTA tiles FlashInfer never instantiates at hd128 (its own: 128x192 non-causal, 128x128
+# causal): the reference's results at lengths that leave partial tiles, qo_len < kv_len and qo_len > kv_len.
+@pytest.mark.parametrize("qo_len,kv_len", [(1000, 1000), (300, 1111), (777, 200)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_cta_tile_override(qo_len, kv_len, causal):
+    v = fivar.load("softcap")
+    with cta_tile("128x176,192x128"):
+        sources = module_for(v, "single_prefill", "fa3", "bf16", 128).sources
+        assert "/*CTA_KV_=*/176" in sources["single_prefill_sm90_kernel_mask_0.cu"]
+        assert "/*CTA_Q_=*/192" in sources["single_prefill_sm90_kernel_mask_1.cu"]
+        r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3")
     assert r.passed, r
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 
 from ..errors import FivarError
 from ..spec import ir
@@ -98,18 +99,74 @@ def exp2_split_for(variant, requested: int | None) -> int:
 
 
 @contextlib.contextmanager
-def exp2_split(k: int):
-    """Generate (and, through fivar's module memo, run) FA3 modules with k of every 8 exp2 columns on the FMA
-    pipe while inside: for benchmarks and tests that compare splits in one process."""
-    before = os.environ.get(EXP2_EMULATION_ENV)
-    os.environ[EXP2_EMULATION_ENV] = str(k)
+def _env_set(var: str, value: str):
+    before = os.environ.get(var)
+    os.environ[var] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(EXP2_EMULATION_ENV, None)
+            os.environ.pop(var, None)
         else:
-            os.environ[EXP2_EMULATION_ENV] = before
+            os.environ[var] = before
+
+
+def exp2_split(k: int):
+    """Generate (and, through fivar's module memo, run) FA3 modules with k of every 8 exp2 columns on the FMA
+    pipe while inside: for benchmarks and tests that compare splits in one process."""
+    return _env_set(EXP2_EMULATION_ENV, str(k))
+
+
+def cta_tile(tile: str):
+    """Like exp2_split, for FA3 single prefill's CTA tile ("128x176", or "128x176,128x128": non-causal, causal)."""
+    return _env_set(CTA_TILE_ENV, tile)
+
+
+#: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh:
+#: 128 x 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another; fivar then renders an
+#: explicit specialization of SinglePrefillWithKVCacheDispatched with it (templates/fa3/cta_tile_inst.cu.jinja).
+CTA_TILE_ENV = "FIVAR_FA3_CTA_TILE"
+_SMEM_BYTES = 227 * 1024 - 1024  # Hopper's per-block limit, less the pipeline barriers
+
+
+def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[str, tuple[int, int]]:
+    """The tile per mask mode ({MASK_NONE: (q, kv), MASK_CAUSAL: (q, kv)}) a module's FA3 kernels use instead of
+    FlashInfer's: `requested` ("" for FlashInfer's own), else FIVAR_FA3_CTA_TILE (single prefill only), else
+    none. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal."""
+    where = "cta_tile" if requested is not None else CTA_TILE_ENV
+    text = requested if requested is not None else os.environ.get(CTA_TILE_ENV, "").strip()
+    if not text:
+        return {}
+    if op != "single_prefill":
+        if requested is None:
+            return {}
+        raise FivarError(f"variant '{variant.name}': cta_tile={text!r}: only FA3 single prefill takes a CTA tile")
+    parts = [p.strip() for p in text.split(",")]
+    tiles = []
+    for p in parts:
+        m = re.fullmatch(r"(\d+)x(\d+)", p)
+        if not m or len(parts) > 2:
+            raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV "
+                             "(non-causal, causal), e.g. 128x176")
+        q, kv = int(m.group(1)), int(m.group(2))
+        smem = 2 * head_dim * (q + 2 * kv + max(2 * kv, q))  # Q, K (2 stages), V (2 stages) or O in its place
+        if q not in (64, 128, 192) or kv % 16 or not 16 <= kv <= 256 or smem > _SMEM_BYTES:
+            raise FivarError(
+                f"variant '{variant.name}': {where}={text!r}: tile {q}x{kv} at head dim {head_dim} is not one FA3 "
+                f"can run: CTA_Q must be 64, 128 or 192 (one to three consumer warpgroups), CTA_KV a multiple of "
+                f"16 from 16 to 256, and Q, K and V must fit in shared memory ({smem // 1024} KiB of "
+                f"{_SMEM_BYTES // 1024})")
+        tiles.append((q, kv))
+    return {MASK_NONE: tiles[0], MASK_CAUSAL: tiles[-1]}
+
+
+def tile_text(tiles: dict[str, tuple[int, int]]) -> str:
+    """The canonical text of cta_tiles' result, what a module records: "" for FlashInfer's own tiles (which
+    cta_tiles reads back as such, whatever FIVAR_FA3_CTA_TILE says)."""
+    if not tiles:
+        return ""
+    a, b = ("x".join(map(str, tiles[m])) for m in (MASK_NONE, MASK_CAUSAL))
+    return a if a == b else f"{a},{b}"
 
 
 def mask_modes(variant) -> list[str]:

@@ -465,13 +465,15 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
-               exp2_emulated_of_8: int | None = None) -> FivarModule:
+               exp2_emulated_of_8: int | None = None, cta_tile: str | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
     only on hosts with cores to spare; off by default. `row_runs`: FA3 batch prefill of a mask that is more
     than a band, in the row-run form (fivar.codegen.fa3.variant_decl). `exp2_emulated_of_8`: FA3's softmax
-    exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides)."""
+    exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
+    `cta_tile`: FA3 single prefill's CTA tile, "QxKV" or "QxKV,QxKV" (non-causal, causal); default FlashInfer's,
+    or FIVAR_FA3_CTA_TILE (fivar.codegen.fa3.cta_tiles)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -490,8 +492,12 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     from flashinfer.jit.utils import dtype_map, mask_mode_literal
 
     codegen = fa3 if target == "fa3" else fa2
+    tiles: dict[str, tuple[int, int]] = {}
     if target == "fa3":
         exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
+        tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
+    elif cta_tile:
+        raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA tile")
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     if row_runs and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
@@ -518,6 +524,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     )
     config_t, inst_ts, host_files, config_name = (_FA3_LAYOUT if target == "fa3" else _FA2_LAYOUT)[op]
     config = _render_flashinfer(config_t, **kwargs)
+    if tiles:
+        config += fa2.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, tiles=[
+            dict(mask_mode=mode) for mode in codegen.mask_modes(variant)], **kwargs)
     sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
@@ -533,8 +542,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
             if has_mask_dispatch:
                 for mode in codegen.mask_modes(variant):
                     code = fa2.MASK_CODES[mode]
-                    sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(
-                        inst_t, mask_mode=mask_mode_literal[code], **kwargs)
+                    sources[f"{stem}_mask_{code}.cu"] = (
+                        fa2.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, cta_q=tiles[mode][0],
+                                   cta_kv=tiles[mode][1], causal=str(mode == fa2.MASK_CAUSAL).lower(), **kwargs)
+                        if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
     for host in host_files:
@@ -550,8 +561,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         cuda_cflags = list(sm90a_nvcc_flags)
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
-    options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8} if target == "fa3" else
-                                        {"split_cta_tiles": bool(split)})}
+    options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles)}
+                                        if target == "fa3" else {"split_cta_tiles": bool(split)})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 
@@ -588,7 +599,7 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
-    knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", "FIVAR_FA3_EXP2_EMULATION"))
+    knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV))
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs)
     m = _memo.get(key)
     if m is None or m[0] is not variant:

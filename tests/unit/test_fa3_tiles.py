@@ -1,0 +1,107 @@
+"""FA3 single prefill at a CTA tile of the user's choice (fivar.codegen.fa3.cta_tiles,
+templates/fa3/cta_tile_*.jinja): what is rendered, what is refused, what a module records, and that the
+explicit specialization compiles and links in place of FlashInfer's instantiation."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import fivar
+from fivar.codegen import fa3
+from fivar.jit.build import gen_module, module_for
+
+NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+KERNELS = ("single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_1.cu")
+
+
+@pytest.fixture(autouse=True)
+def _no_tile_env(monkeypatch):
+    monkeypatch.delenv(fa3.CTA_TILE_ENV, raising=False)
+
+
+def _tile_of(source: str) -> tuple[int, int]:
+    q = int(source.split("/*CTA_Q_=*/")[1].split(",")[0])
+    kv = int(source.split("/*CTA_KV_=*/")[1].split(",")[0])
+    return q, kv
+
+
+def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
+    softcap = fivar.load("softcap")
+    stock = gen_module(softcap, "single_prefill", "fa3")
+    assert stock.options["cta_tile"] == ""
+    assert all("template cudaError_t SinglePrefillWithKVCacheDispatched" in stock.sources[k] for k in KERNELS)
+    m = gen_module(softcap, "single_prefill", "fa3", cta_tile="128x176,192x128")
+    assert m.options["cta_tile"] == "128x176,192x128" and m.uri != stock.uri
+    assert [_tile_of(m.sources[k]) for k in KERNELS] == [(128, 176), (192, 128)]
+    assert "CAUSAL=*/false" in m.sources[KERNELS[0]] and "CAUSAL=*/true" in m.sources[KERNELS[1]]
+    # every unit (the host unit includes the config too) sees the specialization before any use
+    config = m.sources["single_prefill_sm90_config.inc"]
+    for mode in ("MaskMode::kNone", "MaskMode::kCausal"):
+        assert f"SinglePrefillWithKVCacheDispatched<128, 128, {mode}, false,\n" in config
+    # one tile for both modes; the window variant keeps FA3's sliding-window kernel
+    both = gen_module(fivar.load("softcap_sliding_window"), "single_prefill", "fa3", cta_tile="128x64")
+    assert both.options["cta_tile"] == "128x64"
+    assert [_tile_of(both.sources[k]) for k in KERNELS] == [(128, 64), (128, 64)]
+    assert all("LEFT_SLIDING_WINDOW=*/true" in both.sources[k] for k in KERNELS)
+
+
+def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_default_ignores_it(monkeypatch):
+    softcap = fivar.load("softcap")
+    default = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
+    with fa3.cta_tile("128x160"):
+        tiled = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
+        assert tiled.options["cta_tile"] == "128x160" and tiled.uri != default.uri
+        # batch prefill keeps FlashInfer's tiles (its ragged and paged kernels dispatch differently)
+        assert gen_module(softcap, "batch_prefill", "fa3").options["cta_tile"] == ""
+        # a module recorded with FlashInfer's tiles re-renders as such (fivar cache staleness)
+        assert gen_module(softcap, "single_prefill", "fa3", cta_tile="").uri == default.uri
+    assert module_for(softcap, "single_prefill", "fa3", "bf16", 128) is default
+    assert gen_module(softcap, "single_prefill", "fa3", cta_tile="128x160").uri == tiled.uri
+
+
+@pytest.mark.parametrize("bad,why", [
+    ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
+    ("96x128", "CTA_Q must be 64, 128 or 192"), ("128x100", "a multiple of 16"), ("128x272", "from 16 to 256"),
+    ("128x208", "shared memory"),  # 240 KiB of Q, K and V at hd128
+])
+def test_tiles_fa3_cannot_run_are_refused_naming_variant_and_setting(bad, why, monkeypatch):
+    softcap = fivar.load("softcap")
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': cta_tile=.*{why}"):
+        gen_module(softcap, "single_prefill", "fa3", cta_tile=bad)
+    monkeypatch.setenv(fa3.CTA_TILE_ENV, bad)
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {fa3.CTA_TILE_ENV}=.*{why}"):
+        gen_module(softcap, "single_prefill", "fa3")
+
+
+def test_the_shared_memory_bound_depends_on_the_head_dim():
+    softcap = fivar.load("softcap")
+    assert gen_module(softcap, "single_prefill", "fa3", head_dim=64, cta_tile="128x256").options["cta_tile"]
+    with pytest.raises(fivar.FivarError, match="tile 128x128 at head dim 256"):
+        gen_module(softcap, "single_prefill", "fa3", head_dim=256, cta_tile="128x128")
+
+
+def test_only_fa3_single_prefill_takes_a_tile():
+    softcap = fivar.load("softcap")
+    for op, target in (("single_prefill", "fa2"), ("batch_prefill", "fa3")):
+        with pytest.raises(fivar.FivarError, match="only FA3 single prefill takes a CTA tile"):
+            gen_module(softcap, op, target, cta_tile="128x128")
+
+
+@pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not installed")
+@pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
+def test_the_specialization_compiles_and_links_in_place_of_flashinfers():
+    """The host unit calls SinglePrefillWithKVCacheDispatched<..., kNone|kCausal, ...>: the library must define
+    both (a shared library links with undefined symbols, and would only fail at load on the GPU host), with
+    kernels of the requested tiles."""
+    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3", cta_tile="128x176,192x128")
+    assert m.build() == "cold"
+    syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
+    dispatch = [ln for ln in syms.splitlines() if "SinglePrefillWithKVCacheDispatched<" in ln]
+    assert not [ln for ln in dispatch if ln.split()[0] == "U"], dispatch
+    for mode in ("(flashinfer::MaskMode)0", "(flashinfer::MaskMode)1"):
+        assert any(f"SinglePrefillWithKVCacheDispatched<128u, 128u, {mode}" in ln and " T " in ln
+                   for ln in dispatch), (mode, dispatch)
+    traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
+    assert traits.format(128, 176) in syms and traits.format(192, 128) in syms
+    assert traits.format(128, 192) not in syms  # FlashInfer's own non-causal tile is not built
