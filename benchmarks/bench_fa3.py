@@ -14,9 +14,10 @@ Every contender is checked against another (stock or the reference) before it is
 
 `--exp2-splits 0,3,4,6` adds, in part 2, one FA3 contender per split `fivar_fa3_exp2_K`: K of every 8 score
 columns compute the softmax's exp2 on the FMA pipe (FIVAR_FA3_EXP2_EMULATION, fivar/codegen/fa3.py; 0 is
-FlashInfer's own OnlineSoftmax): how EXP2_EMULATED_OF_8 was chosen. `--cta-tiles 128x176,128x128` adds one per
-CTA tile `fivar_fa3_tile_QxKV` (FIVAR_FA3_CTA_TILE; FlashInfer's own is 128x192 non-causal, 128x128 causal at
-hd128), at the default split. All are built first in one parallel ninja.
+FlashInfer's own OnlineSoftmax): how EXP2_EMULATED_OF_8 was chosen. `--cta-tiles 128x176 128x160,128x96` adds one
+per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-causal then causal; FlashInfer's
+own is 128x192 non-causal, 128x128 causal at hd128), at the default split. These, fivar's default modules and
+stock FA3's are built first, in parallel.
 """
 from __future__ import annotations
 
@@ -95,13 +96,20 @@ def _run_under(option, fn):
 
 
 def build_option_modules(variants, exp2_splits, cta_tiles):
-    """The FA3 single-prefill modules of every split and tile, in one parallel ninja."""
-    from fivar.jit.build import build_many
-    from prewarm_gpu import fa3_variants_at  # benchmarks/ is this script's directory
+    """The FA3 single-prefill modules of every split and tile and the default ones, in one parallel ninja, then
+    (in another) stock FA3's, so no compile lands inside the benchmark."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashinfer.jit.core import build_jit_specs
+    from fivar.jit.build import build_many, serving_modules
+    from prewarm_gpu import fa3_variants_at, stock_fa3_specs  # benchmarks/ is this script's directory
     mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles)
+    mods += [m for n in variants for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
     t0 = time.perf_counter()
-    build_many(mods)
-    print(f"built {len(mods)} split/tile modules in {time.perf_counter() - t0:.0f} s", flush=True)
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(build_many, mods), pool.submit(build_jit_specs, stock_fa3_specs())]
+        [f.result() for f in done]
+    print(f"built {len(mods)} fivar FA3 modules and stock FA3 in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def _variant_vs_flex(name, S, causal, rounds, with_triton, options=()):
@@ -253,7 +261,8 @@ def main():
     ap.add_argument("--triton-seqlens", default="8192", help="flex sizes where the Triton twin is timed too")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--exp2-splits", default="", help="e.g. 0,3,4,6: FA3 contenders per exp2 split (see top)")
-    ap.add_argument("--cta-tiles", default="", help="e.g. 128x176,128x160: FA3 contenders per CTA tile (see top)")
+    ap.add_argument("--cta-tiles", nargs="*", default=[], help="e.g. 128x176 128x160,128x96: FA3 contenders per "
+                    "CTA tile (see top)")
     args = ap.parse_args()
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
     rounds = 2 if args.quick else 4
@@ -268,7 +277,7 @@ def main():
 
     if "softcap" in parts:
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
-    exp2_splits, cta_tiles = _ints(args.exp2_splits), [t for t in args.cta_tiles.split(",") if t]
+    exp2_splits, cta_tiles = _ints(args.exp2_splits), args.cta_tiles
     options = option_contenders(exp2_splits, cta_tiles)
     if options and "flex" in parts:
         build_option_modules(args.variants.split(","), exp2_splits, cta_tiles)

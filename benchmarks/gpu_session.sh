@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -67,6 +67,13 @@ exp2)  # FA3's exp2 split between the MUFU and FMA pipes (fivar_fa3_softmax.cuh)
   timeout ${BENCH_S:-330} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
     --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 --exp2-splits ${SPLITS:-2,4,6} \
     --json "$OUT/bench_exp2.json" 2>&1 | quiet | tee "$OUT/bench_exp2.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
+tiles)  # FA3 single prefill of the soft-capped variants at other exp2 splits and CTA tiles (bench_fa3.py
+  # --exp2-splits/--cta-tiles: all built first) vs fivar's default, stock FA3 and Flex, non-causal and causal
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
+    --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 --exp2-splits ${SPLITS:-0,1,3} \
+    --cta-tiles ${TILES:-128x176,192x128 128x160,128x176 128x128,128x96 192x128,128x64} \
+    --json "$OUT/bench_tiles.json" 2>&1 | quiet | tee "$OUT/bench_tiles.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 fusiontests)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
     | tee "$OUT/gpu_tests_fusions.log" | tail -4 ;;
