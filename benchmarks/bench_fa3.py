@@ -15,8 +15,8 @@ Every contender is checked against another (stock or the reference) before it is
 `--exp2-splits 0,3,4,6` adds, in part 2, one FA3 contender per split `fivar_fa3_exp2_K`: K of every 8 score
 columns compute the softmax's exp2 on the FMA pipe (FIVAR_FA3_EXP2_EMULATION, fivar/codegen/fa3.py; 0 is
 FlashInfer's own OnlineSoftmax): how EXP2_EMULATED_OF_8 was chosen. `--cta-tiles 128x176 128x160,128x96` adds one
-per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-causal then causal; FlashInfer's
-own is 128x192 non-causal, 128x128 causal at hd128), at the default split. These, fivar's default modules and
+per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-causal then causal, or `flashinfer`:
+128x192 non-causal, 128x128 causal at hd128; fivar's default for soft-caps is 128x128), at the default split. These, fivar's default modules and
 stock FA3's are built first, in parallel.
 """
 from __future__ import annotations

@@ -139,10 +139,14 @@ def _fa3_softmax(v) -> str:
 def _fa3_tile(v) -> str:
     from .codegen import fa3
     tiles = fa3.tile_text(fa3.cta_tiles(v, "single_prefill", 128, None))
-    if not tiles:
-        return (f"fa3 single prefill CTA tile: FlashInfer's (128x192 non-causal, 128x128 causal at hd128; "
-                f"{fa3.CTA_TILE_ENV}=QxKV[,QxKV] overrides)")
-    return f"fa3 single prefill CTA tile: {tiles} ({fa3.CTA_TILE_ENV}; non-causal, causal where two)"
+    why = ("the transform costs MUFU ops: a smaller score tile measured faster" if
+           fa3.default_cta_tile(v, "single_prefill", 128) != fa3.FLASHINFER_TILES else "FlashInfer's choice")
+    if os.environ.get(fa3.CTA_TILE_ENV, "").strip():
+        why = f"{fa3.CTA_TILE_ENV}"
+    if tiles == fa3.FLASHINFER_TILES:
+        tiles = "128x192 non-causal, 128x128 causal"
+    return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[,QxKV]|flashinfer "
+            "overrides)")
 
 
 @main.command()

@@ -87,15 +87,18 @@ def test_fa3_exp2_split_extremes(split, window, causal):
 
 
 # FA3 single prefill at CTA tiles FlashInfer never instantiates at hd128 (its own: 128x192 non-causal, 128x128
-# causal): the reference's results at lengths that leave partial tiles, qo_len < kv_len and qo_len > kv_len.
-@pytest.mark.parametrize("qo_len,kv_len", [(1000, 1000), (300, 1111), (777, 200)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_fa3_cta_tile_override(qo_len, kv_len, causal):
+# causal), and at fivar's default for soft-caps (128x128 in both): the reference's results at lengths that leave
+# partial tiles, qo_len < kv_len and (non-causal: causal refuses it) qo_len > kv_len.
+@pytest.mark.parametrize("qo_len,kv_len,causal", [(1000, 1000, False), (300, 1111, False), (777, 200, False),
+                                                  (1000, 1000, True), (300, 1111, True)])
+@pytest.mark.parametrize("tile", ["128x176,192x128", "128x128"])
+def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
     v = fivar.load("softcap")
-    with cta_tile("128x176,192x128"):
+    with cta_tile(tile):
         sources = module_for(v, "single_prefill", "fa3", "bf16", 128).sources
-        assert "/*CTA_KV_=*/176" in sources["single_prefill_sm90_kernel_mask_0.cu"]
-        assert "/*CTA_Q_=*/192" in sources["single_prefill_sm90_kernel_mask_1.cu"]
+        none, causal = (tile.split(",") * 2)[:2]
+        assert f"/*CTA_KV_=*/{none.split('x')[1]}," in sources["single_prefill_sm90_kernel_mask_0.cu"]
+        assert f"/*CTA_Q_=*/{causal.split('x')[0]}," in sources["single_prefill_sm90_kernel_mask_1.cu"]
         r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3")
     assert r.passed, r
 

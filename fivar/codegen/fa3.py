@@ -123,23 +123,37 @@ def cta_tile(tile: str):
 
 
 #: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh:
-#: 128 x 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another; fivar then renders an
-#: explicit specialization of SinglePrefillWithKVCacheDispatched with it (templates/fa3/cta_tile_inst.cu.jinja).
+#: 128 x 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one
+#: whose transform costs MUFU ops (the soft-caps): those run 128 x 128 in both modes at hd128. Measured on an
+#: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs
+#: 507 at 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between,
+#: 192x128 lost 40% (160 registers per thread for three consumer warpgroups). fivar renders an explicit
+#: specialization of SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja).
 CTA_TILE_ENV = "FIVAR_FA3_CTA_TILE"
+MUFU_BOUND_TILE = "128x128"
+FLASHINFER_TILES = "flashinfer"
 _SMEM_BYTES = 227 * 1024 - 1024  # Hopper's per-block limit, less the pipeline barriers
+
+
+def default_cta_tile(variant, op: str, head_dim: int) -> str:
+    """MUFU_BOUND_TILE for single prefill of a softmax variant whose transform costs MUFU ops, at hd128 (the one
+    head dim measured); else FlashInfer's own tiles."""
+    if op == "single_prefill" and head_dim == 128 and variant.softmax and mufu_ops_per_score(variant):
+        return MUFU_BOUND_TILE
+    return FLASHINFER_TILES
 
 
 def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[str, tuple[int, int]]:
     """The tile per mask mode ({MASK_NONE: (q, kv), MASK_CAUSAL: (q, kv)}) a module's FA3 kernels use instead of
-    FlashInfer's: `requested` ("" for FlashInfer's own), else FIVAR_FA3_CTA_TILE (single prefill only), else
-    none. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal."""
+    FlashInfer's, {} for FlashInfer's own: `requested`, else FIVAR_FA3_CTA_TILE (single prefill only), else
+    default_cta_tile. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal, "flashinfer" FlashInfer's."""
     where = "cta_tile" if requested is not None else CTA_TILE_ENV
     text = requested if requested is not None else os.environ.get(CTA_TILE_ENV, "").strip()
-    if not text:
+    if not text or (requested is None and op != "single_prefill"):
+        text = default_cta_tile(variant, op, head_dim)
+    if text == FLASHINFER_TILES:
         return {}
     if op != "single_prefill":
-        if requested is None:
-            return {}
         raise FivarError(f"variant '{variant.name}': cta_tile={text!r}: only FA3 single prefill takes a CTA tile")
     parts = [p.strip() for p in text.split(",")]
     tiles = []
@@ -147,7 +161,7 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
         m = re.fullmatch(r"(\d+)x(\d+)", p)
         if not m or len(parts) > 2:
             raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV "
-                             "(non-causal, causal), e.g. 128x176")
+                             f"(non-causal, causal), e.g. 128x176, or {FLASHINFER_TILES!r}")
         q, kv = int(m.group(1)), int(m.group(2))
         smem = 2 * head_dim * (q + 2 * kv + max(2 * kv, q))  # Q, K (2 stages), V (2 stages) or O in its place
         if q not in (64, 128, 192) or kv % 16 or not 16 <= kv <= 256 or smem > _SMEM_BYTES:
@@ -161,10 +175,9 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
 
 
 def tile_text(tiles: dict[str, tuple[int, int]]) -> str:
-    """The canonical text of cta_tiles' result, what a module records: "" for FlashInfer's own tiles (which
-    cta_tiles reads back as such, whatever FIVAR_FA3_CTA_TILE says)."""
+    """The canonical text of cta_tiles' result, what a module records (and cta_tiles reads back as it is)."""
     if not tiles:
-        return ""
+        return FLASHINFER_TILES
     a, b = ("x".join(map(str, tiles[m])) for m in (MASK_NONE, MASK_CAUSAL))
     return a if a == b else f"{a},{b}"
 

@@ -472,8 +472,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     only on hosts with cores to spare; off by default. `row_runs`: FA3 batch prefill of a mask that is more
     than a band, in the row-run form (fivar.codegen.fa3.variant_decl). `exp2_emulated_of_8`: FA3's softmax
     exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
-    `cta_tile`: FA3 single prefill's CTA tile, "QxKV" or "QxKV,QxKV" (non-causal, causal); default FlashInfer's,
-    or FIVAR_FA3_CTA_TILE (fivar.codegen.fa3.cta_tiles)."""
+    `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal) or "flashinfer"; default
+    FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -496,7 +496,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if target == "fa3":
         exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
         tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
-    elif cta_tile:
+    elif cta_tile and cta_tile != fa3.FLASHINFER_TILES:
         raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA tile")
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     if row_runs and not kv_ranges:

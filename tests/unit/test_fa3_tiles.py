@@ -28,9 +28,11 @@ def _tile_of(source: str) -> tuple[int, int]:
 
 def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
     softcap = fivar.load("softcap")
-    stock = gen_module(softcap, "single_prefill", "fa3")
-    assert stock.options["cta_tile"] == ""
+    stock = gen_module(softcap, "single_prefill", "fa3", cta_tile="flashinfer")
+    assert stock.options["cta_tile"] == "flashinfer"
     assert all("template cudaError_t SinglePrefillWithKVCacheDispatched" in stock.sources[k] for k in KERNELS)
+    assert "fivar: this module's FA3 single prefill runs its own CTA tile" not in stock.sources[
+        "single_prefill_sm90_config.inc"]
     m = gen_module(softcap, "single_prefill", "fa3", cta_tile="128x176,192x128")
     assert m.options["cta_tile"] == "128x176,192x128" and m.uri != stock.uri
     assert [_tile_of(m.sources[k]) for k in KERNELS] == [(128, 176), (192, 128)]
@@ -38,7 +40,7 @@ def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
     # every unit (the host unit includes the config too) sees the specialization before any use
     config = m.sources["single_prefill_sm90_config.inc"]
     for mode in ("MaskMode::kNone", "MaskMode::kCausal"):
-        assert f"SinglePrefillWithKVCacheDispatched<128, 128, {mode}, false,\n" in config
+        assert f"SinglePrefillWithKVCacheDispatched<128, 128, {mode}, /*USE_SLIDING_WINDOW=*/false,\n" in config
     # one tile for both modes; the window variant keeps FA3's sliding-window kernel
     both = gen_module(fivar.load("softcap_sliding_window"), "single_prefill", "fa3", cta_tile="128x64")
     assert both.options["cta_tile"] == "128x64"
@@ -46,16 +48,32 @@ def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
     assert all("LEFT_SLIDING_WINDOW=*/true" in both.sources[k] for k in KERNELS)
 
 
-def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_default_ignores_it(monkeypatch):
+@pytest.mark.parametrize("name,head_dim,tile", [
+    ("softcap", 128, "128x128"), ("softcap_sliding_window", 128, "128x128"),  # MUFU ops per score: measured
+    ("softcap", 64, "flashinfer"), ("softcap", 256, "flashinfer"),  # not measured there
+    ("alibi", 128, "flashinfer"), ("sliding_window", 128, "flashinfer"), ("sigmoid", 128, "flashinfer"),
+])
+def test_the_default_tile_is_128x128_only_where_it_was_measured_faster(name, head_dim, tile):
+    v = fivar.load(name)
+    m = gen_module(v, "single_prefill", "fa3", head_dim=head_dim)
+    assert m.options["cta_tile"] == tile == fa3.default_cta_tile(v, "single_prefill", head_dim)
+    if tile != "flashinfer":
+        assert [_tile_of(m.sources[k]) for k in KERNELS] == [(128, 128), (128, 128)]
+    assert gen_module(v, "batch_prefill", "fa3", head_dim=head_dim).options["cta_tile"] == "flashinfer"
+
+
+def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_tile_ignores_it(monkeypatch):
     softcap = fivar.load("softcap")
     default = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
     with fa3.cta_tile("128x160"):
         tiled = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
         assert tiled.options["cta_tile"] == "128x160" and tiled.uri != default.uri
         # batch prefill keeps FlashInfer's tiles (its ragged and paged kernels dispatch differently)
-        assert gen_module(softcap, "batch_prefill", "fa3").options["cta_tile"] == ""
-        # a module recorded with FlashInfer's tiles re-renders as such (fivar cache staleness)
-        assert gen_module(softcap, "single_prefill", "fa3", cta_tile="").uri == default.uri
+        assert gen_module(softcap, "batch_prefill", "fa3").options["cta_tile"] == "flashinfer"
+        # a module re-rendered from its manifest (fivar cache staleness) passes its recorded tile
+        assert gen_module(softcap, "single_prefill", "fa3", cta_tile="128x128").uri == default.uri
+    with fa3.cta_tile("flashinfer"):
+        assert module_for(softcap, "single_prefill", "fa3", "bf16", 128).options["cta_tile"] == "flashinfer"
     assert module_for(softcap, "single_prefill", "fa3", "bf16", 128) is default
     assert gen_module(softcap, "single_prefill", "fa3", cta_tile="128x160").uri == tiled.uri
 
