@@ -220,7 +220,15 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all
         return True, [f"variant '{man.get('variant')}' no longer builds: {str(ex).splitlines()[0]}"]
     if now != e.uri:
-        return True, [f"variant '{man.get('variant')}' was edited (now renders {now})"]
+        from .jit.build import variant_file_sha256
+        built_from, file_now = man.get("variant_file_sha256"), variant_file_sha256(v)
+        if built_from is None or file_now is None:
+            why = "was edited, or fivar's code generation changed,"
+        elif built_from != file_now:
+            why = "was edited"
+        else:
+            why = "is unchanged but fivar's code generation changed"
+        return True, [f"variant '{man.get('variant')}' {why} (now renders {now})"]
     return False, []
 
 

@@ -133,7 +133,8 @@ class FivarModule:
                "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
                "arch": toolchain.arch_tag(), "created": time.time(),
                "so_sha256": _sha256(self.library_path), "sources": sorted(self.sources),
-               "variant_file": getattr(self.variant, "source_file", None), "options": self.options}
+               "variant_file": getattr(self.variant, "source_file", None),
+               "variant_file_sha256": variant_file_sha256(self.variant), "options": self.options}
         _write_if_different(self.manifest_path, json.dumps(man, indent=1))
 
     def _missing_sources(self) -> list[str]:
@@ -228,6 +229,16 @@ def _cache_write_error(m: FivarModule, e: OSError) -> FivarError:
                           f"FLASHINFER_WORKSPACE_BASE to a directory with room")
     return FivarError(f"variant '{m.variant.name}': cannot write the JIT cache at {where} ({e.strerror}); "
                       f"set FLASHINFER_WORKSPACE_BASE to a writable directory")
+
+
+def variant_file_sha256(variant) -> str | None:
+    """The variant's file as it reads now (None without one): tells `fivar cache` staleness whether a module
+    renders differently because its variant was edited or because fivar's code generation changed."""
+    path = getattr(variant, "source_file", None)
+    try:
+        return _sha256(Path(path)) if path else None
+    except OSError:
+        return None
 
 
 def _sha256(path: Path) -> str:

@@ -122,7 +122,7 @@ def test_ls_size_provenance_hits_and_staleness(iso):
 def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     """Modules built with non-default rendering options (FA3 exp2 split, FA2 CTA-tile split) are fresh whatever
     this process's environment says, and still go stale when their variant is edited."""
-    from fivar.codegen.fa3 import EXP2_EMULATION_ENV, exp2_split
+    from fivar.codegen.fa3 import CTA_TILE_ENV, EXP2_EMULATION_ENV, exp2_split
     _, _, vfile = iso
     v = fivar.load(str(vfile))
     with exp2_split(8):
@@ -131,13 +131,33 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     fa2_split = fake_built(gen_module(v, op="single_prefill", split_cta_tiles=True))
     assert len({fa3_8.uri, fa3_default.uri}) == 2 and fa3_8.options["exp2_emulated_of_8"] == 8
     assert fa2_split.options["split_cta_tiles"] is True
+    fa3_tile = fake_built(gen_module(v, op="single_prefill", target="fa3", cta_tile="128x176,128x64"))
+    assert fa3_tile.options["cta_tile"] == "128x176,128x64"
     monkeypatch.setenv(EXP2_EMULATION_ENV, "3")  # a process that would render FA3 modules another way
-    mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri}
+    monkeypatch.setenv(CTA_TILE_ENV, "128x160")
+    mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri, fa3_tile.uri}
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
-    assert len(rows) == 3 and all(r["stale"] is False for r in rows), rows
+    assert len(rows) == 4 and all(r["stale"] is False for r in rows), rows
     vfile.write_text(VARIANT.replace("20.0", "25.0"))
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
-    assert len(rows) == 3 and all(r["stale"] is True and "was edited" in r["stale_reasons"][0] for r in rows), rows
+    assert len(rows) == 4 and all(r["stale"] is True and "was edited" in r["stale_reasons"][0] for r in rows), rows
+
+
+def test_staleness_tells_an_edited_variant_from_changed_code_generation(iso):
+    """Same variant file, another rendering (here: the manifest says it was built at another exp2 split than the
+    library it describes, as a module from an older fivar with other defaults would): stale, and the reason
+    says the variant is unchanged. A manifest from before the file hash says it cannot tell."""
+    _, _, vfile = iso
+    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3"))
+    man = json.loads(m.manifest_path.read_text())
+    assert man["variant_file_sha256"] and man["options"]["exp2_emulated_of_8"] == 2
+    m.manifest_path.write_text(json.dumps({**man, "options": {**man["options"], "exp2_emulated_of_8": 5}}))
+    row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
+    assert row["stale"] is True and "unchanged but fivar's code generation changed" in row["stale_reasons"][0]
+    del man["variant_file_sha256"]
+    m.manifest_path.write_text(json.dumps({**man, "options": {**man["options"], "exp2_emulated_of_8": 5}}))
+    row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
+    assert "was edited, or fivar's code generation changed" in row["stale_reasons"][0]
 
 
 def test_background_load_records_are_written_by_flush_and_survive_fork(iso):
