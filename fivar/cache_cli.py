@@ -215,8 +215,11 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
         else:
             # rendered the way it was built (row-run form, CTA-tile split, FA3 exp2 split), not as this
             # process's environment would render it now
+            options = dict(man.get("options", {}))
+            if man.get("target") == "fa3" and "cta_tile" not in options:
+                options["cta_tile"] = "flashinfer"  # recorded before fivar had tiles: built with FlashInfer's
             now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
-                             head_dim=man["head_dim"], **man.get("options", {})).uri
+                             head_dim=man["head_dim"], **options).uri
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all
         return True, [f"variant '{man.get('variant')}' no longer builds: {str(ex).splitlines()[0]}"]
     if now != e.uri:

@@ -138,6 +138,10 @@ def _fa3_softmax(v) -> str:
 
 def _fa3_tile(v) -> str:
     from .codegen import fa3
+    from .jit.build import serving_op
+    if serving_op(v, "single_prefill", "fa3") != "single_prefill":
+        return ("fa3 single prefill CTA tile: FlashInfer's (it runs as batch prefill in the KV-range form, whose "
+                f"tiles fivar does not change; {fa3.CTA_TILE_ENV} does not apply)")
     tiles = fa3.tile_text(fa3.cta_tiles(v, "single_prefill", 128, None))
     why = ("the transform costs MUFU ops: a smaller score tile measured faster" if
            fa3.default_cta_tile(v, "single_prefill", 128) != fa3.FLASHINFER_TILES else "FlashInfer's choice")

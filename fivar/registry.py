@@ -1,6 +1,7 @@
 """Finding variants by name: FIVAR_VARIANT_PATH, then ./variants, then fivar's bundled variants."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import sys
@@ -40,6 +41,10 @@ def load_file(path: Path) -> AttentionVariant:
     path = Path(path).resolve()
     if path in _loaded:
         return _loaded[path]
+    try:  # what is executed below: fivar cache staleness tells an edited file from changed code generation
+        file_sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        file_sha256 = None
     mod_name = f"fivar_variant_{path.stem}_{abs(hash(str(path))):x}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -65,6 +70,7 @@ def load_file(path: Path) -> AttentionVariant:
     if not isinstance(v, (AttentionVariant, FusionVariant)):
         raise FivarSpecError("the file must define `variant = fivar.AttentionVariant(...)`",
                              filename=str(path), line=1, col=0)
+    v.loaded_file_sha256 = file_sha256
     _loaded[path] = v
     return v
 

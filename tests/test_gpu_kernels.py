@@ -96,9 +96,9 @@ def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
     v = fivar.load("softcap")
     with cta_tile(tile):
         sources = module_for(v, "single_prefill", "fa3", "bf16", 128).sources
-        none, causal = (tile.split(",") * 2)[:2]
-        assert f"/*CTA_KV_=*/{none.split('x')[1]}," in sources["single_prefill_sm90_kernel_mask_0.cu"]
-        assert f"/*CTA_Q_=*/{causal.split('x')[0]}," in sources["single_prefill_sm90_kernel_mask_1.cu"]
+        tile_none, tile_causal = (tile.split(",") * 2)[:2]
+        assert f"/*CTA_KV_=*/{tile_none.split('x')[1]}," in sources["single_prefill_sm90_kernel_mask_0.cu"]
+        assert f"/*CTA_Q_=*/{tile_causal.split('x')[0]}," in sources["single_prefill_sm90_kernel_mask_1.cu"]
         r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3")
     assert r.passed, r
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import os
 import re
 
@@ -153,6 +155,11 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
         text = default_cta_tile(variant, op, head_dim)
     if text == FLASHINFER_TILES:
         return {}
+    problem = flashinfer_dispatch_problem()
+    if problem and requested is None and not os.environ.get(CTA_TILE_ENV, "").strip():
+        return {}  # fivar's default tile is an optimisation: FlashInfer's own tiles are always right
+    if problem:
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}")
     if op != "single_prefill":
         raise FivarError(f"variant '{variant.name}': cta_tile={text!r}: only FA3 single prefill takes a CTA tile")
     parts = [p.strip() for p in text.split(",")]
@@ -164,14 +171,38 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
                              f"(non-causal, causal), e.g. 128x176, or {FLASHINFER_TILES!r}")
         q, kv = int(m.group(1)), int(m.group(2))
         smem = 2 * head_dim * (q + 2 * kv + max(2 * kv, q))  # Q, K (2 stages), V (2 stages) or O in its place
-        if q not in (64, 128, 192) or kv % 16 or not 16 <= kv <= 256 or smem > _SMEM_BYTES:
+        # CTA_Q: FA3's warp scheduler (hopper/named_barrier.cuh) static_asserts two or three consumer warpgroups
+        if q not in (128, 192) or kv % 16 or not 16 <= kv <= 256 or smem > _SMEM_BYTES:
             raise FivarError(
                 f"variant '{variant.name}': {where}={text!r}: tile {q}x{kv} at head dim {head_dim} is not one FA3 "
-                f"can run: CTA_Q must be 64, 128 or 192 (one to three consumer warpgroups), CTA_KV a multiple of "
+                f"can run: CTA_Q must be 128 or 192 (two or three consumer warpgroups), CTA_KV a multiple of "
                 f"16 from 16 to 256, and Q, K and V must fit in shared memory ({smem // 1024} KiB of "
                 f"{_SMEM_BYTES // 1024})")
         tiles.append((q, kv))
     return {MASK_NONE: tiles[0], MASK_CAUSAL: tiles[-1]}
+
+
+#: sha256 of FlashInfer 0.7.2's SinglePrefillWithKVCacheDispatched body (hopper/prefill_sm90.cuh), whitespace
+#: collapsed: the function templates/fa3/cta_tile_inst.cu.jinja specializes with everything but the tile kept.
+_FLASHINFER_DISPATCH_SHA256 = "838afb1277820d5e386dedbaf33a5f2960e16a9f13e1eb49a2383e9bc547f436"
+
+
+@functools.lru_cache(maxsize=None)
+def flashinfer_dispatch_problem() -> str | None:
+    """Why the installed FlashInfer's FA3 single-prefill dispatch is not the one fivar's tile specialization
+    mirrors (kernel traits, stages, TMA), or None."""
+    from flashinfer.jit import env as jit_env
+    path = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "attention" / "hopper" / "prefill_sm90.cuh"
+    m = re.search(r"template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool "
+                  r"LEFT_SLIDING_WINDOW,\s*typename AttentionVariant, typename Params>\s*cudaError_t "
+                  r"SinglePrefillWithKVCacheDispatched\(Params& params, cudaStream_t stream\) \{\n(.*?)\n\}\n",
+                  path.read_text(), re.S)
+    if m is None:
+        return f"{path} has no SinglePrefillWithKVCacheDispatched of the form fivar specializes"
+    if hashlib.sha256(" ".join(m.group(1).split()).encode()).hexdigest() != _FLASHINFER_DISPATCH_SHA256:
+        return (f"FlashInfer's SinglePrefillWithKVCacheDispatched ({path}) changed since fivar's CTA-tile "
+                "specialization was written against 0.7.2; only FlashInfer's own tiles ('flashinfer') can be built")
+    return None
 
 
 def tile_text(tiles: dict[str, tuple[int, int]]) -> str:

@@ -232,13 +232,10 @@ def _cache_write_error(m: FivarModule, e: OSError) -> FivarError:
 
 
 def variant_file_sha256(variant) -> str | None:
-    """The variant's file as it reads now (None without one): tells `fivar cache` staleness whether a module
-    renders differently because its variant was edited or because fivar's code generation changed."""
-    path = getattr(variant, "source_file", None)
-    try:
-        return _sha256(Path(path)) if path else None
-    except OSError:
-        return None
+    """The variant's file as it was when loaded (fivar.registry.load_file; None for a variant built in code):
+    tells `fivar cache` staleness whether a module renders differently because its variant was edited or
+    because fivar's code generation changed."""
+    return getattr(variant, "loaded_file_sha256", None)
 
 
 def _sha256(path: Path) -> str:

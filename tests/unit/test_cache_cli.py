@@ -111,7 +111,7 @@ def test_ls_size_provenance_hits_and_staleness(iso):
     # edit the variant: its module is now stale (it renders another URI); revert: fresh again
     vfile.write_text(VARIANT.replace("20.0", "25.0"))
     cur = [r for r in as_json("cache", "ls") if r["uri"] == m.uri and r["flashinfer"] != "0.6.0"][0]
-    assert cur["stale"] is True and "was edited" in cur["stale_reasons"][0]
+    assert cur["stale"] is True and "' was edited (now renders" in cur["stale_reasons"][0]
     vfile.write_text(VARIANT)
     cur = [r for r in as_json("cache", "ls") if r["uri"] == m.uri and r["flashinfer"] != "0.6.0"][0]
     assert cur["stale"] is False
@@ -140,7 +140,7 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     assert len(rows) == 4 and all(r["stale"] is False for r in rows), rows
     vfile.write_text(VARIANT.replace("20.0", "25.0"))
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
-    assert len(rows) == 4 and all(r["stale"] is True and "was edited" in r["stale_reasons"][0] for r in rows), rows
+    assert len(rows) == 4 and all(r["stale"] is True and "' was edited (now renders" in r["stale_reasons"][0] for r in rows), rows
 
 
 def test_staleness_tells_an_edited_variant_from_changed_code_generation(iso):
@@ -158,6 +158,21 @@ def test_staleness_tells_an_edited_variant_from_changed_code_generation(iso):
     m.manifest_path.write_text(json.dumps({**man, "options": {**man["options"], "exp2_emulated_of_8": 5}}))
     row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
     assert "was edited, or fivar's code generation changed" in row["stale_reasons"][0]
+
+
+def test_a_manifest_from_before_cta_tiles_renders_with_flashinfers_tiles(iso, monkeypatch):
+    """FA3 modules recorded before fivar chose tiles were built with FlashInfer's: they stay fresh, whatever
+    this process's FIVAR_FA3_CTA_TILE says (even a value that is not a tile)."""
+    from fivar.codegen.fa3 import CTA_TILE_ENV
+    _, _, vfile = iso
+    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3", cta_tile="flashinfer"))
+    man = json.loads(m.manifest_path.read_text())
+    del man["options"]["cta_tile"]
+    m.manifest_path.write_text(json.dumps(man))
+    for env in ("128x176", "not-a-tile"):
+        monkeypatch.setenv(CTA_TILE_ENV, env)
+        row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
+        assert row["stale"] is False, row
 
 
 def test_background_load_records_are_written_by_flush_and_survive_fork(iso):

@@ -80,7 +80,7 @@ def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_tile_ignore
 
 @pytest.mark.parametrize("bad,why", [
     ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
-    ("96x128", "CTA_Q must be 64, 128 or 192"), ("128x100", "a multiple of 16"), ("128x272", "from 16 to 256"),
+    ("96x128", "CTA_Q must be 128 or 192"), ("64x128", "CTA_Q must be 128 or 192"), ("128x100", "a multiple of 16"), ("128x272", "from 16 to 256"),
     ("128x208", "shared memory"),  # 240 KiB of Q, K and V at hd128
 ])
 def test_tiles_fa3_cannot_run_are_refused_naming_variant_and_setting(bad, why, monkeypatch):
@@ -123,3 +123,23 @@ def test_the_specialization_compiles_and_links_in_place_of_flashinfers():
     traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
     assert traits.format(128, 176) in syms and traits.format(192, 128) in syms
     assert traits.format(128, 192) not in syms  # FlashInfer's own non-causal tile is not built
+
+
+def test_a_flashinfer_whose_dispatch_changed_gets_its_own_tiles(monkeypatch):
+    """The specialization keeps everything of FlashInfer's SinglePrefillWithKVCacheDispatched but the tile: a
+    FlashInfer that changed it builds its own tiles by default, and an explicit tile is refused, not guessed."""
+    assert fa3.flashinfer_dispatch_problem() is None  # the installed FlashInfer is the one fivar mirrors
+    monkeypatch.setattr(fa3, "_FLASHINFER_DISPATCH_SHA256", "0" * 64)
+    fa3.flashinfer_dispatch_problem.cache_clear()
+    try:
+        assert "changed since fivar's CTA-tile specialization" in fa3.flashinfer_dispatch_problem()
+        softcap = fivar.load("softcap")
+        assert gen_module(softcap, "single_prefill", "fa3").options["cta_tile"] == "flashinfer"
+        with pytest.raises(fivar.FivarError, match="variant 'softcap': cta_tile='128x128': FlashInfer's"):
+            gen_module(softcap, "single_prefill", "fa3", cta_tile="128x128")
+        monkeypatch.setenv(fa3.CTA_TILE_ENV, "128x176")
+        with pytest.raises(fivar.FivarError, match=f"{fa3.CTA_TILE_ENV}='128x176': FlashInfer's"):
+            gen_module(softcap, "single_prefill", "fa3")
+    finally:
+        monkeypatch.undo()
+        fa3.flashinfer_dispatch_problem.cache_clear()
