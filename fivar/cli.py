@@ -143,10 +143,12 @@ def _fa3_tile(v) -> str:
         return ("fa3 single prefill CTA tile: FlashInfer's (it runs as batch prefill in the KV-range form, whose "
                 f"tiles fivar does not change; {fa3.CTA_TILE_ENV} does not apply)")
     tiles = fa3.tile_text(fa3.cta_tiles(v, "single_prefill", 128, None))
-    why = ("the transform costs MUFU ops: a smaller score tile measured faster" if
-           fa3.default_cta_tile(v, "single_prefill", 128) != fa3.FLASHINFER_TILES else "FlashInfer's choice")
     if os.environ.get(fa3.CTA_TILE_ENV, "").strip():
-        why = f"{fa3.CTA_TILE_ENV}"
+        why = fa3.CTA_TILE_ENV
+    elif tiles != fa3.FLASHINFER_TILES:
+        why = "the transform costs MUFU ops: a smaller score tile measured faster"
+    else:
+        why = "FlashInfer's choice"
     if tiles == fa3.FLASHINFER_TILES:
         tiles = "128x192 non-causal, 128x128 causal"
     return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[,QxKV]|flashinfer "

@@ -155,13 +155,13 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
         text = default_cta_tile(variant, op, head_dim)
     if text == FLASHINFER_TILES:
         return {}
+    if op != "single_prefill":
+        raise FivarError(f"variant '{variant.name}': cta_tile={text!r}: only FA3 single prefill takes a CTA tile")
     problem = flashinfer_dispatch_problem()
     if problem and requested is None and not os.environ.get(CTA_TILE_ENV, "").strip():
         return {}  # fivar's default tile is an optimisation: FlashInfer's own tiles are always right
     if problem:
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}")
-    if op != "single_prefill":
-        raise FivarError(f"variant '{variant.name}': cta_tile={text!r}: only FA3 single prefill takes a CTA tile")
     parts = [p.strip() for p in text.split(",")]
     tiles = []
     for p in parts:

@@ -533,8 +533,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     config_t, inst_ts, host_files, config_name = (_FA3_LAYOUT if target == "fa3" else _FA2_LAYOUT)[op]
     config = _render_flashinfer(config_t, **kwargs)
     if tiles:
-        config += fa2.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, tiles=[
-            dict(mask_mode=mode) for mode in codegen.mask_modes(variant)], **kwargs)
+        config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
     sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
@@ -551,7 +550,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                 for mode in codegen.mask_modes(variant):
                     code = fa2.MASK_CODES[mode]
                     sources[f"{stem}_mask_{code}.cu"] = (
-                        fa2.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, cta_q=tiles[mode][0],
+                        fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, cta_q=tiles[mode][0],
                                    cta_kv=tiles[mode][1], causal=str(mode == fa2.MASK_CAUSAL).lower(), **kwargs)
                         if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:
