@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -76,6 +76,12 @@ tiles)  # FA3 single prefill of the soft-capped variants at other exp2 splits an
     --exp2-splits ${SPLITS:-0,1,3} \
     --cta-tiles ${TILES:-128x176,192x128 128x160,128x176 128x128,128x96 192x128,128x64} \
     --json "$OUT/bench_tiles.json" 2>&1 | quiet | tee "$OUT/bench_tiles.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
+batch)  # batch prefill, ragged and planned (`fivar bench --op batch-prefill`): soft-cap vs stock
+  # BatchPrefillWithRaggedKVCacheWrapper (FA3 on Hopper; exp2 split and FlashInfer's tiles), non-causal then causal
+  for c in "" --causal; do
+    timeout 270 python3 -m fivar bench ${VARIANTS:-softcap} --op batch-prefill --batch ${BATCH:-8} \
+      --seqlens ${SEQLENS:-2048,4096} --vs stock $c --json "$OUT/bench_batch${c:+_causal}.json" 2>&1 | quiet | tail -12
+  done ;;
 fusiontests)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
     | tee "$OUT/gpu_tests_fusions.log" | tail -4 ;;
