@@ -130,10 +130,14 @@ def _fa3_softmax(v) -> str:
         return "fa3 softmax: none (the variant's weights are used as they are)"
     mufu, k = fa3.mufu_ops_per_score(v), fa3.exp2_emulated_of_8(v)
     cost = f"the logits transform costs {mufu} MUFU op(s) per score"
+    rng = fa3.softmax_range(v, "bf16", True)
+    bounded = ("; the transform is unbounded, so the max is a running one" if rng is None else
+               f"; the transform stays in [{rng[0]:g}, {rng[1]:g}], and with {fa3.BOUNDED_SOFTMAX_ENV}=1 (bf16) the "
+               f"softmax takes its max from the bound, {'on' if fa3.softmax_range(v, 'bf16') else 'off'} here")
     if not k:
-        return f"fa3 softmax: FlashInfer's OnlineSoftmax, every exp2 on the MUFU pipe ({cost})"
+        return f"fa3 softmax: FlashInfer's OnlineSoftmax, every exp2 on the MUFU pipe ({cost}{bounded})"
     return (f"fa3 softmax: {k} of every 8 score columns compute exp2 on the FMA pipe ({cost}; "
-            f"{fa3.EXP2_EMULATION_ENV}=0..8 overrides)")
+            f"{fa3.EXP2_EMULATION_ENV}=0..8 overrides{bounded})")
 
 
 def _fa3_tile(v) -> str:
@@ -214,7 +218,8 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         return
     from .codegen import fa2, fa3
     if not sources:
-        decl = (fa3.variant_decl(v, kv_ranges=fa3.uses_kv_ranges(v, op)) if target == "fa3"
+        decl = (fa3.variant_decl(v, kv_ranges=fa3.uses_kv_ranges(v, op), logits_range=fa3.softmax_range(v, dtype))
+                if target == "fa3"
                 else fa2.variant_decl(v))
         _print_code(decl.source)
         return

@@ -23,6 +23,7 @@ import re
 
 from ..errors import FivarError
 from ..spec import ir
+from ..spec.ranges import program_range
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
@@ -98,6 +99,34 @@ def exp2_split_for(variant, requested: int | None) -> int:
     if not 0 <= requested <= 8:
         raise FivarError(f"variant '{variant.name}': exp2_emulated_of_8={requested}: expected 0 to 8")
     return requested if variant.softmax else 0
+
+
+#: FIVAR_FA3_BOUNDED_SOFTMAX=1 (gen_module(bounded_softmax=True), `with bounded_softmax()`): a softmax variant whose
+#: logits transform is bounded (fivar.spec.ranges: soft-capping's tanh, in [-1, 1]) takes the softmax max from the
+#: bound in bf16 FA3 modules, with no running max and no output rescale per tile (csrc/fivar_fa3_softmax.cuh). Off
+#: by default until it is measured against the running max on a GPU.
+BOUNDED_SOFTMAX_ENV = "FIVAR_FA3_BOUNDED_SOFTMAX"
+
+
+def softmax_range(variant, dtype: str, requested: bool | None = None) -> tuple[float, float] | None:
+    """The range [lo, hi] of the logits transform FA3's softmax takes its max from, or None for the running max:
+    `requested`, else FIVAR_FA3_BOUNDED_SOFTMAX, says whether to; it applies to softmax variants with a bounded
+    transform, in bf16 only (an fp16 probability under 2^-24 is zero, so a row whose logits all sit far below
+    the bound would lose every weight; bf16 keeps float's exponent range). The kernel still checks per CTA that
+    the range times the softmax scale is narrow enough (fivar::bounded_softmax_max), else it runs the running max."""
+    if requested is None:
+        text = os.environ.get(BOUNDED_SOFTMAX_ENV, "").strip()
+        if text not in ("", "0", "1"):
+            raise FivarError(f"variant '{variant.name}': {BOUNDED_SOFTMAX_ENV}={text!r}: expected 0 or 1")
+        requested = text == "1"
+    if not requested or not variant.softmax or dtype != "bf16" or variant.lowered.logits is None:
+        return None
+    return program_range(variant.lowered.logits)
+
+
+def bounded_softmax(on: bool = True):
+    """Like exp2_split, for the bounded softmax (softmax_range)."""
+    return _env_set(BOUNDED_SOFTMAX_ENV, "1" if on else "0")
 
 
 @contextlib.contextmanager
@@ -222,8 +251,8 @@ def runtime_mask_code(variant, causal: bool) -> int:
 
 
 def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
-                 exp2_emulated_of_8: int | None = None) -> VariantDecl:
-    """`kv_ranges`: the KV-range form. `row_runs` (with it): the form for a batch whose every row keeps one
+                 exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None) -> VariantDecl:
+    """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form. `row_runs` (with it): the form for a batch whose every row keeps one
     run of keys (a document mask always does): the mask pre-pass stored each row's run (made relative to its
     block's first key, causal folded in) and the kernel checks it with one 8-byte load per row, instead of
     evaluating the mask per element (its gathers spill registers in FA3's consumer warps)."""
@@ -279,7 +308,8 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
                     members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges,
-                    window=as_window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8))
+                    window=as_window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
+                    logits_range=logits_range and tuple(repr(float(x)) for x in logits_range))
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
                                                           extra_tensors=tables))

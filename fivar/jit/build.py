@@ -473,7 +473,8 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
-               exp2_emulated_of_8: int | None = None, cta_tile: str | None = None) -> FivarModule:
+               exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
+               bounded_softmax: bool | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
@@ -481,7 +482,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     than a band, in the row-run form (fivar.codegen.fa3.variant_decl). `exp2_emulated_of_8`: FA3's softmax
     exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
     `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal) or "flashinfer"; default
-    FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile."""
+    FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
+    from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, off)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -501,16 +503,19 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
 
     codegen = fa3 if target == "fa3" else fa2
     tiles: dict[str, tuple[int, int]] = {}
+    logits_range = None
     if target == "fa3":
         exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
         tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
+        logits_range = fa3.softmax_range(variant, dtype, bounded_softmax)
     elif cta_tile and cta_tile != fa3.FLASHINFER_TILES:
         raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA tile")
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     if row_runs and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
                          "than a band")
-    decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8)
+    decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
+                             logits_range=logits_range)
             if target == "fa3"
             else fa2.variant_decl(variant))
     t_names, t_types, s_names, s_types = decl.additional
@@ -568,7 +573,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         cuda_cflags = list(sm90a_nvcc_flags)
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
-    options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles)}
+    options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
+                                         "bounded_softmax": logits_range is not None}
                                         if target == "fa3" else {"split_cta_tiles": bool(split)})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -606,7 +612,8 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
-    knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV))
+    knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
+                                                  fa3.BOUNDED_SOFTMAX_ENV))
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs)
     m = _memo.get(key)
     if m is None or m[0] is not variant:

@@ -2,6 +2,7 @@
 fivar::exp2_fma against float64 exp2 (compiled for the host with g++), and which variants get it."""
 import math
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -143,3 +144,92 @@ def test_flashinfer_online_softmax_update_is_the_one_fivar_mirrors():
     body = " ".join(text[start:text.index("void finalize(", start)].split())
     known = {"a50beb469a2c53f7"}  # flashinfer-python 0.7.2 and 0.7.2.post1
     assert hashlib.sha256(body.encode()).hexdigest()[:16] in known
+
+
+BOUNDED_HARNESS = r"""
+#include <cstdio>
+#include "fivar_ops.cuh"
+int main() {
+  float lo, hi, s, m = -1.f;
+  while (std::scanf("%f %f %f", &lo, &hi, &s) == 3) {
+    const bool ok = fivar::bounded_softmax_max(lo, hi, s, &m);
+    std::printf("%d %.9g\n", ok ? 1 : 0, m);
+  }
+}
+"""
+
+
+def test_bounded_softmax_takes_the_bound_only_when_every_probability_stays_a_normal_float(tmp_path):
+    """fivar::bounded_softmax_max (compiled for the host): the max is hi * scale, and it is used only while the
+    whole range times the scale spans at most kBoundedSoftmaxSpan = 96 powers of two (so 2^(x - max) >= 2^-96 for
+    every unmasked logit x); a non-positive or NaN scale, or an empty range, keeps the running max."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    (tmp_path / "h.cpp").write_text(BOUNDED_HARNESS)
+    subprocess.run(["g++", "-std=c++17", "-O2", "-I", str(csrc_dir()), "-o", str(tmp_path / "h"),
+                    str(tmp_path / "h.cpp")], check=True, capture_output=True, text=True)
+    log2e = 1.0 / math.log(2.0)
+    r = random.Random()
+    cases = [(-1.0, 1.0, log2e * cap) for cap in (1.0, 30.0, 33.0, 33.3, 50.0)]  # soft-caps: 30 yes, 50 no
+    cases += [(r.uniform(-5, 0), r.uniform(0, 5), r.uniform(0.01, 30)) for _ in range(300)]
+    cases += [(-1.0, 1.0, 0.0), (-1.0, 1.0, -3.0), (-1.0, 1.0, math.nan), (1.0, -1.0, 1.0), (0.0, 0.0, 1.0)]
+    text = "\n".join(" ".join(repr(_f32(x)) for x in c) for c in cases)
+    out = subprocess.run([str(tmp_path / "h")], input=text, check=True, capture_output=True, text=True).stdout
+    for (lo, hi, s), line in zip(cases, out.splitlines()):
+        ok, m = line.split()
+        lo, hi, s = _f32(lo), _f32(hi), _f32(s)
+        span = (hi - lo) * s
+        want = s > 0 and lo <= hi and span <= 96.0 * (1 + 1e-6)
+        if abs(span - 96.0) > 1e-3:  # float rounding at the edge aside
+            assert (ok == "1") == want, (lo, hi, s, span, line)
+        if ok == "1":
+            assert float(m) == pytest.approx(hi * s, rel=1e-6)
+    assert [ln.split()[0] for ln in out.splitlines()[:5]] == ["1", "1", "1", "0", "0"]
+
+
+def test_bounded_softmax_is_opt_in_bf16_and_only_for_bounded_softmax_variants(monkeypatch):
+    from fivar.jit.build import gen_module, module_for
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.delenv(fa3.EXP2_EMULATION_ENV, raising=False)
+    monkeypatch.delenv(fa3.BOUNDED_SOFTMAX_ENV, raising=False)
+    softcap = fivar.load("softcap")
+    k = fa3.EXP2_EMULATED_OF_8
+    off = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
+    assert off.options["bounded_softmax"] is False and "BOUNDED" not in off.sources["single_prefill_sm90_config.inc"]
+    with fa3.bounded_softmax():
+        on = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
+        assert on is module_for(softcap, "single_prefill", "fa3", "bf16", 128)  # memo, per setting
+        assert on.uri != off.uri and on.options["bounded_softmax"] is True
+        assert "/*BOUNDED=*/true" in on.sources["single_prefill_sm90_config.inc"]
+        src = fa3.variant_decl(softcap, logits_range=fa3.softmax_range(softcap, "bf16")).source
+        assert (f"fivar::Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {k}, /*BOUNDED=*/true>(\n"
+                "        sm_scale_log2, -1.0f, 1.0f);") in src
+        # fp16 probabilities underflow at 2^-24: the running max stays
+        assert gen_module(softcap, "single_prefill", "fa3", "fp16").options["bounded_softmax"] is False
+        for name in ("alibi", "sliding_window", "sigmoid"):  # unbounded transform, or no softmax
+            assert gen_module(fivar.load(name), "single_prefill", "fa3").options["bounded_softmax"] is False, name
+        # every FA3 op takes it, and FA2 knows nothing of it
+        assert gen_module(softcap, "batch_prefill", "fa3").options["bounded_softmax"] is True
+        assert "bounded_softmax" not in gen_module(softcap, "single_prefill", "fa2").options
+    # with no exp2 split the bounded softmax is still fivar's struct
+    src = fa3.variant_decl(softcap, exp2_emulated_of_8=0, logits_range=(-1.0, 1.0)).source
+    assert "Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, 0, /*BOUNDED=*/true>" in src and "fivar_fa3_softmax.cuh" in src
+    assert gen_module(softcap, "single_prefill", "fa3", bounded_softmax=True).uri == on.uri
+    monkeypatch.setenv(fa3.BOUNDED_SOFTMAX_ENV, "yes")
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {fa3.BOUNDED_SOFTMAX_ENV}='yes': expected 0 or 1"):
+        gen_module(softcap, "single_prefill", "fa3")
+
+
+def test_flashinfer_finalize_and_rescale_are_the_ones_the_bounded_softmax_relies_on():
+    """With the fixed max, Fa3OnlineSoftmax skips the mainloop's per-tile rescale_o and relies on FlashInfer's
+    finalize setting scores_scale to 1/sum (and the LSE from row_max), then one more rescale_o: the mainloop's
+    last updater calls. A FlashInfer that changed either must be read again (csrc/fivar_fa3_softmax.cuh)."""
+    import hashlib
+    from flashinfer.jit import env as jit_env
+    hopper = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer/attention/hopper"
+    text = (hopper / "attention_updater.cuh").read_text()
+    start = text.index("void finalize(", text.index("struct OnlineSoftmax"))
+    body = " ".join(text[start:text.index("};", text.index("void rescale_o(", start))].split())
+    assert hashlib.sha256(body.encode()).hexdigest()[:16] in {"567740bfa5f2eacb"}  # 0.7.2 and 0.7.2.post1
+    calls = re.findall(r"attention_updater\.(\w+)", (hopper / "mainloop_mma.cuh").read_text())
+    assert calls[-2:] == ["finalize", "rescale_o"], calls
