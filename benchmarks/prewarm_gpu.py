@@ -17,6 +17,7 @@ def wanted():
         mods += [m for op in ("single_prefill", "batch_prefill") for m in serving_modules(v, op, "fa3")]
     mods += fa3_variants_at(["softcap_sliding_window"], exp2_splits=(0, 8))  # test_fa3_exp2_split_extremes
     mods += fa3_variants_at(["softcap"], cta_tiles=CTA_TILES_TESTED)  # test_fa3_cta_tile_override
+    mods += bounded_softmax_set()  # test_fa3_bounded_softmax
     for name in ("softcap", "alibi", "document_mask"):
         v = fivar.load(name)
         for target in ("fa2", "fa3") if name in ("softcap", "document_mask") else ("fa2",):
@@ -68,12 +69,24 @@ EXP2_SPLITS = (2, 4, 6)
 CTA_TILES_TESTED = ("128x176,192x128",)
 
 
-def fa3_variants_at(names, exp2_splits=(), cta_tiles=()):
-    """FA3 single prefill (bf16, hd128) of each variant at each exp2 split, then at each CTA tile (default split):
-    the modules a call run under fivar.codegen.fa3.exp2_split(k) or cta_tile(t) loads."""
+def fa3_variants_at(names, exp2_splits=(), cta_tiles=(), bounded=False):
+    """FA3 single prefill (bf16, hd128) of each variant at each exp2 split, then at each CTA tile (default split),
+    then with the bounded softmax: the modules a call run under fivar.codegen.fa3.exp2_split(k), cta_tile(t) or
+    bounded_softmax() loads."""
     single = lambda n, **opt: gen_module(fivar.load(n), op="single_prefill", target="fa3", **opt)  # noqa: E731
     return ([single(n, exp2_emulated_of_8=k) for k in exp2_splits for n in names]
-            + [single(n, cta_tile=t) for t in cta_tiles for n in names])
+            + [single(n, cta_tile=t) for t in cta_tiles for n in names]
+            + ([single(n, bounded_softmax=True) for n in names] if bounded else []))
+
+
+def bounded_softmax_set():
+    """FA3 with the bounded softmax: what test_fa3_bounded_softmax runs (single prefill of both soft-capped
+    variants, batch prefill ragged and paged of softcap), and the default modules `gpu_session.sh bounded`
+    benchmarks it against."""
+    v = fivar.load("softcap")
+    return (fa3_variants_at(["softcap", "softcap_sliding_window"], bounded=True)
+            + [gen_module(v, op="batch_prefill", target="fa3", bounded_softmax=True)]
+            + [gen_module(fivar.load(n), op="single_prefill", target="fa3") for n in ("softcap", "softcap_sliding_window")])
 
 
 def exp2_split_set():
@@ -96,7 +109,7 @@ if __name__ == "__main__":
     import sys
     mods = (wanted() if "--all" in sys.argv else triton_agreement_set() if "--triton" in sys.argv
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
-            else exp2_split_set() if "--exp2" in sys.argv
+            else exp2_split_set() if "--exp2" in sys.argv else bounded_softmax_set() if "--bounded" in sys.argv
             else bench_set())
     t0 = time.perf_counter()
     res = build_many(mods)

@@ -4,10 +4,10 @@ import torch
 
 import fivar
 from fivar import AttentionVariant
-from fivar.codegen.fa3 import cta_tile, exp2_split
+from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split
 from fivar.jit.build import module_for
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
-                           check_single_prefill)
+                           check_single_prefill, compare)
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
            "softcap_sliding_window"]
@@ -100,6 +100,40 @@ def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
         assert f"/*CTA_KV_=*/{tile_none.split('x')[1]}," in sources["single_prefill_sm90_kernel_mask_0.cu"]
         assert f"/*CTA_Q_=*/{tile_causal.split('x')[0]}," in sources["single_prefill_sm90_kernel_mask_1.cu"]
         r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3")
+    assert r.passed, r
+
+
+# FA3's bounded softmax (opt-in, FIVAR_FA3_BOUNDED_SOFTMAX): soft-capping's range gives the softmax its max. Cap 30
+# runs it; cap 50 spans too many powers of two and the kernel keeps the running max. Partial tiles, causal, rows
+# with no kept key (window -37), the batch forms, and rows whose every logit sits at the bottom of the range
+# (each probability about e^-2cap, the case a fixed max must still get right).
+@pytest.mark.parametrize("cap", [30.0, 50.0])
+@pytest.mark.parametrize("case", ["single", "single_causal", "no_key_rows", "ragged", "paged", "bottom_rows"])
+def test_fa3_bounded_softmax(case, cap):
+    v = fivar.load("softcap_sliding_window" if case == "no_key_rows" else "softcap")
+    with bounded_softmax():
+        op = "batch_prefill" if case in ("ragged", "paged") else "single_prefill"
+        assert "/*BOUNDED=*/true" in module_for(v, op, "fa3", "bf16", 128).sources[f"{op}_sm90_config.inc"]
+        if case in ("single", "single_causal", "no_key_rows"):
+            qo, kv, causal = {"single": (1000, 1000, False), "single_causal": (300, 1111, True),
+                              "no_key_rows": (1000, 1000, False)}[case]
+            params = {"softcap": cap, **({"window": -37} if case == "no_key_rows" else {})}
+            r = check_single_prefill(v, qo_len=qo, kv_len=kv, causal=causal, backend="fa3", params=params)
+        elif case in ("ragged", "paged"):
+            r = check_batch_prefill(v, qo_lens=[300, 1, 700], kv_lens=[900, 250, 700], paged=case == "paged",
+                                    causal=True, backend="fa3", params={"softcap": cap})
+        else:
+            n, heads, d = 700, 8, 128
+            u = torch.randn(d, device="cuda")
+            k = (u + 0.1 * torch.randn(n, heads, d, device="cuda")).bfloat16()
+            q = torch.randn(n, heads, d, device="cuda")
+            q[::2] = -20.0 * u + 0.1 * torch.randn_like(q[::2])  # q.k * sm_scale ~ -226: tanh at -1 on every key
+            q = q.bfloat16()
+            vv = torch.randn(n, heads, d, device="cuda").bfloat16()
+            out = v.prefill(q, k, vv, backend="fa3", softcap=cap)
+            ref = v.reference(q, k, vv, softcap=cap)
+            r = compare(v.name, f"single_prefill[fa3] bounded softmax, every other row at the bottom (cap {cap})",
+                        out, ref, torch.bfloat16)
     assert r.passed, r
 
 
