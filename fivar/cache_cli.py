@@ -325,6 +325,8 @@ def _out(as_json: bool, data, render) -> None:
 def cache(arch):
     """fivar's modules in FlashInfer's JIT cache: ls, show, stats, verify, prune, clear, export, import."""
     if arch:
+        from .jit.toolchain import check_arch_list
+        check_arch_list(arch, "--arch")
         os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch
 
 
@@ -587,6 +589,8 @@ def clear(wipe_records, yes, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def export_cmd(file, variants, as_json):
     """Pack this toolchain's modules (.so, manifest, generated sources) into one .tar.gz."""
+    if not Path(file).parent.is_dir() or not os.access(Path(file).parent, os.W_OK):
+        raise FivarError(f"cannot export to {file}: {Path(file).parent or '.'} is not a writable directory")
     tc = current_toolchain()
     if tc["arch"] is None or tc["nvcc"] is None:
         raise FivarError("cannot tell the current arch/nvcc: set FLASHINFER_CUDA_ARCH_LIST (or --arch) and "
@@ -655,7 +659,11 @@ def import_cmd(file, as_json):
 
     from .jit.build import _sha256
     tc = current_toolchain()
-    with tarfile.open(file, "r:gz") as tar:
+    try:
+        tar = tarfile.open(file, "r:gz")
+    except (tarfile.TarError, OSError, EOFError) as ex:
+        raise FivarError(f"{file} is not a fivar cache export (not a gzip tar archive: {ex})") from None
+    with tar:
         meta = read_export_meta(tar, file)
         bad = [k for k in ("arch", "flashinfer", "nvcc") if meta.get(k) != tc.get(k)]
         if bad:

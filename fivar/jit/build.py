@@ -497,6 +497,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if target == "fa3" and op not in _FA3_LAYOUT:
         raise FivarError(f"variant '{variant.name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
     toolchain.ensure_arch_env()
+    if target == "fa3" and "90a" not in toolchain.arch_tag().split("_"):
+        raise FivarError(f"variant '{variant.name}': FA3 kernels are Hopper-only (sm_90a), but the target archs are "
+                         f"{toolchain.arch_tag()} (FLASHINFER_CUDA_ARCH_LIST or --arch): build target fa2, or add 9.0a")
     from flashinfer.jit import env as jit_env
     from flashinfer.jit.attention.utils import generate_additional_params
     from flashinfer.jit.utils import dtype_map, mask_mode_literal

@@ -18,11 +18,20 @@ def ensure_arch_env() -> None:
     letting FlashInfer fail deep inside a compile.
     """
     if os.environ.get("FLASHINFER_CUDA_ARCH_LIST"):
+        check_arch_list(os.environ["FLASHINFER_CUDA_ARCH_LIST"], "FLASHINFER_CUDA_ARCH_LIST")
         return
     import torch
     if not torch.cuda.is_available():
         raise FivarError("no CUDA GPU is visible, so fivar cannot pick a target architecture: set "
                          "FLASHINFER_CUDA_ARCH_LIST (e.g. FLASHINFER_CUDA_ARCH_LIST=9.0a) or pass --arch")
+
+
+def check_arch_list(text: str, where: str) -> None:
+    """FlashInfer's arch list is space-separated major.minor with an optional suffix ("9.0a 10.0a"); it fails with a
+    bare ValueError on anything else."""
+    if not text.split() or not all(re.fullmatch(r"\d+\.\d+[a-z]?", a) for a in text.split(" ")):
+        raise FivarError(f"{where}={text!r}: expected CUDA archs as major.minor, space-separated, e.g. 9.0a or "
+                         "'9.0a 10.0a'")
 
 
 def cuda_home() -> str:

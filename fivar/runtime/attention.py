@@ -99,6 +99,9 @@ def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cp
     if q.dtype not in DTYPES.values() or k.dtype != q.dtype or v.dtype != q.dtype:
         raise FivarError(f"variant '{name}': q, k, v must all be float16 or all bfloat16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_cuda and q.dtype == torch.bfloat16:
+        raise FivarError(f"variant '{name}': bfloat16 on the CPU: the Triton interpreter (TRITON_INTERPRET=1) has no "
+                         "bfloat16 arithmetic and would return wrong numbers; use float16 CPU tensors")
     d = q.shape[-1]
     if k.shape[-1] != d:
         raise FivarError(f"variant '{name}': head_dim of q ({d}) and k ({k.shape[-1]}) differ")

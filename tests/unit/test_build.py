@@ -302,3 +302,12 @@ def test_fa3_module_compiles_for_sm90a():
 def test_fa3_has_no_decode():
     with pytest.raises(fivar.FivarError, match="no FA3 kernel for batch_decode"):
         gen_module(fivar.load("softcap"), op="batch_decode", target="fa3")
+
+
+def test_fa3_is_refused_for_archs_without_sm90a(monkeypatch):
+    """Not an 8-minute compile of kernels no GPU of that arch can run."""
+    from fivar.jit import toolchain
+    monkeypatch.setattr(toolchain, "arch_tag", lambda: "75")
+    with pytest.raises(fivar.FivarError, match="variant 'softcap': FA3 kernels are Hopper-only.*archs are 75"):
+        gen_module(fivar.load("softcap"), op="single_prefill", target="fa3")
+    assert gen_module(fivar.load("softcap"), op="single_prefill", target="fa2").target == "fa2"

@@ -445,3 +445,19 @@ def test_nvcc_version_is_cached_per_binary_and_asked_again_when_nvcc_changes(tmp
         assert ask() == "13.1.05" and runs() == 2
     finally:
         toolchain.nvcc_version.cache_clear()
+
+
+def test_bad_files_and_archs_get_one_line_not_a_traceback(iso, tmp_path):
+    _, _, vfile = iso
+    fake_built(module(vfile))
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(os.urandom(64))
+    for args, says in ((("cache", "import", str(junk)), f"{junk} is not a fivar cache export"),
+                       (("cache", "export", str(tmp_path / "no_such_dir" / "x.tar.gz")), "is not a writable directory"),
+                       (("cache", "--arch", "bogus", "ls"), "--arch='bogus': expected CUDA archs"),
+                       (("build", "cachev", "--arch", "9"), "--arch='9': expected CUDA archs")):
+        r = invoke(*args)
+        flat = " ".join(r.output.split())
+        assert r.exit_code != 0 and says in flat and "Traceback" not in flat, (args, r.output)
+        assert r.exception is None or isinstance(r.exception, SystemExit), (args, repr(r.exception))
+    assert not list((tmp_path).glob("**/.x.tar.gz.*.tmp"))

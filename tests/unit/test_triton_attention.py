@@ -133,6 +133,14 @@ def test_cpu_inputs_need_the_interpreter(monkeypatch):
         v.prefill(q, k, vv, backend="triton")
 
 
+def test_bfloat16_on_the_cpu_is_refused_not_miscomputed():
+    """The interpreter has no bfloat16 arithmetic (it returned values around 1e8 where the reference has 1)."""
+    v = fivar.load("softcap")
+    q, k, vv = (t.bfloat16() for t in _qkv(16, 16, 2, 2, 16))
+    with pytest.raises(fivar.FivarError, match="variant 'softcap': bfloat16 on the CPU.*use float16"):
+        v.prefill(q, k, vv, backend="triton")
+
+
 def test_bad_params_are_reported_before_launch():
     v = fivar.load("alibi")
     q, k, vv = _qkv(4, 4, 2, 2, 16)
