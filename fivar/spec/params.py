@@ -1,7 +1,8 @@
 """Typed variant parameters: runtime scalars and small tensors (tables indexed inside the kernel)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 from .ir import BOOL, F32, I32
 
@@ -19,12 +20,23 @@ TENSOR_DTYPES = {
 }
 
 
+def _call_site() -> dict:
+    """filename/line of the Scalar(...) or Tensor(...) call (its __init__'s caller), for errors about it."""
+    frame = sys._getframe(3)
+    return {"filename": frame.f_code.co_filename, "line": frame.f_lineno, "col": 0}
+
+
 @dataclass(frozen=True)
 class Scalar:
     """A runtime scalar, passed by keyword at call time (e.g. `softcap=30.0`)."""
     dtype: type = float
     default: float | int | None = None
     doc: str = ""
+    where: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if not self.where:
+            object.__setattr__(self, "where", _call_site())
 
     @property
     def ir_type(self) -> str:
@@ -42,6 +54,11 @@ class Tensor:
     dtype: str = "float32"
     dims: tuple[str, ...] = ("n",)
     doc: str = ""
+    where: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if not self.where:
+            object.__setattr__(self, "where", _call_site())
 
     @property
     def ndim(self) -> int:

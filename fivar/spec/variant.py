@@ -56,14 +56,20 @@ class AttentionVariant:
             if not isinstance(p, (Scalar, Tensor)):
                 raise FivarSpecError(f"parameter {pname!r} must be fivar.Scalar(...) or fivar.Tensor(...),"
                                      f" got {type(p).__name__}", variant=self.name, **where)
+            at = p.where or where  # the Scalar(...)/Tensor(...) call itself
             if isinstance(p, Scalar) and p.dtype not in (float, int):
-                raise FivarSpecError(f"Scalar parameter {pname!r}: dtype must be float or int",
-                                     variant=self.name, **where)
+                raise FivarSpecError(f"Scalar parameter {pname!r}: dtype must be float or int, got {p.dtype!r}",
+                                     variant=self.name, **at)
+            if isinstance(p, Scalar) and p.default is not None and (
+                    isinstance(p.default, bool) or not isinstance(p.default, (int, float))
+                    or (p.dtype is int and not isinstance(p.default, int))):
+                raise FivarSpecError(f"Scalar parameter {pname!r}: default {p.default!r} is not "
+                                     f"{'an int' if p.dtype is int else 'a float'}", variant=self.name, **at)
             if isinstance(p, Tensor):
                 from .params import TENSOR_DTYPES
                 if p.dtype not in TENSOR_DTYPES:
                     raise FivarSpecError(f"Tensor parameter {pname!r}: dtype {p.dtype!r} is not one of "
-                                         f"{sorted(TENSOR_DTYPES)}", variant=self.name, **where)
+                                         f"{sorted(TENSOR_DTYPES)}", variant=self.name, **at)
         if not self.doc:
             fn = self.logits or self.mask
             module = inspect.getmodule(fn)

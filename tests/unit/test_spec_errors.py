@@ -254,3 +254,29 @@ def test_variant_file_without_variant(tmp_path):
 def test_unknown_variant_name_lists_what_exists():
     with pytest.raises(fivar.FivarError, match="no variant named 'nope'.*softcap"):
         fivar.load("nope")
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: Scalar(int, default=2.5), "Scalar parameter 'w': default 2.5 is not an int"),
+    (lambda: Scalar(float, default="30"), "Scalar parameter 'w': default '30' is not a float"),
+    (lambda: Scalar(int, default=True), "Scalar parameter 'w': default True is not an int"),
+    (lambda: Scalar(str), "Scalar parameter 'w': dtype must be float or int"),
+    (lambda: Tensor("float8", ("qo_head",)), "Tensor parameter 'w': dtype 'float8' is not one of"),
+])
+def test_bad_declarations_point_at_the_declaration(make, match):
+    """The error names the line of the Scalar(...)/Tensor(...) call, not the logits function."""
+    decl_line = inspect.getsourcelines(make)[1]
+    param = make()
+
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    with pytest.raises(FivarSpecError) as info:
+        AttentionVariant(name="badvar", logits=logits, params={"w": param})
+    text = str(info.value)
+    assert match in text and "variant 'badvar'" in text, text
+    assert (info.value.filename, info.value.line) == (__file__, decl_line), text
+
+
+def test_good_declarations_pass():
+    for p in (Scalar(int, default=3), Scalar(float, default=2), Scalar(float, default=0.5), Scalar(int)):
+        AttentionVariant(name="okvar", logits=lambda s, b, h, kh, qi, ki, p: s, params={"w": p})
