@@ -8,11 +8,11 @@
 // small share pays (2 of 8 columns on an H200: fivar/codegen/fa3.py EXP2_EMULATED_OF_8). Which columns is a
 // compile-time choice per unrolled column, so no branch is taken at run time.
 //
-// 2. BOUNDED: a logits transform that stays in [lo, hi] (fivar/spec/ranges.py; soft-capping's tanh) may use
-// hi as a row max that never moves, when fivar::bounded_softmax_max says the range is narrow enough. Each tile
-// then skips the max reduction (an FMNMX per score, two shuffles per row), the rescale factor (a MUFU op per
-// row) and the rescale of the row sum and the output accumulator (an FMUL per output element). Whether it
-// applies is decided once per CTA from the scale, so a kernel built with it still runs any cap correctly.
+// 2. BOUNDED: a logits transform that stays in [lo, hi] (fivar/spec/ranges.py; soft-capping's tanh) uses hi as a
+// row max that never moves. Each tile then skips the max reduction (an FMNMX per score, two shuffles per row),
+// the rescale factor (a MUFU op per row) and the rescale of the row sum and the output accumulator (an FMUL per
+// output element). The host launches such a kernel only when the range times the softmax scale is narrow enough
+// that no probability underflows (fivar.codegen.fa3.bounded_softmax_applies).
 //
 // finalize and the LSE are FlashInfer's OnlineSoftmax; so is everything when neither applies.
 #pragma once
@@ -24,13 +24,15 @@ template <int NUM_ROWS_PER_THREAD, int EMULATED_OF_8, bool BOUNDED = false>
 struct Fa3OnlineSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true> {
   using Base = flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true>;
   static_assert(EMULATED_OF_8 >= 0 && EMULATED_OF_8 <= 8, "emulate 0 to 8 of every 8 columns");
-  float fixed_max_scaled = 0.f;        // hi * sm_scale_log2, subtracted from every scaled logit while `fixed`
-  bool fixed = false, finalized = false;
+  float fixed_max_scaled = 0.f;  // BOUNDED: hi * sm_scale_log2, subtracted from every scaled logit
+  bool finalized = false;
 
-  CUTLASS_DEVICE Fa3OnlineSoftmax(float sm_scale_log2) : Base(sm_scale_log2) {}
-  CUTLASS_DEVICE Fa3OnlineSoftmax(float sm_scale_log2, float lo, float hi) : Base(sm_scale_log2) {
-    static_assert(BOUNDED, "a range is for the bounded softmax");
-    fixed = bounded_softmax_max(lo, hi, sm_scale_log2, &fixed_max_scaled);
+  CUTLASS_DEVICE Fa3OnlineSoftmax(float sm_scale_log2) : Base(sm_scale_log2) {
+    static_assert(!BOUNDED, "the bounded softmax takes the bound");
+  }
+  CUTLASS_DEVICE Fa3OnlineSoftmax(float sm_scale_log2, float hi) : Base(sm_scale_log2) {
+    static_assert(BOUNDED, "a bound is for the bounded softmax");
+    fixed_max_scaled = hi * sm_scale_log2;
   }
 
   template <typename Tensor0>
@@ -55,18 +57,14 @@ struct Fa3OnlineSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_
   __forceinline__ __device__ void update(Tensor0& acc_s) {
     auto scores = cute::make_tensor(acc_s.data(), flashinfer::convert_layout_acc_rowcol(acc_s.layout()));
     static_assert(decltype(cute::size<0>(scores))::value == NUM_ROWS_PER_THREAD);
-    if constexpr (BOUNDED) {
-      if (fixed) {  // the row sum needs no rescale: every tile's probabilities share the one max
+    if constexpr (BOUNDED) {  // the row sum needs no rescale: every tile's probabilities share the one max
 #pragma unroll
-        for (int mi = 0; mi < cute::size<0>(scores); ++mi) {
-          if constexpr (init) this->row_max(mi) = fixed_max_scaled / this->sm_scale_log2;  // for the LSE
-          exp2_row(scores, mi, fixed_max_scaled);
-        }
-        flashinfer::reduce_sum<init, /*warp_reduce=*/false>(scores, this->row_sum);
-        return;
+      for (int mi = 0; mi < cute::size<0>(scores); ++mi) {
+        if constexpr (init) this->row_max(mi) = fixed_max_scaled / this->sm_scale_log2;  // for the LSE
+        exp2_row(scores, mi, fixed_max_scaled);
       }
-    }
-    if constexpr (init) {
+      flashinfer::reduce_sum<init, /*warp_reduce=*/false>(scores, this->row_sum);
+    } else if constexpr (init) {
       flashinfer::reduce_max</*init=*/true>(scores, this->row_max);
       exp2_rows(scores, this->row_max);
       flashinfer::reduce_sum</*init=*/true, /*warp_reduce=*/false>(scores, this->row_sum);
@@ -94,9 +92,7 @@ struct Fa3OnlineSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_
   // The mainloop rescales the output after every update; with the fixed max only finalize's 1/sum is due.
   template <typename Tensor1>
   __forceinline__ __device__ void rescale_o(Tensor1& acc_o) {
-    if constexpr (BOUNDED) {
-      if (fixed && !finalized) return;
-    }
+    if (BOUNDED && !finalized) return;
     Base::rescale_o(acc_o);
   }
 };

@@ -59,20 +59,6 @@ FIVAR_INLINE float exp2_fma(float x) {
 #endif
 }
 
-// A softmax whose logits transform stays in [lo, hi] may subtract hi * scale_log2 from every scaled logit
-// instead of the running row max (csrc/fivar_fa3_softmax.cuh): no exp2 overflows, and a row's probabilities
-// are all at least 2^-(hi - lo) * scale_log2. That holds them, and p * v for |v| >= 2^-30, in normal floats as
-// long as the span is at most kBoundedSoftmaxSpan, which is when this returns true and sets *max_scaled.
-// A cap of 30 spans 86.6 (soft-capping: [-1, 1] times log2(e) * 30); Gemma 2's cap of 50 spans 144 and keeps
-// the running max.
-constexpr float kBoundedSoftmaxSpan = 96.f;
-
-FIVAR_INLINE bool bounded_softmax_max(float lo, float hi, float scale_log2, float* max_scaled) {
-  const bool ok = scale_log2 > 0.f && lo <= hi && (hi - lo) * scale_log2 <= kBoundedSoftmaxSpan;
-  *max_scaled = hi * scale_log2;
-  return ok;
-}
-
 FIVAR_INLINE float exp(float x) {
 #if defined(__CUDA_ARCH__)
   return exp2(x * 1.4426950408889634f);

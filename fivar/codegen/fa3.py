@@ -18,12 +18,12 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import re
 
 from ..errors import FivarError
 from ..spec import ir
-from ..spec.ranges import program_range
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
@@ -102,26 +102,39 @@ def exp2_split_for(variant, requested: int | None) -> int:
 
 
 #: FIVAR_FA3_BOUNDED_SOFTMAX=1 (gen_module(bounded_softmax=True), `with bounded_softmax()`): a softmax variant whose
-#: logits transform is bounded (fivar.spec.ranges: soft-capping's tanh, in [-1, 1]) takes the softmax max from the
-#: bound in bf16 FA3 modules, with no running max and no output rescale per tile (csrc/fivar_fa3_softmax.cuh). Off
-#: by default until it is measured against the running max on a GPU.
+#: logits transform is bounded (fivar.spec.ranges: soft-capping's tanh, in [-1, 1]) gets FA3 modules whose softmax
+#: takes its max from the bound, with no running max and no output rescale per tile (csrc/fivar_fa3_softmax.cuh),
+#: used for a launch when bounded_softmax_applies. Off by default (measured slower with a run-time fallback in
+#: the kernel: README).
 BOUNDED_SOFTMAX_ENV = "FIVAR_FA3_BOUNDED_SOFTMAX"
+#: With the max at hi * scale, every unmasked probability is at least 2^-((hi - lo) * scale). Up to this span it,
+#: and p * v for |v| >= 2^-30, stay normal floats; beyond it a row whose logits all sit low could lose every weight.
+BOUNDED_SOFTMAX_SPAN = 96.0
 
 
 def softmax_range(variant, dtype: str, requested: bool | None = None) -> tuple[float, float] | None:
     """The range [lo, hi] of the logits transform FA3's softmax takes its max from, or None for the running max:
     `requested`, else FIVAR_FA3_BOUNDED_SOFTMAX, says whether to; it applies to softmax variants with a bounded
     transform, in bf16 only (an fp16 probability under 2^-24 is zero, so a row whose logits all sit far below
-    the bound would lose every weight; bf16 keeps float's exponent range). The kernel still checks per CTA that
-    the range times the softmax scale is narrow enough (fivar::bounded_softmax_max), else it runs the running max."""
+    the bound would lose every weight; bf16 keeps float's exponent range)."""
     if requested is None:
         text = os.environ.get(BOUNDED_SOFTMAX_ENV, "").strip()
         if text not in ("", "0", "1"):
             raise FivarError(f"variant '{variant.name}': {BOUNDED_SOFTMAX_ENV}={text!r}: expected 0 or 1")
         requested = text == "1"
-    if not requested or not variant.softmax or dtype != "bf16" or variant.lowered.logits is None:
+    if not requested or not variant.softmax or dtype != "bf16":
         return None
-    return program_range(variant.lowered.logits)
+    return variant.logits_range
+
+
+def bounded_softmax_applies(logits_range: tuple[float, float], output_factor: float) -> bool:
+    """Whether a launch may run the bounded module: the softmax scale is log2(e) times the logits factor folded
+    out of the transform (fivar.spec.optimize.split_output_scale; 1 without one), and the range times it must
+    span at most BOUNDED_SOFTMAX_SPAN. A cap of 30 spans 86.6 and may; Gemma 2's cap of 50 spans 144 and runs the
+    module with the running max."""
+    lo, hi = logits_range
+    scale_log2 = output_factor / math.log(2.0)
+    return scale_log2 > 0 and (hi - lo) * scale_log2 <= BOUNDED_SOFTMAX_SPAN
 
 
 def bounded_softmax(on: bool = True):

@@ -613,14 +613,16 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
     return h.hexdigest()[:12]
 
 
-def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False) -> FivarModule:
+def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
+               bounded_softmax: bool | None = None) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
                                                   fa3.BOUNDED_SOFTMAX_ENV))
-    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs)
+    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
-        m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs))
+        m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
+                                 bounded_softmax=bounded_softmax))
         _memo[key] = m
     return m[1]
 

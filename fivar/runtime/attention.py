@@ -143,6 +143,20 @@ def _check_output_scale(variant, bound, sm_scale):
                          f"(fivar folds it into the softmax scale)")
 
 
+def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False):
+    """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
+    for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
+    dt = dtype_name(dtype)
+    if target == "fa3":
+        rng = fa3.softmax_range(variant, dt)
+        if rng is not None:
+            scale = variant.lowered.output_scale
+            factor = 1.0 if scale is None else _invariant(variant, scale, bound, sm_scale)
+            if not fa3.bounded_softmax_applies(rng, factor):
+                return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, bounded_softmax=False)
+    return module_for(variant, op, target, dt, head_dim, row_runs=row_runs)
+
+
 def _window_left(variant, target: str, bound) -> int:
     """FlashInfer's `window_left` for a kernel fivar built with FA3's sliding-window schedule, else -1.
 
@@ -184,7 +198,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         o = _kv_range_prefill(variant, q, k, indptr(q.shape[0]), indptr(k.shape[0]), causal, bound,
                               sm_scale).run(q, k, v)
         return out.copy_(o) if out is not None else o
-    module = module_for(variant, "single_prefill", target, dtype_name(q.dtype), q.shape[-1]).load()
+    module = _module(variant, "single_prefill", target, q.dtype, q.shape[-1], bound, sm_scale).load()
     from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
     o = single_prefill_with_kv_cache_with_jit_module(
@@ -308,7 +322,7 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     if target == "fa3" and variant.scans_mask:
         return _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_scale).run(q, k, v)
-    fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
+    fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     w = _wrapper("ragged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=_plan_causal(variant, target, causal),
            window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k.dtype,
@@ -325,7 +339,7 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
     batch = qo_indptr.numel() - 1
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
-    fmod = module_for(variant, "batch_prefill", target, dtype_name(q.dtype), q.shape[-1])
+    fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     w = _wrapper("paged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1],
            k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=_plan_causal(variant, target, causal),
@@ -393,7 +407,7 @@ class PagedAttentionPlan:
                                                   head_dim, dtype, backend, device)
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
-        fmod = module_for(variant, "batch_prefill", self.target, dtype_name(dtype), head_dim)
+        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(self.device), kv_layout="NHD",
                                                                        backend=self.target)
         _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask) and self.target == "fa2")
@@ -441,7 +455,7 @@ class RaggedAttentionPlan:
             return
         import flashinfer
         self._kv_ranges = None
-        fmod = module_for(variant, "batch_prefill", self.target, dtype_name(dtype), head_dim)
+        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
         self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(self.device), kv_layout="NHD",
                                                                         backend=self.target)
         _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask) and self.target == "fa2")

@@ -172,8 +172,8 @@ class KvRangePrefill:
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal,
                  bound, sm_scale, device, shared=False):
         from ..codegen.triton import kernel_arg_values
-        from ..jit.build import dtype_name, module_for
         from ..jit.triton_module import load_triton_module
+        from .attention import _module
         from .params import kernel_args
         qo_h, kv_h = qo_indptr.cpu(), kv_indptr.cpu()
         max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
@@ -187,7 +187,7 @@ class KvRangePrefill:
         self.row_runs = not bool((runs[..., 0] < 0).any())
         layout = kv_range_layout(ranges.cpu(), qo_h, kv_h, block_rows(head_dim), causal,
                                  runs_shape=tuple(runs.shape) if self.row_runs else None)
-        fmod = module_for(variant, "batch_prefill", "fa3", dtype_name(dtype), head_dim, row_runs=self.row_runs)
+        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, row_runs=self.row_runs)
         w = _fa3_wrapper(fmod, device, shared)
         w._jit_module.kv_starts = layout.kv_starts
         w.plan(layout.qo_indptr, layout.kv_indptr_for_lengths, num_qo_heads, num_kv_heads, head_dim,

@@ -104,6 +104,12 @@ class AttentionVariant:
         from .bounds import kv_band
         return kv_band(self.ir.mask)
 
+    @cached_property
+    def logits_range(self) -> tuple[float, float] | None:
+        """[lo, hi] of the lowered logits transform over every score (fivar.spec.ranges), or None if unbounded."""
+        from .ranges import program_range
+        return program_range(self.lowered.logits) if self.lowered.logits is not None else None
+
     @property
     def scans_mask(self) -> bool:
         """True when the mask is more than a band (a document mask): a kernel that skips KV tiles has to

@@ -146,45 +146,19 @@ def test_flashinfer_online_softmax_update_is_the_one_fivar_mirrors():
     assert hashlib.sha256(body.encode()).hexdigest()[:16] in known
 
 
-BOUNDED_HARNESS = r"""
-#include <cstdio>
-#include "fivar_ops.cuh"
-int main() {
-  float lo, hi, s, m = -1.f;
-  while (std::scanf("%f %f %f", &lo, &hi, &s) == 3) {
-    const bool ok = fivar::bounded_softmax_max(lo, hi, s, &m);
-    std::printf("%d %.9g\n", ok ? 1 : 0, m);
-  }
-}
-"""
-
-
-def test_bounded_softmax_takes_the_bound_only_when_every_probability_stays_a_normal_float(tmp_path):
-    """fivar::bounded_softmax_max (compiled for the host): the max is hi * scale, and it is used only while the
-    whole range times the scale spans at most kBoundedSoftmaxSpan = 96 powers of two (so 2^(x - max) >= 2^-96 for
-    every unmasked logit x); a non-positive or NaN scale, or an empty range, keeps the running max."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not installed")
-    (tmp_path / "h.cpp").write_text(BOUNDED_HARNESS)
-    subprocess.run(["g++", "-std=c++17", "-O2", "-I", str(csrc_dir()), "-o", str(tmp_path / "h"),
-                    str(tmp_path / "h.cpp")], check=True, capture_output=True, text=True)
+def test_bounded_softmax_runs_only_where_every_probability_stays_a_normal_float():
+    """The host launches the bounded module only while the range times the softmax scale (log2(e) times the
+    folded logits factor) spans at most 96 powers of two, so 2^(x - max) >= 2^-96 for every unmasked logit."""
     log2e = 1.0 / math.log(2.0)
+    assert [fa3.bounded_softmax_applies((-1.0, 1.0), cap) for cap in (1.0, 30.0, 33.0, 33.3, 50.0)] == \
+        [True, True, True, False, False]  # soft-caps: 2 * cap * log2(e) against 96
     r = random.Random()
-    cases = [(-1.0, 1.0, log2e * cap) for cap in (1.0, 30.0, 33.0, 33.3, 50.0)]  # soft-caps: 30 yes, 50 no
-    cases += [(r.uniform(-5, 0), r.uniform(0, 5), r.uniform(0.01, 30)) for _ in range(300)]
-    cases += [(-1.0, 1.0, 0.0), (-1.0, 1.0, -3.0), (-1.0, 1.0, math.nan), (1.0, -1.0, 1.0), (0.0, 0.0, 1.0)]
-    text = "\n".join(" ".join(repr(_f32(x)) for x in c) for c in cases)
-    out = subprocess.run([str(tmp_path / "h")], input=text, check=True, capture_output=True, text=True).stdout
-    for (lo, hi, s), line in zip(cases, out.splitlines()):
-        ok, m = line.split()
-        lo, hi, s = _f32(lo), _f32(hi), _f32(s)
-        span = (hi - lo) * s
-        want = s > 0 and lo <= hi and span <= 96.0 * (1 + 1e-6)
-        if abs(span - 96.0) > 1e-3:  # float rounding at the edge aside
-            assert (ok == "1") == want, (lo, hi, s, span, line)
-        if ok == "1":
-            assert float(m) == pytest.approx(hi * s, rel=1e-6)
-    assert [ln.split()[0] for ln in out.splitlines()[:5]] == ["1", "1", "1", "0", "0"]
+    for _ in range(500):
+        lo, hi, f = r.uniform(-5, 0), r.uniform(0, 5), r.uniform(0.01, 30)
+        assert fa3.bounded_softmax_applies((lo, hi), f) == ((hi - lo) * f * log2e <= 96.0)
+    assert not fa3.bounded_softmax_applies((-1.0, 1.0), 0.0)
+    assert not fa3.bounded_softmax_applies((-1.0, 1.0), -3.0)
+    assert not fa3.bounded_softmax_applies((-1.0, 1.0), math.nan)
 
 
 def test_bounded_softmax_is_opt_in_bf16_and_only_for_bounded_softmax_variants(monkeypatch):
@@ -203,7 +177,7 @@ def test_bounded_softmax_is_opt_in_bf16_and_only_for_bounded_softmax_variants(mo
         assert "/*BOUNDED=*/true" in on.sources["single_prefill_sm90_config.inc"]
         src = fa3.variant_decl(softcap, logits_range=fa3.softmax_range(softcap, "bf16")).source
         assert (f"fivar::Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {k}, /*BOUNDED=*/true>(\n"
-                "        sm_scale_log2, -1.0f, 1.0f);") in src
+                "        sm_scale_log2, 1.0f);") in src
         # fp16 probabilities underflow at 2^-24: the running max stays
         assert gen_module(softcap, "single_prefill", "fa3", "fp16").options["bounded_softmax"] is False
         for name in ("alibi", "sliding_window", "sigmoid"):  # unbounded transform, or no softmax
@@ -233,3 +207,23 @@ def test_flashinfer_finalize_and_rescale_are_the_ones_the_bounded_softmax_relies
     assert hashlib.sha256(body.encode()).hexdigest()[:16] in {"567740bfa5f2eacb"}  # 0.7.2 and 0.7.2.post1
     calls = re.findall(r"attention_updater\.(\w+)", (hopper / "mainloop_mma.cuh").read_text())
     assert calls[-2:] == ["finalize", "rescale_o"], calls
+
+
+def test_a_launch_whose_params_make_the_range_too_wide_runs_the_running_max_module(monkeypatch):
+    import torch
+
+    from fivar.runtime.attention import _module
+    from fivar.runtime.params import bind_params
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    softcap = fivar.load("softcap")
+    with fa3.bounded_softmax():
+        for cap, bounded in ((30.0, True), (33.0, True), (33.3, False), (50.0, False)):
+            b = bind_params(softcap, {"softcap": cap}, num_qo_heads=8, num_kv_heads=8, batch_size=1, device="cpu")
+            for op in ("single_prefill", "batch_prefill"):
+                m = _module(softcap, op, "fa3", torch.bfloat16, 128, b, 0.088)
+                assert m.options["bounded_softmax"] is bounded, (cap, op)
+            # fp16 never builds it, so never needs the swap
+            assert _module(softcap, "single_prefill", "fa3", torch.float16, 128, b, 0.088).options[
+                "bounded_softmax"] is False
+    b = bind_params(softcap, {"softcap": 30.0}, num_qo_heads=8, num_kv_heads=8, batch_size=1, device="cpu")
+    assert _module(softcap, "single_prefill", "fa3", torch.bfloat16, 128, b, 0.088).options["bounded_softmax"] is False
