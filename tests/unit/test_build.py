@@ -177,11 +177,16 @@ def test_host_sources_are_one_host_only_translation_unit(op, target):
 def test_every_bundled_variant_compiles_for_sm90a():
     assert sorted(variant_files()) == BUNDLED or set(BUNDLED) <= set(variant_files())
     modules = [gen_module(fivar.load(n), op="single_prefill") for n in BUNDLED]
+    t0 = time.perf_counter()
     results = build_many(modules)
+    wall = time.perf_counter() - t0
     for m, (kind, _) in zip(modules, results):
         assert m.library_path.exists(), m.uri
         assert kind == "cold", (m.uri, kind)  # fresh cache per session (tests/conftest.py)
         assert "-gencode=arch=compute_90a,code=sm_90a" in (m.build_dir / "build.ninja").read_text()
+    # each module's seconds are its own span inside the shared ninja (ninja's log), not the batch's wall time
+    secs = [s for _, s in results]
+    assert all(0 < s <= wall for s in secs) and len({round(s, 2) for s in secs}) > 1, (secs, wall)
     # Unchanged: a second build is a hit, and fast.
     t0 = time.perf_counter()
     assert [k for k, _ in build_many(modules)] == ["disk"] * len(modules)
@@ -311,3 +316,17 @@ def test_fa3_is_refused_for_archs_without_sm90a(monkeypatch):
     with pytest.raises(fivar.FivarError, match="variant 'softcap': FA3 kernels are Hopper-only.*archs are 75"):
         gen_module(fivar.load("softcap"), op="single_prefill", target="fa3")
     assert gen_module(fivar.load("softcap"), op="single_prefill", target="fa2").target == "fa2"
+
+
+def test_ninja_spans_take_each_modules_first_start_to_last_end():
+    from fivar.jit.build import ninja_spans
+    a, b = (gen_module(fivar.load(n), op="single_prefill") for n in ("softcap", "alibi"))
+    log = "\n".join(["# ninja log v7",
+                     f"0\t9000\t1\t{a.build_dir}/x_kernel_mask_0.cuda.o\th",
+                     f"5\t12000\t1\t{a.build_dir}/x_kernel_mask_1.cuda.o\th",
+                     f"12001\t12500\t1\t{a.build_dir}/{a.uri}.so\th",
+                     f"100\t4100\t1\t{b.build_dir}/y.cuda.o\th",
+                     f"99999\t100000\t1\t{b.build_dir}/y.cuda.o\th",  # rebuilt later: the last entry counts
+                     "garbage line"])
+    assert ninja_spans([a, b], log) == {a.uri: 12.5, b.uri: 0.001}
+    assert ninja_spans([a], "") == {}
