@@ -23,11 +23,12 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
+from .console import console_width
 from .errors import FivarError
 
-console = Console()
+console = Console(width=console_width())
 EXPORT_FORMAT = "fivar-cache-export/1"
 META_NAME = "fivar_export.json"
 
@@ -338,7 +339,7 @@ def ls_cmd(as_json, no_stale_check):
     entries = annotate(scan_entries(), check_stale=not no_stale_check)
 
     def render():
-        t = Table("module", "size", "compile s", "hits", "last use", "variant / op / dtype / hd", "status",
+        t = Table(Column("module", overflow="fold"), "size", "compile s", "hits", "last use", "variant / op / dtype / hd", "status",
                   title=f"fivar cache: {len(entries)} module(s), "
                         f"{human_size(sum(e.size for e in entries))} in {_flashinfer_cache_root()}")
         for e in entries:

@@ -9,12 +9,13 @@ from pathlib import Path
 import click
 from rich.console import Console
 from rich.syntax import Syntax
-from rich.table import Table
+from rich.table import Column, Table
 
+from .console import console_width
 from .errors import FivarError
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(width=console_width())
+err_console = Console(stderr=True, width=console_width(sys.stderr))
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
 
@@ -56,7 +57,7 @@ def _set_arch(arch: str | None):
 def list_cmd():
     """Variants on the search path (FIVAR_VARIANT_PATH, ./variants, bundled)."""
     from .registry import load_file, variant_files
-    table = Table("name", "kind", "params", "file")
+    table = Table(Column("name", overflow="fold"), "kind", "params", Column("file", overflow="fold"))
     for name, path in sorted(variant_files().items()):
         try:
             v = load_file(path)
@@ -285,7 +286,7 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
                       + (f", launcher {launcher}" if launcher else ""), highlight=False)
     with live_progress(modules, console, enabled=prewarm or len(modules) > 1):
         results = build_many(modules, parallel=prewarm or len(modules) > 1)
-    table = Table("module", "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
+    table = Table(Column("module", overflow="fold"), "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
     for m, (kind, secs) in zip(modules, results):
         table.add_row(m.uri, {"cold": "[yellow]compiled[/]", "disk": "[green]hit (disk)[/]",
                               "memory": "[green]hit (memory)[/]"}[kind], f"{secs:.2f}")
