@@ -319,3 +319,12 @@ def test_other_tile_shapes(block_m, block_n):
                        v.reference(q, k, vv, causal=causal, **p))
         finally:
             kernel.configs = saved
+
+
+def test_a_backend_typo_is_named_before_the_inputs_are_checked():
+    v = fivar.load("softcap")
+    q, k, vv = _qkv(4, 4, 2, 2, 16)
+    for call in (lambda: v.prefill(q, k, vv, backend="trition"),
+                 lambda: v.batch_prefill_ragged(q, k, vv, None, None, backend="fa4")):
+        with pytest.raises(fivar.FivarError, match="variant 'softcap': backend '(trition|fa4)' is not available"):
+            call()
