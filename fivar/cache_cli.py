@@ -501,7 +501,7 @@ def verify(fix, as_json, prefix):
 @click.option("--older-than", default=None, help="evict modules not used for this long, e.g. 30d")
 @click.option("--stale", "stale_only", is_flag=True, help="evict stale modules (other toolchain, edited "
               "variant, interrupted build)")
-@click.option("--dry-run", is_flag=True)
+@click.option("--dry-run", is_flag=True, help="list what would be evicted, evict nothing")
 @click.option("--json", "as_json", is_flag=True)
 def prune(max_size, older_than, stale_only, dry_run, as_json):
     """Evict least-recently-used modules; never one a live process has loaded or one being built."""

@@ -67,6 +67,11 @@ def list_cmd():
         if getattr(v, "kind", None) == "fusion":
             table.add_row(name, "fusion", _escape(v.describe()), str(path))
             continue
+        try:
+            v.ir  # parse and type-check: a spec error shows here, not at the first build
+        except FivarError as e:
+            table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), str(path))
+            continue
         kind = " + ".join(k for k in ("logits" if v.logits else "", "mask" if v.mask else "") if k)
         if not v.softmax:
             kind += " (no softmax)"
@@ -188,6 +193,10 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
                     console.print(f"\n// ===== {fname} =====", style="bold", markup=False)
                 _print_code(text)
         return
+    from .jit.build import DTYPES, HEAD_DIMS
+    if target in ("fa2", "fa3") and (dtype not in DTYPES or head_dim not in HEAD_DIMS):  # `build` refuses these
+        raise FivarError(f"variant '{v.name}': " + (f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})"
+                         if dtype not in DTYPES else f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})"))
     if explain:
         from .runtime.attention import choose_target
         for o in OPS:

@@ -80,9 +80,11 @@ def load_variant(name: str) -> AttentionVariant:
         return load_file(Path(name))
     files = variant_files()
     if name not in files:
+        import difflib
+        close = difflib.get_close_matches(name, list(files), n=1)
         known = ", ".join(sorted(files)) or "none"
-        raise FivarError(f"no variant named '{name}' (searched {', '.join(map(str, search_path()))}; "
-                         f"found: {known})")
+        raise FivarError(f"no variant named '{name}'{f' (did you mean {close[0]!r}?)' if close else ''} (searched "
+                         f"{', '.join(map(str, search_path()))}; found: {known})")
     v = load_file(files[name])
     if v.name != name:
         raise FivarSpecError(f"file {files[name].name} defines variant '{v.name}', expected '{name}'",

@@ -207,19 +207,20 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
     parts = [p.strip() for p in text.split(",")]
     tiles = []
     for p in parts:
-        m = re.fullmatch(r"(\d+)x(\d+)", p)
+        m = re.fullmatch(r"(\d+)[xX](\d+)", p)
         if not m or len(parts) > 2:
             raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV "
                              f"(non-causal, causal), e.g. 128x176, or {FLASHINFER_TILES!r}")
         q, kv = int(m.group(1)), int(m.group(2))
         smem = 2 * head_dim * (q + 2 * kv + max(2 * kv, q))  # Q, K (2 stages), V (2 stages) or O in its place
         # CTA_Q: FA3's warp scheduler (hopper/named_barrier.cuh) static_asserts two or three consumer warpgroups
-        if q not in (128, 192) or kv % 16 or not 16 <= kv <= 256 or smem > _SMEM_BYTES:
-            raise FivarError(
-                f"variant '{variant.name}': {where}={text!r}: tile {q}x{kv} at head dim {head_dim} is not one FA3 "
-                f"can run: CTA_Q must be 128 or 192 (two or three consumer warpgroups), CTA_KV a multiple of "
-                f"16 from 16 to 256, and Q, K and V must fit in shared memory ({smem // 1024} KiB of "
-                f"{_SMEM_BYTES // 1024})")
+        broken = (f"CTA_Q is {q}; it must be 128 or 192 (two or three consumer warpgroups)" if q not in (128, 192) else
+                  f"CTA_KV is {kv}; it must be a multiple of 16 from 16 to 256" if kv % 16 or not 16 <= kv <= 256 else
+                  f"Q, K and V take {smem // 1024} KiB of shared memory; at most {_SMEM_BYTES // 1024} fit"
+                  if smem > _SMEM_BYTES else None)
+        if broken:
+            raise FivarError(f"variant '{variant.name}': {where}={text!r}: tile {q}x{kv} at head dim {head_dim} is "
+                             f"not one FA3 can run: {broken}")
         tiles.append((q, kv))
     return {MASK_NONE: tiles[0], MASK_CAUSAL: tiles[-1]}
 

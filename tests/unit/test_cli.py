@@ -107,3 +107,23 @@ def test_build_without_gpu_or_arch_asks_for_one(runner, monkeypatch):
 def test_python_dash_m_fivar_works():
     p = subprocess.run([sys.executable, "-m", "fivar", "--help"], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0 and "new-variant" in p.stdout
+
+
+def test_show_refuses_what_build_refuses_and_list_reports_spec_errors(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    for args, says in ((["show", "softcap", "--head-dim", "100"], "head_dim 100 is not supported"),
+                       (["show", "softcap", "--target", "fa3", "--dtype", "fp32"], "dtype 'fp32' is not supported"),
+                       (["show", "sofcap"], "no variant named 'sofcap' (did you mean 'softcap'?)")):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code != 0 and says in " ".join(r.output.split()), (args, r.output)
+    (tmp_path / "typo.py").write_text(
+        "from fivar import AttentionVariant, Scalar\n\n\n"
+        "def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):\n"
+        "    return score * params.sofcap\n\n\n"
+        "variant = AttentionVariant(name='typo', logits=logits, params={'softcap': Scalar(float, default=30.0)})\n")
+    monkeypatch.setenv("FIVAR_VARIANT_PATH", str(tmp_path))
+    r = CliRunner().invoke(main, ["list"])
+    flat = " ".join(r.output.split())
+    assert "│ typo │ error │" in flat and "unknown parameter `sofcap`" in flat, r.output

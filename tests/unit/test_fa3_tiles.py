@@ -80,13 +80,16 @@ def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_tile_ignore
 
 @pytest.mark.parametrize("bad,why", [
     ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
-    ("96x128", "CTA_Q must be 128 or 192"), ("64x128", "CTA_Q must be 128 or 192"), ("128x100", "a multiple of 16"), ("128x272", "from 16 to 256"),
-    ("128x208", "shared memory"),  # 240 KiB of Q, K and V at hd128
+    ("96x128", "CTA_Q is 96; it must be 128 or 192"), ("64x128", "CTA_Q is 64; it must be 128 or 192"),
+    ("128x100", "CTA_KV is 100; it must be a multiple of 16"), ("128x272", "CTA_KV is 272;.*from 16 to 256"),
+    ("128x208", "take 240 KiB of shared memory"),  # Q, K and V at hd128
 ])
 def test_tiles_fa3_cannot_run_are_refused_naming_variant_and_setting(bad, why, monkeypatch):
     softcap = fivar.load("softcap")
-    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': cta_tile=.*{why}"):
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': cta_tile=.*{why}") as info:
         gen_module(softcap, "single_prefill", "fa3", cta_tile=bad)
+    if "CTA" in why:  # the rule that failed, not every rule
+        assert "shared memory" not in str(info.value) and ("CTA_Q" in why) != ("CTA_KV" in str(info.value))
     monkeypatch.setenv(fa3.CTA_TILE_ENV, bad)
     with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {fa3.CTA_TILE_ENV}=.*{why}"):
         gen_module(softcap, "single_prefill", "fa3")
