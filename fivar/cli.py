@@ -176,7 +176,7 @@ def _fa3_tile(v) -> str:
 @click.option("--sources", is_flag=True, help="print every generated source file of the module, not just the struct")
 @click.option("--dtype", default="bf16", show_default=True)
 @click.option("--head-dim", default=128, show_default=True)
-@click.option("--arch", default=None, help="target arch for --sources without a GPU, e.g. 9.0a")
+@click.option("--arch", default=None, help="target arch for --sources and --explain without a GPU, e.g. 9.0a")
 def show(name, target, op, sources, dtype, head_dim, arch, explain):
     """Print what fivar generates for a variant."""
     from . import load
@@ -198,9 +198,18 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         raise FivarError(f"variant '{v.name}': " + (f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})"
                          if dtype not in DTYPES else f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})"))
     if explain:
+        import torch
+
         from .runtime.attention import choose_target
+        capability = None
+        if arch and not torch.cuda.is_available():  # what auto would pick on that GPU
+            from .jit.toolchain import check_arch_list
+            check_arch_list(arch, "--arch")
+            major, minor = arch.split()[0].split(".")
+            capability = (int(major), int(minor.rstrip("abcdefghijklmnopqrstuvwxyz")))
+            console.print(f"no GPU visible: as on sm{major}{minor} (--arch {arch})")
         for o in OPS:
-            t, why = choose_target(v, "auto", o)
+            t, why = choose_target(v, "auto", o, capability=capability)
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
         console.print(_escape(_tile_skipping(v)))
         console.print(_escape(_fa3_softmax(v)))

@@ -19,8 +19,9 @@ from .params import bind_params, kernel_args
 BACKENDS = ("auto", "fa2", "fa3")
 
 
-def choose_target(variant, backend: str, op: str, device=None) -> tuple[str, str]:
-    """(target, reason): which generated kernel runs this op, and why."""
+def choose_target(variant, backend: str, op: str, device=None, capability=None) -> tuple[str, str]:
+    """(target, reason): which generated kernel runs this op, and why. `capability` (major, minor): as if the GPU
+    were that (`fivar show --explain --arch` on a machine without one)."""
     if backend not in BACKENDS:
         raise FivarError(f"variant '{variant.name}': backend '{backend}' is not available "
                          f"(choose from {', '.join(BACKENDS)})")
@@ -32,7 +33,9 @@ def choose_target(variant, backend: str, op: str, device=None) -> tuple[str, str
                        "KV head serves >= 4 query heads (measured faster), else the CUDA-core decode kernel")
     if backend != "auto":
         return backend, f"backend='{backend}' was requested"
-    if device is not None and torch.device(device).type == "cuda":
+    if capability is not None:
+        major, minor = capability
+    elif device is not None and torch.device(device).type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
     elif torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()

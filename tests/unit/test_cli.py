@@ -127,3 +127,13 @@ def test_show_refuses_what_build_refuses_and_list_reports_spec_errors(tmp_path, 
     r = CliRunner().invoke(main, ["list"])
     flat = " ".join(r.output.split())
     assert "│ typo │ error │" in flat and "unknown parameter `sofcap`" in flat, r.output
+
+
+def test_explain_with_an_arch_says_what_auto_picks_there():
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"])
+    assert r.exit_code == 0 and "single_prefill: fa3" in r.output and "batch_decode: fa2" in r.output, r.output
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "8.0"])
+    assert r.exit_code == 0 and "single_prefill: fa2 - sm80 GPU" in r.output, r.output
