@@ -299,9 +299,12 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
                          serving_modules(load(n), op, t, dt, hd))]
     modules = list({m.uri: m for m in modules}.values())  # a fusion ignores --ops/--targets/--head-dims
     t0 = time.perf_counter()
-    if prewarm or len(modules) > 1:
-        console.print(f"building {len(modules)} module(s) with {jobs} nvcc job(s) ({jobs_why})"
+    todo = [m for m in modules if not m.manifest_ok()]
+    if (prewarm or len(modules) > 1) and todo:
+        console.print(f"building {len(todo)} of {len(modules)} module(s) with {jobs} nvcc job(s) ({jobs_why})"
                       + (f", launcher {launcher}" if launcher else ""), highlight=False)
+    elif prewarm or len(modules) > 1:
+        console.print(f"all {len(modules)} module(s) up to date", highlight=False)
     with live_progress(modules, console, enabled=prewarm or len(modules) > 1):
         results = build_many(modules, parallel=prewarm or len(modules) > 1)
     table = Table(Column("module", overflow="fold"), "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
