@@ -80,12 +80,12 @@ def fa3_variants_at(names, exp2_splits=(), cta_tiles=(), bounded=False):
 
 
 def bounded_softmax_set():
-    """FA3 with the bounded softmax: what test_fa3_bounded_softmax runs (single prefill of both soft-capped
-    variants, batch prefill ragged and paged of softcap), and the default modules `gpu_session.sh bounded`
-    benchmarks it against."""
+    """FA3 with the bounded softmax and without: what test_fa3_bounded_softmax runs (single prefill of both
+    soft-capped variants, batch prefill ragged and paged of softcap; a cap of 50 runs the running-max modules), and
+    the default modules `gpu_session.sh bounded` benchmarks it against."""
     v = fivar.load("softcap")
     return (fa3_variants_at(["softcap", "softcap_sliding_window"], bounded=True)
-            + [gen_module(v, op="batch_prefill", target="fa3", bounded_softmax=True)]
+            + [gen_module(v, op="batch_prefill", target="fa3", bounded_softmax=b) for b in (True, False)]
             + [gen_module(fivar.load(n), op="single_prefill", target="fa3") for n in ("softcap", "softcap_sliding_window")])
 
 
