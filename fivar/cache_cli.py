@@ -18,6 +18,7 @@ import statistics
 import tarfile
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -591,7 +592,7 @@ def clear(wipe_records, yes, as_json):
 def export_cmd(file, variants, as_json):
     """Pack this toolchain's modules (.so, manifest, generated sources) into one .tar.gz."""
     if not Path(file).parent.is_dir() or not os.access(Path(file).parent, os.W_OK):
-        raise FivarError(f"cannot export to {file}: {Path(file).parent or '.'} is not a writable directory")
+        raise FivarError(f"cannot export to {file}: {Path(file).parent} is not a writable directory")
     tc = current_toolchain()
     if tc["arch"] is None or tc["nvcc"] is None:
         raise FivarError("cannot tell the current arch/nvcc: set FLASHINFER_CUDA_ARCH_LIST (or --arch) and "
@@ -662,8 +663,10 @@ def import_cmd(file, as_json):
     tc = current_toolchain()
     try:
         tar = tarfile.open(file, "r:gz")
-    except (tarfile.TarError, OSError, EOFError) as ex:
-        raise FivarError(f"{file} is not a fivar cache export (not a gzip tar archive: {ex})") from None
+        tar.getmembers()  # reads the whole archive: a truncated or corrupt one fails here, not midway
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as ex:
+        raise FivarError(f"{file} is not a readable fivar cache export (a gzip tar archive): {ex or type(ex).__name__}")\
+            from None
     with tar:
         meta = read_export_meta(tar, file)
         bad = [k for k in ("arch", "flashinfer", "nvcc") if meta.get(k) != tc.get(k)]

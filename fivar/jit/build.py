@@ -585,11 +585,14 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
 
 def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim: int = 128) -> list[FivarModule]:
     """What a build or prewarm of (variant, op, target) compiles: the modules that run `op` at runtime (a mask
-    that is more than a band on FA3: the KV-range form's mask and row-run modules)."""
+    that is more than a band on FA3: the KV-range form's mask and row-run modules; with the bounded softmax, the
+    running-max modules too)."""
     op = serving_op(variant, op, target)
-    mods = [gen_module(variant, op, target, dtype, head_dim)]
-    if target == "fa3" and fa3.uses_kv_ranges(variant, op):
-        mods.append(gen_module(variant, op, target, dtype, head_dim, row_runs=True))
+    forms = [False, True] if target == "fa3" and fa3.uses_kv_ranges(variant, op) else [False]
+    mods = [gen_module(variant, op, target, dtype, head_dim, row_runs=r) for r in forms]
+    if target == "fa3" and fa3.softmax_range(variant, dtype) is not None:
+        # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
+        mods += [gen_module(variant, op, target, dtype, head_dim, row_runs=r, bounded_softmax=False) for r in forms]
     return mods
 
 
@@ -630,25 +633,26 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
 _memo: dict[tuple, tuple] = {}
 
 
-def ninja_spans(modules: list[FivarModule], log_text: str | None = None) -> dict[str, float]:
+def ninja_spans(modules: list[FivarModule], log_text: str | None = None, since_ns: int = 0) -> dict[str, float]:
     """Per module of one shared ninja run, the seconds from its first unit's start to its last step's end, read
     from ninja's log (FlashInfer runs ninja in its JIT directory): what that module's compile took inside the
-    batch, rather than the batch's wall time on every module."""
+    batch, rather than the batch's wall time on every module. Only outputs written since `since_ns` count (the
+    log's times are relative to each ninja run; an object left by an earlier, interrupted run is not this one's)."""
     if log_text is None:
         from flashinfer.jit import env as jit_env
         try:
             log_text = (jit_env.FLASHINFER_JIT_DIR / ".ninja_log").read_text()
         except OSError:
             return {}
-    latest: dict[str, tuple[int, int]] = {}  # output -> (start ms, end ms) of its last build
+    latest: dict[str, tuple[int, int, int]] = {}  # output -> (start ms, end ms, mtime ns) of its last build
     for line in log_text.splitlines():
         parts = line.split("\t")
-        if len(parts) >= 4 and parts[0].isdigit() and parts[1].isdigit():
-            latest[parts[3]] = (int(parts[0]), int(parts[1]))
+        if len(parts) >= 4 and parts[0].isdigit() and parts[1].isdigit() and parts[2].isdigit():
+            latest[parts[3]] = (int(parts[0]), int(parts[1]), int(parts[2]))
     spans = {}
     for m in modules:
-        prefix = str(m.build_dir) + os.sep
-        times = [t for out, t in latest.items() if out.startswith(prefix)]
+        prefixes = tuple({str(m.build_dir) + os.sep, os.path.realpath(m.build_dir) + os.sep})
+        times = [t[:2] for out, t in latest.items() if out.startswith(prefixes) and t[2] >= since_ns]
         if times:
             spans[m.uri] = (max(e for _, e in times) - min(s for s, _ in times)) / 1000.0
     return spans
@@ -666,7 +670,7 @@ def build_many(modules: list[FivarModule], parallel: bool = True) -> list[tuple[
             results[m.uri] = ("disk", 0.0)
     todo = list({m.uri: m for m in modules if m.uri not in results}.values())
     if parallel and len(todo) > 1:
-        t0 = time.perf_counter()
+        t0, t0_ns = time.perf_counter(), time.time_ns()
         try:
             for m in todo:
                 m._prepare()
@@ -674,7 +678,7 @@ def build_many(modules: list[FivarModule], parallel: bool = True) -> list[tuple[
         except Exception:
             pass  # the per-module builds below name the module that failed
         secs = time.perf_counter() - t0
-        spans = ninja_spans(todo)
+        spans = ninja_spans(todo, since_ns=t0_ns)
         for m in todo:
             if m.library_path.exists():
                 m.write_manifest(spans.get(m.uri, secs))

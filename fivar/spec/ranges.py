@@ -19,9 +19,13 @@ from . import ir
 Range = tuple[float, float]
 FULL: Range = (-math.inf, math.inf)
 
-_MONOTONE = {"tanh": math.tanh, "exp": math.exp, "exp2": lambda x: 2.0 ** x,
+def _exp(x: float) -> float:
+    return math.inf if x > 709.0 else math.exp(x)
+
+
+_MONOTONE = {"tanh": math.tanh, "exp": _exp, "exp2": lambda x: math.inf if x > 1023.0 else 2.0 ** x,
              "floor": lambda x: float(math.floor(x)) if math.isfinite(x) else x,
-             "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0}
+             "sigmoid": lambda x: 1.0 / (1.0 + _exp(-x))}
 
 
 def program_range(program: ir.Program) -> Range | None:
@@ -41,7 +45,10 @@ def _range(e: ir.Expr, env: dict[str, Range]) -> Range:
     if isinstance(e, ir.Local):
         return env.get(e.name, FULL)
     if isinstance(e, ir.Cast):
-        return _range(e.x, env)
+        lo, hi = _range(e.x, env)
+        if e.type == ir.I32:  # int() truncates toward zero, which never decreases as its input grows
+            return tuple(float(math.trunc(x)) if math.isfinite(x) else x for x in (lo, hi))
+        return lo, hi
     if isinstance(e, ir.Unary) and e.op == "neg":
         lo, hi = _range(e.x, env)
         return -hi, -lo
@@ -71,10 +78,7 @@ def _range(e: ir.Expr, env: dict[str, Range]) -> Range:
 def _call_range(fn: str, args: list[Range]) -> Range:
     lo, hi = args[0]
     if fn in _MONOTONE:
-        try:
-            return _MONOTONE[fn](lo), _MONOTONE[fn](hi)
-        except OverflowError:
-            return (_MONOTONE[fn](lo), math.inf) if fn in ("exp", "exp2") else FULL
+        return _MONOTONE[fn](lo), _MONOTONE[fn](hi)
     if fn == "abs":
         return (0.0 if lo <= 0.0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
     if fn in ("minimum", "maximum"):

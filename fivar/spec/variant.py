@@ -18,6 +18,7 @@ Semantics every target implements (and the README repeats):
 from __future__ import annotations
 
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
@@ -61,8 +62,8 @@ class AttentionVariant:
                 raise FivarSpecError(f"Scalar parameter {pname!r}: dtype must be float or int, got {p.dtype!r}",
                                      variant=self.name, **at)
             if isinstance(p, Scalar) and p.default is not None and (
-                    isinstance(p.default, bool) or not isinstance(p.default, (int, float))
-                    or (p.dtype is int and not isinstance(p.default, int))):
+                    isinstance(p.default, bool) or not isinstance(p.default, numbers.Real)
+                    or (p.dtype is int and not isinstance(p.default, numbers.Integral))):
                 raise FivarSpecError(f"Scalar parameter {pname!r}: default {p.default!r} is not "
                                      f"{'an int' if p.dtype is int else 'a float'}", variant=self.name, **at)
             if isinstance(p, Tensor):

@@ -330,3 +330,8 @@ def test_ninja_spans_take_each_modules_first_start_to_last_end():
                      "garbage line"])
     assert ninja_spans([a, b], log) == {a.uri: 12.5, b.uri: 0.001}
     assert ninja_spans([a], "") == {}
+    # an output written before this build (mtime, ns) is an earlier run's: not part of the span
+    mixed = "\n".join([f"0\t9000\t5\t{a.build_dir}/x_kernel_mask_0.cuda.o\th",
+                       f"5\t12000\t9\t{a.build_dir}/x_kernel_mask_1.cuda.o\th",
+                       f"12001\t12500\t9\t{a.build_dir}/{a.uri}.so\th"])
+    assert ninja_spans([a], mixed, since_ns=6) == {a.uri: 12.495}

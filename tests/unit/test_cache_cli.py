@@ -452,7 +452,12 @@ def test_bad_files_and_archs_get_one_line_not_a_traceback(iso, tmp_path):
     fake_built(module(vfile))
     junk = tmp_path / "junk.tar.gz"
     junk.write_bytes(os.urandom(64))
-    for args, says in ((("cache", "import", str(junk)), f"{junk} is not a fivar cache export"),
+    good = tmp_path / "good.tar.gz"
+    assert invoke("cache", "export", str(good)).exit_code == 0
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    for args, says in ((("cache", "import", str(junk)), f"{junk} is not a readable fivar cache export"),
+                       (("cache", "import", str(cut)), f"{cut} is not a readable fivar cache export"),
                        (("cache", "export", str(tmp_path / "no_such_dir" / "x.tar.gz")), "is not a writable directory"),
                        (("cache", "--arch", "bogus", "ls"), "--arch='bogus': expected CUDA archs"),
                        (("build", "cachev", "--arch", "9"), "--arch='9': expected CUDA archs")):

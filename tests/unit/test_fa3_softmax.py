@@ -227,3 +227,16 @@ def test_a_launch_whose_params_make_the_range_too_wide_runs_the_running_max_modu
                 "bounded_softmax"] is False
     b = bind_params(softcap, {"softcap": 30.0}, num_qo_heads=8, num_kv_heads=8, batch_size=1, device="cpu")
     assert _module(softcap, "single_prefill", "fa3", torch.bfloat16, 128, b, 0.088).options["bounded_softmax"] is False
+
+
+def test_a_bounded_build_also_builds_the_running_max_modules_a_wide_range_runs(monkeypatch):
+    """So a serving process that prewarmed never compiles on its first launch with a cap of 50."""
+    from fivar.jit.build import serving_modules
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    softcap = fivar.load("softcap")
+    assert [m.options["bounded_softmax"] for m in serving_modules(softcap, "single_prefill", "fa3")] == [False]
+    with fa3.bounded_softmax():
+        for op in ("single_prefill", "batch_prefill"):
+            assert [m.options["bounded_softmax"] for m in serving_modules(softcap, op, "fa3")] == [True, False]
+        alibi = fivar.load("alibi")  # unbounded: one module, as before
+        assert len(serving_modules(alibi, "single_prefill", "fa3")) == 1

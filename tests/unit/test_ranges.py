@@ -55,9 +55,13 @@ def l_exp_of_capped(s, b, h, kh, q, kv, p):
     return exp(minimum(s, 3.0))  # (0, e^3]: the lower end is exp's limit
 
 
+def l_truncated(s, b, h, kh, q, kv, p):
+    return float(int(tanh(s) * 0.01 - 1.995))  # int() truncates toward zero: -1 or -2, not (-2.005, -1.985)
+
+
 BOUNDED = {l_softcap: (-1.0, 1.0), l_two_caps: (-0.75, 0.75), l_shifted_sigmoid: (-1.0, 2.0), l_clamp: (-5.0, 5.0),
            l_min_max: (-2.0, 7.0), l_select: (-1.5, 1.0), l_abs_exp: (math.exp(-1.0), 1.0),
-           l_divided: (-1.0, 1.0), l_exp_of_capped: (0.0, math.exp(3.0))}
+           l_divided: (-1.0, 1.0), l_exp_of_capped: (0.0, math.exp(3.0)), l_truncated: (-2.0, -1.0)}
 
 
 @pytest.mark.parametrize("logits", list(BOUNDED), ids=lambda f: f.__name__)
@@ -108,8 +112,13 @@ def l_exp_of_score(s, b, h, kh, q, kv, p):
     return exp(s)
 
 
+def l_exp_overflowing(s, b, h, kh, q, kv, p):
+    return exp(tanh(s) + 712.0)  # beyond float64: unbounded, not an OverflowError
+
+
 @pytest.mark.parametrize("logits", [l_plain, l_alibi, l_half_clamp, l_param_scaled_tanh,
-                                    l_divided_by_zero_crossing, l_exp_of_score], ids=lambda f: f.__name__)
+                                    l_divided_by_zero_crossing, l_exp_of_score, l_exp_overflowing],
+                         ids=lambda f: f.__name__)
 def test_a_transform_unbounded_at_either_end_has_no_range(logits):
     assert program_range(_variant(logits).lowered.logits) is None
 
