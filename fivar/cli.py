@@ -318,16 +318,21 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
 @main.command()
 @click.argument("name")
 @click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
-@click.option("--dtypes", default="bf16", show_default=True)
+@click.option("--dtypes", default=None, help="comma list of bf16, fp16 (default: bf16; fp16 on the CPU)")
 @click.option("--head-dims", default="128", show_default=True)
-@click.option("--backends", default="auto", show_default=True, help="comma list of auto, fa2, fa3")
+@click.option("--backends", default="auto", show_default=True,
+              help="comma list of auto, fa2, fa3, triton (triton alone runs on the CPU without a GPU)")
 def check(name, ops, dtypes, head_dims, backends):
-    """Run the variant's kernels at awkward shapes and compare with its torch reference (needs a GPU)."""
+    """Run the variant's kernels at awkward shapes and compare with its torch reference. Without a GPU,
+    `--backends triton` runs the Triton twin on the CPU (Triton's interpreter, float16, smaller shapes)."""
     import torch
 
     from . import load
     from .testing import run_checks
     v = load(name)
+    on_cpu = not torch.cuda.is_available() and _split(backends) == ["triton"]
+    if dtypes is None:  # Triton's interpreter has no bfloat16 arithmetic
+        dtypes = "fp16" if on_cpu else "bf16"
     dts = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in _split(dtypes)]
     if getattr(v, "kind", None) == "fusion":  # odd token counts, and a packed QKV view for per-head fusions
         from .fusion.check import check_fusion
@@ -335,10 +340,11 @@ def check(name, ops, dtypes, head_dims, backends):
                    for dt in dts for r in check_fusion(v, tokens=t, packed=p, dtype=dt)]
     else:
         results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_split(head_dims, int),
-                             backends=_split(backends))
-    table = Table("case", "rel err", "max err", "result", title=f"fivar check {name} on {torch.cuda.get_device_name()}")
+                             backends=_split(backends), **(dict(device="cpu", heads=((4, 2),)) if on_cpu else {}))
+    where = "the CPU (Triton's interpreter)" if on_cpu else torch.cuda.get_device_name()
+    table = Table(Column("case", overflow="fold"), "rel err", "max err", "result", title=f"fivar check {name} on {where}")
     for r in results:
-        table.add_row(r.case, f"{r.rel_err:.2e}", f"{r.max_err:.2e}", "[green]pass[/]" if r.passed else "[red]FAIL[/]")
+        table.add_row(_escape(r.case), f"{r.rel_err:.2e}", f"{r.max_err:.2e}", "[green]pass[/]" if r.passed else "[red]FAIL[/]")
     console.print(table)
     failed = sum(not r.passed for r in results)
     console.print(f"{len(results) - failed} passed, {failed} failed")

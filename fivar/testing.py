@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -145,17 +146,17 @@ def _to_paged(k, v, kv_lens, page_size):
 
 
 def check_decode(variant, *, kv_lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                 dtype=torch.bfloat16, device="cuda") -> CheckResult:
+                 dtype=torch.bfloat16, device="cuda", backend="auto") -> CheckResult:
     batch = len(kv_lens)
     q = torch.randn(batch, num_qo_heads, head_dim, dtype=dtype, device=device)
     _, k, v = _qkv(1, sum(kv_lens), num_qo_heads, num_kv_heads, head_dim, dtype, device)
     params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
                             max_len=max(kv_lens), device=device)
     cache, indptr, indices, last = _to_paged(k, v, kv_lens, page_size)
-    out = variant.decode(q, cache, indptr, indices, last, **params)
+    out = variant.decode(q, cache, indptr, indices, last, backend=backend, **params)
     ref = _ragged_reference(variant, q, k, v, [1] * batch, kv_lens, False, params)
-    return compare(variant.name, f"batch_decode {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} kv{list(kv_lens)}",
-                   out, ref, dtype)
+    return compare(variant.name, f"batch_decode[{backend}] {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
+                   f"kv{list(kv_lens)}", out, ref, dtype)
 
 
 #: Awkward shapes every bundled variant is checked at (lengths not multiples of 16, qo_len != kv_len).
@@ -164,27 +165,46 @@ BATCH_CASES = [([17, 1, 40], [17, 70, 300], False), ([17, 1, 40], [17, 70, 300],
 DECODE_CASES = [[1, 33, 517, 1000]]
 
 
+#: The same kinds of shapes, smaller, for the Triton twin under Triton's interpreter on the CPU.
+CPU_SINGLE_CASES = [(1, 1, False), (37, 129, False), (37, 129, True), (100, 100, True), (57, 200, False)]
+CPU_BATCH_CASES = [([17, 1, 40], [17, 70, 90], False), ([17, 1, 40], [17, 70, 90], True)]
+CPU_DECODE_CASES = [[1, 33, 130]]
+
+
 def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"), dtypes=(torch.bfloat16,),
-               head_dims=(128,), heads=((32, 8),), backends=("auto",)) -> list[CheckResult]:
-    if not torch.cuda.is_available():
-        raise FivarError("fivar check runs the kernels, so it needs a CUDA GPU; on this machine use "
-                         "`fivar build` (compile only) and the CPU test suite")
+               head_dims=(128,), heads=((32, 8),), backends=("auto",), device="cuda") -> list[CheckResult]:
+    """Every op at awkward shapes against the reference. device="cpu": the Triton twin only, run by Triton's
+    interpreter (TRITON_INTERPRET=1, set here), in float16, at smaller shapes."""
+    single, batch_cases, decode_cases = SINGLE_CASES, BATCH_CASES, DECODE_CASES
+    if device == "cpu":
+        if set(backends) != {"triton"}:
+            raise FivarError(f"variant '{variant.name}': on the CPU only the Triton twin runs (backend 'triton', "
+                             f"under Triton's interpreter), not {', '.join(b for b in backends if b != 'triton')}")
+        if torch.bfloat16 in dtypes:
+            raise FivarError(f"variant '{variant.name}': bfloat16 on the CPU: Triton's interpreter has no bfloat16 "
+                             "arithmetic; check float16")
+        os.environ["TRITON_INTERPRET"] = "1"
+        single, batch_cases, decode_cases = CPU_SINGLE_CASES, CPU_BATCH_CASES, CPU_DECODE_CASES
+    elif not torch.cuda.is_available():
+        raise FivarError("fivar check runs the kernels, so it needs a CUDA GPU; without one, `fivar check NAME "
+                         "--backends triton` runs the Triton twin on the CPU, and `fivar build` compiles the rest")
     results = []
     for dtype in dtypes:
         for hd in head_dims:
             for hq, hkv in heads:
-                kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=hd, dtype=dtype)
+                kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=hd, dtype=dtype, device=device)
                 for backend in backends:
                     if "single_prefill" in ops:
-                        for lq, lk, causal in SINGLE_CASES:
+                        for lq, lk, causal in single:
                             results.append(check_single_prefill(variant, qo_len=lq, kv_len=lk, causal=causal,
                                                                 backend=backend, **kw))
                     if "batch_prefill" in ops:
-                        for qo_lens, kv_lens, causal in BATCH_CASES:
-                            for paged in (False, True):
+                        for qo_lens, kv_lens, causal in batch_cases:
+                            for paged in (False,) if backend == "triton" else (False, True):  # no paged twin
                                 results.append(check_batch_prefill(variant, qo_lens=qo_lens, kv_lens=kv_lens,
                                                                    paged=paged, causal=causal, backend=backend, **kw))
                 if "batch_decode" in ops:
-                    for kv_lens in DECODE_CASES:
-                        results.append(check_decode(variant, kv_lens=kv_lens, **kw))
+                    for kv_lens in decode_cases:
+                        results.append(check_decode(variant, kv_lens=kv_lens,
+                                                    backend="triton" if device == "cpu" else "auto", **kw))
     return results

@@ -137,3 +137,24 @@ def test_explain_with_an_arch_says_what_auto_picks_there():
     assert r.exit_code == 0 and "single_prefill: fa3" in r.output and "batch_decode: fa2" in r.output, r.output
     r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "8.0"])
     assert r.exit_code == 0 and "single_prefill: fa2 - sm80 GPU" in r.output, r.output
+
+
+def test_check_runs_the_triton_twin_on_the_cpu(monkeypatch):
+    """Without a GPU, `fivar check NAME --backends triton` runs every op the twin has (Triton's interpreter,
+    float16) against the reference; other backends and bfloat16 are refused naming why."""
+    import torch
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path is for machines without a GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored afterwards (check sets it for its own process)
+    r = CliRunner().invoke(main, ["check", "alibi", "--backends", "triton", "--head-dims", "32"])
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    assert "8 passed, 0 failed" in flat and "single_prefill[triton] torch.float16" in flat
+    assert "batch_prefill_ragged[triton]" in flat and "batch_decode[triton]" in flat
+    for args, says in ((["--backends", "triton,fa2"], "needs a CUDA GPU"),
+                       (["--backends", "triton", "--dtypes", "bf16"], "bfloat16 on the CPU")):
+        r = CliRunner().invoke(main, ["check", "alibi", *args])
+        assert r.exit_code != 0 and says in " ".join(r.output.split()), (args, r.output)
