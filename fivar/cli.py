@@ -56,26 +56,29 @@ def _set_arch(arch: str | None):
 @main.command("list")
 def list_cmd():
     """Variants on the search path (FIVAR_VARIANT_PATH, ./variants, bundled)."""
-    from .registry import load_file, variant_files
+    from .registry import all_variant_files, load_file
     table = Table(Column("name", overflow="fold"), "kind", "params", Column("file", overflow="fold"))
-    for name, path in sorted(variant_files().items()):
+    for name, paths in sorted(all_variant_files().items()):
+        path, shown = paths[0], _escape(str(paths[0]))
+        if len(paths) > 1:  # a ./variants/softcap.py is the softcap every command loads: say what it hides
+            shown += f" [yellow](hides {_escape(', '.join(map(str, paths[1:])))})[/]"
         try:
             v = load_file(path)
         except FivarError as e:
-            table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), str(path))
+            table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), shown)
             continue
         if getattr(v, "kind", None) == "fusion":
-            table.add_row(name, "fusion", _escape(v.describe()), str(path))
+            table.add_row(name, "fusion", _escape(v.describe()), shown)
             continue
         try:
             v.ir  # parse and type-check: a spec error shows here, not at the first build
         except FivarError as e:
-            table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), str(path))
+            table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), shown)
             continue
         kind = " + ".join(k for k in ("logits" if v.logits else "", "mask" if v.mask else "") if k)
         if not v.softmax:
             kind += " (no softmax)"
-        table.add_row(name, kind, ", ".join(v.params) or "-", str(path))
+        table.add_row(name, kind, ", ".join(v.params) or "-", shown)
     console.print(table)
 
 

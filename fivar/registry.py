@@ -29,11 +29,16 @@ def search_path() -> list[Path]:
 
 def variant_files() -> dict[str, Path]:
     """name -> file, first match on the search path wins."""
-    found: dict[str, Path] = {}
+    return {name: files[0] for name, files in all_variant_files().items()}
+
+
+def all_variant_files() -> dict[str, list[Path]]:
+    """name -> every file of that name on the search path, in search order (the first is the one loaded)."""
+    found: dict[str, list[Path]] = {}
     for d in search_path():
         for f in sorted(d.glob("*.py")):
             if not f.name.startswith("_"):
-                found.setdefault(f.stem, f)
+                found.setdefault(f.stem, []).append(f)
     return found
 
 

@@ -158,3 +158,18 @@ def test_check_runs_the_triton_twin_on_the_cpu(monkeypatch):
                        (["--backends", "triton", "--dtypes", "bf16"], "bfloat16 on the CPU")):
         r = CliRunner().invoke(main, ["check", "alibi", *args])
         assert r.exit_code != 0 and says in " ".join(r.output.split()), (args, r.output)
+
+
+def test_list_says_which_bundled_variant_a_local_one_hides(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    from fivar.paths import bundled_variants_dir
+    (tmp_path / "variants").mkdir()
+    (tmp_path / "variants" / "softcap.py").write_text((bundled_variants_dir() / "softcap.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(main, ["list"]).output
+    compact = "".join(c for c in out if not c.isspace() and c != "│")  # long paths fold across lines
+    want = f"{tmp_path / 'variants' / 'softcap.py'}(hides{bundled_variants_dir() / 'softcap.py'})"
+    assert "".join(want.split()) in compact, out
+    assert out.count("(hides") == 1, out  # only the shadowed one says so
