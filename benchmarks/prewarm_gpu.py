@@ -83,10 +83,10 @@ def bounded_softmax_set():
     """FA3 with the bounded softmax and without: what test_fa3_bounded_softmax runs (single prefill of both
     soft-capped variants, batch prefill ragged and paged of softcap; a cap of 50 runs the running-max modules), and
     the default modules `gpu_session.sh bounded` benchmarks it against."""
-    v = fivar.load("softcap")
-    return (fa3_variants_at(["softcap", "softcap_sliding_window"], bounded=True)
-            + [gen_module(v, op="batch_prefill", target="fa3", bounded_softmax=b) for b in (True, False)]
-            + [gen_module(fivar.load(n), op="single_prefill", target="fa3") for n in ("softcap", "softcap_sliding_window")])
+    from fivar.codegen.fa3 import bounded_softmax
+    with bounded_softmax():  # serving_modules then gives each bounded module and its running-max fallback
+        return [m for n, op in (("softcap", "single_prefill"), ("softcap_sliding_window", "single_prefill"),
+                                ("softcap", "batch_prefill")) for m in serving_modules(fivar.load(n), op, "fa3")]
 
 
 def exp2_split_set():

@@ -326,10 +326,8 @@ def _out(as_json: bool, data, render) -> None:
               "FLASHINFER_CUDA_ARCH_LIST or the visible GPU)")
 def cache(arch):
     """fivar's modules in FlashInfer's JIT cache: ls, show, stats, verify, prune, clear, export, import."""
-    if arch:
-        from .jit.toolchain import check_arch_list
-        check_arch_list(arch, "--arch")
-        os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch
+    from .jit.toolchain import set_arch_env
+    set_arch_env(arch)
 
 
 @cache.command("ls")

@@ -47,10 +47,8 @@ def main():
 
 
 def _set_arch(arch: str | None):
-    if arch:
-        from .jit.toolchain import check_arch_list
-        check_arch_list(arch, "--arch")
-        os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch
+    from .jit.toolchain import set_arch_env
+    set_arch_env(arch)
 
 
 @main.command("list")

@@ -34,6 +34,13 @@ def check_arch_list(text: str, where: str) -> None:
                          "'9.0a 10.0a'")
 
 
+def set_arch_env(arch: str | None, where: str = "--arch") -> None:
+    """A command's `--arch`: checked, then FlashInfer's arch list for this process (before FlashInfer is imported)."""
+    if arch:
+        check_arch_list(arch, where)
+        os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch
+
+
 def cuda_home() -> str:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home:

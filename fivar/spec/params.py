@@ -20,23 +20,24 @@ TENSOR_DTYPES = {
 }
 
 
-def _call_site() -> dict:
-    """filename/line of the Scalar(...) or Tensor(...) call (its __init__'s caller), for errors about it."""
-    frame = sys._getframe(3)
-    return {"filename": frame.f_code.co_filename, "line": frame.f_lineno, "col": 0}
+@dataclass(frozen=True)
+class _Declared:
+    """A parameter declaration that remembers where it was written, so errors about it name that line."""
+    where: dict = field(default_factory=dict, compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self):
+        if not self.where:  # the caller of the dataclass __init__ that called this
+            frame = sys._getframe(2)
+            object.__setattr__(self, "where", {"filename": frame.f_code.co_filename, "line": frame.f_lineno,
+                                               "col": 0})
 
 
 @dataclass(frozen=True)
-class Scalar:
+class Scalar(_Declared):
     """A runtime scalar, passed by keyword at call time (e.g. `softcap=30.0`)."""
     dtype: type = float
     default: float | int | None = None
     doc: str = ""
-    where: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self):
-        if not self.where:
-            object.__setattr__(self, "where", _call_site())
 
     @property
     def ir_type(self) -> str:
@@ -44,7 +45,7 @@ class Scalar:
 
 
 @dataclass(frozen=True)
-class Tensor:
+class Tensor(_Declared):
     """A tensor read inside the kernel, e.g. per-head ALiBi slopes: `Tensor("float32", ("qo_head",))`.
 
     `dims` names each dimension; `qo_head`, `kv_head` and `batch` are checked against the call's shapes,
@@ -54,11 +55,6 @@ class Tensor:
     dtype: str = "float32"
     dims: tuple[str, ...] = ("n",)
     doc: str = ""
-    where: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self):
-        if not self.where:
-            object.__setattr__(self, "where", _call_site())
 
     @property
     def ndim(self) -> int:

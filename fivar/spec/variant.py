@@ -126,25 +126,25 @@ class AttentionVariant:
         return {k: p for k, p in self.params.items() if isinstance(p, Tensor)}
 
     # --- runtime entry points (thin: the work lives in fivar.runtime) ---------------------------
-    def _backend(self, backend: str) -> str:
+    def _check_backend_name(self, backend: str) -> None:
         """A typo in `backend` is named first, before checks of the inputs could hide it."""
-        if backend not in ("auto", "fa2", "fa3", "triton"):
-            raise FivarError(f"variant '{self.name}': backend {backend!r} is not available (choose from auto, fa2, "
-                             "fa3, triton)")
-        return backend
+        from ..runtime.attention import BACKENDS
+        if backend not in (*BACKENDS, "triton"):
+            raise FivarError(f"variant '{self.name}': backend {backend!r} is not available (choose from "
+                             f"{', '.join((*BACKENDS, 'triton'))})")
 
     def prefill(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None,
                 backend: str = "auto", out=None, **params):
         """Single-request prefill. q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D] (NHD)."""
         from ..runtime.attention import single_prefill
-        self._backend(backend)
+        self._check_backend_name(backend)
         return single_prefill(self, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
                               out=out, params=params)
 
     def batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, *, causal: bool = False,
                              sm_scale: float | None = None, backend: str = "auto", **params):
         from ..runtime.attention import batch_prefill_ragged
-        self._backend(backend)
+        self._check_backend_name(backend)
         return batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, causal=causal,
                                     sm_scale=sm_scale, backend=backend, params=params)
 
@@ -152,7 +152,7 @@ class AttentionVariant:
                             kv_last_page_len, *, causal: bool = False, sm_scale: float | None = None,
                             backend: str = "auto", **params):
         from ..runtime.attention import batch_prefill_paged
-        self._backend(backend)
+        self._check_backend_name(backend)
         return batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                                    kv_last_page_len, causal=causal, sm_scale=sm_scale,
                                    backend=backend, params=params)
@@ -160,7 +160,7 @@ class AttentionVariant:
     def decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *,
                sm_scale: float | None = None, backend: str = "auto", **params):
         from ..runtime.attention import batch_decode
-        self._backend(backend)
+        self._check_backend_name(backend)
         return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                             sm_scale=sm_scale, backend=backend, params=params)
 
@@ -169,7 +169,7 @@ class AttentionVariant:
                    sm_scale: float | None = None, backend: str = "auto", device="cuda", **params):
         """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split)."""
         from ..runtime.attention import PagedAttentionPlan
-        self._backend(backend)
+        self._check_backend_name(backend)
         return PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                   num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
@@ -180,7 +180,7 @@ class AttentionVariant:
                     device="cuda", **params):
         """Plan a ragged batch (a single request: indptrs [0, len]) once, then `.run(q, k, v)` per layer."""
         from ..runtime.attention import RaggedAttentionPlan
-        self._backend(backend)
+        self._check_backend_name(backend)
         return RaggedAttentionPlan(self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads,
                                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                    sm_scale=sm_scale, backend=backend, device=device, params=params)
