@@ -1,6 +1,7 @@
 """The `fivar` command line: new-variant, list, show, build, check."""
 from __future__ import annotations
 
+import keyword
 import os
 import sys
 import time
@@ -89,8 +90,10 @@ def list_cmd():
 def new_variant(name, variants_dir, tests_dir, kind):
     """Scaffold variants/NAME.py and tests/variants/test_NAME.py (never overwrites)."""
     from .codegen.fa2 import render
-    if not name.isidentifier():
-        raise FivarError(f"variant name {name!r} must be a Python identifier (letters, digits, _)")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise FivarError(f"variant name {name!r} must be a Python identifier (letters, digits, _) and not a keyword")
+    if name.replace("_", "-") in main.commands:  # `fivar new-variant list` is more likely a slip than a name
+        raise FivarError(f"variant name {name!r} is a fivar command (`fivar {name.replace('_', '-')}`); pick another")
     vpath, tpath = Path(variants_dir) / f"{name}.py", Path(tests_dir) / f"test_{name}.py"
     for p in (vpath, tpath):
         if p.exists():
@@ -171,7 +174,8 @@ def _fa3_tile(v) -> str:
 
 @main.command()
 @click.argument("name")
-@click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default="fa2", show_default=True)
+@click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default=None,
+              help="attention variants only  [default: fa2]")
 @click.option("--explain", is_flag=True, help="say which target `backend='auto'` picks for each op here, and why")
 @click.option("--op", type=click.Choice(OPS), default="single_prefill", show_default=True)
 @click.option("--sources", is_flag=True, help="print every generated source file of the module, not just the struct")
@@ -185,6 +189,9 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
     from .spec.ir import format_program
     v = load(name)
     if getattr(v, "kind", None) == "fusion":  # a fusion: its rendered CUDA source (--sources: with the header)
+        if target or explain:
+            raise FivarError(f"'{name}' is a fusion: it has one CUDA source and no attention targets, so "
+                             f"{'--target' if target else '--explain'} does not apply (`fivar show {name}` prints it)")
         _set_arch(arch)
         from .fusion.build import render_sources
         srcs = render_sources(v, dtype)
@@ -195,6 +202,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
                 _print_code(text)
         return
     from .jit.build import DTYPES, HEAD_DIMS
+    target = target or "fa2"
     if target in ("fa2", "fa3") and (dtype not in DTYPES or head_dim not in HEAD_DIMS):  # `build` refuses these
         raise FivarError(f"variant '{v.name}': " + (f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})"
                          if dtype not in DTYPES else f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})"))

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..errors import FivarError
 from ..spec import ir
 from ..spec.ir import BOOL, F32, I32
 
@@ -19,8 +20,13 @@ _UNARY = {"tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch
 
 
 class TorchEvaluator:
-    def __init__(self, env: dict, params: dict, float_dtype=torch.float32, device=None, hoisted=None):
+    """`check_divisors`: refuse an integer // or % by zero (the kernels leave it undefined) with the spec's
+    file:line. Off where the programs are traced (FlexAttention's score_mod/mask_mod), which cannot branch on data."""
+
+    def __init__(self, env: dict, params: dict, float_dtype=torch.float32, device=None, hoisted=None,
+                 check_divisors=False):
         self.env, self.params, self.fdt = env, params, float_dtype
+        self.check_divisors = check_divisors
         self.hoisted = hoisted or {}  # lowered programs: per-block invariants by name
         self.device = device
         self.locals: dict[str, torch.Tensor] = {}
@@ -65,6 +71,9 @@ class TorchEvaluator:
         if isinstance(e, ir.Binary):
             a, b = self.eval(e.a), self.eval(e.b)
             op = e.op
+            if self.check_divisors and e.type == I32 and op in ("floordiv", "mod") and bool((b == 0).any()):
+                raise FivarError(f"{e.where or 'an integer division'}: the divisor is 0 for some positions; the "
+                                 "kernels leave that undefined, so keep it non-zero (e.g. maximum(d, 1))")
             if op == "add":
                 return a + b
             if op == "sub":
@@ -128,7 +137,7 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
         "q_idx": torch.arange(qo_len, device=dev).view(1, qo_len, 1) + (kv_len - qo_len),
         "kv_idx": torch.arange(kv_len, device=dev).view(1, 1, kv_len),
     }
-    ev = TorchEvaluator(env, values, float_dtype, dev)
+    ev = TorchEvaluator(env, values, float_dtype, dev, check_divisors=True)
     vir = variant.ir
     logits = ev.run(vir.logits).expand_as(score) if vir.logits else score
     keep = torch.ones_like(score, dtype=torch.bool)

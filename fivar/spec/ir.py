@@ -89,6 +89,8 @@ class Binary(Expr):
     op: str  # BINARY_OPS, COMPARE_OPS or LOGICAL_OPS
     a: Expr
     b: Expr
+    # integer // and %: "file:line:col: variant 'name': `source`", for the reference's division-by-zero error
+    where: str = field(default="", compare=False, repr=False)
 
     def children(self):
         return (self.a, self.b)

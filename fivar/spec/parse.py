@@ -10,7 +10,7 @@ import builtins
 import inspect
 import textwrap
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import lang
 from ..errors import FivarSpecError
@@ -42,12 +42,15 @@ _BUILTIN_FUNCS = {"abs": "abs", "min": "minimum", "max": "maximum", "float": "fl
 class VariantIR:
     logits: ir.Program | None
     mask: ir.Program | None
+    divisor_scalars: dict[str, str] = field(default_factory=dict)  # int Scalar param -> where it divides
 
 
 def parse_variant(variant) -> VariantIR:
-    logits = _FunctionParser(variant, variant.logits, "logits").parse() if variant.logits else None
-    mask = _FunctionParser(variant, variant.mask, "mask").parse() if variant.mask else None
-    return VariantIR(logits, mask)
+    parsers = {role: _FunctionParser(variant, fn, role) for role, fn in (("logits", variant.logits),
+                                                                          ("mask", variant.mask)) if fn}
+    programs = {role: p.parse() for role, p in parsers.items()}
+    divisors = {name: where for p in parsers.values() for name, where in p.divisor_scalars.items()}
+    return VariantIR(programs.get("logits"), programs.get("mask"), divisors)
 
 
 def _node_name(node: ast.AST) -> str:
@@ -77,6 +80,7 @@ class _FunctionParser:
         self.env: dict[str, ir.Expr] = {}  # python name -> expr (args) or Local
         self.lets: list[tuple[str, ir.Expr]] = []
         self.let_names: set[str] = set()
+        self.divisor_scalars: dict[str, str] = {}  # Scalar param -> where it divides (a 0 is refused per call)
 
     # --- errors --------------------------------------------------------------------------------
     def error(self, node: ast.AST | None, message: str, construct: str | None = None, allowed=None):
@@ -254,7 +258,27 @@ class _FunctionParser:
                                  "into a number", "bool arithmetic")
         if op == "div" or a.type == F32 or b.type == F32:
             return ir.Binary(F32, op, self.to_f32(a), self.to_f32(b))
+        if op in ("floordiv", "mod"):
+            return ir.Binary(I32, op, a, self.integer_divisor(b, node), where=self.where(node))
         return ir.Binary(I32, op, a, b)
+
+    def where(self, node) -> str:
+        e = self.error(node, "")
+        return f"{e.filename}:{e.line}:{e.col + 1}: variant '{self.variant.name}': `{ast.unparse(node)}`"
+
+    def integer_divisor(self, b: ir.Expr, node) -> ir.Expr:
+        """A literal zero is refused here, a Scalar divisor on every call (`divisor_scalars`); any other divisor
+        is the spec's promise, which the reference checks (fivar.codegen.torch_ref)."""
+        op = "//" if isinstance(node.op, ast.FloorDiv) else "%"
+        value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+        if isinstance(value, ir.Const) and value.value == 0:
+            raise self.error(node.right, f"integer `{op}` by zero", "division by zero")
+        if isinstance(value, ir.ScalarParam):
+            if self.variant.params[value.name].default == 0:
+                raise self.error(node.right, f"params.{value.name} divides (`{ast.unparse(node)}`) but its "
+                                 "default is 0", "division by zero")
+            self.divisor_scalars.setdefault(value.name, self.where(node))
+        return b
 
     def expr_UnaryOp(self, node):
         x = self.expr(node.operand)

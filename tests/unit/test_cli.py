@@ -68,6 +68,12 @@ def test_bad_name_for_new_variant(runner, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = runner.invoke(main, ["new-variant", "not-valid"])
     assert r.exit_code == 1 and "must be a Python identifier" in r.output
+    r = runner.invoke(main, ["new-variant", "lambda"])
+    assert r.exit_code == 1 and "not a keyword" in r.output
+    for command in ("list", "new_variant"):
+        r = runner.invoke(main, ["new-variant", command])
+        assert r.exit_code == 1 and "is a fivar command" in r.output, r.output
+    assert not (tmp_path / "variants").exists()
 
 
 def test_spec_error_is_one_clear_message_not_a_traceback(tmp_path, monkeypatch, runner):
@@ -173,3 +179,10 @@ def test_list_says_which_bundled_variant_a_local_one_hides(tmp_path, monkeypatch
     want = f"{tmp_path / 'variants' / 'softcap.py'}(hides{bundled_variants_dir() / 'softcap.py'})"
     assert "".join(want.split()) in compact, out
     assert out.count("(hides") == 1, out  # only the shadowed one says so
+
+
+def test_show_a_fusion_refuses_attention_targets(runner):
+    r = runner.invoke(main, ["show", "llama_add_rmsnorm", "--target", "fa3"])
+    assert r.exit_code == 1 and "is a fusion" in r.output and "--target does not apply" in r.output
+    r = runner.invoke(main, ["show", "llama_add_rmsnorm"])
+    assert r.exit_code == 0 and "fusion 'llama_add_rmsnorm'" in r.output

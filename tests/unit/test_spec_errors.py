@@ -280,3 +280,63 @@ def test_bad_declarations_point_at_the_declaration(make, match):
 def test_good_declarations_pass():
     for p in (Scalar(int, default=3), Scalar(float, default=2), Scalar(float, default=0.5), Scalar(int)):
         AttentionVariant(name="okvar", logits=lambda s, b, h, kh, qi, ki, p: s, params={"w": p})
+
+
+# --- integer division by zero: refused where it is known (a literal, a Scalar's default or value), and reported
+# by the reference with the spec's line where only the data can tell -------------------------------------------
+
+def test_integer_division_by_literal_zero():
+    def mask(b, h, kh, qi, ki, p):
+        return qi // 0 == ki  # BAD
+    _expect(mask, role="mask", match="integer `//` by zero")
+
+
+def test_integer_modulo_by_a_scalar_whose_default_is_zero():
+    def mask(b, h, kh, qi, ki, p):
+        c = p.chunk
+        return qi % c == ki % 7  # BAD
+    _expect(mask, role="mask", match="params.chunk divides (`qi % c`) but its default is 0", chunk=Scalar(int, default=0))
+
+
+def _chunked():
+    def mask(b, h, kh, qi, ki, p):
+        return qi // p.chunk == ki // p.chunk  # BAD
+    return AttentionVariant(name="chunked", mask=mask, params={"chunk": Scalar(int)}), _bad_line(mask)
+
+
+def test_a_scalar_divisor_of_zero_is_refused_per_call():
+    import torch
+    from fivar.codegen.torch_ref import reference_attention
+    v, line = _chunked()
+    q, k = torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    with pytest.raises(fivar.FivarError, match=rf"{__file__}:{line}:\d+: variant 'chunked': `qi // p.chunk`: "
+                       "parameter 'chunk' is 0"):
+        reference_attention(v, q, k, k, params={"chunk": 0})
+    for chunk in (1, 5, -3):  # the reference keeps Python's floor division (a negative chunk is legal)
+        out = reference_attention(v, q, k, k, params={"chunk": chunk}, float_dtype=torch.float64)
+        idx = torch.arange(12)
+        keep = (idx.view(-1, 1) // chunk) == (idx.view(1, -1) // chunk)
+        s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / 4.0
+        want = torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~keep, -math.inf), -1), k.double())
+        torch.testing.assert_close(out, want)
+
+
+def test_a_divisor_that_is_zero_at_some_positions_names_its_line():
+    import torch
+    from fivar.codegen.torch_ref import reference_attention
+
+    def mask(b, h, kh, qi, ki, p):
+        return qi % (ki - qi) == 0  # BAD
+
+    def mask_guarded(b, h, kh, qi, ki, p):
+        return qi % fivar.maximum(ki - qi, 1) == 0
+    q, k = torch.randn(9, 1, 8), torch.randn(9, 1, 8)
+    with pytest.raises(fivar.FivarError, match=rf"{__file__}:{_bad_line(mask)}:\d+: variant 'diag': "
+                       r"`qi % \(ki - qi\)`: the divisor is 0 for some positions"):
+        reference_attention(AttentionVariant(name="diag", mask=mask), q, k, k)
+    out = reference_attention(AttentionVariant(name="diag", mask=mask_guarded), q, k, k, float_dtype=torch.float64)
+    idx = torch.arange(9)
+    keep = torch.remainder(idx.view(-1, 1), (idx.view(1, -1) - idx.view(-1, 1)).clamp(min=1)) == 0
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(8)
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~keep, -math.inf), -1), k.double())
+    torch.testing.assert_close(out, want)
