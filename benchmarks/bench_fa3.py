@@ -17,8 +17,8 @@ columns compute the softmax's exp2 on the FMA pipe (FIVAR_FA3_EXP2_EMULATION, fi
 FlashInfer's own OnlineSoftmax): how EXP2_EMULATED_OF_8 was chosen. `--cta-tiles 128x176 128x160,128x96` adds one
 per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-causal then causal, or `flashinfer`:
 128x192 non-causal, 128x128 causal at hd128; fivar's default for soft-caps is 128x128), at the default split.
-`--bounded` adds `fivar_fa3_bounded`: the softmax takes its max from a bounded transform's range
-(FIVAR_FA3_BOUNDED_SOFTMAX, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
+`--running-max` adds `fivar_fa3_running_max`: FlashInfer's running row max in place of fivar's default for bounded
+transforms, whose max is the bound (FIVAR_FA3_BOUNDED_SOFTMAX=0, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
 first, in parallel.
 """
 from __future__ import annotations
@@ -84,12 +84,12 @@ def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=()
     return rows
 
 
-def option_contenders(exp2_splits=(), cta_tiles=(), bounded=False):
+def option_contenders(exp2_splits=(), cta_tiles=(), running_max=False):
     """[(contender name, the fivar.codegen.fa3 context manager its calls run under)] for --exp2-splits/--cta-tiles/
-    --bounded."""
+    --running-max."""
     return ([(f"fivar_fa3_exp2_{k}", lambda k=k: exp2_split(k)) for k in exp2_splits]
             + [(f"fivar_fa3_tile_{t.replace(',', '_')}", lambda t=t: cta_tile(t)) for t in cta_tiles]
-            + ([("fivar_fa3_bounded", bounded_softmax)] if bounded else []))
+            + ([("fivar_fa3_running_max", lambda: bounded_softmax(False))] if running_max else []))
 
 
 def _run_under(option, fn):
@@ -99,7 +99,7 @@ def _run_under(option, fn):
     return call
 
 
-def build_option_modules(variants, exp2_splits, cta_tiles, bounded=False):
+def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False):
     """The FA3 single-prefill modules of every split and tile and the default ones, in one parallel ninja, then
     (in another) stock FA3's, so no compile lands inside the benchmark."""
     from concurrent.futures import ThreadPoolExecutor
@@ -107,7 +107,7 @@ def build_option_modules(variants, exp2_splits, cta_tiles, bounded=False):
     from flashinfer.jit.core import build_jit_specs
     from fivar.jit.build import build_many, serving_modules
     from prewarm_gpu import fa3_variants_at, stock_fa3_specs  # benchmarks/ is this script's directory
-    mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles, bounded=bounded)
+    mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles, running_max=running_max)
     mods += [m for n in variants for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
@@ -267,7 +267,8 @@ def main():
     ap.add_argument("--exp2-splits", default="", help="e.g. 0,3,4,6: FA3 contenders per exp2 split (see top)")
     ap.add_argument("--cta-tiles", nargs="*", default=[], help="e.g. 128x176 128x160,128x96: FA3 contenders per "
                     "CTA tile (see top)")
-    ap.add_argument("--bounded", action="store_true", help="an FA3 contender with the bounded softmax (see top)")
+    ap.add_argument("--running-max", action="store_true",
+                    help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
     args = ap.parse_args()
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
     rounds = 2 if args.quick else 4
@@ -283,9 +284,9 @@ def main():
     if "softcap" in parts:
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
     exp2_splits, cta_tiles = _ints(args.exp2_splits), args.cta_tiles
-    options = option_contenders(exp2_splits, cta_tiles, args.bounded)
+    options = option_contenders(exp2_splits, cta_tiles, args.running_max)
     if options and "flex" in parts:
-        build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.bounded)
+        build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max)
     if "flex" in parts:
         def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
             out["variants_vs_flex"] = rows

@@ -76,15 +76,16 @@ tiles)  # FA3 single prefill of the soft-capped variants at other exp2 splits an
     --exp2-splits ${SPLITS:-0,1,3} \
     --cta-tiles ${TILES:-128x176,192x128 128x160,128x176 128x128,128x96 192x128,128x64} \
     --json "$OUT/bench_tiles.json" 2>&1 | quiet | tee "$OUT/bench_tiles.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
-bounded)  # FA3's bounded softmax (FIVAR_FA3_BOUNDED_SOFTMAX): its modules and stock FA3's, its GPU tests, then the
-  # soft-capped variants with it vs fivar's default (running max), stock FA3 and Flex, at SEQLENS, both modes
+bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its modules, their running-max twins and
+  # stock FA3's, its GPU tests, then the soft-capped variants with it vs the running max, stock FA3 and Flex, at
+  # SEQLENS, both modes
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   (time python3 benchmarks/prewarm_gpu.py --bounded --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "bounded_softmax" \
     2>&1 | tee "$OUT/gpu_tests_bounded.log" | tail -6
   timeout ${BENCH_S:-330} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192} \
     --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
-    --bounded --json "$OUT/bench_bounded.json" 2>&1 | quiet | tee "$OUT/bench_bounded.log" \
+    --running-max --json "$OUT/bench_bounded.json" 2>&1 | quiet | tee "$OUT/bench_bounded.log" \
     | grep -v "^CheckResult\|passed" | tail -12 ;;
 batch)  # batch prefill, ragged and planned (`fivar bench --op batch-prefill`): soft-cap vs stock
   # BatchPrefillWithRaggedKVCacheWrapper (FA3 on Hopper; exp2 split and FlashInfer's tiles), non-causal then causal

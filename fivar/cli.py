@@ -144,7 +144,7 @@ def _fa3_softmax(v) -> str:
     cost = f"the logits transform costs {mufu} MUFU op(s) per score"
     rng = fa3.softmax_range(v, "bf16", True)
     bounded = ("; the transform is unbounded, so the max is a running one" if rng is None else
-               f"; the transform stays in [{rng[0]:g}, {rng[1]:g}], and with {fa3.BOUNDED_SOFTMAX_ENV}=1 (bf16) the "
+               f"; the transform stays in [{rng[0]:g}, {rng[1]:g}], and unless {fa3.BOUNDED_SOFTMAX_ENV}=0 (bf16) the "
                f"softmax takes its max from the bound where the range times the softmax scale spans at most "
                f"{fa3.BOUNDED_SOFTMAX_SPAN:g} powers of two, {'on' if fa3.softmax_range(v, 'bf16') else 'off'} here")
     if not k:

@@ -101,11 +101,12 @@ def exp2_split_for(variant, requested: int | None) -> int:
     return requested if variant.softmax else 0
 
 
-#: FIVAR_FA3_BOUNDED_SOFTMAX=1 (gen_module(bounded_softmax=True), `with bounded_softmax()`): a softmax variant whose
-#: logits transform is bounded (fivar.spec.ranges: soft-capping's tanh, in [-1, 1]) gets FA3 modules whose softmax
-#: takes its max from the bound, with no running max and no output rescale per tile (csrc/fivar_fa3_softmax.cuh),
-#: used for a launch when bounded_softmax_applies. Off by default (measured slower with a run-time fallback in
-#: the kernel: README).
+#: The bounded softmax (on unless FIVAR_FA3_BOUNDED_SOFTMAX=0; gen_module(bounded_softmax=False),
+#: `with bounded_softmax(False)`): a softmax variant whose logits transform is bounded (fivar.spec.ranges:
+#: soft-capping's tanh, in [-1, 1]) gets FA3 modules whose softmax takes its max from the bound, with no running
+#: max and no output rescale per tile (csrc/fivar_fa3_softmax.cuh), used for a launch when bounded_softmax_applies;
+#: the running-max module is built next to it for the launches it does not apply to. Measured faster than the
+#: running max on soft-cap (README, session 9).
 BOUNDED_SOFTMAX_ENV = "FIVAR_FA3_BOUNDED_SOFTMAX"
 #: With the max at hi * scale, every unmasked probability is at least 2^-((hi - lo) * scale). Up to this span it,
 #: and p * v for |v| >= 2^-30, stay normal floats; beyond it a row whose logits all sit low could lose every weight.
@@ -114,14 +115,14 @@ BOUNDED_SOFTMAX_SPAN = 96.0
 
 def softmax_range(variant, dtype: str, requested: bool | None = None) -> tuple[float, float] | None:
     """The range [lo, hi] of the logits transform FA3's softmax takes its max from, or None for the running max:
-    `requested`, else FIVAR_FA3_BOUNDED_SOFTMAX, says whether to; it applies to softmax variants with a bounded
+    `requested`, else FIVAR_FA3_BOUNDED_SOFTMAX (default 1), says whether to; it applies to softmax variants with a bounded
     transform, in bf16 only (an fp16 probability under 2^-24 is zero, so a row whose logits all sit far below
     the bound would lose every weight; bf16 keeps float's exponent range)."""
     if requested is None:
         text = os.environ.get(BOUNDED_SOFTMAX_ENV, "").strip()
         if text not in ("", "0", "1"):
             raise FivarError(f"variant '{variant.name}': {BOUNDED_SOFTMAX_ENV}={text!r}: expected 0 or 1")
-        requested = text == "1"
+        requested = text != "0"
     if not requested or not variant.softmax or dtype != "bf16":
         return None
     return variant.logits_range

@@ -483,7 +483,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
     `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal) or "flashinfer"; default
     FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
-    from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, off)."""
+    from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:

@@ -115,6 +115,7 @@ def test_modules_of_different_splits_differ_and_carry_the_header_only_when_they_
     from fivar.jit.build import gen_module, module_for
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.delenv(fa3.EXP2_EMULATION_ENV, raising=False)
+    monkeypatch.setenv(fa3.BOUNDED_SOFTMAX_ENV, "0")  # the split alone decides fivar's softmax struct here
     softcap, alibi = fivar.load("softcap"), fivar.load("alibi")
     uris = {}
     for k in (0, 2, 8):
@@ -161,15 +162,17 @@ def test_bounded_softmax_runs_only_where_every_probability_stays_a_normal_float(
     assert not fa3.bounded_softmax_applies((-1.0, 1.0), math.nan)
 
 
-def test_bounded_softmax_is_opt_in_bf16_and_only_for_bounded_softmax_variants(monkeypatch):
+def test_bounded_softmax_is_the_default_bf16_and_only_for_bounded_softmax_variants(monkeypatch):
     from fivar.jit.build import gen_module, module_for
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.delenv(fa3.EXP2_EMULATION_ENV, raising=False)
     monkeypatch.delenv(fa3.BOUNDED_SOFTMAX_ENV, raising=False)
     softcap = fivar.load("softcap")
     k = fa3.EXP2_EMULATED_OF_8
-    off = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
+    with fa3.bounded_softmax(False):
+        off = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
     assert off.options["bounded_softmax"] is False and "BOUNDED" not in off.sources["single_prefill_sm90_config.inc"]
+    assert module_for(softcap, "single_prefill", "fa3", "bf16", 128).options["bounded_softmax"] is True  # default
     with fa3.bounded_softmax():
         on = module_for(softcap, "single_prefill", "fa3", "bf16", 128)
         assert on is module_for(softcap, "single_prefill", "fa3", "bf16", 128)  # memo, per setting
@@ -226,7 +229,9 @@ def test_a_launch_whose_params_make_the_range_too_wide_runs_the_running_max_modu
             assert _module(softcap, "single_prefill", "fa3", torch.float16, 128, b, 0.088).options[
                 "bounded_softmax"] is False
     b = bind_params(softcap, {"softcap": 30.0}, num_qo_heads=8, num_kv_heads=8, batch_size=1, device="cpu")
-    assert _module(softcap, "single_prefill", "fa3", torch.bfloat16, 128, b, 0.088).options["bounded_softmax"] is False
+    with fa3.bounded_softmax(False):
+        assert _module(softcap, "single_prefill", "fa3", torch.bfloat16, 128, b, 0.088).options[
+            "bounded_softmax"] is False
 
 
 def test_a_bounded_build_also_builds_the_running_max_modules_a_wide_range_runs(monkeypatch):
@@ -234,7 +239,8 @@ def test_a_bounded_build_also_builds_the_running_max_modules_a_wide_range_runs(m
     from fivar.jit.build import serving_modules
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     softcap = fivar.load("softcap")
-    assert [m.options["bounded_softmax"] for m in serving_modules(softcap, "single_prefill", "fa3")] == [False]
+    with fa3.bounded_softmax(False):
+        assert [m.options["bounded_softmax"] for m in serving_modules(softcap, "single_prefill", "fa3")] == [False]
     with fa3.bounded_softmax():
         for op in ("single_prefill", "batch_prefill"):
             assert [m.options["bounded_softmax"] for m in serving_modules(softcap, op, "fa3")] == [True, False]
