@@ -69,12 +69,12 @@ exp2)  # FA3's exp2 split between the MUFU and FMA pipes (fivar_fa3_softmax.cuh)
     --json "$OUT/bench_exp2.json" 2>&1 | quiet | tee "$OUT/bench_exp2.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 tiles)  # FA3 single prefill of the soft-capped variants at other exp2 splits and CTA tiles (bench_fa3.py
   # --exp2-splits/--cta-tiles: all built first) vs fivar's default, stock FA3 and Flex, at SEQLENS (default
-  # 8192), non-causal and causal (CAUSALS)
+  # 8192), non-causal and causal (CAUSALS); TILES= (empty) for no tile contenders, EXTRA=--running-max adds one
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192} \
     --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
     --exp2-splits ${SPLITS:-0,1,3} \
-    --cta-tiles ${TILES:-128x176,192x128 128x160,128x176 128x128,128x96 192x128,128x64} \
+    --cta-tiles ${TILES-128x176,192x128 128x160,128x176 128x128,128x96 192x128,128x64} ${EXTRA:-} \
     --json "$OUT/bench_tiles.json" 2>&1 | quiet | tee "$OUT/bench_tiles.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its modules, their running-max twins and
   # stock FA3's, its GPU tests, then the soft-capped variants with it vs the running max, stock FA3 and Flex, at
