@@ -73,6 +73,9 @@ def _flashinfer_cache_root() -> Path:
     return jit_env.FLASHINFER_CACHE_DIR
 
 
+UNKNOWN_TOOLCHAIN = "unknown: no arch or nvcc to compare with (set FLASHINFER_CUDA_ARCH_LIST or --arch, and CUDA_HOME)"
+
+
 def current_toolchain() -> dict:
     """arch / flashinfer / nvcc of this process (None where it cannot be determined)."""
     from .jit import toolchain
@@ -121,7 +124,8 @@ class Entry:
         m = self.manifest or {}
         if not m:
             return "-"
-        return f"{m.get('variant')} {m.get('target')} {m.get('op')} {m.get('dtype')} hd{m.get('head_dim')}"
+        text = f"{m.get('variant')} {m.get('target')} {m.get('op')} {m.get('dtype')} hd{m.get('head_dim')}"
+        return " ".join([text, *_option_labels(m.get("options") or {})])
 
     @property
     def library_path(self) -> Path:
@@ -135,6 +139,20 @@ class Entry:
                 "op": m.get("op"), "dtype": m.get("dtype"), "head_dim": m.get("head_dim"),
                 "arch": m.get("arch"), "flashinfer": m.get("flashinfer"), "nvcc": m.get("nvcc"),
                 "stale": self.stale, "stale_reasons": self.reasons, "live_holders": self.holders}
+
+
+def _option_labels(options: dict) -> list[str]:
+    """What tells apart two modules of one (variant, op, dtype, head dim): the FA3 softmax, split and tile."""
+    out = []
+    if options.get("bounded_softmax"):
+        out.append("bounded")
+    if options.get("exp2_emulated_of_8") is not None:
+        out.append(f"exp2/8={options['exp2_emulated_of_8']}")
+    if options.get("cta_tile"):
+        out.append(f"tile {options['cta_tile']}")
+    if options.get("row_runs"):
+        out.append("row-runs")
+    return out
 
 
 def scan_entries() -> list[Entry]:
@@ -204,8 +222,14 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
                if tc.get(k) is not None and man.get(k) != tc[k]]
     if reasons:
         return True, reasons
-    if not e.library_path.exists():
+    try:
+        size = e.library_path.stat().st_size
+    except OSError:
         return True, ["library missing"]
+    if man.get("so_size") not in (None, size):
+        return True, [f"library size {size} != manifest {man['so_size']} (truncated?)"]
+    if tc.get("arch") is None or tc.get("nvcc") is None:  # the variant cannot be rendered for comparison
+        return None, [UNKNOWN_TOOLCHAIN]
     v = _load_variant(man, variants)
     if isinstance(v, str):
         return None, [v]
@@ -341,14 +365,18 @@ def ls_cmd(as_json, no_stale_check):
         t = Table(Column("module", overflow="fold"), "size", "compile s", "hits", "last use", "variant / op / dtype / hd", "status",
                   title=f"fivar cache: {len(entries)} module(s), "
                         f"{human_size(sum(e.size for e in entries))} in {_flashinfer_cache_root()}")
+        unknown = any(e.reasons == [UNKNOWN_TOOLCHAIN] for e in entries)
         for e in entries:
             status = ("[red]stale[/]: " + "; ".join(e.reasons)) if e.stale else \
-                ("[green]ok[/]" if e.stale is False else "? " + "; ".join(e.reasons))
+                ("[green]ok[/]" if e.stale is False else
+                 "?" if e.reasons == [UNKNOWN_TOOLCHAIN] else "? " + "; ".join(e.reasons))
             if e.holders:
                 status += f" (in use: pid {', '.join(map(str, e.holders))})"
             t.add_row(e.uri, human_size(e.size), "-" if e.compile_seconds is None else f"{e.compile_seconds:.1f}",
                       str(e.hits), human_age(e.last_use), e.provenance, status)
         console.print(t)
+        if unknown:
+            console.print(f"?: {UNKNOWN_TOOLCHAIN}", highlight=False)
     _out(as_json, [e.to_json() for e in entries], render)
 
 
@@ -506,6 +534,11 @@ def prune(max_size, older_than, stale_only, dry_run, as_json):
     """Evict least-recently-used modules; never one a live process has loaded or one being built."""
     if not (max_size or older_than or stale_only):
         raise FivarError("say what to prune: --max-size SIZE, --older-than DURATION and/or --stale")
+    if stale_only:
+        tc = current_toolchain()
+        if tc["arch"] is None or tc["nvcc"] is None:
+            raise FivarError("cannot tell which modules are stale without the current arch and nvcc: set "
+                             "FLASHINFER_CUDA_ARCH_LIST (or --arch) and CUDA_HOME")
     entries = annotate(scan_entries(), check_stale=stale_only)
     entries.sort(key=lambda e: e.last_use or 0.0)  # least recently used first
     chosen: dict[str, str] = {}
@@ -521,9 +554,10 @@ def prune(max_size, older_than, stale_only, dry_run, as_json):
         for e in entries:
             if total <= limit:
                 break
-            if e.uri not in chosen and not e.holders and not lock_is_held(e.lock_path):
+            if e.uri not in chosen:  # one in use is reported as kept below, and counts as still there
                 chosen[e.uri] = f"LRU, over --max-size {max_size}"
-                total -= e.size
+                if not e.holders and not lock_is_held(e.lock_path):
+                    total -= e.size
     evicted, skipped = [], []
     for e in entries:
         if e.uri not in chosen:
@@ -565,7 +599,9 @@ def clear(wipe_records, yes, as_json):
     """Delete every fivar module (not FlashInfer's own), except ones in use or being built."""
     entries = annotate(scan_entries(), check_stale=False)
     if not yes and not as_json and entries:
-        click.confirm(f"delete {len(entries)} fivar module(s) from {_flashinfer_cache_root()}?", abort=True)
+        in_use = sum(bool(e.holders) for e in entries)
+        click.confirm(f"delete {len(entries) - in_use} fivar module(s) from {_flashinfer_cache_root()}"
+                      + (f" ({in_use} in use by a live process stay)" if in_use else "") + "?", abort=True)
     removed, kept = [], []
     for e in entries:
         why = _evict(e)
@@ -631,11 +667,12 @@ def export_cmd(file, variants, as_json):
                 for p in sorted(e.gen_dir.iterdir()):
                     if p.is_file() and not p.name.startswith("."):
                         tar.add(p, f"generated/{e.uri}/{p.name}")
+    replaced = Path(file).exists()
     os.replace(tmp, file)
-    data = {"file": str(file), "modules": [e.uri for e in packed], "skipped": skipped,
+    data = {"file": str(file), "replaced": replaced, "modules": [e.uri for e in packed], "skipped": skipped,
             "bytes": os.path.getsize(file), **{k: tc[k] for k in ("arch", "flashinfer", "nvcc")}}
     _out(as_json, data, lambda: console.print(
-        f"exported {len(packed)} module(s) to {file} ({human_size(data['bytes'])}; arch {tc['arch']}, "
+        f"exported {len(packed)} module(s) to {file}{' (replacing the file that was there)' if replaced else ''} ({human_size(data['bytes'])}; arch {tc['arch']}, "
         f"flashinfer {tc['flashinfer']}, nvcc {tc['nvcc']})"
         + (f"; skipped {len(skipped)} invalid" if skipped else ""), highlight=False))
 

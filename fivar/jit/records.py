@@ -320,15 +320,18 @@ def forget_dead_holders(con) -> int:
 
 
 def usage(con) -> dict[str, dict]:
-    """uri -> {hits, colds, last_use, compile_seconds} over all recorded events."""
+    """uri -> {hits, colds, last_use, compile_seconds}: hits of the copy on disk now (since its latest cold
+    build, so a module evicted and rebuilt starts again from 0), the seconds of that build, cold builds ever."""
     out: dict[str, dict] = {}
-    for uri, kind, n, last, secs in con.execute(
-            "SELECT uri, kind, SUM(count), MAX(time), MAX(seconds) FROM events GROUP BY uri, kind"):
+    # SQLite takes a bare column (seconds) from the row that MAX() picked: the latest build's
+    for uri, colds, last_built, secs in con.execute(
+            "SELECT uri, SUM(count), MAX(time), seconds FROM events WHERE kind = 'cold' GROUP BY uri"):
+        out[uri] = {"hits": 0, "colds": colds, "last_use": last_built or 0.0, "compile_seconds": secs}
+    for uri, n, last in con.execute(
+            "SELECT e.uri, SUM(e.count), MAX(e.time) FROM events e LEFT JOIN (SELECT uri, MAX(time) AS built "
+            "FROM events WHERE kind = 'cold' GROUP BY uri) c ON c.uri = e.uri "
+            "WHERE e.kind != 'cold' AND (c.built IS NULL OR e.time >= c.built) GROUP BY e.uri"):
         u = out.setdefault(uri, {"hits": 0, "colds": 0, "last_use": 0.0, "compile_seconds": None})
-        if kind == "cold":
-            u["colds"] += n
-            u["compile_seconds"] = secs
-        else:
-            u["hits"] += n
+        u["hits"] = n
         u["last_use"] = max(u["last_use"], last or 0.0)
     return out

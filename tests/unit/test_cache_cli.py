@@ -267,6 +267,8 @@ def test_prune_lru_by_size_and_age_never_evicting_live_or_locked(iso):
         limit = sum(sizes.values()) - sizes[c.uri] - sizes[d.uri] // 2  # evicting c alone is not enough
         dry = as_json("cache", "prune", "--max-size", str(limit), "--dry-run")
         assert [r["uri"] for r in dry["evicted"]] == [c.uri, d.uri]
+        # the least recently used two could not go, and say why
+        assert {r["uri"]: r["skipped"][:10] for r in dry["skipped"]} == {a.uri: "held by li", b.uri: "its build "}
         assert all(m.library_path.exists() for m in ms)  # a dry run deletes nothing
         res = as_json("cache", "prune", "--max-size", str(limit))
         assert [r["uri"] for r in res["evicted"]] == [c.uri, d.uri]
@@ -466,3 +468,52 @@ def test_bad_files_and_archs_get_one_line_not_a_traceback(iso, tmp_path):
         assert r.exit_code != 0 and says in flat and "Traceback" not in flat, (args, r.output)
         assert r.exception is None or isinstance(r.exception, SystemExit), (args, repr(r.exception))
     assert not list((tmp_path).glob("**/.x.tar.gz.*.tmp"))
+
+
+def test_without_an_arch_staleness_is_unknown_and_prune_stale_refuses(iso, monkeypatch):
+    """With no arch to render for, a module cannot be compared with its variant: `?`, never "stale" (which
+    `prune --stale` would delete)."""
+    _, _, vfile = iso
+    m = fake_built(module(vfile))
+    monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(toolchain, "ensure_arch_env", lambda: (_ for _ in ()).throw(fivar.FivarError("no GPU")))
+    (row,) = as_json("cache", "ls")
+    assert row["stale"] is None and row["stale_reasons"][0].startswith("unknown: no arch")
+    r = invoke("cache", "prune", "--stale")
+    assert r.exit_code == 1 and "cannot tell which modules are stale" in r.output
+    assert m.manifest_ok()
+    r = invoke("cache", "ls")
+    assert r.exit_code == 0 and "?: unknown: no arch or nvcc" in r.output
+
+
+def test_ls_finds_a_truncated_library_and_counts_hits_of_the_copy_on_disk(iso):
+    _, _, vfile = iso
+    m = fake_built(module(vfile), size=4 * KIB)
+    records.record_many([(m, "cold", 30.0)])
+    records.record_many([(m, "disk", 0.01)] * 4)
+    (row,) = as_json("cache", "ls")
+    assert row["hits"] == 4 and row["compile_seconds"] == 12.5 and row["stale"] is False
+    # evicted and rebuilt: the new copy's build time, and no hits yet
+    time.sleep(0.01)
+    records.record_many([(m, "cold", 20.0)])
+    con = records.connect()
+    assert records.usage(con)[m.uri] == {"hits": 0, "colds": 2, "last_use": pytest.approx(time.time(), abs=30),
+                                         "compile_seconds": 20.0}
+    con.close()
+    records.record_many([(m, "disk", 0.01)])
+    assert as_json("cache", "ls")[0]["hits"] == 1
+    with open(m.library_path, "r+b") as f:
+        f.truncate(1000)
+    (row,) = as_json("cache", "ls")
+    assert row["stale"] is True and row["stale_reasons"] == [f"library size 1000 != manifest {4 * KIB} (truncated?)"]
+
+
+def test_ls_tells_apart_modules_that_differ_only_in_fa3_options(iso):
+    _, _, vfile = iso
+    v = fivar.load(str(vfile))
+    for bounded in (True, False):
+        fake_built(gen_module(v, op="single_prefill", target="fa3", bounded_softmax=bounded))
+    from fivar.cache_cli import scan_entries
+    labels = sorted(e.provenance for e in scan_entries())
+    assert len(set(labels)) == 2 and sum("bounded" in t for t in labels) == 1, labels
+    assert all("exp2/8=" in t and "tile " in t for t in labels), labels
