@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import Callable
 
 from ..errors import FivarError, FivarSpecError
+from .names import why_param_name_is_taken
 from .params import Scalar, Tensor
 
 RESERVED_PARAM_NAMES = {"sm_scale", "causal", "q", "k", "v", "out", "backend"}
@@ -54,6 +55,10 @@ class AttentionVariant:
                 raise FivarSpecError(
                     f"parameter name {pname!r} is not allowed (reserved: {sorted(RESERVED_PARAM_NAMES)},"
                     " and names starting with 'maybe', 'fv_' or '_')", variant=self.name, **where)
+            taken = why_param_name_is_taken(pname)
+            if taken:
+                raise FivarSpecError(f"parameter name {pname!r} cannot be used: {taken}; pick another",
+                                     variant=self.name, **((isinstance(p, (Scalar, Tensor)) and p.where) or where))
             if not isinstance(p, (Scalar, Tensor)):
                 raise FivarSpecError(f"parameter {pname!r} must be fivar.Scalar(...) or fivar.Tensor(...),"
                                      f" got {type(p).__name__}", variant=self.name, **where)

@@ -216,6 +216,22 @@ def test_reserved_param_names(pname):
         AttentionVariant(name="badvar", logits=logits, params={pname: Scalar(float)})
 
 
+@pytest.mark.parametrize("pname,why", [
+    ("o", r"already uses it \(\w+_customize_config.jinja\)"),  # a member of FlashInfer's Params structs
+    ("window_left", "already uses it"), ("lse", "already uses it"), ("kv_len", "already uses it"),
+    ("int", r"C\+\+ keyword"), ("lambda", "Python keyword")])
+def test_param_names_the_generated_cuda_already_declares(pname, why):
+    """They would redeclare a FlashInfer field or argument, which nvcc finds long after the spec was accepted."""
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    declared = Scalar(float, default=1.0)
+    with pytest.raises(FivarSpecError, match=f"parameter name '{pname}' cannot be used: .*{why}") as info:
+        AttentionVariant(name="badvar", logits=logits, params={pname: declared})
+    assert info.value.line == declared.where["line"]
+    for fine in ("softcap", "slopes", "window", "scale", "chunk"):  # and the usual names stay free
+        AttentionVariant(name="okvar", logits=logits, params={fine: Scalar(float, default=1.0)})
+
+
 def test_bad_tensor_dtype():
     def logits(s, b, h, kh, qi, ki, p):
         return s
