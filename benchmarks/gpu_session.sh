@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -87,6 +87,10 @@ bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its 
     --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
     --running-max --json "$OUT/bench_bounded.json" 2>&1 | quiet | tee "$OUT/bench_bounded.log" \
     | grep -v "^CheckResult\|passed" | tail -12 ;;
+extremes)  # the exp2-split extremes on both FA3 softmax forms (bounded, running max): modules, then their GPU tests
+  (time python3 benchmarks/prewarm_gpu.py --exp2-extremes) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm_extremes.log"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "exp2_split_extremes" \
+    2>&1 | tee "$OUT/gpu_tests_extremes.log" | tail -6 ;;
 batch)  # batch prefill, ragged and planned (`fivar bench --op batch-prefill`): soft-cap vs stock
   # BatchPrefillWithRaggedKVCacheWrapper (FA3 on Hopper; exp2 split and FlashInfer's tiles), non-causal then causal
   for c in "" --causal; do

@@ -15,7 +15,7 @@ def wanted():
         v = fivar.load(name)
         mods += [gen_module(v, op=op, target="fa2") for op in ("single_prefill", "batch_prefill", "batch_decode")]
         mods += [m for op in ("single_prefill", "batch_prefill") for m in serving_modules(v, op, "fa3")]
-    mods += fa3_variants_at(["softcap_sliding_window"], exp2_splits=(0, 8))  # test_fa3_exp2_split_extremes
+    mods += exp2_extremes_set()
     mods += fa3_variants_at(["softcap"], cta_tiles=CTA_TILES_TESTED)  # test_fa3_cta_tile_override
     mods += bounded_softmax_set()  # test_fa3_bounded_softmax
     for name in ("softcap", "alibi", "document_mask"):
@@ -89,11 +89,18 @@ def bounded_softmax_set():
                                 ("softcap", "batch_prefill")) for m in serving_modules(fivar.load(n), op, "fa3")]
 
 
+def exp2_extremes_set():
+    """test_fa3_exp2_split_extremes: the soft-capped window at splits 0 and 8, bounded softmax and running max."""
+    v = fivar.load("softcap_sliding_window")
+    return [gen_module(v, op="single_prefill", target="fa3", exp2_emulated_of_8=k, bounded_softmax=b)
+            for k in (0, 8) for b in (True, False)]
+
+
 def exp2_split_set():
     """The soft-capped variants at every split `gpu_session.sh exp2` benchmarks (bench_fa3.py --exp2-splits),
-    and the split-extremes GPU test's K=8 module."""
+    and the split-extremes GPU test's K=8 modules."""
     return (fa3_variants_at(["softcap", "softcap_sliding_window"], exp2_splits=EXP2_SPLITS)
-            + fa3_variants_at(["softcap_sliding_window"], exp2_splits=(8,)))
+            + [m for m in exp2_extremes_set() if m.options["exp2_emulated_of_8"] == 8])
 
 
 def stock_fa3_specs():
@@ -109,6 +116,7 @@ if __name__ == "__main__":
     import sys
     mods = (wanted() if "--all" in sys.argv else triton_agreement_set() if "--triton" in sys.argv
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
+            else exp2_extremes_set() if "--exp2-extremes" in sys.argv
             else exp2_split_set() if "--exp2" in sys.argv else bounded_softmax_set() if "--bounded" in sys.argv
             else bench_set())
     t0 = time.perf_counter()

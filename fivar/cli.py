@@ -19,10 +19,32 @@ console = Console(width=console_width())
 err_console = Console(stderr=True, width=console_width(sys.stderr))
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
+CHECK_OPS_DEFAULT = ",".join(OPS)
 
 
 def _split(value: str | None, cast=str) -> list:
     return [cast(x) for x in value.split(",") if x] if value else []
+
+
+def _choices(value: str | None, allowed, option: str) -> list[str]:
+    """A comma list whose every item is one of `allowed`, else one line naming the option and the item."""
+    import difflib
+    items = _split(value)
+    for x in items:
+        if x not in allowed:
+            close = difflib.get_close_matches(x, allowed, n=2, cutoff=0.4) or [a for a in allowed if x in a]
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+            raise FivarError(f"{option}: unknown {x!r}{hint}; choose from {', '.join(allowed)}")
+    if not items:
+        raise FivarError(f"{option}: empty; choose from {', '.join(allowed)}")
+    return items
+
+
+def _ints(value: str, option: str) -> list[int]:
+    try:
+        return [int(x) for x in _split(value)]
+    except ValueError:
+        raise FivarError(f"{option}: expected a comma list of integers, got {value!r}") from None
 
 
 class FivarGroup(click.Group):
@@ -55,14 +77,14 @@ def _set_arch(arch: str | None):
 @main.command("list")
 def list_cmd():
     """Variants on the search path (FIVAR_VARIANT_PATH, ./variants, bundled)."""
-    from .registry import all_variant_files, load_file
+    from .registry import all_variant_files, load_named
     table = Table(Column("name", overflow="fold"), "kind", "params", Column("file", overflow="fold"))
     for name, paths in sorted(all_variant_files().items()):
         path, shown = paths[0], _escape(str(paths[0]))
         if len(paths) > 1:  # a ./variants/softcap.py is the softcap every command loads: say what it hides
             shown += f" [yellow](hides {_escape(', '.join(map(str, paths[1:])))})[/]"
         try:
-            v = load_file(path)
+            v = load_named(name, path)
         except FivarError as e:
             table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), shown)
             continue
@@ -98,13 +120,31 @@ def new_variant(name, variants_dir, tests_dir, kind):
     for p in (vpath, tpath):
         if p.exists():
             raise FivarError(f"{p} already exists; fivar new-variant never overwrites a file")
+    from .registry import search_path, variant_files
+    hidden = variant_files().get(name)
     vpath.parent.mkdir(parents=True, exist_ok=True)
     tpath.parent.mkdir(parents=True, exist_ok=True)
     fusion = kind == "fusion"
     vpath.write_text(render("new_fusion.py.jinja" if fusion else "new_variant.py.jinja", name=name))
-    tpath.write_text(render("test_fusion.py.jinja" if fusion else "test_variant.py.jinja", name=name))
-    console.print(f"created [bold]{vpath}[/] and [bold]{tpath}[/]\n"
-                  f"next: edit {vpath}, then `fivar show {name}`, `fivar build {name}`, `fivar check {name}`")
+    relpath = os.path.relpath(vpath.resolve(), tpath.parent.resolve())
+    conftest = tpath.parent / "conftest.py"
+    if not conftest.exists():  # registers the `gpu` mark the test uses (pytest warns on an unknown one)
+        conftest.write_text(render("conftest.py.jinja"))
+    tpath.write_text(render("test_fusion.py.jinja" if fusion else "test_variant.py.jinja", name=name,
+                            variant_relpath=relpath))
+    console.print(f"created [bold]{vpath}[/] and [bold]{tpath}[/]", highlight=False)
+    order = [d.resolve() for d in search_path()]
+    if vpath.parent.resolve() not in order:
+        console.print(f"note: fivar finds variants by name in FIVAR_VARIANT_PATH, ./variants and its bundled ones; "
+                      f"for `fivar ... {name}` run `export FIVAR_VARIANT_PATH={vpath.parent.resolve()}`",
+                      highlight=False)
+    elif hidden is not None:
+        first = order.index(hidden.parent.resolve()) < order.index(vpath.parent.resolve())
+        console.print(f"note: {hidden} {'comes first and hides this one' if first else 'is hidden by this one'} "
+                      "(`fivar list` shows which one runs)", highlight=False)
+    console.print(f"next: edit {vpath}, then `fivar show {name}`, `fivar build {name}`, `fivar check {name}`"
+                  + (" (on a GPU; without one, `pytest " + str(tpath) + "` runs its reference on the CPU)" if fusion
+                     else ""), highlight=False)
 
 
 def _tile_skipping(v) -> str:
@@ -326,7 +366,7 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
 
 @main.command()
 @click.argument("name")
-@click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
+@click.option("--ops", default=CHECK_OPS_DEFAULT, show_default=True)
 @click.option("--dtypes", default=None, help="comma list of bf16, fp16 (default: bf16; fp16 on the CPU)")
 @click.option("--head-dims", default="128", show_default=True)
 @click.option("--backends", default="auto", show_default=True,
@@ -342,13 +382,20 @@ def check(name, ops, dtypes, head_dims, backends):
     on_cpu = not torch.cuda.is_available() and _split(backends) == ["triton"]
     if dtypes is None:  # Triton's interpreter has no bfloat16 arithmetic
         dtypes = "fp16" if on_cpu else "bf16"
-    dts = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in _split(dtypes)]
-    if getattr(v, "kind", None) == "fusion":  # odd token counts, and a packed QKV view for per-head fusions
+    dts = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in _choices(dtypes, ("bf16", "fp16"), "--dtypes")]
+    fusion = getattr(v, "kind", None) == "fusion"
+    if fusion and (ops != CHECK_OPS_DEFAULT or backends != "auto" or head_dims != "128"):
+        raise FivarError(f"'{name}' is a fusion: one CUDA kernel checked at its own shapes, so --ops, --backends and "
+                         "--head-dims do not apply (without a GPU, its scaffolded test runs the reference on the CPU)")
+    if not fusion:
+        _choices(ops, OPS, "--ops")
+        _choices(backends, ("auto", "fa2", "fa3", "triton"), "--backends")
+    if fusion:  # odd token counts, and a packed QKV view for per-head fusions
         from .fusion.check import check_fusion
         results = [r for t in (1, 7, 4097) for p in ((False, True) if v.is_head else (False,))
                    for dt in dts for r in check_fusion(v, tokens=t, packed=p, dtype=dt)]
     else:
-        results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_split(head_dims, int),
+        results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_ints(head_dims, "--head-dims"),
                              backends=_split(backends), **(dict(device="cpu", heads=((4, 2),)) if on_cpu else {}))
     where = "the CPU (Triton's interpreter)" if on_cpu else torch.cuda.get_device_name()
     table = Table(Column("case", overflow="fold"), "rel err", "max err", "result", title=f"fivar check {name} on {where}")
@@ -357,7 +404,7 @@ def check(name, ops, dtypes, head_dims, backends):
     console.print(table)
     failed = sum(not r.passed for r in results)
     console.print(f"{len(results) - failed} passed, {failed} failed")
-    if failed:
+    if failed or not results:  # nothing checked is not a pass
         sys.exit(1)
 
 
@@ -390,8 +437,12 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_compile.py"
         if not script.exists():
             raise FivarError("fivar bench --compile runs benchmarks/bench_compile.py from a fivar checkout")
+        import subprocess
         args = [sys.executable, str(script), "--variant", name] + (["--json", json_path] if json_path else [])
-        sys.exit(__import__("subprocess").call(args))
+        if not torch.cuda.is_available():
+            console.print("no GPU visible: compiling only (hits are build() disk checks, not loads)", highlight=False)
+            args.append("--no-load")
+        sys.exit(subprocess.call(args))
     if not torch.cuda.is_available():
         raise FivarError("fivar bench times kernels, so it needs a CUDA GPU")
     from . import load

@@ -90,8 +90,13 @@ def load_variant(name: str) -> AttentionVariant:
         known = ", ".join(sorted(files)) or "none"
         raise FivarError(f"no variant named '{name}'{f' (did you mean {close[0]!r}?)' if close else ''} (searched "
                          f"{', '.join(map(str, search_path()))}; found: {known})")
-    v = load_file(files[name])
+    return load_named(name, files[name])
+
+
+def load_named(name: str, path: Path):
+    """load_file, for the variant `name` found by its file name: the file must define that variant."""
+    v = load_file(path)
     if v.name != name:
-        raise FivarSpecError(f"file {files[name].name} defines variant '{v.name}', expected '{name}'",
-                             filename=str(files[name]), line=1, col=0)
+        raise FivarSpecError(f"file {path.name} defines variant '{v.name}', expected '{name}' (a variant is found by "
+                             "its file name)", filename=str(path), line=1, col=0)
     return v

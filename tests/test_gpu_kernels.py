@@ -73,14 +73,16 @@ def test_window_tile_skipping_batch(paged, causal, window):
 
 
 # FA3's softmax with none and with every one of its exp2s on the FMA pipe (fivar_fa3_softmax.cuh; the default
-# split lies between): the reference's results, rows with no kept key included (window -37: the last 37 rows).
-@pytest.mark.parametrize("split", [0, 8])
+# split lies between), with the bounded softmax (the default here) and the running max: the reference's results,
+# rows with no kept key included (window -37: the last 37 rows).
+@pytest.mark.parametrize("split,bounded", [(0, True), (8, True), (0, False), (8, False)])
 @pytest.mark.parametrize("window,causal", [(100, False), (100, True), (-37, False)])
-def test_fa3_exp2_split_extremes(split, window, causal):
+def test_fa3_exp2_split_extremes(split, bounded, window, causal):
     v = fivar.load("softcap_sliding_window")
-    with exp2_split(split):
+    with exp2_split(split), bounded_softmax(bounded):
         # the module this runs is the split's (the memo is keyed by it), not one an earlier test left loaded
-        updater = "flashinfer::OnlineSoftmax<" if split == 0 else f"Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {split}>"
+        updater = (f"Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {split}, /*BOUNDED=*/true>" if bounded else
+                   "flashinfer::OnlineSoftmax<" if split == 0 else f"Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, {split}>")
         assert updater in module_for(v, "single_prefill", "fa3", "bf16", 128).sources["single_prefill_sm90_config.inc"]
         r = check_single_prefill(v, qo_len=1000, kv_len=1000, causal=causal, backend="fa3", params={"window": window})
     assert r.passed, r
