@@ -17,8 +17,10 @@ Semantics every target implements (and the README repeats):
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import numbers
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
@@ -44,6 +46,9 @@ class AttentionVariant:
 
     def __post_init__(self):
         where = self._where(self.logits or self.mask)
+        if not where:  # no function to point at: the AttentionVariant(...) call (this frame's caller's caller)
+            frame = sys._getframe(2)
+            where = {"filename": frame.f_code.co_filename, "line": frame.f_lineno, "col": 0}
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise FivarSpecError(f"name must be a Python identifier, got {self.name!r}", **where)
         if self.logits is None and self.mask is None:
@@ -72,10 +77,17 @@ class AttentionVariant:
                 raise FivarSpecError(f"Scalar parameter {pname!r}: default {p.default!r} is not "
                                      f"{'an int' if p.dtype is int else 'a float'}", variant=self.name, **at)
             if isinstance(p, Tensor):
-                from .params import TENSOR_DTYPES
+                from .params import KNOWN_DIMS, TENSOR_DTYPES
                 if p.dtype not in TENSOR_DTYPES:
                     raise FivarSpecError(f"Tensor parameter {pname!r}: dtype {p.dtype!r} is not one of "
                                          f"{sorted(TENSOR_DTYPES)}", variant=self.name, **at)
+                for dim in p.dims:  # a near miss of a checked name would silently go unchecked
+                    close = difflib.get_close_matches(dim, KNOWN_DIMS, n=1, cutoff=0.8)
+                    if close and dim not in KNOWN_DIMS:
+                        raise FivarSpecError(
+                            f"Tensor parameter {pname!r}: dimension {dim!r} is close to {close[0]!r}, which fivar "
+                            f"checks against the call's shapes; use {close[0]!r}, or a name further from it for a "
+                            "free dimension", variant=self.name, **at)
         if not self.doc:
             fn = self.logits or self.mask
             module = inspect.getmodule(fn)

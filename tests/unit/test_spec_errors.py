@@ -240,8 +240,9 @@ def test_bad_tensor_dtype():
 
 
 def test_neither_logits_nor_mask():
-    with pytest.raises(FivarSpecError, match="needs a `logits` function"):
-        AttentionVariant(name="badvar")
+    with pytest.raises(FivarSpecError, match="needs a `logits` function") as info:
+        AttentionVariant(name="badvar")  # BAD
+    assert (info.value.filename, info.value.line) == (__file__, _bad_line(test_neither_logits_nor_mask))
 
 
 def test_variant_file_with_syntax_error(tmp_path):
@@ -356,3 +357,14 @@ def test_a_divisor_that_is_zero_at_some_positions_names_its_line():
     s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(8)
     want = torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~keep, -math.inf), -1), k.double())
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("dim,known", [("qo_heads", "qo_head"), ("kvhead", "kv_head"), ("batches", "batch")])
+def test_a_tensor_dimension_that_nearly_names_a_checked_one(dim, known):
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.t[h]
+    declared = Tensor("float32", (dim,))
+    with pytest.raises(FivarSpecError, match=f"dimension '{dim}' is close to '{known}'") as info:
+        AttentionVariant(name="badvar", logits=logits, params={"t": declared})
+    assert info.value.line == declared.where["line"]
+    AttentionVariant(name="okvar", logits=logits, params={"t": Tensor("float32", ("heads",))})  # a free name
