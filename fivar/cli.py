@@ -254,9 +254,8 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         if arch and not torch.cuda.is_available():  # what auto would pick on that GPU
             from .jit.toolchain import check_arch_list
             check_arch_list(arch, "--arch")
-            major, minor = arch.split()[0].split(".")
-            capability = (int(major), int(minor.rstrip("abcdefghijklmnopqrstuvwxyz")))
-            console.print(f"no GPU visible: as on sm{major}{minor} (--arch {arch})")
+            capability = _arch_capability(arch)
+            console.print(f"no GPU visible: as on sm{capability[0]}{capability[1]} (--arch {arch})")
         for o in OPS:
             t, why = choose_target(v, "auto", o, capability=capability)
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
@@ -320,7 +319,10 @@ def format_program_expr(e):
 @click.option("--all", "all_", is_flag=True, help="every variant on the search path")
 @click.option("--prewarm", is_flag=True, help="build every requested module in one parallel ninja")
 @click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
-@click.option("--targets", default="fa2", show_default=True, help="fa2,fa3 (fa3 has no decode: skipped)")
+@click.option("--targets", default="auto", show_default=True,
+              help="auto (what backend='auto' runs on the target arch: FA3 prefill on sm90a, FA2 otherwise and for "
+                   "decode), or a comma list of fa2, fa3 (no decode: skipped), triton (writes and imports the twin; "
+                   "Triton compiles per launch shape on first use)")
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--head-dims", default="128", show_default=True)
 @click.option("--arch", default=None, help="e.g. 9.0a; default: FLASHINFER_CUDA_ARCH_LIST or the visible GPU")
@@ -341,11 +343,24 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
         raise FivarError("name at least one variant, or pass --all")
     from .jit.build import build_many, serving_modules
     from .fusion.build import gen_fusion_module
-    modules = [m for n in names for t in _split(targets) for op in _split(ops)
+    wanted = _choices(targets, ("auto", "fa2", "fa3", "triton"), "--targets")
+    ops_ = _choices(ops, OPS, "--ops")
+    if "triton" in wanted:
+        _write_triton_twins([load(n) for n in names if getattr(load(n), "kind", None) != "fusion"])
+        wanted = [t for t in wanted if t != "triton"]
+
+    def targets_for(v, op):
+        if "auto" not in wanted:
+            return wanted
+        from .runtime.attention import choose_target
+        return sorted({*wanted, choose_target(v, "auto", op, capability=_build_capability())[0]} - {"auto"})
+    modules = [m for n in names for op in ops_ for t in targets_for(load(n), op)
                for dt in _split(dtypes) for hd in _split(head_dims, int)
                if not (t == "fa3" and op == "batch_decode")
                for m in ([gen_fusion_module(load(n), dt)] if getattr(load(n), "kind", None) == "fusion" else
                          serving_modules(load(n), op, t, dt, hd))]
+    if not modules:
+        return
     modules = list({m.uri: m for m in modules}.values())  # a fusion ignores --ops/--targets/--head-dims
     t0 = time.perf_counter()
     todo = [m for m in modules if not m.manifest_ok()]
@@ -362,6 +377,35 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
                               "memory": "[green]hit (memory)[/]"}[kind], f"{secs:.2f}")
     console.print(table)
     console.print(f"total {time.perf_counter() - t0:.1f} s")
+
+
+def _build_capability() -> tuple[int, int] | None:
+    """The GPU `build --targets auto` builds for: the visible one (None), else the first arch of
+    FLASHINFER_CUDA_ARCH_LIST (an sm90a in the list counts as sm90: FA3 is built for it)."""
+    import torch
+    if torch.cuda.is_available():
+        return None
+    from .jit.toolchain import ensure_arch_env
+    ensure_arch_env()  # no GPU and no arch list: one line asking for FLASHINFER_CUDA_ARCH_LIST or --arch
+    return _arch_capability(os.environ["FLASHINFER_CUDA_ARCH_LIST"])
+
+
+def _arch_capability(arch_list: str) -> tuple[int, int]:
+    """(major, minor) of a checked arch list: sm90 if it has 9.0a (what FA3 is built for), else its first arch."""
+    archs = arch_list.replace(",", " ").split()
+    if "9.0a" in archs:
+        return 9, 0
+    major, minor = archs[0].split(".")
+    return int(major), int(minor.rstrip("abcdefghijklmnopqrstuvwxyz"))
+
+
+def _write_triton_twins(variants) -> None:
+    """`build --targets triton`: render, write and import each variant's Triton twin (a spec the twin cannot take
+    fails here); Triton then compiles each kernel on its first launch of a shape, into its own cache."""
+    from .jit.triton_module import load_triton_module
+    for v in variants:
+        mod = load_triton_module(v)
+        console.print(f"triton twin of '{v.name}': {mod.__file__}", highlight=False)
 
 
 @main.command()

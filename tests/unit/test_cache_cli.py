@@ -392,7 +392,7 @@ def test_build_prewarm_progress_jobs_and_summary(iso, monkeypatch):
     mods = [fake_built(module(vfile, dt, 64)) for dt in ("fp16", "bf16")]
     monkeypatch.delenv("MAX_JOBS", raising=False)
     monkeypatch.setattr(prewarm, "mem_available", lambda: 4 * prewarm.GIB)  # room for one nvcc job
-    r = invoke("build", "cachev", "--prewarm", "--ops", "single_prefill", "--dtypes", "fp16,bf16",
+    r = invoke("build", "cachev", "--prewarm", "--ops", "single_prefill", "--targets", "fa2", "--dtypes", "fp16,bf16",
                "--head-dims", "64")
     assert r.exit_code == 0, r.output
     assert "all 2 module(s) up to date" in r.output and os.environ["MAX_JOBS"] == "1"

@@ -186,3 +186,30 @@ def test_show_a_fusion_refuses_attention_targets(runner):
     assert r.exit_code == 1 and "is a fusion" in r.output and "--target does not apply" in r.output
     r = runner.invoke(main, ["show", "llama_add_rmsnorm"])
     assert r.exit_code == 0 and "fusion 'llama_add_rmsnorm'" in r.output
+
+
+def test_build_targets_default_to_what_auto_runs_on_the_arch(runner, monkeypatch):
+    """sm90a: FA3 prefill (both softmax forms of a soft-cap, the KV-range forms of a document mask), FA2 decode;
+    any other arch: FA2 everywhere. `--targets triton` writes and imports the twin."""
+    import fivar.jit.build as jb
+    built = []
+    monkeypatch.setattr(jb, "build_many", lambda mods, parallel=False: (built.extend(mods), [("disk", 0.0)] * len(mods))[1])
+
+    def targets(*args):
+        built.clear()
+        r = runner.invoke(main, ["build", *args])
+        assert r.exit_code == 0, r.output
+        return sorted((m.variant.name, m.op, m.target, m.options.get("bounded_softmax", False),
+                       m.options.get("row_runs", False)) for m in built)
+    assert targets("softcap", "--arch", "9.0a") == [
+        ("softcap", "batch_decode", "fa2", False, False),
+        ("softcap", "batch_prefill", "fa3", False, False), ("softcap", "batch_prefill", "fa3", True, False),
+        ("softcap", "single_prefill", "fa3", False, False), ("softcap", "single_prefill", "fa3", True, False)]
+    assert {t[2] for t in targets("document_mask", "--arch", "8.0 9.0a")} == {"fa2", "fa3"}
+    assert all(t[2] == "fa2" for t in targets("softcap", "--arch", "8.0"))
+    assert len(targets("softcap", "--arch", "9.0a", "--targets", "fa2")) == 3
+    built.clear()
+    r = runner.invoke(main, ["build", "softcap", "--arch", "9.0a", "--targets", "triton"])
+    assert r.exit_code == 0 and "triton twin of 'softcap'" in r.output and not built
+    r = runner.invoke(main, ["build", "softcap", "--arch", "9.0a", "--targets", "fa4"])
+    assert r.exit_code == 1 and "--targets: unknown 'fa4'" in r.output
