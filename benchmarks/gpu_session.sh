@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -87,6 +87,17 @@ bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its 
     --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
     --running-max --json "$OUT/bench_bounded.json" 2>&1 | quiet | tee "$OUT/bench_bounded.log" \
     | grep -v "^CheckResult\|passed" | tail -12 ;;
+mainjob)  # the README's main job, as a new user types it, in a scratch project: new-variant, build (what auto runs,
+  # in parallel), check every entry point, the scaffolded tests, then a bundled variant and the cache's view of it all
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  repo=$PWD; proj=$(mktemp -d); cd "$proj"
+  { python3 -m fivar new-variant softcap_alibi && python3 -m fivar show softcap_alibi --explain \
+    && (time python3 -m fivar build softcap_alibi softcap --prewarm) \
+    && timeout 200 python3 -m fivar check softcap_alibi && timeout 150 python3 -m fivar check softcap \
+    && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/variants \
+    && python3 -m fivar cache ls && python3 -m fivar cache stats; echo "mainjob rc=$?"; } 2>&1 | quiet \
+    | tee "$OUT/mainjob.log" | grep -v "^│ \|^┃\|━\|─" | tail -40
+  cd "$repo" ;;
 extremes)  # the exp2-split extremes on both FA3 softmax forms (bounded, running max): modules, then their GPU tests
   (time python3 benchmarks/prewarm_gpu.py --exp2-extremes) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm_extremes.log"
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "exp2_split_extremes" \
