@@ -586,7 +586,11 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
 def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim: int = 128) -> list[FivarModule]:
     """What a build or prewarm of (variant, op, target) compiles: the modules that run `op` at runtime (a mask
     that is more than a band on FA3: the KV-range form's mask and row-run modules; with the bounded softmax, the
-    running-max modules too)."""
+    running-max modules too; decode: also FA2 batch prefill, which runs it once a KV head serves >= 4 query heads
+    or without softmax, fivar.runtime.attention.batch_decode)."""
+    if op == "batch_decode":
+        return [gen_module(variant, op, target, dtype, head_dim),
+                gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
     op = serving_op(variant, op, target)
     forms = [False, True] if target == "fa3" and fa3.uses_kv_ranges(variant, op) else [False]
     mods = [gen_module(variant, op, target, dtype, head_dim, row_runs=r) for r in forms]

@@ -203,6 +203,7 @@ def test_build_targets_default_to_what_auto_runs_on_the_arch(runner, monkeypatch
                        m.options.get("row_runs", False)) for m in built)
     assert targets("softcap", "--arch", "9.0a") == [
         ("softcap", "batch_decode", "fa2", False, False),
+        ("softcap", "batch_prefill", "fa2", False, False),  # the tensor-core decode path (GQA >= 4)
         ("softcap", "batch_prefill", "fa3", False, False), ("softcap", "batch_prefill", "fa3", True, False),
         ("softcap", "single_prefill", "fa3", False, False), ("softcap", "single_prefill", "fa3", True, False)]
     assert {t[2] for t in targets("document_mask", "--arch", "8.0 9.0a")} == {"fa2", "fa3"}
