@@ -548,15 +548,17 @@ def prune(max_size, older_than, stale_only, dry_run, as_json):
         cutoff = time.time() - parse_duration(older_than)
         chosen.update({e.uri: f"unused since {human_age(e.last_use)}" for e in entries
                        if (e.last_use or 0) < cutoff and e.uri not in chosen})
+    def evictable(e):
+        return not e.holders and not lock_is_held(e.lock_path)
     if max_size:
-        limit = parse_size(max_size)
-        total = sum(e.size for e in entries if e.uri not in chosen)
+        limit = parse_size(max_size)  # what stays: everything not chosen, and what is chosen but cannot go
+        total = sum(e.size for e in entries if e.uri not in chosen or not evictable(e))
         for e in entries:
             if total <= limit:
                 break
             if e.uri not in chosen:  # one in use is reported as kept below, and counts as still there
                 chosen[e.uri] = f"LRU, over --max-size {max_size}"
-                if not e.holders and not lock_is_held(e.lock_path):
+                if evictable(e):
                     total -= e.size
     evicted, skipped = [], []
     for e in entries:

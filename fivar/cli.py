@@ -345,7 +345,8 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
     from .fusion.build import gen_fusion_module
     wanted = _choices(targets, ("auto", "fa2", "fa3", "triton"), "--targets")
     ops_ = _choices(ops, OPS, "--ops")
-    if "triton" in wanted:
+    wrote_twins = "triton" in wanted
+    if wrote_twins:
         _write_triton_twins([load(n) for n in names if getattr(load(n), "kind", None) != "fusion"])
         wanted = [t for t in wanted if t != "triton"]
 
@@ -353,14 +354,19 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
         if "auto" not in wanted:
             return wanted
         from .runtime.attention import choose_target
-        return sorted({*wanted, choose_target(v, "auto", op, capability=_build_capability())[0]} - {"auto"})
-    modules = [m for n in names for op in ops_ for t in targets_for(load(n), op)
-               for dt in _split(dtypes) for hd in _split(head_dims, int)
-               if not (t == "fa3" and op == "batch_decode")
-               for m in ([gen_fusion_module(load(n), dt)] if getattr(load(n), "kind", None) == "fusion" else
-                         serving_modules(load(n), op, t, dt, hd))]
+        chosen = {choose_target(v, "auto", op, capability=c)[0] for c in _build_capabilities()}
+        if "fa3" in chosen and not _builds_sm90a():  # a plain 9.0 build lacks what FA3 needs
+            chosen = (chosen - {"fa3"}) | {"fa2"}
+        return sorted(({*wanted} | chosen) - {"auto"})
+    fusions = [n for n in names if getattr(load(n), "kind", None) == "fusion"]  # one module: targets do not apply
+    modules = [gen_fusion_module(load(n), dt) for n in fusions for dt in _split(dtypes)]
+    modules += [m for n in names if n not in fusions for op in ops_ for t in targets_for(load(n), op)
+                for dt in _split(dtypes) for hd in _ints(head_dims, "--head-dims")
+                if not (t == "fa3" and op == "batch_decode") for m in serving_modules(load(n), op, t, dt, hd)]
     if not modules:
-        return
+        if wrote_twins:
+            return
+        raise FivarError(f"nothing to build: --targets {targets} --ops {ops} names no module (FA3 has no decode)")
     modules = list({m.uri: m for m in modules}.values())  # a fusion ignores --ops/--targets/--head-dims
     t0 = time.perf_counter()
     todo = [m for m in modules if not m.manifest_ok()]
@@ -379,15 +385,23 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
     console.print(f"total {time.perf_counter() - t0:.1f} s")
 
 
-def _build_capability() -> tuple[int, int] | None:
-    """The GPU `build --targets auto` builds for: the visible one (None), else the first arch of
-    FLASHINFER_CUDA_ARCH_LIST (an sm90a in the list counts as sm90: FA3 is built for it)."""
-    import torch
-    if torch.cuda.is_available():
-        return None
+def _build_capabilities() -> list:
+    """The GPUs `build --targets auto` builds for: each arch of FLASHINFER_CUDA_ARCH_LIST (or --arch) when one is
+    set, else the visible GPU (None); so `--arch 8.0 9.0a` builds what both would run."""
     from .jit.toolchain import ensure_arch_env
     ensure_arch_env()  # no GPU and no arch list: one line asking for FLASHINFER_CUDA_ARCH_LIST or --arch
-    return _arch_capability(os.environ["FLASHINFER_CUDA_ARCH_LIST"])
+    text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+    if not text:
+        return [None]
+    return [_arch_capability(a) for a in text.replace(",", " ").split()]
+
+
+def _builds_sm90a() -> bool:
+    text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+    if text:
+        return "9.0a" in text.replace(",", " ").split()
+    from .jit.toolchain import arch_tag
+    return "90a" in arch_tag().split("_")
 
 
 def _arch_capability(arch_list: str) -> tuple[int, int]:

@@ -105,7 +105,7 @@ def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
     assert r.passed, r
 
 
-# FA3's bounded softmax (opt-in, FIVAR_FA3_BOUNDED_SOFTMAX): soft-capping's range gives the softmax its max. Cap 30
+# FA3's bounded softmax (the default; FIVAR_FA3_BOUNDED_SOFTMAX=0 turns it off): soft-capping's range gives the softmax its max. Cap 30
 # runs it; cap 50 spans too many powers of two and the kernel keeps the running max. Partial tiles, causal, rows
 # with no kept key (window -37), the batch forms, and rows whose every logit sits at the bottom of the range
 # (each probability about e^-2cap, the case a fixed max must still get right).

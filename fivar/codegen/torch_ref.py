@@ -20,8 +20,10 @@ _UNARY = {"tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch
 
 
 class TorchEvaluator:
-    """`check_divisors`: refuse an integer // or % by zero (the kernels leave it undefined) with the spec's
-    file:line. Off where the programs are traced (FlexAttention's score_mod/mask_mod), which cannot branch on data."""
+    """`check_divisors`: track where an integer // or % divided by zero (the kernels leave the result undefined) and
+    which values that reaches, through the branch a select takes and the operand `and`/`or` evaluates
+    (`poison_of`); `zero_division_error` then names the spec's file:line when such a value is used. Off where the
+    programs are traced (FlexAttention's score_mod/mask_mod), which cannot branch on data."""
 
     def __init__(self, env: dict, params: dict, float_dtype=torch.float32, device=None, hoisted=None,
                  check_divisors=False):
@@ -30,6 +32,8 @@ class TorchEvaluator:
         self.hoisted = hoisted or {}  # lowered programs: per-block invariants by name
         self.device = device
         self.locals: dict[str, torch.Tensor] = {}
+        self._poison: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(value) -> (value, where it is undefined)
+        self.zero_divisions: list[tuple[str, torch.Tensor]] = []  # (where, divisor == 0) per division evaluated
 
     def tensor(self, value, t: str):
         dt = {F32: self.fdt, I32: torch.int64, BOOL: torch.bool}[t]
@@ -41,7 +45,32 @@ class TorchEvaluator:
             self.locals[name] = self.eval(e)
         return self.eval(program.result)
 
+    def poison_of(self, value: torch.Tensor) -> torch.Tensor | None:
+        hit = self._poison.get(id(value))
+        return hit[1] if hit is not None and hit[0] is value else None
+
+    def _with_poison(self, value: torch.Tensor, *masks) -> torch.Tensor:
+        masks = [m for m in masks if m is not None]
+        if masks:
+            poison = masks[0]
+            for m in masks[1:]:
+                poison = poison | m
+            self._poison[id(value)] = (value, poison)
+        return value
+
+    def zero_division_error(self, used: torch.Tensor, value: torch.Tensor) -> FivarError | None:
+        """The error for a division by zero whose result reaches `value` where `used` holds, else None."""
+        poison = self.poison_of(value)
+        if poison is None or not bool((poison & used).any()):
+            return None
+        bad = poison & used
+        where = next((w for w, zero in self.zero_divisions if bool((zero & bad).any())), "an integer division")
+        return FivarError(f"{where or 'an integer division'}: the divisor is 0 at positions whose result is used; "
+                          "the kernels leave that undefined, so keep it non-zero there (e.g. maximum(d, 1), or "
+                          "`... if d != 0 else ...`)")
+
     def eval(self, e: ir.Expr) -> torch.Tensor:
+        P = self.poison_of if self.check_divisors else (lambda _: None)
         if isinstance(e, ir.Const):
             return self.tensor(e.value, e.type)
         if isinstance(e, ir.Score):
@@ -59,49 +88,71 @@ class TorchEvaluator:
             return self.locals[e.name]
         if isinstance(e, ir.Load):
             table = self.params[e.param]
-            idx = []
+            idx, masks = [], []
             for d, i in enumerate(e.indices):
-                idx.append(self.eval(i).clamp(0, table.shape[d] - 1))
+                x = self.eval(i)
+                masks.append(P(x))
+                idx.append(x.clamp(0, table.shape[d] - 1))
             idx = torch.broadcast_tensors(*idx)
             out = table[tuple(idx)]
-            return out.to({F32: self.fdt, I32: torch.int64, BOOL: torch.bool}[e.type])
+            out = out.to({F32: self.fdt, I32: torch.int64, BOOL: torch.bool}[e.type])
+            return self._with_poison(out, *masks)
         if isinstance(e, ir.Unary):
             x = self.eval(e.x)
-            return -x if e.op == "neg" else ~x
+            return self._with_poison(-x if e.op == "neg" else ~x, P(x))
         if isinstance(e, ir.Binary):
             a, b = self.eval(e.a), self.eval(e.b)
             op = e.op
-            if self.check_divisors and e.type == I32 and op in ("floordiv", "mod") and bool((b == 0).any()):
-                raise FivarError(f"{e.where or 'an integer division'}: the divisor is 0 for some positions; the "
-                                 "kernels leave that undefined, so keep it non-zero (e.g. maximum(d, 1))")
+            pa, pb = P(a), P(b)
+            if e.type == I32 and op in ("floordiv", "mod"):
+                zero = None
+                if self.check_divisors and bool((b == 0).any()):
+                    zero = b == 0
+                    self.zero_divisions.append((e.where, zero))
+                    b = torch.where(zero, torch.ones_like(b), b)  # any value: the result is undefined there
+                out = torch.div(a, b, rounding_mode="floor") if op == "floordiv" else torch.remainder(a, b)
+                return self._with_poison(out, pa, pb, zero)
+            if op in ("and", "or"):  # the compiled targets evaluate b only where a does not decide
+                if pb is not None:
+                    pb = pb & (a if op == "and" else ~a)
+                return self._with_poison((a & b) if op == "and" else (a | b), pa, pb)
             if op == "add":
-                return a + b
-            if op == "sub":
-                return a - b
-            if op == "mul":
-                return a * b
-            if op == "div":
-                return a / b
-            if op == "floordiv":
-                return torch.div(a, b, rounding_mode="floor") if e.type == I32 else torch.floor(a / b)
-            if op == "mod":
-                return torch.remainder(a, b) if e.type == I32 else a - b * torch.floor(a / b)
-            if op in ("and", "or"):
-                return (a & b) if op == "and" else (a | b)
-            return {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
-                    "ne": torch.ne}[op](a, b)
+                out = a + b
+            elif op == "sub":
+                out = a - b
+            elif op == "mul":
+                out = a * b
+            elif op == "div":
+                out = a / b
+            elif op == "floordiv":
+                out = torch.floor(a / b)
+            elif op == "mod":
+                out = a - b * torch.floor(a / b)
+            else:
+                out = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
+                       "ne": torch.ne}[op](a, b)
+            return self._with_poison(out, pa, pb)
         if isinstance(e, ir.Select):
-            return torch.where(self.eval(e.cond), self.eval(e.a), self.eval(e.b))
+            c, x, y = self.eval(e.cond), self.eval(e.a), self.eval(e.b)
+            px, py = P(x), P(y)
+            taken = None if px is None and py is None else torch.where(
+                c, px if px is not None else torch.zeros((), dtype=torch.bool, device=c.device),
+                py if py is not None else torch.zeros((), dtype=torch.bool, device=c.device))
+            return self._with_poison(torch.where(c, x, y), P(c), taken)
         if isinstance(e, ir.Call):
             args = [self.eval(a) for a in e.args]
             if e.fn in _UNARY:
-                return _UNARY[e.fn](args[0])
-            return (torch.minimum if e.fn == "minimum" else torch.maximum)(*args)
+                out = _UNARY[e.fn](args[0])
+            else:
+                out = (torch.minimum if e.fn == "minimum" else torch.maximum)(*args)
+            return self._with_poison(out, *(P(a) for a in args))
         if isinstance(e, ir.Cast):
             x = self.eval(e.x)
             if e.type == F32:
-                return x.to(self.fdt)
-            return torch.trunc(x).to(torch.int64) if x.is_floating_point() else x.to(torch.int64)
+                out = x.to(self.fdt)
+            else:
+                out = torch.trunc(x).to(torch.int64) if x.is_floating_point() else x.to(torch.int64)
+            return self._with_poison(out, P(x))
         raise TypeError(f"cannot evaluate {e!r}")
 
 
@@ -139,12 +190,22 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
     }
     ev = TorchEvaluator(env, values, float_dtype, dev, check_divisors=True)
     vir = variant.ir
-    logits = ev.run(vir.logits).expand_as(score) if vir.logits else score
     keep = torch.ones_like(score, dtype=torch.bool)
-    if vir.mask:
-        keep = keep & ev.run(vir.mask)
     if causal:
         keep = keep & (env["kv_idx"] <= env["q_idx"])
+    if vir.mask:  # a division by zero matters where the mask is evaluated (causal skips the rest) ...
+        mask = ev.run(vir.mask)
+        error = ev.zero_division_error(keep, mask)
+        if error:
+            raise error
+        keep = keep & mask
+    logits = score
+    if vir.logits:  # ... and in the logits of the pairs that are kept
+        logits = ev.run(vir.logits)
+        error = ev.zero_division_error(keep, logits)
+        if error:
+            raise error
+        logits = logits.expand_as(score)
     if variant.softmax:
         p = torch.softmax(logits.masked_fill(~keep, -math.inf), dim=-1)
         p = torch.nan_to_num(p, nan=0.0)  # fully masked rows: FlashInfer writes zeros

@@ -197,6 +197,12 @@ class FivarModule:
                 log.write_text(str(e))
             except OSError:
                 pass
+            missing = re.search(r"cannot find -l(\w+)", str(e))
+            if missing:  # the toolchain, not the sources: say what to fix
+                raise FivarError(
+                    f"variant '{self.variant.name}': linking {self.uri} failed: the linker cannot find lib"
+                    f"{missing.group(1)} (CUDA toolkit at {toolchain.cuda_home()}); set CUDA_HOME to the CUDA "
+                    f"toolkit, e.g. CUDA_HOME=/usr/local/cuda (log: {log})") from None
             raise FivarBuildError(
                 f"variant '{self.variant.name}': compiling {self.uri} failed. fivar accepted this spec, "
                 f"so this is a fivar bug; please report it with the log at {log}") from None
@@ -588,9 +594,9 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
     that is more than a band on FA3: the KV-range form's mask and row-run modules; with the bounded softmax, the
     running-max modules too; decode: also FA2 batch prefill, which runs it once a KV head serves >= 4 query heads
     or without softmax, fivar.runtime.attention.batch_decode)."""
-    if op == "batch_decode":
-        return [gen_module(variant, op, target, dtype, head_dim),
-                gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
+    if op == "batch_decode":  # without softmax, decode always runs on FA2 batch prefill
+        return ([gen_module(variant, op, target, dtype, head_dim)] if variant.softmax else []) + [
+            gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
     op = serving_op(variant, op, target)
     forms = [False, True] if target == "fa3" and fa3.uses_kv_ranges(variant, op) else [False]
     mods = [gen_module(variant, op, target, dtype, head_dim, row_runs=r) for r in forms]

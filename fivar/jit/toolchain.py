@@ -17,6 +17,7 @@ def ensure_arch_env() -> None:
     On a machine without a GPU there is nothing to detect, so fivar asks for an explicit arch instead of
     letting FlashInfer fail deep inside a compile.
     """
+    ensure_cuda_home()
     if os.environ.get("FLASHINFER_CUDA_ARCH_LIST"):
         check_arch_list(os.environ["FLASHINFER_CUDA_ARCH_LIST"], "FLASHINFER_CUDA_ARCH_LIST")
         return
@@ -42,13 +43,25 @@ def set_arch_env(arch: str | None, where: str = "--arch") -> None:
 
 
 def cuda_home() -> str:
+    """CUDA_HOME or CUDA_PATH, else the toolkit the nvcc on PATH belongs to: the directory above its bin/, or
+    /usr/local/cuda, whichever holds the CUDA runtime a module links against (an nvcc on PATH may be a wrapper
+    script outside the toolkit, where FlashInfer would look for libcudart in the wrong place)."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home:
         return home
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    return "/usr/local/cuda"
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if any(os.path.exists(os.path.join(c, lib, "libcudart.so")) for lib in ("lib64", "lib")):
+            return c
+    return candidates[0]
+
+
+def ensure_cuda_home() -> None:
+    """Give FlashInfer's JIT the toolkit cuda_home() found when neither CUDA_HOME nor CUDA_PATH is set."""
+    if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")):
+        os.environ["CUDA_HOME"] = cuda_home()
 
 
 @functools.lru_cache(maxsize=None)

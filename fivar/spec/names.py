@@ -3,9 +3,10 @@
 A variant's params become members of FlashInfer's `Params` struct and arguments of its run functions (FlashInfer's
 `additional_params`), so a param called `o`, `lse` or `window_left` redeclares one of FlashInfer's own, and one
 called `int` is not a name at all; nvcc would say so long after fivar accepted the spec. The names are read off the
-sources that declare them (FlashInfer's prefill/decode configs, kernels and bindings), so a FlashInfer that adds a
-field is covered without a list to keep up to date. fivar's own code only ever reads a param as `params.NAME`,
-which no other name can clash with.
+FlashInfer files a module's params go into (the `Params` struct's config and the host sources whose run functions
+take them: fivar.jit.build's layouts), so a FlashInfer that adds a field is covered without a list to keep up to
+date. Only names a param can clash with count: not include paths, not members reached through `.`, `->` or `::`,
+not namespaces. fivar's own code only ever reads a param as `params.NAME`, which no other name can clash with.
 """
 from __future__ import annotations
 
@@ -24,15 +25,13 @@ requires return short signed sizeof static static_assert static_cast struct swit
 true try typedef typeid typename union unsigned using virtual void volatile wchar_t while xor xor_eq
 """.split())
 
-# FlashInfer's sources for the ops fivar builds (prefill and decode, FA2 and sm90): configs, kernels, bindings
-_FLASHINFER_SOURCE = re.compile(r"(single|batch)_(prefill|decode)(_sm90)?(_customize_config\.jinja|\.cu|_jit_binding\.cu)$")
-
-
 def _identifiers(text: str) -> set[str]:
+    """Names declared or used unqualified in C++ source (a superset of what a param could redeclare or shadow)."""
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text, flags=re.S)
-    text = re.sub(r'"(?:\\.|[^"\\])*"', " ", text)
+    text = re.sub(r'"(?:\\.|[^"\\])*"|<[\w/.]+\.(?:h|cuh|hpp)>', " ", text)
     text = re.sub(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", " ", text, flags=re.S)  # jinja: filled in per module
-    return set(re.findall(r"\b[A-Za-z_]\w*\b", text))
+    text = re.sub(r"^\s*#\s*(include|pragma)\b[^\n]*", " ", text, flags=re.M)
+    return {m.group(1) for m in re.finditer(r"(?<![\w.>:])(?<!->)([A-Za-z_]\w*)\b(?!\s*::)", text)}
 
 
 def _flashinfer_csrc() -> Path | None:
@@ -46,9 +45,11 @@ def _flashinfer_csrc() -> Path | None:
 @functools.lru_cache(maxsize=1)
 def generated_code_names() -> dict[str, str]:
     """name -> the first source file that declares or uses it, the Params structs' configs first."""
+    from ..jit.build import _FA2_LAYOUT, _FA3_LAYOUT
     fi = _flashinfer_csrc()
-    files = [] if fi is None else sorted((p for p in fi.iterdir() if _FLASHINFER_SOURCE.match(p.name)),
-                                         key=lambda p: ("config" not in p.name, p.name))
+    layouts = [*_FA2_LAYOUT.values(), *_FA3_LAYOUT.values()]
+    names_ = [config for config, _, _, _ in layouts] + [h for _, _, host, _ in layouts for h in host]
+    files = [] if fi is None else [fi / n for n in dict.fromkeys(names_)]
     names: dict[str, str] = {}
     for p in files:
         try:

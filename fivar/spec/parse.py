@@ -81,6 +81,7 @@ class _FunctionParser:
         self.lets: list[tuple[str, ir.Expr]] = []
         self.let_names: set[str] = set()
         self.divisor_scalars: dict[str, str] = {}  # Scalar param -> where it divides (a 0 is refused per call)
+        self.guards = 0  # > 0 while parsing what a condition guards: a branch, or `and`/`or` after its first operand
 
     # --- errors --------------------------------------------------------------------------------
     def error(self, node: ast.AST | None, message: str, construct: str | None = None, allowed=None):
@@ -267,16 +268,17 @@ class _FunctionParser:
         return f"{e.filename}:{e.line}:{e.col + 1}: variant '{self.variant.name}': `{ast.unparse(node)}`"
 
     def integer_divisor(self, b: ir.Expr, node) -> ir.Expr:
-        """A literal zero is refused here, a Scalar divisor on every call (`divisor_scalars`); any other divisor
-        is the spec's promise, which the reference checks (fivar.codegen.torch_ref)."""
+        """A literal zero is refused here, an unguarded Scalar divisor on every call (`divisor_scalars`: under a
+        condition, `q_idx % params.w if params.w > 0 else 0`, a 0 can be what the spec means); any other divisor
+        is the spec's promise, which the reference checks where the result is used (fivar.codegen.torch_ref)."""
         op = "//" if isinstance(node.op, ast.FloorDiv) else "%"
         value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
         if isinstance(value, ir.Const) and value.value == 0:
             raise self.error(node.right, f"integer `{op}` by zero", "division by zero")
-        if isinstance(value, ir.ScalarParam):
+        if isinstance(value, ir.ScalarParam) and not self.guards:
             if self.variant.params[value.name].default == 0:
                 raise self.error(node.right, f"params.{value.name} divides (`{ast.unparse(node)}`) but its "
-                                 "default is 0", "division by zero")
+                                 "default is 0 (under a condition that excludes 0 it may be)", "division by zero")
             self.divisor_scalars.setdefault(value.name, self.where(node))
         return b
 
@@ -298,7 +300,7 @@ class _FunctionParser:
 
     def expr_BoolOp(self, node):
         op = "and" if isinstance(node.op, ast.And) else "or"
-        vals = [self.expr(v) for v in node.values]
+        vals = [self.expr(node.values[0])] + [self.guarded(v) for v in node.values[1:]]
         for v, n in zip(vals, node.values):
             if v.type != BOOL:
                 raise self.error(n, f"`{op}` needs bool operands (comparisons), got a number",
@@ -324,7 +326,14 @@ class _FunctionParser:
         return out
 
     def expr_IfExp(self, node):
-        return self.select(node, self.expr(node.test), self.expr(node.body), self.expr(node.orelse))
+        return self.select(node, self.expr(node.test), self.guarded(node.body), self.guarded(node.orelse))
+
+    def guarded(self, node) -> ir.Expr:
+        self.guards += 1
+        try:
+            return self.expr(node)
+        finally:
+            self.guards -= 1
 
     def select(self, node, cond, a, b):
         if cond.type != BOOL:
@@ -339,7 +348,7 @@ class _FunctionParser:
         if node.keywords:
             raise self.unsupported(node, "keyword arguments in a call")
         name = self.resolve_function(node.func)
-        args = [self.expr(a) for a in node.args]
+        args = [self.expr(a) if i == 0 or name != "where" else self.guarded(a) for i, a in enumerate(node.args)]
         arity = {"float": 1, "int": 1, **{k: v[0] for k, v in lang.FUNCTIONS.items()}}[name]
         if len(args) != arity:
             raise self.error(node, f"{name}() takes {arity} argument(s), got {len(args)}", "arity")

@@ -83,7 +83,7 @@ class AttentionVariant:
                                          f"{sorted(TENSOR_DTYPES)}", variant=self.name, **at)
                 for dim in p.dims:  # a near miss of a checked name would silently go unchecked
                     close = difflib.get_close_matches(dim, KNOWN_DIMS, n=1, cutoff=0.8)
-                    if close and dim not in KNOWN_DIMS:
+                    if close and dim not in KNOWN_DIMS and dim[0] == close[0][0]:  # not `patch` for `batch`
                         raise FivarSpecError(
                             f"Tensor parameter {pname!r}: dimension {dim!r} is close to {close[0]!r}, which fivar "
                             f"checks against the call's shapes; use {close[0]!r}, or a name further from it for a "

@@ -517,3 +517,25 @@ def test_ls_tells_apart_modules_that_differ_only_in_fa3_options(iso):
     labels = sorted(e.provenance for e in scan_entries())
     assert len(set(labels)) == 2 and sum("bounded" in t for t in labels) == 1, labels
     assert all("exp2/8=" in t and "tile " in t for t in labels), labels
+
+
+def test_cuda_home_is_the_toolkit_holding_the_runtime_not_a_wrapper_dir(tmp_path, monkeypatch):
+    """FlashInfer takes CUDA_HOME, else the directory above `which nvcc`; an nvcc on PATH that is a link or a
+    wrapper outside the toolkit sent the linker to the wrong lib64 (`cannot find -lcudart`)."""
+    kit = tmp_path / "cuda-13.0"
+    (kit / "bin").mkdir(parents=True)
+    (kit / "lib64").mkdir()
+    (kit / "lib64" / "libcudart.so").write_bytes(b"")
+    (kit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (kit / "bin" / "nvcc").chmod(0o755)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").symlink_to(kit / "bin" / "nvcc")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    assert toolchain.cuda_home() == str(kit)
+    toolchain.ensure_cuda_home()
+    assert os.environ["CUDA_HOME"] == str(kit)
+    monkeypatch.setenv("CUDA_HOME", "/somewhere/else")  # an explicit setting always wins
+    toolchain.ensure_cuda_home()
+    assert toolchain.cuda_home() == "/somewhere/else"

@@ -208,6 +208,9 @@ def test_build_targets_default_to_what_auto_runs_on_the_arch(runner, monkeypatch
         ("softcap", "single_prefill", "fa3", False, False), ("softcap", "single_prefill", "fa3", True, False)]
     assert {t[2] for t in targets("document_mask", "--arch", "8.0 9.0a")} == {"fa2", "fa3"}
     assert all(t[2] == "fa2" for t in targets("softcap", "--arch", "8.0"))
+    assert all(t[2] == "fa2" for t in targets("softcap", "--arch", "9.0"))  # FA3 needs 9.0a
+    both = {(t[1], t[2]) for t in targets("softcap", "--arch", "8.0 9.0a", "--ops", "single_prefill")}
+    assert both == {("single_prefill", "fa2"), ("single_prefill", "fa3")}  # what each of the two GPUs runs
     assert len(targets("softcap", "--arch", "9.0a", "--targets", "fa2")) == 3
     built.clear()
     r = runner.invoke(main, ["build", "softcap", "--arch", "9.0a", "--targets", "triton"])

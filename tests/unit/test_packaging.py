@@ -1,7 +1,10 @@
 """A wheel (non-editable install) carries every template, header and bundled variant a module is made from."""
 import fnmatch
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO = Path(__file__).resolve().parents[2]
 

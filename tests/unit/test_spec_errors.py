@@ -349,7 +349,7 @@ def test_a_divisor_that_is_zero_at_some_positions_names_its_line():
         return qi % fivar.maximum(ki - qi, 1) == 0
     q, k = torch.randn(9, 1, 8), torch.randn(9, 1, 8)
     with pytest.raises(fivar.FivarError, match=rf"{__file__}:{_bad_line(mask)}:\d+: variant 'diag': "
-                       r"`qi % \(ki - qi\)`: the divisor is 0 for some positions"):
+                       r"`qi % \(ki - qi\)`: the divisor is 0 at positions whose result is used"):
         reference_attention(AttentionVariant(name="diag", mask=mask), q, k, k)
     out = reference_attention(AttentionVariant(name="diag", mask=mask_guarded), q, k, k, float_dtype=torch.float64)
     idx = torch.arange(9)
@@ -368,3 +368,42 @@ def test_a_tensor_dimension_that_nearly_names_a_checked_one(dim, known):
         AttentionVariant(name="badvar", logits=logits, params={"t": declared})
     assert info.value.line == declared.where["line"]
     AttentionVariant(name="okvar", logits=logits, params={"t": Tensor("float32", ("heads",))})  # a free name
+
+
+def test_a_division_a_condition_guards_is_accepted_where_the_kernels_never_use_it():
+    """The compiled targets take one branch of a select and evaluate `and`/`or` left to right; a zero divisor on the
+    side not taken, or under causal masking, is no error (a Scalar of 0 included: "0 means off")."""
+    import torch
+    from fivar.codegen.torch_ref import reference_attention
+
+    def or_guard(b, h, kh, qi, ki, p):
+        return ki == 0 or qi % ki == 0
+
+    def select_guard(b, h, kh, qi, ki, p):
+        return (qi % ki if ki > 0 else 0) == 0
+
+    def off_when_zero(b, h, kh, qi, ki, p):
+        return (qi // p.w == ki // p.w) if p.w > 0 else True
+
+    def causal_only(b, h, kh, qi, ki, p):
+        return qi % (qi - ki + 1) == 0  # 0 only where ki = qi + 1, which causal masking removes
+
+    def used_anyway(b, h, kh, qi, ki, p):
+        return (qi % ki == 0) or ki == 0  # BAD: the division runs first
+    q, k = torch.randn(9, 1, 8), torch.randn(9, 1, 8)
+    idx = torch.arange(9)
+    qi, ki = idx.view(-1, 1), idx.view(1, -1)
+    wants = {
+        "or_guard": (or_guard, {}, False, (ki == 0) | (torch.remainder(qi, ki.clamp(min=1)) == 0)),
+        "select_guard": (select_guard, {}, False, torch.where(ki > 0, torch.remainder(qi, ki.clamp(min=1)), 0) == 0),
+        "off_when_zero": (off_when_zero, {"w": 0}, False, torch.ones(9, 9, dtype=torch.bool)),
+        "causal_only": (causal_only, {}, True, (ki <= qi) & (torch.remainder(qi, (qi - ki + 1).clamp(min=1)) == 0)),
+    }
+    for name, (mask, params, causal, keep) in wants.items():
+        v = AttentionVariant(name=name, mask=mask, params={"w": Scalar(int, default=0)} if params else {})
+        out = reference_attention(v, q, k, k, params=params, causal=causal, float_dtype=torch.float64)
+        s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(8)
+        want = torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~keep, -math.inf), -1), k.double())
+        torch.testing.assert_close(out, want, msg=name)
+    with pytest.raises(fivar.FivarError, match=rf":{_bad_line(used_anyway)}:\d+: variant 'bad': `qi % ki`"):
+        reference_attention(AttentionVariant(name="bad", mask=used_anyway), q, k, k)
