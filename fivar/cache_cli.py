@@ -601,9 +601,9 @@ def clear(wipe_records, yes, as_json):
     """Delete every fivar module (not FlashInfer's own), except ones in use or being built."""
     entries = annotate(scan_entries(), check_stale=False)
     if not yes and not as_json and entries:
-        in_use = sum(bool(e.holders) for e in entries)
+        in_use = sum(bool(e.holders) or lock_is_held(e.lock_path) for e in entries)
         click.confirm(f"delete {len(entries) - in_use} fivar module(s) from {_flashinfer_cache_root()}"
-                      + (f" ({in_use} in use by a live process stay)" if in_use else "") + "?", abort=True)
+                      + (f" ({in_use} in use or being built stay)" if in_use else "") + "?", abort=True)
     removed, kept = [], []
     for e in entries:
         why = _evict(e)
