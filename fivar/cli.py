@@ -343,11 +343,14 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
         raise FivarError("name at least one variant, or pass --all")
     from .jit.build import build_many, serving_modules
     from .fusion.build import gen_fusion_module
-    wanted = _choices(targets, ("auto", "fa2", "fa3", "triton"), "--targets")
+    from .runtime.attention import ALL_BACKENDS
+    wanted = _choices(targets, ALL_BACKENDS, "--targets")
     ops_ = _choices(ops, OPS, "--ops")
     wrote_twins = "triton" in wanted
+    variants = {n: load(n) for n in names}  # once: a load is a search-path scan
+    fusions = [n for n, v in variants.items() if getattr(v, "kind", None) == "fusion"]  # targets do not apply
     if wrote_twins:
-        _write_triton_twins([load(n) for n in names if getattr(load(n), "kind", None) != "fusion"])
+        _write_triton_twins([v for n, v in variants.items() if n not in fusions])
         wanted = [t for t in wanted if t != "triton"]
 
     def targets_for(v, op):
@@ -358,11 +361,11 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
         if "fa3" in chosen and not _builds_sm90a():  # a plain 9.0 build lacks what FA3 needs
             chosen = (chosen - {"fa3"}) | {"fa2"}
         return sorted(({*wanted} | chosen) - {"auto"})
-    fusions = [n for n in names if getattr(load(n), "kind", None) == "fusion"]  # one module: targets do not apply
-    modules = [gen_fusion_module(load(n), dt) for n in fusions for dt in _split(dtypes)]
-    modules += [m for n in names if n not in fusions for op in ops_ for t in targets_for(load(n), op)
-                for dt in _split(dtypes) for hd in _ints(head_dims, "--head-dims")
-                if not (t == "fa3" and op == "batch_decode") for m in serving_modules(load(n), op, t, dt, hd)]
+    head_dims_ = _ints(head_dims, "--head-dims")
+    modules = [gen_fusion_module(variants[n], dt) for n in fusions for dt in _split(dtypes)]
+    modules += [m for n, v in variants.items() if n not in fusions for op in ops_ for t in targets_for(v, op)
+                for dt in _split(dtypes) for hd in head_dims_
+                if not (t == "fa3" and op == "batch_decode") for m in serving_modules(v, op, t, dt, hd)]
     if not modules:
         if wrote_twins:
             return
@@ -447,7 +450,8 @@ def check(name, ops, dtypes, head_dims, backends):
                          "--head-dims do not apply (without a GPU, its scaffolded test runs the reference on the CPU)")
     if not fusion:
         _choices(ops, OPS, "--ops")
-        _choices(backends, ("auto", "fa2", "fa3", "triton"), "--backends")
+        from .runtime.attention import ALL_BACKENDS
+        _choices(backends, ALL_BACKENDS, "--backends")
     if fusion:  # odd token counts, and a packed QKV view for per-head fusions
         from .fusion.check import check_fusion
         results = [r for t in (1, 7, 4097) for p in ((False, True) if v.is_head else (False,))

@@ -115,8 +115,8 @@ BOUNDED_SOFTMAX_SPAN = 96.0
 
 def softmax_range(variant, dtype: str, requested: bool | None = None) -> tuple[float, float] | None:
     """The range [lo, hi] of the logits transform FA3's softmax takes its max from, or None for the running max:
-    `requested`, else FIVAR_FA3_BOUNDED_SOFTMAX (default 1), says whether to; it applies to softmax variants with a bounded
-    transform, in bf16 only (an fp16 probability under 2^-24 is zero, so a row whose logits all sit far below
+    `requested`, else FIVAR_FA3_BOUNDED_SOFTMAX (default 1), says whether to; it applies to softmax variants with a
+    bounded transform, in bf16 only (an fp16 probability under 2^-24 is zero, so a row whose logits all sit far below
     the bound would lose every weight; bf16 keeps float's exponent range)."""
     if requested is None:
         text = os.environ.get(BOUNDED_SOFTMAX_ENV, "").strip()
@@ -267,10 +267,11 @@ def runtime_mask_code(variant, causal: bool) -> int:
 
 def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
                  exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None) -> VariantDecl:
-    """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form. `row_runs` (with it): the form for a batch whose every row keeps one
-    run of keys (a document mask always does): the mask pre-pass stored each row's run (made relative to its
-    block's first key, causal folded in) and the kernel checks it with one 8-byte load per row, instead of
-    evaluating the mask per element (its gathers spill registers in FA3's consumer warps)."""
+    """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form.
+    `row_runs` (with it): the form for a batch whose every row keeps one run of keys (a document mask always
+    does): the mask pre-pass stored each row's run (made relative to its block's first key, causal folded in) and
+    the kernel checks it with one 8-byte load per row, instead of evaluating the mask per element (its gathers
+    spill registers in FA3's consumer warps)."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
     block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731

@@ -61,11 +61,11 @@ class TorchEvaluator:
     def zero_division_error(self, used: torch.Tensor, value: torch.Tensor) -> FivarError | None:
         """The error for a division by zero whose result reaches `value` where `used` holds, else None."""
         poison = self.poison_of(value)
-        if poison is None or not bool((poison & used).any()):
+        bad = None if poison is None else poison & used
+        if bad is None or not bool(bad.any()):
             return None
-        bad = poison & used
-        where = next((w for w, zero in self.zero_divisions if bool((zero & bad).any())), "an integer division")
-        return FivarError(f"{where or 'an integer division'}: the divisor is 0 at positions whose result is used; "
+        where = next((w for w, zero in self.zero_divisions if w and bool((zero & bad).any())), "an integer division")
+        return FivarError(f"{where}: the divisor is 0 at positions whose result is used; "
                           "the kernels leave that undefined, so keep it non-zero there (e.g. maximum(d, 1), or "
                           "`... if d != 0 else ...`)")
 

@@ -17,6 +17,7 @@ from .params import bind_params, kernel_args
 
 
 BACKENDS = ("auto", "fa2", "fa3")
+ALL_BACKENDS = (*BACKENDS, "triton")  # with the Triton twin, which fivar.runtime.triton_attention runs
 
 
 def choose_target(variant, backend: str, op: str, device=None, capability=None) -> tuple[str, str]:

@@ -20,6 +20,12 @@ TENSOR_DTYPES = {
 }
 
 
+def call_site(depth: int) -> dict:
+    """{filename, line, col} of the frame `depth` levels above the caller: where a declaration was written."""
+    frame = sys._getframe(depth + 1)
+    return {"filename": frame.f_code.co_filename, "line": frame.f_lineno, "col": 0}
+
+
 @dataclass(frozen=True)
 class _Declared:
     """A parameter declaration that remembers where it was written, so errors about it name that line."""
@@ -27,9 +33,7 @@ class _Declared:
 
     def __post_init__(self):
         if not self.where:  # the caller of the dataclass __init__ that called this
-            frame = sys._getframe(2)
-            object.__setattr__(self, "where", {"filename": frame.f_code.co_filename, "line": frame.f_lineno,
-                                               "col": 0})
+            object.__setattr__(self, "where", call_site(2))
 
 
 @dataclass(frozen=True)

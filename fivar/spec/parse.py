@@ -84,9 +84,14 @@ class _FunctionParser:
         self.guards = 0  # > 0 while parsing what a condition guards: a branch, or `and`/`or` after its first operand
 
     # --- errors --------------------------------------------------------------------------------
+    def location(self, node: ast.AST | None) -> tuple[int, int]:
+        """(line, col) of a node in the variant's file."""
+        if node is None:
+            return self.first_line, 0
+        return self.first_line + getattr(node, "lineno", 1) - 1, getattr(node, "col_offset", 0) + self.col_offset
+
     def error(self, node: ast.AST | None, message: str, construct: str | None = None, allowed=None):
-        line = self.first_line + (getattr(node, "lineno", 1) - 1) if node is not None else self.first_line
-        col = (getattr(node, "col_offset", 0) + self.col_offset) if node is not None else 0
+        line, col = self.location(node)
         return FivarSpecError(f"in `{self.role}`: {message}", variant=self.variant.name,
                               filename=self.filename, line=line, col=col, construct=construct,
                               allowed=allowed)
@@ -264,8 +269,8 @@ class _FunctionParser:
         return ir.Binary(I32, op, a, b)
 
     def where(self, node) -> str:
-        e = self.error(node, "")
-        return f"{e.filename}:{e.line}:{e.col + 1}: variant '{self.variant.name}': `{ast.unparse(node)}`"
+        line, col = self.location(node)
+        return f"{self.filename}:{line}:{col + 1}: variant '{self.variant.name}': `{ast.unparse(node)}`"
 
     def integer_divisor(self, b: ir.Expr, node) -> ir.Expr:
         """A literal zero is refused here, an unguarded Scalar divisor on every call (`divisor_scalars`: under a

@@ -20,14 +20,13 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
-import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
 from ..errors import FivarError, FivarSpecError
 from .names import why_param_name_is_taken
-from .params import Scalar, Tensor
+from .params import Scalar, Tensor, call_site
 
 RESERVED_PARAM_NAMES = {"sm_scale", "causal", "q", "k", "v", "out", "backend"}
 
@@ -46,9 +45,8 @@ class AttentionVariant:
 
     def __post_init__(self):
         where = self._where(self.logits or self.mask)
-        if not where:  # no function to point at: the AttentionVariant(...) call (this frame's caller's caller)
-            frame = sys._getframe(2)
-            where = {"filename": frame.f_code.co_filename, "line": frame.f_lineno, "col": 0}
+        if not where:  # no function to point at: the AttentionVariant(...) call (the dataclass __init__'s caller)
+            where = call_site(2)
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise FivarSpecError(f"name must be a Python identifier, got {self.name!r}", **where)
         if self.logits is None and self.mask is None:
@@ -60,14 +58,14 @@ class AttentionVariant:
                 raise FivarSpecError(
                     f"parameter name {pname!r} is not allowed (reserved: {sorted(RESERVED_PARAM_NAMES)},"
                     " and names starting with 'maybe', 'fv_' or '_')", variant=self.name, **where)
-            taken = why_param_name_is_taken(pname)
-            if taken:
-                raise FivarSpecError(f"parameter name {pname!r} cannot be used: {taken}; pick another",
-                                     variant=self.name, **((isinstance(p, (Scalar, Tensor)) and p.where) or where))
             if not isinstance(p, (Scalar, Tensor)):
                 raise FivarSpecError(f"parameter {pname!r} must be fivar.Scalar(...) or fivar.Tensor(...),"
                                      f" got {type(p).__name__}", variant=self.name, **where)
             at = p.where or where  # the Scalar(...)/Tensor(...) call itself
+            taken = why_param_name_is_taken(pname)
+            if taken:
+                raise FivarSpecError(f"parameter name {pname!r} cannot be used: {taken}; pick another",
+                                     variant=self.name, **at)
             if isinstance(p, Scalar) and p.dtype not in (float, int):
                 raise FivarSpecError(f"Scalar parameter {pname!r}: dtype must be float or int, got {p.dtype!r}",
                                      variant=self.name, **at)
@@ -145,10 +143,10 @@ class AttentionVariant:
     # --- runtime entry points (thin: the work lives in fivar.runtime) ---------------------------
     def _check_backend_name(self, backend: str) -> None:
         """A typo in `backend` is named first, before checks of the inputs could hide it."""
-        from ..runtime.attention import BACKENDS
-        if backend not in (*BACKENDS, "triton"):
+        from ..runtime.attention import ALL_BACKENDS
+        if backend not in ALL_BACKENDS:
             raise FivarError(f"variant '{self.name}': backend {backend!r} is not available (choose from "
-                             f"{', '.join((*BACKENDS, 'triton'))})")
+                             f"{', '.join(ALL_BACKENDS)})")
 
     def prefill(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None,
                 backend: str = "auto", out=None, **params):
