@@ -17,6 +17,9 @@ columns compute the softmax's exp2 on the FMA pipe (FIVAR_FA3_EXP2_EMULATION, fi
 FlashInfer's own OnlineSoftmax): how EXP2_EMULATED_OF_8 was chosen. `--cta-tiles 128x176 128x160,128x96` adds one
 per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-causal then causal, or `flashinfer`:
 128x192 non-causal, 128x128 causal at hd128; fivar's default for soft-caps is 128x128), at the default split.
+`--planned` adds `fivar_fa3_planned` for every variant (not only the KV-range form): FA3 batch prefill, ragged, one
+request, planned once outside the timed call (FlashInfer's persistent tile scheduler in place of single prefill's
+one CTA per tile). `--head-dim 64|256` runs part 2 at another head dim (default 128).
 `--running-max` adds `fivar_fa3_running_max`: FlashInfer's running row max in place of fivar's default for bounded
 transforms, whose max is the bound (FIVAR_FA3_BOUNDED_SOFTMAX=0, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
 first, in parallel.
@@ -72,13 +75,14 @@ def bench_softcap_vs_stock(seqlens, rounds):
     return rows
 
 
-def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=(), on_row=None, options=()):
+def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=(), on_row=None, options=(),
+                           planned=False):
     rows = []
     for S in seqlens:
         for causal in causals:
             for name in variants:
                 rows.append(_variant_vs_flex(name, S, causal, rounds, with_triton=S in triton_seqlens,
-                                             options=options))
+                                             options=options, planned=planned))
                 if on_row:
                     on_row(rows)
     return rows
@@ -99,7 +103,7 @@ def _run_under(option, fn):
     return call
 
 
-def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False):
+def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False, planned=False):
     """The FA3 single-prefill modules of every split and tile and the default ones, in one parallel ninja, then
     (in another) stock FA3's, so no compile lands inside the benchmark."""
     from concurrent.futures import ThreadPoolExecutor
@@ -107,16 +111,18 @@ def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False):
     from flashinfer.jit.core import build_jit_specs
     from fivar.jit.build import build_many, serving_modules
     from prewarm_gpu import fa3_variants_at, stock_fa3_specs  # benchmarks/ is this script's directory
-    mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles, running_max=running_max)
-    mods += [m for n in variants for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
+    mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles, running_max=running_max,
+                           head_dim=D)
+    ops = ("single_prefill", "batch_prefill") if planned else ("single_prefill",)
+    mods += [m for n in variants for op in ops for m in serving_modules(fivar.load(n), op, "fa3", head_dim=D)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
-        done = [pool.submit(build_many, mods), pool.submit(build_jit_specs, stock_fa3_specs())]
+        done = [pool.submit(build_many, mods), pool.submit(build_jit_specs, stock_fa3_specs(D))]
         [f.result() for f in done]
     print(f"built {len(mods)} fivar FA3 modules and stock FA3 in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def _variant_vs_flex(name, S, causal, rounds, with_triton, options=()):
+def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=False):
     from fivar.flex import flex_attention_fn
     v = fivar.load(name)
     q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
@@ -131,7 +137,7 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=()):
         import flashinfer
         fns["stock_fa3"] = lambda: flashinfer.single_prefill_with_kv_cache(q, k, vv, causal=causal, backend="fa3",
                                                                            **stock[0])
-    if v.scans_mask:  # KV-range form: planned once (like Flex's block mask, built outside the timed call)
+    if v.scans_mask or planned:  # planned once (like Flex's block mask, built outside the timed call)
         indptr = torch.tensor([0, S], dtype=torch.int32, device="cuda")
         plan = v.plan_ragged(indptr, indptr, num_qo_heads=H, num_kv_heads=H, head_dim=D, causal=causal,
                              backend="fa3", **params)
@@ -141,7 +147,7 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=()):
     # correctness: against the reference on a slice of queries (the full reference would not fit)
     qs = q[-256:]
     ref = v.reference(qs, k, vv, causal=causal, **params)
-    row = dict(variant=name, S=S, causal=causal, checks={})
+    row = dict(variant=name, S=S, causal=causal, head_dim=D, checks={})
     for n in list(fns):
         check = compare(name, f"{n} vs reference (last 256 rows)", fns[n]()[-256:], ref, torch.bfloat16)
         row["checks"][n] = str(check)
@@ -267,13 +273,17 @@ def main():
     ap.add_argument("--exp2-splits", default="", help="e.g. 0,3,4,6: FA3 contenders per exp2 split (see top)")
     ap.add_argument("--cta-tiles", nargs="*", default=[], help="e.g. 128x176 128x160,128x96: FA3 contenders per "
                     "CTA tile (see top)")
+    ap.add_argument("--planned", action="store_true", help="a planned FA3 batch-prefill contender (see top)")
+    ap.add_argument("--head-dim", type=int, default=D, help="part 2's head dim (fivar and stock built at it)")
     ap.add_argument("--running-max", action="store_true",
                     help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
     args = ap.parse_args()
+    global D
+    D = args.head_dim
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
     rounds = 2 if args.quick else 4
     parts = args.parts.split(",")
-    out = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
+    out = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__, head_dim=D)
 
 
     def write(data):
@@ -285,15 +295,15 @@ def main():
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
     exp2_splits, cta_tiles = _ints(args.exp2_splits), args.cta_tiles
     options = option_contenders(exp2_splits, cta_tiles, args.running_max)
-    if options and "flex" in parts:
-        build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max)
+    if (options or args.planned or D != 128) and "flex" in parts:
+        build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max, args.planned)
     if "flex" in parts:
         def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
             out["variants_vs_flex"] = rows
             write(out)
         bench_variants_vs_flex(_ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds,
                                args.variants.split(","), _ints(args.triton_seqlens), on_row=save,
-                               options=options)
+                               options=options, planned=args.planned)
     if "decode" in parts:
         out["decode"] = bench_decode(rounds)
     write(out)

@@ -69,11 +69,12 @@ EXP2_SPLITS = (2, 4, 6)
 CTA_TILES_TESTED = ("128x176,192x128",)
 
 
-def fa3_variants_at(names, exp2_splits=(), cta_tiles=(), running_max=False):
-    """FA3 single prefill (bf16, hd128) of each variant at each exp2 split, then at each CTA tile (default split),
+def fa3_variants_at(names, exp2_splits=(), cta_tiles=(), running_max=False, head_dim=128):
+    """FA3 single prefill (bf16, `head_dim`) of each variant at each exp2 split, then at each CTA tile (default split),
     then with the running-max softmax: the modules a call run under fivar.codegen.fa3.exp2_split(k), cta_tile(t) or
     bounded_softmax(False) loads."""
-    single = lambda n, **opt: gen_module(fivar.load(n), op="single_prefill", target="fa3", **opt)  # noqa: E731
+    single = lambda n, **opt: gen_module(fivar.load(n), op="single_prefill", target="fa3",  # noqa: E731
+                                         head_dim=head_dim, **opt)
     return ([single(n, exp2_emulated_of_8=k) for k in exp2_splits for n in names]
             + [single(n, cta_tile=t) for t in cta_tiles for n in names]
             + ([single(n, bounded_softmax=False) for n in names] if running_max else []))
@@ -103,12 +104,12 @@ def exp2_split_set():
             + [m for m in exp2_extremes_set() if m.options["exp2_emulated_of_8"] == 8])
 
 
-def stock_fa3_specs():
-    """Stock FA3 single prefill (bf16, hd128) with soft-cap, window, and both: the benchmark's yardsticks."""
+def stock_fa3_specs(head_dim=128):
+    """Stock FA3 single prefill (bf16, `head_dim`) with soft-cap, window, and both: the benchmark's yardsticks."""
     import torch
     from flashinfer.jit.attention.modules import gen_single_prefill_module
     bf = torch.bfloat16
-    return [gen_single_prefill_module("fa3", bf, bf, bf, 128, 128, 0, window, softcap, False)
+    return [gen_single_prefill_module("fa3", bf, bf, bf, head_dim, head_dim, 0, window, softcap, False)
             for window, softcap in ((False, True), (True, False), (True, True))]
 
 
