@@ -261,6 +261,7 @@ def _ints(text):
 
 
 def main():
+    global D
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -278,7 +279,6 @@ def main():
     ap.add_argument("--running-max", action="store_true",
                     help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
     args = ap.parse_args()
-    global D
     D = args.head_dim
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
     rounds = 2 if args.quick else 4
