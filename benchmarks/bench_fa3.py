@@ -117,7 +117,7 @@ def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False, pl
     mods += [m for n in variants for op in ops for m in serving_modules(fivar.load(n), op, "fa3", head_dim=D)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
-        done = [pool.submit(build_many, mods), pool.submit(build_jit_specs, stock_fa3_specs(D))]
+        done = [pool.submit(build_many, mods), pool.submit(build_jit_specs, stock_fa3_specs(D, variants))]
         [f.result() for f in done]
     print(f"built {len(mods)} fivar FA3 modules and stock FA3 in {time.perf_counter() - t0:.0f} s", flush=True)
 

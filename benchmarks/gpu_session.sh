@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|misses|hdims
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|misses|hdims|tiles16k
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -102,19 +102,27 @@ misses)  # #3's two missed rows, each with what might close it: soft-cap non-cau
   # (the bounded softmax frees registers) and the planned batch kernel (persistent scheduler); the soft-capped window
   # causal at S=8192 with the planned batch kernel (its 128-row blocks see ~9 KV tiles, so per-CTA cost weighs)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-  timeout 280 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 16384 --flex-causal 0 --variants softcap \
+  timeout 290 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 16384 --flex-causal 0 --variants softcap \
     --triton-seqlens 0 --cta-tiles 128x176,128x128 128x192,128x128 --planned --json "$OUT/bench_miss_softcap.json" \
     2>&1 | quiet | tee "$OUT/bench_miss_softcap.log" | grep -v "^CheckResult\|passed" | tail -4
-  timeout 250 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 1 \
+  timeout 290 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 1 \
     --variants softcap_sliding_window --triton-seqlens 0 --planned --json "$OUT/bench_miss_window.json" \
     2>&1 | quiet | tee "$OUT/bench_miss_window.log" | grep -v "^CheckResult\|passed" | tail -4 ;;
 hdims)  # the bounded softmax (fivar's FA3 default) vs the running max at head dims 64 and 256 (chosen at 128), soft-cap,
-  # S=8192, vs stock FA3 and Flex, non-causal and causal
-  for hd in ${HDIMS:-64 256}; do
-    timeout ${BENCH_S:-280} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
+  # S=8192, vs stock FA3 and Flex, non-causal and causal; every module built first, in one parallel ninja
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --hdims --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm_hdims.log"
+  for hd in ${HDIMS:-256 64}; do
+    timeout ${BENCH_S:-160} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0,1 \
       --variants softcap --triton-seqlens 0 --running-max --head-dim $hd --json "$OUT/bench_hd$hd.json" 2>&1 | quiet \
       | tee "$OUT/bench_hd$hd.log" | grep -v "^CheckResult\|passed" | tail -3
   done ;;
+tiles16k)  # soft-cap non-causal at S=16384 (#3's 0.4% miss) with wider KV tiles, which the bounded softmax's freed
+  # registers might now afford, vs fivar's default (128x128), stock FA3 and Flex
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout 560 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 16384 --flex-causal 0 --variants softcap \
+    --triton-seqlens 0 --cta-tiles 128x176,128x128 128x192,128x128 --json "$OUT/bench_tiles16k.json" 2>&1 | quiet \
+    | tee "$OUT/bench_tiles16k.log" | grep -v "^CheckResult\|passed" | tail -4 ;;
 extremes)  # the exp2-split extremes on both FA3 softmax forms (bounded, running max): modules, then their GPU tests
   (time python3 benchmarks/prewarm_gpu.py --exp2-extremes) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm_extremes.log"
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "exp2_split_extremes" \

@@ -104,13 +104,29 @@ def exp2_split_set():
             + [m for m in exp2_extremes_set() if m.options["exp2_emulated_of_8"] == 8])
 
 
-def stock_fa3_specs(head_dim=128):
-    """Stock FA3 single prefill (bf16, `head_dim`) with soft-cap, window, and both: the benchmark's yardsticks."""
+#: (window, soft-cap) of stock FA3's built-in that computes each bundled variant the benchmarks compare with stock
+STOCK_FA3_FLAGS = {"softcap": (False, True), "sliding_window": (True, False), "softcap_sliding_window": (True, True)}
+
+
+def stock_fa3_specs(head_dim=128, variants=tuple(STOCK_FA3_FLAGS)):
+    """Stock FA3 single prefill (bf16, `head_dim`) with soft-cap, window, or both, as `variants` need: the
+    benchmark's yardsticks."""
     import torch
     from flashinfer.jit.attention.modules import gen_single_prefill_module
     bf = torch.bfloat16
+    flags = sorted({STOCK_FA3_FLAGS[n] for n in variants if n in STOCK_FA3_FLAGS})
     return [gen_single_prefill_module("fa3", bf, bf, bf, head_dim, head_dim, 0, window, softcap, False)
-            for window, softcap in ((False, True), (True, False), (True, True))]
+            for window, softcap in flags]
+
+
+HEAD_DIMS_BENCHED = (64, 256)
+
+
+def head_dim_set():
+    """`gpu_session.sh hdims`: soft-cap's FA3 single prefill, bounded softmax and running max, at head dims 64 and
+    256 (bench_fa3.py --head-dim --running-max)."""
+    v = fivar.load("softcap")  # serving_modules: the bounded module and its running-max fallback
+    return [m for hd in HEAD_DIMS_BENCHED for m in serving_modules(v, "single_prefill", "fa3", head_dim=hd)]
 
 
 if __name__ == "__main__":
@@ -119,12 +135,13 @@ if __name__ == "__main__":
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
             else exp2_extremes_set() if "--exp2-extremes" in sys.argv
             else exp2_split_set() if "--exp2" in sys.argv else bounded_softmax_set() if "--bounded" in sys.argv
-            else bench_set())
+            else head_dim_set() if "--hdims" in sys.argv else bench_set())
     t0 = time.perf_counter()
     res = build_many(mods)
     if "--stock" in sys.argv:  # then FlashInfer's own modules, in one ninja of their own (errors propagate)
         from flashinfer.jit.core import build_jit_specs
-        build_jit_specs(stock_fa3_specs())
+        build_jit_specs([s for hd in (HEAD_DIMS_BENCHED if "--hdims" in sys.argv else (128,))
+                         for s in stock_fa3_specs(hd, ["softcap"] if "--hdims" in sys.argv else STOCK_FA3_FLAGS)])
     kinds = [k for k, _ in res]
     print(f"prewarm: {len(mods)} modules ({kinds.count('cold')} compiled, {kinds.count('disk')} cached) "
           f"in {time.perf_counter() - t0:.0f} s")
