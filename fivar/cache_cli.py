@@ -44,10 +44,10 @@ def parse_size(text: str) -> int:
 
 
 def parse_duration(text: str) -> float:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([smhdw]?)\s*", text.lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smhdw])\s*", text.lower())  # a unit is required: is "7" days?
     if not m:
-        raise FivarError(f"cannot read duration {text!r}: use e.g. 45s, 30m, 12h, 7d, 2w")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
+        raise FivarError(f"cannot read duration {text!r}: a number and a unit, e.g. 45s, 30m, 12h, 7d, 2w")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
 
 
 def human_size(n: float) -> str:
@@ -73,7 +73,9 @@ def _flashinfer_cache_root() -> Path:
     return jit_env.FLASHINFER_CACHE_DIR
 
 
-UNKNOWN_TOOLCHAIN = "unknown: no arch or nvcc to compare with (set FLASHINFER_CUDA_ARCH_LIST or --arch, and CUDA_HOME)"
+#: where the arch comes from when no GPU is visible (`--arch` belongs to the group: `fivar cache --arch 9.0a ls`)
+ARCH_HINT = "set FLASHINFER_CUDA_ARCH_LIST or pass `fivar cache --arch 9.0a <command>`"
+UNKNOWN_TOOLCHAIN = f"unknown: no arch or nvcc to compare with ({ARCH_HINT}, and CUDA_HOME)"
 
 
 def current_toolchain() -> dict:
@@ -537,8 +539,8 @@ def prune(max_size, older_than, stale_only, dry_run, as_json):
     if stale_only:
         tc = current_toolchain()
         if tc["arch"] is None or tc["nvcc"] is None:
-            raise FivarError("cannot tell which modules are stale without the current arch and nvcc: set "
-                             "FLASHINFER_CUDA_ARCH_LIST (or --arch) and CUDA_HOME")
+            raise FivarError("cannot tell which modules are stale without the current arch and nvcc: "
+                             f"{ARCH_HINT}, and CUDA_HOME")
     entries = annotate(scan_entries(), check_stale=stale_only)
     entries.sort(key=lambda e: e.last_use or 0.0)  # least recently used first
     chosen: dict[str, str] = {}
@@ -631,8 +633,7 @@ def export_cmd(file, variants, as_json):
         raise FivarError(f"cannot export to {file}: {Path(file).parent} is not a writable directory")
     tc = current_toolchain()
     if tc["arch"] is None or tc["nvcc"] is None:
-        raise FivarError("cannot tell the current arch/nvcc: set FLASHINFER_CUDA_ARCH_LIST (or --arch) and "
-                         "CUDA_HOME")
+        raise FivarError(f"cannot tell the current arch/nvcc: {ARCH_HINT}, and CUDA_HOME")
     from flashinfer.jit import env as jit_env
     jit_dir = jit_env.FLASHINFER_JIT_DIR
     packed, skipped = [], []
@@ -707,6 +708,10 @@ def import_cmd(file, as_json):
     with tar:
         meta = read_export_meta(tar, file)
         bad = [k for k in ("arch", "flashinfer", "nvcc") if meta.get(k) != tc.get(k)]
+        unknown = [k for k in ("arch", "nvcc") if tc.get(k) is None]
+        if unknown:
+            raise FivarError(f"cannot import {file} (built for arch {meta.get('arch')}): this machine's "
+                             f"{' and '.join(unknown)} is unknown; {ARCH_HINT}, and CUDA_HOME")
         if bad:
             side = lambda d: ", ".join(f"{k} {d.get(k)}" for k in ("arch", "flashinfer", "nvcc"))  # noqa: E731
             raise FivarError(f"cannot import {file}: it was built for {side(meta)}, but this machine has "

@@ -321,8 +321,8 @@ def format_program_expr(e):
 @click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
 @click.option("--targets", default="auto", show_default=True,
               help="auto (what backend='auto' runs on the target arch: FA3 prefill on sm90a, FA2 otherwise and for "
-                   "decode), or a comma list of fa2, fa3 (no decode: skipped), triton (writes and imports the twin; "
-                   "Triton compiles per launch shape on first use)")
+                   "decode; and fusions), or a comma list of fa2, fa3 (no decode: skipped), triton (writes and "
+                   "imports the twin; Triton compiles per launch shape on first use), fusion (norm/RoPE fusions)")
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--head-dims", default="128", show_default=True)
 @click.option("--arch", default=None, help="e.g. 9.0a; default: FLASHINFER_CUDA_ARCH_LIST or the visible GPU")
@@ -344,11 +344,18 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
     from .jit.build import build_many, serving_modules
     from .fusion.build import gen_fusion_module
     from .runtime.attention import ALL_BACKENDS
-    wanted = _choices(targets, ALL_BACKENDS, "--targets")
+    wanted = _choices(targets, (*ALL_BACKENDS, "fusion"), "--targets")
     ops_ = _choices(ops, OPS, "--ops")
     wrote_twins = "triton" in wanted
     variants = {n: load(n) for n in names}  # once: a load is a search-path scan
-    fusions = [n for n, v in variants.items() if getattr(v, "kind", None) == "fusion"]  # targets do not apply
+    fusions = [n for n, v in variants.items() if getattr(v, "kind", None) == "fusion"]
+    skipped = [] if {"auto", "fusion"} & {*wanted} else fusions
+    if skipped and not all_:
+        console.print(f"skipping fusion(s) {', '.join(skipped)}: --targets {targets} has no fusion (add "
+                      f"--targets ...,fusion)", highlight=False)
+    if wanted == ["fusion"]:  # fusions only: no attention module
+        variants = {n: v for n, v in variants.items() if n in fusions}
+    wanted = [t for t in wanted if t != "fusion"] or ["auto"]
     if wrote_twins:
         _write_triton_twins([v for n, v in variants.items() if n not in fusions])
         wanted = [t for t in wanted if t != "triton"]
@@ -362,14 +369,15 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
             chosen = (chosen - {"fa3"}) | {"fa2"}
         return sorted(({*wanted} | chosen) - {"auto"})
     head_dims_ = _ints(head_dims, "--head-dims")
-    modules = [gen_fusion_module(variants[n], dt) for n in fusions for dt in _split(dtypes)]
+    modules = [gen_fusion_module(variants[n], dt) for n in fusions if n not in skipped for dt in _split(dtypes)]
     modules += [m for n, v in variants.items() if n not in fusions for op in ops_ for t in targets_for(v, op)
                 for dt in _split(dtypes) for hd in head_dims_
                 if not (t == "fa3" and op == "batch_decode") for m in serving_modules(v, op, t, dt, hd)]
     if not modules:
         if wrote_twins:
             return
-        raise FivarError(f"nothing to build: --targets {targets} --ops {ops} names no module (FA3 has no decode)")
+        raise FivarError(f"nothing to build: --targets {targets} --ops {ops} names no module (FA3 has no decode; "
+                         f"a fusion builds with --targets auto or fusion)")
     modules = list({m.uri: m for m in modules}.values())  # a fusion ignores --ops/--targets/--head-dims
     t0 = time.perf_counter()
     todo = [m for m in modules if not m.manifest_ok()]
@@ -378,7 +386,7 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
                       + (f", launcher {launcher}" if launcher else ""), highlight=False)
     elif prewarm or len(modules) > 1:
         console.print(f"all {len(modules)} module(s) up to date", highlight=False)
-    with live_progress(modules, console, enabled=prewarm or len(modules) > 1):
+    with live_progress(modules, console, enabled=(prewarm or len(modules) > 1) and bool(todo)):
         results = build_many(modules, parallel=prewarm or len(modules) > 1)
     table = Table(Column("module", overflow="fold"), "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
     for m, (kind, secs) in zip(modules, results):
@@ -488,8 +496,10 @@ main.add_command(cache)
 @click.option("--rounds", default=4, show_default=True, help="interleaved timing rounds (each a do_bench median)")
 @click.option("--json", "json_path", default=None, help="write the full report (raw samples included)")
 @click.option("--plot", "plot_path", default=None, help="write a PNG: throughput vs seqlen + roofline")
-@click.option("--compile", "compile_", is_flag=True, help="cold/disk/memory build latency, fivar vs FlashInfer's path")
-def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, json_path, plot_path, compile_):
+@click.option("--compile", "compile_", is_flag=True, help="cold/disk/memory build latency, fivar vs FlashInfer's path "
+              "(at --dtype and --head-dim; without a GPU: compile only, for --arch)")
+@click.option("--arch", default=None, help="--compile without a GPU: e.g. 9.0a (default: FLASHINFER_CUDA_ARCH_LIST)")
+def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, json_path, plot_path, compile_, arch):
     """Benchmark a variant against stock FlashInfer, its Triton twin and FlexAttention (needs a GPU)."""
     import json as _json
 
@@ -500,13 +510,20 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         if not script.exists():
             raise FivarError("fivar bench --compile runs benchmarks/bench_compile.py from a fivar checkout")
         import subprocess
-        args = [sys.executable, str(script), "--variant", name] + (["--json", json_path] if json_path else [])
+        _set_arch(arch)
+        from .jit.toolchain import ensure_arch_env
+        ensure_arch_env()  # no GPU and no arch: one line, not the script's traceback
+        args = [sys.executable, str(script), "--variant", name, "--dtype", dtype, "--head-dim", str(head_dim)] + (
+            ["--json", json_path] if json_path else [])
         if not torch.cuda.is_available():
             console.print("no GPU visible: compiling only (hits are build() disk checks, not loads)", highlight=False)
             args.append("--no-load")
         sys.exit(subprocess.call(args))
     if not torch.cuda.is_available():
-        raise FivarError("fivar bench times kernels, so it needs a CUDA GPU")
+        raise FivarError("fivar bench times kernels, so it needs a CUDA GPU (without one: fivar bench NAME --compile "
+                         "--arch 9.0a measures build latency)")
+    if arch:
+        raise FivarError("--arch applies to --compile only: a timed run uses the visible GPU")
     from . import load
     from .bench import ceilings as ceil_mod
     from .bench.harness import run

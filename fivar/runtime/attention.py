@@ -96,8 +96,9 @@ def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cp
         raise FivarError(f"variant '{name}': {what} must have {k_dims} dims and equal shapes, got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if not q.is_cuda and not allow_cpu:
-        raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); use "
-                         f"variant.reference(...) on the CPU")
+        raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); on the CPU use "
+                         f"variant.reference(...), or backend='triton' with TRITON_INTERPRET=1 set before Triton is "
+                         f"imported (float16)")
     if k.device != q.device or v.device != q.device:
         raise FivarError(f"variant '{name}': q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.dtype not in DTYPES.values() or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -390,6 +391,15 @@ def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
         raise FivarError(f"variant '{variant.name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a "
                          f"multiple of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
     plan.variant, plan.device = variant, torch.device(device)
+    if backend == "triton":
+        raise FivarError(f"variant '{variant.name}': a plan holds FlashInfer's planned kernels (fa2, fa3); the Triton "
+                         f"twin has no plan step: call batch_prefill_ragged / batch_prefill_paged / decode with "
+                         f"backend='triton' instead")
+    if plan.device.type != "cuda" or not torch.cuda.is_available():
+        raise FivarError(f"variant '{variant.name}': a plan runs FlashInfer's kernels on a CUDA GPU (device "
+                         f"{str(plan.device)!r}{'' if torch.cuda.is_available() else ', and no GPU is visible'}); on "
+                         f"the CPU use variant.reference(...), or the Triton twin (backend='triton') under "
+                         f"TRITON_INTERPRET=1")
     plan.target = _check_backend(variant, backend, "batch_prefill", plan.device)
     qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, plan.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, plan.device)

@@ -204,7 +204,7 @@ class AttentionVariant:
         """`plan_paged` for one query token per request (decode on the tensor-core paged kernel)."""
         import torch
         n = kv_indptr.numel()
-        qo_indptr = torch.arange(n, dtype=torch.int32, device=kwargs.get("device", "cuda"))
+        qo_indptr = torch.arange(n, dtype=torch.int32, device=kv_indptr.device)  # plan_paged moves it to the device
         return self.plan_paged(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, **kwargs)
 
     def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, batch_idx: int = 0,

@@ -238,6 +238,8 @@ def test_stats_hit_rate_and_compile_distribution_over_a_window(iso):
     s = as_json("cache", "stats", "--window", "30d")
     assert s["cold"] == 3 and s["compile_seconds"]["max"] == 999.0
     assert invoke("cache", "stats", "--window", "soon").exit_code == 1
+    r = invoke("cache", "stats", "--window", "7")  # 7 what? a unit is required
+    assert r.exit_code == 1 and "a number and a unit" in r.output
 
 
 def _hold_lock(path):
@@ -295,7 +297,7 @@ def test_prune_lru_by_size_and_age_never_evicting_live_or_locked(iso):
     assert invoke("cache", "prune").exit_code == 1  # nothing to go by
 
 
-def test_export_clear_import_round_trip_and_refusals(iso, tmp_path):
+def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch):
     _, ws, vfile = iso
     m1, m2 = fake_built(module(vfile, "bf16", 128)), fake_built(module(vfile, "fp16", 64))
     shas = {m.uri: _sha256(m.library_path) for m in (m1, m2)}
@@ -335,6 +337,14 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path):
     flat = " ".join(r.output.split())
     assert r.exit_code == 1 and "flashinfer 0.0.1" in flat and f"flashinfer {toolchain.flashinfer_version()}" in flat
     assert "nvcc 12.4.131" in flat and "mismatch: flashinfer, nvcc" in flat
+
+    # a machine that cannot tell its arch is told how to name one, not that it "has arch None"
+    with monkeypatch.context() as mp:
+        mp.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
+        mp.setattr(toolchain, "arch_tag", lambda: None)
+        r = invoke("cache", "import", str(out))
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and "arch is unknown" in flat and "fivar cache --arch 9.0a" in flat and "None" not in flat
 
     # a member outside the two trees is refused before anything is written
     evil = tmp_path / "evil.tar.gz"

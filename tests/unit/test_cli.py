@@ -217,3 +217,25 @@ def test_build_targets_default_to_what_auto_runs_on_the_arch(runner, monkeypatch
     assert r.exit_code == 0 and "triton twin of 'softcap'" in r.output and not built
     r = runner.invoke(main, ["build", "softcap", "--arch", "9.0a", "--targets", "fa4"])
     assert r.exit_code == 1 and "--targets: unknown 'fa4'" in r.output
+
+
+def test_build_targets_select_fusions(runner, monkeypatch):
+    """A fusion builds under --targets auto (the default) or fusion; a target list without fusion skips it, with a
+    line when it was named, and builds no CUDA for --targets triton."""
+    import fivar.jit.build as jb
+    built = []
+    monkeypatch.setattr(jb, "build_many", lambda mods, parallel=False: (built.extend(mods), [("disk", 0.0)] * len(mods))[1])
+
+    def uris(*args):
+        built.clear()
+        r = runner.invoke(main, ["build", "llama_add_rmsnorm", "softcap", "--arch", "9.0a", "--ops", "single_prefill",
+                                 *args])
+        assert r.exit_code == 0, r.output
+        return r.output, sorted({"fusion" if "llama_add_rmsnorm" in m.uri else m.target for m in built})
+    assert uris()[1] == ["fa3", "fusion"]
+    assert uris("--targets", "fusion")[1] == ["fusion"]
+    assert uris("--targets", "fa2,fusion")[1] == ["fa2", "fusion"]
+    out, got = uris("--targets", "fa2")
+    assert got == ["fa2"] and "skipping fusion(s) llama_add_rmsnorm" in out
+    out, got = uris("--targets", "triton")
+    assert got == [] and "triton twin of 'softcap'" in out

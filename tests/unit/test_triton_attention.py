@@ -129,8 +129,23 @@ def test_cpu_inputs_need_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     v = fivar.load("softcap")
     q, k, vv = _qkv(4, 4, 2, 2, 16)
-    with pytest.raises(fivar.FivarError, match="CUDA tensors"):
+    with pytest.raises(fivar.FivarError, match="CUDA tensors.*TRITON_INTERPRET=1"):
         v.prefill(q, k, vv, backend="triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+@pytest.mark.parametrize("backend", ["auto", "fa2", "triton"])
+def test_plans_without_a_gpu_say_so(backend):
+    """A plan holds FlashInfer kernels: on the CPU it is refused in one line (not torch's 'not compiled with CUDA'
+    assertion), and the Triton twin, which has no plan step, points at the one-shot calls."""
+    v = fivar.load("softcap")
+    indptr = torch.tensor([0, 5, 9], dtype=torch.int32)
+    want = "a plan holds.*no plan step.*backend='triton'" if backend == "triton" else "a plan runs FlashInfer's kernels on a CUDA GPU"
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {want}"):
+        v.plan_ragged(indptr, indptr, num_qo_heads=4, num_kv_heads=2, head_dim=64, backend=backend, device="cpu")
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {want}"):
+        v.plan_decode(indptr, torch.arange(9, dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
+                      num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=1, backend=backend)
 
 
 def test_bfloat16_on_the_cpu_is_refused_not_miscomputed():
