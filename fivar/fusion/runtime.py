@@ -64,6 +64,8 @@ def split_args(v, kwargs: dict, validate: bool = True) -> dict:
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hk) * d:
             raise _err(v, "qkv", f"must be a [tokens, (num_q_heads + 2 * num_kv_heads) * {d}] = "
                        f"[tokens, {(hq + 2 * hk) * d}] tensor, got {_shape(qkv)}")
+        if validate:  # named as the caller passed it, before it becomes the q/k views
+            _tensor(v, "qkv", qkv)
         a["q"] = qkv[:, :hq * d].unflatten(1, (hq, d))
         a["k"] = qkv[:, hq * d:(hq + hk) * d].unflatten(1, (hk, d))
     elif v.is_head:
@@ -91,7 +93,7 @@ def _tensor(v, name, t, device=None, dtype=None, shape=None, dtypes=None):
     if not isinstance(t, torch.Tensor):
         raise _err(v, name, f"must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cuda":
-        raise _err(v, name, f"must be a CUDA tensor, got one on {t.device}")
+        raise _err(v, name, f"must be a CUDA tensor, got one on {t.device} (on the CPU: v.reference(...))")
     if device is not None and t.device != device:
         raise _err(v, name, f"must be on {device} like the inputs, got {t.device}")
     if dtype is not None and t.dtype != dtype:

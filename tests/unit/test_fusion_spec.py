@@ -211,6 +211,9 @@ def test_call_arguments_are_checked_before_launch():
         v(qkv=torch.zeros(3, 100), num_q_heads=8, num_kv_heads=2, **{k: x for k, x in a.items() if k not in "qk"})
     with pytest.raises(fivar.FivarError, match="argument 'num_kv_heads': a positive int"):
         v(qkv=torch.zeros(3, 1536), num_q_heads=8)
+    packed = torch.randn(3, (8 + 2 * 2) * 128)  # a packed CPU buffer is named as passed, not as its q view
+    with pytest.raises(fivar.FivarError, match="argument 'qkv': must be a CUDA tensor.*v.reference"):
+        v(qkv=packed, num_q_heads=8, num_kv_heads=2, **{k: x for k, x in a.items() if k not in "qk"})
     r = fivar.load("llama_add_rmsnorm")
     with pytest.raises(fivar.FivarError, match="fusion 'llama_add_rmsnorm': argument 'residual': is required"):
         r(x=torch.zeros(2, 64), weight=torch.ones(64))
