@@ -501,21 +501,36 @@ def verify(fix, as_json, prefix):
 
     PREFIX limits the check to modules whose URI starts with it (default: every module).
     """
+    from filelock import FileLock, Timeout
     results = []
     for e in scan_entries():
         if not e.uri.startswith(prefix):
             continue
+        if e.manifest is None and lock_is_held(e.lock_path):  # not broken: its build has not finished yet
+            results.append({"uri": e.uri, "ok": True, "problems": [], "fixed": False, "building": True})
+            continue
         problems = verify_entry(e)
         fixed = False
         if problems and fix and any("sources missing" not in p for p in problems):
-            e.library_path.unlink(missing_ok=True)
-            (e.build_dir / "fivar_manifest.json").unlink(missing_ok=True)
-            fixed = True
+            lock = FileLock(str(e.lock_path), thread_local=False)  # a build writing this library now wins
+            e.lock_path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                problems.append("not fixed: its build lock is held (a build is running)")
+            else:
+                try:
+                    e.library_path.unlink(missing_ok=True)
+                    (e.build_dir / "fivar_manifest.json").unlink(missing_ok=True)
+                    fixed = True
+                finally:
+                    lock.release()
         results.append({"uri": e.uri, "ok": not problems, "problems": problems, "fixed": fixed})
 
     def render():
         for r in results:
-            status = "[green]ok[/]" if r["ok"] else "[red]" + "; ".join(r["problems"]) + "[/]"
+            status = ("[yellow]being built[/]" if r.get("building") else "[green]ok[/]" if r["ok"]
+                      else "[red]" + "; ".join(r["problems"]) + "[/]")
             console.print(f"{r['uri']}: {status}{' (removed: rebuilds on next use)' if r['fixed'] else ''}",
                           highlight=False)
         console.print(f"{sum(r['ok'] for r in results)}/{len(results)} ok")

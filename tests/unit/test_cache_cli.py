@@ -250,6 +250,30 @@ def _hold_lock(path):
     return p
 
 
+def test_verify_leaves_a_build_in_progress_alone(iso):
+    """A module whose build holds its lock is reported as being built, not broken, and --fix never deletes a
+    library while that lock is held (the build may be writing it); once the lock is free, --fix does."""
+    _, ws, vfile = iso
+    building, corrupt = fake_built(module(vfile, "bf16", 64)), fake_built(module(vfile, "fp16", 64))
+    building.manifest_path.unlink()  # linked, manifest not yet written
+    man = json.loads(corrupt.manifest_path.read_text())
+    corrupt.manifest_path.write_text(json.dumps({**man, "so_sha256": "0" * 64}))
+    (ws / "cached_ops" / "tmp").mkdir(parents=True, exist_ok=True)
+    lockers = [_hold_lock(ws / "cached_ops" / "tmp" / f"{m.uri}.lock") for m in (building, corrupt)]
+    try:
+        r = invoke("cache", "verify", "--fix", "--json")
+        rows = {x["uri"]: x for x in json.loads(r.output)}
+        assert rows[building.uri]["building"] and rows[building.uri]["ok"]
+        assert not rows[corrupt.uri]["fixed"] and "build lock is held" in rows[corrupt.uri]["problems"][-1]
+        assert r.exit_code == 1 and building.library_path.exists() and corrupt.library_path.exists()
+    finally:
+        for p in lockers:
+            p.kill()
+            p.wait()
+    r = invoke("cache", "verify", "--fix", "--json", corrupt.uri)
+    assert r.exit_code == 0 and json.loads(r.output)[0]["fixed"] and not corrupt.library_path.exists()
+
+
 def test_prune_lru_by_size_and_age_never_evicting_live_or_locked(iso):
     _, ws, vfile = iso
     # five modules, 100 KiB libraries, least recently used first: a (held), b (being built), c, d, e
