@@ -78,6 +78,10 @@ ARCH_HINT = "set FLASHINFER_CUDA_ARCH_LIST or pass `fivar cache --arch 9.0a <com
 UNKNOWN_TOOLCHAIN = f"unknown: no arch or nvcc to compare with ({ARCH_HINT}, and CUDA_HOME)"
 
 
+#: an entry with objects but no manifest: a build that did not finish, or a library `verify --fix` removed
+NO_MANIFEST = "no manifest (an interrupted or failed build, or removed by verify --fix): rebuilds on next use"
+
+
 def current_toolchain() -> dict:
     """arch / flashinfer / nvcc of this process (None where it cannot be determined)."""
     from .jit import toolchain
@@ -219,7 +223,7 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
     if man is None:
         if lock_is_held(e.lock_path):
             return None, ["being built (its lock is held)"]
-        return True, ["no manifest (interrupted or failed build)"]
+        return True, [NO_MANIFEST]
     reasons = [f"built with {k} {man.get(k)} (now {tc[k]})" for k in ("arch", "flashinfer", "nvcc")
                if tc.get(k) is not None and man.get(k) != tc[k]]
     if reasons:
@@ -471,7 +475,7 @@ def verify_entry(e: Entry) -> list[str]:
     from .jit.build import _sha256
     man = e.manifest
     if man is None:
-        return ["no manifest (interrupted or failed build)"]
+        return [NO_MANIFEST]
     problems = []
     try:
         st = e.library_path.stat()
