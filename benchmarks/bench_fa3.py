@@ -19,7 +19,8 @@ per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-
 128x192 non-causal, 128x128 causal at hd128; fivar's default for soft-caps is 128x128), at the default split.
 `--planned` adds `fivar_fa3_planned` for every variant (not only the KV-range form): FA3 batch prefill, ragged, one
 request, planned once outside the timed call (FlashInfer's persistent tile scheduler in place of single prefill's
-one CTA per tile). `--head-dim 64|256` runs part 2 at another head dim (default 128).
+one CTA per tile). `--head-dim 64|256` runs every part at another head dim (default 128; part 2 builds its modules
+first).
 `--running-max` adds `fivar_fa3_running_max`: FlashInfer's running row max in place of fivar's default for bounded
 transforms, whose max is the bound (FIVAR_FA3_BOUNDED_SOFTMAX=0, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
 first, in parallel.
@@ -275,7 +276,7 @@ def main():
     ap.add_argument("--cta-tiles", nargs="*", default=[], help="e.g. 128x176 128x160,128x96: FA3 contenders per "
                     "CTA tile (see top)")
     ap.add_argument("--planned", action="store_true", help="a planned FA3 batch-prefill contender (see top)")
-    ap.add_argument("--head-dim", type=int, default=D, help="part 2's head dim (fivar and stock built at it)")
+    ap.add_argument("--head-dim", type=int, default=D, help="every part's head dim (part 2 builds fivar's and stock's modules first)")
     ap.add_argument("--running-max", action="store_true",
                     help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|misses|hdims|tiles16k
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -71,11 +71,13 @@ exp2)  # FA3's exp2 split between the MUFU and FMA pipes (fivar_fa3_softmax.cuh)
     --json "$OUT/bench_exp2.json" 2>&1 | quiet | tee "$OUT/bench_exp2.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 tiles)  # FA3 single prefill of the soft-capped variants at other exp2 splits and CTA tiles (bench_fa3.py
   # --exp2-splits/--cta-tiles: all built first) vs fivar's default, stock FA3 and Flex, at SEQLENS (default
-  # 8192), non-causal and causal (CAUSALS); TILES= (empty) for no tile contenders, EXTRA=--running-max adds one
+  # 8192), non-causal and causal (CAUSALS); SPLITS= / TILES= (empty) for none, EXTRA=--running-max or --planned adds
+  # one. #3's open rows: SEQLENS=16384 CAUSALS=0 VARIANTS=softcap SPLITS= TILES="128x176,128x128 128x192,128x128";
+  # session 10's planned-kernel row: CAUSALS=1 VARIANTS=softcap_sliding_window SPLITS= TILES= EXTRA=--planned
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192} \
     --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
-    --exp2-splits ${SPLITS-0,1,3} \
+    --exp2-splits "${SPLITS-0,1,3}" \
     --cta-tiles ${TILES-128x176,192x128 128x160,128x176 128x128,128x96 192x128,128x64} ${EXTRA:-} \
     --json "$OUT/bench_tiles.json" 2>&1 | quiet | tee "$OUT/bench_tiles.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its modules, their running-max twins and
@@ -100,12 +102,6 @@ mainjob)  # the README's main job, as a new user types it, in a scratch project:
     && python3 -m fivar cache ls && python3 -m fivar cache stats; echo "mainjob rc=$?"; } 2>&1 | quiet \
     | tee "$OUT/mainjob.log" | grep -v "^│ \|^┃\|━\|─" | tail -40
   cd "$repo" ;;
-misses)  # the soft-capped window, causal, S=8192 (#3's 2.38x row) vs the planned batch kernel (FlashInfer's persistent
-  # scheduler: does per-CTA cost explain the row? session 10: 374 single vs 321 planned TF/s, so no)
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-  timeout 560 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 1 \
-    --variants softcap_sliding_window --triton-seqlens 0 --planned --json "$OUT/bench_miss_window.json" \
-    2>&1 | quiet | tee "$OUT/bench_miss_window.log" | grep -v "^CheckResult\|passed" | tail -4 ;;
 hdims)  # the bounded softmax (fivar's FA3 default) vs the running max at head dims 64 and 256 (chosen at 128), soft-cap,
   # S=8192, vs stock FA3 and Flex, non-causal and causal; every module built first, in one parallel ninja
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
@@ -115,12 +111,6 @@ hdims)  # the bounded softmax (fivar's FA3 default) vs the running max at head d
       --variants softcap --triton-seqlens 0 --running-max --head-dim $hd --json "$OUT/bench_hd$hd.json" 2>&1 | quiet \
       | tee "$OUT/bench_hd$hd.log" | grep -v "^CheckResult\|passed" | tail -3
   done ;;
-tiles16k)  # soft-cap non-causal at S=16384 (#3's 0.4% miss) with wider KV tiles, which the bounded softmax's freed
-  # registers might now afford, vs fivar's default (128x128), stock FA3 and Flex
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-  timeout 560 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 16384 --flex-causal 0 --variants softcap \
-    --triton-seqlens 0 --cta-tiles 128x176,128x128 128x192,128x128 --json "$OUT/bench_tiles16k.json" 2>&1 | quiet \
-    | tee "$OUT/bench_tiles16k.log" | grep -v "^CheckResult\|passed" | tail -4 ;;
 extremes)  # the exp2-split extremes on both FA3 softmax forms (bounded, running max): modules, then their GPU tests
   (time python3 benchmarks/prewarm_gpu.py --exp2-extremes) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm_extremes.log"
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "exp2_split_extremes" \

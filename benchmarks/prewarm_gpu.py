@@ -104,17 +104,15 @@ def exp2_split_set():
             + [m for m in exp2_extremes_set() if m.options["exp2_emulated_of_8"] == 8])
 
 
-#: (window, soft-cap) of stock FA3's built-in that computes each bundled variant the benchmarks compare with stock
-STOCK_FA3_FLAGS = {"softcap": (False, True), "sliding_window": (True, False), "softcap_sliding_window": (True, True)}
-
-
-def stock_fa3_specs(head_dim=128, variants=tuple(STOCK_FA3_FLAGS)):
-    """Stock FA3 single prefill (bf16, `head_dim`) with soft-cap, window, or both, as `variants` need: the
-    benchmark's yardsticks."""
+def stock_fa3_specs(head_dim=128, variants=BUNDLED):
+    """Stock FA3 single prefill (bf16, `head_dim`) with the built-ins (soft-cap, window or both) that compute
+    `variants` (fivar.bench.contenders.stock_mapping, what the benchmarks compare with): their yardsticks."""
     import torch
     from flashinfer.jit.attention.modules import gen_single_prefill_module
+    from fivar.bench.contenders import stock_mapping
     bf = torch.bfloat16
-    flags = sorted({STOCK_FA3_FLAGS[n] for n in variants if n in STOCK_FA3_FLAGS})
+    kwargs = [stock_mapping(fivar.load(n), {"softcap": 30.0, "window": 1024}) for n in variants]
+    flags = sorted({("window_left" in kw, "logits_soft_cap" in kw) for kw, _ in filter(None, kwargs)})
     return [gen_single_prefill_module("fa3", bf, bf, bf, head_dim, head_dim, 0, window, softcap, False)
             for window, softcap in flags]
 
@@ -140,8 +138,8 @@ if __name__ == "__main__":
     res = build_many(mods)
     if "--stock" in sys.argv:  # then FlashInfer's own modules, in one ninja of their own (errors propagate)
         from flashinfer.jit.core import build_jit_specs
-        build_jit_specs([s for hd in (HEAD_DIMS_BENCHED if "--hdims" in sys.argv else (128,))
-                         for s in stock_fa3_specs(hd, ["softcap"] if "--hdims" in sys.argv else STOCK_FA3_FLAGS)])
+        head_dims, names = (HEAD_DIMS_BENCHED, ["softcap"]) if "--hdims" in sys.argv else ((128,), BUNDLED)
+        build_jit_specs([spec for hd in head_dims for spec in stock_fa3_specs(hd, names)])
     kinds = [k for k, _ in res]
     print(f"prewarm: {len(mods)} modules ({kinds.count('cold')} compiled, {kinds.count('disk')} cached) "
           f"in {time.perf_counter() - t0:.0f} s")

@@ -8,6 +8,7 @@ database (fivar.jit.records, under FIVAR_CACHE_DIR).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -323,22 +324,39 @@ def lock_is_held(lock_path: Path) -> bool:
     return False
 
 
-def _evict(e: Entry) -> str | None:
-    """Delete an entry under its build lock. Returns why it was skipped, or None when it was removed."""
+BUILD_RUNNING = "its build lock is held (a build is running)"
+
+
+@contextlib.contextmanager
+def _build_lock_if_free(e: Entry):
+    """Holds the entry's build lock for the block and yields True, or yields False at once when a build holds it."""
     from filelock import FileLock, Timeout
-    if e.holders:
-        return f"held by live process(es) {', '.join(map(str, e.holders))}"
     e.lock_path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(e.lock_path), thread_local=False)
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        return "its build lock is held (a build is running)"
+        yield False
+        return
     try:
-        shutil.rmtree(e.build_dir, ignore_errors=True)
-        shutil.rmtree(e.gen_dir, ignore_errors=True)
+        yield True
     finally:
         lock.release()
+
+
+def _in_use(e: Entry) -> str | None:
+    return f"held by live process(es) {', '.join(map(str, e.holders))}" if e.holders else None
+
+
+def _evict(e: Entry) -> str | None:
+    """Delete an entry under its build lock. Returns why it was skipped, or None when it was removed."""
+    if _in_use(e):
+        return _in_use(e)
+    with _build_lock_if_free(e) as free:
+        if not free:
+            return BUILD_RUNNING
+        shutil.rmtree(e.build_dir, ignore_errors=True)
+        shutil.rmtree(e.gen_dir, ignore_errors=True)
     return None
 
 
@@ -505,7 +523,6 @@ def verify(fix, as_json, prefix):
 
     PREFIX limits the check to modules whose URI starts with it (default: every module).
     """
-    from filelock import FileLock, Timeout
     results = []
     for e in scan_entries():
         if not e.uri.startswith(prefix):
@@ -516,19 +533,13 @@ def verify(fix, as_json, prefix):
         problems = verify_entry(e)
         fixed = False
         if problems and fix and any("sources missing" not in p for p in problems):
-            lock = FileLock(str(e.lock_path), thread_local=False)  # a build writing this library now wins
-            e.lock_path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                problems.append("not fixed: its build lock is held (a build is running)")
-            else:
-                try:
+            with _build_lock_if_free(e) as free:  # a build writing this library now wins
+                if free:
                     e.library_path.unlink(missing_ok=True)
                     (e.build_dir / "fivar_manifest.json").unlink(missing_ok=True)
                     fixed = True
-                finally:
-                    lock.release()
+                else:
+                    problems.append(f"not fixed: {BUILD_RUNNING}")
         results.append({"uri": e.uri, "ok": not problems, "problems": problems, "fixed": fixed})
 
     def render():
@@ -585,8 +596,7 @@ def prune(max_size, older_than, stale_only, dry_run, as_json):
     for e in entries:
         if e.uri not in chosen:
             continue
-        why_not = (f"held by live process(es) {', '.join(map(str, e.holders))}" if e.holders else
-                   "its build lock is held (a build is running)" if lock_is_held(e.lock_path) else None)
+        why_not = _in_use(e) or (BUILD_RUNNING if lock_is_held(e.lock_path) else None)
         if why_not is None and not dry_run:
             why_not = _evict(e)
         row = {"uri": e.uri, "size_bytes": e.size, "reason": chosen[e.uri], "last_use": e.last_use}
@@ -694,8 +704,8 @@ def export_cmd(file, variants, as_json):
     data = {"file": str(file), "replaced": replaced, "modules": [e.uri for e in packed], "skipped": skipped,
             "bytes": os.path.getsize(file), **{k: tc[k] for k in ("arch", "flashinfer", "nvcc")}}
     _out(as_json, data, lambda: console.print(
-        f"exported {len(packed)} module(s) to {file}{' (replacing the file that was there)' if replaced else ''} ({human_size(data['bytes'])}; arch {tc['arch']}, "
-        f"flashinfer {tc['flashinfer']}, nvcc {tc['nvcc']})"
+        f"exported {len(packed)} module(s) to {file}{' (replacing the file that was there)' if replaced else ''} "
+        f"({human_size(data['bytes'])}; arch {tc['arch']}, flashinfer {tc['flashinfer']}, nvcc {tc['nvcc']})"
         + (f"; skipped {len(skipped)} invalid" if skipped else ""), highlight=False))
 
 

@@ -353,9 +353,7 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
     if skipped and not all_:
         console.print(f"skipping fusion(s) {', '.join(skipped)}: --targets {targets} has no fusion (add "
                       f"--targets ...,fusion)", highlight=False)
-    if wanted == ["fusion"]:  # fusions only: no attention module
-        variants = {n: v for n, v in variants.items() if n in fusions}
-    wanted = [t for t in wanted if t != "fusion"] or ["auto"]
+    wanted = [t for t in wanted if t != "fusion"]  # the attention targets: none for --targets fusion
     if wrote_twins:
         _write_triton_twins([v for n, v in variants.items() if n not in fusions])
         wanted = [t for t in wanted if t != "triton"]
@@ -401,23 +399,23 @@ def _build_capabilities() -> list:
     set, else the visible GPU (None); so `--arch 8.0 9.0a` builds what both would run."""
     from .jit.toolchain import ensure_arch_env
     ensure_arch_env()  # no GPU and no arch list: one line asking for FLASHINFER_CUDA_ARCH_LIST or --arch
-    text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+    text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")  # checked: space-separated
     if not text:
         return [None]
-    return [_arch_capability(a) for a in text.replace(",", " ").split()]
+    return [_arch_capability(a) for a in text.split()]
 
 
 def _builds_sm90a() -> bool:
     text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
     if text:
-        return "9.0a" in text.replace(",", " ").split()
+        return "9.0a" in text.split()
     from .jit.toolchain import arch_tag
     return "90a" in arch_tag().split("_")
 
 
 def _arch_capability(arch_list: str) -> tuple[int, int]:
     """(major, minor) of a checked arch list: sm90 if it has 9.0a (what FA3 is built for), else its first arch."""
-    archs = arch_list.replace(",", " ").split()
+    archs = arch_list.split()
     if "9.0a" in archs:
         return 9, 0
     major, minor = archs[0].split(".")

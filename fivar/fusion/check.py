@@ -76,7 +76,8 @@ def check_fusion(v, *, tokens: int, packed: bool | None = None, dtype=None, devi
     """Run the kernel and the reference on the same fresh inputs; one CheckResult per output."""
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         from ..errors import FivarError
-        raise FivarError(f"fusion '{v.name}': checking the kernel needs a CUDA GPU (none is visible); `pytest` on its scaffolded test runs the reference on the CPU")
+        raise FivarError(f"fusion '{v.name}': checking the kernel needs a CUDA GPU (none is visible); `pytest` on its "
+                         "scaffolded test runs the reference on the CPU")
     a = random_inputs(v, tokens=tokens, device=device, dtype=dtype, packed=bool(packed), **kw)
     case = f"tokens={tokens}" + (" packed-qkv" if packed else "")
     ref = v.reference(**a)
