@@ -21,7 +21,8 @@ build-all)  # about 10 min on 16 cores, past one call's limit: cut at 560 s, so 
     2>&1 | quiet | tail -5 | tee -a "$OUT/prewarm.log" ;;
 tests-all)
   export FIVAR_TRITON_AUTOTUNE=0
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
+  # about 7 min after build-all (session 9: 433 s); cut at 570 s so a slow run still returns its log
+  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
 triton-tests)  # every Triton GPU test (ragged and decode too), against FA2 modules built first
   (time python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4
   export FIVAR_TRITON_AUTOTUNE=0
