@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -122,6 +122,14 @@ batch)  # batch prefill, ragged and planned (`fivar bench --op batch-prefill`): 
     timeout 270 python3 -m fivar bench ${VARIANTS:-softcap} --op batch-prefill --batch ${BATCH:-8} \
       --seqlens ${SEQLENS:-2048,4096} --vs stock $c --json "$OUT/bench_batch${c:+_causal}.json" 2>&1 | quiet | tail -12
   done ;;
+additions)  # session 11's GPU tests (bundled variants' FA2/FA3 sources did not change): the signed logits factors on
+  # FA2, FA3 and Triton, the twin's per-program values, and every alibi twin test (its casts are now tl.cast)
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --test-variants) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm_additions.log"
+  export FIVAR_TRITON_AUTOTUNE=0
+  { timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k signed_logits_factors
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_triton.py -k "alibi or per_program"
+  } 2>&1 | tee "$OUT/gpu_tests_additions.log" | grep "passed\|failed\|Error" | tail -12 ;;
 fusiontests)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fusions.py 2>&1 \
     | tee "$OUT/gpu_tests_fusions.log" | tail -4 ;;

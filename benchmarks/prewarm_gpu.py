@@ -18,12 +18,25 @@ def wanted():
     mods += exp2_extremes_set()
     mods += fa3_variants_at(["softcap"], cta_tiles=CTA_TILES_TESTED)  # test_fa3_cta_tile_override
     mods += bounded_softmax_set()  # test_fa3_bounded_softmax
+    mods += test_variant_set()
     for name in ("softcap", "alibi", "document_mask"):
         v = fivar.load(name)
         for target in ("fa2", "fa3") if name in ("softcap", "document_mask") else ("fa2",):
             for dtype, hd in (("fp16", 64), ("fp16", 128), ("bf16", 256)):
                 mods += serving_modules(v, "single_prefill", target, dtype, hd)
     return mods
+
+
+def test_variant_set():
+    """The variants the GPU tests define inline: the signed logits factors (FA2 and FA3 single prefill, with the
+    bounded softmax's running-max twin) and the Triton twin's per-program cases (FA2, which they agree with)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_gpu_kernels import SIGNED_FACTORS
+    from test_gpu_triton import PER_PROGRAM
+    return ([m for v in SIGNED_FACTORS for t in ("fa2", "fa3") for m in serving_modules(v, "single_prefill", t)]
+            + [gen_module(v, op="single_prefill", target="fa2") for v in PER_PROGRAM])
 
 
 def bench_set():
@@ -130,6 +143,7 @@ def head_dim_set():
 if __name__ == "__main__":
     import sys
     mods = (wanted() if "--all" in sys.argv else triton_agreement_set() if "--triton" in sys.argv
+            else test_variant_set() if "--test-variants" in sys.argv
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
             else exp2_extremes_set() if "--exp2-extremes" in sys.argv
             else exp2_split_set() if "--exp2" in sys.argv else bounded_softmax_set() if "--bounded" in sys.argv

@@ -38,7 +38,7 @@ META_NAME = "fivar_export.json"
 # --------------------------------------------------------------------------------------------- helpers
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
         raise FivarError(f"cannot read size {text!r}: use e.g. 500M, 2G, 1.5GiB or a byte count")
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))

@@ -46,6 +46,10 @@ def load_file(path: Path) -> AttentionVariant:
     path = Path(path).resolve()
     if path in _loaded:
         return _loaded[path]
+    if not path.is_file() or path.suffix != ".py":
+        what = "no such file" if not path.exists() else "a directory" if path.is_dir() else "not a .py file"
+        raise FivarError(f"{path}: {what}; a variant is a .py file that defines `variant = fivar.AttentionVariant(...)`"
+                         " (or a name on the search path: `fivar list`)")
     try:  # what is executed below: fivar cache staleness tells an edited file from changed code generation
         file_sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:

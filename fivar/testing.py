@@ -203,8 +203,8 @@ def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"),
                             for paged in (False,) if backend == "triton" else (False, True):  # no paged twin
                                 results.append(check_batch_prefill(variant, qo_lens=qo_lens, kv_lens=kv_lens,
                                                                    paged=paged, causal=causal, backend=backend, **kw))
-                if "batch_decode" in ops:
-                    for kv_lens in decode_cases:
-                        results.append(check_decode(variant, kv_lens=kv_lens,
-                                                    backend="triton" if device == "cpu" else "auto", **kw))
+                if "batch_decode" in ops:  # FA3 has no decode kernel: `auto` runs FA2's for it
+                    for backend in dict.fromkeys("auto" if b == "fa3" else b for b in backends):
+                        for kv_lens in decode_cases:
+                            results.append(check_decode(variant, kv_lens=kv_lens, backend=backend, **kw))
     return results

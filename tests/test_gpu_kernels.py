@@ -165,6 +165,30 @@ def test_mask_applies_on_interior_tiles(causal, backend):
     assert r.passed, r
 
 
+# Logits factors folded into the softmax scale with the sign the spec fixes kept per element
+# (fivar.spec.optimize.split_output_scale): an inverse temperature with a sign, and a negated soft-cap, which is
+# bounded (FA3's bounded softmax in bf16).
+def _negated_temperature(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return -score / params.temp
+
+
+def _negative_cap(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return -20.0 * fivar.tanh(score / 20.0)
+
+
+SIGNED_FACTORS = [AttentionVariant(name="gpu_negated_temperature", logits=_negated_temperature,
+                                   params={"temp": fivar.Scalar(float, default=0.5)}),
+                  AttentionVariant(name="gpu_negative_cap", logits=_negative_cap)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["triton"])
+@pytest.mark.parametrize("v", SIGNED_FACTORS, ids=lambda v: v.name)
+def test_signed_logits_factors(v, backend):
+    for causal in (False, True):
+        r = check_single_prefill(v, qo_len=300, kv_len=1000, causal=causal, backend=backend)
+        assert r.passed, r
+
+
 # FA3's KV-range form (fivar.runtime.kv_ranges): masks that are more than a band, many query blocks per
 # request, requests of one row to several tiles, qo_len < kv_len, GQA, per-head masks.
 def _per_head_window(batch, qo_head, kv_head, q_idx, kv_idx, params):

@@ -77,3 +77,30 @@ def test_decode(name, page_size):
     _agree(name, f"decode page {page_size}", out,
            _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params),
            lambda: v.decode(q, cache, indptr, indices, last, backend="fa2", **params))
+
+
+# Values that are one per program (a per-head table read, a truncated float param) combined with per-element
+# ones: the twin emits a select for such an `or`/`and` and tl.cast for int()/float() (the interpreter needs
+# both); compiled, against the reference and FA2.
+def _per_head_or_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx <= q_idx - 3 or params.open[qo_head] > 0.0
+
+
+def _truncated_param(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + float(int(params.f)) * 0.25
+
+
+PER_PROGRAM = [fivar.AttentionVariant(name="gpu_per_head_or_key", mask=_per_head_or_key,
+                                      params={"open": fivar.Tensor("float32", ("qo_head",))}),
+               fivar.AttentionVariant(name="gpu_truncated_param", logits=_truncated_param,
+                                      params={"f": fivar.Scalar(float, default=-2.5)})]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("v", PER_PROGRAM, ids=lambda v: v.name)
+def test_values_per_program_mixed_with_values_per_element(v, causal):
+    q, k, vv = _qkv(300, 700)
+    params = {"open": torch.randn(HQ, device="cuda")} if "open" in v.params else {"f": -2.5}
+    out = v.prefill(q, k, vv, causal=causal, backend="triton", **params)
+    _agree(v.name, f"causal={causal}", out, v.reference(q, k, vv, causal=causal, **params),
+           lambda: v.prefill(q, k, vv, causal=causal, backend="fa2", **params))

@@ -156,9 +156,10 @@ class TorchEvaluator:
         raise TypeError(f"cannot evaluate {e!r}")
 
 
-def eval_scalar(expr: ir.Expr, scalars: dict, sm_scale: float) -> float:
-    """Value of an invariant expression (e.g. the folded output scale) for concrete scalar params."""
-    ev = TorchEvaluator({"sm_scale": sm_scale}, scalars, torch.float64, "cpu")
+def eval_scalar(expr: ir.Expr, scalars: dict, sm_scale: float, hoisted: dict | None = None) -> float:
+    """Value of an invariant expression (e.g. the folded output scale) for concrete scalar params; `hoisted`: the
+    lowered programs' invariants by name, which such an expression may refer to."""
+    ev = TorchEvaluator({"sm_scale": sm_scale}, scalars, torch.float64, "cpu", hoisted=hoisted)
     return float(ev.eval(expr))
 
 

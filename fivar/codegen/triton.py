@@ -25,7 +25,8 @@ _TAKEN = {"tl", "triton", "torch", "os", "math", "float", "int", "True", "False"
           "mask", "keep", "acc", "q", "k", "v", "p", "w", "Q", "K", "V", "Out", "sm_scale", "qk_scale",
           "INTERPRET", "LOG2E", "GROUP", "HEAD_DIM", "CAUSAL", "BLOCK_M", "BLOCK_N", "BLOCK_H", "PAGE_SIZE",
           "batch", "qo_head", "kv_head", "q_idx", "kv_idx", "qo_len", "kv_len", "qo_start", "kv_start",
-          "offs_m", "offs_n", "offs_d", "offs_h", "m_i", "l_i", "m_new", "m_safe", "alpha", "page", "slot"}
+          "offs_m", "offs_n", "offs_d", "offs_h", "m_i", "l_i", "m_new", "m_safe", "alpha", "page", "slot",
+          "_py_floordiv", "_py_mod", "_tanh", "_sigmoid"}
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&", "or": "|"}
@@ -152,6 +153,11 @@ class TritonEmitter:
                     return f"tl.floor({a} / {b})" if e.op == "floordiv" else f"({a} - {b} * tl.floor({a} / {b}))"
                 self.helpers.add(e.op)
                 return f"_py_{e.op}({a}, {b})"
+            if e.op in ("and", "or") and self._per_program(e.a) != self._per_program(e.b):
+                # Triton 3.9's interpreter broadcasts a loaded per-program bool into float data in `|`/`&` (which
+                # then fail), not as a select's condition; compiled, the select is the same instruction
+                u, t = (a, b) if self._per_program(e.a) else (b, a)
+                return f"tl.where({u}, True, {t})" if e.op == "or" else f"tl.where({u}, {t}, False)"
             return f"({a} {_INFIX[e.op]} {b})"
         if isinstance(e, ir.Select):
             return f"tl.where({self.expr(e.cond)}, {self.expr(e.a)}, {self.expr(e.b)})"
@@ -159,9 +165,18 @@ class TritonEmitter:
             if e.fn == "tanh":
                 self.helpers.add("tanh")
             return f"{_CALLS[e.fn]}({', '.join(self.expr(a) for a in e.args)})"
-        if isinstance(e, ir.Cast):
-            return f"{self.expr(e.x)}.to({_TL_TYPE[e.type]})"
+        if isinstance(e, ir.Cast):  # tl.cast: the interpreter passes scalar args as Python numbers (no .to)
+            return f"tl.cast({self.expr(e.x)}, {_TL_TYPE[e.type]})"
         raise TypeError(f"no Triton for {e!r}")  # an IR node the parser cannot produce
+
+    def _per_program(self, e: ir.Expr) -> bool:
+        """Whether `e` is one value per program (no query or key index in it, through locals too)."""
+        for n in ir.walk(e):
+            if isinstance(n, (ir.Score, ir.RawScore)) or (isinstance(n, ir.Index) and n.name in ("q_idx", "kv_idx")):
+                return False
+            if isinstance(n, ir.Local) and n.name in self.let_exprs and not self._per_program(self.let_exprs[n.name]):
+                return False
+        return True
 
     def load(self, e: ir.Load) -> str:
         p = self.variant.params[e.param]

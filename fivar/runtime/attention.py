@@ -13,6 +13,7 @@ from ..codegen import fa2, fa3
 from ..codegen.torch_ref import eval_scalar
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..spec import ir
 from .params import bind_params, kernel_args
 
 
@@ -131,8 +132,16 @@ def _invariant(variant, expr, bound, sm_scale: float = 1.0) -> float:
     if value is None:
         if len(_invariants) > 4096:
             _invariants.clear()
-        value = _invariants[key] = eval_scalar(expr, bound.scalars, sm_scale)
+        value = _invariants[key] = eval_scalar(expr, bound.scalars, sm_scale, variant.lowered.hoisted)
     return value
+
+
+def _expanded(variant, e: ir.Expr) -> ir.Expr:
+    """`e` with the lowered programs' hoisted names put back, for messages."""
+    if isinstance(e, ir.Hoisted):
+        return _expanded(variant, variant.lowered.hoisted[e.name])
+    kids = tuple(_expanded(variant, c) for c in e.children())
+    return ir.rebuild(e, kids) if kids != e.children() else e
 
 
 def _check_output_scale(variant, bound, sm_scale):
@@ -142,10 +151,9 @@ def _check_output_scale(variant, bound, sm_scale):
         return
     factor = _invariant(variant, scale, bound, sm_scale)
     if not (factor > 0 and math.isfinite(factor)):
-        from ..codegen.cuda import CppEmitter
-        raise FivarError(f"variant '{variant.name}': the logits factor `{CppEmitter(variant).expr(scale)}`"
-                         f" evaluates to {factor} for these params; it must be a positive finite number "
-                         f"(fivar folds it into the softmax scale)")
+        text = ir.format_expr(_expanded(variant, scale)).replace("params.sm_scale", "sm_scale")
+        raise FivarError(f"variant '{variant.name}': the logits factor `{text}` evaluates to {factor} for these "
+                         f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
 
 
 def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False):

@@ -7,7 +7,8 @@ Users write against the scaled `score`; these passes turn that into what stock k
 * `hoist_invariants`: anything that depends only on scalar params moves out of the per-element code.
 * `split_output_scale`: a final `c * f(...)` (c invariant) drops `c` into the softmax exponent scale,
   e.g. soft-capping becomes `tanh(raw * K)` with `sm_scale_log2 = log2(e) * cap`, the stock kernel's form.
-  The runtime checks c > 0 before launch (a non-positive factor would flip the softmax max).
+  Signs the spec fixes (`-score`, `-2 * tanh(...)`) stay in the logits; the runtime checks that what remains
+  is > 0 for the params of a launch (a non-positive factor would flip the softmax max).
 """
 from __future__ import annotations
 
@@ -45,12 +46,38 @@ def fold_score_scale(e: ir.Expr) -> ir.Expr:
     return ir.rebuild(e, kids) if kids != e.children() else e
 
 
+def _pull_sign(e: ir.Expr) -> tuple[bool, ir.Expr]:
+    """(negative, e without it) for a product/quotient of invariants: its negations and negative constants
+    taken out, so that `-score` or `-2 * tanh(score)` folds a positive factor and keeps the sign per element."""
+    if isinstance(e, ir.Unary) and e.op == "neg":
+        negative, x = _pull_sign(e.x)
+        return not negative, x
+    if isinstance(e, ir.Const) and e.type != ir.BOOL and e.value < 0:
+        return True, ir.Const(e.type, -e.value)
+    if isinstance(e, ir.Binary) and e.op in ("mul", "div"):
+        neg_a, a = _pull_sign(e.a)
+        neg_b, b = _pull_sign(e.b)
+        if neg_a or neg_b:
+            return neg_a != neg_b, ir.Binary(e.type, e.op, a, b)
+    return False, e
+
+
+def _is_zero(e: ir.Expr) -> bool:
+    if isinstance(e, ir.Const):
+        return e.value == 0
+    return isinstance(e, ir.Binary) and (_is_zero(e.a) or (e.op == "mul" and _is_zero(e.b)))
+
+
 def split_output_scale(result: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:
+    """(per-element logits, invariant factor) of `result`; the factor's sign stays in the logits where the
+    spec fixes it, and a zero constant is not split (it is no softmax scale)."""
     if isinstance(result, ir.Binary) and result.op == "mul" and result.type == F32:
-        if ir.is_invariant(result.a) and not ir.is_invariant(result.b):
-            return result.b, result.a
-        if ir.is_invariant(result.b) and not ir.is_invariant(result.a):
-            return result.a, result.b
+        for x, c in ((result.b, result.a), (result.a, result.b)):
+            if ir.is_invariant(c) and not ir.is_invariant(x):
+                negative, c = _pull_sign(c)
+                if _is_zero(c):
+                    break
+                return (ir.Unary(x.type, "neg", x) if negative else x), c
     return result, None
 
 

@@ -161,9 +161,10 @@ class _FunctionParser:
             raise self.error(node, f"cannot assign to argument `{name}`", "argument reassignment")
         if value is _PARAMS:
             raise self.error(node, "`params` itself cannot be assigned; use params.NAME", "params alias")
-        cname, n = name, 2
+        base = "u" + name if name.startswith("fv_") else name  # fv_* are the generated code's own names
+        cname, n = base, 2
         while cname in self.let_names:
-            cname, n = f"{name}_{n}", n + 1
+            cname, n = f"{base}_{n}", n + 1
         self.let_names.add(cname)
         self.lets.append((cname, value))
         self.env[name] = ir.Local(value.type, cname)

@@ -52,8 +52,11 @@ class AttentionVariant:
         if self.logits is None and self.mask is None:
             raise FivarSpecError("a variant needs a `logits` function, a `mask` function, or both",
                                  variant=self.name, **where)
+        if not isinstance(self.params, dict):
+            raise FivarSpecError(f"params must be a dict of name -> fivar.Scalar(...)/fivar.Tensor(...), got "
+                                 f"{type(self.params).__name__}", variant=self.name, **where)
         for pname, p in self.params.items():
-            if not pname.isidentifier() or pname.startswith(("maybe", "fv_", "_")) \
+            if not isinstance(pname, str) or not pname.isidentifier() or pname.startswith(("maybe", "fv_", "_")) \
                     or pname in RESERVED_PARAM_NAMES:
                 raise FivarSpecError(
                     f"parameter name {pname!r} is not allowed (reserved: {sorted(RESERVED_PARAM_NAMES)},"
@@ -79,6 +82,12 @@ class AttentionVariant:
                 if p.dtype not in TENSOR_DTYPES:
                     raise FivarSpecError(f"Tensor parameter {pname!r}: dtype {p.dtype!r} is not one of "
                                          f"{sorted(TENSOR_DTYPES)}", variant=self.name, **at)
+                if isinstance(p.dims, str) or not isinstance(p.dims, (tuple, list)) or not p.dims \
+                        or not all(isinstance(d, str) and d.strip() for d in p.dims):
+                    raise FivarSpecError(
+                        f"Tensor parameter {pname!r}: dims must be a non-empty tuple of dimension names, one per "
+                        f"dimension, e.g. (\"qo_head\",) or (\"qo_head\", \"n\"); got {p.dims!r}",
+                        variant=self.name, **at)
                 for dim in p.dims:  # a near miss of a checked name would silently go unchecked
                     close = difflib.get_close_matches(dim, KNOWN_DIMS, n=1, cutoff=0.8)
                     if close and dim not in KNOWN_DIMS and dim[0] == close[0][0]:  # not `patch` for `batch`

@@ -5,6 +5,7 @@ which is all the cache commands look at. FlashInfer's cache dirs and FIVAR_CACHE
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -15,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import fivar
+from fivar import FivarError, cache_cli
 from fivar.cli import main
 from fivar.jit import prewarm, records
 from fivar.jit.build import _sha256, gen_module
@@ -240,6 +242,18 @@ def test_stats_hit_rate_and_compile_distribution_over_a_window(iso):
     assert invoke("cache", "stats", "--window", "soon").exit_code == 1
     r = invoke("cache", "stats", "--window", "7")  # 7 what? a unit is required
     assert r.exit_code == 1 and "a number and a unit" in r.output
+
+
+@pytest.mark.parametrize("text,size", [("500M", 500 << 20), ("1.5GiB", 3 << 29), (".5k", 512), ("2g", 2 << 30),
+                                       ("4096", 4096)])
+def test_sizes(text, size):
+    assert cache_cli.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["1.2.3G", ".", "G", "-1M", "5X"])
+def test_unreadable_sizes_are_one_line(text):
+    with pytest.raises(FivarError, match=f"cannot read size {re.escape(repr(text))}"):
+        cache_cli.parse_size(text)
 
 
 def _hold_lock(path):

@@ -76,6 +76,22 @@ def test_bad_name_for_new_variant(runner, tmp_path, monkeypatch):
     assert not (tmp_path / "variants").exists()
 
 
+def test_new_variant_into_a_file_is_one_line(runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    r = runner.invoke(main, ["new-variant", "mine", "--dir", "afile"])
+    assert r.exit_code == 1 and f"cannot create {Path('afile') / 'mine.py'}: afile is a file" in r.output, r.output
+    assert not (tmp_path / "tests").exists()
+
+
+@pytest.mark.parametrize("what,make", [("not a .py file", lambda d: d / "notes.txt"), ("a directory", lambda d: d),
+                                       ("no such file", lambda d: d / "gone.py")])
+def test_a_path_that_is_no_variant_file_is_one_line(runner, tmp_path, what, make):
+    (tmp_path / "notes.txt").write_text("x")
+    r = runner.invoke(main, ["show", str(make(tmp_path)) + ("/" if what == "a directory" else "")])
+    assert r.exit_code == 1 and f"{make(tmp_path)}: {what}; a variant is a .py file" in r.output, r.output
+
+
 def test_spec_error_is_one_clear_message_not_a_traceback(tmp_path, monkeypatch, runner):
     d = tmp_path / "mine"
     d.mkdir()

@@ -239,6 +239,13 @@ def test_bad_tensor_dtype():
         AttentionVariant(name="badvar", logits=logits, params={"t": Tensor("float8", ("n",))})
 
 
+def test_params_not_a_dict():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    with pytest.raises(FivarSpecError, match="variant 'badvar': params must be a dict of name -> .*got list"):
+        AttentionVariant(name="badvar", logits=logits, params=[Scalar(float)])
+
+
 def test_neither_logits_nor_mask():
     with pytest.raises(FivarSpecError, match="needs a `logits` function") as info:
         AttentionVariant(name="badvar")  # BAD
@@ -279,6 +286,10 @@ def test_unknown_variant_name_lists_what_exists():
     (lambda: Scalar(int, default=True), "Scalar parameter 'w': default True is not an int"),
     (lambda: Scalar(str), "Scalar parameter 'w': dtype must be float or int"),
     (lambda: Tensor("float8", ("qo_head",)), "Tensor parameter 'w': dtype 'float8' is not one of"),
+    (lambda: Tensor("float32", (8,)), "Tensor parameter 'w': dims must be a non-empty tuple of dimension names"),
+    (lambda: Tensor("float32", ("qo_head")), "dims must be a non-empty tuple of dimension names, one per "
+                                             "dimension, e.g. (\"qo_head\",)"),  # a missing comma: a string
+    (lambda: Tensor("float32", ()), "Tensor parameter 'w': dims must be a non-empty tuple"),
 ])
 def test_bad_declarations_point_at_the_declaration(make, match):
     """The error names the line of the Scalar(...)/Tensor(...) call, not the logits function."""

@@ -7,7 +7,7 @@ import triton
 from click.testing import CliRunner
 
 import fivar
-from fivar import AttentionVariant, Scalar, Tensor
+from fivar import AttentionVariant, Scalar, Tensor, tanh
 from fivar.testing import _ragged_reference, _to_paged, compare, example_params
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
@@ -112,6 +112,97 @@ def test_floor_division_truncation_clamping_and_interior_masks(causal):
     params = {"table": torch.randn(4, 9), "shift": 3}
     out = SEMANTICS.prefill(q, k, vv, causal=causal, backend="triton", **params)
     _check("triton_semantics", f"causal={causal}", out, SEMANTICS.reference(q, k, vv, causal=causal, **params))
+
+
+# --- logits factors the optimizer folds into the softmax scale (fivar.spec.optimize.split_output_scale): an
+# expression of params, a constant, and signs the spec fixes (kept in the logits, not refused at launch)
+def _halved(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score * 0.5
+
+
+def _temperature(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score / params.temp
+
+
+def _negated_temperature(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return -score / params.temp
+
+
+def _negative_cap(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return -2.0 * tanh(score / 2.0)
+
+
+def _zeroed(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return 0.0 * score
+
+
+TEMP = {"temp": Scalar(float, default=0.7)}
+FACTORS = [AttentionVariant(name=f.__name__[1:], logits=f, params=TEMP if "temperature" in f.__name__ else {})
+           for f in (_halved, _temperature, _negated_temperature, _negative_cap, _zeroed)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("v", FACTORS, ids=lambda v: v.name)
+def test_logits_factors_fold_into_the_softmax_scale_with_their_sign(v, causal):
+    q, k, vv = _qkv(13, 29, 4, 2, 16)
+    params = {"temp": float(torch.empty(()).uniform_(0.3, 3.0))} if v.params else {}
+    out = v.prefill(q, k, vv, causal=causal, backend="triton", **params)
+    _check(v.name, f"causal={causal}", out, v.reference(q, k, vv, causal=causal, **params))
+
+
+def test_a_factor_that_params_make_negative_is_refused_by_name():
+    q, k, vv = _qkv(4, 4, 2, 2, 16)
+    with pytest.raises(fivar.FivarError, match=r"variant 'temperature': the logits factor `\(sm_scale / "
+                                               r"params.temp\)` evaluates to -0.\d+ .*positive"):
+        FACTORS[1].prefill(q, k, vv, backend="triton", temp=-1.0)
+
+
+def _shadowing_locals(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    fv_q_lo = batch + 0  # the twin's tile-range arguments and helpers: the user's names must not replace them
+    fv_kv_hi = batch + 1
+    _py_mod = q_idx + fv_q_lo
+    return score + params.rel[q_idx - kv_idx + 4] + float(kv_idx % 3) * 0.5 + float(_py_mod + fv_kv_hi) * 0.01
+
+
+SHADOWING = AttentionVariant(name="shadowing_locals", logits=_shadowing_locals,
+                             params={"rel": Tensor("float32", ("n",))})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_locals_named_like_generated_code_do_not_replace_it(causal):
+    q, k, vv = _qkv(21, 45, 4, 2, 16)
+    params = {"rel": torch.randn(9)}
+    out = SHADOWING.prefill(q, k, vv, causal=causal, backend="triton", **params)
+    _check("shadowing_locals", f"causal={causal}", out, SHADOWING.reference(q, k, vv, causal=causal, **params))
+
+
+def _truncated_param(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + float(int(params.f)) * 0.25 - float(int(-params.f))
+
+
+def _per_head_or_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx <= q_idx - 3 or params.open[qo_head] > 0.0  # one value per program, one per element
+
+
+def _per_head_and_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    keep = params.open[qo_head] > 0.0
+    return keep and kv_idx % 3 != 1
+
+
+PER_PROGRAM = [AttentionVariant(name="truncated_param", logits=_truncated_param,
+                                params={"f": Scalar(float, default=1.5)})] + [
+    AttentionVariant(name=f.__name__[1:], mask=f, params={"open": Tensor("float32", ("qo_head",))})
+    for f in (_per_head_or_key, _per_head_and_key)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("v", PER_PROGRAM, ids=lambda v: v.name)
+def test_values_per_program_mixed_with_values_per_element(v, causal):
+    q, k, vv = _qkv(21, 37, 4, 2, 16)
+    params = {"f": float(torch.empty(()).uniform_(-4, 4))} if "f" in v.params else {
+        "open": torch.tensor([1.0, -1.0, 0.5, -0.5])}
+    out = v.prefill(q, k, vv, causal=causal, backend="triton", **params)
+    _check(v.name, f"causal={causal}", out, v.reference(q, k, vv, causal=causal, **params))
 
 
 def test_module_is_cached_by_content_hash(tmp_path, monkeypatch):
@@ -343,3 +434,15 @@ def test_a_backend_typo_is_named_before_the_inputs_are_checked():
                  lambda: v.batch_prefill_ragged(q, k, vv, None, None, backend="fa4")):
         with pytest.raises(fivar.FivarError, match="variant 'softcap': backend '(trition|fa4)' is not available"):
             call()
+
+
+def test_check_runs_decode_on_each_requested_backend(monkeypatch):
+    """`fivar check NAME --backends triton` on a GPU checks the twin's decode too (FA3 has none: `auto`'s FA2)."""
+    from fivar import testing
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for fn in ("check_single_prefill", "check_batch_prefill"):
+        monkeypatch.setattr(testing, fn, lambda *a, **kw: None)
+    monkeypatch.setattr(testing, "check_decode", lambda v, **kw: seen.append(kw["backend"]))
+    testing.run_checks(fivar.load("softcap"), backends=("fa3", "triton", "auto"))
+    assert seen == ["auto"] * len(testing.DECODE_CASES) + ["triton"] * len(testing.DECODE_CASES)
