@@ -120,9 +120,9 @@ def new_variant(name, variants_dir, tests_dir, kind):
     for p in (vpath, tpath):
         if p.exists():
             raise FivarError(f"{p} already exists; fivar new-variant never overwrites a file")
-        if any(d.exists() and not d.is_dir() for d in p.parents):
-            raise FivarError(f"cannot create {p}: {next(d for d in p.parents if d.exists() and not d.is_dir())} is a "
-                             f"file, not a directory (--dir / --tests-dir)")
+        in_the_way = next((d for d in p.parents if d.exists() and not d.is_dir()), None)
+        if in_the_way:
+            raise FivarError(f"cannot create {p}: {in_the_way} is a file, not a directory (--dir / --tests-dir)")
     from .registry import search_path, variant_files
     hidden = variant_files().get(name)
     vpath.parent.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ def _pull_sign(e: ir.Expr) -> tuple[bool, ir.Expr]:
 def _is_zero(e: ir.Expr) -> bool:
     if isinstance(e, ir.Const):
         return e.value == 0
-    return isinstance(e, ir.Binary) and (_is_zero(e.a) or (e.op == "mul" and _is_zero(e.b)))
+    return isinstance(e, ir.Binary) and e.op in ("mul", "div") and (_is_zero(e.a) or (e.op == "mul" and _is_zero(e.b)))
 
 
 def split_output_scale(result: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:
