@@ -514,6 +514,13 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         _set_arch(arch)
         from .jit.toolchain import ensure_arch_env
         ensure_arch_env()  # no GPU and no arch: one line, not the script's traceback
+        from . import load
+        from .fusion.spec import FusionVariant
+        from .jit.build import HEAD_DIMS
+        if isinstance(load(name), FusionVariant):  # an unknown name: the registry's one line
+            raise FivarError(f"'{name}' is a fusion; bench --compile measures an attention variant's FA2 module")
+        if head_dim not in HEAD_DIMS:
+            raise FivarError(f"--head-dim must be one of {', '.join(map(str, HEAD_DIMS))}, got {head_dim}")
         args = [sys.executable, str(script), "--variant", name, "--dtype", dtype, "--head-dim", str(head_dim)] + (
             ["--json", json_path] if json_path else [])
         if not torch.cuda.is_available():

@@ -35,7 +35,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
                style: str) -> torch.Tensor:
     """x [T, H, D] (any float dtype) -> float32; rotates x[..., :rotary_dim], passes the rest through."""
     x = x.float().clone()
-    cs = cos_sin_cache.float()[positions.long().to(cos_sin_cache.device)].to(x.device)  # [T, rotary_dim]
+    rows = positions.long().to(cos_sin_cache.device).clamp(0, cos_sin_cache.shape[0] - 1)  # as the kernel does
+    cs = cos_sin_cache.float()[rows].to(x.device)  # [T, rotary_dim]
     half = rotary_dim // 2
     cos, sin = cs[:, None, :half], cs[:, None, half:rotary_dim]
     rot = x[..., :rotary_dim]

@@ -74,7 +74,10 @@ def split_args(v, kwargs: dict, validate: bool = True) -> dict:
     for name in required_args(v):
         if name not in a:
             raise _err(v, name, "is required" + (" (or qkv=)" if name in ("q", "k") else ""))
-    a["eps"] = float(a.get("eps", v.eps))
+    eps = a.get("eps", v.eps)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise _err(v, "eps", f"must be a number in (0, 1), got {eps!r}")
+    a["eps"] = float(eps)
     if v.is_head:
         for n in ("q", "k", "q_out", "k_out"):
             t = a.get(n)

@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..errors import FivarError
+
 log = logging.getLogger("fivar")
 
 FLUSH_INTERVAL_S = 60.0
@@ -79,14 +81,18 @@ def db_path() -> Path:
 def connect(path: Path | None = None) -> sqlite3.Connection:
     """A connection with WAL journaling and a 30 s busy timeout (concurrent writers wait, not fail)."""
     path = Path(path or db_path())
-    con = sqlite3.connect(str(path), timeout=30.0, isolation_level=None)
-    con.execute("PRAGMA busy_timeout=30000")
-    if str(path) not in _schema_ready:
-        mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode.lower() != "wal":  # e.g. a filesystem without shared memory: still correct, just slower
-            log.debug("fivar records: journal_mode is %s at %s", mode, path)
-        con.executescript(SCHEMA)
-        _schema_ready.add(str(path))
+    try:
+        con = sqlite3.connect(str(path), timeout=30.0, isolation_level=None)
+        con.execute("PRAGMA busy_timeout=30000")
+        if str(path) not in _schema_ready:
+            mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":  # e.g. a filesystem without shared memory: still correct, just slower
+                log.debug("fivar records: journal_mode is %s at %s", mode, path)
+            con.executescript(SCHEMA)
+            _schema_ready.add(str(path))
+    except sqlite3.DatabaseError as e:  # OperationalError included: not a database, a directory, unreadable
+        raise FivarError(f"fivar's build records {path} cannot be opened ({e}); move it away (fivar starts a new "
+                         f"one) or set FIVAR_CACHE_DIR to another directory") from None
     con.execute("PRAGMA synchronous=NORMAL")
     return con
 

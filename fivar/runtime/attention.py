@@ -191,8 +191,23 @@ def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
                         batch_size=batch_size, device=q.device)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    try:
+        finite = math.isfinite(float(sm_scale))
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        finite = False
+    if not finite:
+        raise FivarError(f"variant '{variant.name}': sm_scale must be a finite number, got {sm_scale!r}")
     _check_output_scale(variant, bound, sm_scale)
     return bound, float(sm_scale)
+
+
+def check_out(variant, out, q):
+    """`out=` of a single prefill: written in place, so it must be q's shape, dtype and device."""
+    if out is not None and not (isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype
+                                and out.device == q.device):
+        got = f"{out.dtype} {list(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise FivarError(f"variant '{variant.name}': out must be like q ({q.dtype} {list(q.shape)} on {q.device}), "
+                         f"got {got}")
 
 
 def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa2", out=None, params=None):
@@ -200,6 +215,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         from .triton_attention import triton_prefill
         return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params)
     _check_qkv(variant, q, k, v)
+    check_out(variant, out, q)
     target = _check_backend(variant, backend, "single_prefill", q.device)
     if causal and q.shape[0] > k.shape[0]:
         raise FivarError(f"variant '{variant.name}': causal attention with qo_len ({q.shape[0]}) > kv_len "
@@ -287,7 +303,34 @@ def _check_indptr(variant, name, t, device):
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 2:
         raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor with batch_size+1 "
                          f"entries")
+    # The kernels trust it (a negative or decreasing entry reads or writes outside the tensors); the plans copy it
+    # to the host anyway, so this check's synchronisation is not an extra one on a GPU.
+    if int(t[0]) != 0 or bool((t[1:] < t[:-1]).any()):
+        shown = t[:8].tolist()
+        raise FivarError(f"variant '{variant.name}': {name} must start at 0 and never decrease, got "
+                         f"{shown}{' ...' if t.numel() > 8 else ''}")
     return t.to(device)
+
+
+def _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int, device):
+    """kv_indices / kv_last_page_len of a paged batch (kv_indptr checked): what the kernels read without a bound
+    check, so a bad entry reads another request's page or outside the cache."""
+    batch = kv_indptr.numel() - 1
+    for name, t, n in (("kv_indices", kv_indices, int(kv_indptr[-1])), ("kv_last_page_len", kv_last_page_len, batch)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) \
+                or t.numel() < n or (name == "kv_last_page_len" and t.numel() != n):
+            raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor of "
+                             f"{'at least ' if name == 'kv_indices' else ''}{n} entries"
+                             f"{' (kv_indptr[-1])' if name == 'kv_indices' else ' (one per request)'}, got "
+                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else f'{t.dtype} {list(t.shape)}'}")
+    used = kv_indices[:int(kv_indptr[-1])]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+        raise FivarError(f"variant '{variant.name}': kv_indices must be page numbers in 0..{num_pages - 1} (the "
+                         f"cache's pages), got {int(used.min())}..{int(used.max())}")
+    if batch and (int(kv_last_page_len.min()) < 0 or int(kv_last_page_len.max()) > page_size):
+        raise FivarError(f"variant '{variant.name}': kv_last_page_len must be in 0..page_size ({page_size}), got "
+                         f"{int(kv_last_page_len.min())}..{int(kv_last_page_len.max())}")
+    return kv_indices.to(device=device, dtype=torch.int32), kv_last_page_len.to(device=device, dtype=torch.int32)
 
 
 def _paged_kv(variant, paged_kv_cache):
@@ -345,16 +388,25 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
 
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
                         causal=False, sm_scale=None, backend="fa2", params=None):
+    if backend == "triton":
+        raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is decode); "
+                         "use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') on K/V "
+                         "gathered from the pages")
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
     target = _check_backend(variant, backend, "batch_prefill", q.device)
     qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
     batch = qo_indptr.numel() - 1
+    if kv_indptr.numel() != batch + 1 or int(qo_indptr[-1]) != q.shape[0]:
+        raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length, and "
+                         f"qo_indptr[-1] ({int(qo_indptr[-1])}) must equal q's token count ({q.shape[0]})")
+    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
+                                                k_cache.shape[1], q.device)
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     w = _wrapper("paged", variant, fmod, q.device)
-    w.plan(qo_indptr, kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1],
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, q.shape[1],
            k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=_plan_causal(variant, target, causal),
            window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k_cache.dtype,
            o_data_type=q.dtype, **_split_kwargs(variant, target))
@@ -373,6 +425,8 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
     _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
     target = _check_backend(variant, backend, "batch_decode", q.device)
     kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
+    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
+                                                k_cache.shape[1], q.device)
     if not variant.softmax or q.shape[1] // k_cache.shape[2] >= 4:
         # One-token paged prefill on the tensor-core FA2 kernel: faster than the CUDA-core decode kernel
         # once a KV head serves >= 4 query heads (H200, batch 128 x 8192, GQA 32/8: 3.80 vs 2.60 TB/s of
@@ -384,7 +438,7 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     fmod = module_for(variant, "batch_decode", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("decode", variant, fmod, q.device)
-    w.plan(kv_indptr, kv_indices.to(q.device), kv_last_page_len.to(q.device), q.shape[1], k_cache.shape[2],
+    w.plan(kv_indptr, kv_indices, kv_last_page_len, q.shape[1], k_cache.shape[2],
            q.shape[-1], k_cache.shape[1], q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype)
     return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, False if variant.mask else None))
 
@@ -401,8 +455,7 @@ def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
     plan.variant, plan.device = variant, torch.device(device)
     if backend == "triton":
         raise FivarError(f"variant '{variant.name}': a plan holds FlashInfer's planned kernels (fa2, fa3); the Triton "
-                         f"twin has no plan step: call batch_prefill_ragged / batch_prefill_paged / decode with "
-                         f"backend='triton' instead")
+                         f"twin has no plan step: call batch_prefill_ragged / decode with backend='triton' instead")
     if plan.device.type != "cuda" or not torch.cuda.is_available():
         raise FivarError(f"variant '{variant.name}': a plan runs FlashInfer's kernels on a CUDA GPU (device "
                          f"{str(plan.device)!r}{'' if torch.cuda.is_available() else ', and no GPU is visible'}); on "

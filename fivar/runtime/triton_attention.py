@@ -12,7 +12,8 @@ import torch
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..jit.triton_module import load_triton_module
-from .attention import (_check_decode_indptr, _check_qkv, _check_ragged_indptr, _paged_kv, _prepare)
+from .attention import (_check_decode_indptr, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv, _prepare,
+                        check_out)
 
 #: tl.arange and tl.dot want a power of two of at least 16.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -40,6 +41,7 @@ def _single_indptr(length: int, device) -> torch.Tensor:
 def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, params=None):
     """Single-request prefill: q [qo_len, Hq, D], k/v [kv_len, Hkv, D]."""
     _check_inputs(variant, q, k, v)
+    check_out(variant, out, q)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     o = load_triton_module(variant).prefill(
         q, k, v, _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device), q.shape[0], causal,
@@ -67,11 +69,8 @@ def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_pag
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_inputs(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
     kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
-    kv_indices = kv_indices.to(device=q.device, dtype=torch.int32)
-    kv_last_page_len = kv_last_page_len.to(device=q.device, dtype=torch.int32)
-    if kv_last_page_len.numel() != batch:
-        raise FivarError(f"variant '{variant.name}': kv_last_page_len must have one entry per request "
-                         f"({batch}), got {kv_last_page_len.numel()}")
+    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
+                                                k_cache.shape[1], q.device)
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     page_size = k_cache.shape[1]
     kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * page_size + kv_last_page_len

@@ -244,6 +244,14 @@ def test_stats_hit_rate_and_compile_distribution_over_a_window(iso):
     assert r.exit_code == 1 and "a number and a unit" in r.output
 
 
+def test_unreadable_records_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path))
+    (tmp_path / "records.sqlite").write_text("not a database")
+    r = CliRunner().invoke(main, ["cache", "--arch", "9.0a", "stats"])
+    assert r.exit_code == 1 and f"fivar's build records {tmp_path / 'records.sqlite'} cannot be opened" in r.output
+    assert "FIVAR_CACHE_DIR" in r.output and "Traceback" not in r.output
+
+
 @pytest.mark.parametrize("text,size", [("500M", 500 << 20), ("1.5GiB", 3 << 29), (".5k", 512), ("2g", 2 << 30),
                                        ("4096", 4096)])
 def test_sizes(text, size):

@@ -76,6 +76,14 @@ def test_bad_name_for_new_variant(runner, tmp_path, monkeypatch):
     assert not (tmp_path / "variants").exists()
 
 
+@pytest.mark.parametrize("args,text", [(["llama_add_rmsnorm"], "'llama_add_rmsnorm' is a fusion"),
+                                       (["softcap", "--head-dim", "100"], "--head-dim must be one of 64, 128, 256"),
+                                       (["nosuch"], "no variant named 'nosuch'")])
+def test_bench_compile_checks_its_arguments_first(runner, args, text):
+    r = runner.invoke(main, ["bench", *args, "--compile", "--arch", "9.0a"])
+    assert r.exit_code == 1 and text in r.output, r.output
+
+
 def test_new_variant_into_a_file_is_one_line(runner, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")

@@ -217,6 +217,17 @@ def test_call_arguments_are_checked_before_launch():
     r = fivar.load("llama_add_rmsnorm")
     with pytest.raises(fivar.FivarError, match="fusion 'llama_add_rmsnorm': argument 'residual': is required"):
         r(x=torch.zeros(2, 64), weight=torch.ones(64))
+    for eps in ("x", -10.0, 0.0):  # the declaration's eps is checked to be in (0, 1); a call's is too
+        with pytest.raises(fivar.FivarError, match=f"argument 'eps': must be a number in \\(0, 1\\), got {eps!r}"):
+            v(eps=eps, **a)
+
+
+def test_rope_reference_clamps_positions_like_the_kernel():
+    """csrc/fusion/fivar_fusion.cuh clamps a position to the cache's rows; the reference must agree."""
+    cs = R.cos_sin_cache(16, 32)
+    x = torch.randn(3, 2, 32)
+    clamped = R.apply_rope(x, torch.tensor([0, 15, 15]), cs, 32, "neox")
+    torch.testing.assert_close(R.apply_rope(x, torch.tensor([-1, 15, 200]), cs, 32, "neox"), clamped)
 
 
 # -------------------------------------------------------------------------------------------------- CLI

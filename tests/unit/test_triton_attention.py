@@ -446,3 +446,44 @@ def test_check_runs_decode_on_each_requested_backend(monkeypatch):
     monkeypatch.setattr(testing, "check_decode", lambda v, **kw: seen.append(kw["backend"]))
     testing.run_checks(fivar.load("softcap"), backends=("fa3", "triton", "auto"))
     assert seen == ["auto"] * len(testing.DECODE_CASES) + ["triton"] * len(testing.DECODE_CASES)
+
+
+def _i32(*x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("qo_indptr,match", [(_i32(2, 4, 10), r"qo_indptr must start at 0 and never decrease, got \[2, 4, 10\]"),
+                                             (_i32(0, 6, 4, 10), "qo_indptr must start at 0 and never decrease"),
+                                             (_i32(0, -2, 10), "qo_indptr must start at 0 and never decrease")])
+def test_indptr_contents_are_checked_before_launch(qo_indptr, match):
+    """The kernels trust the indptrs: a bad one left rows unwritten or crashed the process."""
+    q, k, vv = _qkv(10, 12, 4, 2, 16)
+    kv_indptr = torch.linspace(0, 12, qo_indptr.numel()).to(torch.int32)
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {match}"):
+        fivar.load("softcap").batch_prefill_ragged(q, k, vv, qo_indptr, kv_indptr, backend="triton")
+
+
+@pytest.mark.parametrize("indices,last,match", [
+    (_i32(0, 1, 2, 3, 4), _i32(7, 4), r"kv_last_page_len must be in 0..page_size \(4\), got 4..7"),
+    (_i32(0, 1, 2, 100000, 4), _i32(2, 4), r"kv_indices must be page numbers in 0..5 \(the cache's pages\), got 0..100000"),
+    ([0, 1, 2, 3, 4], _i32(2, 4), "kv_indices must be a 1-D int32 tensor of at least 5 entries"),
+    (_i32(0, 1, 2), _i32(2, 4), "kv_indices must be a 1-D int32 tensor of at least 5 entries"),
+])
+def test_decode_pages_are_checked_before_launch(indices, last, match):
+    """A last-page length past the page read another request's page; a page number past the cache crashed."""
+    q = torch.randn(2, 4, 16, dtype=DTYPE)
+    cache = (torch.randn(6, 4, 2, 16, dtype=DTYPE), torch.randn(6, 4, 2, 16, dtype=DTYPE))
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {match}"):
+        fivar.load("softcap").decode(q, cache, _i32(0, 2, 5), indices, last, backend="triton")
+
+
+def test_bad_out_sm_scale_and_paged_twin_are_one_line():
+    v = fivar.load("softcap")
+    q, k, vv = _qkv(8, 8, 4, 2, 16)
+    with pytest.raises(fivar.FivarError, match=r"out must be like q \(torch.float16 \[8, 4, 16\] on cpu\), got "
+                                               r"torch.float16 \[8, 4, 8\]"):
+        v.prefill(q, k, vv, backend="triton", out=torch.empty(8, 4, 8, dtype=DTYPE))
+    with pytest.raises(fivar.FivarError, match="sm_scale must be a finite number, got 'x'"):
+        v.prefill(q, k, vv, backend="triton", sm_scale="x")
+    with pytest.raises(fivar.FivarError, match="the Triton twin has no paged prefill"):
+        v.batch_prefill_paged(q, (k[None], vv[None]), _i32(0, 8), _i32(0, 1), _i32(0), _i32(8), backend="triton")
