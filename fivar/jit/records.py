@@ -39,8 +39,6 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import FivarError
-
 log = logging.getLogger("fivar")
 
 FLUSH_INTERVAL_S = 60.0
@@ -91,6 +89,7 @@ def connect(path: Path | None = None) -> sqlite3.Connection:
             con.executescript(SCHEMA)
             _schema_ready.add(str(path))
     except sqlite3.DatabaseError as e:  # OperationalError included: not a database, a directory, unreadable
+        from ..errors import FivarError  # here: the module itself imports only the standard library
         raise FivarError(f"fivar's build records {path} cannot be opened ({e}); move it away (fivar starts a new "
                          f"one) or set FIVAR_CACHE_DIR to another directory") from None
     con.execute("PRAGMA synchronous=NORMAL")
