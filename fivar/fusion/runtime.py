@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FivarError
+from .spec import eps_problem
 
 ROW_ARGS = ("x", "weight", "residual", "bias", "scale", "eps", "out")
 HEAD_ARGS = ("q", "k", "qkv", "num_q_heads", "num_kv_heads", "positions", "cos_sin_cache", "inv_freq",
@@ -75,8 +76,8 @@ def split_args(v, kwargs: dict, validate: bool = True) -> dict:
         if name not in a:
             raise _err(v, name, "is required" + (" (or qkv=)" if name in ("q", "k") else ""))
     eps = a.get("eps", v.eps)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
-        raise _err(v, "eps", f"must be a number in (0, 1), got {eps!r}")
+    if eps_problem(eps):
+        raise _err(v, "eps", eps_problem(eps))
     a["eps"] = float(eps)
     if v.is_head:
         for n in ("q", "k", "q_out", "k_out"):

@@ -46,6 +46,13 @@ def _caller() -> dict:
     return {}
 
 
+def eps_problem(eps) -> str | None:
+    """Why `eps` (a declaration's or a call's) is not a norm epsilon, or None."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        return f"must be a number in (0, 1), got {eps!r}"
+    return None
+
+
 @dataclass(eq=False)
 class FusionVariant:
     name: str
@@ -87,8 +94,8 @@ class FusionVariant:
             raise bad("out_dtype", f"{self.out_dtype!r} is not one of {OUT_DTYPES}")
         if not isinstance(self.residual, bool):
             raise bad("residual", f"must be True or False, got {self.residual!r}")
-        if not (isinstance(self.eps, (int, float)) and 0 < float(self.eps) < 1):
-            raise bad("eps", f"must be a float in (0, 1), got {self.eps!r}")
+        if eps_problem(self.eps):
+            raise bad("eps", eps_problem(self.eps))
         if self.norm is None and self.rope is None:
             raise bad("norm", "a fusion needs a norm, a rope, or both (norm=None and rope=None does nothing)")
         if self.residual and (self.norm is None or self.norm_scope != "row"):

@@ -201,7 +201,7 @@ def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
     return bound, float(sm_scale)
 
 
-def check_out(variant, out, q):
+def _check_out(variant, out, q):
     """`out=` of a single prefill: written in place, so it must be q's shape, dtype and device."""
     if out is not None and not (isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype
                                 and out.device == q.device):
@@ -215,7 +215,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         from .triton_attention import triton_prefill
         return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params)
     _check_qkv(variant, q, k, v)
-    check_out(variant, out, q)
+    _check_out(variant, out, q)
     target = _check_backend(variant, backend, "single_prefill", q.device)
     if causal and q.shape[0] > k.shape[0]:
         raise FivarError(f"variant '{variant.name}': causal attention with qo_len ({q.shape[0]}) > kv_len "
@@ -303,34 +303,37 @@ def _check_indptr(variant, name, t, device):
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 2:
         raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor with batch_size+1 "
                          f"entries")
-    # The kernels trust it (a negative or decreasing entry reads or writes outside the tensors); the plans copy it
-    # to the host anyway, so this check's synchronisation is not an extra one on a GPU.
-    if int(t[0]) != 0 or bool((t[1:] < t[:-1]).any()):
-        shown = t[:8].tolist()
+    # The kernels trust it (a negative or decreasing entry reads or writes outside the tensors). One host copy: the
+    # plans copy it to the host anyway.
+    host = t.cpu()
+    if int(host[0]) != 0 or bool((host[1:] < host[:-1]).any()):
         raise FivarError(f"variant '{variant.name}': {name} must start at 0 and never decrease, got "
-                         f"{shown}{' ...' if t.numel() > 8 else ''}")
+                         f"{host[:8].tolist()}{' ...' if t.numel() > 8 else ''}")
     return t.to(device)
 
 
 def _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int, device):
     """kv_indices / kv_last_page_len of a paged batch (kv_indptr checked): what the kernels read without a bound
     check, so a bad entry reads another request's page or outside the cache."""
-    batch = kv_indptr.numel() - 1
-    for name, t, n in (("kv_indices", kv_indices, int(kv_indptr[-1])), ("kv_last_page_len", kv_last_page_len, batch)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) \
-                or t.numel() < n or (name == "kv_last_page_len" and t.numel() != n):
-            raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor of "
-                             f"{'at least ' if name == 'kv_indices' else ''}{n} entries"
-                             f"{' (kv_indptr[-1])' if name == 'kv_indices' else ' (one per request)'}, got "
-                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else f'{t.dtype} {list(t.shape)}'}")
-    used = kv_indices[:int(kv_indptr[-1])]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+    batch, pages = kv_indptr.numel() - 1, int(kv_indptr[-1])
+    for name, t, ok, want in (
+            ("kv_indices", kv_indices, lambda n: n >= pages, f"at least {pages} entries (kv_indptr[-1])"),
+            ("kv_last_page_len", kv_last_page_len, lambda n: n == batch, f"{batch} entries (one per request)")):
+        if not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype in (torch.int32, torch.int64)
+                and ok(t.numel())):
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor of {want}, got {got}")
+    kv_indices = kv_indices.to(device=device, dtype=torch.int32)
+    kv_last_page_len = kv_last_page_len.to(device=device, dtype=torch.int32)
+    ranges = [t.aminmax() if t.numel() else (t.new_zeros(()),) * 2 for t in (kv_indices[:pages], kv_last_page_len)]
+    lo, hi, last_lo, last_hi = torch.stack([x for r in ranges for x in r]).tolist()  # one sync for all four
+    if lo < 0 or hi >= num_pages:
         raise FivarError(f"variant '{variant.name}': kv_indices must be page numbers in 0..{num_pages - 1} (the "
-                         f"cache's pages), got {int(used.min())}..{int(used.max())}")
-    if batch and (int(kv_last_page_len.min()) < 0 or int(kv_last_page_len.max()) > page_size):
+                         f"cache's pages), got {lo}..{hi}")
+    if last_lo < 0 or last_hi > page_size:
         raise FivarError(f"variant '{variant.name}': kv_last_page_len must be in 0..page_size ({page_size}), got "
-                         f"{int(kv_last_page_len.min())}..{int(kv_last_page_len.max())}")
-    return kv_indices.to(device=device, dtype=torch.int32), kv_last_page_len.to(device=device, dtype=torch.int32)
+                         f"{last_lo}..{last_hi}")
+    return kv_indices, kv_last_page_len
 
 
 def _paged_kv(variant, paged_kv_cache):
@@ -389,21 +392,27 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
                         causal=False, sm_scale=None, backend="fa2", params=None):
     if backend == "triton":
-        raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is decode); "
-                         "use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') on K/V "
-                         "gathered from the pages")
+        raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is "
+                         "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
+                         "on K/V gathered from the pages")
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
     target = _check_backend(variant, backend, "batch_prefill", q.device)
     qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
-    batch = qo_indptr.numel() - 1
-    if kv_indptr.numel() != batch + 1 or int(qo_indptr[-1]) != q.shape[0]:
+    if kv_indptr.numel() != qo_indptr.numel() or int(qo_indptr[-1]) != q.shape[0]:
         raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length, and "
                          f"qo_indptr[-1] ({int(qo_indptr[-1])}) must equal q's token count ({q.shape[0]})")
     kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
                                                 k_cache.shape[1], q.device)
-    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
+    return _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                          causal, sm_scale, params)
+
+
+def _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal,
+                   sm_scale, params):
+    """batch_prefill_paged after its checks (batch_decode's tensor-core path comes here with its own)."""
+    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], qo_indptr.numel() - 1, sm_scale)
     fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     w = _wrapper("paged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, q.shape[1],
@@ -433,8 +442,8 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         # KV read), and the only correct path without softmax (FlashInfer merges split-KV partials
         # through their log-sum-exp, which a no-softmax variant does not have).
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        return batch_prefill_paged(variant, q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices,
-                                   kv_last_page_len, sm_scale=sm_scale, backend="fa2", params=params)
+        return _paged_prefill(variant, "fa2", q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                              False, sm_scale, params)
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     fmod = module_for(variant, "batch_decode", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("decode", variant, fmod, q.device)

@@ -10,10 +10,9 @@ import os
 import torch
 
 from ..codegen.triton import kernel_arg_values
-from ..errors import FivarError
 from ..jit.triton_module import load_triton_module
-from .attention import (_check_decode_indptr, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv, _prepare,
-                        check_out)
+from .attention import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
+                        _prepare)
 
 #: tl.arange and tl.dot want a power of two of at least 16.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -41,7 +40,7 @@ def _single_indptr(length: int, device) -> torch.Tensor:
 def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, params=None):
     """Single-request prefill: q [qo_len, Hq, D], k/v [kv_len, Hkv, D]."""
     _check_inputs(variant, q, k, v)
-    check_out(variant, out, q)
+    _check_out(variant, out, q)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     o = load_triton_module(variant).prefill(
         q, k, v, _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device), q.shape[0], causal,

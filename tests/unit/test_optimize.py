@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import fivar
-from fivar import AttentionVariant, Scalar, tanh
 from fivar.codegen.torch_ref import TorchEvaluator, eval_scalar
 from fivar.spec import optimize
 from fivar.testing import example_params
+from logit_factors import FACTORS
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
            "softcap_sliding_window"]
@@ -21,36 +21,14 @@ def test_lowered_logits_times_factor_equal_the_original(name):
     _check_lowering(fivar.load(name))
 
 
-def _negated_temperature(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return -score / params.temp
-
-
-def _negative_cap(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return -2.0 * tanh(score / 2.0)
-
-
-def _zeroed(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return 0.0 * score
-
-
-def _offset_param_factor(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return (0.0 + params.temp) * score * -1.0
-
-
-TEMP = {"temp": Scalar(float, default=0.7)}
-
-
-@pytest.mark.parametrize("fn,splits", [(_negated_temperature, True), (_negative_cap, True), (_zeroed, False),
-                                       (_offset_param_factor, True)])
-def test_signs_stay_in_the_logits_and_the_factor_is_positive(fn, splits):
+@pytest.mark.parametrize("v", FACTORS, ids=lambda v: v.name)
+def test_signs_stay_in_the_logits_and_the_factor_is_positive(v):
     """split_output_scale takes the sign the spec fixes out of the factor (the runtime refuses a non-positive
     one), keeps a zero factor in the logits, and the lowered form still equals the original."""
-    v = AttentionVariant(name=fn.__name__[1:], logits=fn, params=TEMP if "temp" in fn.__code__.co_names else {})
     low = optimize.lower(v.ir, v.softmax)
-    assert (low.output_scale is not None) == splits
-    if splits:
-        factor = eval_scalar(low.output_scale, {"temp": 0.7}, 0.125, low.hoisted)
-        assert factor > 0
+    assert (low.output_scale is None) == (v.name == "zeroed")
+    if low.output_scale is not None:
+        assert eval_scalar(low.output_scale, {"temp": 0.7}, 0.125, low.hoisted) > 0
     _check_lowering(v)
 
 

@@ -7,8 +7,9 @@ import triton
 from click.testing import CliRunner
 
 import fivar
-from fivar import AttentionVariant, Scalar, Tensor, tanh
+from fivar import AttentionVariant, Scalar, Tensor
 from fivar.testing import _ragged_reference, _to_paged, compare, example_params
+from logit_factors import FACTORS
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
            "softcap_sliding_window"]
@@ -114,33 +115,7 @@ def test_floor_division_truncation_clamping_and_interior_masks(causal):
     _check("triton_semantics", f"causal={causal}", out, SEMANTICS.reference(q, k, vv, causal=causal, **params))
 
 
-# --- logits factors the optimizer folds into the softmax scale (fivar.spec.optimize.split_output_scale): an
-# expression of params, a constant, and signs the spec fixes (kept in the logits, not refused at launch)
-def _halved(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return score * 0.5
-
-
-def _temperature(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return score / params.temp
-
-
-def _negated_temperature(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return -score / params.temp
-
-
-def _negative_cap(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return -2.0 * tanh(score / 2.0)
-
-
-def _zeroed(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return 0.0 * score
-
-
-TEMP = {"temp": Scalar(float, default=0.7)}
-FACTORS = [AttentionVariant(name=f.__name__[1:], logits=f, params=TEMP if "temperature" in f.__name__ else {})
-           for f in (_halved, _temperature, _negated_temperature, _negative_cap, _zeroed)]
-
-
+# --- logits factors the optimizer folds into the softmax scale, signs kept in the logits (logit_factors.py)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("v", FACTORS, ids=lambda v: v.name)
 def test_logits_factors_fold_into_the_softmax_scale_with_their_sign(v, causal):
@@ -151,10 +126,11 @@ def test_logits_factors_fold_into_the_softmax_scale_with_their_sign(v, causal):
 
 
 def test_a_factor_that_params_make_negative_is_refused_by_name():
+    temperature = next(v for v in FACTORS if v.name == "temperature")
     q, k, vv = _qkv(4, 4, 2, 2, 16)
     with pytest.raises(fivar.FivarError, match=r"variant 'temperature': the logits factor `\(sm_scale / "
                                                r"params.temp\)` evaluates to -0.\d+ .*positive"):
-        FACTORS[1].prefill(q, k, vv, backend="triton", temp=-1.0)
+        temperature.prefill(q, k, vv, backend="triton", temp=-1.0)
 
 
 def _shadowing_locals(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
