@@ -42,6 +42,7 @@ from pathlib import Path
 log = logging.getLogger("fivar")
 
 FLUSH_INTERVAL_S = 60.0
+BUSY_TIMEOUT_S = 30.0
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY,
@@ -79,21 +80,53 @@ def db_path() -> Path:
 def connect(path: Path | None = None) -> sqlite3.Connection:
     """A connection with WAL journaling and a 30 s busy timeout (concurrent writers wait, not fail)."""
     path = Path(path or db_path())
-    try:
-        con = sqlite3.connect(str(path), timeout=30.0, isolation_level=None)
-        con.execute("PRAGMA busy_timeout=30000")
-        if str(path) not in _schema_ready:
-            mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode.lower() != "wal":  # e.g. a filesystem without shared memory: still correct, just slower
-                log.debug("fivar records: journal_mode is %s at %s", mode, path)
-            con.executescript(SCHEMA)
-            _schema_ready.add(str(path))
-    except sqlite3.DatabaseError as e:  # OperationalError included: not a database, a directory, unreadable
-        from ..errors import FivarError  # here: the module itself imports only the standard library
-        raise FivarError(f"fivar's build records {path} cannot be opened ({e}); move it away (fivar starts a new "
-                         f"one) or set FIVAR_CACHE_DIR to another directory") from None
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        con = None
+        try:
+            con = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            con.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+            if str(path) not in _schema_ready:
+                _set_up(con, path)
+            break
+        except sqlite3.OperationalError as e:
+            # Switching a new database to WAL needs an exclusive lock; while other processes create the same
+            # file, SQLite can answer "locked" at once instead of waiting (it will not wait where waiting
+            # could deadlock), so start over with a fresh connection.
+            if _is_busy(e) and time.monotonic() < deadline:
+                if con is not None:
+                    con.close()
+                time.sleep(0.01)
+                continue
+            raise _unusable(path, e) from None
+        except sqlite3.DatabaseError as e:  # not a database, a directory, unreadable
+            raise _unusable(path, e) from None
     con.execute("PRAGMA synchronous=NORMAL")
     return con
+
+
+def _set_up(con: sqlite3.Connection, path: Path) -> None:
+    mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode.lower() != "wal":  # e.g. a filesystem without shared memory: still correct, just slower
+        log.debug("fivar records: journal_mode is %s at %s", mode, path)
+    con.executescript(SCHEMA)
+    _schema_ready.add(str(path))
+
+
+def _is_busy(e: sqlite3.OperationalError) -> bool:
+    return "locked" in str(e) or "busy" in str(e)
+
+
+def _unusable(path: Path, e: sqlite3.DatabaseError) -> Exception:
+    try:
+        from ..errors import FivarError  # here: the module itself imports only the standard library
+    except ImportError:  # loaded standalone, outside the package
+        FivarError = RuntimeError
+    if isinstance(e, sqlite3.OperationalError) and _is_busy(e):
+        return FivarError(f"fivar's build records {path} stayed locked by another process for {BUSY_TIMEOUT_S:g} s ({e}); "
+                          f"retry, or set FIVAR_CACHE_DIR to another directory")
+    return FivarError(f"fivar's build records {path} cannot be opened ({e}); move it away (fivar starts a new "
+                      f"one) or set FIVAR_CACHE_DIR to another directory")
 
 
 def _toolchain() -> dict:

@@ -252,6 +252,40 @@ def test_unreadable_records_are_one_line(tmp_path, monkeypatch):
     assert "FIVAR_CACHE_DIR" in r.output and "Traceback" not in r.output
 
 
+def test_records_retry_a_lock_sqlite_does_not_wait_for(tmp_path, monkeypatch):
+    """Creating the database in several processes at once: SQLite can refuse the switch to WAL at once
+    (waiting could deadlock); connect starts over instead of failing or calling the file unreadable."""
+    real, refusals = records._set_up, []
+
+    def refuse_twice(con, path):
+        if len(refusals) < 2:
+            refusals.append(path)
+            raise records.sqlite3.OperationalError("database is locked")
+        real(con, path)
+    monkeypatch.setattr(records, "_set_up", refuse_twice)
+    con = records.connect(tmp_path / "r.sqlite")
+    assert len(refusals) == 2 and con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert con.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
+    con.close()
+
+
+def test_records_locked_for_good_say_so(tmp_path, monkeypatch):
+    db = tmp_path / "r.sqlite"
+    holder = records.sqlite3.connect(str(db), isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    monkeypatch.setattr(records, "BUSY_TIMEOUT_S", 0.3)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FivarError, match="stayed locked by another process for 0.3 s") as e:
+            records.connect(db)
+        assert 0.3 <= time.monotonic() - t0 < 5 and "move it away" not in str(e.value)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    records.connect(db).close()  # and once the lock is gone, it opens
+
+
 @pytest.mark.parametrize("text,size", [("500M", 500 << 20), ("1.5GiB", 3 << 29), (".5k", 512), ("2g", 2 << 30),
                                        ("4096", 4096)])
 def test_sizes(text, size):
