@@ -77,6 +77,12 @@ t0 = time.perf_counter(); kind = m.build(); print(json.dumps({"kind": kind, "s":
 '''
 
 
+#: gen_module options of the fivar builds --fivar-configs can compare (each renders another URI).
+FIVAR_CONFIGS = {"default": {}, "no-nvcc-split": {"nvcc_split_compile": False},
+                 "cta-tiles": {"split_cta_tiles": True},
+                 "cta-tiles-no-nvcc-split": {"split_cta_tiles": True, "nvcc_split_compile": False}}
+
+
 def flashinfer_customize_spec(v, fivar_uri: str, dtype: str, head_dim: int):
     """FlashInfer's own JitSpec for fivar's FA2 variant declaration of `v` (single prefill): its
     `gen_customize_single_prefill_module` path, every mask mode instantiated, URI `flashinfer_ref_<fivar uri>`."""
@@ -112,9 +118,13 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-load", action="store_true", help="compile only (no GPU): hits are build() checks")
     ap.add_argument("--skip-flashinfer", action="store_true", help="skip FlashInfer's gen_customize path")
+    ap.add_argument("--fivar-configs", default="default", help="comma-separated fivar builds of the same module, "
+                    f"each timed cold in turn (first: the headline): {', '.join(FIVAR_CONFIGS)}")
     ap.add_argument("--repeat", type=int, default=1, help="cold compiles of each (alternating fivar and "
                     "FlashInfer, outputs deleted in between); medians are reported")
     ap.add_argument("--prewarm-count", type=int, default=8, help="modules in the prewarm (0: skip)")
+    ap.add_argument("--prewarm-configs", default=None, help="fivar configs to prewarm, each in turn (default: the "
+                    "first of --fivar-configs)")
     ap.add_argument("--singles", action="store_true", help="also compile each prewarm module alone, for "
                     "sum(single cold)/cores (N more compiles)")
     ap.add_argument("--jobs", type=int, default=None, help="ninja jobs (default: fivar's min(cores, mem/3GiB))")
@@ -144,42 +154,60 @@ def main() -> int:
                  "torch": torch.__version__, "cores": cores, "jobs": jobs, "jobs_why": jobs_why, "load": load,
                  "variant": args.variant, "dtype": args.dtype, "head_dim": args.head_dim}
     v = fivar.load(args.variant)
-    m = gen_module(v, op="single_prefill", dtype=args.dtype, head_dim=args.head_dim)
+    configs = [c.strip() for c in args.fivar_configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in FIVAR_CONFIGS]
+    if unknown or not configs:
+        ap.error(f"--fivar-configs: unknown {unknown} (have {', '.join(FIVAR_CONFIGS)})")
+    fivar_mods = {c: gen_module(v, op="single_prefill", dtype=args.dtype, head_dim=args.head_dim,
+                                **FIVAR_CONFIGS[c]) for c in configs}
+    m = fivar_mods[configs[0]]
     res["arch"] = toolchain.arch_tag()
     res["uri"] = m.uri
+    res["fivar_configs"] = {c: {"uri": x.uri, "units": sum(n.endswith(".cu") for n in x.sources),
+                                "cuda_cflags": x.cuda_cflags} for c, x in fivar_mods.items()}
 
-    # 1./2. cold compiles: fivar, then FlashInfer's own path for the same variant declaration
+    # 1./2. cold compiles: fivar (each config), then FlashInfer's own path for the same variant declaration
     fi_spec = None
     if not args.skip_flashinfer:
         fi_spec = flashinfer_customize_spec(v, m.uri, args.dtype, args.head_dim)
         res["flashinfer_units"] = len(fi_spec.sources)
     res["fivar_units"] = sum(n.endswith(".cu") for n in m.sources)
-    runs: dict[str, list] = {"fivar": [], "flashinfer": []}
+    runs: dict[str, list] = {"fivar": [], "flashinfer": [], **{c: [] for c in configs[1:]}}
     for i in range(max(1, args.repeat)):
         if i:  # make the next run cold again: drop build outputs, keep the generated sources
-            shutil.rmtree(m.build_dir, ignore_errors=True)
+            for x in fivar_mods.values():
+                shutil.rmtree(x.build_dir, ignore_errors=True)
             if fi_spec is not None:
                 shutil.rmtree(fi_spec.build_dir, ignore_errors=True)
-        load0 = os.getloadavg()[0]
-        c0, t0 = child_cpu(), time.perf_counter()
-        kind = m.build()
-        runs["fivar"].append((time.perf_counter() - t0, child_cpu() - c0, load0))
-        assert kind == "cold", kind
-        print(f"fivar cold compile: {runs['fivar'][-1][0]:.1f} s (load before {load0:.2f})", flush=True)
+        for c, x in fivar_mods.items():
+            load0 = os.getloadavg()[0]
+            c0, t0 = child_cpu(), time.perf_counter()
+            kind = x.build()
+            key = "fivar" if x is m else c
+            runs[key].append((time.perf_counter() - t0, child_cpu() - c0, load0))
+            assert kind == "cold", kind
+            print(f"fivar [{c}] cold compile: {runs[key][-1][0]:.1f} s, {runs[key][-1][1]:.1f} CPU-s "
+                  f"(load before {load0:.2f})", flush=True)
         if fi_spec is not None:
             load0 = os.getloadavg()[0]
             c0, t0 = child_cpu(), time.perf_counter()
             fi_spec.build(need_lock=True)
             runs["flashinfer"].append((time.perf_counter() - t0, child_cpu() - c0, load0))
-            print(f"FlashInfer gen_customize cold compile: {runs['flashinfer'][-1][0]:.1f} s "
-                  f"(load before {load0:.2f})", flush=True)
+            print(f"FlashInfer gen_customize cold compile: {runs['flashinfer'][-1][0]:.1f} s, "
+                  f"{runs['flashinfer'][-1][1]:.1f} CPU-s (load before {load0:.2f})", flush=True)
     res["cold_runs"] = runs
     res["fivar_cold_s"], res["fivar_cold_cpu_s"] = median(runs["fivar"], 0), median(runs["fivar"], 1)
+    for c in configs:
+        rows = runs["fivar" if c == configs[0] else c]
+        res["fivar_configs"][c].update(cold_s=median(rows, 0), cold_cpu_s=median(rows, 1))
     if runs["flashinfer"]:
         res["flashinfer_cold_s"] = median(runs["flashinfer"], 0)
         res["flashinfer_cold_cpu_s"] = median(runs["flashinfer"], 1)
         res["cold_ratio_fivar_over_flashinfer"] = res["fivar_cold_s"] / res["flashinfer_cold_s"]
-        print(f"cold compile ratio fivar/FlashInfer: {res['cold_ratio_fivar_over_flashinfer']:.2f}", flush=True)
+        for c in configs:
+            r = res["fivar_configs"][c]
+            r["ratio_over_flashinfer"] = r["cold_s"] / res["flashinfer_cold_s"]
+            print(f"cold compile ratio fivar [{c}]/FlashInfer: {r['ratio_over_flashinfer']:.2f}", flush=True)
     if load and fi_spec is not None:
         fi_spec.build_and_load()  # untimed: the reference module is loadable too
 
@@ -222,14 +250,22 @@ def main() -> int:
         specs = [(n, "fp16" if args.dtype == "bf16" else "bf16", args.head_dim) for n in BUNDLED] + \
                 [(args.variant, args.dtype, 64 if args.head_dim != 64 else 128)]
         specs = specs[:args.prewarm_count]
-        mods = [gen_module(fivar.load(n), op="single_prefill", dtype=d, head_dim=h) for n, d, h in specs]
-        c0, t0 = child_cpu(), time.perf_counter()
-        results = build_many(mods, parallel=True)
-        wall, cpu = time.perf_counter() - t0, child_cpu() - c0
-        assert all(k == "cold" for k, _ in results), results
-        res["prewarm"] = {"modules": [x.uri for x in mods], "n": len(mods), "wall_s": wall, "cpu_s": cpu,
-                          "ideal_cpu_over_cores_s": cpu / cores, "efficiency": (cpu / cores) / wall}
-        print(f"prewarm {len(mods)}: {wall:.1f} s (ideal {cpu / cores:.1f} s)", flush=True)
+        pconfigs = [c.strip() for c in (args.prewarm_configs or configs[0]).split(",") if c.strip()]
+        if any(c not in FIVAR_CONFIGS for c in pconfigs):
+            ap.error(f"--prewarm-configs: unknown {[c for c in pconfigs if c not in FIVAR_CONFIGS]}")
+        res["prewarm_by_config"] = {}
+        for c in pconfigs:  # each config renders other URIs: every prewarm here is cold
+            mods = [gen_module(fivar.load(n), op="single_prefill", dtype=d, head_dim=h, **FIVAR_CONFIGS[c])
+                    for n, d, h in specs]
+            c0, t0 = child_cpu(), time.perf_counter()
+            results = build_many(mods, parallel=True)
+            wall, cpu = time.perf_counter() - t0, child_cpu() - c0
+            assert all(k == "cold" for k, _ in results), results
+            res["prewarm_by_config"][c] = {"modules": [x.uri for x in mods], "n": len(mods), "wall_s": wall,
+                                           "cpu_s": cpu, "ideal_cpu_over_cores_s": cpu / cores,
+                                           "efficiency": (cpu / cores) / wall, "config": c}
+            print(f"prewarm {len(mods)} [{c}]: {wall:.1f} s, {cpu:.1f} CPU-s (ideal {cpu / cores:.1f} s)", flush=True)
+        res["prewarm"] = res["prewarm_by_config"][pconfigs[0]]
         if args.singles:
             singles = []
             for n, d, h in specs:
@@ -267,13 +303,17 @@ def print_table(res: dict) -> None:
     t = Table("measurement", "value", title=f"fivar build/cache costs on {res['device']} "
               f"(arch {res['arch']}, {res['cores']} cores, {res['jobs']} jobs; FlashInfer {res['flashinfer']}, "
               f"nvcc {res['nvcc']})")
-    t.add_row(f"cold compile, fivar ({res['fivar_units']} nvcc units)",
+    t.add_row(f"cold compile, fivar {next(iter(res['fivar_configs']))} ({res['fivar_units']} nvcc units)",
               f"{res['fivar_cold_s']:.1f} s wall, {res['fivar_cold_cpu_s']:.1f} s CPU")
     if "flashinfer_cold_s" in res:
         t.add_row(f"cold compile, FlashInfer gen_customize ({res['flashinfer_units']} units)",
                   f"{res['flashinfer_cold_s']:.1f} s wall, {res['flashinfer_cold_cpu_s']:.1f} s CPU "
                   f"({res['flashinfer_cold_s'] / res['fivar_cold_s']:.2f}x fivar; fivar/FlashInfer "
                   f"{res['cold_ratio_fivar_over_flashinfer']:.2f})")
+    for c, r in list(res["fivar_configs"].items())[1:]:
+        extra = f"; fivar/FlashInfer {r['ratio_over_flashinfer']:.2f}" if "ratio_over_flashinfer" in r else ""
+        t.add_row(f"cold compile, fivar {c} ({r['units']} units)",
+                  f"{r['cold_s']:.1f} s wall, {r['cold_cpu_s']:.1f} s CPU{extra}")
     if len(res["cold_runs"]["fivar"]) > 1:
         t.add_row("  cold runs (wall s: fivar | FlashInfer)",
                   " ".join(f"{r[0]:.1f}" for r in res["cold_runs"]["fivar"]) + " | " +
@@ -287,7 +327,9 @@ def print_table(res: dict) -> None:
               f"import {fp['import_s'] * 1e3:.0f} ms; process {fp['process_wall_s']:.2f} s)")
     if "prewarm" in res:
         p = res["prewarm"]
-        t.add_row(f"prewarm {p['n']} modules (one ninja)", f"{p['wall_s']:.1f} s wall, {p['cpu_s']:.1f} s CPU")
+        for c, q in res["prewarm_by_config"].items():
+            t.add_row(f"prewarm {q['n']} modules (one ninja), {c}", f"{q['wall_s']:.1f} s wall, {q['cpu_s']:.1f} s CPU "
+                      f"(efficiency {100 * q['efficiency']:.0f}%)")
         t.add_row("  ideal: CPU s / cores", f"{p['ideal_cpu_over_cores_s']:.1f} s "
                   f"(parallel efficiency {100 * p['efficiency']:.0f}%)")
         if "ideal_sum_single_over_cores_s" in p:

@@ -5,11 +5,18 @@ constant and cap into the softmax exponent scale, which is exactly the stock ker
 target is parity (>= 0.97x). Correctness is checked before anything is timed.
 
     python3 benchmarks/bench_softcap_fa2.py [--json FILE]
+    python3 benchmarks/bench_softcap_fa2.py --nvcc-split-ab --seqlens 16,64,512,8192
+
+--nvcc-split-ab also times fivar's module built without nvcc's --split-compile (FIVAR_NVCC_SPLIT_COMPILE=1)
+in the same interleaved rounds: the split changes the scheduling of some small-tile kernels' SASS (the
+CTA_TILE_Q=128 kernels come out identical), so this checks it costs no speed. Short sequences pick the
+small tiles (FA2DetermineCtaTileQ: 16 rows -> tile 16, 64 -> tile 64).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -24,11 +31,14 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--softcap", type=float, default=30.0)
+    ap.add_argument("--nvcc-split-ab", action="store_true",
+                    help="also time fivar's module built without nvcc --split-compile")
     args = ap.parse_args()
 
     import flashinfer
 
     import fivar
+    from fivar.jit import toolchain
     from fivar.testing import compare
 
     dev = torch.cuda.get_device_name()
@@ -37,6 +47,12 @@ def main():
     rows = []
     # correctness against the torch reference at a size the reference can afford
     q, k, vv = (torch.randn(1024, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    def with_split(threads: str, fn):
+        def call():
+            os.environ[toolchain.SPLIT_COMPILE_ENV] = threads  # picks the module (fivar.jit.build.module_for)
+            return fn()
+        return call
+    default_split = os.environ.get(toolchain.SPLIT_COMPILE_ENV, "")
     for causal in (False, True):
         r = compare("softcap", f"vs reference S=1024 causal={causal}", v.prefill(q, k, vv, causal=causal, softcap=cap, backend="fa2"),
                     v.reference(q, k, vv, causal=causal, softcap=cap), torch.bfloat16)
@@ -45,13 +61,20 @@ def main():
     for S in [int(s) for s in args.seqlens.split(",")]:
         for causal in (False, True):
             q, k, vv = (torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-            fivar_fn = lambda: v.prefill(q, k, vv, causal=causal, softcap=cap, backend="fa2")  # noqa: E731
+            fivar_fn = with_split(default_split, lambda: v.prefill(  # noqa: E731
+                q, k, vv, causal=causal, softcap=cap, backend="fa2"))
             stock_fn = lambda: flashinfer.single_prefill_with_kv_cache(  # noqa: E731
                 q, k, vv, causal=causal, logits_soft_cap=cap, backend="fa2")
-            a, b = fivar_fn(), stock_fn()
-            rel = float((a.double() - b.double()).norm() / b.double().norm())
-            assert rel < 1e-2, f"fivar and stock disagree: rel {rel}"
-            t = time_interleaved({"fivar": fivar_fn, "stock": stock_fn}, rounds=6)
+            fns = {"fivar": fivar_fn, "stock": stock_fn}
+            if args.nvcc_split_ab:
+                fns["fivar_no_nvcc_split"] = with_split("1", lambda: v.prefill(  # noqa: E731
+                    q, k, vv, causal=causal, softcap=cap, backend="fa2"))
+            b = stock_fn()
+            for name, fn in fns.items():
+                a = fn()
+                rel = float((a.double() - b.double()).norm() / b.double().norm())
+                assert rel < 1e-2, f"{name} and stock disagree: rel {rel}"
+            t = time_interleaved(fns, rounds=6)
             tf, ts = t["fivar"].samples_ms, t["stock"].samples_ms
             flops = attention_flops(S, S, H, D, causal)
             mf, ms = t["fivar"].median, t["stock"].median
@@ -59,11 +82,17 @@ def main():
                              stock_tflops=flops / ms / 1e9, ratio=ms / mf, rel_err_vs_stock=rel,
                              fivar_samples=tf, stock_samples=ts,
                              fivar_spread=(min(tf), max(tf)), stock_spread=(min(ts), max(ts))))
+            if args.nvcc_split_ab:
+                mn = t["fivar_no_nvcc_split"].median
+                rows[-1].update(fivar_no_nvcc_split_ms=mn, split_over_no_split_speed=mn / mf,
+                                fivar_no_nvcc_split_samples=t["fivar_no_nvcc_split"].samples_ms)
     print(f"\nsoftcap={cap}, bf16, hd{D}, {H} heads, {dev}, {time.strftime('%Y-%m-%d')}")
-    print(f"{'S':>6} {'causal':>6} {'fivar ms':>9} {'stock ms':>9} {'fivar TF/s':>10} {'stock TF/s':>10} {'ratio':>6}")
+    ab = " no-split ms  split/no-split speed" if args.nvcc_split_ab else ""
+    print(f"{'S':>6} {'causal':>6} {'fivar ms':>9} {'stock ms':>9} {'fivar TF/s':>10} {'stock TF/s':>10} {'ratio':>6}{ab}")
     for r in rows:
-        print(f"{r['S']:>6} {str(r['causal']):>6} {r['fivar_ms']:>9.3f} {r['stock_ms']:>9.3f} "
-              f"{r['fivar_tflops']:>10.1f} {r['stock_tflops']:>10.1f} {r['ratio']:>6.3f}")
+        ab = f" {r['fivar_no_nvcc_split_ms']:>11.4f} {r['split_over_no_split_speed']:>20.3f}" if args.nvcc_split_ab else ""
+        print(f"{r['S']:>6} {str(r['causal']):>6} {r['fivar_ms']:>9.4f} {r['stock_ms']:>9.4f} "
+              f"{r['fivar_tflops']:>10.1f} {r['stock_tflops']:>10.1f} {r['ratio']:>6.3f}{ab}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=dev, date=time.strftime("%Y-%m-%d"), flashinfer=flashinfer.__version__,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -146,6 +146,15 @@ membound)
     | tee "$OUT/bench_fusions.log" | tail -22
   timeout 250 python3 benchmarks/bench_triton_ops.py --json "$OUT/bench_triton_ops.json" 2>&1 | quiet \
     | tee "$OUT/bench_triton_ops.log" | tail -16 ;;
+nvsplit)  # nvcc --split-compile on FA2 units (session 12): one module's cold compile with and without it, also
+  # with the CTA-tile split, against FlashInfer's gen_customize (2 alternating rounds), a prewarm of 8; then the
+  # FA2 speed with and without it (its modules stay in .gpu-jit for build-all / tests-all)
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout 330 python3 benchmarks/bench_compile.py --repeat 2 \
+    --fivar-configs default,no-nvcc-split,cta-tiles,cta-tiles-no-nvcc-split --prewarm-configs default,no-nvcc-split --json "$OUT/bench_compile_nvsplit.json" \
+    2>&1 | quiet | tee "$OUT/bench_compile_nvsplit.log" | tail -24
+  timeout 240 python3 benchmarks/bench_softcap_fa2.py --nvcc-split-ab --seqlens 16,64,512,8192 \
+    --json "$OUT/bench_softcap_fa2_nvsplit.json" 2>&1 | quiet | tee "$OUT/bench_softcap_fa2_nvsplit.log" | tail -12 ;;
 compile)
   timeout 500 python3 benchmarks/bench_compile.py --json "$OUT/bench_compile.json" 2>&1 | quiet \
     | tee "$OUT/bench_compile.log" | tail -25 ;;

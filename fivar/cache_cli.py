@@ -253,6 +253,8 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
                 options["cta_tile"] = "flashinfer"  # recorded before fivar had tiles: built with FlashInfer's
             if man.get("target") == "fa3":
                 options.setdefault("bounded_softmax", False)  # recorded before fivar had it: built without
+            else:
+                options.setdefault("nvcc_split_compile", False)  # likewise: built without nvcc's --split-compile
             now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
                              head_dim=man["head_dim"], **options).uri
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all

@@ -163,10 +163,34 @@ def eval_scalar(expr: ir.Expr, scalars: dict, sm_scale: float, hoisted: dict | N
     return float(ev.eval(expr))
 
 
+def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> None:
+    """The shapes `prefill` takes, said in fivar's terms (else einsum or indexing fails in torch's)."""
+    name = variant.name
+    for t, tn in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise FivarError(f"variant '{name}': reference: {tn} must be a floating-point torch.Tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise FivarError(f"variant '{name}': reference: q must be [qo_len, num_qo_heads, head_dim] and k, v "
+                         f"[kv_len, num_kv_heads, head_dim] of one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape[2] != q.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise FivarError(f"variant '{name}': reference: q {tuple(q.shape)} and k {tuple(k.shape)} need the same "
+                         f"head_dim and num_qo_heads a multiple of num_kv_heads")
+    if k.device != q.device or v.device != q.device:
+        raise FivarError(f"variant '{name}': reference: q, k, v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if isinstance(batch_idx, bool) or not isinstance(batch_idx, int) or batch_idx < 0 or (
+            batch_size is not None and batch_idx >= batch_size):
+        raise FivarError(f"variant '{name}': reference: batch_idx={batch_idx!r} must be an int in "
+                         f"[0, batch_size={batch_size})")
+
+
 def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params=None, batch_idx=0,
                         batch_size=None, float_dtype=torch.float32, bound=None):
     """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype."""
     from ..runtime.params import bind_params
+    _check_reference_inputs(variant, q, k, v, batch_idx, batch_size)
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     if sm_scale is None:

@@ -120,6 +120,44 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: 
     return (torch.cat([freqs.cos(), freqs.sin()], -1) * attention_factor).float()
 
 
+def _check_shapes(v, a) -> None:
+    """The shapes a call takes (fivar.fusion.runtime checks those and more on the GPU), on any device and float
+    dtype: a mismatch is an error naming the argument, not a broadcasting error from torch."""
+    from .runtime import _err
+
+    def need(name, shape=None, dims=None):
+        t = a.get(name)
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            raise _err(v, name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if (shape is not None and tuple(t.shape) != tuple(shape)) or (dims is not None and t.dim() != dims):
+            want = f"shape {tuple(shape)}" if shape is not None else f"{dims} dims"
+            raise _err(v, name, f"must have {want}, got {tuple(t.shape)}")
+        return t
+    if not v.is_head:
+        x = need("x", dims=2)
+        for name in ("weight", "bias"):
+            need(name, shape=x.shape[1:])
+        need("residual", shape=x.shape)
+        return
+    d = v.head_dim
+    q = need("q", dims=3)
+    k = need("k", dims=3)
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] != d:
+            raise _err(v, name, f"must be [tokens, heads, {d}] (or [tokens, heads * {d}]), got {tuple(t.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise _err(v, "k", f"has {k.shape[0]} tokens but q has {q.shape[0]}")
+    for name in ("q_weight", "k_weight", "q_bias", "k_bias"):
+        need(name, shape=(d,))
+    need("positions", shape=(q.shape[0],))
+    need("inv_freq", shape=(v.rotary_dim // 2,) if v.rope else None)
+    cs = need("cos_sin_cache", dims=2)
+    if cs is not None and cs.shape[1] != v.rotary_dim:
+        raise _err(v, "cos_sin_cache", f"must be [max_pos, rotary_dim={v.rotary_dim}], got {tuple(cs.shape)}")
+
+
 def reference(variant, **kwargs):
     """Same arguments as calling the fusion. Returns float32 results (fp8 tensors for fp8 fusions):
 
@@ -127,6 +165,7 @@ def reference(variant, **kwargs):
     """
     from .runtime import split_args
     a = split_args(variant, kwargs, validate=False)
+    _check_shapes(variant, a)
     eps = a["eps"]
     if not variant.is_head:
         x = a["x"].float()

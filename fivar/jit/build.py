@@ -103,7 +103,7 @@ class FivarModule:
             for name, text in self.sources.items():
                 _write_if_different(self.gen_dir / name, text)
             paths = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
-            self.spec = gen_jit_spec(self.uri, paths, extra_cuda_cflags=self.cuda_cflags or None,
+            self.spec = gen_jit_spec(self.uri, paths, extra_cuda_cflags=toolchain.build_flags(self.cuda_cflags) or None,
                                       extra_ldflags=toolchain.link_flags() or None,
                                       extra_include_paths=toolchain.extra_include_paths() or None)
         return self.spec
@@ -480,7 +480,7 @@ def fivar_headers(source: str) -> dict[str, str]:
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
                exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
-               bounded_softmax: bool | None = None) -> FivarModule:
+               bounded_softmax: bool | None = None, nvcc_split_compile: bool | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
@@ -489,7 +489,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
     `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal) or "flashinfer"; default
     FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
-    from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on)."""
+    from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on).
+    `nvcc_split_compile`: FA2 units compile with nvcc's --split-compile (toolchain.split_compile_flags; default on,
+    FIVAR_NVCC_SPLIT_COMPILE=1 turns it off). FA3 units keep FlashInfer's flags: they hold one or two kernels, and
+    their time is cudafe++ and cicc's front end, which the split does not touch."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -576,15 +579,18 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     sources[_host_unit_name(host_units)] = _host_unit(
         {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units}, host_includes)
 
-    cuda_cflags: list[str] = []
     if target == "fa3":
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
+    else:
+        nvcc_split_compile = toolchain.split_compile_on(nvcc_split_compile)
+        cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
                                          "bounded_softmax": logits_range is not None}
-                                        if target == "fa3" else {"split_cta_tiles": bool(split)})}
+                                        if target == "fa3" else {"split_cta_tiles": bool(split),
+                                                                 "nvcc_split_compile": nvcc_split_compile})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 
@@ -630,7 +636,7 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
                bounded_softmax: bool | None = None) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
-                                                  fa3.BOUNDED_SOFTMAX_ENV))
+                                                  fa3.BOUNDED_SOFTMAX_ENV, toolchain.SPLIT_COMPILE_ENV))
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
     m = _memo.get(key)
     if m is None or m[0] is not variant:

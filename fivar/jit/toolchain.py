@@ -115,6 +115,62 @@ def _remember_nvcc_version(key: str, version: str) -> None:
         pass  # only a cache
 
 
+SPLIT_COMPILE_ENV = "FIVAR_NVCC_SPLIT_COMPILE"
+#: In an FA2 module's flags (so in its URI): nvcc's --split-compile is on. The thread count is added when the
+#: module is built (build_flags): nvcc's output does not depend on it once it is 2 or more (checked by
+#: tests/unit/test_build.py), so the same URI names the same library on a 2-core box and a 64-core host.
+SPLIT_COMPILE_FLAG = "--split-compile"
+
+
+def _split_compile_env() -> int | None:
+    """FIVAR_NVCC_SPLIT_COMPILE: unset -> None (on, threads by core count); 1 -> off; N >= 2 -> N threads."""
+    text = os.environ.get(SPLIT_COMPILE_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise FivarError(f"{SPLIT_COMPILE_ENV}={text!r}: expected a thread count of at least 1 (1 turns nvcc's "
+                         f"--split-compile off; unset: on, with threads by core count)")
+    return int(text)
+
+
+def split_compile_on(setting: bool | None = None) -> bool:
+    """Whether FA2 modules compile with nvcc's --split-compile: `setting`, else FIVAR_NVCC_SPLIT_COMPILE != 1."""
+    if setting is None:
+        return _split_compile_env() != 1
+    if not isinstance(setting, bool):
+        raise FivarError(f"nvcc_split_compile={setting!r}: expected True or False")
+    return setting
+
+
+def split_compile_threads() -> int:
+    """Threads per nvcc for --split-compile: FIVAR_NVCC_SPLIT_COMPILE when it names 2 or more, else half the cores
+    this process may use, between 2 and 8 (ninja runs several units at once; more threads than that only add the
+    CPU a split costs: on the 2-core CI box 8 threads took 24% more CPU-seconds than none)."""
+    n = _split_compile_env()
+    if n is not None and n >= 2:
+        return n
+    from .prewarm import cpu_count
+    return max(2, min(8, cpu_count() // 2))
+
+
+def split_compile_flags(on: bool) -> list[str]:
+    """nvcc's --split-compile for FA2 units (hashed into the URI as SPLIT_COMPILE_FLAG; build_flags adds the
+    count). cicc's optimizer and ptxas work on a unit's kernels in parallel threads: an FA2 prefill unit holds
+    one kernel per CTA tile and NUM_MMA_KV (up to 16 for one mask mode), and those phases are most of its time,
+    so with idle cores (one module is 2-3 units) a unit finishes sooner. An nvcc older than 12.0 gets no flag."""
+    if not on:
+        return []
+    m = re.match(r"(\d+)\.(\d+)", nvcc_version())
+    if m and (int(m.group(1)), int(m.group(2))) < (12, 0):
+        return []
+    return [SPLIT_COMPILE_FLAG]
+
+
+def build_flags(cuda_cflags: list[str]) -> list[str]:
+    """A module's hashed flags as nvcc gets them: SPLIT_COMPILE_FLAG with this host's thread count."""
+    return [f"{f}={split_compile_threads()}" if f == SPLIT_COMPILE_FLAG else f for f in cuda_cflags]
+
+
 def flashinfer_version() -> str:
     import flashinfer
     return flashinfer.__version__

@@ -25,6 +25,35 @@ def test_uri_names_variant_target_op_dtype_headdim_and_hash():
     assert gen_module(fivar.load("softcap"), op="single_prefill", dtype="fp16", head_dim=64).uri != m.uri
 
 
+def test_fa2_units_compile_with_nvcc_split_compile(monkeypatch):
+    """FA2 modules ask nvcc for --split-compile unless FIVAR_NVCC_SPLIT_COMPILE=1; on/off is part of the URI, the
+    thread count (given at build time: the env's N >= 2, else half the cores within [2, 8]) is not. FA3 modules keep
+    FlashInfer's flags."""
+    from fivar import FivarError
+    from fivar.jit import prewarm, toolchain
+    from fivar.jit.build import module_for
+    monkeypatch.delenv(toolchain.SPLIT_COMPILE_ENV, raising=False)
+    v = fivar.load("softcap")
+    on, off = gen_module(v), gen_module(v, nvcc_split_compile=False)
+    assert on.cuda_cflags == ["--split-compile"] and on.options["nvcc_split_compile"] is True
+    assert off.cuda_cflags == [] and off.options["nvcc_split_compile"] is False and off.uri != on.uri
+    assert gen_module(v, op="batch_decode").cuda_cflags == ["--split-compile"]
+    assert not any("split-compile" in f for f in gen_module(v, target="fa3").cuda_cflags)
+    for cores, threads in ((1, 2), (2, 2), (6, 3), (16, 8), (128, 8)):
+        monkeypatch.setattr(prewarm, "cpu_count", lambda c=cores: c)
+        assert toolchain.build_flags(on.cuda_cflags) == [f"--split-compile={threads}"]
+    monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, "12")
+    assert toolchain.build_flags(on.cuda_cflags) == ["--split-compile=12"] and gen_module(v).uri == on.uri
+    monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, "1")
+    assert gen_module(v).uri == off.uri and module_for(v, "single_prefill", "fa2", "bf16", 128).uri == off.uri
+    for bad in ("0", "-2", "four"):
+        monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, bad)
+        with pytest.raises(FivarError, match=f"FIVAR_NVCC_SPLIT_COMPILE='{bad}': expected a thread count"):
+            gen_module(v)
+    with pytest.raises(FivarError, match="nvcc_split_compile=8: expected True or False"):
+        gen_module(v, nvcc_split_compile=8)
+
+
 def test_editing_a_variant_changes_the_uri_and_reverting_restores_it(tmp_path):
     src = ("from fivar import AttentionVariant, tanh\n\n"
            "def logits(score, b, h, kh, qi, ki, p):\n    return 20.0 * tanh(score / 20.0)\n\n"
@@ -268,6 +297,25 @@ def test_split_single_prefill_compiles_to_flashinfer_kernels_instruction_for_ins
     # nothing the split library calls is left for the loader to find (the tile launchers, the merge)
     undefined = subprocess.run(["nm", "-uC", str(split.library_path)], capture_output=True, text=True).stdout
     assert "flashinfer::" not in undefined
+
+
+@requires_nvcc
+@requires_cuobjdump
+def test_nvcc_split_compile_output_does_not_depend_on_the_thread_count(monkeypatch):
+    """The URI says whether nvcc's --split-compile is on, not with how many threads (each host picks its own):
+    that is sound only while nvcc's output is the same at any count from 2 up, which this rebuilds to check."""
+    from fivar.jit import toolchain
+    m = gen_module(fivar.load("sigmoid"), op="single_prefill", dtype="fp16", head_dim=64, split_cta_tiles=False,
+                   nvcc_split_compile=True)
+    sass = []
+    for threads in ("2", "5"):
+        monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, threads)
+        shutil.rmtree(m.build_dir, ignore_errors=True)
+        m.spec = None  # a fresh JitSpec: its ninja file takes this thread count
+        assert m.build() == "cold"
+        assert f"--split-compile={threads}" in (m.build_dir / "build.ninja").read_text()
+        sass.append(_sass(m.library_path))
+    assert len(sass[0]) > 4 and sass[0] == sass[1]
 
 
 @requires_nvcc

@@ -135,14 +135,28 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     assert fa2_split.options["split_cta_tiles"] is True
     fa3_tile = fake_built(gen_module(v, op="single_prefill", target="fa3", cta_tile="128x176,128x64"))
     assert fa3_tile.options["cta_tile"] == "128x176,128x64"
+    fa2_threads = fake_built(gen_module(v, op="batch_prefill", nvcc_split_compile=True))
     monkeypatch.setenv(EXP2_EMULATION_ENV, "3")  # a process that would render FA3 modules another way
     monkeypatch.setenv(CTA_TILE_ENV, "128x160")
-    mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri, fa3_tile.uri}
+    monkeypatch.setenv("FIVAR_NVCC_SPLIT_COMPILE", "1")  # and FA2 modules without nvcc's --split-compile
+    mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri, fa3_tile.uri, fa2_threads.uri}
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
-    assert len(rows) == 4 and all(r["stale"] is False for r in rows), rows
+    assert len(rows) == 5 and all(r["stale"] is False for r in rows), rows
     vfile.write_text(VARIANT.replace("20.0", "25.0"))
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
-    assert len(rows) == 4 and all(r["stale"] is True and "' was edited (now renders" in r["stale_reasons"][0] for r in rows), rows
+    assert len(rows) == 5 and all(r["stale"] is True and "' was edited (now renders" in r["stale_reasons"][0] for r in rows), rows
+
+
+def test_a_fa2_manifest_from_before_nvcc_split_compile_renders_without_it(iso, monkeypatch):
+    """FA2 modules recorded before fivar passed nvcc --split-compile were built without it: still fresh."""
+    _, _, vfile = iso
+    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", nvcc_split_compile=False))
+    man = json.loads(m.manifest_path.read_text())
+    del man["options"]["nvcc_split_compile"]
+    m.manifest_path.write_text(json.dumps(man))
+    monkeypatch.delenv("FIVAR_NVCC_SPLIT_COMPILE", raising=False)  # today's default would pass the flag
+    row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
+    assert row["stale"] is False, row
 
 
 def test_staleness_tells_an_edited_variant_from_changed_code_generation(iso):

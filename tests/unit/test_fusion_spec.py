@@ -310,3 +310,31 @@ def test_computed_cos_sin_arguments_are_checked():
     assert "cos_sin_cache" not in a and a["inv_freq"].shape == (32,)
     with pytest.raises(fivar.FivarError, match="argument 'inv_freq': is required"):
         v(**{k: x for k, x in a.items() if k != "inv_freq"})  # (the GPU tests check values and devices)
+
+
+@pytest.mark.parametrize("arg,value,match", [
+    ("weight", torch.randn(39), r"argument 'weight': must have shape \(40,\), got \(39,\)"),
+    ("residual", torch.randn(5, 40), r"argument 'residual': must have shape \(3, 40\)"),
+    ("x", torch.randn(3, 4, 40), "argument 'x': must have 2 dims"),
+    ("weight", [1.0] * 40, "argument 'weight': must be a torch.Tensor, got list"),
+])
+def test_row_reference_names_a_misshapen_argument(arg, value, match):
+    v = fivar.FusionVariant(name="row", norm="layernorm", residual=True, eps=1e-5)
+    a = random_inputs(v, tokens=3, device="cpu", hidden=40, dtype=torch.float32)
+    with pytest.raises(fivar.FivarError, match=f"fusion 'row': {match}"):
+        v.reference(**{**a, arg: value})
+
+
+@pytest.mark.parametrize("arg,shape,match", [
+    ("q_weight", (32,), r"argument 'q_weight': must have shape \(64,\)"),
+    ("positions", (4,), r"argument 'positions': must have shape \(3,\)"),
+    ("k", (2, 2, 64), "argument 'k': has 2 tokens but q has 3"),
+    ("cos_sin_cache", (100, 16), r"argument 'cos_sin_cache': must be \[max_pos, rotary_dim=32\]"),
+])
+def test_head_reference_names_a_misshapen_argument(arg, shape, match):
+    v = fivar.FusionVariant(name="head", norm="rmsnorm", norm_scope="head", rope="neox", head_dim=64,
+                            rotary_dim=32, eps=1e-6)
+    a = random_inputs(v, tokens=3, device="cpu", dtype=torch.float32, num_q_heads=2, num_kv_heads=1)
+    bad = torch.randint(0, 50, shape) if arg == "positions" else torch.randn(shape)
+    with pytest.raises(fivar.FivarError, match=f"fusion 'head': {match}"):
+        v.reference(**{**a, arg: bad})

@@ -3,6 +3,7 @@ import inspect
 import math
 
 import pytest
+import torch
 
 import fivar
 from fivar import AttentionVariant, FivarSpecError, Scalar, Tensor, tanh
@@ -418,3 +419,26 @@ def test_a_division_a_condition_guards_is_accepted_where_the_kernels_never_use_i
         torch.testing.assert_close(out, want, msg=name)
     with pytest.raises(fivar.FivarError, match=rf":{_bad_line(used_anyway)}:\d+: variant 'bad': `qi % ki`"):
         reference_attention(AttentionVariant(name="bad", mask=used_anyway), q, k, k)
+
+
+@pytest.mark.parametrize("shapes,batch_idx,match", [
+    (((4, 8, 64), (5, 2, 64), (5, 2, 32)), 0, "of one shape"),
+    (((4, 8, 64), (5, 3, 64), (5, 3, 64)), 0, "a multiple of num_kv_heads"),
+    (((4, 8, 64), (5, 2, 32), (5, 2, 32)), 0, "the same head_dim"),
+    (((4, 64), (5, 2, 64), (5, 2, 64)), 0, r"q must be \[qo_len, num_qo_heads, head_dim\]"),
+    (((4, 8, 64), (5, 2, 64), (5, 2, 64)), 3, r"batch_idx=3 must be an int in \[0, batch_size=2\)"),
+    (((4, 8, 64), (5, 2, 64), (5, 2, 64)), -1, "batch_idx=-1"),
+])
+def test_reference_inputs_are_checked_in_fivars_terms(shapes, batch_idx, match):
+    """The torch reference takes prefill's shapes; anything else is a one-line error naming the variant."""
+    v = fivar.load("alibi")
+    q, k, vv = (torch.randn(s) for s in shapes)
+    with pytest.raises(fivar.FivarError, match=f"variant 'alibi': reference: .*{match}"):
+        v.reference(q, k, vv, batch_idx=batch_idx, batch_size=2)
+
+
+def test_reference_refuses_integer_tensors():
+    v = fivar.load("softcap")
+    q = torch.randn(4, 2, 64)
+    with pytest.raises(fivar.FivarError, match="variant 'softcap': reference: k must be a floating-point"):
+        v.reference(q, torch.ones(4, 2, 64, dtype=torch.int32), q, softcap=30.0)
