@@ -146,15 +146,19 @@ membound)
     | tee "$OUT/bench_fusions.log" | tail -22
   timeout 250 python3 benchmarks/bench_triton_ops.py --json "$OUT/bench_triton_ops.json" 2>&1 | quiet \
     | tee "$OUT/bench_triton_ops.log" | tail -16 ;;
-nvsplit)  # nvcc --split-compile on FA2 units (session 12): one module's cold compile with and without it, also
-  # with the CTA-tile split, against FlashInfer's gen_customize (2 alternating rounds), a prewarm of 8; then the
-  # FA2 speed with and without it (its modules stay in .gpu-jit for build-all / tests-all)
+nvsplit)  # nvcc --split-compile on FA2 units (session 12), in one call: (1) one module's cold compile with and
+  # without it, and with the CTA-tile split, against FlashInfer's gen_customize (2 alternating rounds), prewarms
+  # of 8 with and without; (2) the FA2 modules of every bundled variant, then the FA2 and decode GPU tests;
+  # (3) FA2 speed with and without it, small tiles included
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-  timeout 330 python3 benchmarks/bench_compile.py --repeat 2 \
-    --fivar-configs default,no-nvcc-split,cta-tiles,cta-tiles-no-nvcc-split --prewarm-configs default,no-nvcc-split --json "$OUT/bench_compile_nvsplit.json" \
-    2>&1 | quiet | tee "$OUT/bench_compile_nvsplit.log" | tail -24
-  timeout 240 python3 benchmarks/bench_softcap_fa2.py --nvcc-split-ab --seqlens 16,64,512,8192 \
-    --json "$OUT/bench_softcap_fa2_nvsplit.json" 2>&1 | quiet | tee "$OUT/bench_softcap_fa2_nvsplit.log" | tail -12 ;;
+  timeout 200 python3 benchmarks/bench_compile.py --repeat 2 --hits 20000 \
+    --fivar-configs default,no-nvcc-split,cta-tiles --prewarm-configs default,no-nvcc-split \
+    --json "$OUT/bench_compile_nvsplit.json" 2>&1 | quiet | tee "$OUT/bench_compile_nvsplit.log" | tail -22
+  (time timeout 130 python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
+  FIVAR_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "(fa2 or decode) and not fa3" 2>&1 | tee "$OUT/gpu_tests_fa2.log" | tail -4
+  timeout 120 python3 benchmarks/bench_softcap_fa2.py --nvcc-split-ab --seqlens 16,64,512,8192 \
+    --json "$OUT/bench_softcap_fa2_nvsplit.json" 2>&1 | quiet | tee "$OUT/bench_softcap_fa2_nvsplit.log" | tail -11 ;;
 compile)
   timeout 500 python3 benchmarks/bench_compile.py --json "$OUT/bench_compile.json" 2>&1 | quiet \
     | tee "$OUT/bench_compile.log" | tail -25 ;;
