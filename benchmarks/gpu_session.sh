@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -159,6 +159,13 @@ nvsplit)  # nvcc --split-compile on FA2 units (session 12), in one call: (1) one
     -k "(fa2 or decode) and not fa3" 2>&1 | tee "$OUT/gpu_tests_fa2.log" | tail -4
   timeout 120 python3 benchmarks/bench_softcap_fa2.py --nvcc-split-ab --seqlens 16,64,512,8192 \
     --json "$OUT/bench_softcap_fa2_nvsplit.json" 2>&1 | quiet | tee "$OUT/bench_softcap_fa2_nvsplit.log" | tail -11 ;;
+fa2-tests)  # after nvsplit (session 12): every FA2 and decode GPU test, then the Triton GPU tests (against FA2)
+  (time timeout 130 python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
+  export FIVAR_TRITON_AUTOTUNE=0
+  timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "(fa2 or decode) and not fa3" 2>&1 | tee "$OUT/gpu_tests_fa2.log" | tail -4
+  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_triton.py 2>&1 \
+    | tee "$OUT/gpu_tests_triton.log" | tail -4 ;;
 compile)
   timeout 500 python3 benchmarks/bench_compile.py --json "$OUT/bench_compile.json" 2>&1 | quiet \
     | tee "$OUT/bench_compile.log" | tail -25 ;;
