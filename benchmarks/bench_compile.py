@@ -56,8 +56,8 @@ t0 = time.perf_counter()
 import fivar
 from fivar.jit.build import gen_module
 t1 = time.perf_counter()
-name, dtype, hd, load = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-m = gen_module(fivar.load(name), op="single_prefill", dtype=dtype, head_dim=hd)
+name, dtype, hd, load, opts = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", json.loads(sys.argv[5])
+m = gen_module(fivar.load(name), op="single_prefill", dtype=dtype, head_dim=hd, **opts)
 t2 = time.perf_counter()
 kind = None
 if load:
@@ -72,14 +72,18 @@ SINGLE_COLD = r'''
 import json, sys, time
 import fivar
 from fivar.jit.build import gen_module
-m = gen_module(fivar.load(sys.argv[1]), op="single_prefill", dtype=sys.argv[2], head_dim=int(sys.argv[3]))
+m = gen_module(fivar.load(sys.argv[1]), op="single_prefill", dtype=sys.argv[2], head_dim=int(sys.argv[3]),
+               **json.loads(sys.argv[4]))
 t0 = time.perf_counter(); kind = m.build(); print(json.dumps({"kind": kind, "s": time.perf_counter() - t0}))
 '''
 
 
 #: gen_module options of the fivar builds --fivar-configs can compare (each renders another URI).
-FIVAR_CONFIGS = {"default": {}, "no-nvcc-split": {"nvcc_split_compile": False},
-                 "cta-tiles": {"split_cta_tiles": True},
+#: Every option spelled out, so that no environment setting (FIVAR_SPLIT_CTA_TILES, FIVAR_NVCC_SPLIT_COMPILE) makes two
+#: of them the same module; "default" is fivar's default.
+FIVAR_CONFIGS = {"default": {"split_cta_tiles": False, "nvcc_split_compile": True},
+                 "no-nvcc-split": {"split_cta_tiles": False, "nvcc_split_compile": False},
+                 "cta-tiles": {"split_cta_tiles": True, "nvcc_split_compile": True},
                  "cta-tiles-no-nvcc-split": {"split_cta_tiles": True, "nvcc_split_compile": False}}
 
 
@@ -158,8 +162,13 @@ def main() -> int:
     unknown = [c for c in configs if c not in FIVAR_CONFIGS]
     if unknown or not configs:
         ap.error(f"--fivar-configs: unknown {unknown} (have {', '.join(FIVAR_CONFIGS)})")
+    if len(set(configs)) != len(configs):
+        ap.error("--fivar-configs: a config is named twice")
     fivar_mods = {c: gen_module(v, op="single_prefill", dtype=args.dtype, head_dim=args.head_dim,
                                 **FIVAR_CONFIGS[c]) for c in configs}
+    same = [(a, b) for i, a in enumerate(configs) for b in configs[i + 1:] if fivar_mods[a].uri == fivar_mods[b].uri]
+    if same:  # e.g. an nvcc without --split-compile: both would be one module, the second a disk hit
+        ap.error(f"--fivar-configs: {same[0][0]} and {same[0][1]} render the same module here ({fivar_mods[same[0][0]].uri})")
     m = fivar_mods[configs[0]]
     res["arch"] = toolchain.arch_tag()
     res["uri"] = m.uri
@@ -235,11 +244,13 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", FRESH_PROCESS, args.variant, args.dtype, str(args.head_dim),
-                          "1" if load else "0"], env=env, capture_output=True, text=True)
+                          "1" if load else "0", json.dumps(FIVAR_CONFIGS[configs[0]])], env=env, capture_output=True,
+                         text=True)
     wall = time.perf_counter() - t0
     if out.returncode:
         raise SystemExit(f"the fresh process failed:\n{out.stderr[-3000:]}")
     fp = json.loads(out.stdout.strip().splitlines()[-1])
+    assert fp["kind"] in (None, "disk"), f"the fresh process did not hit the disk cache: {fp}"  # None: load()
     res["fresh_process"] = {**fp, "process_wall_s": wall}
     res["fresh_process_disk_hit_ms"] = fp["hit_s"] * 1e3
     print(f"fresh-process disk hit: {res['fresh_process_disk_hit_ms']:.1f} ms (+{fp['gen_module_s']:.2f} s "
@@ -251,8 +262,8 @@ def main() -> int:
                 [(args.variant, args.dtype, 64 if args.head_dim != 64 else 128)]
         specs = specs[:args.prewarm_count]
         pconfigs = [c.strip() for c in (args.prewarm_configs or configs[0]).split(",") if c.strip()]
-        if any(c not in FIVAR_CONFIGS for c in pconfigs):
-            ap.error(f"--prewarm-configs: unknown {[c for c in pconfigs if c not in FIVAR_CONFIGS]}")
+        if any(c not in FIVAR_CONFIGS for c in pconfigs) or len(set(pconfigs)) != len(pconfigs):
+            ap.error(f"--prewarm-configs: {pconfigs}: each of {', '.join(FIVAR_CONFIGS)}, at most once")
         res["prewarm_by_config"] = {}
         for c in pconfigs:  # each config renders other URIs: every prewarm here is cold
             mods = [gen_module(fivar.load(n), op="single_prefill", dtype=d, head_dim=h, **FIVAR_CONFIGS[c])
@@ -271,7 +282,8 @@ def main() -> int:
             for n, d, h in specs:
                 sws, sfc = fresh_dirs("single")
                 senv = {**env, "FLASHINFER_WORKSPACE_BASE": sws, "FIVAR_CACHE_DIR": sfc}
-                o = subprocess.run([sys.executable, "-c", SINGLE_COLD, n, d, str(h)], env=senv,
+                o = subprocess.run([sys.executable, "-c", SINGLE_COLD, n, d, str(h),
+                                    json.dumps(FIVAR_CONFIGS[pconfigs[0]])], env=senv,
                                    capture_output=True, text=True, check=True)
                 singles.append(json.loads(o.stdout.strip().splitlines()[-1])["s"])
                 if not args.keep:

@@ -149,7 +149,8 @@ class Entry:
 
 
 def _option_labels(options: dict) -> list[str]:
-    """What tells apart two modules of one (variant, op, dtype, head dim): the FA3 softmax, split and tile."""
+    """What tells apart two modules of one (variant, op, dtype, head dim): the FA3 softmax, split and tile; FA2's
+    CTA-tile split and nvcc --split-compile (labelled when off, its default being on)."""
     out = []
     if options.get("bounded_softmax"):
         out.append("bounded")
@@ -159,6 +160,10 @@ def _option_labels(options: dict) -> list[str]:
         out.append(f"tile {options['cta_tile']}")
     if options.get("row_runs"):
         out.append("row-runs")
+    if options.get("split_cta_tiles"):
+        out.append("cta-split")
+    if options.get("nvcc_split_compile") is False:
+        out.append("no-split-compile")
     return out
 
 

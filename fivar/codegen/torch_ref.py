@@ -8,6 +8,7 @@ toward zero, tensor-parameter indices clamped to the tensor's bounds. Attention 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -163,8 +164,9 @@ def eval_scalar(expr: ir.Expr, scalars: dict, sm_scale: float, hoisted: dict | N
     return float(ev.eval(expr))
 
 
-def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> None:
-    """The shapes `prefill` takes, said in fivar's terms (else einsum or indexing fails in torch's)."""
+def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> int:
+    """The shapes `prefill` takes, said in fivar's terms (else einsum or indexing fails in torch's); returns
+    batch_idx as a Python int."""
     name = variant.name
     for t, tn in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -180,17 +182,21 @@ def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> None:
     if k.device != q.device or v.device != q.device:
         raise FivarError(f"variant '{name}': reference: q, k, v must be on one device, got {q.device}, {k.device}, "
                          f"{v.device}")
-    if isinstance(batch_idx, bool) or not isinstance(batch_idx, int) or batch_idx < 0 or (
-            batch_size is not None and batch_idx >= batch_size):
+    try:
+        index = None if isinstance(batch_idx, bool) else operator.index(batch_idx)  # numpy / torch ints too
+    except TypeError:
+        index = None
+    if index is None or index < 0 or (batch_size is not None and index >= batch_size):
         raise FivarError(f"variant '{name}': reference: batch_idx={batch_idx!r} must be an int in "
                          f"[0, batch_size={batch_size})")
+    return index
 
 
 def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params=None, batch_idx=0,
                         batch_size=None, float_dtype=torch.float32, bound=None):
     """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype."""
     from ..runtime.params import bind_params
-    _check_reference_inputs(variant, q, k, v, batch_idx, batch_size)
+    batch_idx = _check_reference_inputs(variant, q, k, v, batch_idx, batch_size)
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     if sm_scale is None:

@@ -93,13 +93,15 @@ def connect(path: Path | None = None) -> sqlite3.Connection:
             # Switching a new database to WAL needs an exclusive lock; while other processes create the same
             # file, SQLite can answer "locked" at once instead of waiting (it will not wait where waiting
             # could deadlock), so start over with a fresh connection.
+            if con is not None:
+                con.close()
             if _is_busy(e) and time.monotonic() < deadline:
-                if con is not None:
-                    con.close()
                 time.sleep(0.01)
                 continue
             raise _unusable(path, e) from None
         except sqlite3.DatabaseError as e:  # not a database, a directory, unreadable
+            if con is not None:
+                con.close()
             raise _unusable(path, e) from None
     con.execute("PRAGMA synchronous=NORMAL")
     return con

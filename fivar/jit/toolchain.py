@@ -127,7 +127,7 @@ def _split_compile_env() -> int | None:
     text = os.environ.get(SPLIT_COMPILE_ENV, "").strip()
     if not text:
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise FivarError(f"{SPLIT_COMPILE_ENV}={text!r}: expected a thread count of at least 1 (1 turns nvcc's "
                          f"--split-compile off; unset: on, with threads by core count)")
     return int(text)

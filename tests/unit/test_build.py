@@ -46,7 +46,7 @@ def test_fa2_units_compile_with_nvcc_split_compile(monkeypatch):
     assert toolchain.build_flags(on.cuda_cflags) == ["--split-compile=12"] and gen_module(v).uri == on.uri
     monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, "1")
     assert gen_module(v).uri == off.uri and module_for(v, "single_prefill", "fa2", "bf16", 128).uri == off.uri
-    for bad in ("0", "-2", "four"):
+    for bad in ("0", "-2", "four", "\u00b2"):
         monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, bad)
         with pytest.raises(FivarError, match=f"FIVAR_NVCC_SPLIT_COMPILE='{bad}': expected a thread count"):
             gen_module(v)

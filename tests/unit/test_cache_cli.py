@@ -147,6 +147,12 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     assert len(rows) == 5 and all(r["stale"] is True and "' was edited (now renders" in r["stale_reasons"][0] for r in rows), rows
 
 
+def test_option_labels_tell_apart_modules_of_one_variant():
+    assert cache_cli._option_labels({"split_cta_tiles": True, "nvcc_split_compile": False}) == [
+        "cta-split", "no-split-compile"]
+    assert cache_cli._option_labels({"split_cta_tiles": False, "nvcc_split_compile": True, "row_runs": False}) == []
+
+
 def test_a_fa2_manifest_from_before_nvcc_split_compile_renders_without_it(iso, monkeypatch):
     """FA2 modules recorded before fivar passed nvcc --split-compile were built without it: still fresh."""
     _, _, vfile = iso

@@ -437,6 +437,18 @@ def test_reference_inputs_are_checked_in_fivars_terms(shapes, batch_idx, match):
         v.reference(q, k, vv, batch_idx=batch_idx, batch_size=2)
 
 
+def test_reference_takes_any_integer_batch_idx():
+    import numpy as np
+    v = fivar.load("softcap")
+    q, k = torch.randn(4, 8, 64), torch.randn(5, 2, 64)
+    want = v.reference(q, k, k, batch_idx=1, batch_size=2, softcap=30.0)
+    for idx in (np.int64(1), torch.tensor(1)):
+        assert torch.equal(v.reference(q, k, k, batch_idx=idx, batch_size=2, softcap=30.0), want)
+        assert torch.equal(v.reference(q, k, k, batch_idx=idx, softcap=30.0), want)  # batch_size from it
+    with pytest.raises(fivar.FivarError, match="batch_idx=True"):
+        v.reference(q, k, k, batch_idx=True, batch_size=2, softcap=30.0)
+
+
 def test_reference_refuses_integer_tensors():
     v = fivar.load("softcap")
     q = torch.randn(4, 2, 64)
