@@ -25,6 +25,7 @@ Measures:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -138,6 +139,8 @@ def main() -> int:
     args = ap.parse_args()
 
     ws, fc = fresh_dirs("main")
+    if not args.keep:  # also when a step fails or the run is interrupted
+        atexit.register(shutil.rmtree, os.path.dirname(ws), True)
     os.environ["FLASHINFER_WORKSPACE_BASE"] = ws  # before flashinfer is imported: it fixes its dirs then
     os.environ["FIVAR_CACHE_DIR"] = fc
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
@@ -281,6 +284,8 @@ def main() -> int:
             singles = []
             for n, d, h in specs:
                 sws, sfc = fresh_dirs("single")
+                if not args.keep:
+                    atexit.register(shutil.rmtree, os.path.dirname(sws), True)
                 senv = {**env, "FLASHINFER_WORKSPACE_BASE": sws, "FIVAR_CACHE_DIR": sfc}
                 o = subprocess.run([sys.executable, "-c", SINGLE_COLD, n, d, str(h),
                                     json.dumps(FIVAR_CONFIGS[pconfigs[0]])], env=senv,

@@ -548,6 +548,8 @@ def verify(fix, as_json, prefix):
                 else:
                     problems.append(f"not fixed: {BUILD_RUNNING}")
         results.append({"uri": e.uri, "ok": not problems, "problems": problems, "fixed": fixed})
+    if prefix and not results:
+        raise FivarError(f"no module in the cache has a URI starting with {prefix!r} (`fivar cache ls` lists them)")
 
     def render():
         for r in results:
@@ -685,7 +687,8 @@ def export_cmd(file, variants, as_json):
             continue
         packed.append(e)
     if not packed:
-        raise FivarError(f"nothing to export: no valid fivar module for arch {tc['arch']}, flashinfer "
+        which = f" of variant(s) {', '.join(sorted(variants))}" if variants else ""
+        raise FivarError(f"nothing to export: no valid fivar module{which} for arch {tc['arch']}, flashinfer "
                          f"{tc['flashinfer']}, nvcc {tc['nvcc']} in {jit_dir}")
     import torch
     meta = {"format": EXPORT_FORMAT, **tc, "torch": torch.__version__, "host": socket.gethostname(),
@@ -721,8 +724,16 @@ def read_export_meta(tar: tarfile.TarFile, file) -> dict:
         meta = json.loads(tar.extractfile(META_NAME).read())
     except (KeyError, AttributeError, ValueError):
         raise FivarError(f"{file} is not a fivar cache export (no valid {META_NAME})") from None
+    if not isinstance(meta, dict):
+        raise FivarError(f"{file} is not a fivar cache export ({META_NAME} is not a JSON object)")
     if meta.get("format") != EXPORT_FORMAT:
         raise FivarError(f"{file}: unknown export format {meta.get('format')!r} (expected {EXPORT_FORMAT})")
+    entries = meta.get("entries", [])
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("uri"), str) and re.fullmatch(r"fivar_\w+", e["uri"])
+            for e in entries):
+        raise FivarError(f"{file}: {META_NAME} has malformed entries (each must be an object whose uri is "
+                         "fivar_<letters, digits, _>); refusing to import")
     return meta
 
 
@@ -767,10 +778,14 @@ def import_cmd(file, as_json):
         jit_dir, gen_root = jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_GEN_SRC_DIR
         (jit_dir / "tmp").mkdir(parents=True, exist_ok=True)
         imported, present = [], []
-        for ent in meta.get("entries", []):
-            uri = ent["uri"]
-            staging = Path(tempfile.mkdtemp(prefix=f".import-{uri}-", dir=jit_dir))
-            try:
+        staged: list[tuple[str, Path, dict]] = []
+        try:
+            # every entry is unpacked and checked first (library hash, manifest), so a bad one leaves the cache
+            # as it was instead of half imported
+            for ent in meta.get("entries", []):
+                uri = ent["uri"]
+                staging = Path(tempfile.mkdtemp(prefix=f".import-{uri}-", dir=jit_dir))
+                staged.append((uri, staging, {}))
                 for mem in members.get(uri, []):
                     kind, _, name = mem.name.split("/")
                     dest = staging / kind / name
@@ -779,7 +794,16 @@ def import_cmd(file, as_json):
                         shutil.copyfileobj(src, out)
                 so = staging / "cached_ops" / f"{uri}.so"
                 if not so.exists() or (ent.get("so_sha256") and _sha256(so) != ent["so_sha256"]):
-                    raise FivarError(f"{file}: the library of {uri} is missing or corrupt (sha256 mismatch)")
+                    raise FivarError(f"{file}: the library of {uri} is missing or corrupt (sha256 mismatch); "
+                                     "nothing was imported")
+                try:
+                    man = json.loads((staging / "cached_ops" / "fivar_manifest.json").read_text())
+                except (OSError, ValueError):
+                    man = None
+                if not isinstance(man, dict) or man.get("uri") != uri:
+                    raise FivarError(f"{file}: the manifest of {uri} is missing or unreadable; nothing was imported")
+                staged[-1][2].update(man)
+            for uri, staging, man in staged:
                 with FileLock(str(jit_dir / "tmp" / f"{uri}.lock"), thread_local=False):
                     entry = Entry(uri, jit_dir / uri, gen_root / uri, jit_dir / "tmp" / f"{uri}.lock", None, 0)
                     try:
@@ -795,14 +819,13 @@ def import_cmd(file, as_json):
                         entry.gen_dir.mkdir(parents=True, exist_ok=True)
                         for p in (staging / "generated").iterdir():
                             os.replace(p, entry.gen_dir / p.name)
-                    man_path = entry.build_dir / "fivar_manifest.json"
-                    man = json.loads(man_path.read_text())
                     st = entry.library_path.stat()
                     man.update(so_size=st.st_size, so_mtime_ns=st.st_mtime_ns, imported_from=str(file),
                                imported=time.time())
-                    man_path.write_text(json.dumps(man, indent=1))
+                    (entry.build_dir / "fivar_manifest.json").write_text(json.dumps(man, indent=1))
                     imported.append(uri)
-            finally:
+        finally:
+            for _, staging, _ in staged:
                 shutil.rmtree(staging, ignore_errors=True)
     data = {"file": str(file), "imported": imported, "already_present": present}
     _out(as_json, data, lambda: console.print(

@@ -114,6 +114,9 @@ def new_variant(name, variants_dir, tests_dir, kind):
     from .codegen.fa2 import render
     if not name.isidentifier() or keyword.iskeyword(name):
         raise FivarError(f"variant name {name!r} must be a Python identifier (letters, digits, _) and not a keyword")
+    if name.startswith("_"):  # the variant search path skips such files (private helpers)
+        raise FivarError(f"variant name {name!r} starts with '_': fivar skips such files when it looks up variants, "
+                         "so nothing could find it; pick a name that starts with a letter")
     if name.replace("_", "-") in main.commands:  # `fivar new-variant list` is more likely a slip than a name
         raise FivarError(f"variant name {name!r} is a fivar command (`fivar {name.replace('_', '-')}`); pick another")
     vpath, tpath = Path(variants_dir) / f"{name}.py", Path(tests_dir) / f"test_{name}.py"
@@ -235,6 +238,10 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         if target or explain:
             raise FivarError(f"'{name}' is a fusion: it has one CUDA source and no attention targets, so "
                              f"{'--target' if target else '--explain'} does not apply (`fivar show {name}` prints it)")
+        if _given("op", "head_dim"):  # a fusion declares its own head dim and has no ops
+            given = _given("op", "head_dim")
+            raise FivarError(f"'{name}' is a fusion: {' and '.join(given)} {'are' if len(given) > 1 else 'is'} for attention "
+                             f"variants only (a fusion has no ops, and its head dim is in its declaration)")
         _set_arch(arch)
         from .fusion.build import render_sources
         srcs = render_sources(v, dtype)
@@ -254,13 +261,19 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
 
         from .runtime.attention import choose_target
         capability = None
+        where = "--arch" if arch else "FLASHINFER_CUDA_ARCH_LIST"
+        arch = arch or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+        no_sm90a = False
         if arch and not torch.cuda.is_available():  # what auto would pick on that GPU
             from .jit.toolchain import check_arch_list
-            check_arch_list(arch, "--arch")
+            check_arch_list(arch, where)
             capability = _arch_capability(arch)
-            console.print(f"no GPU visible: as on sm{capability[0]}{capability[1]} (--arch {arch})")
+            no_sm90a = "9.0a" not in arch.split()
+            console.print(f"no GPU visible: as on sm{capability[0]}{capability[1]} ({where} {arch})")
         for o in OPS:
             t, why = choose_target(v, "auto", o, capability=capability)
+            if t == "fa3" and no_sm90a:  # what `fivar build` does with such a list (_builds_sm90a)
+                t, why = "fa2", f"{where} {arch} builds no sm_90a code, which FA3 kernels need: FA2 (add 9.0a for FA3)"
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
         console.print(_escape(_tile_skipping(v)))
         console.print(_escape(_fa3_softmax(v)))
@@ -341,6 +354,8 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
     jobs, jobs_why = configure_jobs(jobs)
     launcher = configure_launcher(launcher)
     if all_:
+        if names:
+            raise FivarError(f"--all builds every variant; drop it to build only {', '.join(names)}, or drop the names")
         names = sorted(variant_files())
     if not names:
         raise FivarError("name at least one variant, or pass --all")
@@ -425,6 +440,14 @@ def _arch_capability(arch_list: str) -> tuple[int, int]:
     return int(major), int(minor.rstrip("abcdefghijklmnopqrstuvwxyz"))
 
 
+def _given(*params: str) -> list[str]:
+    """Which of these options of the running command were given on the command line (not left at their default)."""
+    from click.core import ParameterSource
+    ctx = click.get_current_context()
+    opts = {p.name: p.opts[0] for p in ctx.command.params}
+    return [opts[p] for p in params if ctx.get_parameter_source(p) not in (None, ParameterSource.DEFAULT)]
+
+
 def _write_triton_twins(variants) -> None:
     """`build --targets triton`: render, write and import each variant's Triton twin (a spec the twin cannot take
     fails here); Triton then compiles each kernel on its first launch of a shape, into its own cache."""
@@ -507,6 +530,10 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     import torch
 
     if compile_:
+        ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "plot_path")
+        if ignored:  # build latency of one module: those shape a timed run
+            raise FivarError(f"--compile measures one module's build latency (at --dtype and --head-dim); "
+                             f"{', '.join(ignored)} shape a timed run only; drop {'them' if len(ignored) > 1 else 'it'}")
         script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_compile.py"
         if not script.exists():
             raise FivarError("fivar bench --compile runs benchmarks/bench_compile.py from a fivar checkout")

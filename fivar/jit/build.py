@@ -197,6 +197,12 @@ class FivarModule:
                 log.write_text(str(e))
             except OSError:
                 pass
+            arch = re.search(r"Unsupported gpu architecture '(\S+)'", str(e))
+            if arch:  # the arch list, not the sources
+                raise FivarError(
+                    f"variant '{self.variant.name}': nvcc at {toolchain.cuda_home()} cannot compile for {arch.group(1)} "
+                    f"(FLASHINFER_CUDA_ARCH_LIST={os.environ.get('FLASHINFER_CUDA_ARCH_LIST', '')!r} or --arch); "
+                    f"name an arch it knows, e.g. 9.0a (log: {log})") from None
             missing = re.search(r"cannot find -l(\w+)", str(e))
             if missing:  # the toolchain, not the sources: say what to fix
                 raise FivarError(

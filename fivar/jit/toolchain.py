@@ -36,10 +36,34 @@ def check_arch_list(text: str, where: str) -> None:
 
 
 def set_arch_env(arch: str | None, where: str = "--arch") -> None:
-    """A command's `--arch`: checked, then FlashInfer's arch list for this process (before FlashInfer is imported)."""
+    """A command's `--arch`: checked (also against the archs this nvcc knows), then FlashInfer's arch list for this
+    process (before FlashInfer is imported)."""
     if arch:
         check_arch_list(arch, where)
+        unknown = [a for a in arch.split() if not nvcc_supports(a)]
+        if unknown:
+            raise FivarError(f"{where}={arch!r}: this nvcc ({os.path.join(cuda_home(), 'bin', 'nvcc')}) cannot compile "
+                             f"for {', '.join(unknown)}; it knows {', '.join(nvcc_archs()) or 'none'} (with an optional "
+                             "'a' or 'f' suffix, e.g. 9.0a)")
         os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch
+
+
+@functools.cache
+def nvcc_archs() -> tuple[str, ...]:
+    """The archs `nvcc --list-gpu-arch` names, as major.minor ("9.0"); empty when nvcc cannot be asked."""
+    try:
+        out = subprocess.run([os.path.join(cuda_home(), "bin", "nvcc"), "--list-gpu-arch"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(f"{int(m[:-1])}.{m[-1]}" for m in re.findall(r"compute_(\d+)", out))
+
+
+def nvcc_supports(arch: str) -> bool:
+    """Whether nvcc can compile for `arch` ("9.0a"); True when nvcc cannot be asked (the build then says why)."""
+    known = nvcc_archs()
+    m = re.fullmatch(r"(\d+\.\d+)([a-z]?)", arch)
+    return not known or bool(m and m.group(1) in known and m.group(2) in ("", "a", "f"))
 
 
 def cuda_home() -> str:

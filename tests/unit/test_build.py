@@ -341,6 +341,26 @@ def test_nvcc_failure_is_reported_as_a_fivar_bug_not_a_raw_error():
     assert os.path.exists(log) and "this is not C++" in open(log).read()
 
 
+def test_an_arch_nvcc_rejects_is_named_not_called_a_fivar_bug(tmp_path, monkeypatch):
+    """FLASHINFER_CUDA_ARCH_LIST is only checked for its form where a build starts from the environment; an arch this
+    nvcc lacks fails in nvcc, and the error says so instead of blaming the spec."""
+    from fivar import FivarError
+    m = gen_module(fivar.load("softcap"), op="single_prefill", dtype="fp16", head_dim=64)
+    m.uri += "_arch"
+
+    class NvccRefuses:
+        lock_path = str(tmp_path / "lock")
+
+        def build(self):
+            raise RuntimeError("ninja: build stopped\nnvcc fatal   : Unsupported gpu architecture 'compute_91a'")
+    m.spec = NvccRefuses()
+    monkeypatch.setattr(type(m), "_prepare", lambda self, missing=None: None)
+    with pytest.raises(FivarError) as info:
+        m.build()
+    assert not isinstance(info.value, FivarBuildError)
+    assert "cannot compile for compute_91a" in str(info.value) and "fivar bug" not in str(info.value)
+
+
 @requires_nvcc
 def test_fa3_module_compiles_for_sm90a():
     """The Hopper struct (mask folded into LogitsTransform, request index from the block coordinate)."""

@@ -3,6 +3,7 @@
 No compiles: entries are real fivar modules (real URIs, sources, manifests) whose library is a stand-in file,
 which is all the cache commands look at. FlashInfer's cache dirs and FIVAR_CACHE_DIR point into tmp_path.
 """
+import io
 import json
 import os
 import re
@@ -457,6 +458,53 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch)
     r = invoke("cache", "import", str(evil))
     assert r.exit_code == 1 and "unexpected member" in r.output
     assert not (ws.parent / "escape.txt").exists()
+
+
+def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None):
+    """A copy of an export with its metadata (a function of the dict) or one member's bytes replaced."""
+    with tarfile.open(src_path) as src, tarfile.open(dst_path, "w:gz") as dst:
+        for mem in src.getmembers():
+            data = src.extractfile(mem).read()
+            if mem.name == "fivar_export.json" and meta_edit:
+                data = json.dumps(meta_edit(json.loads(data))).encode()
+            elif member_edit and mem.name.endswith(member_edit[0]):
+                data = member_edit[1]
+            mem.size = len(data)
+            dst.addfile(mem, io.BytesIO(data))
+    return dst_path
+
+
+@pytest.mark.parametrize("case,match", [
+    ("meta-list", "is not a JSON object"),
+    ("entries-int", "malformed entries"),
+    ("entry-no-uri", "malformed entries"),
+    ("uri-path", "malformed entries"),
+    ("manifest-garbage", "manifest of .* is missing or unreadable; nothing was imported"),
+    ("second-sha", "corrupt .*nothing was imported"),
+])
+def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match):
+    """A damaged export is one line, and it imports nothing: no half-imported module, no module of a good entry."""
+    _, ws, vfile = iso
+    m1, m2 = fake_built(module(vfile, "bf16", 128)), fake_built(module(vfile, "fp16", 64))
+    out = tmp_path / "mods.tar.gz"
+    as_json("cache", "export", str(out))
+    as_json("cache", "clear", "--yes")
+    edits = {
+        "meta-list": dict(meta_edit=lambda m: [m]),
+        "entries-int": dict(meta_edit=lambda m: {**m, "entries": 5}),
+        "entry-no-uri": dict(meta_edit=lambda m: {**m, "entries": [{"so_sha256": "0"}]}),
+        "uri-path": dict(meta_edit=lambda m: {**m, "entries": [{**m["entries"][0], "uri": "a/b"}]}),
+        "manifest-garbage": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"{not json")),
+        "second-sha": dict(meta_edit=lambda m: {**m, "entries": [m["entries"][0], {**m["entries"][1],
+                                                                                  "so_sha256": "0" * 64}]}),
+    }
+    bad = _rewritten(out, tmp_path / "bad.tar.gz", **edits[case])
+    r = invoke("cache", "import", str(bad))
+    assert r.exit_code == 1 and re.search(match, " ".join(r.output.split())), r.output
+    assert "Traceback" not in r.output
+    assert not m1.library_path.exists() and not m2.library_path.exists()
+    assert not list((m1.build_dir.parent).glob(".import-*"))  # no staging left behind
+    assert sorted(as_json("cache", "import", str(out))["imported"]) == sorted([m1.uri, m2.uri])  # the good one still does
 
 
 def test_records_survive_concurrent_writers(tmp_path):

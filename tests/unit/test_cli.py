@@ -263,3 +263,42 @@ def test_build_targets_select_fusions(runner, monkeypatch):
     assert got == ["fa2"] and "skipping fusion(s) llama_add_rmsnorm" in out
     out, got = uris("--targets", "triton")
     assert got == [] and "triton twin of 'softcap'" in out
+
+
+def test_new_variant_refuses_a_name_lookup_would_skip(runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(main, ["new-variant", "_mine"])
+    assert r.exit_code == 1 and "starts with '_'" in r.output and not (tmp_path / "variants").exists()
+
+
+def test_explain_reads_the_arch_list_and_builds_fa3_only_for_9_0a(runner, monkeypatch):
+    """`show --explain` answers as `build` acts: FLASHINFER_CUDA_ARCH_LIST like --arch, and a list without 9.0a
+    (a plain 9.0 builds no sm_90a code) runs FA2."""
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    r = runner.invoke(main, ["show", "softcap", "--explain"])
+    assert r.exit_code == 0 and "single_prefill: fa3" in r.output and "FLASHINFER_CUDA_ARCH_LIST 9.0a" in r.output
+    r = runner.invoke(main, ["show", "softcap", "--explain", "--arch", "9.0"])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 0 and "single_prefill: fa2 - --arch 9.0 builds no sm_90a code" in flat, r.output
+
+
+def test_an_arch_nvcc_cannot_compile_is_refused_before_building(runner, monkeypatch):
+    from fivar.jit import toolchain
+    monkeypatch.setattr(toolchain, "nvcc_archs", lambda: ("8.0", "9.0"))
+    for arch in ("9.1", "8.9z", "8.0 7.0"):
+        r = runner.invoke(main, ["build", "softcap", "--arch", arch])
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 1 and "cannot compile for" in flat and "it knows 8.0, 9.0" in flat, r.output
+    assert toolchain.nvcc_supports("9.0a") and toolchain.nvcc_supports("8.0")
+
+
+@pytest.mark.parametrize("args,text", [
+    (["bench", "softcap", "--compile", "--vs", "flex", "--causal"], "--vs, --causal shape a timed run only"),
+    (["bench", "softcap", "--compile", "--seqlens", "64"], "--seqlens shape a timed run only"),
+    (["build", "--all", "softcap"], "--all builds every variant"),
+    (["show", "llama_add_rmsnorm", "--head-dim", "64"], "--head-dim is for attention variants only"),
+    (["show", "llama_add_rmsnorm", "--op", "batch_decode"], "--op is for attention variants only"),
+])
+def test_options_that_would_be_ignored_are_refused(runner, args, text):
+    r = runner.invoke(main, args)
+    assert r.exit_code == 1 and text in " ".join(r.output.split()), r.output
