@@ -20,6 +20,12 @@ _UNARY = {"tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "log": torch
           "sigmoid": torch.sigmoid, "sqrt": torch.sqrt, "floor": torch.floor, "abs": torch.abs}
 
 
+#: Integers are 32-bit in every target (int32_t in the CUDA structs, tl.int32 in the Triton twin): the reference
+#: computes in int32 as well, so an overflow wraps the same way everywhere and an int64 tensor param is read as its
+#: low 32 bits, as the kernels read it.
+INT = torch.int32
+
+
 class TorchEvaluator:
     """`check_divisors`: track where an integer // or % divided by zero (the kernels leave the result undefined) and
     which values that reaches, through the branch a select takes and the operand `and`/`or` evaluates
@@ -37,7 +43,7 @@ class TorchEvaluator:
         self.zero_divisions: list[tuple[str, torch.Tensor]] = []  # (where, divisor == 0) per division evaluated
 
     def tensor(self, value, t: str):
-        dt = {F32: self.fdt, I32: torch.int64, BOOL: torch.bool}[t]
+        dt = {F32: self.fdt, I32: INT, BOOL: torch.bool}[t]
         return torch.tensor(value, dtype=dt, device=self.device)
 
     def run(self, program: ir.Program) -> torch.Tensor:
@@ -81,7 +87,8 @@ class TorchEvaluator:
         if isinstance(e, ir.Hoisted):
             return self.eval(self.hoisted[e.name])
         if isinstance(e, ir.Index):
-            return self.env[e.name]
+            x = self.env[e.name]
+            return x.to(INT) if isinstance(x, torch.Tensor) and not x.is_floating_point() else x
         if isinstance(e, ir.ScalarParam):
             v = self.env["sm_scale"] if e.name == "sm_scale" else self.params[e.name]
             return self.tensor(v, e.type)
@@ -96,7 +103,7 @@ class TorchEvaluator:
                 idx.append(x.clamp(0, table.shape[d] - 1))
             idx = torch.broadcast_tensors(*idx)
             out = table[tuple(idx)]
-            out = out.to({F32: self.fdt, I32: torch.int64, BOOL: torch.bool}[e.type])
+            out = out.to({F32: self.fdt, I32: INT, BOOL: torch.bool}[e.type])
             return self._with_poison(out, *masks)
         if isinstance(e, ir.Unary):
             x = self.eval(e.x)
@@ -152,7 +159,7 @@ class TorchEvaluator:
             if e.type == F32:
                 out = x.to(self.fdt)
             else:
-                out = torch.trunc(x).to(torch.int64) if x.is_floating_point() else x.to(torch.int64)
+                out = torch.trunc(x).to(INT) if x.is_floating_point() else x.to(INT)
             return self._with_poison(out, P(x))
         raise TypeError(f"cannot evaluate {e!r}")
 

@@ -56,6 +56,9 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
                                  f"{p.dtype.__name__}, got {type(value).__name__}")
             if p.dtype is int and not float(value).is_integer():
                 raise FivarError(f"variant '{name}': parameter '{pname}' is an int parameter, got {value!r}")
+            if p.dtype is int and not -2**31 <= value < 2**31:  # int32_t in the kernels
+                raise FivarError(f"variant '{name}': parameter '{pname}' = {value} does not fit the kernels' 32-bit "
+                                 f"integers [-2**31, 2**31)")
             if value == 0 and pname in variant.ir.divisor_scalars:
                 raise FivarError(f"{variant.ir.divisor_scalars[pname]}: parameter '{pname}' is 0 and divides "
                                  "there; pass a non-zero value")

@@ -463,3 +463,38 @@ def test_bad_out_sm_scale_and_paged_twin_are_one_line():
         v.prefill(q, k, vv, backend="triton", sm_scale="x")
     with pytest.raises(fivar.FivarError, match="the Triton twin has no paged prefill"):
         v.batch_prefill_paged(q, (k[None], vv[None]), _i32(0, 8), _i32(0, 1), _i32(0), _i32(8), backend="triton")
+
+
+def _wrapping_mask(b, h, kh, qi, ki, p):
+    return ki * 1000000000 >= 0  # wraps in 32 bits for ki >= 3
+
+
+def _int64_ids_mask(b, h, kh, qi, ki, p):
+    return p.ids[ki] <= p.ids[qi]
+
+
+def test_integers_are_32_bit_in_the_reference_as_in_the_kernels():
+    """The reference is the oracle `fivar check` trusts, so it computes integers as the kernels do: 32-bit, an
+    overflow wraps, an int64 tensor is read as its low 32 bits; an int Scalar that does not fit is refused."""
+    q, k, vv = _qkv(9, 30, 4, 2, 16)
+    wrap = AttentionVariant(name="wrap", mask=_wrapping_mask)
+    ref = wrap.reference(q, k, vv)
+    _check("wrap", "32-bit overflow", wrap.prefill(q, k, vv, backend="triton"), ref)
+    assert not torch.allclose(ref, AttentionVariant(name="plain", logits=_identity_logits).reference(q, k, vv),
+                              atol=1e-3)  # the wrapped keys really are masked
+    ids = AttentionVariant(name="ids", mask=_int64_ids_mask, params={"ids": Tensor("int64", ("kv_idx",))})
+    big = torch.arange(30, dtype=torch.int64) * 2**32 + 7  # every low half is 7: every key kept
+    ref = ids.reference(q, k, vv, ids=big)
+    _check("ids", "int64 read as int32", ids.prefill(q, k, vv, backend="triton", ids=big), ref)
+    assert torch.allclose(ref, ids.reference(q, k, vv, ids=torch.full((30,), 7)), atol=1e-6)
+    window = AttentionVariant(name="w", mask=_scalar_window, params={"w": Scalar(int)})
+    with pytest.raises(fivar.FivarError, match=r"parameter 'w' = 4294967299 does not fit the kernels' 32-bit"):
+        window.reference(q, k, vv, w=2**32 + 3)
+
+
+def _identity_logits(score, b, h, kh, qi, ki, p):
+    return score
+
+
+def _scalar_window(b, h, kh, qi, ki, p):
+    return qi - ki < p.w
