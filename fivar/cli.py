@@ -238,8 +238,8 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         if target or explain:
             raise FivarError(f"'{name}' is a fusion: it has one CUDA source and no attention targets, so "
                              f"{'--target' if target else '--explain'} does not apply (`fivar show {name}` prints it)")
-        if _given("op", "head_dim"):  # a fusion declares its own head dim and has no ops
-            given = _given("op", "head_dim")
+        given = _given("op", "head_dim")
+        if given:  # a fusion declares its own head dim and has no ops
             raise FivarError(f"'{name}' is a fusion: {' and '.join(given)} {'are' if len(given) > 1 else 'is'} for attention "
                              f"variants only (a fusion has no ops, and its head dim is in its declaration)")
         _set_arch(arch)
@@ -268,11 +268,11 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
             from .jit.toolchain import check_arch_list
             check_arch_list(arch, where)
             capability = _arch_capability(arch)
-            no_sm90a = "9.0a" not in arch.split()
+            no_sm90a = not _builds_sm90a(arch)
             console.print(f"no GPU visible: as on sm{capability[0]}{capability[1]} ({where} {arch})")
         for o in OPS:
             t, why = choose_target(v, "auto", o, capability=capability)
-            if t == "fa3" and no_sm90a:  # what `fivar build` does with such a list (_builds_sm90a)
+            if t == "fa3" and no_sm90a:  # what `fivar build` does with such a list
                 t, why = "fa2", f"{where} {arch} builds no sm_90a code, which FA3 kernels need: FA2 (add 9.0a for FA3)"
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
         console.print(_escape(_tile_skipping(v)))
@@ -423,8 +423,9 @@ def _build_capabilities() -> list:
     return [_arch_capability(a) for a in text.split()]
 
 
-def _builds_sm90a() -> bool:
-    text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+def _builds_sm90a(arch_list: str | None = None) -> bool:
+    """Whether modules are built for sm_90a (what FA3 kernels need): `arch_list`, else FlashInfer's."""
+    text = arch_list or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
     if text:
         return "9.0a" in text.split()
     from .jit.toolchain import arch_tag
