@@ -25,7 +25,7 @@ import torch
 from ..codegen import fa2, fa3
 from ..errors import FivarBuildError, FivarError
 from ..paths import csrc_dir, templates_dir
-from . import records, toolchain
+from . import pinned_kv_tiles, records, toolchain
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
 TARGETS = ("fa2", "fa3")
@@ -578,6 +578,12 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                         if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
+    pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs())
+              if target == "fa2" and op in ("single_prefill", "batch_prefill") else None)
+    if pinned:
+        for name in [n for n in sources if n.endswith(".cu")]:  # the kernel units (the host unit comes next)
+            sources[name] = pinned_kv_tiles.unit_prefix(pinned) + sources[name]
+        sources[pinned_kv_tiles.HEADER] = pinned_kv_tiles.header_text()
     for host in host_files:
         if not host.endswith(".cu"):
             sources[host] = (jit_env.FLASHINFER_CSRC_DIR / host).read_text()
@@ -596,7 +602,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
                                          "bounded_softmax": logits_range is not None}
                                         if target == "fa3" else {"split_cta_tiles": bool(split),
-                                                                 "nvcc_split_compile": nvcc_split_compile})}
+                                                                 "nvcc_split_compile": nvcc_split_compile,
+                                                                 "pinned_kv_tiles_smem": pinned[0] if pinned else None})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 
@@ -642,7 +649,8 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
                bounded_softmax: bool | None = None) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
-                                                  fa3.BOUNDED_SOFTMAX_ENV, toolchain.SPLIT_COMPILE_ENV))
+                                                  fa3.BOUNDED_SOFTMAX_ENV, toolchain.SPLIT_COMPILE_ENV,
+                                                  pinned_kv_tiles.ENV))
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
     m = _memo.get(key)
     if m is None or m[0] is not variant:

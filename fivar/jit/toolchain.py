@@ -200,9 +200,14 @@ def flashinfer_version() -> str:
     return flashinfer.__version__
 
 
-def arch_tag() -> str:
+def target_archs() -> set[tuple[int, str]]:
+    """FlashInfer's target archs for this process, as (major, minor with suffix) pairs: {(9, "0a")}."""
     from flashinfer.jit.core import current_compilation_context
-    return "_".join(f"{a}{b}" for a, b in sorted(current_compilation_context.TARGET_CUDA_ARCHS))
+    return set(current_compilation_context.TARGET_CUDA_ARCHS)
+
+
+def arch_tag() -> str:
+    return "_".join(f"{a}{b}" for a, b in sorted(target_archs()))
 
 
 @functools.cache

@@ -403,3 +403,90 @@ def test_ninja_spans_take_each_modules_first_start_to_last_end():
                        f"5\t12000\t9\t{a.build_dir}/x_kernel_mask_1.cuda.o\th",
                        f"12001\t12500\t9\t{a.build_dir}/{a.uri}.so\th"])
     assert ninja_spans([a], mixed, since_ns=6) == {a.uri: 12.495}
+
+
+# --- KV tiles pinned at compile time (fivar/jit/pinned_kv_tiles.py, csrc/fivar_pinned_kv_tiles.cuh) ---
+
+def _flashinfer_launcher_texts():
+    from flashinfer.jit import env as jit_env
+
+    from fivar.paths import templates_dir
+    include = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer"
+    return ((include / "attention" / "prefill.cuh").read_text(), (include / "utils.cuh").read_text(),
+            (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text())
+
+
+def test_kv_tiles_are_pinned_only_for_archs_of_one_known_shared_memory(monkeypatch):
+    from fivar.jit import pinned_kv_tiles as pin
+    monkeypatch.delenv(pin.ENV, raising=False)
+    assert pin.pinned_smem({(9, "0a")}) == pin.pinned_smem({(9, "0")}) == (233472, 232448)
+    assert pin.pinned_smem({(8, "6"), (8, "9")}) == (102400, 101376)  # two archs, the same shared memory
+    assert pin.pinned_smem({(9, "0a"), (8, "0")}) is None  # a GPU of either may run it
+    assert pin.pinned_smem({(12, "0")}) is None  # not in the table
+    monkeypatch.setenv(pin.ENV, "0")
+    assert pin.pinned_smem({(9, "0a")}) is None
+
+
+def test_kv_tile_pinning_checks_the_installed_launchers_follow_the_steps_it_repeats():
+    from fivar.jit.pinned_kv_tiles import flashinfer_problem
+    prefill, utils, tile = _flashinfer_launcher_texts()
+    assert flashinfer_problem(prefill, utils, tile) is None
+    assert prefill.count("DISPATCH_NUM_MMA_KV(") == 3  # single prefill, batch prefill ragged and paged
+    # a launcher whose budget is computed another way, in FlashInfer or in fivar's copy: not pinned
+    changed = prefill.replace("min(max_smem_per_sm / num_ctas_per_sm, max_smem_per_block_optin)",
+                              "max_smem_per_sm / num_ctas_per_sm", 1)
+    assert "max_smem_per_threadblock" in flashinfer_problem(changed, utils, tile)
+    assert "fivar's single-prefill launcher" in flashinfer_problem(prefill, utils, tile.replace("kMinValidMmaKV *", ""))
+    assert "8/4/2/1" in flashinfer_problem(prefill, utils.replace("NUM_MMA_KV = 8;", "NUM_MMA_KV = 16;"), tile)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_pinned_fa2_prefill_units_carry_the_shared_memory_in_their_text(monkeypatch, split):
+    from fivar.jit import pinned_kv_tiles as pin
+    monkeypatch.delenv(pin.ENV, raising=False)
+    for op in ("single_prefill", "batch_prefill"):
+        m = gen_module(fivar.load("sliding_window"), op=op, split_cta_tiles=split)
+        units = [n for n in m.sources if n.endswith(".cu")]
+        kernel_units = [n for n in units if "_kernel_" in n]
+        assert kernel_units and len(kernel_units) == len(units) - 1, units  # and one host unit
+        for n in kernel_units:
+            assert m.sources[n].startswith("// fivar: KV tiles pinned to 233472 bytes"), n
+        assert not any(m.sources[n].startswith("// fivar: KV tiles") for n in set(units) - set(kernel_units))
+        assert pin.HEADER in m.sources and m.options["pinned_kv_tiles_smem"] == 233472
+        monkeypatch.setenv(pin.ENV, "0")
+        off = gen_module(fivar.load("sliding_window"), op=op, split_cta_tiles=split)
+        monkeypatch.delenv(pin.ENV)
+        assert off.uri != m.uri and pin.HEADER not in off.sources and off.options["pinned_kv_tiles_smem"] is None
+    decode = gen_module(fivar.load("sliding_window"), op="batch_decode")  # FlashInfer's decode picks no NUM_MMA_KV
+    assert pin.HEADER not in decode.sources
+
+
+@requires_nvcc
+@requires_cuobjdump
+def test_pinned_kv_tiles_compile_the_one_kernel_per_cta_tile_flashinfer_picks_on_sm90(monkeypatch):
+    """FlashInfer 0.7.2's launcher on a 228 KB (sm_90) GPU, 16-bit hd128, two CTAs per SM (114 KB each):
+    CTA_TILE_Q=128: (114 KB - 32 KB of Q) / 8 KB per NUM_MMA_KV = 10, capped at 8 / NUM_MMA_Q(2) = 4 -> 4;
+    64: (114 - 16) / 8 = 12, cap 8 -> 8; 16 (4 KV warps): (114 - 4) / 32 = 3 -> the 2 case.
+    The pinned module compiles exactly those, the same SASS as in FlashInfer's run-time dispatch."""
+    from fivar.jit import pinned_kv_tiles as pin
+    v = fivar.load("document_mask")
+    monkeypatch.delenv(pin.ENV, raising=False)
+    pinned = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False)
+    monkeypatch.setenv(pin.ENV, "0")
+    whole = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False)
+    build_many([pinned, whole])
+    expected = {128: 4, 64: 8, 16: 2}
+    for unit, kernels in _kernels_per_unit(pinned).items():
+        prefill = [k for k in kernels if "PrefillWith" in k]
+        if "_kernel_" not in unit:
+            assert not kernels, unit
+            continue
+        tiles = {}
+        for k in prefill:  # KernelTraits<MASK_MODE, CTA_TILE_Q, NUM_MMA_Q, NUM_MMA_KV, ...>
+            _, cta, _, num_mma_kv = map(int, re.search(r"KernelTraitsILNS_8MaskModeE(\d)ELj(\d+)ELj(\d+)ELj(\d+)E",
+                                                        k).groups())
+            tiles.setdefault(cta, []).append(num_mma_kv)
+        assert tiles == {cta: [n] for cta, n in expected.items()}, (unit, tiles)
+    pinned_sass, whole_sass = _sass(pinned.library_path), _sass(whole.library_path)
+    assert len(whole_sass) > len(pinned_sass) >= 2 * 3
+    assert all(whole_sass[k] == code for k, code in pinned_sass.items())
