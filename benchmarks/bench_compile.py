@@ -82,10 +82,19 @@ t0 = time.perf_counter(); kind = m.build(); print(json.dumps({"kind": kind, "s":
 #: gen_module options of the fivar builds --fivar-configs can compare (each renders another URI).
 #: Every option spelled out, so that no environment setting (FIVAR_SPLIT_CTA_TILES, FIVAR_NVCC_SPLIT_COMPILE) makes two
 #: of them the same module; "default" is fivar's default.
-FIVAR_CONFIGS = {"default": {"split_cta_tiles": False, "nvcc_split_compile": True},
-                 "no-nvcc-split": {"split_cta_tiles": False, "nvcc_split_compile": False},
-                 "cta-tiles": {"split_cta_tiles": True, "nvcc_split_compile": True},
-                 "cta-tiles-no-nvcc-split": {"split_cta_tiles": True, "nvcc_split_compile": False}}
+def _config(cta_tiles=False, nvcc_split=True, pin=True, skip_headers=True):
+    return {"split_cta_tiles": cta_tiles, "nvcc_split_compile": nvcc_split, "pin_kv_tiles": pin,
+            "skip_unused_headers": skip_headers}
+
+
+FIVAR_CONFIGS = {"default": _config(),
+                 "unpinned": _config(pin=False),
+                 "keep-headers": _config(skip_headers=False),
+                 "session12": _config(pin=False, skip_headers=False),  # the default before pinning and skipping
+                 "no-nvcc-split": _config(nvcc_split=False),
+                 "cta-tiles": _config(cta_tiles=True),
+                 "cta-tiles-session12": _config(cta_tiles=True, pin=False, skip_headers=False),
+                 "cta-tiles-no-nvcc-split": _config(cta_tiles=True, nvcc_split=False)}
 
 
 def flashinfer_customize_spec(v, fivar_uri: str, dtype: str, head_dim: int):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -146,6 +146,20 @@ membound)
     | tee "$OUT/bench_fusions.log" | tail -22
   timeout 250 python3 benchmarks/bench_triton_ops.py --json "$OUT/bench_triton_ops.json" 2>&1 | quiet \
     | tee "$OUT/bench_triton_ops.log" | tail -16 ;;
+pinned)  # KV tiles pinned at compile time and <cuda/pipeline> left out (session 13), call 1 of 2: one module's cold
+  # compile pinned and not, whole and per CTA tile, against FlashInfer's gen_customize (2 alternating rounds), prewarms
+  # of 8 pinned and not; then the FA2 modules of every bundled variant (for `pinned-tests`)
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout 330 python3 benchmarks/bench_compile.py --repeat 2 --hits 20000 \
+    --fivar-configs default,session12,cta-tiles,unpinned,keep-headers --prewarm-configs default,session12 \
+    --json "$OUT/bench_compile_pinned.json" 2>&1 | quiet | tee "$OUT/bench_compile_pinned.log" | tail -24
+  (time timeout 200 python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
+pinned-tests)  # call 2 of 2, on the warm machine: the FA2 and decode GPU tests on pinned modules, the refusal of a
+  # module pinned for another GPU, and FA2 soft-cap speed against stock FA2
+  FIVAR_TRITON_AUTOTUNE=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "(fa2 or decode or pinned) and not fa3" 2>&1 | tee "$OUT/gpu_tests_fa2.log" | tail -4
+  timeout 150 python3 benchmarks/bench_softcap_fa2.py --seqlens 512,8192 \
+    --json "$OUT/bench_softcap_fa2_pinned.json" 2>&1 | quiet | tee "$OUT/bench_softcap_fa2_pinned.log" | tail -11 ;;
 nvsplit)  # nvcc --split-compile on FA2 units (session 12), in one call: (1) one module's cold compile with and
   # without it, and with the CTA-tile split, against FlashInfer's gen_customize (2 alternating rounds), prewarms
   # of 8 with and without; (2) the FA2 modules of every bundled variant, then the FA2 and decode GPU tests;

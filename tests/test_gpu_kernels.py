@@ -321,3 +321,15 @@ def test_planned_decode_matches_reference(name):
         assert r.passed, r
     with pytest.raises(fivar.FivarError, match="do not match the plan"):
         plan.run(q[:, :16], cache)
+
+
+def test_fa2_module_pinned_for_other_shared_memory_refuses_to_launch(monkeypatch):
+    """An FA2 prefill module whose KV tile was pinned for GPUs of another shared-memory size (here: 100 KB, as on
+    sm_86/89) does not launch a kernel picked for them: the launch fails and says why (fivar_pinned_kv_tiles.cuh)."""
+    from fivar.jit import build, pinned_kv_tiles
+    monkeypatch.setitem(pinned_kv_tiles.SMEM_BY_ARCH, (9, 0), (102400, 101376))
+    monkeypatch.setattr(build, "_memo", {})
+    for qo_len in (512, 4):  # CTA_TILE_Q 128 and 16
+        with pytest.raises(Exception, match="compiled for GPUs with 102400 bytes of shared memory per SM.*"
+                                            "FIVAR_PIN_KV_TILES=0"):
+            check_single_prefill(fivar.load("softcap"), qo_len=qo_len, kv_len=600, causal=False, backend="fa2")

@@ -25,7 +25,7 @@ import torch
 from ..codegen import fa2, fa3
 from ..errors import FivarBuildError, FivarError
 from ..paths import csrc_dir, templates_dir
-from . import pinned_kv_tiles, records, toolchain
+from . import pinned_kv_tiles, records, toolchain, unused_headers
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
 TARGETS = ("fa2", "fa3")
@@ -486,7 +486,8 @@ def fivar_headers(source: str) -> dict[str, str]:
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
                exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
-               bounded_softmax: bool | None = None, nvcc_split_compile: bool | None = None) -> FivarModule:
+               bounded_softmax: bool | None = None, nvcc_split_compile: bool | None = None,
+               pin_kv_tiles: bool | None = None, skip_unused_headers: bool | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
@@ -498,7 +499,11 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on).
     `nvcc_split_compile`: FA2 units compile with nvcc's --split-compile (toolchain.split_compile_flags; default on,
     FIVAR_NVCC_SPLIT_COMPILE=1 turns it off). FA3 units keep FlashInfer's flags: they hold one or two kernels, and
-    their time is cudafe++ and cicc's front end, which the split does not touch."""
+    their time is cudafe++ and cicc's front end, which the split does not touch. `pin_kv_tiles`: FA2 prefill compiles
+    only the KV tile the target archs' shared memory selects (fivar.jit.pinned_kv_tiles; default on where it applies,
+    FIVAR_PIN_KV_TILES=0 turns it off). `skip_unused_headers`: FA2 units leave out <cuda/pipeline>, which FlashInfer
+    includes but does not use (fivar.jit.unused_headers; default on where the check passes, FIVAR_SKIP_UNUSED_HEADERS=0
+    turns it off)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -578,7 +583,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                         if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
-    pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs())
+    pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), pin_kv_tiles)
               if target == "fa2" and op in ("single_prefill", "batch_prefill") else None)
     if pinned:
         for name in [n for n in sources if n.endswith(".cu")]:  # the kernel units (the host unit comes next)
@@ -591,6 +596,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     sources[_host_unit_name(host_units)] = _host_unit(
         {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units}, host_includes)
 
+    skipped = unused_headers.prefix(sources, skip_unused_headers) if target == "fa2" else ""
+    if skipped:
+        for name in [n for n in sources if n.endswith(".cu")]:
+            sources[name] = skipped + sources[name]
     if target == "fa3":
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
@@ -603,7 +612,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                                          "bounded_softmax": logits_range is not None}
                                         if target == "fa3" else {"split_cta_tiles": bool(split),
                                                                  "nvcc_split_compile": nvcc_split_compile,
-                                                                 "pinned_kv_tiles_smem": pinned[0] if pinned else None})}
+                                                                 "pinned_kv_tiles_smem": pinned[0] if pinned else None,
+                                                                 "skip_unused_headers": bool(skipped)})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 
@@ -650,7 +660,7 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
                                                   fa3.BOUNDED_SOFTMAX_ENV, toolchain.SPLIT_COMPILE_ENV,
-                                                  pinned_kv_tiles.ENV))
+                                                  pinned_kv_tiles.ENV, unused_headers.ENV))
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
     m = _memo.get(key)
     if m is None or m[0] is not variant:

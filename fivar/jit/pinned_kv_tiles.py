@@ -82,10 +82,11 @@ def _installed_problem() -> str | None:
                               (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text())
 
 
-def pinned_smem(archs) -> tuple[int, int] | None:
+def pinned_smem(archs, on: bool | None = None) -> tuple[int, int] | None:
     """The shared memory (per SM, per block) that FA2 prefill units of a build for `archs` (FlashInfer's
-    TARGET_CUDA_ARCHS: (major, "0a") pairs) pin their KV tiles to, or None to keep FlashInfer's run-time choice."""
-    if os.environ.get(ENV, "1") == "0":
+    TARGET_CUDA_ARCHS: (major, "0a") pairs) pin their KV tiles to, or None to keep FlashInfer's run-time choice.
+    `on=None`: unless FIVAR_PIN_KV_TILES=0."""
+    if not (os.environ.get(ENV, "1") != "0" if on is None else on):
         return None
     smem = {SMEM_BY_ARCH.get((int(major), int(re.match(r"\d+", str(minor)).group()))) for major, minor in archs}
     if len(smem) != 1 or None in smem:

@@ -449,9 +449,10 @@ def test_pinned_fa2_prefill_units_carry_the_shared_memory_in_their_text(monkeypa
         units = [n for n in m.sources if n.endswith(".cu")]
         kernel_units = [n for n in units if "_kernel_" in n]
         assert kernel_units and len(kernel_units) == len(units) - 1, units  # and one host unit
-        for n in kernel_units:
-            assert m.sources[n].startswith("// fivar: KV tiles pinned to 233472 bytes"), n
-        assert not any(m.sources[n].startswith("// fivar: KV tiles") for n in set(units) - set(kernel_units))
+        for n in kernel_units:  # first (after <cuda/pipeline>'s guard): before the launchers that expand the macro
+            assert re.match(r'(#define _CUDA_PIPELINE [^\n]*\n)?// fivar: KV tiles pinned to 233472 bytes[^\n]*\n'
+                            r'(#define [^\n]*\n){2}#include "fivar_pinned_kv_tiles.cuh"\n', m.sources[n]), n
+        assert not any("// fivar: KV tiles" in m.sources[n] for n in set(units) - set(kernel_units))
         assert pin.HEADER in m.sources and m.options["pinned_kv_tiles_smem"] == 233472
         monkeypatch.setenv(pin.ENV, "0")
         off = gen_module(fivar.load("sliding_window"), op=op, split_cta_tiles=split)
@@ -490,3 +491,49 @@ def test_pinned_kv_tiles_compile_the_one_kernel_per_cta_tile_flashinfer_picks_on
     pinned_sass, whole_sass = _sass(pinned.library_path), _sass(whole.library_path)
     assert len(whole_sass) > len(pinned_sass) >= 2 * 3
     assert all(whole_sass[k] == code for k, code in pinned_sass.items())
+
+
+# --- <cuda/pipeline> left out of FA2 units (fivar/jit/unused_headers.py) ---
+
+def test_unused_header_is_skipped_only_while_no_reachable_flashinfer_file_may_need_it(tmp_path, monkeypatch):
+    from fivar.jit import unused_headers as uh
+    monkeypatch.delenv(uh.ENV, raising=False)
+    for op in ("single_prefill", "batch_prefill", "batch_decode"):
+        m = gen_module(fivar.load("softcap"), op=op)
+        units = [n for n in m.sources if n.endswith(".cu")]
+        assert all(m.sources[n].startswith(f"#define {uh.GUARD} ") for n in units), op
+        assert m.options["skip_unused_headers"]
+        assert any(p.name == "permuted_smem.cuh" for p in uh.reachable(list(m.sources.values()),
+                                                                         *uh._flashinfer_dirs())) or op == "batch_decode"
+    fa3 = gen_module(fivar.load("softcap"), op="single_prefill", target="fa3")
+    assert not any(t.startswith(f"#define {uh.GUARD}") for t in fa3.sources.values())
+    monkeypatch.setenv(uh.ENV, "0")
+    kept = gen_module(fivar.load("softcap"), op="single_prefill")
+    assert not kept.options["skip_unused_headers"] and uh.GUARD not in "".join(kept.sources.values())
+    # a FlashInfer whose headers use a libcu++ name that <cuda/pipeline> may bring keeps it; comments do not count
+    inc, csrc = tmp_path / "include", tmp_path / "csrc"
+    (inc / "flashinfer").mkdir(parents=True)
+    csrc.mkdir()
+    (inc / "flashinfer" / "a.cuh").write_text('#include "b.cuh"\n// cuda::pipeline in a comment\n'
+                                              "cuda::std::numeric_limits<float> x; cuda::fast_mod_div<int> d;\n")
+    (inc / "flashinfer" / "b.cuh").write_text("#include <cuda/pipeline>\n/* cuda::barrier */\n")
+    src = ["#include <flashinfer/a.cuh>"]
+    assert [p.name for p in uh.reachable(src, inc, csrc)] == ["a.cuh", "b.cuh"]
+    assert uh.problem(src, inc, csrc) is None
+    (inc / "flashinfer" / "b.cuh").write_text("#include <cuda/pipeline>\nauto p = cuda::make_pipeline();\n")
+    assert "b.cuh uses cuda::make_pipeline" in uh.problem(src, inc, csrc)
+
+
+@requires_nvcc
+@requires_cuobjdump
+def test_fa2_units_without_the_unused_header_compile_to_the_same_sass(monkeypatch):
+    from fivar.jit import unused_headers as uh
+    monkeypatch.delenv(uh.ENV, raising=False)
+    v = fivar.load("document_mask")
+    skipped = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False)
+    kept = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False,
+                      skip_unused_headers=False)
+    assert skipped.options["skip_unused_headers"] and skipped.uri != kept.uri
+    build_many([skipped, kept])
+    sass = _sass(skipped.library_path)
+    assert len(sass) >= 2 * 3 and sass == _sass(kept.library_path)
