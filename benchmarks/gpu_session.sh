@@ -156,9 +156,9 @@ pinned)  # KV tiles pinned at compile time and <cuda/pipeline> left out (session
   (time timeout 200 python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
 pinned-tests)  # call 2 of 2, on the warm machine: the FA2 and decode GPU tests on pinned modules, the refusal of a
   # module pinned for another GPU, and FA2 soft-cap speed against stock FA2
-  FIVAR_TRITON_AUTOTUNE=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+  FIVAR_TRITON_AUTOTUNE=0 timeout 430 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
     -k "(fa2 or decode or pinned) and not fa3" 2>&1 | tee "$OUT/gpu_tests_fa2.log" | tail -4
-  timeout 150 python3 benchmarks/bench_softcap_fa2.py --seqlens 512,8192 \
+  timeout 120 python3 benchmarks/bench_softcap_fa2.py --seqlens 512,8192 \
     --json "$OUT/bench_softcap_fa2_pinned.json" 2>&1 | quiet | tee "$OUT/bench_softcap_fa2_pinned.log" | tail -11 ;;
 nvsplit)  # nvcc --split-compile on FA2 units (session 12), in one call: (1) one module's cold compile with and
   # without it, and with the CTA-tile split, against FlashInfer's gen_customize (2 alternating rounds), prewarms
