@@ -612,7 +612,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                                          "bounded_softmax": logits_range is not None}
                                         if target == "fa3" else {"split_cta_tiles": bool(split),
                                                                  "nvcc_split_compile": nvcc_split_compile,
-                                                                 "pinned_kv_tiles_smem": pinned[0] if pinned else None,
+                                                                 "pin_kv_tiles": bool(pinned),
                                                                  "skip_unused_headers": bool(skipped)})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)

@@ -453,11 +453,11 @@ def test_pinned_fa2_prefill_units_carry_the_shared_memory_in_their_text(monkeypa
             assert re.match(r'(#define _CUDA_PIPELINE [^\n]*\n)?// fivar: KV tiles pinned to 233472 bytes[^\n]*\n'
                             r'(#define [^\n]*\n){2}#include "fivar_pinned_kv_tiles.cuh"\n', m.sources[n]), n
         assert not any("// fivar: KV tiles" in m.sources[n] for n in set(units) - set(kernel_units))
-        assert pin.HEADER in m.sources and m.options["pinned_kv_tiles_smem"] == 233472
+        assert pin.HEADER in m.sources and m.options["pin_kv_tiles"]
         monkeypatch.setenv(pin.ENV, "0")
         off = gen_module(fivar.load("sliding_window"), op=op, split_cta_tiles=split)
         monkeypatch.delenv(pin.ENV)
-        assert off.uri != m.uri and pin.HEADER not in off.sources and off.options["pinned_kv_tiles_smem"] is None
+        assert off.uri != m.uri and pin.HEADER not in off.sources and not off.options["pin_kv_tiles"]
     decode = gen_module(fivar.load("sliding_window"), op="batch_decode")  # FlashInfer's decode picks no NUM_MMA_KV
     assert pin.HEADER not in decode.sources
 

@@ -139,7 +139,10 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     fa2_threads = fake_built(gen_module(v, op="batch_prefill", nvcc_split_compile=True))
     monkeypatch.setenv(EXP2_EMULATION_ENV, "3")  # a process that would render FA3 modules another way
     monkeypatch.setenv(CTA_TILE_ENV, "128x160")
-    monkeypatch.setenv("FIVAR_NVCC_SPLIT_COMPILE", "1")  # and FA2 modules without nvcc's --split-compile
+    monkeypatch.setenv("FIVAR_NVCC_SPLIT_COMPILE", "1")  # and FA2 modules without nvcc's --split-compile,
+    monkeypatch.setenv("FIVAR_PIN_KV_TILES", "0")  # with FlashInfer's run-time KV tiles
+    monkeypatch.setenv("FIVAR_SKIP_UNUSED_HEADERS", "0")  # and <cuda/pipeline>
+    assert fa2_split.options["pin_kv_tiles"] and fa2_split.options["skip_unused_headers"]
     mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri, fa3_tile.uri, fa2_threads.uri}
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
     assert len(rows) == 5 and all(r["stale"] is False for r in rows), rows
@@ -155,13 +158,17 @@ def test_option_labels_tell_apart_modules_of_one_variant():
 
 
 def test_a_fa2_manifest_from_before_nvcc_split_compile_renders_without_it(iso, monkeypatch):
-    """FA2 modules recorded before fivar passed nvcc --split-compile were built without it: still fresh."""
+    """FA2 modules recorded before fivar passed nvcc --split-compile (session 12), pinned KV tiles and left out
+    <cuda/pipeline> (session 13) were built without them: still fresh."""
     _, _, vfile = iso
-    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", nvcc_split_compile=False))
+    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", nvcc_split_compile=False,
+                              pin_kv_tiles=False, skip_unused_headers=False))
     man = json.loads(m.manifest_path.read_text())
-    del man["options"]["nvcc_split_compile"]
+    for option in ("nvcc_split_compile", "pin_kv_tiles", "skip_unused_headers"):
+        del man["options"][option]
     m.manifest_path.write_text(json.dumps(man))
-    monkeypatch.delenv("FIVAR_NVCC_SPLIT_COMPILE", raising=False)  # today's default would pass the flag
+    for env in ("FIVAR_NVCC_SPLIT_COMPILE", "FIVAR_PIN_KV_TILES", "FIVAR_SKIP_UNUSED_HEADERS"):
+        monkeypatch.delenv(env, raising=False)  # today's defaults would render another module
     row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
     assert row["stale"] is False, row
 
