@@ -193,6 +193,8 @@ def test_host_sources_are_one_host_only_translation_unit(op, target):
     assert host == [f"{stem}_jit_binding.cu"]
     text = m.sources[host[0]]
     lines = text.rstrip().splitlines()
+    if target == "fa2":  # FA2 units start by leaving out <cuda/pipeline> (fivar/jit/unused_headers.py)
+        assert lines.pop(0).startswith("#define _CUDA_PIPELINE ")
     assert lines[1] == "#ifndef __CUDA_ARCH__" and lines[-1] == "#endif  // __CUDA_ARCH__"
     assert text.count("#ifndef __CUDA_ARCH__") == 1
     # the binding's declarations (no default arguments) come before the definitions
@@ -292,7 +294,8 @@ def test_split_single_prefill_compiles_to_flashinfer_kernels_instruction_for_ins
     build_many([split, whole])
     kernels = _check_split_objects(split)
     whole_kernels = set().union(*_kernels_per_unit(whole).values())
-    assert kernels == whole_kernels and len(kernels) > 10
+    # with KV tiles pinned (the default), one prefill kernel per tile: 128, 64, 16; and the split-KV merge kernels
+    assert kernels == whole_kernels and len([k for k in kernels if "PrefillWith" in k]) == 3 and len(kernels) > 6
     assert _sass(split.library_path) == _sass(whole.library_path)
     # nothing the split library calls is left for the loader to find (the tile launchers, the merge)
     undefined = subprocess.run(["nm", "-uC", str(split.library_path)], capture_output=True, text=True).stdout
