@@ -276,6 +276,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
                 t, why = "fa2", f"{where} {arch} builds no sm_90a code, which FA3 kernels need: FA2 (add 9.0a for FA3)"
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
         console.print(_escape(_tile_skipping(v)))
+        console.print(_escape(_fa2_kv_tiles(arch, where)))
         console.print(_escape(_fa3_softmax(v)))
         console.print(_escape(_fa3_tile(v)))
         from .codegen.triton import TritonEmitter
@@ -430,6 +431,28 @@ def _builds_sm90a(arch_list: str | None = None) -> bool:
         return "9.0a" in text.split()
     from .jit.toolchain import arch_tag
     return "90a" in arch_tag().split("_")
+
+
+def _fa2_kv_tiles(arch: str | None, where: str) -> str:
+    """How FA2 prefill modules built for these archs (else the visible GPU's) choose their KV tile."""
+    from .jit import pinned_kv_tiles
+    if arch:
+        archs = {(int(a.split(".")[0]), a.split(".")[1]) for a in arch.split()}
+        built = f"{where} {arch}"
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            return "fa2 prefill KV tiles: depend on the target archs (give --arch)"
+        major, minor = torch.cuda.get_device_capability()
+        archs, built = {(major, str(minor))}, f"this GPU, sm{major}{minor}"
+    smem = pinned_kv_tiles.pinned_smem(archs)
+    if smem:
+        return (f"fa2 prefill KV tiles: fixed at compile time for {smem[0]} bytes of shared memory per SM ({built}): one "
+                f"kernel per CTA tile instead of one per NUM_MMA_KV ({pinned_kv_tiles.ENV}=0 keeps FlashInfer's "
+                "run-time choice)")
+    return (f"fa2 prefill KV tiles: chosen at run time by FlashInfer ({built}: "
+            + ("FIVAR_PIN_KV_TILES=0" if os.environ.get(pinned_kv_tiles.ENV) == "0"
+               else "archs of different or unknown shared memory") + ")")
 
 
 def _arch_capability(arch_list: str) -> tuple[int, int]:

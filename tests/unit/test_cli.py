@@ -165,8 +165,14 @@ def test_explain_with_an_arch_says_what_auto_picks_there():
     from fivar.cli import main
     r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"])
     assert r.exit_code == 0 and "single_prefill: fa3" in r.output and "batch_decode: fa2" in r.output, r.output
+    flat = " ".join(r.output.split())
+    assert "fa2 prefill KV tiles: fixed at compile time for 233472 bytes of shared memory per SM" in flat, r.output
     r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "8.0"])
     assert r.exit_code == 0 and "single_prefill: fa2 - sm80 GPU" in r.output, r.output
+    assert "fixed at compile time for 167936 bytes" in " ".join(r.output.split()), r.output
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "8.0 9.0a"])
+    flat = " ".join(r.output.split())
+    assert "KV tiles: chosen at run time by FlashInfer (--arch 8.0 9.0a: archs of different" in flat, r.output
 
 
 def test_check_runs_the_triton_twin_on_the_cpu(monkeypatch):
