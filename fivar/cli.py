@@ -445,14 +445,12 @@ def _fa2_kv_tiles(arch: str | None, where: str) -> str:
             return "fa2 prefill KV tiles: depend on the target archs (give --arch)"
         major, minor = torch.cuda.get_device_capability()
         archs, built = {(major, str(minor))}, f"this GPU, sm{major}{minor}"
-    smem = pinned_kv_tiles.pinned_smem(archs)
+    smem, why = pinned_kv_tiles.decide(archs)
     if smem:
         return (f"fa2 prefill KV tiles: fixed at compile time for {smem[0]} bytes of shared memory per SM ({built}): one "
                 f"kernel per CTA tile instead of one per NUM_MMA_KV ({pinned_kv_tiles.ENV}=0 keeps FlashInfer's "
                 "run-time choice)")
-    return (f"fa2 prefill KV tiles: chosen at run time by FlashInfer ({built}: "
-            + ("FIVAR_PIN_KV_TILES=0" if os.environ.get(pinned_kv_tiles.ENV) == "0"
-               else "archs of different or unknown shared memory") + ")")
+    return f"fa2 prefill KV tiles: chosen at run time by FlashInfer ({built}: {why})"
 
 
 def _arch_capability(arch_list: str) -> tuple[int, int]:

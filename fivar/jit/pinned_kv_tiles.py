@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 
 from ..paths import csrc_dir, templates_dir
@@ -82,22 +81,31 @@ def _installed_problem() -> str | None:
                               (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text())
 
 
-def pinned_smem(archs, on: bool | None = None) -> tuple[int, int] | None:
-    """The shared memory (per SM, per block) that FA2 prefill units of a build for `archs` (FlashInfer's
-    TARGET_CUDA_ARCHS: (major, "0a") pairs) pin their KV tiles to, or None to keep FlashInfer's run-time choice.
-    `on=None`: unless FIVAR_PIN_KV_TILES=0."""
-    if not (os.environ.get(ENV, "1") != "0" if on is None else on):
-        return None
+def decide(archs, on: bool | None = None) -> tuple[tuple[int, int] | None, str]:
+    """(shared memory per SM and per block that FA2 prefill units of a build for `archs` pin their KV tiles to, or
+    None to keep FlashInfer's run-time choice; why). `archs`: FlashInfer's TARGET_CUDA_ARCHS, (major, "0a") pairs.
+    `on=None`: FIVAR_PIN_KV_TILES (unset or 1: on)."""
+    from .toolchain import switch
+    if not switch(ENV, on, "pin_kv_tiles"):
+        return None, f"{ENV}=0" if on is None else "pin_kv_tiles=False"
     smem = {SMEM_BY_ARCH.get((int(major), int(re.match(r"\d+", str(minor)).group()))) for major, minor in archs}
-    if len(smem) != 1 or None in smem:
-        return None
+    if None in smem:
+        return None, "an arch whose shared memory fivar does not know"
+    if len(smem) != 1:
+        return None, "archs of different shared memory"
     problem = _installed_problem()
     if problem:
-        if problem not in _warned:
-            _warned.add(problem)
-            log.warning("fivar: %s; FA2 prefill keeps FlashInfer's run-time KV tile choice", problem)
-        return None
-    return smem.pop()
+        return None, problem
+    return smem.pop(), "every target arch has the same shared memory"
+
+
+def pinned_smem(archs, on: bool | None = None) -> tuple[int, int] | None:
+    """decide()'s shared memory; says once in the log when FlashInfer's launchers do not fit the pinned dispatch."""
+    smem, why = decide(archs, on)
+    if smem is None and why == _installed_problem() and why not in _warned:
+        _warned.add(why)
+        log.warning("fivar: %s; FA2 prefill keeps FlashInfer's run-time KV tile choice", why)
+    return smem
 
 
 def unit_prefix(smem: tuple[int, int]) -> str:

@@ -166,6 +166,19 @@ def split_compile_on(setting: bool | None = None) -> bool:
     return setting
 
 
+def switch(env: str, setting: bool | None, option: str) -> bool:
+    """An on-by-default build option: `setting` (gen_module's `option`) if given, else the env var (unset or 1: on,
+    0: off; anything else is refused, not read as on)."""
+    if setting is None:
+        text = os.environ.get(env, "").strip()
+        if text not in ("", "0", "1"):
+            raise FivarError(f"{env}={text!r}: expected 0 (off) or 1 (on, the default)")
+        return text != "0"
+    if not isinstance(setting, bool):
+        raise FivarError(f"{option}={setting!r}: expected True or False")
+    return setting
+
+
 def split_compile_threads() -> int:
     """Threads per nvcc for --split-compile: FIVAR_NVCC_SPLIT_COMPILE when it names 2 or more, else half the cores
     this process may use, between 2 and 8 (ninja runs several units at once; more threads than that only add the

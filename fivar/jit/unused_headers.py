@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 from pathlib import Path
 
@@ -66,8 +65,9 @@ def _problem_for(includes: tuple[str, ...]) -> str | None:
 
 def prefix(sources: dict[str, str], on: bool | None = None) -> str:
     """What each FA2 unit of a module with these sources starts with: the guard, or "" to keep the header.
-    `on=None`: unless FIVAR_SKIP_UNUSED_HEADERS=0."""
-    if not (os.environ.get(ENV, "1") != "0" if on is None else on):
+    `on=None`: FIVAR_SKIP_UNUSED_HEADERS (unset or 1: on)."""
+    from .toolchain import switch
+    if not switch(ENV, on, "skip_unused_headers"):
         return ""
     own = set(sources)
     includes = tuple(sorted({n for text in sources.values() for n in _INCLUDE.findall(text)} - own))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import fivar
-from fivar.errors import FivarBuildError
+from fivar.errors import FivarBuildError, FivarError
 from fivar.jit.build import build_many, gen_module
 from fivar.registry import variant_files
 
@@ -426,8 +426,24 @@ def test_kv_tiles_are_pinned_only_for_archs_of_one_known_shared_memory(monkeypat
     assert pin.pinned_smem({(8, "6"), (8, "9")}) == (102400, 101376)  # two archs, the same shared memory
     assert pin.pinned_smem({(9, "0a"), (8, "0")}) is None  # a GPU of either may run it
     assert pin.pinned_smem({(12, "0")}) is None  # not in the table
+    assert pin.decide({(12, "0")})[1] == "an arch whose shared memory fivar does not know"
+    assert pin.decide({(9, "0a"), (8, "0")})[1] == "archs of different shared memory"
     monkeypatch.setenv(pin.ENV, "0")
-    assert pin.pinned_smem({(9, "0a")}) is None
+    assert pin.pinned_smem({(9, "0a")}) is None and pin.decide({(9, "0a")})[1] == "FIVAR_PIN_KV_TILES=0"
+    assert pin.pinned_smem({(9, "0a")}, on=True) == (233472, 232448)  # gen_module's pin_kv_tiles= wins
+
+
+@pytest.mark.parametrize("env,option", [("FIVAR_PIN_KV_TILES", "pin_kv_tiles"),
+                                        ("FIVAR_SKIP_UNUSED_HEADERS", "skip_unused_headers")])
+def test_fa2_build_switches_refuse_what_they_cannot_read(monkeypatch, env, option):
+    """Unset or 1: on; 0: off; anything else ('false', 'off') is an error naming the variable, not silently on."""
+    for text in ("false", "off", "2"):
+        monkeypatch.setenv(env, text)
+        with pytest.raises(FivarError, match=f"{env}='{text}': expected 0 .off. or 1"):
+            gen_module(fivar.load("softcap"), op="single_prefill")
+    monkeypatch.delenv(env)
+    with pytest.raises(FivarError, match=f"{option}='yes': expected True or False"):
+        gen_module(fivar.load("softcap"), op="single_prefill", **{option: "yes"})
 
 
 def test_kv_tile_pinning_checks_the_installed_launchers_follow_the_steps_it_repeats():

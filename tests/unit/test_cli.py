@@ -173,6 +173,8 @@ def test_explain_with_an_arch_says_what_auto_picks_there():
     r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "8.0 9.0a"])
     flat = " ".join(r.output.split())
     assert "KV tiles: chosen at run time by FlashInfer (--arch 8.0 9.0a: archs of different" in flat, r.output
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"], env={"FIVAR_PIN_KV_TILES": "0"})
+    assert "KV tiles: chosen at run time by FlashInfer (--arch 9.0a: FIVAR_PIN_KV_TILES=0)" in " ".join(r.output.split())
 
 
 def test_check_runs_the_triton_twin_on_the_cpu(monkeypatch):
