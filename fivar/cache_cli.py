@@ -262,6 +262,8 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
                 options.setdefault("nvcc_split_compile", False)  # likewise: built without nvcc's --split-compile
                 options.setdefault("pin_kv_tiles", False)  # and with FlashInfer's run-time KV tile choice
                 options.setdefault("skip_unused_headers", False)  # and every header FlashInfer includes
+                if options["skip_unused_headers"] is True:  # recorded when <cuda/pipeline> was the only one left out
+                    options["skip_unused_headers"] = ["cuda/pipeline"]
             now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
                              head_dim=man["head_dim"], **options).uri
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all

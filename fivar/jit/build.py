@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -487,7 +488,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
                exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
                bounded_softmax: bool | None = None, nvcc_split_compile: bool | None = None,
-               pin_kv_tiles: bool | None = None, skip_unused_headers: bool | None = None) -> FivarModule:
+               pin_kv_tiles: bool | None = None,
+               skip_unused_headers: bool | Collection[str] | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
@@ -501,9 +503,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     FIVAR_NVCC_SPLIT_COMPILE=1 turns it off). FA3 units keep FlashInfer's flags: they hold one or two kernels, and
     their time is cudafe++ and cicc's front end, which the split does not touch. `pin_kv_tiles`: FA2 prefill compiles
     only the KV tile the target archs' shared memory selects (fivar.jit.pinned_kv_tiles; default on where it applies,
-    FIVAR_PIN_KV_TILES=0 turns it off). `skip_unused_headers`: FA2 units leave out <cuda/pipeline>, which FlashInfer
-    includes but does not use (fivar.jit.unused_headers; default on where the check passes, FIVAR_SKIP_UNUSED_HEADERS=0
-    turns it off)."""
+    FIVAR_PIN_KV_TILES=0 turns it off). `skip_unused_headers`: FA2 units leave out headers FlashInfer includes but
+    hardly uses, <cuda/pipeline> and <cooperative_groups.h> (fivar.jit.unused_headers; True: each where its check
+    passes, the default unless FIVAR_SKIP_UNUSED_HEADERS=0; False: none; or a list of header names)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -596,10 +598,11 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     sources[_host_unit_name(host_units)] = _host_unit(
         {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units}, host_includes)
 
-    skipped = unused_headers.prefix(sources, skip_unused_headers) if target == "fa2" else ""
+    skipped = unused_headers.skipped(sources, skip_unused_headers) if target == "fa2" else []
     if skipped:
         for name in [n for n in sources if n.endswith(".cu")]:
-            sources[name] = skipped + sources[name]
+            sources[name] = unused_headers.prefix(skipped) + sources[name]
+        sources.update(unused_headers.stand_in_sources(skipped))
     if target == "fa3":
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
@@ -613,7 +616,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                                         if target == "fa3" else {"split_cta_tiles": bool(split),
                                                                  "nvcc_split_compile": nvcc_split_compile,
                                                                  "pin_kv_tiles": bool(pinned),
-                                                                 "skip_unused_headers": bool(skipped)})}
+                                                                 "skip_unused_headers": [h.name for h in skipped]})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 

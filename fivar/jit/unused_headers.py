@@ -1,30 +1,93 @@
-"""A header FlashInfer's FA2 sources include but never use, left out of fivar's FA2 units.
+"""Headers FlashInfer's FA2 sources include but hardly use, left out of fivar's FA2 units.
 
-FlashInfer's permuted_smem.cuh includes libcu++'s <cuda/pipeline>, and through it the memcpy_async and barrier
-machinery, yet no FA2 source uses any of it (FlashInfer 0.7.2). Parsing it is about a fifth of an FA2 unit's
-front end: 9.3 -> 7.3 s for a single-prefill kernel unit, 6.4 -> 5.4 s for the host unit, on a 2-core host
-(benchmarks/results/nvcc_phases_fa2_unit_cpu_session13.txt); the SASS is the same (tests/unit/test_build.py).
-fivar defines the header's include guard at the top of each FA2 unit, but only after checking that every libcu++
-name (`cuda::...`) the FlashInfer files reachable from the module's sources use is one that comes from elsewhere.
-Any other name, in a later FlashInfer, keeps the header. FIVAR_SKIP_UNUSED_HEADERS=0 keeps it always.
+Once a unit holds few kernels (fivar.jit.pinned_kv_tiles), parsing headers is most of its compile, and two that
+FlashInfer 0.7.2's FA2 sources include do nothing for them:
+- <cuda/pipeline> (permuted_smem.cuh): libcu++'s memcpy_async and barrier machinery; no FA2 source uses any of it.
+  Left out, a single-prefill kernel unit took 9.3 -> 7.3 s and the host unit 6.4 -> 5.4 s.
+- <cooperative_groups.h> (prefill.cuh, decode.cuh): prefill uses only `cg::this_thread_block()` and that group's
+  `sync()`, which csrc/fivar_thread_block.cuh defines as the header does (with its include guard). The kernel unit
+  then took 7.1 -> 6.2 s. Decode also uses `this_grid()`, so decode modules keep the header.
+(2-core host, nvcc --time: benchmarks/results/nvcc_phases_fa2_unit_cpu_session13.txt and ..._session14.txt.) The
+kernels' SASS is the same either way (tests/unit/test_build.py).
+
+A header is left out by defining its include guard (or including its stand-in) at the top of each FA2 unit, and only
+after checking every FlashInfer file reachable from the module's sources: libcu++ names (`cuda::...`) must all come
+from headers that stay, and cooperative groups may only be used as above; the header the compiler would find must
+have the guard fivar defines. A FlashInfer or toolkit that differs keeps the header. FIVAR_SKIP_UNUSED_HEADERS=0
+keeps every header.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import re
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..errors import FivarError
+from ..paths import csrc_dir
 
 log = logging.getLogger("fivar")
 
 ENV = "FIVAR_SKIP_UNUSED_HEADERS"
-GUARD = "_CUDA_PIPELINE"  # <cuda/pipeline>'s include guard (libcu++ in FlashInfer's bundled CCCL)
-#: libcu++ names FA2 sources may use with <cuda/pipeline> left out: each comes from a header the user includes itself
+#: libcu++ names FA2 sources may use with the headers below left out: each comes from a header that stays
 #: (<cuda/std/limits> in math.cuh and prefill.cuh, <cuda/cmath> in fastdiv.cuh).
-PROVIDED_ELSEWHERE = re.compile(r"cuda::std::\w+|cuda::fast_mod_div")
+PROVIDED_ELSEWHERE = frozenset({"cuda::std::numeric_limits", "cuda::fast_mod_div"})
 _INCLUDE = re.compile(r'#\s*include\s*[<"]([^>"]+)[>"]')
 _CUDA_NAME = re.compile(r"\bcuda::\w+(?:::\w+)*")
+_CODE_ONLY = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"', re.S)  # comments and string literals go
 _warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class UnusedHeader:
+    name: str  # as FlashInfer includes it
+    guard: str  # its include guard
+    #: why the header must stay for one reachable file (file name, its code without comments and strings), or None
+    check: Callable[[str, str, str], str | None]
+    stand_in: str | None = None  # fivar's header under csrc/ defining the guard and what FlashInfer uses of it
+
+    def prefix(self) -> str:
+        if self.stand_in:
+            return f'#include "{self.stand_in}"  // fivar: stands in for <{self.name}> (fivar/jit/unused_headers.py)\n'
+        return f"#define {self.guard}  // fivar: FlashInfer includes <{self.name}> but uses none of it " \
+               "(fivar/jit/unused_headers.py)\n"
+
+
+def _libcu_names(header: str, fname: str, code: str) -> str | None:
+    used = {n for n in _CUDA_NAME.findall(code) if n not in PROVIDED_ELSEWHERE}
+    if used:
+        return f"{fname} uses {', '.join(sorted(used))}, which <{header}> may provide"
+    return None
+
+
+def _thread_block_sync_only(header: str, fname: str, code: str) -> str | None:
+    """Cooperative groups used only as `auto b = cg::this_thread_block(); ... b.sync();` (all fivar_thread_block.cuh has)."""
+    problem = _libcu_names(header, fname, code)  # the header brings <cuda/atomic> and libcu++ type traits
+    if problem or "cooperative_groups" not in code:
+        return problem
+    aliases = {"cooperative_groups", *re.findall(r"\bnamespace\s+(\w+)\s*=\s*cooperative_groups\s*;", code)}
+    ns = "(?:" + "|".join(sorted(aliases)) + ")"
+    if re.search(rf"\busing\s+namespace\s+{ns}\b", code):
+        return f"{fname} has `using namespace` cooperative groups"
+    other = set(re.findall(rf"\b{ns}::(\w+)", code)) - {"this_thread_block", "thread_block"}
+    if other:
+        return f"{fname} uses cooperative_groups::{', '.join(sorted(other))}"
+    blocks = re.findall(rf"\b(?:auto|{ns}::thread_block)\s+(\w+)\s*=\s*{ns}::this_thread_block\(\)\s*;", code)
+    if len(blocks) != len(re.findall(r"\bthis_thread_block\b", code)):
+        return f"{fname} uses this_thread_block() other than as `auto block = cg::this_thread_block();`"
+    for var in set(blocks):
+        uses = len(re.findall(rf"\b{var}\b", code))
+        if uses != blocks.count(var) + len(re.findall(rf"\b{var}\s*\.\s*sync\s*\(\s*\)", code)):
+            return f"{fname} uses its thread block `{var}` for more than {var}.sync()"
+    return None
+
+
+HEADERS = (UnusedHeader("cuda/pipeline", "_CUDA_PIPELINE", _libcu_names),
+           UnusedHeader("cooperative_groups.h", "_COOPERATIVE_GROUPS_H_", _thread_block_sync_only,
+                        stand_in="fivar_thread_block.cuh"))
+BY_NAME = {h.name: h for h in HEADERS}
 
 
 def _flashinfer_dirs() -> tuple[Path, Path]:
@@ -48,34 +111,76 @@ def reachable(texts: list[str], include_dir: Path, csrc_dir: Path) -> list[Path]
     return sorted(seen)
 
 
-def problem(texts: list[str], include_dir: Path, csrc_dir: Path) -> str | None:
-    """Why <cuda/pipeline> must stay for sources `texts`, or None."""
+def problem(header: UnusedHeader, texts: list[str], include_dir: Path, csrc_dir: Path) -> str | None:
+    """Why `header` must stay for sources `texts`, judging by the FlashInfer files they reach, or None."""
     for path in reachable(texts, include_dir, csrc_dir):
-        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(errors="replace"), flags=re.S)
-        used = {n for n in _CUDA_NAME.findall(code) if not PROVIDED_ELSEWHERE.fullmatch(n)}
-        if used:
-            return f"{path.name} uses {', '.join(sorted(used))}, which <cuda/pipeline> may provide"
+        code = _CODE_ONLY.sub(lambda m: '""' if m.group().startswith('"') else "", path.read_text(errors="replace"))
+        why = header.check(header.name, path.name, code)
+        if why:
+            return why
+    return None
+
+
+def _search_path() -> list[Path]:
+    """Where nvcc looks for these headers, first match wins: fivar's -I dirs, FlashInfer's CCCL (-I), the toolkit."""
+    from flashinfer.jit import env as jit_env
+
+    from .toolchain import cuda_home, extra_include_paths
+    return [Path(d) for d in extra_include_paths()] + [Path(d) for d in jit_env.CCCL_INCLUDE_DIRS] + \
+        [Path(cuda_home()) / "include"]
+
+
+def guard_problem(header: UnusedHeader, search_path: list[Path]) -> str | None:
+    """Why defining header.guard would not keep the compiler's copy of the header out, or None."""
+    found = next((d / header.name for d in search_path if (d / header.name).is_file()), None)
+    if found is None:
+        return f"<{header.name}> is not under {', '.join(map(str, search_path))}"
+    if not re.search(rf"^#ifndef {header.guard}\s*\n#define {header.guard}\b", found.read_text(errors="replace"), re.M):
+        return f"{found} has no include guard {header.guard}"
     return None
 
 
 @functools.lru_cache(maxsize=64)
-def _problem_for(includes: tuple[str, ...]) -> str | None:
-    return problem(["\n".join(f"#include <{n}>" for n in includes)], *_flashinfer_dirs())
+def _problem_for(name: str, includes: tuple[str, ...]) -> str | None:
+    header = BY_NAME[name]
+    return guard_problem(header, _search_path()) or \
+        problem(header, ["\n".join(f"#include <{n}>" for n in includes)], *_flashinfer_dirs())
 
 
-def prefix(sources: dict[str, str], on: bool | None = None) -> str:
-    """What each FA2 unit of a module with these sources starts with: the guard, or "" to keep the header.
-    `on=None`: FIVAR_SKIP_UNUSED_HEADERS (unset or 1: on)."""
+def wanted(setting: bool | Collection[str] | None) -> tuple[str, ...]:
+    """The headers gen_module's `skip_unused_headers` asks to leave out where their checks pass: True (and None with
+    FIVAR_SKIP_UNUSED_HEADERS unset or 1) all of them, False none, or the names given (what a manifest records)."""
     from .toolchain import switch
-    if not switch(ENV, on, "skip_unused_headers"):
-        return ""
+    if setting is None or isinstance(setting, bool):
+        return tuple(BY_NAME) if switch(ENV, setting, "skip_unused_headers") else ()
+    if isinstance(setting, str) or not all(isinstance(n, str) for n in setting):
+        raise FivarError(f"skip_unused_headers={setting!r}: expected True or False (or a list of header names)")
+    unknown = sorted(set(setting) - set(BY_NAME))
+    if unknown:
+        raise FivarError(f"skip_unused_headers: fivar cannot leave out {', '.join(unknown)} "
+                         f"(it can leave out {', '.join(BY_NAME)})")
+    return tuple(n for n in BY_NAME if n in setting)
+
+
+def skipped(sources: dict[str, str], setting: bool | Collection[str] | None = None) -> list[UnusedHeader]:
+    """The headers the FA2 units of a module with these sources leave out (see `wanted`)."""
     own = set(sources)
     includes = tuple(sorted({n for text in sources.values() for n in _INCLUDE.findall(text)} - own))
-    why = _problem_for(includes)
-    if why:
-        if why not in _warned:
+    out = []
+    for name in wanted(setting):
+        why = _problem_for(name, includes)
+        if why is None:
+            out.append(BY_NAME[name])
+        elif why not in _warned:
             _warned.add(why)
-            log.warning("fivar: %s; FA2 units keep it", why)
-        return ""
-    return (f"#define {GUARD}  // fivar: FlashInfer includes <cuda/pipeline> but uses none of it "
-            "(fivar/jit/unused_headers.py)\n")
+            log.info("fivar: %s; FA2 units keep <%s>", why, name)
+    return out
+
+
+def prefix(headers: list[UnusedHeader]) -> str:
+    """What each FA2 unit starts with to leave these headers out: before any other include."""
+    return "".join(h.prefix() for h in headers)
+
+
+def stand_in_sources(headers: list[UnusedHeader]) -> dict[str, str]:
+    return {h.stand_in: (csrc_dir() / h.stand_in).read_text() for h in headers if h.stand_in}

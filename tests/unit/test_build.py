@@ -193,8 +193,10 @@ def test_host_sources_are_one_host_only_translation_unit(op, target):
     assert host == [f"{stem}_jit_binding.cu"]
     text = m.sources[host[0]]
     lines = text.rstrip().splitlines()
-    if target == "fa2":  # FA2 units start by leaving out <cuda/pipeline> (fivar/jit/unused_headers.py)
+    if target == "fa2":  # FA2 units start by leaving out unused headers (fivar/jit/unused_headers.py)
         assert lines.pop(0).startswith("#define _CUDA_PIPELINE ")
+        if op != "batch_decode":
+            assert lines.pop(0).startswith('#include "fivar_thread_block.cuh" ')
     assert lines[1] == "#ifndef __CUDA_ARCH__" and lines[-1] == "#endif  // __CUDA_ARCH__"
     assert text.count("#ifndef __CUDA_ARCH__") == 1
     # the binding's declarations (no default arguments) come before the definitions
@@ -468,8 +470,9 @@ def test_pinned_fa2_prefill_units_carry_the_shared_memory_in_their_text(monkeypa
         units = [n for n in m.sources if n.endswith(".cu")]
         kernel_units = [n for n in units if "_kernel_" in n]
         assert kernel_units and len(kernel_units) == len(units) - 1, units  # and one host unit
-        for n in kernel_units:  # first (after <cuda/pipeline>'s guard): before the launchers that expand the macro
-            assert re.match(r'(#define _CUDA_PIPELINE [^\n]*\n)?// fivar: KV tiles pinned to 233472 bytes[^\n]*\n'
+        for n in kernel_units:  # first (after the unused headers' guards): before the launchers that expand the macro
+            assert re.match(r'(#define _CUDA_PIPELINE [^\n]*\n)?(#include "fivar_thread_block.cuh" [^\n]*\n)?'
+                            r'// fivar: KV tiles pinned to 233472 bytes[^\n]*\n'
                             r'(#define [^\n]*\n){2}#include "fivar_pinned_kv_tiles.cuh"\n', m.sources[n]), n
         assert not any("// fivar: KV tiles" in m.sources[n] for n in set(units) - set(kernel_units))
         assert pin.HEADER in m.sources and m.options["pin_kv_tiles"]
@@ -512,47 +515,101 @@ def test_pinned_kv_tiles_compile_the_one_kernel_per_cta_tile_flashinfer_picks_on
     assert all(whole_sass[k] == code for k, code in pinned_sass.items())
 
 
-# --- <cuda/pipeline> left out of FA2 units (fivar/jit/unused_headers.py) ---
+# --- headers FlashInfer includes but hardly uses, left out of FA2 units (fivar/jit/unused_headers.py) ---
 
-def test_unused_header_is_skipped_only_while_no_reachable_flashinfer_file_may_need_it(tmp_path, monkeypatch):
+def test_unused_headers_are_skipped_only_while_no_reachable_flashinfer_file_may_need_them(monkeypatch):
     from fivar.jit import unused_headers as uh
     monkeypatch.delenv(uh.ENV, raising=False)
-    for op in ("single_prefill", "batch_prefill", "batch_decode"):
+    for op, left_out in [("single_prefill", ["cuda/pipeline", "cooperative_groups.h"]),
+                         ("batch_prefill", ["cuda/pipeline", "cooperative_groups.h"]),
+                         ("batch_decode", ["cuda/pipeline"])]:  # decode also uses cg::this_grid()
         m = gen_module(fivar.load("softcap"), op=op)
-        units = [n for n in m.sources if n.endswith(".cu")]
-        assert all(m.sources[n].startswith(f"#define {uh.GUARD} ") for n in units), op
-        assert m.options["skip_unused_headers"]
-        assert any(p.name == "permuted_smem.cuh" for p in uh.reachable(list(m.sources.values()),
-                                                                         *uh._flashinfer_dirs())) or op == "batch_decode"
+        assert m.options["skip_unused_headers"] == left_out, op
+        prefix = "".join(uh.BY_NAME[n].prefix() for n in left_out)
+        assert all(m.sources[n].startswith(prefix) for n in m.sources if n.endswith(".cu")), op
+        assert ("fivar_thread_block.cuh" in m.sources) == ("cooperative_groups.h" in left_out)
     fa3 = gen_module(fivar.load("softcap"), op="single_prefill", target="fa3")
-    assert not any(t.startswith(f"#define {uh.GUARD}") for t in fa3.sources.values())
+    assert not any("fivar/jit/unused_headers.py" in t for t in fa3.sources.values())
+    only = gen_module(fivar.load("softcap"), op="single_prefill", skip_unused_headers=["cuda/pipeline"])
+    assert only.options["skip_unused_headers"] == ["cuda/pipeline"] and "fivar_thread_block.cuh" not in only.sources
+    with pytest.raises(FivarError, match="cannot leave out cuda/barrier"):
+        gen_module(fivar.load("softcap"), op="single_prefill", skip_unused_headers=["cuda/barrier"])
     monkeypatch.setenv(uh.ENV, "0")
     kept = gen_module(fivar.load("softcap"), op="single_prefill")
-    assert not kept.options["skip_unused_headers"] and uh.GUARD not in "".join(kept.sources.values())
-    # a FlashInfer whose headers use a libcu++ name that <cuda/pipeline> may bring keeps it; comments do not count
+    assert kept.options["skip_unused_headers"] == []
+    assert not any("fivar/jit/unused_headers.py" in t for t in kept.sources.values())
+
+
+def _flashinfer_tree(tmp_path, a_cuh: str):
     inc, csrc = tmp_path / "include", tmp_path / "csrc"
-    (inc / "flashinfer").mkdir(parents=True)
-    csrc.mkdir()
-    (inc / "flashinfer" / "a.cuh").write_text('#include "b.cuh"\n// cuda::pipeline in a comment\n'
-                                              "cuda::std::numeric_limits<float> x; cuda::fast_mod_div<int> d;\n")
+    (inc / "flashinfer").mkdir(parents=True, exist_ok=True)
+    csrc.mkdir(exist_ok=True)
+    (inc / "flashinfer" / "a.cuh").write_text('#include "b.cuh"\n' + a_cuh)
+    return inc, csrc
+
+
+def test_cuda_pipeline_stays_when_a_reachable_file_uses_a_libcu_name_it_may_bring(tmp_path):
+    from fivar.jit import unused_headers as uh
+    pipeline = uh.BY_NAME["cuda/pipeline"]
+    inc, csrc = _flashinfer_tree(tmp_path, '// cuda::pipeline in a comment\nconst char* s = "cuda::barrier";\n'
+                                           "cuda::std::numeric_limits<float> x; cuda::fast_mod_div<int> d;\n")
     (inc / "flashinfer" / "b.cuh").write_text("#include <cuda/pipeline>\n/* cuda::barrier */\n")
     src = ["#include <flashinfer/a.cuh>"]
     assert [p.name for p in uh.reachable(src, inc, csrc)] == ["a.cuh", "b.cuh"]
-    assert uh.problem(src, inc, csrc) is None
+    assert uh.problem(pipeline, src, inc, csrc) is None
     (inc / "flashinfer" / "b.cuh").write_text("#include <cuda/pipeline>\nauto p = cuda::make_pipeline();\n")
-    assert "b.cuh uses cuda::make_pipeline" in uh.problem(src, inc, csrc)
+    assert "b.cuh uses cuda::make_pipeline" in uh.problem(pipeline, src, inc, csrc)
+
+
+@pytest.mark.parametrize("use,why", [
+    ("auto block = cg::this_thread_block(); block.sync(); block . sync ( );", None),
+    ('auto block = cg::this_thread_block(); block.sync(); print("block"); // block.thread_rank()', None),
+    ("auto grid = cg::this_grid(); grid.sync();", "uses cooperative_groups::this_grid"),
+    ("auto block = cg::this_thread_block(); int r = block.thread_rank();", "for more than block.sync()"),
+    ("auto block = cg::this_thread_block(); reduce(block);", "for more than block.sync()"),
+    ("f(cg::this_thread_block());", "other than as `auto block"),
+    ("auto t = cg::tiled_partition<32>(cg::this_thread_block());", "uses cooperative_groups::tiled_partition"),
+    ("using namespace cg; auto b = this_thread_block();", "has `using namespace`"),
+    ("cuda::atomic<int> a;", "uses cuda::atomic, which <cooperative_groups.h> may provide"),
+])
+def test_cooperative_groups_stay_unless_only_a_thread_block_is_synced(tmp_path, use, why):
+    """fivar_thread_block.cuh has this_thread_block() and sync() only: any other use keeps the CUDA header."""
+    from fivar.jit import unused_headers as uh
+    inc, csrc = _flashinfer_tree(tmp_path, "")
+    (inc / "flashinfer" / "b.cuh").write_text(
+        "#include <cooperative_groups.h>\nnamespace cg = cooperative_groups;\n"
+        f"__device__ void kernel() {{ {use} }}\n")
+    found = uh.problem(uh.BY_NAME["cooperative_groups.h"], ["#include <flashinfer/a.cuh>"], inc, csrc)
+    assert (found is None) if why is None else (why in found), found
+
+
+def test_a_header_is_left_out_only_where_the_compiler_copy_has_the_guard_fivar_defines(tmp_path):
+    from fivar.jit import unused_headers as uh
+    cg = uh.BY_NAME["cooperative_groups.h"]
+    first, toolkit = tmp_path / "extra", tmp_path / "cuda" / "include"
+    first.mkdir()
+    toolkit.mkdir(parents=True)
+    assert "is not under" in uh.guard_problem(cg, [first, toolkit])
+    (toolkit / "cooperative_groups.h").write_text("#ifndef _COOPERATIVE_GROUPS_H_\n#define _COOPERATIVE_GROUPS_H_\n#endif\n")
+    assert uh.guard_problem(cg, [first, toolkit]) is None
+    (first / "cooperative_groups.h").write_text("#pragma once\n")  # found first: that is the one nvcc reads
+    assert "has no include guard _COOPERATIVE_GROUPS_H_" in uh.guard_problem(cg, [first, toolkit])
+    assert uh.guard_problem(cg, uh._search_path()) is None  # this machine's toolkit
+    assert uh.guard_problem(uh.BY_NAME["cuda/pipeline"], uh._search_path()) is None  # FlashInfer's CCCL
 
 
 @requires_nvcc
 @requires_cuobjdump
-def test_fa2_units_without_the_unused_header_compile_to_the_same_sass(monkeypatch):
+def test_fa2_units_without_the_unused_headers_compile_to_the_same_sass(monkeypatch):
+    """<cuda/pipeline> left out and <cooperative_groups.h> replaced by fivar_thread_block.cuh: the same kernels."""
     from fivar.jit import unused_headers as uh
     monkeypatch.delenv(uh.ENV, raising=False)
     v = fivar.load("document_mask")
     skipped = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False)
     kept = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False,
                       skip_unused_headers=False)
-    assert skipped.options["skip_unused_headers"] and skipped.uri != kept.uri
+    assert skipped.options["skip_unused_headers"] == ["cuda/pipeline", "cooperative_groups.h"]
+    assert skipped.uri != kept.uri
     build_many([skipped, kept])
     sass = _sass(skipped.library_path)
     assert len(sass) >= 2 * 3 and sass == _sass(kept.library_path)
