@@ -91,6 +91,7 @@ FIVAR_CONFIGS = {"default": _config(),
                  "unpinned": _config(pin=False),
                  "keep-headers": _config(skip_headers=False),
                  "session12": _config(pin=False, skip_headers=False),  # the default before pinning and skipping
+                 "session13": _config(skip_headers=["cuda/pipeline"]),  # before <cooperative_groups.h> was left out
                  "no-nvcc-split": _config(nvcc_split=False),
                  "cta-tiles": _config(cta_tiles=True),
                  "cta-tiles-session12": _config(cta_tiles=True, pin=False, skip_headers=False),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -154,6 +154,16 @@ pinned)  # KV tiles pinned at compile time and <cuda/pipeline> left out (session
     --fivar-configs default,session12,cta-tiles,unpinned,keep-headers --prewarm-configs default,session12 \
     --json "$OUT/bench_compile_pinned.json" 2>&1 | quiet | tee "$OUT/bench_compile_pinned.log" | tail -24
   (time timeout 200 python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
+standin)  # <cooperative_groups.h> left out of FA2 prefill units (session 14), call 1 of 2: one module's cold compile
+  # by default and as in session 13, against FlashInfer's gen_customize (2 alternating rounds), prewarms of 8 each way;
+  # nvcc's phases per unit both ways; then the FA2 modules of every bundled variant (for `pinned-tests`)
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout 300 python3 benchmarks/bench_compile.py --repeat 2 --hits 20000 \
+    --fivar-configs default,session13,keep-headers --prewarm-configs default,session13 \
+    --json "$OUT/bench_compile_standin.json" 2>&1 | quiet | tee "$OUT/bench_compile_standin.log" | tail -24
+  timeout 120 python3 benchmarks/nvcc_phases.py softcap --configs default,session13 --rounds 2 \
+    --json "$OUT/nvcc_phases_standin.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_standin.log" | tail -6
+  (time timeout 150 python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
 pinned-tests)  # call 2 of 2, on the warm machine: the FA2 and decode GPU tests on pinned modules, the refusal of a
   # module pinned for another GPU, and FA2 soft-cap speed against stock FA2
   FIVAR_TRITON_AUTOTUNE=0 timeout 430 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
