@@ -82,19 +82,21 @@ t0 = time.perf_counter(); kind = m.build(); print(json.dumps({"kind": kind, "s":
 #: gen_module options of the fivar builds --fivar-configs can compare (each renders another URI).
 #: Every option spelled out, so that no environment setting (FIVAR_SPLIT_CTA_TILES, FIVAR_NVCC_SPLIT_COMPILE) makes two
 #: of them the same module; "default" is fivar's default.
-def _config(cta_tiles=False, nvcc_split=True, pin=True, skip_headers=True):
+def _config(cta_tiles=False, nvcc_split=True, pin=True, skip_headers=True, parallel_passes=True):
     return {"split_cta_tiles": cta_tiles, "nvcc_split_compile": nvcc_split, "pin_kv_tiles": pin,
-            "skip_unused_headers": skip_headers}
+            "skip_unused_headers": skip_headers, "nvcc_parallel_passes": parallel_passes}
 
 
 FIVAR_CONFIGS = {"default": _config(),
                  "unpinned": _config(pin=False),
                  "keep-headers": _config(skip_headers=False),
-                 "session12": _config(pin=False, skip_headers=False),  # the default before pinning and skipping
-                 "session13": _config(skip_headers=["cuda/pipeline"]),  # before <cooperative_groups.h> was left out
+                 "serial-passes": _config(parallel_passes=False),
+                 # the defaults of earlier sessions
+                 "session12": _config(pin=False, skip_headers=False, parallel_passes=False),
+                 "session13": _config(skip_headers=["cuda/pipeline"], parallel_passes=False),
                  "no-nvcc-split": _config(nvcc_split=False),
                  "cta-tiles": _config(cta_tiles=True),
-                 "cta-tiles-session12": _config(cta_tiles=True, pin=False, skip_headers=False),
+                 "cta-tiles-session12": _config(cta_tiles=True, pin=False, skip_headers=False, parallel_passes=False),
                  "cta-tiles-no-nvcc-split": _config(cta_tiles=True, nvcc_split=False)}
 
 
@@ -133,6 +135,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-load", action="store_true", help="compile only (no GPU): hits are build() checks")
     ap.add_argument("--skip-flashinfer", action="store_true", help="skip FlashInfer's gen_customize path")
+    ap.add_argument("--flashinfer-nvcc-threads", type=int, default=0, help="also time FlashInfer's path with "
+                    "FLASHINFER_NVCC_THREADS=N (its own switch for nvcc's --threads; default 1)")
     ap.add_argument("--fivar-configs", default="default", help="comma-separated fivar builds of the same module, "
                     f"each timed cold in turn (first: the headline): {', '.join(FIVAR_CONFIGS)}")
     ap.add_argument("--repeat", type=int, default=1, help="cold compiles of each (alternating fivar and "
@@ -193,14 +197,23 @@ def main() -> int:
     if not args.skip_flashinfer:
         fi_spec = flashinfer_customize_spec(v, m.uri, args.dtype, args.head_dim)
         res["flashinfer_units"] = len(fi_spec.sources)
+    fi_threads = f"flashinfer-threads{args.flashinfer_nvcc_threads}"
+    fi_threads_spec = None
+    if fi_spec is not None and args.flashinfer_nvcc_threads > 1:
+        os.environ["FLASHINFER_NVCC_THREADS"] = str(args.flashinfer_nvcc_threads)  # read when the spec is made
+        fi_threads_spec = flashinfer_customize_spec(v, f"t{args.flashinfer_nvcc_threads}_{m.uri}", args.dtype,
+                                                    args.head_dim)
+        del os.environ["FLASHINFER_NVCC_THREADS"]
     res["fivar_units"] = sum(n.endswith(".cu") for n in m.sources)
-    runs: dict[str, list] = {"fivar": [], "flashinfer": [], **{c: [] for c in configs[1:]}}
+    runs: dict[str, list] = {"fivar": [], "flashinfer": [], **{c: [] for c in configs[1:]},
+                             **({fi_threads: []} if fi_threads_spec else {})}
     for i in range(max(1, args.repeat)):
         if i:  # make the next run cold again: drop build outputs, keep the generated sources
             for x in fivar_mods.values():
                 shutil.rmtree(x.build_dir, ignore_errors=True)
-            if fi_spec is not None:
-                shutil.rmtree(fi_spec.build_dir, ignore_errors=True)
+            for spec in (fi_spec, fi_threads_spec):
+                if spec is not None:
+                    shutil.rmtree(spec.build_dir, ignore_errors=True)
         for c, x in fivar_mods.items():
             load0 = os.getloadavg()[0]
             c0, t0 = child_cpu(), time.perf_counter()
@@ -217,6 +230,12 @@ def main() -> int:
             runs["flashinfer"].append((time.perf_counter() - t0, child_cpu() - c0, load0))
             print(f"FlashInfer gen_customize cold compile: {runs['flashinfer'][-1][0]:.1f} s, "
                   f"{runs['flashinfer'][-1][1]:.1f} CPU-s (load before {load0:.2f})", flush=True)
+        if fi_threads_spec is not None:
+            c0, t0 = child_cpu(), time.perf_counter()
+            fi_threads_spec.build(need_lock=True)
+            runs[fi_threads].append((time.perf_counter() - t0, child_cpu() - c0, os.getloadavg()[0]))
+            print(f"FlashInfer gen_customize, FLASHINFER_NVCC_THREADS={args.flashinfer_nvcc_threads}, cold compile: "
+                  f"{runs[fi_threads][-1][0]:.1f} s, {runs[fi_threads][-1][1]:.1f} CPU-s", flush=True)
     res["cold_runs"] = runs
     res["fivar_cold_s"], res["fivar_cold_cpu_s"] = median(runs["fivar"], 0), median(runs["fivar"], 1)
     for c in configs:
@@ -230,6 +249,11 @@ def main() -> int:
             r = res["fivar_configs"][c]
             r["ratio_over_flashinfer"] = r["cold_s"] / res["flashinfer_cold_s"]
             print(f"cold compile ratio fivar [{c}]/FlashInfer: {r['ratio_over_flashinfer']:.2f}", flush=True)
+        if runs.get(fi_threads):
+            res[fi_threads] = {"cold_s": median(runs[fi_threads], 0), "cold_cpu_s": median(runs[fi_threads], 1),
+                               "fivar_over_it": res["fivar_cold_s"] / median(runs[fi_threads], 0)}
+            print(f"cold compile ratio fivar/FlashInfer with FLASHINFER_NVCC_THREADS={args.flashinfer_nvcc_threads}: "
+                  f"{res[fi_threads]['fivar_over_it']:.2f}", flush=True)
     if load and fi_spec is not None:
         fi_spec.build_and_load()  # untimed: the reference module is loadable too
 
@@ -341,6 +365,10 @@ def print_table(res: dict) -> None:
         extra = f"; fivar/FlashInfer {r['ratio_over_flashinfer']:.2f}" if "ratio_over_flashinfer" in r else ""
         t.add_row(f"cold compile, fivar {c} ({r['units']} units)",
                   f"{r['cold_s']:.1f} s wall, {r['cold_cpu_s']:.1f} s CPU{extra}")
+    for key, r in res.items():
+        if key.startswith("flashinfer-threads"):
+            t.add_row(f"cold compile, FlashInfer gen_customize with FLASHINFER_NVCC_THREADS={key[18:]}",
+                      f"{r['cold_s']:.1f} s wall, {r['cold_cpu_s']:.1f} s CPU; fivar/it {r['fivar_over_it']:.2f}")
     if len(res["cold_runs"]["fivar"]) > 1:
         t.add_row("  cold runs (wall s: fivar | FlashInfer)",
                   " ".join(f"{r[0]:.1f}" for r in res["cold_runs"]["fivar"]) + " | " +

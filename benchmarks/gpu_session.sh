@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -164,6 +164,18 @@ standin)  # <cooperative_groups.h> left out of FA2 prefill units (session 14), c
   timeout 120 python3 benchmarks/nvcc_phases.py softcap --configs default,session13 --rounds 2 \
     --json "$OUT/nvcc_phases_standin.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_standin.log" | tail -6
   (time timeout 150 python3 benchmarks/prewarm_gpu.py --triton) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log" ;;
+passes)  # nvcc's host and device passes side by side (session 14), one call: one module's cold compile by default,
+  # with the passes in turn, and as in session 13, against FlashInfer's gen_customize as shipped and with
+  # FLASHINFER_NVCC_THREADS=2 (3 alternating rounds); prewarms of 8; nvcc's phases per unit, FA2 and an FA3 kernel unit
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout 330 python3 benchmarks/bench_compile.py --repeat 3 --hits 20000 --flashinfer-nvcc-threads 2 \
+    --fivar-configs default,serial-passes,session13 --prewarm-configs default,session13 \
+    --json "$OUT/bench_compile_passes.json" 2>&1 | quiet | tee "$OUT/bench_compile_passes.log" | tail -26
+  timeout 100 python3 benchmarks/nvcc_phases.py softcap --configs default,serial-passes --rounds 2 \
+    --json "$OUT/nvcc_phases_passes_fa2.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_passes_fa2.log" | tail -6
+  timeout 140 python3 benchmarks/nvcc_phases.py softcap --target fa3 --configs default,serial-passes --rounds 1 \
+    --units single_prefill_sm90_kernel_mask_0.cu,single_prefill_sm90_jit_binding.cu \
+    --json "$OUT/nvcc_phases_passes_fa3.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_passes_fa3.log" | tail -4 ;;
 pinned-tests)  # call 2 of 2, on the warm machine: the FA2 and decode GPU tests on pinned modules, the refusal of a
   # module pinned for another GPU, and FA2 soft-cap speed against stock FA2
   FIVAR_TRITON_AUTOTUNE=0 timeout 430 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \

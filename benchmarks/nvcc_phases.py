@@ -62,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variant", nargs="?", default="softcap")
     ap.add_argument("--op", default="single_prefill")
+    ap.add_argument("--target", default="fa2", choices=["fa2", "fa3"])
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--configs", default="default,session13")
@@ -76,8 +77,10 @@ def main() -> None:
 
     variant = fivar.load(args.variant)
     configs = args.configs.split(",")
-    commands = {c: unit_commands(gen_module(variant, op=args.op, dtype=args.dtype, head_dim=args.head_dim,
-                                            **FIVAR_CONFIGS[c])) for c in configs}
+    def options(c: str) -> dict:  # FA3 takes only the options that apply to it
+        return FIVAR_CONFIGS[c] if args.target == "fa2" else {"nvcc_parallel_passes": FIVAR_CONFIGS[c]["nvcc_parallel_passes"]}
+    commands = {c: unit_commands(gen_module(variant, op=args.op, target=args.target, dtype=args.dtype,
+                                            head_dim=args.head_dim, **options(c))) for c in configs}
     wanted = set(filter(None, args.units.split(",")))
     runs: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,13 +89,13 @@ def main() -> None:
                 for unit, cmd in commands[c].items():
                     if not wanted or unit in wanted:
                         runs.setdefault((c, unit), []).append(time_unit(cmd, Path(tmp)))
-    result = {"variant": args.variant, "op": args.op, "dtype": args.dtype, "head_dim": args.head_dim,
+    result = {"variant": args.variant, "op": args.op, "target": args.target, "dtype": args.dtype, "head_dim": args.head_dim,
               "cpus": os.cpu_count(), "split_compile_threads": split_compile_threads(), "rounds": args.rounds,
               "date": time.strftime("%Y-%m-%d"), "units": []}
     for (c, unit), rs in runs.items():
         phases = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in rs[0]}
         result["units"].append({"config": c, "unit": unit, "ms": {k: round(v) for k, v in phases.items()}})
-        print(f"{c:>12} {unit:<36} wall {phases['wall'] / 1000:5.2f} s  " +
+        print(f"{c:>13} {unit:<40} wall {phases['wall'] / 1000:5.2f} s  " +
               "  ".join(f"{k} {v:.0f}" for k, v in phases.items() if k not in ("wall", "nvcc (driver)")))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -164,6 +164,8 @@ def _option_labels(options: dict) -> list[str]:
         out.append("cta-split")
     if options.get("nvcc_split_compile") is False:
         out.append("no-split-compile")
+    if options.get("nvcc_parallel_passes") is False:
+        out.append("serial-passes")
     return out
 
 
@@ -256,6 +258,7 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
             options = dict(man.get("options", {}))
             if man.get("target") == "fa3" and "cta_tile" not in options:
                 options["cta_tile"] = "flashinfer"  # recorded before fivar had tiles: built with FlashInfer's
+            options.setdefault("nvcc_parallel_passes", False)  # recorded before session 14: nvcc's passes in turn
             if man.get("target") == "fa3":
                 options.setdefault("bounded_softmax", False)  # recorded before fivar had it: built without
             else:

@@ -488,8 +488,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
                exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
                bounded_softmax: bool | None = None, nvcc_split_compile: bool | None = None,
-               pin_kv_tiles: bool | None = None,
-               skip_unused_headers: bool | Collection[str] | None = None) -> FivarModule:
+               pin_kv_tiles: bool | None = None, skip_unused_headers: bool | Collection[str] | None = None,
+               nvcc_parallel_passes: bool | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
@@ -505,7 +505,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     only the KV tile the target archs' shared memory selects (fivar.jit.pinned_kv_tiles; default on where it applies,
     FIVAR_PIN_KV_TILES=0 turns it off). `skip_unused_headers`: FA2 units leave out headers FlashInfer includes but
     hardly uses, <cuda/pipeline> and <cooperative_groups.h> (fivar.jit.unused_headers; True: each where its check
-    passes, the default unless FIVAR_SKIP_UNUSED_HEADERS=0; False: none; or a list of header names)."""
+    passes, the default unless FIVAR_SKIP_UNUSED_HEADERS=0; False: none; or a list of header names).
+    `nvcc_parallel_passes`: nvcc runs each unit's host pass beside its device pass (toolchain.parallel_passes_flags;
+    FA2 and FA3; default on, FIVAR_NVCC_PARALLEL_PASSES=0 turns it off)."""
     if split_cta_tiles is None:
         split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
     if op not in OPS:
@@ -603,15 +605,17 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         for name in [n for n in sources if n.endswith(".cu")]:
             sources[name] = unused_headers.prefix(skipped) + sources[name]
         sources.update(unused_headers.stand_in_sources(skipped))
+    nvcc_parallel_passes = toolchain.switch(toolchain.PARALLEL_PASSES_ENV, nvcc_parallel_passes, "nvcc_parallel_passes")
     if target == "fa3":
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
     else:
         nvcc_split_compile = toolchain.split_compile_on(nvcc_split_compile)
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
+    cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
-    options = {"row_runs": row_runs, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
+    options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
                                          "bounded_softmax": logits_range is not None}
                                         if target == "fa3" else {"split_cta_tiles": bool(split),
                                                                  "nvcc_split_compile": nvcc_split_compile,
@@ -663,7 +667,8 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
                                                   fa3.BOUNDED_SOFTMAX_ENV, toolchain.SPLIT_COMPILE_ENV,
-                                                  pinned_kv_tiles.ENV, unused_headers.ENV))
+                                                  pinned_kv_tiles.ENV, unused_headers.ENV,
+                                                  toolchain.PARALLEL_PASSES_ENV))
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
     m = _memo.get(key)
     if m is None or m[0] is not variant:

@@ -203,9 +203,28 @@ def split_compile_flags(on: bool) -> list[str]:
     return [SPLIT_COMPILE_FLAG]
 
 
+PARALLEL_PASSES_ENV = "FIVAR_NVCC_PARALLEL_PASSES"
+PARALLEL_PASSES_FLAG = "--threads"
+
+
+def parallel_passes_flags(on: bool) -> list[str]:
+    """nvcc's --threads for fivar's units (hashed into the URI as PARALLEL_PASSES_FLAG; build_flags adds the count).
+
+    nvcc compiles a .cu in two passes: host (preprocess, cudafe++) and device (preprocess, cicc, ptxas, fatbinary),
+    then the host compiler over cudafe++'s output with the fatbinary embedded. With --threads=1, which FlashInfer
+    passes unless FLASHINFER_NVCC_THREADS says otherwise, it runs them one after the other; with more threads it runs
+    the host pass beside the device passes, even for one arch (nvcc's help says the option is ignored then; a gcc
+    wrapper timing the two preprocessing runs shows them overlap). The output is the same (tests/unit/test_build.py).
+    For a pinned FA2 kernel unit the host pass is about a third of its time (benchmarks/nvcc_phases.py)."""
+    return [PARALLEL_PASSES_FLAG] if on else []
+
+
 def build_flags(cuda_cflags: list[str]) -> list[str]:
-    """A module's hashed flags as nvcc gets them: SPLIT_COMPILE_FLAG with this host's thread count."""
-    return [f"{f}={split_compile_threads()}" if f == SPLIT_COMPILE_FLAG else f for f in cuda_cflags]
+    """A module's hashed flags as nvcc gets them: SPLIT_COMPILE_FLAG with this host's thread count, and
+    PARALLEL_PASSES_FLAG with one thread per target arch plus one for the host pass. Both come after FlashInfer's
+    own --threads in the command line (FlashInfer appends a spec's extra flags last), and nvcc takes the last."""
+    counts = {SPLIT_COMPILE_FLAG: split_compile_threads, PARALLEL_PASSES_FLAG: lambda: len(target_archs()) + 1}
+    return [f"{f}={counts[f]()}" if f in counts else f for f in cuda_cflags]
 
 
 def flashinfer_version() -> str:

@@ -323,6 +323,33 @@ def test_nvcc_split_compile_output_does_not_depend_on_the_thread_count(monkeypat
     assert len(sass[0]) > 4 and sass[0] == sass[1]
 
 
+def test_nvcc_runs_host_and_device_passes_side_by_side_unless_told_not_to(monkeypatch):
+    """--threads in the URI, its count (one per target arch, one for the host pass) on nvcc's command line after
+    FlashInfer's own --threads=1, which nvcc would otherwise take; FIVAR_NVCC_PARALLEL_PASSES=0 leaves it out."""
+    from fivar.jit import toolchain
+    monkeypatch.delenv(toolchain.PARALLEL_PASSES_ENV, raising=False)
+    for target in ("fa2", "fa3"):
+        m = gen_module(fivar.load("softcap"), op="single_prefill", target=target)
+        assert "--threads" in m.cuda_cflags and m.options["nvcc_parallel_passes"] is True
+        for unit in m.jit_spec().get_compile_commands():
+            assert re.findall(r"--threads=(\d+)", unit["command"])[-1] == str(len(toolchain.target_archs()) + 1)
+        serial = gen_module(fivar.load("softcap"), op="single_prefill", target=target, nvcc_parallel_passes=False)
+        assert "--threads" not in serial.cuda_cflags and serial.uri != m.uri
+    monkeypatch.setenv(toolchain.PARALLEL_PASSES_ENV, "0")
+    assert gen_module(fivar.load("softcap"), op="single_prefill").options["nvcc_parallel_passes"] is False
+
+
+@requires_nvcc
+@requires_cuobjdump
+def test_parallel_passes_compile_to_the_same_sass():
+    v = fivar.load("sigmoid")
+    side_by_side = gen_module(v, op="single_prefill", dtype="fp16", head_dim=64, nvcc_parallel_passes=True)
+    serial = gen_module(v, op="single_prefill", dtype="fp16", head_dim=64, nvcc_parallel_passes=False)
+    build_many([side_by_side, serial])
+    sass = _sass(side_by_side.library_path)
+    assert len(sass) >= 2 * 3 and sass == _sass(serial.library_path)
+
+
 @requires_nvcc
 def test_batch_prefill_and_decode_modules_compile():
     modules = [gen_module(fivar.load("document_mask"), op="batch_prefill", split_cta_tiles=True),
@@ -436,7 +463,8 @@ def test_kv_tiles_are_pinned_only_for_archs_of_one_known_shared_memory(monkeypat
 
 
 @pytest.mark.parametrize("env,option", [("FIVAR_PIN_KV_TILES", "pin_kv_tiles"),
-                                        ("FIVAR_SKIP_UNUSED_HEADERS", "skip_unused_headers")])
+                                        ("FIVAR_SKIP_UNUSED_HEADERS", "skip_unused_headers"),
+                                        ("FIVAR_NVCC_PARALLEL_PASSES", "nvcc_parallel_passes")])
 def test_fa2_build_switches_refuse_what_they_cannot_read(monkeypatch, env, option):
     """Unset or 1: on; 0: off; anything else ('false', 'off') is an error naming the variable, not silently on."""
     for text in ("false", "off", "2"):

@@ -142,6 +142,7 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     monkeypatch.setenv("FIVAR_NVCC_SPLIT_COMPILE", "1")  # and FA2 modules without nvcc's --split-compile,
     monkeypatch.setenv("FIVAR_PIN_KV_TILES", "0")  # with FlashInfer's run-time KV tiles
     monkeypatch.setenv("FIVAR_SKIP_UNUSED_HEADERS", "0")  # and <cuda/pipeline>
+    monkeypatch.setenv("FIVAR_NVCC_PARALLEL_PASSES", "0")  # and nvcc's passes one after the other
     assert fa2_split.options["pin_kv_tiles"] and fa2_split.options["skip_unused_headers"]
     mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri, fa3_tile.uri, fa2_threads.uri}
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
@@ -155,6 +156,7 @@ def test_option_labels_tell_apart_modules_of_one_variant():
     assert cache_cli._option_labels({"split_cta_tiles": True, "nvcc_split_compile": False}) == [
         "cta-split", "no-split-compile"]
     assert cache_cli._option_labels({"split_cta_tiles": False, "nvcc_split_compile": True, "row_runs": False}) == []
+    assert cache_cli._option_labels({"nvcc_parallel_passes": False}) == ["serial-passes"]
 
 
 def test_a_fa2_manifest_from_before_nvcc_split_compile_renders_without_it(iso, monkeypatch):
@@ -162,12 +164,13 @@ def test_a_fa2_manifest_from_before_nvcc_split_compile_renders_without_it(iso, m
     <cuda/pipeline> (session 13) were built without them: still fresh."""
     _, _, vfile = iso
     m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", nvcc_split_compile=False,
-                              pin_kv_tiles=False, skip_unused_headers=False))
+                              pin_kv_tiles=False, skip_unused_headers=False, nvcc_parallel_passes=False))
     man = json.loads(m.manifest_path.read_text())
-    for option in ("nvcc_split_compile", "pin_kv_tiles", "skip_unused_headers"):
+    for option in ("nvcc_split_compile", "pin_kv_tiles", "skip_unused_headers", "nvcc_parallel_passes"):
         del man["options"][option]
     m.manifest_path.write_text(json.dumps(man))
-    for env in ("FIVAR_NVCC_SPLIT_COMPILE", "FIVAR_PIN_KV_TILES", "FIVAR_SKIP_UNUSED_HEADERS"):
+    for env in ("FIVAR_NVCC_SPLIT_COMPILE", "FIVAR_PIN_KV_TILES", "FIVAR_SKIP_UNUSED_HEADERS",
+                "FIVAR_NVCC_PARALLEL_PASSES"):
         monkeypatch.delenv(env, raising=False)  # today's defaults would render another module
     row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
     assert row["stale"] is False, row
@@ -195,9 +198,11 @@ def test_a_manifest_from_before_cta_tiles_renders_with_flashinfers_tiles(iso, mo
     this process's FIVAR_FA3_CTA_TILE says (even a value that is not a tile)."""
     from fivar.codegen.fa3 import CTA_TILE_ENV
     _, _, vfile = iso
-    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3", cta_tile="flashinfer"))
+    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3", cta_tile="flashinfer",
+                              nvcc_parallel_passes=False))
     man = json.loads(m.manifest_path.read_text())
     del man["options"]["cta_tile"]
+    del man["options"]["nvcc_parallel_passes"]  # nor had nvcc's passes run side by side (session 14)
     m.manifest_path.write_text(json.dumps(man))
     for env in ("128x176", "not-a-tile"):
         monkeypatch.setenv(CTA_TILE_ENV, env)
