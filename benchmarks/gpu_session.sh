@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -175,6 +175,15 @@ passes)  # nvcc's host and device passes side by side (session 14), one call: on
     --json "$OUT/nvcc_phases_passes_fa2.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_passes_fa2.log" | tail -6
   timeout 140 python3 benchmarks/nvcc_phases.py softcap --target fa3 --configs default,serial-passes --rounds 1 \
     --units single_prefill_sm90_kernel_mask_0.cu,single_prefill_sm90_jit_binding.cu \
+    --json "$OUT/nvcc_phases_passes_fa3.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_passes_fa3.log" | tail -4 ;;
+passes-again)  # `passes` on another machine (hosts differ by more than the changes do): the cold compiles again,
+  # no prewarm, then nvcc's phases for an FA3 kernel unit with its passes side by side and in turn
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout 300 python3 benchmarks/bench_compile.py --repeat 3 --hits 20000 --flashinfer-nvcc-threads 2 \
+    --fivar-configs default,serial-passes,session13 --prewarm-count 0 \
+    --json "$OUT/bench_compile_passes_again.json" 2>&1 | quiet | tee "$OUT/bench_compile_passes_again.log" | tail -22
+  timeout 240 python3 benchmarks/nvcc_phases.py softcap --target fa3 --configs default,serial-passes --rounds 1 \
+    --units single_prefill_sm90_kernel_mask_0.cu \
     --json "$OUT/nvcc_phases_passes_fa3.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_passes_fa3.log" | tail -4 ;;
 pinned-tests)  # call 2 of 2, on the warm machine: the FA2 and decode GPU tests on pinned modules, the refusal of a
   # module pinned for another GPU, and FA2 soft-cap speed against stock FA2
