@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -185,6 +185,14 @@ passes-again)  # `passes` on another machine (hosts differ by more than the chan
   timeout 240 python3 benchmarks/nvcc_phases.py softcap --target fa3 --configs default,serial-passes --rounds 1 \
     --units single_prefill_sm90_kernel_mask_0.cu \
     --json "$OUT/nvcc_phases_passes_fa3.json" 2>&1 | quiet | tee "$OUT/nvcc_phases_passes_fa3.log" | tail -4 ;;
+prewarm-jobs)  # prewarm of 8 modules at ninja -j 16, 24 and 32 on 16 cores (session 14): does running more units than
+  # cores at once fill the cores that the units' serial phases leave idle?
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  for j in 16 24 32 16 24 32; do
+    timeout 100 python3 benchmarks/bench_compile.py --skip-flashinfer --hits 1000 --jobs $j \
+      --json "$OUT/bench_prewarm_jobs$j.json" 2>&1 | quiet | grep "prewarm 8\|ideal" | sed "s/^/-j $j /"
+    cp "$OUT/bench_prewarm_jobs$j.json" "$OUT/bench_prewarm_jobs${j}_$(date +%s).json"
+  done ;;
 pinned-tests)  # call 2 of 2, on the warm machine: the FA2 and decode GPU tests on pinned modules, the refusal of a
   # module pinned for another GPU, and FA2 soft-cap speed against stock FA2
   FIVAR_TRITON_AUTOTUNE=0 timeout 430 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
