@@ -344,7 +344,7 @@ def format_program_expr(e):
 @click.option("--head-dims", default="128", show_default=True)
 @click.option("--arch", default=None, help="e.g. 9.0a; default: FLASHINFER_CUDA_ARCH_LIST or the visible GPU")
 @click.option("--jobs", type=int, default=None,
-              help="parallel nvcc jobs (default: MAX_JOBS, else min(cores, MemAvailable / 3 GiB))")
+              help="parallel nvcc jobs (default: MAX_JOBS, else min(1.5 x cores, MemAvailable / 3 GiB))")
 @click.option("--launcher", default=None, help="compiler launcher for nvcc and c++, e.g. sccache or ccache")
 def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, launcher):
     """Compile variants through FlashInfer's JIT (cached: unchanged modules are hits)."""

@@ -33,12 +33,19 @@ def cpu_count() -> int:
 
 
 def default_jobs() -> tuple[int, str]:
-    """min(cores, MemAvailable / 3 GiB), at least 1; with the reasoning, for the CLI to print."""
+    """min(1.5 x cores, MemAvailable / 3 GiB), at least 1; with the reasoning, for the CLI to print.
+
+    Half again as many jobs as cores: a prewarm's units are of a few sizes, so with one job per core the last wave
+    leaves cores idle (8 FA2 modules are 24 units: 16, then 8 on 16 cores), and an nvcc unit spends phases waiting
+    on files. Measured on 16 cores (H200 host, 2026-11-22, benchmarks/results/bench_prewarm_jobs*_h200_session14.json):
+    -j 16 took 15.2 and 16.5 s (73-74% of CPU-seconds / cores), -j 24 12.8 and 14.6 s (90%), -j 32 14.2 and 14.6 s."""
     cores, mem = cpu_count(), mem_available()
+    by_cores = max(1, cores * 3 // 2)
     if mem is None:
-        return cores, f"{cores} cores"
+        return by_cores, f"1.5 x {cores} cores"
     by_mem = max(1, mem // MEM_PER_NVCC_JOB)
-    return max(1, min(cores, by_mem)), f"min({cores} cores, {mem / GIB:.1f} GiB available / 3 GiB per nvcc job)"
+    return max(1, min(by_cores, by_mem)), \
+        f"min(1.5 x {cores} cores, {mem / GIB:.1f} GiB available / 3 GiB per nvcc job)"
 
 
 def configure_jobs(jobs: int | None) -> tuple[int, str]:
