@@ -7,7 +7,8 @@ FlashInfer 0.7.2's FA2 sources include do nothing for them:
 - <cooperative_groups.h> (prefill.cuh, decode.cuh): prefill uses only `cg::this_thread_block()` and that group's
   `sync()`, which csrc/fivar_thread_block.cuh defines as the header does (with its include guard). The kernel unit
   then took 7.1 -> 6.2 s. Decode also uses `this_grid()`, so decode modules keep the header.
-(2-core host, nvcc --time: benchmarks/results/nvcc_phases_fa2_unit_cpu_session13.txt and ..._session14.txt.) The
+(2-core host, nvcc --time: benchmarks/results/nvcc_phases_fa2_unit_cpu_session13.txt and
+nvcc_phases_standin_cpu_session14.json.) The
 kernels' SASS is the same either way (tests/unit/test_build.py).
 
 A header is left out by defining its include guard (or including its stand-in) at the top of each FA2 unit, and only
