@@ -35,15 +35,15 @@ def test_fa2_units_compile_with_nvcc_split_compile(monkeypatch):
     monkeypatch.delenv(toolchain.SPLIT_COMPILE_ENV, raising=False)
     v = fivar.load("softcap")
     on, off = gen_module(v), gen_module(v, nvcc_split_compile=False)
-    assert on.cuda_cflags == ["--split-compile"] and on.options["nvcc_split_compile"] is True
-    assert off.cuda_cflags == [] and off.options["nvcc_split_compile"] is False and off.uri != on.uri
-    assert gen_module(v, op="batch_decode").cuda_cflags == ["--split-compile"]
+    assert on.cuda_cflags == ["--split-compile", "--threads"] and on.options["nvcc_split_compile"] is True
+    assert off.cuda_cflags == ["--threads"] and off.options["nvcc_split_compile"] is False and off.uri != on.uri
+    assert gen_module(v, op="batch_decode").cuda_cflags == ["--split-compile", "--threads"]
     assert not any("split-compile" in f for f in gen_module(v, target="fa3").cuda_cflags)
     for cores, threads in ((1, 2), (2, 2), (6, 3), (16, 8), (128, 8)):
         monkeypatch.setattr(prewarm, "cpu_count", lambda c=cores: c)
-        assert toolchain.build_flags(on.cuda_cflags) == [f"--split-compile={threads}"]
+        assert toolchain.build_flags(on.cuda_cflags)[0] == f"--split-compile={threads}"
     monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, "12")
-    assert toolchain.build_flags(on.cuda_cflags) == ["--split-compile=12"] and gen_module(v).uri == on.uri
+    assert toolchain.build_flags(on.cuda_cflags)[0] == "--split-compile=12" and gen_module(v).uri == on.uri
     monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, "1")
     assert gen_module(v).uri == off.uri and module_for(v, "single_prefill", "fa2", "bf16", 128).uri == off.uri
     for bad in ("0", "-2", "four", "\u00b2"):
@@ -339,15 +339,22 @@ def test_nvcc_runs_host_and_device_passes_side_by_side_unless_told_not_to(monkey
     assert gen_module(fivar.load("softcap"), op="single_prefill").options["nvcc_parallel_passes"] is False
 
 
+def _assert_same_sass(variant: str, one: dict, other: dict, **module):
+    """Builds a single-prefill module with gen_module options `one` and with `other`: another URI, the same kernels
+    (at least 6: prefill kernels per CTA tile and the split-KV merge kernels), instruction for instruction."""
+    a, b = (gen_module(fivar.load(variant), op="single_prefill", **module, **opts) for opts in (one, other))
+    assert a.uri != b.uri
+    build_many([a, b])
+    sass = _sass(a.library_path)
+    assert len(sass) >= 2 * 3 and sass == _sass(b.library_path)
+    return a, b
+
+
 @requires_nvcc
 @requires_cuobjdump
 def test_parallel_passes_compile_to_the_same_sass():
-    v = fivar.load("sigmoid")
-    side_by_side = gen_module(v, op="single_prefill", dtype="fp16", head_dim=64, nvcc_parallel_passes=True)
-    serial = gen_module(v, op="single_prefill", dtype="fp16", head_dim=64, nvcc_parallel_passes=False)
-    build_many([side_by_side, serial])
-    sass = _sass(side_by_side.library_path)
-    assert len(sass) >= 2 * 3 and sass == _sass(serial.library_path)
+    _assert_same_sass("sigmoid", {"nvcc_parallel_passes": True}, {"nvcc_parallel_passes": False}, dtype="fp16",
+                      head_dim=64)
 
 
 @requires_nvcc
@@ -632,12 +639,6 @@ def test_fa2_units_without_the_unused_headers_compile_to_the_same_sass(monkeypat
     """<cuda/pipeline> left out and <cooperative_groups.h> replaced by fivar_thread_block.cuh: the same kernels."""
     from fivar.jit import unused_headers as uh
     monkeypatch.delenv(uh.ENV, raising=False)
-    v = fivar.load("document_mask")
-    skipped = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False)
-    kept = gen_module(v, op="single_prefill", dtype="fp16", head_dim=128, split_cta_tiles=False,
-                      skip_unused_headers=False)
+    skipped, _ = _assert_same_sass("document_mask", {}, {"skip_unused_headers": False}, dtype="fp16", head_dim=128,
+                                   split_cta_tiles=False)
     assert skipped.options["skip_unused_headers"] == ["cuda/pipeline", "cooperative_groups.h"]
-    assert skipped.uri != kept.uri
-    build_many([skipped, kept])
-    sass = _sass(skipped.library_path)
-    assert len(sass) >= 2 * 3 and sass == _sass(kept.library_path)
