@@ -615,12 +615,12 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
-    options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes, **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
-                                         "bounded_softmax": logits_range is not None}
-                                        if target == "fa3" else {"split_cta_tiles": bool(split),
-                                                                 "nvcc_split_compile": nvcc_split_compile,
-                                                                 "pin_kv_tiles": bool(pinned),
-                                                                 "skip_unused_headers": [h.name for h in skipped]})}
+    options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
+               **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
+                   "bounded_softmax": logits_range is not None}
+                  if target == "fa3" else {"split_cta_tiles": bool(split), "nvcc_split_compile": nvcc_split_compile,
+                                           "pin_kv_tiles": bool(pinned),
+                                           "skip_unused_headers": [h.name for h in skipped]})}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 

@@ -6,10 +6,9 @@ FlashInfer 0.7.2's FA2 sources include do nothing for them:
   Left out, a single-prefill kernel unit took 9.3 -> 7.3 s and the host unit 6.4 -> 5.4 s.
 - <cooperative_groups.h> (prefill.cuh, decode.cuh): prefill uses only `cg::this_thread_block()` and that group's
   `sync()`, which csrc/fivar_thread_block.cuh defines as the header does (with its include guard). The kernel unit
-  then took 7.1 -> 6.2 s. Decode also uses `this_grid()`, so decode modules keep the header.
+  then took 6.9 -> 5.9 s. Decode also uses `this_grid()`, so decode modules keep the header.
 (2-core host, nvcc --time: benchmarks/results/nvcc_phases_fa2_unit_cpu_session13.txt and
-nvcc_phases_standin_cpu_session14.json.) The
-kernels' SASS is the same either way (tests/unit/test_build.py).
+nvcc_phases_standin_cpu_session14.json.) The kernels' SASS is the same either way (tests/unit/test_build.py).
 
 A header is left out by defining its include guard (or including its stand-in) at the top of each FA2 unit, and only
 after checking every FlashInfer file reachable from the module's sources: libcu++ names (`cuda::...`) must all come
@@ -36,8 +35,9 @@ ENV = "FIVAR_SKIP_UNUSED_HEADERS"
 #: (<cuda/std/limits> in math.cuh and prefill.cuh, <cuda/cmath> in fastdiv.cuh).
 PROVIDED_ELSEWHERE = frozenset({"cuda::std::numeric_limits", "cuda::fast_mod_div"})
 _INCLUDE = re.compile(r'#\s*include\s*[<"]([^>"]+)[>"]')
-_CUDA_NAME = re.compile(r"\bcuda::\w+(?:::\w+)*")
-_CODE_ONLY = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"', re.S)  # comments and string literals go
+_CUDA_NAME = re.compile(r"cuda::\w+(?:::\w+)*")
+#: comments, string literals and character literals ('"' would otherwise open a string)
+_CODE_ONLY = re.compile(r"""//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])'""", re.S)
 _warned: set[str] = set()
 
 
@@ -56,31 +56,42 @@ class UnusedHeader:
                "(fivar/jit/unused_headers.py)\n"
 
 
+def _words(pattern: str | re.Pattern, code: str) -> list[re.Match]:
+    """Matches of `pattern` that start a word: what a leading \\b would say, but a pattern that starts with plain text
+    lets re skip to that text, while a leading \\b makes it try every position (~50x slower on FlashInfer's headers,
+    10 ms a scan, and gen_module runs these checks on its first call in a process)."""
+    return [m for m in re.finditer(pattern, code)
+            if m.start() == 0 or not (code[m.start() - 1].isalnum() or code[m.start() - 1] == "_")]
+
+
 def _libcu_names(header: str, fname: str, code: str) -> str | None:
-    used = {n for n in _CUDA_NAME.findall(code) if n not in PROVIDED_ELSEWHERE}
+    used = {m.group() for m in _words(_CUDA_NAME, code) if m.group() not in PROVIDED_ELSEWHERE}
     if used:
         return f"{fname} uses {', '.join(sorted(used))}, which <{header}> may provide"
     return None
 
 
 def _thread_block_sync_only(header: str, fname: str, code: str) -> str | None:
-    """Cooperative groups used only as `auto b = cg::this_thread_block(); ... b.sync();` (all fivar_thread_block.cuh has)."""
+    """Cooperative groups used only as `auto b = cg::this_thread_block(); ... b.sync();` (what fivar_thread_block.cuh
+    has)."""
     problem = _libcu_names(header, fname, code)  # the header brings <cuda/atomic> and libcu++ type traits
     if problem or "cooperative_groups" not in code:
         return problem
-    aliases = {"cooperative_groups", *re.findall(r"\bnamespace\s+(\w+)\s*=\s*cooperative_groups\s*;", code)}
+    aliases = {"cooperative_groups",
+               *(m.group(1) for m in _words(r"namespace\s+(\w+)\s*=\s*cooperative_groups\s*;", code))}
     ns = "(?:" + "|".join(sorted(aliases)) + ")"
-    if re.search(rf"\busing\s+namespace\s+{ns}\b", code):
+    if _words(rf"using\s+namespace\s+{ns}\b", code):
         return f"{fname} has `using namespace` cooperative groups"
-    other = set(re.findall(rf"\b{ns}::(\w+)", code)) - {"this_thread_block", "thread_block"}
+    other = {m.group(1) for m in _words(rf"{ns}::(\w+)", code)} - {"this_thread_block", "thread_block"}
     if other:
         return f"{fname} uses cooperative_groups::{', '.join(sorted(other))}"
-    blocks = re.findall(rf"\b(?:auto|{ns}::thread_block)\s+(\w+)\s*=\s*{ns}::this_thread_block\(\)\s*;", code)
-    if len(blocks) != len(re.findall(r"\bthis_thread_block\b", code)):
+    blocks = [m.group(1) for m in _words(rf"(?:auto|{ns}::thread_block)\s+(\w+)\s*=\s*{ns}::this_thread_block\(\)\s*;",
+                                         code)]
+    if len(blocks) != len(_words(r"this_thread_block\b", code)):
         return f"{fname} uses this_thread_block() other than as `auto block = cg::this_thread_block();`"
     for var in set(blocks):
-        uses = len(re.findall(rf"\b{var}\b", code))
-        if uses != blocks.count(var) + len(re.findall(rf"\b{var}\s*\.\s*sync\s*\(\s*\)", code)):
+        uses = len(_words(rf"{var}\b", code))
+        if uses != blocks.count(var) + len(_words(rf"{var}\s*\.\s*sync\s*\(\s*\)", code)):
             return f"{fname} uses its thread block `{var}` for more than {var}.sync()"
     return None
 
@@ -112,14 +123,20 @@ def reachable(texts: list[str], include_dir: Path, csrc_dir: Path) -> list[Path]
     return sorted(seen)
 
 
+def _code_of(paths: list[Path]) -> tuple[tuple[str, str], ...]:
+    """(file name, its code without comments and literals) per file: what the checks read."""
+    def code(text: str) -> str:
+        return _CODE_ONLY.sub(lambda m: '""' if m.group()[0] in "\"'" else "", text)
+    return tuple((p.name, code(p.read_text(errors="replace"))) for p in paths)
+
+
+def _first_problem(header: UnusedHeader, files: tuple[tuple[str, str], ...]) -> str | None:
+    return next((why for name, code in files if (why := header.check(header.name, name, code))), None)
+
+
 def problem(header: UnusedHeader, texts: list[str], include_dir: Path, csrc_dir: Path) -> str | None:
     """Why `header` must stay for sources `texts`, judging by the FlashInfer files they reach, or None."""
-    for path in reachable(texts, include_dir, csrc_dir):
-        code = _CODE_ONLY.sub(lambda m: '""' if m.group().startswith('"') else "", path.read_text(errors="replace"))
-        why = header.check(header.name, path.name, code)
-        if why:
-            return why
-    return None
+    return _first_problem(header, _code_of(reachable(texts, include_dir, csrc_dir)))
 
 
 def _search_path() -> list[Path]:
@@ -142,10 +159,15 @@ def guard_problem(header: UnusedHeader, search_path: list[Path]) -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
+def _reachable_code(includes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The FlashInfer files these includes reach, read once per process for every header's check."""
+    return _code_of(reachable(["\n".join(f"#include <{n}>" for n in includes)], *_flashinfer_dirs()))
+
+
+@functools.lru_cache(maxsize=64)
 def _problem_for(name: str, includes: tuple[str, ...]) -> str | None:
     header = BY_NAME[name]
-    return guard_problem(header, _search_path()) or \
-        problem(header, ["\n".join(f"#include <{n}>" for n in includes)], *_flashinfer_dirs())
+    return guard_problem(header, _search_path()) or _first_problem(header, _reachable_code(includes))
 
 
 def wanted(setting: bool | Collection[str] | None) -> tuple[str, ...]:

@@ -599,6 +599,9 @@ def test_cuda_pipeline_stays_when_a_reachable_file_uses_a_libcu_name_it_may_brin
 @pytest.mark.parametrize("use,why", [
     ("auto block = cg::this_thread_block(); block.sync(); block . sync ( );", None),
     ('auto block = cg::this_thread_block(); block.sync(); print("block"); // block.thread_rank()', None),
+    ("auto block = cg::this_thread_block(); block.sync(); char q = '\"'; int r = block.thread_rank(); // \"",
+     "for more than block.sync()"),  # a '"' opens no string literal that would hide the rest of the line
+    ("auto block = cg::this_thread_block(); block.sync(); int my_block = 0; x_block.sync();", None),
     ("auto grid = cg::this_grid(); grid.sync();", "uses cooperative_groups::this_grid"),
     ("auto block = cg::this_thread_block(); int r = block.thread_rank();", "for more than block.sync()"),
     ("auto block = cg::this_thread_block(); reduce(block);", "for more than block.sync()"),
