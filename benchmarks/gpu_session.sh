@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -92,6 +92,11 @@ bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its 
     --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
     --running-max --json "$OUT/bench_bounded.json" 2>&1 | quiet | tee "$OUT/bench_bounded.log" \
     | grep -v "^CheckResult\|passed" | tail -12 ;;
+pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
+  # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${BENCH_S:-540} python3 benchmarks/profile_fa3_pipes.py --seqlen ${SEQLEN:-8192} ${CAUSAL:+--causal} \
+    --out "$OUT" 2>&1 | quiet | tee "$OUT/profile_fa3_pipes.log" | grep -v "^CheckResult\|passed" | tail -8 ;;
 mainjob)  # the README's main job, as a new user types it, in a scratch project: new-variant, build (what auto runs,
   # in parallel), check every entry point, the scaffolded tests, then a bundled variant and the cache's view of it all
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"

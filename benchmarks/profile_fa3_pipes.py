@@ -1,0 +1,229 @@
+"""Where FA3 soft-cap spends its cycles: Nsight Compute's pipe utilisation and warp stalls, kernel by kernel.
+
+    python3 benchmarks/profile_fa3_pipes.py [--seqlen 8192] [--causal] [--out DIR]
+
+#3 asks, where a target is missed, for the reason with evidence. Timing sweeps (exp2 splits, CTA tiles, the
+bounded softmax) say what is faster, not what bounds it. This script builds, in one parallel ninja:
+
+- fivar's soft-cap FA3 single prefill (its default: the bounded softmax, 2 of 8 exp2 columns on the FMA pipe),
+- the same with FIVAR_FA3_EXP2_EMULATION=0 (every exp2 on MUFU),
+- stock FA3 with `logits_soft_cap=30`, and stock FA3 without a cap (no tanh: one MUFU op per score);
+
+checks each against the torch reference on the last 256 query rows, then runs `ncu --clock-control none` (the
+device notes: leave the clocks alone) on one launch of each, bf16, hd128, 32 heads, and reads the raw metrics
+back: the share of cycles each pipe is busy (tensor/wgmma, XU = MUFU, FMA, ALU), instructions issued per cycle,
+and why warps stalled. The raw CSV of every kernel lands in --out; a short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+H, D, CAP = 32, 128, 30.0
+CONTENDERS = ("fivar_fa3", "fivar_fa3_exp2_0", "stock_fa3_softcap", "stock_fa3_plain")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "InstructionStats", "WarpStateStats", "SchedulerStats",
+            "LaunchStats", "Occupancy")
+
+
+def _calls(seqlen, causal):
+    """{contender: a zero-argument call} on fresh random bf16 inputs, and the inputs."""
+    import flashinfer
+    import torch
+
+    import fivar
+    from fivar.codegen.fa3 import exp2_split
+    v = fivar.load("softcap")
+    q, k, vv = (torch.randn(seqlen, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+
+    def emulation_off():
+        with exp2_split(0):
+            return v.prefill(q, k, vv, causal=causal, softcap=CAP, backend="fa3")
+
+    calls = {
+        "fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, softcap=CAP, backend="fa3"),
+        "fivar_fa3_exp2_0": emulation_off,
+        "stock_fa3_softcap": lambda: flashinfer.single_prefill_with_kv_cache(
+            q, k, vv, causal=causal, logits_soft_cap=CAP, backend="fa3"),
+        "stock_fa3_plain": lambda: flashinfer.single_prefill_with_kv_cache(q, k, vv, causal=causal, backend="fa3"),
+    }
+    return calls, (v, q, k, vv)
+
+
+def build(seqlen, causal):
+    """Every module, in one parallel ninja (fivar's) beside FlashInfer's own, before anything is profiled."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashinfer.jit.attention.modules import gen_single_prefill_module
+    from flashinfer.jit.core import build_jit_specs
+
+    import fivar
+    from fivar.codegen.fa3 import exp2_split
+    from fivar.jit.build import build_many, serving_modules
+    v = fivar.load("softcap")
+    mods = serving_modules(v, "single_prefill", "fa3", head_dim=D)
+    with exp2_split(0):
+        mods += serving_modules(v, "single_prefill", "fa3", head_dim=D)
+    bf = torch.bfloat16
+    stock = [gen_single_prefill_module("fa3", bf, bf, bf, D, D, 0, False, cap, False) for cap in (True, False)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        [f.result() for f in (pool.submit(build_many, mods), pool.submit(build_jit_specs, stock))]
+    print(f"built {len(mods)} fivar modules and {len(stock)} stock FA3 modules in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+
+
+def check(seqlen, causal):
+    """Each contender against the reference (last 256 rows), the plain one against a cap-free reference; returns
+    {contender: passed}."""
+    import torch
+
+    from fivar.testing import compare
+    calls, (v, q, k, vv) = _calls(seqlen, causal)
+    ref = v.reference(q[-256:], k, vv, causal=causal, softcap=CAP)
+    scores = torch.einsum("qhd,khd->hqk", q[-256:].float(), k.float()) / D ** 0.5
+    if causal:
+        rows = torch.arange(seqlen - 256, seqlen, device="cuda").view(256, 1)
+        scores = scores.masked_fill(torch.arange(seqlen, device="cuda").view(1, -1) > rows, float("-inf"))
+    plain = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv.float())
+    ok = {}
+    for name, call in calls.items():
+        result = compare("softcap", f"{name} vs reference (last 256 rows)", call()[-256:],
+                         plain if name == "stock_fa3_plain" else ref, torch.bfloat16)
+        print(result, flush=True)
+        ok[name] = result.passed
+    return ok
+
+
+def run_one(name, seqlen, causal, launches=3):
+    import torch
+    calls, _ = _calls(seqlen, causal)
+    for _ in range(launches):
+        calls[name]()
+    torch.cuda.synchronize()
+
+
+def profile(name, seqlen, causal, out_dir):
+    """ncu on the third launch of the contender's prefill kernel; returns {metric: value} from the raw page."""
+    cmd = [_ncu(), "--clock-control", "none", "--kernel-name", "regex:Prefill", "--launch-skip", "2",
+           "--launch-count", "1", "--csv", "--page", "raw"]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    cmd += [sys.executable, __file__, "--run", name, "--seqlen", str(seqlen)] + (["--causal"] if causal else [])
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    with open(os.path.join(out_dir, f"ncu_{name}.csv"), "w") as f:
+        f.write(done.stdout)
+    if done.returncode:
+        with open(os.path.join(out_dir, f"ncu_{name}.err"), "w") as f:
+            f.write(done.stderr)
+    print(f"ncu {name}: rc {done.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return parse_raw(done.stdout)
+
+
+def _ncu():
+    import glob
+    import shutil
+    found = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
+                                             + glob.glob("/usr/local/cuda/bin/ncu")), None)
+    if found is None:
+        raise SystemExit("profile_fa3_pipes.py: Nsight Compute (ncu) not found on PATH, in /opt/nvidia/nsight-compute "
+                         "or /usr/local/cuda/bin")
+    return found
+
+
+def parse_raw(text):
+    """ncu --page raw --csv: a header row of metric names, a units row, then one row per kernel (the first)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if len(lines) < 3:
+        return {}
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    header, units, values = rows[0], rows[1], rows[2]
+    parsed = {}
+    for metric, unit, value in zip(header, units, values):
+        try:
+            parsed[metric] = (float(value.replace(",", "")), unit)
+        except ValueError:
+            parsed[metric] = (value, unit)
+    return parsed
+
+
+# The metrics the table prints (others stay in the CSV): pipe names as GH100 reports them.
+SUMMARY = {
+    "duration_us": ("gpu__time_duration.sum", 1e-3),
+    "sm_clock_ghz": ("sm__cycles_elapsed.avg.per_second", 1e-9),
+    "issue_active_pct": ("sm__issue_active.avg.pct_of_peak_sustained_active", 1),
+    "ipc": ("sm__inst_executed.avg.per_cycle_active", 1),
+    "registers": ("launch__registers_per_thread", 1),
+}
+PIPE_PREFIXES = ("sm__inst_executed_pipe_", "sm__pipe_")
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+
+
+def summarize(raw):
+    row = {}
+    for key, (metric, scale) in SUMMARY.items():
+        value = raw.get(metric, (None,))[0]
+        if isinstance(value, float):
+            unit = raw[metric][1]
+            if key == "duration_us" and unit in ("usecond", "us"):
+                scale = 1
+            elif key == "duration_us" and unit in ("msecond", "ms"):
+                scale = 1e3
+            elif key == "sm_clock_ghz" and unit in ("Ghz", "GHz", "cycle/nsecond"):
+                scale = 1
+            elif key == "sm_clock_ghz" and unit in ("Mhz", "MHz", "cycle/usecond"):
+                scale = 1e-3
+            row[key] = value * scale
+    row["pipes_pct"] = {m: v for m, (v, u) in raw.items()
+                        if m.startswith(PIPE_PREFIXES) and m.endswith("pct_of_peak_sustained_active")
+                        and isinstance(v, float) and v >= 1.0}
+    stalls = {m[len(STALL_PREFIX):].split(".")[0].replace("_per_issue_active", ""): v for m, (v, u) in raw.items()
+              if m.startswith(STALL_PREFIX) and m.endswith("_per_issue_active.ratio") and isinstance(v, float)}
+    row["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:8])
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--run", choices=CONTENDERS, help="(internal) launch one contender, for ncu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "profile-out"))
+    args = ap.parse_args()
+    if args.run:
+        return run_one(args.run, args.seqlen, args.causal)
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+    build(args.seqlen, args.causal)
+    passed = check(args.seqlen, args.causal)
+    report = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), seqlen=args.seqlen,
+                  causal=args.causal, heads=H, head_dim=D, softcap=CAP, kernels={})
+    for name in CONTENDERS:
+        if not passed[name]:
+            report["kernels"][name] = {"error": "failed the reference check; not profiled"}
+            continue
+        report["kernels"][name] = summarize(profile(name, args.seqlen, args.causal, args.out))
+        with open(os.path.join(args.out, "profile_fa3_pipes.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    print(f"\n{report['gpu']}, S={args.seqlen}, causal={args.causal}, bf16, hd{D}, {H} heads, soft-cap {CAP}")
+    for name, row in report["kernels"].items():
+        if "error" in row:
+            print(f"{name}: {row['error']}")
+            continue
+        pipes = ", ".join(f"{m.split('.')[0].replace('sm__inst_executed_pipe_', 'inst:').replace('sm__pipe_', '')}"
+                          f" {v:.0f}%" for m, v in sorted(row["pipes_pct"].items(), key=lambda kv: -kv[1])[:6])
+        stalls = ", ".join(f"{k} {v:.2f}" for k, v in list(row["stalls_per_issue"].items())[:4])
+        print(f"{name}: {row.get('duration_us', float('nan')):.0f} us at {row.get('sm_clock_ghz', float('nan')):.2f} "
+              f"GHz, issue {row.get('issue_active_pct', float('nan')):.0f}%, {row.get('registers', 0):.0f} regs | "
+              f"{pipes} | stalls/issue: {stalls}")
+
+
+if __name__ == "__main__":
+    main()
