@@ -157,8 +157,8 @@ def parse_raw(text):
 # The metrics the table prints (others stay in the CSV): pipe names as GH100 reports them.
 SUMMARY = {
     "duration_us": ("gpu__time_duration.sum", 1e-3),
-    "sm_clock_ghz": ("sm__cycles_elapsed.avg.per_second", 1e-9),
-    "issue_active_pct": ("sm__issue_active.avg.pct_of_peak_sustained_active", 1),
+    "sm_clock_ghz": ("gpc__cycles_elapsed.avg.per_second", 1e-9),
+    "issue_active_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", 1),
     "ipc": ("sm__inst_executed.avg.per_cycle_active", 1),
     "registers": ("launch__registers_per_thread", 1),
 }
@@ -180,9 +180,11 @@ def summarize(raw):
                 scale = 1
             elif key == "sm_clock_ghz" and unit in ("Mhz", "MHz", "cycle/usecond"):
                 scale = 1e-3
+            elif key == "duration_us" and unit in ("nsecond", "ns"):
+                scale = 1e-3
             row[key] = value * scale
     row["pipes_pct"] = {m: v for m, (v, u) in raw.items()
-                        if m.startswith(PIPE_PREFIXES) and m.endswith("pct_of_peak_sustained_active")
+                        if m.startswith(PIPE_PREFIXES) and m.endswith(".avg.pct_of_peak_sustained_active")
                         and isinstance(v, float) and v >= 1.0}
     stalls = {m[len(STALL_PREFIX):].split(".")[0].replace("_per_issue_active", ""): v for m, (v, u) in raw.items()
               if m.startswith(STALL_PREFIX) and m.endswith("_per_issue_active.ratio") and isinstance(v, float)}
