@@ -154,41 +154,35 @@ def parse_raw(text):
     return parsed
 
 
-# The metrics the table prints (others stay in the CSV): pipe names as GH100 reports them.
-SUMMARY = {
-    "duration_us": ("gpu__time_duration.sum", 1e-3),
-    "sm_clock_ghz": ("gpc__cycles_elapsed.avg.per_second", 1e-9),
-    "issue_active_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", 1),
-    "ipc": ("sm__inst_executed.avg.per_cycle_active", 1),
-    "registers": ("launch__registers_per_thread", 1),
+# The columns of the table (the README's), from GH100's metric names; everything else stays in the raw CSV.
+COLUMNS = {
+    "us": "gpu__time_duration.sum",
+    "sm_clock_ghz": "gpc__cycles_elapsed.avg.per_second",
+    "tensor_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "mufu_pct": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    "fma_pct": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+    "alu_pct": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "instructions": "smsp__inst_executed.sum",
+    "registers": "launch__registers_per_thread",
 }
-PIPE_PREFIXES = ("sm__inst_executed_pipe_", "sm__pipe_")
-STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+#: to the column's unit (us, GHz) from the units ncu may report
+UNIT_SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+              "hz": 1e-9, "Hz": 1e-9, "Khz": 1e-6, "KHz": 1e-6, "Mhz": 1e-3, "MHz": 1e-3, "Ghz": 1.0, "GHz": 1.0,
+              "cycle/nsecond": 1.0, "cycle/usecond": 1e-3}
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 
 
 def summarize(raw):
+    """The table's columns and the stall reasons (warps stalled per issued instruction, largest first)."""
     row = {}
-    for key, (metric, scale) in SUMMARY.items():
-        value = raw.get(metric, (None,))[0]
+    for key, metric in COLUMNS.items():
+        value, unit = raw.get(metric, (None, ""))
         if isinstance(value, float):
-            unit = raw[metric][1]
-            if key == "duration_us" and unit in ("usecond", "us"):
-                scale = 1
-            elif key == "duration_us" and unit in ("msecond", "ms"):
-                scale = 1e3
-            elif key == "sm_clock_ghz" and unit in ("Ghz", "GHz", "cycle/nsecond"):
-                scale = 1
-            elif key == "sm_clock_ghz" and unit in ("Mhz", "MHz", "cycle/usecond"):
-                scale = 1e-3
-            elif key == "duration_us" and unit in ("nsecond", "ns"):
-                scale = 1e-3
-            row[key] = value * scale
-    row["pipes_pct"] = {m: v for m, (v, u) in raw.items()
-                        if m.startswith(PIPE_PREFIXES) and m.endswith(".avg.pct_of_peak_sustained_active")
-                        and isinstance(v, float) and v >= 1.0}
-    stalls = {m[len(STALL_PREFIX):].split(".")[0].replace("_per_issue_active", ""): v for m, (v, u) in raw.items()
-              if m.startswith(STALL_PREFIX) and m.endswith("_per_issue_active.ratio") and isinstance(v, float)}
-    row["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:8])
+            row[key] = value * (UNIT_SCALE.get(unit, 1.0) if key in ("us", "sm_clock_ghz") else 1.0)
+    stalls = {m[len(STALL_PREFIX):-len(STALL_SUFFIX)]: v for m, (v, _) in raw.items()
+              if m.startswith(STALL_PREFIX) and m.endswith(STALL_SUFFIX) and isinstance(v, float)}
+    row["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
     return row
 
 
@@ -214,17 +208,18 @@ def main():
         report["kernels"][name] = summarize(profile(name, args.seqlen, args.causal, args.out))
         with open(os.path.join(args.out, "profile_fa3_pipes.json"), "w") as f:
             json.dump(report, f, indent=1)
-    print(f"\n{report['gpu']}, S={args.seqlen}, causal={args.causal}, bf16, hd{D}, {H} heads, soft-cap {CAP}")
+    print(f"\n{report['gpu']}, S={args.seqlen}, causal={args.causal}, bf16, hd{D}, {H} heads, soft-cap {CAP}; "
+          "one launch each under ncu; pipes: % of active cycles busy; stalls: warps per issued instruction")
+    print(f"{'kernel':18s} {'us':>6s} {'GHz':>5s} {'tensor':>6s} {'MUFU':>5s} {'FMA':>5s} {'instr':>8s}  top stalls")
+    nan = float("nan")
     for name, row in report["kernels"].items():
         if "error" in row:
-            print(f"{name}: {row['error']}")
+            print(f"{name:18s} {row['error']}")
             continue
-        pipes = ", ".join(f"{m.split('.')[0].replace('sm__inst_executed_pipe_', 'inst:').replace('sm__pipe_', '')}"
-                          f" {v:.0f}%" for m, v in sorted(row["pipes_pct"].items(), key=lambda kv: -kv[1])[:6])
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in list(row["stalls_per_issue"].items())[:4])
-        print(f"{name}: {row.get('duration_us', float('nan')):.0f} us at {row.get('sm_clock_ghz', float('nan')):.2f} "
-              f"GHz, issue {row.get('issue_active_pct', float('nan')):.0f}%, {row.get('registers', 0):.0f} regs | "
-              f"{pipes} | stalls/issue: {stalls}")
+        col = {k: row.get(k, nan) for k in COLUMNS}
+        print(f"{name:18s} {col['us']:6.0f} {col['sm_clock_ghz']:5.2f} {col['tensor_pct']:5.0f}% {col['mufu_pct']:4.0f}% "
+              f"{col['fma_pct']:4.0f}% {col['instructions']:8.2g}  {stalls}")
 
 
 if __name__ == "__main__":
