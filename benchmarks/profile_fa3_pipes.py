@@ -218,8 +218,8 @@ def main():
             continue
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in list(row["stalls_per_issue"].items())[:4])
         col = {k: row.get(k, nan) for k in COLUMNS}
-        print(f"{name:18s} {col['us']:6.0f} {col['sm_clock_ghz']:5.2f} {col['tensor_pct']:5.0f}% {col['mufu_pct']:4.0f}% "
-              f"{col['fma_pct']:4.0f}% {col['instructions']:8.2g}  {stalls}")
+        print(f"{name:18s} {col['us']:6.0f} {col['sm_clock_ghz']:5.2f} {col['tensor_pct']:5.0f}% "
+              f"{col['mufu_pct']:4.0f}% {col['fma_pct']:4.0f}% {col['instructions']:8.2g}  {stalls}")
 
 
 if __name__ == "__main__":
