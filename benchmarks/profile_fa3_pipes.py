@@ -186,6 +186,21 @@ def summarize(raw):
     return row
 
 
+def print_table(report):
+    print(f"\n{report['gpu']}, S={report['seqlen']}, causal={report['causal']}, bf16, hd{D}, {H} heads, cap {CAP}; "
+          "one launch each under ncu; pipes: % of active cycles busy; stalls: warps per issued instruction")
+    print(f"{'kernel':18s} {'us':>6s} {'GHz':>5s} {'tensor':>6s} {'MUFU':>5s} {'FMA':>5s} {'instr':>8s}  top stalls")
+    nan = float("nan")
+    for name, row in report["kernels"].items():
+        if "error" in row:
+            print(f"{name:18s} {row['error']}")
+            continue
+        stalls = ", ".join(f"{k} {v:.2f}" for k, v in list(row["stalls_per_issue"].items())[:4])
+        col = {k: row.get(k, nan) for k in COLUMNS}
+        print(f"{name:18s} {col['us']:6.0f} {col['sm_clock_ghz']:5.2f} {col['tensor_pct']:5.0f}% "
+              f"{col['mufu_pct']:4.0f}% {col['fma_pct']:4.0f}% {col['instructions']:8.2g}  {stalls}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, default=8192)
@@ -208,18 +223,7 @@ def main():
         report["kernels"][name] = summarize(profile(name, args.seqlen, args.causal, args.out))
         with open(os.path.join(args.out, "profile_fa3_pipes.json"), "w") as f:
             json.dump(report, f, indent=1)
-    print(f"\n{report['gpu']}, S={args.seqlen}, causal={args.causal}, bf16, hd{D}, {H} heads, soft-cap {CAP}; "
-          "one launch each under ncu; pipes: % of active cycles busy; stalls: warps per issued instruction")
-    print(f"{'kernel':18s} {'us':>6s} {'GHz':>5s} {'tensor':>6s} {'MUFU':>5s} {'FMA':>5s} {'instr':>8s}  top stalls")
-    nan = float("nan")
-    for name, row in report["kernels"].items():
-        if "error" in row:
-            print(f"{name:18s} {row['error']}")
-            continue
-        stalls = ", ".join(f"{k} {v:.2f}" for k, v in list(row["stalls_per_issue"].items())[:4])
-        col = {k: row.get(k, nan) for k in COLUMNS}
-        print(f"{name:18s} {col['us']:6.0f} {col['sm_clock_ghz']:5.2f} {col['tensor_pct']:5.0f}% "
-              f"{col['mufu_pct']:4.0f}% {col['fma_pct']:4.0f}% {col['instructions']:8.2g}  {stalls}")
+    print_table(report)
 
 
 if __name__ == "__main__":
