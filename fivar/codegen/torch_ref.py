@@ -13,6 +13,7 @@ import operator
 import torch
 
 from ..errors import FivarError
+from ..runtime.inputs import check_qkv_layout
 from ..spec import ir
 from ..spec.ir import BOOL, F32, I32
 
@@ -176,19 +177,11 @@ def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> int:
     batch_idx as a Python int."""
     name = variant.name
     for t, tn in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if isinstance(t, torch.Tensor) and not t.is_floating_point():
             raise FivarError(f"variant '{name}': reference: {tn} must be a floating-point torch.Tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}")
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
-        raise FivarError(f"variant '{name}': reference: q must be [qo_len, num_qo_heads, head_dim] and k, v "
-                         f"[kv_len, num_kv_heads, head_dim] of one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if k.shape[2] != q.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise FivarError(f"variant '{name}': reference: q {tuple(q.shape)} and k {tuple(k.shape)} need the same "
-                         f"head_dim and num_qo_heads a multiple of num_kv_heads")
-    if k.device != q.device or v.device != q.device:
-        raise FivarError(f"variant '{name}': reference: q, k, v must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}")
+                             f"{t.dtype}")
+    check_qkv_layout(name, q, k, v, prefix="reference: ", q_layout=("qo_len", "num_qo_heads", "head_dim"),
+                     kv_layout=("kv_len", "num_kv_heads", "head_dim"))
     try:
         index = None if isinstance(batch_idx, bool) else operator.index(batch_idx)  # numpy / torch ints too
     except TypeError:

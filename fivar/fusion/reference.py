@@ -123,7 +123,7 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: 
 def _check_shapes(v, a) -> None:
     """The shapes a call takes (fivar.fusion.runtime checks those and more on the GPU), on any device and float
     dtype: a mismatch is an error naming the argument, not a broadcasting error from torch."""
-    from .runtime import _err
+    from .runtime import _check_cos_sin_cache, _check_qk, _err
 
     def need(name, shape=None, dims=None):
         t = a.get(name)
@@ -141,21 +141,15 @@ def _check_shapes(v, a) -> None:
             need(name, shape=x.shape[1:])
         need("residual", shape=x.shape)
         return
-    d = v.head_dim
-    q = need("q", dims=3)
-    k = need("k", dims=3)
-    for name, t in (("q", q), ("k", k)):
-        if t.shape[2] != d:
-            raise _err(v, name, f"must be [tokens, heads, {d}] (or [tokens, heads * {d}]), got {tuple(t.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise _err(v, "k", f"has {k.shape[0]} tokens but q has {q.shape[0]}")
+    q = need("q")
+    _check_qk(v, q, need("k"))
     for name in ("q_weight", "k_weight", "q_bias", "k_bias"):
-        need(name, shape=(d,))
+        need(name, shape=(v.head_dim,))
     need("positions", shape=(q.shape[0],))
     need("inv_freq", shape=(v.rotary_dim // 2,) if v.rope else None)
-    cs = need("cos_sin_cache", dims=2)
-    if cs is not None and cs.shape[1] != v.rotary_dim:
-        raise _err(v, "cos_sin_cache", f"must be [max_pos, rotary_dim={v.rotary_dim}], got {tuple(cs.shape)}")
+    cs = need("cos_sin_cache")
+    if cs is not None:
+        _check_cos_sin_cache(v, cs)
 
 
 def reference(variant, **kwargs):

@@ -134,6 +134,23 @@ def _scale(v, a, device):
     a["scale"] = t
 
 
+def _check_qk(v, q, k):
+    """Per-head q and k tensors: [tokens, heads, head_dim], one token count (the reference checks them too)."""
+    d = v.head_dim
+    for n, t in (("q", q), ("k", k)):
+        if t.dim() != 3 or t.shape[2] != d:
+            raise _err(v, n, f"must be [tokens, heads, {d}] (or [tokens, heads * {d}]), got shape {tuple(t.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise _err(v, "k", f"has {k.shape[0]} tokens but q has {q.shape[0]}")
+
+
+def _check_cos_sin_cache(v, cs):
+    """The cos_sin_cache tensor's shape (the reference checks it too; its dtype, float32 here, is the caller's)."""
+    if cs.dim() != 2 or cs.shape[1] != v.rotary_dim or cs.shape[0] < 1:
+        raise _err(v, "cos_sin_cache", f"must be [max_pos, rotary_dim={v.rotary_dim}] (cos first half, sin second "
+                   f"half), got shape {tuple(cs.shape)}")
+
+
 def _validate_row(v, a):
     x = a["x"]
     _tensor(v, "x", x, dtypes=(torch.bfloat16, torch.float16))
@@ -166,12 +183,9 @@ def _validate_head(v, a):
     _tensor(v, "q", q, dtypes=(torch.bfloat16, torch.float16))
     dev = q.device
     _tensor(v, "k", k, device=dev, dtype=q.dtype)
-    for n, t in (("q", q), ("k", k)):
-        if t.dim() != 3 or t.shape[2] != d:
-            raise _err(v, n, f"must be [tokens, heads, {d}] (or [tokens, heads * {d}]), got shape {tuple(t.shape)}")
-        _aligned(v, n, t)
-    if k.shape[0] != q.shape[0]:
-        raise _err(v, "k", f"has {k.shape[0]} tokens but q has {q.shape[0]}")
+    _check_qk(v, q, k)
+    _aligned(v, "q", q)
+    _aligned(v, "k", k)
     tokens = q.shape[0]
     if v.rope:
         p = a["positions"]
@@ -193,9 +207,7 @@ def _validate_head(v, a):
                        "inv_freq)")
         cs = a["cos_sin_cache"]
         _tensor(v, "cos_sin_cache", cs, device=dev, dtype=torch.float32)
-        if cs.dim() != 2 or cs.shape[1] != v.rotary_dim or cs.shape[0] < 1:
-            raise _err(v, "cos_sin_cache", f"must be [max_pos, rotary_dim={v.rotary_dim}] float32 (cos first "
-                       f"half, sin second half), got shape {tuple(cs.shape)}")
+        _check_cos_sin_cache(v, cs)
         _aligned(v, "cos_sin_cache", cs)
         if cs.shape[0] >= 2 ** 31:
             raise _err(v, "cos_sin_cache", "more than 2^31 positions")

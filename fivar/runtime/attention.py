@@ -14,6 +14,7 @@ from ..codegen.torch_ref import eval_scalar
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
+from .inputs import KV_LAYOUT, PAGED_KV_LAYOUT, check_qkv_layout
 from .params import bind_params, kernel_args
 
 
@@ -87,21 +88,15 @@ def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, 
 
 def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cpu: bool = False,
                head_dims=HEAD_DIMS):
+    """fivar.runtime.inputs' shape checks, then what the kernels support: CUDA (or the CPU where allowed),
+    float16/bfloat16, `head_dims`, a contiguous last dimension. k_dims 4: paged caches."""
     name = variant.name
-    for t, tn in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor):
-            raise FivarError(f"variant '{name}': {tn} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise FivarError(f"variant '{name}': q must be [tokens, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
-    if k.dim() != k_dims or k.shape != v.shape:
-        raise FivarError(f"variant '{name}': {what} must have {k_dims} dims and equal shapes, got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    check_qkv_layout(name, q, k, v, kv_layout=PAGED_KV_LAYOUT if k_dims == 4 else KV_LAYOUT,
+                     kv_names=tuple(what.split("/")))
     if not q.is_cuda and not allow_cpu:
         raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); on the CPU use "
                          f"variant.reference(...), or backend='triton' with TRITON_INTERPRET=1 set before Triton is "
                          f"imported (float16)")
-    if k.device != q.device or v.device != q.device:
-        raise FivarError(f"variant '{name}': q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.dtype not in DTYPES.values() or k.dtype != q.dtype or v.dtype != q.dtype:
         raise FivarError(f"variant '{name}': q, k, v must all be float16 or all bfloat16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
@@ -109,14 +104,8 @@ def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cp
         raise FivarError(f"variant '{name}': bfloat16 on the CPU: the Triton interpreter (TRITON_INTERPRET=1) has no "
                          "bfloat16 arithmetic and would return wrong numbers; use float16 CPU tensors")
     d = q.shape[-1]
-    if k.shape[-1] != d:
-        raise FivarError(f"variant '{name}': head_dim of q ({d}) and k ({k.shape[-1]}) differ")
     if d not in head_dims:
         raise FivarError(f"variant '{name}': head_dim {d} is not supported (use one of {tuple(head_dims)})")
-    hkv = k.shape[-2]
-    if hkv == 0 or q.shape[1] % hkv:
-        raise FivarError(f"variant '{name}': num_qo_heads ({q.shape[1]}) must be a multiple of "
-                         f"num_kv_heads ({hkv})")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise FivarError(f"variant '{name}': the last dimension of q, k, v must be contiguous")
 
