@@ -93,10 +93,12 @@ bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its 
     --running-max --json "$OUT/bench_bounded.json" 2>&1 | quiet | tee "$OUT/bench_bounded.log" \
     | grep -v "^CheckResult\|passed" | tail -12 ;;
 pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
-  # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1
+  # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1; WINDOW=1024
+  # for the soft-capped window; CONTENDERS=a,b to profile fewer
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   timeout ${BENCH_S:-540} python3 benchmarks/profile_fa3_pipes.py --seqlen ${SEQLEN:-8192} ${CAUSAL:+--causal} \
-    --out "$OUT" 2>&1 | quiet | tee "$OUT/profile_fa3_pipes.log" | grep -v "^CheckResult\|passed" | tail -8 ;;
+    --window ${WINDOW:-0} ${CONTENDERS:+--contenders $CONTENDERS} --out "$OUT" 2>&1 | quiet \
+    | tee -a "$OUT/profile_fa3_pipes.log" | grep -v "^CheckResult\|passed" | tail -8 ;;
 mainjob)  # the README's main job, as a new user types it, in a scratch project: new-variant, build (what auto runs,
   # in parallel), check every entry point, the scaffolded tests, then a bundled variant and the cache's view of it all
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"

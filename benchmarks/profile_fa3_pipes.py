@@ -1,6 +1,6 @@
 """Where FA3 soft-cap spends its cycles: Nsight Compute's pipe utilisation and warp stalls, kernel by kernel.
 
-    python3 benchmarks/profile_fa3_pipes.py [--seqlen 8192] [--causal] [--out DIR]
+    python3 benchmarks/profile_fa3_pipes.py [--seqlen 8192] [--causal] [--window W] [--contenders a,b] [--out DIR]
 
 #3 asks, where a target is missed, for the reason with evidence. Timing sweeps (exp2 splits, CTA tiles, the
 bounded softmax) say what is faster, not what bounds it. This script builds, in one parallel ninja:
@@ -13,6 +13,10 @@ checks each against the torch reference on the last 256 query rows, then runs `n
 device notes: leave the clocks alone) on one launch of each, bf16, hd128, 32 heads, and reads the raw metrics
 back: the share of cycles each pipe is busy (tensor/wgmma, XU = MUFU, FMA, ALU), instructions issued per cycle,
 and why warps stalled. The raw CSV of every kernel lands in --out; a short table is printed last.
+
+`--window W` profiles the soft-capped sliding window instead (fivar's `softcap_sliding_window`, stock FA3 with
+`window_left=W-1`, with and without the cap): the per-block fixed cost #3's causal window row is short by shows as
+the tensor pipe's share of elapsed cycles against the full-length kernels'.
 """
 from __future__ import annotations
 
@@ -31,31 +35,40 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "InstructionStats", "Warp
             "LaunchStats", "Occupancy")
 
 
-def _calls(seqlen, causal):
+def _setup(window):
+    """(fivar variant name, its params, stock FA3's extra kwargs) for a window of `window` keys (0: none)."""
+    if window:
+        return "softcap_sliding_window", {"softcap": CAP, "window": window}, {"window_left": window - 1}
+    return "softcap", {"softcap": CAP}, {}
+
+
+def _calls(seqlen, causal, window):
     """{contender: a zero-argument call} on fresh random bf16 inputs, and the inputs."""
     import flashinfer
     import torch
 
     import fivar
     from fivar.codegen.fa3 import exp2_split
-    v = fivar.load("softcap")
+    name, params, stock = _setup(window)
+    v = fivar.load(name)
     q, k, vv = (torch.randn(seqlen, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
 
     def emulation_off():
         with exp2_split(0):
-            return v.prefill(q, k, vv, causal=causal, softcap=CAP, backend="fa3")
+            return v.prefill(q, k, vv, causal=causal, backend="fa3", **params)
 
     calls = {
-        "fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, softcap=CAP, backend="fa3"),
+        "fivar_fa3": lambda: v.prefill(q, k, vv, causal=causal, backend="fa3", **params),
         "fivar_fa3_exp2_0": emulation_off,
         "stock_fa3_softcap": lambda: flashinfer.single_prefill_with_kv_cache(
-            q, k, vv, causal=causal, logits_soft_cap=CAP, backend="fa3"),
-        "stock_fa3_plain": lambda: flashinfer.single_prefill_with_kv_cache(q, k, vv, causal=causal, backend="fa3"),
+            q, k, vv, causal=causal, logits_soft_cap=CAP, backend="fa3", **stock),
+        "stock_fa3_plain": lambda: flashinfer.single_prefill_with_kv_cache(q, k, vv, causal=causal, backend="fa3",
+                                                                           **stock),
     }
-    return calls, (v, q, k, vv)
+    return calls, (v, params, q, k, vv)
 
 
-def build(seqlen, causal):
+def build(window, contenders):
     """Every module, in one parallel ninja (fivar's) beside FlashInfer's own, before anything is profiled."""
     import torch
     from concurrent.futures import ThreadPoolExecutor
@@ -66,12 +79,13 @@ def build(seqlen, causal):
     import fivar
     from fivar.codegen.fa3 import exp2_split
     from fivar.jit.build import build_many, serving_modules
-    v = fivar.load("softcap")
+    v = fivar.load(_setup(window)[0])
     mods = serving_modules(v, "single_prefill", "fa3", head_dim=D)
-    with exp2_split(0):
-        mods += serving_modules(v, "single_prefill", "fa3", head_dim=D)
+    if "fivar_fa3_exp2_0" in contenders:
+        with exp2_split(0):
+            mods += serving_modules(v, "single_prefill", "fa3", head_dim=D)
     bf = torch.bfloat16
-    stock = [gen_single_prefill_module("fa3", bf, bf, bf, D, D, 0, False, cap, False) for cap in (True, False)]
+    stock = [gen_single_prefill_module("fa3", bf, bf, bf, D, D, 0, bool(window), cap, False) for cap in (True, False)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
         [f.result() for f in (pool.submit(build_many, mods), pool.submit(build_jit_specs, stock))]
@@ -79,52 +93,64 @@ def build(seqlen, causal):
           flush=True)
 
 
-def check(seqlen, causal):
-    """Each contender against the reference (last 256 rows), the plain one against a cap-free reference; returns
-    {contender: passed}."""
+def check(seqlen, causal, window, contenders):
+    """Each contender against the reference (last 256 rows), the plain one against a cap-free reference (same
+    mask); returns {contender: passed}."""
     import torch
 
     from fivar.testing import compare
-    calls, (v, q, k, vv) = _calls(seqlen, causal)
-    ref = v.reference(q[-256:], k, vv, causal=causal, softcap=CAP)
+    calls, (v, params, q, k, vv) = _calls(seqlen, causal, window)
+    ref = v.reference(q[-256:], k, vv, causal=causal, **params)
     scores = torch.einsum("qhd,khd->hqk", q[-256:].float(), k.float()) / D ** 0.5
+    rows = torch.arange(seqlen - 256, seqlen, device="cuda").view(256, 1)
+    keys = torch.arange(seqlen, device="cuda").view(1, -1)
+    drop = torch.zeros(256, seqlen, dtype=torch.bool, device="cuda")
     if causal:
-        rows = torch.arange(seqlen - 256, seqlen, device="cuda").view(256, 1)
-        scores = scores.masked_fill(torch.arange(seqlen, device="cuda").view(1, -1) > rows, float("-inf"))
-    plain = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv.float())
+        drop |= keys > rows
+    if window:  # fivar keeps q - kv < window (FlashInfer: q - kv <= window_left = window - 1)
+        drop |= rows - keys >= window
+    plain = torch.einsum("hqk,khd->qhd", scores.masked_fill(drop, float("-inf")).softmax(-1), vv.float())
     ok = {}
-    for name, call in calls.items():
-        result = compare("softcap", f"{name} vs reference (last 256 rows)", call()[-256:],
+    for name in contenders:
+        call = calls[name]
+        result = compare(v.name, f"{name} vs reference (last 256 rows)", call()[-256:],
                          plain if name == "stock_fa3_plain" else ref, torch.bfloat16)
         print(result, flush=True)
         ok[name] = result.passed
     return ok
 
 
-def run_one(name, seqlen, causal, launches=3):
+def run_one(name, seqlen, causal, window, launches=3):
     import torch
-    calls, _ = _calls(seqlen, causal)
+    calls, _ = _calls(seqlen, causal, window)
     for _ in range(launches):
         calls[name]()
     torch.cuda.synchronize()
 
 
-def profile(name, seqlen, causal, out_dir):
+def profile(name, seqlen, causal, window, out_dir):
     """ncu on the third launch of the contender's prefill kernel; returns {metric: value} from the raw page."""
     cmd = [_ncu(), "--clock-control", "none", "--kernel-name", "regex:Prefill", "--launch-skip", "2",
            "--launch-count", "1", "--csv", "--page", "raw"]
     for section in SECTIONS:
         cmd += ["--section", section]
-    cmd += [sys.executable, __file__, "--run", name, "--seqlen", str(seqlen)] + (["--causal"] if causal else [])
+    cmd += [sys.executable, __file__, "--run", name, "--seqlen", str(seqlen), "--window", str(window)]
+    cmd += ["--causal"] if causal else []
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    with open(os.path.join(out_dir, f"ncu_{name}.csv"), "w") as f:
+    with open(os.path.join(out_dir, f"ncu_{name}{_suffix(seqlen, causal, window)}.csv"), "w") as f:
         f.write(done.stdout)
     if done.returncode:
-        with open(os.path.join(out_dir, f"ncu_{name}.err"), "w") as f:
+        with open(os.path.join(out_dir, f"ncu_{name}{_suffix(seqlen, causal, window)}.err"), "w") as f:
             f.write(done.stderr)
     print(f"ncu {name}: rc {done.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
     return parse_raw(done.stdout)
+
+
+def _suffix(seqlen, causal, window):
+    """File-name tail for one configuration: none for the default (S=8192, non-causal, no window)."""
+    tail = ("" if seqlen == 8192 else f"_s{seqlen}") + ("_causal" if causal else "") + (f"_w{window}" if window else "")
+    return tail
 
 
 def _ncu():
@@ -159,6 +185,7 @@ COLUMNS = {
     "us": "gpu__time_duration.sum",
     "sm_clock_ghz": "gpc__cycles_elapsed.avg.per_second",
     "tensor_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "tensor_elapsed_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
     "mufu_pct": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
     "fma_pct": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
     "alu_pct": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
@@ -187,9 +214,12 @@ def summarize(raw):
 
 
 def print_table(report):
-    print(f"\n{report['gpu']}, S={report['seqlen']}, causal={report['causal']}, bf16, hd{D}, {H} heads, cap {CAP}; "
-          "one launch each under ncu; pipes: % of active cycles busy; stalls: warps per issued instruction")
-    print(f"{'kernel':18s} {'us':>6s} {'GHz':>5s} {'tensor':>6s} {'MUFU':>5s} {'FMA':>5s} {'instr':>8s}  top stalls")
+    window = f", window {report['window']}" if report.get("window") else ""
+    print(f"\n{report['gpu']}, S={report['seqlen']}, causal={report['causal']}{window}, bf16, hd{D}, {H} heads, "
+          f"cap {CAP}; one launch each under ncu; pipes: % of active cycles busy (tensor also % of elapsed); stalls: "
+          "warps per issued instruction")
+    print(f"{'kernel':18s} {'us':>6s} {'GHz':>5s} {'tensor':>6s} {'(elap)':>6s} {'MUFU':>5s} {'FMA':>5s} {'instr':>8s}"
+          "  top stalls")
     nan = float("nan")
     for name, row in report["kernels"].items():
         if "error" in row:
@@ -198,6 +228,7 @@ def print_table(report):
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in list(row["stalls_per_issue"].items())[:4])
         col = {k: row.get(k, nan) for k in COLUMNS}
         print(f"{name:18s} {col['us']:6.0f} {col['sm_clock_ghz']:5.2f} {col['tensor_pct']:5.0f}% "
+              f"{col['tensor_elapsed_pct']:5.0f}% "
               f"{col['mufu_pct']:4.0f}% {col['fma_pct']:4.0f}% {col['instructions']:8.2g}  {stalls}")
 
 
@@ -205,23 +236,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--window", type=int, default=0, help="keys in the soft-capped sliding window (0: soft-cap alone)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--run", choices=CONTENDERS, help="(internal) launch one contender, for ncu")
     ap.add_argument("--out", default=os.environ.get("OUT", "profile-out"))
     args = ap.parse_args()
     if args.run:
-        return run_one(args.run, args.seqlen, args.causal)
+        return run_one(args.run, args.seqlen, args.causal, args.window)
+    contenders = [c for c in args.contenders.split(",") if c]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        ap.error(f"--contenders: unknown {', '.join(unknown)} (known: {', '.join(CONTENDERS)})")
     os.makedirs(args.out, exist_ok=True)
     import torch
-    build(args.seqlen, args.causal)
-    passed = check(args.seqlen, args.causal)
+    build(args.window, contenders)
+    passed = check(args.seqlen, args.causal, args.window, contenders)
     report = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), seqlen=args.seqlen,
-                  causal=args.causal, heads=H, head_dim=D, softcap=CAP, kernels={})
-    for name in CONTENDERS:
+                  causal=args.causal, window=args.window, heads=H, head_dim=D, softcap=CAP, kernels={})
+    out_json = os.path.join(args.out, f"profile_fa3_pipes{_suffix(args.seqlen, args.causal, args.window)}.json")
+    for name in contenders:
         if not passed[name]:
             report["kernels"][name] = {"error": "failed the reference check; not profiled"}
             continue
-        report["kernels"][name] = summarize(profile(name, args.seqlen, args.causal, args.out))
-        with open(os.path.join(args.out, "profile_fa3_pipes.json"), "w") as f:
+        report["kernels"][name] = summarize(profile(name, args.seqlen, args.causal, args.window, args.out))
+        with open(out_json, "w") as f:
             json.dump(report, f, indent=1)
     print_table(report)
 
