@@ -94,7 +94,8 @@ bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its 
     | grep -v "^CheckResult\|passed" | tail -12 ;;
 pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
   # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1; WINDOW=1024
-  # for the soft-capped window; CONTENDERS=a,b to profile fewer
+  # for the soft-capped window; CONTENDERS=a,b to profile fewer. Cold, one configuration builds for ~150 s and
+  # each ncu run takes ~15 s: keep the default BENCH_S (session 15 cut two configurations at 290 + 230 s)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   timeout ${BENCH_S:-540} python3 benchmarks/profile_fa3_pipes.py --seqlen ${SEQLEN:-8192} ${CAUSAL:+--causal} \
     --window ${WINDOW:-0} ${CONTENDERS:+--contenders $CONTENDERS} --out "$OUT" 2>&1 | quiet \
