@@ -107,20 +107,14 @@ def _run_under(option, fn):
 def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False, planned=False):
     """The FA3 single-prefill modules of every split and tile and the default ones, in one parallel ninja, then
     (in another) stock FA3's, so no compile lands inside the benchmark."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from flashinfer.jit.core import build_jit_specs
-    from fivar.jit.build import build_many, serving_modules
-    from prewarm_gpu import fa3_variants_at, stock_fa3_specs  # benchmarks/ is this script's directory
+    from fivar.jit.build import serving_modules
+    from prewarm_gpu import build_beside_stock, fa3_variants_at, stock_fa3_specs  # benchmarks/: this script's dir
     mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles, running_max=running_max,
                            head_dim=D)
     ops = ("single_prefill", "batch_prefill") if planned else ("single_prefill",)
     mods += [m for n in variants for op in ops for m in serving_modules(fivar.load(n), op, "fa3", head_dim=D)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(2) as pool:
-        done = [pool.submit(build_many, mods), pool.submit(build_jit_specs, stock_fa3_specs(D, variants))]
-        [f.result() for f in done]
-    print(f"built {len(mods)} fivar FA3 modules and stock FA3 in {time.perf_counter() - t0:.0f} s", flush=True)
+    seconds = build_beside_stock(mods, stock_fa3_specs(D, variants))
+    print(f"built {len(mods)} fivar FA3 modules and stock FA3 in {seconds:.0f} s", flush=True)
 
 
 def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=False):

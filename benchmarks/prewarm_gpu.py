@@ -117,17 +117,33 @@ def exp2_split_set():
             + [m for m in exp2_extremes_set() if m.options["exp2_emulated_of_8"] == 8])
 
 
+def stock_fa3_spec(head_dim: int, window: bool, softcap: bool):
+    """FlashInfer's own FA3 single-prefill JitSpec, bf16, with or without its sliding window and soft-cap."""
+    import torch
+    from flashinfer.jit.attention.modules import gen_single_prefill_module
+    bf = torch.bfloat16
+    return gen_single_prefill_module("fa3", bf, bf, bf, head_dim, head_dim, 0, window, softcap, False)
+
+
 def stock_fa3_specs(head_dim=128, variants=BUNDLED):
     """Stock FA3 single prefill (bf16, `head_dim`) with the built-ins (soft-cap, window or both) that compute
     `variants` (fivar.bench.contenders.stock_mapping, what the benchmarks compare with): their yardsticks."""
-    import torch
-    from flashinfer.jit.attention.modules import gen_single_prefill_module
     from fivar.bench.contenders import stock_mapping
-    bf = torch.bfloat16
     kwargs = [stock_mapping(fivar.load(n), {"softcap": 30.0, "window": 1024}) for n in variants]
     flags = sorted({("window_left" in kw, "logits_soft_cap" in kw) for kw, _ in filter(None, kwargs)})
-    return [gen_single_prefill_module("fa3", bf, bf, bf, head_dim, head_dim, 0, window, softcap, False)
-            for window, softcap in flags]
+    return [stock_fa3_spec(head_dim, window, softcap) for window, softcap in flags]
+
+
+def build_beside_stock(modules, stock_specs) -> float:
+    """fivar's modules in one parallel ninja while FlashInfer's stock specs build in another, so no compile lands
+    inside a benchmark; returns the wall seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashinfer.jit.core import build_jit_specs
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        [f.result() for f in (pool.submit(build_many, modules), pool.submit(build_jit_specs, stock_specs))]
+    return time.perf_counter() - t0
 
 
 HEAD_DIMS_BENCHED = (64, 256)

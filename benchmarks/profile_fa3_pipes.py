@@ -70,46 +70,32 @@ def _calls(seqlen, causal, window):
 
 def build(window, contenders):
     """Every module, in one parallel ninja (fivar's) beside FlashInfer's own, before anything is profiled."""
-    import torch
-    from concurrent.futures import ThreadPoolExecutor
-
-    from flashinfer.jit.attention.modules import gen_single_prefill_module
-    from flashinfer.jit.core import build_jit_specs
-
     import fivar
     from fivar.codegen.fa3 import exp2_split
-    from fivar.jit.build import build_many, serving_modules
+    from fivar.jit.build import serving_modules
+    from prewarm_gpu import build_beside_stock, stock_fa3_spec  # benchmarks/ is this script's directory
     v = fivar.load(_setup(window)[0])
     mods = serving_modules(v, "single_prefill", "fa3", head_dim=D)
     if "fivar_fa3_exp2_0" in contenders:
         with exp2_split(0):
             mods += serving_modules(v, "single_prefill", "fa3", head_dim=D)
-    bf = torch.bfloat16
-    stock = [gen_single_prefill_module("fa3", bf, bf, bf, D, D, 0, bool(window), cap, False) for cap in (True, False)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(2) as pool:
-        [f.result() for f in (pool.submit(build_many, mods), pool.submit(build_jit_specs, stock))]
-    print(f"built {len(mods)} fivar modules and {len(stock)} stock FA3 modules in {time.perf_counter() - t0:.0f} s",
-          flush=True)
+    stock = [stock_fa3_spec(D, bool(window), cap) for cap in (True, False)]
+    seconds = build_beside_stock(mods, stock)
+    print(f"built {len(mods)} fivar modules and {len(stock)} stock FA3 modules in {seconds:.0f} s", flush=True)
 
 
 def check(seqlen, causal, window, contenders):
-    """Each contender against the reference (last 256 rows), the plain one against a cap-free reference (same
-    mask); returns {contender: passed}."""
+    """Each contender against the reference (last 256 rows), stock without the cap against the cap-free one (the
+    bundled sliding_window, or plain attention); returns {contender: passed}."""
     import torch
 
+    import fivar
+    from fivar.bench.contenders import plain as plain_attention
     from fivar.testing import compare
     calls, (v, params, q, k, vv) = _calls(seqlen, causal, window)
     ref = v.reference(q[-256:], k, vv, causal=causal, **params)
-    scores = torch.einsum("qhd,khd->hqk", q[-256:].float(), k.float()) / D ** 0.5
-    rows = torch.arange(seqlen - 256, seqlen, device="cuda").view(256, 1)
-    keys = torch.arange(seqlen, device="cuda").view(1, -1)
-    drop = torch.zeros(256, seqlen, dtype=torch.bool, device="cuda")
-    if causal:
-        drop |= keys > rows
-    if window:  # fivar keeps q - kv < window (FlashInfer: q - kv <= window_left = window - 1)
-        drop |= rows - keys >= window
-    plain = torch.einsum("hqk,khd->qhd", scores.masked_fill(drop, float("-inf")).softmax(-1), vv.float())
+    uncapped = fivar.load("sliding_window") if window else plain_attention()
+    plain = uncapped.reference(q[-256:], k, vv, causal=causal, **({"window": window} if window else {}))
     ok = {}
     for name in contenders:
         call = calls[name]

@@ -14,7 +14,7 @@ from ..codegen.torch_ref import eval_scalar
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
-from .inputs import KV_LAYOUT, PAGED_KV_LAYOUT, check_qkv_layout
+from .inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
 from .params import bind_params, kernel_args
 
 
@@ -86,13 +86,14 @@ def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, 
                        tables={BLOCKS: blocks.to(device=qo_indptr.device, dtype=torch.int32)})
 
 
-def _check_qkv(variant, q, k, v, *, k_dims: int = 3, what: str = "k/v", allow_cpu: bool = False,
-               head_dims=HEAD_DIMS):
+def _check_qkv(variant, q, k, v, *, paged: bool = False, allow_cpu: bool = False, head_dims=HEAD_DIMS):
     """fivar.runtime.inputs' shape checks, then what the kernels support: CUDA (or the CPU where allowed),
-    float16/bfloat16, `head_dims`, a contiguous last dimension. k_dims 4: paged caches."""
+    float16/bfloat16, `head_dims`, a contiguous last dimension. paged: k and v are the paged caches."""
     name = variant.name
-    check_qkv_layout(name, q, k, v, kv_layout=PAGED_KV_LAYOUT if k_dims == 4 else KV_LAYOUT,
-                     kv_names=tuple(what.split("/")))
+    if paged:
+        check_qkv_layout(name, q, k, v, kv_layout=PAGED_KV_LAYOUT, kv_names=PAGED_KV_NAMES)
+    else:
+        check_qkv_layout(name, q, k, v)
     if not q.is_cuda and not allow_cpu:
         raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); on the CPU use "
                          f"variant.reference(...), or backend='triton' with TRITON_INTERPRET=1 set before Triton is "
@@ -385,7 +386,7 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
                          "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
                          "on K/V gathered from the pages")
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    _check_qkv(variant, q, k_cache, v_cache, paged=True)
     target = _check_backend(variant, backend, "batch_prefill", q.device)
     qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
     kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
@@ -420,7 +421,7 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         return triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                              sm_scale=sm_scale, params=params)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    _check_qkv(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    _check_qkv(variant, q, k_cache, v_cache, paged=True)
     target = _check_backend(variant, backend, "batch_decode", q.device)
     kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
     kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],

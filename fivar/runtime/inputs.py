@@ -9,6 +9,7 @@ from ..errors import FivarError
 Q_LAYOUT = ("tokens", "num_qo_heads", "head_dim")
 KV_LAYOUT = ("tokens", "num_kv_heads", "head_dim")
 PAGED_KV_LAYOUT = ("num_pages", "page_size", "num_kv_heads", "head_dim")
+PAGED_KV_NAMES = ("k_cache", "v_cache")
 
 
 def check_qkv_layout(name: str, q, k, v, *, prefix: str = "", q_layout=Q_LAYOUT, kv_layout=KV_LAYOUT,

@@ -66,7 +66,7 @@ def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_pag
                   params=None):
     """One query token per request over a paged KV cache: q [batch, Hq, D]; q_idx is kv_len - 1."""
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    _check_inputs(variant, q, k_cache, v_cache, k_dims=4, what="k_cache/v_cache")
+    _check_inputs(variant, q, k_cache, v_cache, paged=True)
     kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
     kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
                                                 k_cache.shape[1], q.device)
