@@ -21,6 +21,9 @@ per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-
 request, planned once outside the timed call (FlashInfer's persistent tile scheduler in place of single prefill's
 one CTA per tile). `--head-dim 64|256` runs every part at another head dim (default 128; part 2 builds its modules
 first).
+`--wave-splits 0,1x8,2x4` adds one per setting `fivar_fa3_wave_W` of FIVAR_FA3_WAVE_SPLIT (fivar/runtime/wave_split.py:
+0 never splits FA3 single prefill's last wave, TxC runs the last T heads as C key chunks merged through their LSE;
+fivar's default is the plan's choice); they use the default modules.
 `--running-max` adds `fivar_fa3_running_max`: FlashInfer's running row max in place of fivar's default for bounded
 transforms, whose max is the bound (FIVAR_FA3_BOUNDED_SOFTMAX=0, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
 first, in parallel.
@@ -37,6 +40,7 @@ import fivar
 from fivar.bench.contenders import stock_mapping
 from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved
 from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split
+from fivar.runtime.wave_split import wave_split
 from fivar.testing import compare, example_params
 
 H, HKV_DECODE, D = 32, 8, 128
@@ -89,12 +93,13 @@ def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=()
     return rows
 
 
-def option_contenders(exp2_splits=(), cta_tiles=(), running_max=False):
-    """[(contender name, the fivar.codegen.fa3 context manager its calls run under)] for --exp2-splits/--cta-tiles/
-    --running-max."""
+def option_contenders(exp2_splits=(), cta_tiles=(), running_max=False, wave_splits=()):
+    """[(contender name, the context manager its calls run under)] for --exp2-splits/--cta-tiles/--running-max/
+    --wave-splits."""
     return ([(f"fivar_fa3_exp2_{k}", lambda k=k: exp2_split(k)) for k in exp2_splits]
             + [(f"fivar_fa3_tile_{t.replace(',', '_')}", lambda t=t: cta_tile(t)) for t in cta_tiles]
-            + ([("fivar_fa3_running_max", lambda: bounded_softmax(False))] if running_max else []))
+            + ([("fivar_fa3_running_max", lambda: bounded_softmax(False))] if running_max else [])
+            + [(f"fivar_fa3_wave_{w}", lambda w=w: wave_split(w)) for w in wave_splits])
 
 
 def _run_under(option, fn):
@@ -273,6 +278,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=D, help="every part's head dim (part 2 builds fivar's and stock's modules first)")
     ap.add_argument("--running-max", action="store_true",
                     help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
+    ap.add_argument("--wave-splits", default="", help="e.g. 0,1x8,2x4: FA3 contenders per last-wave split (see top)")
     args = ap.parse_args()
     D = args.head_dim
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
@@ -289,7 +295,7 @@ def main():
     if "softcap" in parts:
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
     exp2_splits, cta_tiles = _ints(args.exp2_splits), args.cta_tiles
-    options = option_contenders(exp2_splits, cta_tiles, args.running_max)
+    options = option_contenders(exp2_splits, cta_tiles, args.running_max, [w for w in args.wave_splits.split(",") if w])
     if (options or args.planned or D != 128) and "flex" in parts:
         build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max, args.planned)
     if "flex" in parts:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -92,6 +92,21 @@ bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its 
     --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
     --running-max --json "$OUT/bench_bounded.json" 2>&1 | quiet | tee "$OUT/bench_bounded.log" \
     | grep -v "^CheckResult\|passed" | tail -12 ;;
+wave)  # FA3 single prefill's last wave split along the keys (fivar/runtime/wave_split.py): soft-cap's modules and
+  # stock FA3's, the split's GPU tests, and whether the last wave idles (wave_quantization.py: 31/32/33 heads);
+  # then `wavebench`
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --wave --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "wave_split" \
+    2>&1 | tee "$OUT/gpu_tests_wave.log" | tail -6
+  timeout ${BENCH_S:-200} python3 benchmarks/wave_quantization.py --json "$OUT/wave_quantization.json" 2>&1 | quiet \
+    | tee "$OUT/wave_quantization.log" | tail -14 ;;
+wavebench)  # after `wave` on a warm machine: fivar's soft-cap on FA3 with the planned split, without it (wave_0)
+  # and forced (WAVES), vs stock FA3 and Flex, non-causal, at SEQLENS
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192,16384} \
+    --flex-causal 0 --variants softcap --triton-seqlens 0 --wave-splits ${WAVES:-0,1x4,2x8,4x4} \
+    --json "$OUT/bench_wave.json" 2>&1 | quiet | tee "$OUT/bench_wave.log" | grep -v "^CheckResult\|passed" | tail -8 ;;
 pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
   # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1; WINDOW=1024
   # for the soft-capped window; CONTENDERS=a,b to profile fewer. Cold, one configuration builds for ~150 s and

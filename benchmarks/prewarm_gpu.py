@@ -146,6 +146,13 @@ def build_beside_stock(modules, stock_specs) -> float:
     return time.perf_counter() - t0
 
 
+def wave_split_set():
+    """`gpu_session.sh wave`: soft-cap's FA3 single prefill, bf16 (the bounded module and its running-max fallback)
+    and fp16, what test_fa3_wave_split runs and the wave benchmarks time."""
+    v = fivar.load("softcap")
+    return [m for dt in ("bf16", "fp16") for m in serving_modules(v, "single_prefill", "fa3", dt)]
+
+
 HEAD_DIMS_BENCHED = (64, 256)
 
 
@@ -163,12 +170,13 @@ if __name__ == "__main__":
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
             else exp2_extremes_set() if "--exp2-extremes" in sys.argv
             else exp2_split_set() if "--exp2" in sys.argv else bounded_softmax_set() if "--bounded" in sys.argv
-            else head_dim_set() if "--hdims" in sys.argv else bench_set())
+            else head_dim_set() if "--hdims" in sys.argv else wave_split_set() if "--wave" in sys.argv else bench_set())
     t0 = time.perf_counter()
     res = build_many(mods)
     if "--stock" in sys.argv:  # then FlashInfer's own modules, in one ninja of their own (errors propagate)
         from flashinfer.jit.core import build_jit_specs
-        head_dims, names = (HEAD_DIMS_BENCHED, ["softcap"]) if "--hdims" in sys.argv else ((128,), BUNDLED)
+        head_dims, names = ((HEAD_DIMS_BENCHED, ["softcap"]) if "--hdims" in sys.argv
+                            else ((128,), ["softcap"]) if "--wave" in sys.argv else ((128,), BUNDLED))
         build_jit_specs([spec for hd in head_dims for spec in stock_fa3_specs(hd, names)])
     kinds = [k for k, _ in res]
     print(f"prewarm: {len(mods)} modules ({kinds.count('cold')} compiled, {kinds.count('disk')} cached) "

@@ -4,8 +4,9 @@ import torch
 
 import fivar
 from fivar import AttentionVariant
-from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split
+from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split, non_causal_tile
 from fivar.jit.build import module_for
+from fivar.runtime import wave_split
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
                            check_single_prefill, compare)
 
@@ -136,6 +137,43 @@ def test_fa3_bounded_softmax(case, cap):
             ref = v.reference(q, k, vv, softcap=cap)
             r = compare(v.name, f"single_prefill[fa3] bounded softmax, every other row at the bottom (cap {cap})",
                         out, ref, torch.bfloat16)
+    assert r.passed, r
+
+
+# FA3 single prefill's last wave run as key chunks merged through their LSE (fivar/runtime/wave_split.py), forced:
+# MHA and GQA, chunks of uneven length and a last partial tile, bf16 with the bounded softmax (cap 30) and with the
+# running max (cap 50), fp16. The split must have run (wave_split.run called) and match the reference.
+@pytest.mark.parametrize("setting,heads,kv_len,dtype,cap", [
+    ("1x2", (32, 32), 1000, torch.bfloat16, 30.0), ("4x4", (32, 8), 1111, torch.bfloat16, 30.0),
+    ("8x8", (32, 8), 4500, torch.float16, 30.0), ("2x8", (16, 16), 5000, torch.bfloat16, 50.0)])
+def test_fa3_wave_split(setting, heads, kv_len, dtype, cap, monkeypatch):
+    runs = []
+    real = wave_split.run
+    monkeypatch.setattr(wave_split, "run", lambda *a, **kw: runs.append(a[-2]) or real(*a, **kw))
+    with wave_split.wave_split(setting):
+        r = check_single_prefill(fivar.load("softcap"), qo_len=777, kv_len=kv_len, num_qo_heads=heads[0],
+                                 num_kv_heads=heads[1], dtype=dtype, backend="fa3", params={"softcap": cap})
+    assert r.passed, r
+    assert [f"{s.tail_heads}x{s.chunks}" for s in runs] == [setting]
+
+
+# The plan's own choice where it splits on a 132-SM Hopper (S=16384, 32 heads): the whole output against the
+# unsplit kernel's (checked against the reference everywhere else), and the last rows against the reference.
+def test_fa3_wave_split_planned():
+    v = fivar.load("softcap")
+    q, k, vv = (torch.randn(16384, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    tile = non_causal_tile(module_for(v, "single_prefill", "fa3", "bf16", 128).options["cta_tile"], 128)
+    split = wave_split.plan_for(v, q, k, tile)
+    if split is None:
+        pytest.skip(f"no split planned on {torch.cuda.get_device_name()} for this shape")
+    out = v.prefill(q, k, vv, backend="fa3", softcap=30.0)
+    with wave_split.wave_split(False):
+        whole = v.prefill(q, k, vv, backend="fa3", softcap=30.0)
+    r = compare(v.name, f"single_prefill[fa3] split {split.tail_heads}x{split.chunks} vs unsplit", out, whole,
+                torch.bfloat16)
+    assert r.passed, r
+    r = compare(v.name, "single_prefill[fa3] split, last 256 rows vs reference", out[-256:],
+                v.reference(q[-256:], k, vv, softcap=30.0), torch.bfloat16)
     assert r.passed, r
 
 

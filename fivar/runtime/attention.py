@@ -15,6 +15,7 @@ from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
 from .inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
+from . import wave_split
 from .params import bind_params, kernel_args
 
 
@@ -217,12 +218,23 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         o = _kv_range_prefill(variant, q, k, indptr(q.shape[0]), indptr(k.shape[0]), causal, bound,
                               sm_scale).run(q, k, v)
         return out.copy_(o) if out is not None else o
-    module = _module(variant, "single_prefill", target, q.dtype, q.shape[-1], bound, sm_scale).load()
-    from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
+    fmod = _module(variant, "single_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
+    module = fmod.load()
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
-    o = single_prefill_with_kv_cache_with_jit_module(
-        module, q, k, v, *args, kv_layout="NHD", mask_mode=_codegen(target).runtime_mask_code(variant, causal),
-        window_left=_window_left(variant, target, bound))
+    mask_mode, window_left = _codegen(target).runtime_mask_code(variant, causal), _window_left(variant, target, bound)
+    if target == "fa3" and wave_split.applies(variant, causal, window_left):
+        tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1])
+        split = wave_split.plan_for(variant, q, k, tile)
+        if split is not None:
+            from flashinfer.utils import SINGLE_KERNEL_TMP_SIZE, TensorLayout
+
+            def launch(q_, k_, v_, o_, lse_):
+                tmp = torch.empty(SINGLE_KERNEL_TMP_SIZE, dtype=torch.uint8, device=q.device)
+                module.run(q_, k_, v_, tmp, o_, lse_, mask_mode, TensorLayout.NHD.value, window_left, *args)
+            return wave_split.run(launch, q, k, v, out if out is not None else torch.empty_like(q), split, tile[1])
+    from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
+    o = single_prefill_with_kv_cache_with_jit_module(module, q, k, v, *args, kv_layout="NHD", mask_mode=mask_mode,
+                                                     window_left=window_left)
     if out is not None:
         out.copy_(o)
         return out

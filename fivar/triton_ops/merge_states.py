@@ -1,0 +1,68 @@
+"""
+Merging attention states in Triton
+==================================
+
+Attention over keys K can be computed in chunks K = K_0 ∪ K_1 ∪ ... and put back together exactly. Each chunk j
+gives its softmax-normalised output o_j and the log-sum-exp of its logits, lse_j (FlashInfer's kernels write it in
+base 2). The whole row is then
+
+    lse = log2(sum_j 2^lse_j),        o = sum_j 2^(lse_j - lse) * o_j
+
+This is how split-KV kernels finish, and how fivar's FA3 single prefill fills the GPU's last wave
+(`fivar.runtime.wave_split`): the last heads run as several shorter KV chunks, merged here.
+
+* **one program per (row, head)**: it loads the chunks' lse, takes their max first (so 2^x never overflows; a
+  chunk whose every key was masked has lse = -inf and weight 0), and accumulates the weighted outputs in float32;
+* the chunks' outputs are stored in the output dtype (bf16/fp16) by the attention kernel, like FlashInfer's own
+  split-KV partials, so the merge costs one read of each chunk and one write;
+* `out` may be a strided view (the last heads of the full output) as long as its last dim is contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_states_kernel(O_PARTS, LSE_PARTS, OUT,
+                         stride_pc, stride_pn, stride_ph, stride_lc, stride_ln, stride_lh, stride_on, stride_oh,
+                         H, D, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    n = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+
+    chunks = tl.arange(0, CHUNKS)
+    lse = tl.load(LSE_PARTS + chunks * stride_lc + n * stride_ln + h * stride_lh)
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every chunk empty: weights 0, output 0
+    total = tl.sum(tl.exp2(lse - top), axis=0)
+
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(CHUNKS):
+        lse_j = tl.load(LSE_PARTS + j * stride_lc + n * stride_ln + h * stride_lh)
+        o_j = tl.load(O_PARTS + j * stride_pc + n * stride_pn + h * stride_ph + cols, mask=mask, other=0.0)
+        acc += tl.exp2(lse_j - top) * o_j.to(tl.float32)
+    acc = tl.where(total > 0, acc / total, 0.0)
+    tl.store(OUT + n * stride_on + h * stride_oh + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes the merge of `o_parts` [C, N, H, D] (their lse, base 2: `lse_parts` [C, N, H] float32) into
+    `out` [N, H, D] and returns it. C must be a power of two."""
+    chunks, n, h, d = o_parts.shape
+    if chunks & (chunks - 1) or lse_parts.shape != (chunks, n, h) or out.shape != (n, h, d):
+        raise ValueError(f"merge_states: o_parts {list(o_parts.shape)}, lse_parts {list(lse_parts.shape)}, out "
+                         f"{list(out.shape)}: expected [C, N, H, D], [C, N, H], [N, H, D] with C a power of two")
+    if o_parts.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("merge_states: the last dim of o_parts and out must be contiguous")
+    if n * h == 0:
+        return out
+    block = triton.next_power_of_2(d)
+    _merge_states_kernel[(n * h,)](
+        o_parts, lse_parts, out,
+        *o_parts.stride()[:3], *lse_parts.stride(), out.stride(0), out.stride(1),
+        h, d, CHUNKS=chunks, BLOCK_D=block, num_warps=max(1, min(4, block // 64)))
+    return out
