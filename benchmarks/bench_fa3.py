@@ -265,6 +265,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--rounds", type=int, help="timing rounds (default 4, --quick 2)")
     ap.add_argument("--parts", default="softcap,flex,decode")
     ap.add_argument("--softcap-seqlens", default="4096,8192,16384")
     ap.add_argument("--flex-seqlens", default="8192")
@@ -282,7 +283,7 @@ def main():
     args = ap.parse_args()
     D = args.head_dim
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
-    rounds = 2 if args.quick else 4
+    rounds = args.rounds or (2 if args.quick else 4)
     parts = args.parts.split(",")
     out = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__, head_dim=D)
 

@@ -148,9 +148,10 @@ def build_beside_stock(modules, stock_specs) -> float:
 
 def wave_split_set():
     """`gpu_session.sh wave`: soft-cap's FA3 single prefill, bf16 (the bounded module and its running-max fallback)
-    and fp16, what test_fa3_wave_split runs and the wave benchmarks time."""
+    and fp16 at hd128, fp16 hd64 and bf16 hd256: what test_fa3_wave_split runs and the wave benchmarks time."""
     v = fivar.load("softcap")
-    return [m for dt in ("bf16", "fp16") for m in serving_modules(v, "single_prefill", "fa3", dt)]
+    return [m for dt, hd in (("bf16", 128), ("fp16", 128), ("fp16", 64), ("bf16", 256))
+            for m in serving_modules(v, "single_prefill", "fa3", dt, hd)]
 
 
 HEAD_DIMS_BENCHED = (64, 256)

@@ -6,6 +6,7 @@ correctness before calling any of this.
 """
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass, field
 
@@ -39,7 +40,9 @@ def _cpu_bench(fn, warmup_ms: float, rep_ms: float) -> float:
 
 def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms: float = 300,
                      device: str = "cuda") -> dict[str, Timing]:
-    """Median ms per call of each contender; each round times every contender once.
+    """Median ms per call of each contender; each round times every contender once, in an order shuffled per
+    round (seeded: runs repeat). A fixed order biases it: on an H100 the contender timed right after a slower,
+    cooler one (Flex) measured up to 4% faster than the same kernel timed after a hot one (session 16).
 
     On CUDA: triton's do_bench (CUDA events, L2 flushed between calls). On the CPU (tests): wall clock.
     """
@@ -50,9 +53,11 @@ def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms:
     out = {name: Timing() for name in fns}
     for fn in fns.values():  # first call: JIT/autotune/compile out of the timed region
         fn()
+    order, shuffle = list(fns), random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in fns.items():
-            out[name].samples_ms.append(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        shuffle(order)
+        for name in order:
+            out[name].samples_ms.append(do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     return out
 
 
