@@ -101,11 +101,11 @@ wave)  # FA3 single prefill's last wave split along the keys (fivar/runtime/wave
     2>&1 | tee "$OUT/gpu_tests_wave.log" | tail -6
   timeout ${BENCH_S:-200} python3 benchmarks/wave_quantization.py --json "$OUT/wave_quantization.json" 2>&1 | quiet \
     | tee "$OUT/wave_quantization.log" | tail -14 ;;
-wavebench)  # after `wave` on a warm machine: fivar's soft-cap on FA3 with the planned split, without it (wave_0)
-  # and forced (WAVES), vs stock FA3 and Flex, non-causal, at SEQLENS
+wavebench)  # after `wave` on a warm machine: fivar's soft-cap (VARIANTS) on FA3 with the planned split, without it
+  # (wave_0) and forced (WAVES), vs stock FA3 and Flex, at SEQLENS, non-causal (CAUSALS=0,1: both)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192,16384} \
-    --flex-causal 0 --variants softcap --triton-seqlens 0 --wave-splits ${WAVES:-0,1x4,2x8,4x4} --rounds ${ROUNDS:-8} \
+    --flex-causal ${CAUSALS:-0} --variants ${VARIANTS:-softcap} --triton-seqlens 0 --wave-splits ${WAVES:-0,1x4,2x8,4x4} --rounds ${ROUNDS:-8} \
     --json "$OUT/bench_wave.json" 2>&1 | quiet | tee "$OUT/bench_wave.log" | grep -v "^CheckResult\|passed" | tail -8 ;;
 pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
   # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1; WINDOW=1024
