@@ -218,6 +218,16 @@ def _fa3_tile(v) -> str:
             "overrides)")
 
 
+def _fa3_wave_split(v) -> str:
+    from .runtime import wave_split
+    if not wave_split.applies(v, causal=False, window_left=-1):
+        return ("fa3 single prefill last wave: never split (only softmax variants whose logits read nothing but the "
+                "score and scalar params, with no mask, non-causal, can run as key chunks merged through their LSE)")
+    return ("fa3 single prefill last wave, non-causal: the last heads run as key chunks merged through their LSE "
+            "where a simulated schedule says it saves at least "
+            f"{wave_split.MIN_GAIN:.1%} (S=16384 with 32 heads on 132 SMs does; {wave_split.ENV}=0 turns it off)")
+
+
 @main.command()
 @click.argument("name")
 @click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default=None,
@@ -279,6 +289,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         console.print(_escape(_fa2_kv_tiles(arch, where)))
         console.print(_escape(_fa3_softmax(v)))
         console.print(_escape(_fa3_tile(v)))
+        console.print(_escape(_fa3_wave_split(v)))
         from .codegen.triton import TritonEmitter
         for read, how in TritonEmitter(v).read_plan():
             console.print(_escape(f"triton reads {read}: {how}"))

@@ -177,6 +177,16 @@ def test_explain_with_an_arch_says_what_auto_picks_there():
     assert "KV tiles: chosen at run time by FlashInfer (--arch 9.0a: FIVAR_PIN_KV_TILES=0)" in " ".join(r.output.split())
 
 
+def test_explain_says_which_variants_split_fa3s_last_wave():
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    flat = " ".join(CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"]).output.split())
+    assert "last wave, non-causal: the last heads run as key chunks" in flat and "FIVAR_FA3_WAVE_SPLIT=0" in flat, flat
+    flat = " ".join(CliRunner().invoke(main, ["show", "alibi", "--explain", "--arch", "9.0a"]).output.split())
+    assert "fa3 single prefill last wave: never split" in flat, flat
+
+
 def test_check_runs_the_triton_twin_on_the_cpu(monkeypatch):
     """Without a GPU, `fivar check NAME --backends triton` runs every op the twin has (Triton's interpreter,
     float16) against the reference; other backends and bfloat16 are refused naming why."""
