@@ -228,8 +228,10 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         if split is not None:
             from flashinfer.utils import SINGLE_KERNEL_TMP_SIZE, TensorLayout
 
+            # one workspace for every launch: FlashInfer 0.7's sm90 single prefill never touches it
+            tmp = torch.empty(SINGLE_KERNEL_TMP_SIZE, dtype=torch.uint8, device=q.device)
+
             def launch(q_, k_, v_, o_, lse_):
-                tmp = torch.empty(SINGLE_KERNEL_TMP_SIZE, dtype=torch.uint8, device=q.device)
                 module.run(q_, k_, v_, tmp, o_, lse_, mask_mode, TensorLayout.NHD.value, window_left, *args)
             return wave_split.run(launch, q, k, v, out if out is not None else torch.empty_like(q), split, tile[1])
     from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module

@@ -97,7 +97,7 @@ def _makespan(full_ctas: int, full_len: float, pieces: int, piece_len: float, sm
 
 @functools.lru_cache(maxsize=256)
 def plan(q_tiles: int, num_qo_heads: int, group_size: int, kv_tiles: int, sms: int) -> WaveSplit | None:
-    """The split of `plan`'s docstring for one launch shape, or None where it would not gain MIN_GAIN. Tail heads
+    """The split (this module's docstring) for one launch shape, or None where it would not gain MIN_GAIN. Tail heads
     come in whole KV-head groups (each piece is one GQA launch); the tail need not be more than four waves."""
     full_len = kv_tiles + CTA_FIXED_TILES
     unsplit = math.ceil(q_tiles * num_qo_heads / sms) * full_len
@@ -124,7 +124,8 @@ _streams: dict = {}
 
 
 def _first_stream(device) -> torch.cuda.Stream:
-    """A stream of the highest priority: its CTAs are dispatched before the pieces' on the caller's stream."""
+    """A stream of higher priority than a default one: its CTAs are handed out before the pieces' on the caller's
+    stream (a default-priority one)."""
     s = _streams.get(device)
     if s is None:
         s = _streams[device] = torch.cuda.Stream(device=device, priority=-1)
@@ -144,8 +145,7 @@ def plan_for(variant, q, k, tile: tuple[int, int]) -> WaveSplit | None:
         return WaveSplit(tail, chunks, float("nan"), float("nan"))
     if not setting:
         return None
-    return plan(-(-q.shape[0] // tile[0]), heads, group, kv_tiles,
-                _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+    return plan(-(-q.shape[0] // tile[0]), heads, group, kv_tiles, _sm_count(q.device.index))
 
 
 def run(launch, q, k, v, out, split: WaveSplit, kv_tile: int) -> torch.Tensor:
