@@ -140,11 +140,12 @@ def bounded_softmax_applies(logits_range: tuple[float, float], output_factor: fl
 
 def bounded_softmax(on: bool = True):
     """Like exp2_split, for the bounded softmax (softmax_range)."""
-    return _env_set(BOUNDED_SOFTMAX_ENV, "1" if on else "0")
+    return env_set(BOUNDED_SOFTMAX_ENV, "1" if on else "0")
 
 
 @contextlib.contextmanager
-def _env_set(var: str, value: str):
+def env_set(var: str, value: str):
+    """Within the block, environment variable `var` is `value` (the knobs fivar's module memo and runtime read)."""
     before = os.environ.get(var)
     os.environ[var] = value
     try:
@@ -159,12 +160,12 @@ def _env_set(var: str, value: str):
 def exp2_split(k: int):
     """Generate (and, through fivar's module memo, run) FA3 modules with k of every 8 exp2 columns on the FMA
     pipe while inside: for benchmarks and tests that compare splits in one process."""
-    return _env_set(EXP2_EMULATION_ENV, str(k))
+    return env_set(EXP2_EMULATION_ENV, str(k))
 
 
 def cta_tile(tile: str):
     """Like exp2_split, for FA3 single prefill's CTA tile ("128x176", or "128x176,128x128": non-causal, causal)."""
-    return _env_set(CTA_TILE_ENV, tile)
+    return env_set(CTA_TILE_ENV, tile)
 
 
 #: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh:

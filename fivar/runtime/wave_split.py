@@ -17,7 +17,6 @@ one for the merge) and splits only when it gains at least MIN_GAIN. `FIVAR_FA3_W
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import heapq
 import math
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codegen.fa3 import env_set
 from ..errors import FivarError
 from ..spec import ir
 
@@ -69,19 +69,10 @@ def _setting(variant_name: str) -> tuple[int, int] | bool:
     return int(m.group(1)), int(m.group(2))
 
 
-@contextlib.contextmanager
 def wave_split(on: bool | str = True):
     """Within the block, FA3 single prefill splits its last wave as planned (True), never (False), or as
     "TxC" says."""
-    old = os.environ.get(ENV)
-    os.environ[ENV] = on if isinstance(on, str) else "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
+    return env_set(ENV, on if isinstance(on, str) else "1" if on else "0")
 
 
 def _makespan(full_ctas: int, full_len: float, pieces: int, piece_len: float, sms: int) -> float:
