@@ -213,7 +213,7 @@ def _fa3_tile(v) -> str:
     else:
         why = "FlashInfer's choice"
     if tiles == fa3.FLASHINFER_TILES:
-        tiles = "128x192 non-causal, 128x128 causal"
+        tiles = "{}x{} non-causal, {}x{} causal".format(*sum(fa3.FLASHINFER_SINGLE_PREFILL_TILES[128], ()))
     return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[,QxKV]|flashinfer "
             "overrides)")
 

@@ -258,13 +258,19 @@ def tile_text(tiles: dict[str, tuple[int, int]]) -> str:
     return a if a == b else f"{a},{b}"
 
 
+#: FlashInfer 0.7.2's own single-prefill tiles (getCTATileSize, hopper/prefill_sm90.cuh): head dim -> ((CTA_Q,
+#: CTA_KV) non-causal, (CTA_Q, CTA_KV) causal)
+FLASHINFER_SINGLE_PREFILL_TILES = {64: ((192, 128), (192, 128)), 128: ((128, 192), (128, 128)),
+                                   256: ((128, 64), (128, 64))}
+
+
 def non_causal_tile(tile: str | None, head_dim: int) -> tuple[int, int]:
     """(CTA_Q, CTA_KV) of a single-prefill module's non-causal kernel, from the `cta_tile` it records: fivar's
-    tile, or FlashInfer 0.7.2's getCTATileSize (hopper/prefill_sm90.cuh) for 'flashinfer'."""
+    tile, or FlashInfer's (FLASHINFER_SINGLE_PREFILL_TILES) for 'flashinfer'."""
     if tile and tile != FLASHINFER_TILES:
         q, kv = tile.split(",")[0].lower().split("x")
         return int(q), int(kv)
-    return {64: (192, 128), 128: (128, 192)}.get(head_dim, (128, 64))
+    return FLASHINFER_SINGLE_PREFILL_TILES[head_dim][0]
 
 
 def mask_modes(variant) -> list[str]:

@@ -42,8 +42,7 @@ MIN_GAIN = 0.015
 class WaveSplit:
     tail_heads: int  # the last query heads, run as `chunks` launches over a chunk of the keys each
     chunks: int
-    makespan: float  # estimated, in KV-tile times
-    unsplit: float
+    makespan: float  # estimated, in KV-tile times (NaN when forced)
 
 
 def applies(variant, causal: bool, window_left: int) -> bool:
@@ -102,7 +101,7 @@ def plan(q_tiles: int, num_qo_heads: int, group_size: int, kv_tiles: int, sms: i
             t = _makespan(q_tiles * (num_qo_heads - tail), full_len, q_tiles * tail * chunks,
                           math.ceil(kv_tiles / chunks) + CTA_FIXED_TILES, sms) + MERGE_TILES
             if best is None or t < best.makespan:
-                best = WaveSplit(tail, chunks, t, unsplit)
+                best = WaveSplit(tail, chunks, t)
     return best if best is not None and best.makespan <= unsplit * (1 - MIN_GAIN) else None
 
 
@@ -133,7 +132,7 @@ def plan_for(variant, q, k, tile: tuple[int, int]) -> WaveSplit | None:
             raise FivarError(f"variant '{variant.name}': {ENV}={tail}x{chunks}: the tail must be whole KV-head groups "
                              f"({group} query heads each) short of all {heads} heads, and there are {kv_tiles} KV "
                              f"tiles to cut into {chunks}")
-        return WaveSplit(tail, chunks, float("nan"), float("nan"))
+        return WaveSplit(tail, chunks, float("nan"))
     if not setting:
         return None
     return plan(-(-q.shape[0] // tile[0]), heads, group, kv_tiles, _sm_count(q.device.index))
