@@ -24,6 +24,8 @@ first).
 `--wave-splits 0,1x8,2x4` adds one per setting `fivar_fa3_wave_W` of FIVAR_FA3_WAVE_SPLIT (fivar/runtime/wave_split.py:
 0 never splits FA3 single prefill's last wave, TxC runs the last T heads as C key chunks merged through their LSE;
 fivar's default is the plan's choice); they use the default modules.
+`--schedules persistent` adds `fivar_fa3_persistent`: FA3 single prefill with one CTA per SM walking the tiles
+(FIVAR_FA3_SCHEDULE, csrc/fivar_fa3_persistent.cuh) in place of one CTA per tile (`grid`).
 `--running-max` adds `fivar_fa3_running_max`: FlashInfer's running row max in place of fivar's default for bounded
 transforms, whose max is the bound (FIVAR_FA3_BOUNDED_SOFTMAX=0, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
 first, in parallel.
@@ -39,7 +41,7 @@ import torch
 import fivar
 from fivar.bench.contenders import stock_mapping
 from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved
-from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split
+from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split, schedule
 from fivar.runtime.wave_split import wave_split
 from fivar.testing import compare, example_params
 
@@ -93,13 +95,14 @@ def bench_variants_vs_flex(seqlens, causals, rounds, variants, triton_seqlens=()
     return rows
 
 
-def option_contenders(exp2_splits=(), cta_tiles=(), running_max=False, wave_splits=()):
+def option_contenders(exp2_splits=(), cta_tiles=(), running_max=False, wave_splits=(), schedules=()):
     """[(contender name, the context manager its calls run under)] for --exp2-splits/--cta-tiles/--running-max/
-    --wave-splits."""
+    --wave-splits/--schedules."""
     return ([(f"fivar_fa3_exp2_{k}", lambda k=k: exp2_split(k)) for k in exp2_splits]
             + [(f"fivar_fa3_tile_{t.replace(',', '_')}", lambda t=t: cta_tile(t)) for t in cta_tiles]
             + ([("fivar_fa3_running_max", lambda: bounded_softmax(False))] if running_max else [])
-            + [(f"fivar_fa3_wave_{w}", lambda w=w: wave_split(w)) for w in wave_splits])
+            + [(f"fivar_fa3_wave_{w}", lambda w=w: wave_split(w)) for w in wave_splits]
+            + [(f"fivar_fa3_{s}", lambda s=s: schedule(s)) for s in schedules])
 
 
 def _run_under(option, fn):
@@ -109,13 +112,13 @@ def _run_under(option, fn):
     return call
 
 
-def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False, planned=False):
+def build_option_modules(variants, exp2_splits, cta_tiles, running_max=False, planned=False, schedules=()):
     """The FA3 single-prefill modules of every split and tile and the default ones, in one parallel ninja, then
     (in another) stock FA3's, so no compile lands inside the benchmark."""
     from fivar.jit.build import serving_modules
     from prewarm_gpu import build_beside_stock, fa3_variants_at, stock_fa3_specs  # benchmarks/: this script's dir
     mods = fa3_variants_at(variants, exp2_splits=exp2_splits, cta_tiles=cta_tiles, running_max=running_max,
-                           head_dim=D)
+                           head_dim=D, schedules=schedules)
     ops = ("single_prefill", "batch_prefill") if planned else ("single_prefill",)
     mods += [m for n in variants for op in ops for m in serving_modules(fivar.load(n), op, "fa3", head_dim=D)]
     seconds = build_beside_stock(mods, stock_fa3_specs(D, variants))
@@ -280,6 +283,7 @@ def main():
     ap.add_argument("--running-max", action="store_true",
                     help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
     ap.add_argument("--wave-splits", default="", help="e.g. 0,1x8,2x4: FA3 contenders per last-wave split (see top)")
+    ap.add_argument("--schedules", default="", help="e.g. persistent,grid: FA3 contenders per single-prefill schedule")
     args = ap.parse_args()
     D = args.head_dim
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
@@ -296,9 +300,12 @@ def main():
     if "softcap" in parts:
         out["softcap_vs_stock"] = bench_softcap_vs_stock(_ints(args.softcap_seqlens), rounds)
     exp2_splits, cta_tiles = _ints(args.exp2_splits), args.cta_tiles
-    options = option_contenders(exp2_splits, cta_tiles, args.running_max, [w for w in args.wave_splits.split(",") if w])
+    schedules = [s for s in args.schedules.split(",") if s]
+    options = option_contenders(exp2_splits, cta_tiles, args.running_max, [w for w in args.wave_splits.split(",") if w],
+                                schedules)
     if (options or args.planned or D != 128) and "flex" in parts:
-        build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max, args.planned)
+        build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max, args.planned,
+                             schedules)
     if "flex" in parts:
         def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
             out["variants_vs_flex"] = rows

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -107,6 +107,19 @@ wavebench)  # after `wave` on a warm machine: fivar's soft-cap (VARIANTS) on FA3
   timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192,16384} \
     --flex-causal ${CAUSALS:-0} --variants ${VARIANTS:-softcap} --triton-seqlens 0 --wave-splits ${WAVES:-0,1x4,2x8,4x4} --rounds ${ROUNDS:-8} \
     --json "$OUT/bench_wave.json" 2>&1 | quiet | tee "$OUT/bench_wave.log" | grep -v "^CheckResult\|passed" | tail -8 ;;
+persistent)  # FA3 single prefill on the persistent schedule (csrc/fivar_fa3_persistent.cuh): its modules and stock
+  # FA3's, its GPU tests; then `persistentbench`
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --persistent --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "persistent_schedule" \
+    2>&1 | tee "$OUT/gpu_tests_persistent.log" | tail -6 ;;
+persistentbench)  # after `persistent` on a warm machine: the soft-capped variants (VARIANTS) on the grid (fivar's
+  # default) and persistent schedules vs stock FA3 and Flex, at SEQLENS, non-causal and causal (CAUSALS)
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192} \
+    --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap_sliding_window,softcap} --triton-seqlens 0 \
+    --schedules persistent --rounds ${ROUNDS:-8} --json "$OUT/bench_persistent.json" 2>&1 | quiet \
+    | tee "$OUT/bench_persistent.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
   # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1; WINDOW=1024
   # for the soft-capped window; CONTENDERS=a,b to profile fewer. Cold, one configuration builds for ~150 s and

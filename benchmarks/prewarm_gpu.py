@@ -82,15 +82,16 @@ EXP2_SPLITS = (2, 4, 6)
 CTA_TILES_TESTED = ("128x176,192x128",)
 
 
-def fa3_variants_at(names, exp2_splits=(), cta_tiles=(), running_max=False, head_dim=128):
+def fa3_variants_at(names, exp2_splits=(), cta_tiles=(), running_max=False, head_dim=128, schedules=()):
     """FA3 single prefill (bf16, `head_dim`) of each variant at each exp2 split, then at each CTA tile (default split),
-    then with the running-max softmax: the modules a call run under fivar.codegen.fa3.exp2_split(k), cta_tile(t) or
-    bounded_softmax(False) loads."""
+    then with the running-max softmax, then on each schedule: the modules a call run under
+    fivar.codegen.fa3.exp2_split(k), cta_tile(t), bounded_softmax(False) or schedule(s) loads."""
     single = lambda n, **opt: gen_module(fivar.load(n), op="single_prefill", target="fa3",  # noqa: E731
                                          head_dim=head_dim, **opt)
     return ([single(n, exp2_emulated_of_8=k) for k in exp2_splits for n in names]
             + [single(n, cta_tile=t) for t in cta_tiles for n in names]
-            + ([single(n, bounded_softmax=False) for n in names] if running_max else []))
+            + ([single(n, bounded_softmax=False) for n in names] if running_max else [])
+            + [single(n, schedule=s) for s in schedules for n in names])
 
 
 def bounded_softmax_set():
@@ -154,6 +155,23 @@ def wave_split_set():
             for m in serving_modules(v, "single_prefill", "fa3", dt, hd)]
 
 
+#: test_fa3_persistent_schedule's variants (the soft-caps on fivar's tile, the others on FlashInfer's)
+PERSISTENT_TESTED = ("softcap", "softcap_sliding_window", "alibi", "sliding_window")
+
+
+def persistent_set():
+    """`gpu_session.sh persistent`: FA3 single prefill on the persistent schedule (fivar_fa3_persistent.cuh), bf16
+    hd128 of PERSISTENT_TESTED and soft-cap at fp16 hd64 and bf16 hd256 (the bounded modules and their running-max
+    fallbacks), beside the default modules of the soft-capped variants it is benchmarked against."""
+    from fivar.codegen.fa3 import schedule
+    with schedule("persistent"):
+        mods = [m for n in PERSISTENT_TESTED for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
+        mods += [m for dt, hd in (("fp16", 64), ("bf16", 256))
+                 for m in serving_modules(fivar.load("softcap"), "single_prefill", "fa3", dt, hd)]
+    return mods + [m for n in ("softcap", "softcap_sliding_window")
+                   for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
+
+
 HEAD_DIMS_BENCHED = (64, 256)
 
 
@@ -171,13 +189,16 @@ if __name__ == "__main__":
             else kv_range_set() if "--kv-ranges" in sys.argv else window_set() if "--window" in sys.argv
             else exp2_extremes_set() if "--exp2-extremes" in sys.argv
             else exp2_split_set() if "--exp2" in sys.argv else bounded_softmax_set() if "--bounded" in sys.argv
-            else head_dim_set() if "--hdims" in sys.argv else wave_split_set() if "--wave" in sys.argv else bench_set())
+            else head_dim_set() if "--hdims" in sys.argv else wave_split_set() if "--wave" in sys.argv
+            else persistent_set() if "--persistent" in sys.argv else bench_set())
     t0 = time.perf_counter()
     res = build_many(mods)
     if "--stock" in sys.argv:  # then FlashInfer's own modules, in one ninja of their own (errors propagate)
         from flashinfer.jit.core import build_jit_specs
         head_dims, names = ((HEAD_DIMS_BENCHED, ["softcap"]) if "--hdims" in sys.argv
-                            else ((128,), ["softcap"]) if "--wave" in sys.argv else ((128,), BUNDLED))
+                            else ((128,), ["softcap"]) if "--wave" in sys.argv
+                            else ((128,), ["softcap", "softcap_sliding_window"]) if "--persistent" in sys.argv
+                            else ((128,), BUNDLED))
         build_jit_specs([spec for hd in head_dims for spec in stock_fa3_specs(hd, names)])
     kinds = [k for k, _ in res]
     print(f"prewarm: {len(mods)} modules ({kinds.count('cold')} compiled, {kinds.count('disk')} cached) "

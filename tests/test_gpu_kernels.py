@@ -4,7 +4,7 @@ import torch
 
 import fivar
 from fivar import AttentionVariant
-from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split, non_causal_tile
+from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split, non_causal_tile, schedule
 from fivar.jit.build import module_for
 from fivar.runtime import wave_split
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
@@ -103,6 +103,33 @@ def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
         assert f"/*CTA_KV_=*/{tile_none.split('x')[1]}," in sources["single_prefill_sm90_kernel_mask_0.cu"]
         assert f"/*CTA_Q_=*/{tile_causal.split('x')[0]}," in sources["single_prefill_sm90_kernel_mask_1.cu"]
         r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3")
+    assert r.passed, r
+
+
+# FA3 single prefill on fivar's persistent schedule (csrc/fivar_fa3_persistent.cuh): a grid of one CTA per SM, each
+# running tile after tile, heavy-first (causal: the last query tile first). Enough tiles that every CTA runs several
+# (4000 rows x 32 heads: 1024 tiles), partial tiles, qo_len < kv_len and > kv_len, GQA 32/8, a window whose last rows
+# keep no key (-37), and variants on FlashInfer's own tiles (alibi, sliding_window), rendered by fivar here.
+@pytest.mark.parametrize("name,qo_len,kv_len,causal,params,dtype,head_dim", [
+    ("softcap_sliding_window", 4000, 4000, True, {"window": 1024}, torch.bfloat16, 128),
+    ("softcap_sliding_window", 1000, 1000, False, {"window": 100}, torch.bfloat16, 128),
+    ("softcap", 3000, 3000, True, {}, torch.bfloat16, 128),
+    ("softcap", 300, 1111, False, {}, torch.bfloat16, 128),
+    ("softcap", 777, 200, False, {}, torch.bfloat16, 128),
+    ("softcap", 300, 1111, True, {"softcap": 50.0}, torch.bfloat16, 128),  # the running-max module
+    ("softcap", 2000, 2000, True, {}, torch.float16, 64),
+    ("softcap", 1000, 1500, False, {}, torch.bfloat16, 256),
+    ("alibi", 1000, 1500, True, {}, torch.bfloat16, 128),
+    ("sliding_window", 1000, 1000, False, {"window": -37}, torch.bfloat16, 128),
+])
+def test_fa3_persistent_schedule(name, qo_len, kv_len, causal, params, dtype, head_dim):
+    v = fivar.load(name)
+    with schedule("persistent"):
+        dt = "bf16" if dtype == torch.bfloat16 else "fp16"
+        unit = module_for(v, "single_prefill", "fa3", dt, head_dim).sources["single_prefill_sm90_kernel_mask_1.cu"]
+        assert "fivar::single_prefill_persistent<" in unit
+        r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3", params=params,
+                                 dtype=dtype, head_dim=head_dim)
     assert r.passed, r
 
 

@@ -230,24 +230,77 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
 #: sha256 of FlashInfer 0.7.2's SinglePrefillWithKVCacheDispatched body (hopper/prefill_sm90.cuh), whitespace
 #: collapsed: the function templates/fa3/cta_tile_inst.cu.jinja specializes with everything but the tile kept.
 _FLASHINFER_DISPATCH_SHA256 = "838afb1277820d5e386dedbaf33a5f2960e16a9f13e1eb49a2383e9bc547f436"
+#: ... and of its SinglePrefillWithKVCacheKernelTraitsDispatched, the launcher csrc/fivar_fa3_persistent.cuh mirrors
+#: with another scheduler and grid.
+_FLASHINFER_LAUNCHER_SHA256 = "74f4778633778607070f182460914ee924f134174c53ddc5bf98e80a0a31d33b"
+
+
+def _mirrored_function_problem(signature: str, sha256: str, what: str) -> str | None:
+    from flashinfer.jit import env as jit_env
+    path = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "attention" / "hopper" / "prefill_sm90.cuh"
+    name = re.search(r"(\w+)\\\(Params", signature).group(1)
+    m = re.search(signature + r" \{\n(.*?)\n\}\n", path.read_text(), re.S)
+    if m is None:
+        return f"{path} has no {name} of the form fivar's {what} mirrors"
+    if hashlib.sha256(" ".join(m.group(1).split()).encode()).hexdigest() != sha256:
+        return f"FlashInfer's {name} ({path}) changed since fivar's {what} was written against 0.7.2"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def flashinfer_dispatch_problem() -> str | None:
     """Why the installed FlashInfer's FA3 single-prefill dispatch is not the one fivar's tile specialization
     mirrors (kernel traits, stages, TMA), or None."""
-    from flashinfer.jit import env as jit_env
-    path = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "attention" / "hopper" / "prefill_sm90.cuh"
-    m = re.search(r"template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool "
-                  r"LEFT_SLIDING_WINDOW,\s*typename AttentionVariant, typename Params>\s*cudaError_t "
-                  r"SinglePrefillWithKVCacheDispatched\(Params& params, cudaStream_t stream\) \{\n(.*?)\n\}\n",
-                  path.read_text(), re.S)
-    if m is None:
-        return f"{path} has no SinglePrefillWithKVCacheDispatched of the form fivar specializes"
-    if hashlib.sha256(" ".join(m.group(1).split()).encode()).hexdigest() != _FLASHINFER_DISPATCH_SHA256:
-        return (f"FlashInfer's SinglePrefillWithKVCacheDispatched ({path}) changed since fivar's CTA-tile "
-                "specialization was written against 0.7.2; only FlashInfer's own tiles ('flashinfer') can be built")
-    return None
+    problem = _mirrored_function_problem(
+        r"template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool LEFT_SLIDING_WINDOW,\s*"
+        r"typename AttentionVariant, typename Params>\s*cudaError_t SinglePrefillWithKVCacheDispatched\(Params& "
+        r"params, cudaStream_t stream\)", _FLASHINFER_DISPATCH_SHA256, "CTA-tile specialization")
+    return problem and problem + ("; only FlashInfer's own tiles ('flashinfer') can be built"
+                                  if "changed" in problem else "")
+
+
+@functools.lru_cache(maxsize=None)
+def flashinfer_launcher_problem() -> str | None:
+    """Why the installed FlashInfer's FA3 single-prefill launcher is not the one fivar's persistent schedule
+    mirrors (its mainloop and epilogue arguments), or None."""
+    return _mirrored_function_problem(
+        r"template <typename KernelTraits, bool LEFT_SLIDING_WINDOW, bool CAUSAL, typename Params>\s*cudaError_t "
+        r"SinglePrefillWithKVCacheKernelTraitsDispatched\(Params& params, cudaStream_t stream\)",
+        _FLASHINFER_LAUNCHER_SHA256, "persistent schedule")
+
+
+#: FA3 single prefill's schedule: "grid", FlashInfer's (SingleTileScheduler: one CTA per query tile and head), or
+#: "persistent" (csrc/fivar_fa3_persistent.cuh: one CTA per SM walks the tiles heavy-first, each overlapping the
+#: next tile's first loads with the current one's end). gen_module(schedule=...), else FIVAR_FA3_SCHEDULE, else
+#: DEFAULT_SCHEDULE.
+SCHEDULE_ENV = "FIVAR_FA3_SCHEDULE"
+SCHEDULES = ("grid", "persistent")
+DEFAULT_SCHEDULE = "grid"
+
+
+def schedule_for(variant, op: str, requested: str | None) -> str:
+    """The schedule a module of `op` is rendered with (schedules other than single prefill's are FlashInfer's)."""
+    where = "schedule" if requested is not None else SCHEDULE_ENV
+    text = requested if requested is not None else os.environ.get(SCHEDULE_ENV, "").strip() or DEFAULT_SCHEDULE
+    if text not in SCHEDULES:
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected one of {', '.join(SCHEDULES)}")
+    if op != "single_prefill":
+        if requested not in (None, "grid"):
+            raise FivarError(f"variant '{variant.name}': schedule={text!r}: only FA3 single prefill takes a schedule "
+                             "(batch prefill runs FlashInfer's planned persistent one)")
+        return "grid"
+    if text == "persistent":
+        problem = flashinfer_dispatch_problem() or flashinfer_launcher_problem()
+        if problem and requested is None and not os.environ.get(SCHEDULE_ENV, "").strip():
+            return "grid"
+        if problem:
+            raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}")
+    return text
+
+
+def schedule(name: str):
+    """Like exp2_split, for FA3 single prefill's schedule ("grid" or "persistent")."""
+    return env_set(SCHEDULE_ENV, name)
 
 
 def tile_text(tiles: dict[str, tuple[int, int]]) -> str:

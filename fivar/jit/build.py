@@ -487,7 +487,7 @@ def fivar_headers(source: str) -> dict[str, str]:
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
                exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
-               bounded_softmax: bool | None = None, nvcc_split_compile: bool | None = None,
+               bounded_softmax: bool | None = None, schedule: str | None = None, nvcc_split_compile: bool | None = None,
                pin_kv_tiles: bool | None = None, skip_unused_headers: bool | Collection[str] | None = None,
                nvcc_parallel_passes: bool | None = None) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
@@ -499,6 +499,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal) or "flashinfer"; default
     FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
     from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on).
+    `schedule`: FA3 single prefill's "grid" or "persistent" (fivar.codegen.fa3.schedule_for; default FIVAR_FA3_SCHEDULE,
+    else fa3.DEFAULT_SCHEDULE); persistent renders FlashInfer's tiles explicitly where fivar keeps them.
     `nvcc_split_compile`: FA2 units compile with nvcc's --split-compile (toolchain.split_compile_flags; default on,
     FIVAR_NVCC_SPLIT_COMPILE=1 turns it off). FA3 units keep FlashInfer's flags: they hold one or two kernels, and
     their time is cudafe++ and cicc's front end, which the split does not touch. `pin_kv_tiles`: FA2 prefill compiles
@@ -534,9 +536,14 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if target == "fa3":
         exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
         tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
+        schedule = fa3.schedule_for(variant, op, schedule)
+        if schedule == "persistent" and not tiles:
+            tiles = dict(zip((fa2.MASK_NONE, fa2.MASK_CAUSAL), fa3.FLASHINFER_SINGLE_PREFILL_TILES[head_dim]))
         logits_range = fa3.softmax_range(variant, dtype, bounded_softmax)
     elif cta_tile and cta_tile != fa3.FLASHINFER_TILES:
         raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA tile")
+    if target != "fa3" and schedule not in (None, "grid"):
+        raise FivarError(f"variant '{variant.name}': schedule={schedule!r}: only FA3 single prefill takes a schedule")
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     if row_runs and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
@@ -583,10 +590,13 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                     code = fa2.MASK_CODES[mode]
                     sources[f"{stem}_mask_{code}.cu"] = (
                         fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, cta_q=tiles[mode][0],
-                                   cta_kv=tiles[mode][1], causal=str(mode == fa2.MASK_CAUSAL).lower(), **kwargs)
+                                   cta_kv=tiles[mode][1], causal=str(mode == fa2.MASK_CAUSAL).lower(),
+                                   persistent=schedule == "persistent", **kwargs)
                         if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
+    if target == "fa3" and schedule == "persistent":
+        sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
     pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), pin_kv_tiles)
               if target == "fa2" and op in ("single_prefill", "batch_prefill") else None)
     if pinned:
@@ -617,7 +627,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
                **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
-                   "bounded_softmax": logits_range is not None}
+                   "bounded_softmax": logits_range is not None, "schedule": schedule}
                   if target == "fa3" else {"split_cta_tiles": bool(split), "nvcc_split_compile": nvcc_split_compile,
                                            "pin_kv_tiles": bool(pinned),
                                            "skip_unused_headers": [h.name for h in skipped]})}
@@ -666,7 +676,8 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
                bounded_softmax: bool | None = None) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
-                                                  fa3.BOUNDED_SOFTMAX_ENV, toolchain.SPLIT_COMPILE_ENV,
+                                                  fa3.BOUNDED_SOFTMAX_ENV, fa3.SCHEDULE_ENV,
+                                                  toolchain.SPLIT_COMPILE_ENV,
                                                   pinned_kv_tiles.ENV, unused_headers.ENV,
                                                   toolchain.PARALLEL_PASSES_ENV))
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
