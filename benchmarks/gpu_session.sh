@@ -107,18 +107,19 @@ wavebench)  # after `wave` on a warm machine: fivar's soft-cap (VARIANTS) on FA3
   timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192,16384} \
     --flex-causal ${CAUSALS:-0} --variants ${VARIANTS:-softcap} --triton-seqlens 0 --wave-splits ${WAVES:-0,1x4,2x8,4x4} --rounds ${ROUNDS:-8} \
     --json "$OUT/bench_wave.json" 2>&1 | quiet | tee "$OUT/bench_wave.log" | grep -v "^CheckResult\|passed" | tail -8 ;;
-persistent)  # FA3 single prefill on the persistent schedule (csrc/fivar_fa3_persistent.cuh): its modules and stock
-  # FA3's, its GPU tests; then `persistentbench`
+persistent)  # FA3 single prefill on the persistent schedule (csrc/fivar_fa3_persistent.cuh; fivar's default for the
+  # causal kernel of window variants): its modules and stock FA3's, its GPU tests and the window tests; then
+  # `persistentbench`
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   (time python3 benchmarks/prewarm_gpu.py --persistent --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "persistent_schedule" \
-    2>&1 | tee "$OUT/gpu_tests_persistent.log" | tail -6 ;;
-persistentbench)  # after `persistent` on a warm machine: the soft-capped variants (VARIANTS) on the grid (fivar's
-  # default) and persistent schedules vs stock FA3 and Flex, at SEQLENS, non-causal and causal (CAUSALS)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "persistent_schedule or (window_tile_skipping and fa3 and not batch)" 2>&1 | tee "$OUT/gpu_tests_persistent.log" | tail -6 ;;
+persistentbench)  # after `persistent` on a warm machine: the window variants (VARIANTS) on fivar's default schedule
+  # and on SCHEDULES (default: grid, FlashInfer's) vs stock FA3 and Flex, at SEQLENS, causal (CAUSALS=0,1: both)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-  timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-8192} \
-    --flex-causal ${CAUSALS:-0,1} --variants ${VARIANTS:-softcap_sliding_window,softcap} --triton-seqlens 0 \
-    --schedules persistent --rounds ${ROUNDS:-8} --json "$OUT/bench_persistent.json" 2>&1 | quiet \
+  timeout ${BENCH_S:-540} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-4096,8192,16384} \
+    --flex-causal ${CAUSALS:-1} --variants ${VARIANTS:-softcap_sliding_window,sliding_window} --triton-seqlens 0 \
+    --schedules ${SCHEDULES:-grid} --rounds ${ROUNDS:-8} --json "$OUT/bench_persistent.json" 2>&1 | quiet \
     | tee "$OUT/bench_persistent.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
 pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
   # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1; WINDOW=1024

@@ -162,13 +162,13 @@ PERSISTENT_TESTED = ("softcap", "softcap_sliding_window", "alibi", "sliding_wind
 def persistent_set():
     """`gpu_session.sh persistent`: FA3 single prefill on the persistent schedule (fivar_fa3_persistent.cuh), bf16
     hd128 of PERSISTENT_TESTED and soft-cap at fp16 hd64 and bf16 hd256 (the bounded modules and their running-max
-    fallbacks), beside the default modules of the soft-capped variants it is benchmarked against."""
+    fallbacks), beside the default modules of the variants the window tests run and the benchmark times."""
     from fivar.codegen.fa3 import schedule
     with schedule("persistent"):
         mods = [m for n in PERSISTENT_TESTED for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
         mods += [m for dt, hd in (("fp16", 64), ("bf16", 256))
                  for m in serving_modules(fivar.load("softcap"), "single_prefill", "fa3", dt, hd)]
-    return mods + [m for n in ("softcap", "softcap_sliding_window")
+    return mods + [m for n in ("softcap", "softcap_sliding_window", "sliding_window")
                    for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
 
 
@@ -197,7 +197,8 @@ if __name__ == "__main__":
         from flashinfer.jit.core import build_jit_specs
         head_dims, names = ((HEAD_DIMS_BENCHED, ["softcap"]) if "--hdims" in sys.argv
                             else ((128,), ["softcap"]) if "--wave" in sys.argv
-                            else ((128,), ["softcap", "softcap_sliding_window"]) if "--persistent" in sys.argv
+                            else ((128,), ["softcap", "softcap_sliding_window", "sliding_window"])
+                            if "--persistent" in sys.argv
                             else ((128,), BUNDLED))
         build_jit_specs([spec for hd in head_dims for spec in stock_fa3_specs(hd, names)])
     kinds = [k for k, _ in res]

@@ -269,37 +269,57 @@ def flashinfer_launcher_problem() -> str | None:
         _FLASHINFER_LAUNCHER_SHA256, "persistent schedule")
 
 
-#: FA3 single prefill's schedule: "grid", FlashInfer's (SingleTileScheduler: one CTA per query tile and head), or
-#: "persistent" (csrc/fivar_fa3_persistent.cuh: one CTA per SM walks the tiles heavy-first, each overlapping the
-#: next tile's first loads with the current one's end). gen_module(schedule=...), else FIVAR_FA3_SCHEDULE, else
-#: DEFAULT_SCHEDULE.
+#: FA3 single prefill's schedule per mask mode: "grid", FlashInfer's (SingleTileScheduler: one CTA per query tile and
+#: head), or "persistent" (csrc/fivar_fa3_persistent.cuh: one CTA per SM walks the tiles heavy-first, loading the next
+#: tile's first K and its Q while it finishes the current one). gen_module(schedule=...), else FIVAR_FA3_SCHEDULE,
+#: else default_schedule; "S" for both modes or "S,S" non-causal then causal, like the CTA tile.
 SCHEDULE_ENV = "FIVAR_FA3_SCHEDULE"
 SCHEDULES = ("grid", "persistent")
-DEFAULT_SCHEDULE = "grid"
 
 
-def schedule_for(variant, op: str, requested: str | None) -> str:
-    """The schedule a module of `op` is rendered with (schedules other than single prefill's are FlashInfer's)."""
+def default_schedule(variant, op: str) -> str:
+    """Persistent for the causal kernel of a variant with a left window (FA3's own sliding window: each query tile
+    visits ~window / CTA_KV + 1 KV tiles, so a tile's start and end weigh), grid otherwise. Measured on an H200,
+    soft-capped window of 1024, causal (benchmarks/results/bench_persistent_h200_session17.json): 375 vs 361 TF/s at
+    S=8192, 376 vs 366 at 16384. Where tile costs differ (causal without a window, a window non-causal) CTAs drift
+    apart on a static schedule and the tiles in flight spread over more heads than L2 holds: soft-cap causal at
+    S=16384 fell from 515 to 430, so those stay on the grid."""
+    return "grid,persistent" if op == "single_prefill" and variant.kv_band.left is not None else "grid"
+
+
+def schedules(variant, op: str, requested: str | None) -> dict[str, str]:
+    """{MASK_NONE: schedule, MASK_CAUSAL: schedule} of a module (schedules other than single prefill's are
+    FlashInfer's: "grid" here, and batch prefill's planned persistent one is FlashInfer's own)."""
     where = "schedule" if requested is not None else SCHEDULE_ENV
-    text = requested if requested is not None else os.environ.get(SCHEDULE_ENV, "").strip() or DEFAULT_SCHEDULE
-    if text not in SCHEDULES:
-        raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected one of {', '.join(SCHEDULES)}")
+    override = requested if requested is not None else os.environ.get(SCHEDULE_ENV, "").strip()
+    text = override or default_schedule(variant, op)
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 2 or any(p not in SCHEDULES for p in parts):
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected {' or '.join(SCHEDULES)}, or two of "
+                         "them, non-causal then causal (e.g. grid,persistent)")
+    chosen = {MASK_NONE: parts[0], MASK_CAUSAL: parts[-1]}
     if op != "single_prefill":
-        if requested not in (None, "grid"):
+        if requested is not None and set(parts) != {"grid"}:
             raise FivarError(f"variant '{variant.name}': schedule={text!r}: only FA3 single prefill takes a schedule "
                              "(batch prefill runs FlashInfer's planned persistent one)")
-        return "grid"
-    if text == "persistent":
+        return {MASK_NONE: "grid", MASK_CAUSAL: "grid"}
+    if "persistent" in parts:
         problem = flashinfer_dispatch_problem() or flashinfer_launcher_problem()
-        if problem and requested is None and not os.environ.get(SCHEDULE_ENV, "").strip():
-            return "grid"
+        if problem and not override:  # the default is an optimisation: FlashInfer's grid is always right
+            return {MASK_NONE: "grid", MASK_CAUSAL: "grid"}
         if problem:
             raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}")
-    return text
+    return chosen
+
+
+def schedule_text(chosen: dict[str, str]) -> str:
+    """The canonical text of schedules' result, what a module records."""
+    a, b = chosen[MASK_NONE], chosen[MASK_CAUSAL]
+    return a if a == b else f"{a},{b}"
 
 
 def schedule(name: str):
-    """Like exp2_split, for FA3 single prefill's schedule ("grid" or "persistent")."""
+    """Like exp2_split, for FA3 single prefill's schedule ("grid", "persistent" or "grid,persistent")."""
     return env_set(SCHEDULE_ENV, name)
 
 

@@ -499,8 +499,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal) or "flashinfer"; default
     FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
     from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on).
-    `schedule`: FA3 single prefill's "grid" or "persistent" (fivar.codegen.fa3.schedule_for; default FIVAR_FA3_SCHEDULE,
-    else fa3.DEFAULT_SCHEDULE); persistent renders FlashInfer's tiles explicitly where fivar keeps them.
+    `schedule`: FA3 single prefill's "grid" or "persistent", or both ("grid,persistent": non-causal, causal;
+    fivar.codegen.fa3.schedules; default FIVAR_FA3_SCHEDULE, else fa3.default_schedule); a persistent kernel renders
+    FlashInfer's tiles explicitly where fivar keeps them.
     `nvcc_split_compile`: FA2 units compile with nvcc's --split-compile (toolchain.split_compile_flags; default on,
     FIVAR_NVCC_SPLIT_COMPILE=1 turns it off). FA3 units keep FlashInfer's flags: they hold one or two kernels, and
     their time is cudafe++ and cicc's front end, which the split does not touch. `pin_kv_tiles`: FA2 prefill compiles
@@ -532,12 +533,13 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
 
     codegen = fa3 if target == "fa3" else fa2
     tiles: dict[str, tuple[int, int]] = {}
+    chosen_schedules: dict[str, str] = {}
     logits_range = None
     if target == "fa3":
         exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
         tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
-        schedule = fa3.schedule_for(variant, op, schedule)
-        if schedule == "persistent" and not tiles:
+        chosen_schedules = fa3.schedules(variant, op, schedule)
+        if "persistent" in chosen_schedules.values() and not tiles:
             tiles = dict(zip((fa2.MASK_NONE, fa2.MASK_CAUSAL), fa3.FLASHINFER_SINGLE_PREFILL_TILES[head_dim]))
         logits_range = fa3.softmax_range(variant, dtype, bounded_softmax)
     elif cta_tile and cta_tile != fa3.FLASHINFER_TILES:
@@ -591,11 +593,11 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                     sources[f"{stem}_mask_{code}.cu"] = (
                         fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, cta_q=tiles[mode][0],
                                    cta_kv=tiles[mode][1], causal=str(mode == fa2.MASK_CAUSAL).lower(),
-                                   persistent=schedule == "persistent", **kwargs)
+                                   persistent=chosen_schedules[mode] == "persistent", **kwargs)
                         if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
-    if target == "fa3" and schedule == "persistent":
+    if target == "fa3" and "persistent" in chosen_schedules.values():
         sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
     pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), pin_kv_tiles)
               if target == "fa2" and op in ("single_prefill", "batch_prefill") else None)
@@ -627,7 +629,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
                **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
-                   "bounded_softmax": logits_range is not None, "schedule": schedule}
+                   "bounded_softmax": logits_range is not None, "schedule": fa3.schedule_text(chosen_schedules)}
                   if target == "fa3" else {"split_cta_tiles": bool(split), "nvcc_split_compile": nvcc_split_compile,
                                            "pin_kv_tiles": bool(pinned),
                                            "skip_unused_headers": [h.name for h in skipped]})}
