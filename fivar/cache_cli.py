@@ -149,8 +149,8 @@ class Entry:
 
 
 def _option_labels(options: dict) -> list[str]:
-    """What tells apart two modules of one (variant, op, dtype, head dim): the FA3 softmax, split and tile; FA2's
-    CTA-tile split and nvcc --split-compile (labelled when off, its default being on)."""
+    """What tells apart two modules of one (variant, op, dtype, head dim): the FA3 softmax, split, tile and
+    schedule; FA2's CTA-tile split and nvcc --split-compile (labelled when off, its default being on)."""
     out = []
     if options.get("bounded_softmax"):
         out.append("bounded")
@@ -158,6 +158,8 @@ def _option_labels(options: dict) -> list[str]:
         out.append(f"exp2/8={options['exp2_emulated_of_8']}")
     if options.get("cta_tile"):
         out.append(f"tile {options['cta_tile']}")
+    if options.get("schedule", "grid") != "grid":
+        out.append(f"schedule {options['schedule']}")
     if options.get("row_runs"):
         out.append("row-runs")
     if options.get("split_cta_tiles"):
@@ -261,6 +263,7 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
             options.setdefault("nvcc_parallel_passes", False)  # recorded before session 14: nvcc's passes in turn
             if man.get("target") == "fa3":
                 options.setdefault("bounded_softmax", False)  # recorded before fivar had it: built without
+                options.setdefault("schedule", "grid")  # recorded before session 17: FlashInfer's grid launch
             else:
                 options.setdefault("nvcc_split_compile", False)  # likewise: built without nvcc's --split-compile
                 options.setdefault("pin_kv_tiles", False)  # and with FlashInfer's run-time KV tile choice

@@ -277,22 +277,24 @@ SCHEDULE_ENV = "FIVAR_FA3_SCHEDULE"
 SCHEDULES = ("grid", "persistent")
 
 
-def default_schedule(variant, op: str) -> str:
-    """Persistent for the causal kernel of a variant with a left window (FA3's own sliding window: each query tile
-    visits ~window / CTA_KV + 1 KV tiles, so a tile's start and end weigh), grid otherwise. Measured on an H200,
-    soft-capped window of 1024, causal (benchmarks/results/bench_persistent_h200_session17.json): 375 vs 361 TF/s at
-    S=8192, 376 vs 366 at 16384. Where tile costs differ (causal without a window, a window non-causal) CTAs drift
-    apart on a static schedule and the tiles in flight spread over more heads than L2 holds: soft-cap causal at
-    S=16384 fell from 515 to 430, so those stay on the grid."""
-    return "grid,persistent" if op == "single_prefill" and variant.kv_band.left is not None else "grid"
+def default_schedule(variant, op: str, head_dim: int = 128) -> str:
+    """Persistent for the causal kernel of a variant with a left window at hd128, the head dim measured (FA3's
+    own sliding window: each query tile visits ~window / CTA_KV + 1 KV tiles, so a tile's start and end weigh),
+    grid otherwise. Measured on an H200, causal, window 1024 (benchmarks/results/bench_persistent_h200_session18.json):
+    soft-capped 379/385/387 vs 360/374/375 TF/s on the grid at S=4096/8192/16384, no cap 425/428/429 vs
+    401/400/398. Where tile costs differ (causal without a window, a window non-causal) CTAs drift apart on a
+    static schedule and the tiles in flight spread over more heads than L2 holds: soft-cap causal at S=16384 fell
+    from 515 to 430 (session 17), so those stay on the grid."""
+    window = op == "single_prefill" and head_dim == 128 and variant.kv_band.left is not None
+    return "grid,persistent" if window else "grid"
 
 
-def schedules(variant, op: str, requested: str | None) -> dict[str, str]:
+def schedules(variant, op: str, requested: str | None, head_dim: int = 128) -> dict[str, str]:
     """{MASK_NONE: schedule, MASK_CAUSAL: schedule} of a module (schedules other than single prefill's are
     FlashInfer's: "grid" here, and batch prefill's planned persistent one is FlashInfer's own)."""
     where = "schedule" if requested is not None else SCHEDULE_ENV
     override = requested if requested is not None else os.environ.get(SCHEDULE_ENV, "").strip()
-    text = override or default_schedule(variant, op)
+    text = override or default_schedule(variant, op, head_dim)
     parts = [p.strip() for p in text.split(",")]
     if len(parts) > 2 or any(p not in SCHEDULES for p in parts):
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected {' or '.join(SCHEDULES)}, or two of "

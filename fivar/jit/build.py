@@ -533,13 +533,14 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
 
     codegen = fa3 if target == "fa3" else fa2
     tiles: dict[str, tuple[int, int]] = {}
+    chosen_tiles: dict[str, tuple[int, int]] = {}
     chosen_schedules: dict[str, str] = {}
     logits_range = None
     if target == "fa3":
         exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
-        tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
-        chosen_schedules = fa3.schedules(variant, op, schedule)
-        if "persistent" in chosen_schedules.values() and not tiles:
+        tiles = chosen_tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
+        chosen_schedules = fa3.schedules(variant, op, schedule, head_dim)
+        if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
             tiles = dict(zip((fa2.MASK_NONE, fa2.MASK_CAUSAL), fa3.FLASHINFER_SINGLE_PREFILL_TILES[head_dim]))
         logits_range = fa3.softmax_range(variant, dtype, bounded_softmax)
     elif cta_tile and cta_tile != fa3.FLASHINFER_TILES:
@@ -628,7 +629,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
-               **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(tiles),
+               **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(chosen_tiles),
                    "bounded_softmax": logits_range is not None, "schedule": fa3.schedule_text(chosen_schedules)}
                   if target == "fa3" else {"split_cta_tiles": bool(split), "nvcc_split_compile": nvcc_split_compile,
                                            "pin_kv_tiles": bool(pinned),
