@@ -222,9 +222,8 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     module = fmod.load()
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
     mask_mode, window_left = _codegen(target).runtime_mask_code(variant, causal), _window_left(variant, target, bound)
-    # a persistent kernel holds every SM to its end, so a split's tail launches could only run after it
-    persistent = fmod.options.get("schedule", "grid").split(",")[0] == "persistent"
-    if target == "fa3" and not persistent and wave_split.applies(variant, causal, window_left):
+    non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
+    if target == "fa3" and wave_split.applies(variant, causal, window_left, non_causal_schedule):
         tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1])
         split = wave_split.plan_for(variant, q, k, tile)
         if split is not None:

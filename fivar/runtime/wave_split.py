@@ -45,12 +45,13 @@ class WaveSplit:
     makespan: float  # estimated, in KV-tile times (NaN when forced)
 
 
-def applies(variant, causal: bool, window_left: int) -> bool:
+def applies(variant, causal: bool, window_left: int, schedule: str = "grid") -> bool:
     """A variant whose output does not depend on which keys a launch sees beside their scores: softmax, no mask,
     no window, logits from the score and scalar params only (kv_idx, heads and tensor params would be off in a
-    launch over a slice)."""
+    launch over a slice), on FlashInfer's grid (a persistent kernel holds every SM to its end, so the tail's
+    launches could only start after it)."""
     low = variant.lowered
-    if causal or window_left >= 0 or not variant.softmax or low.mask is not None:
+    if causal or window_left >= 0 or not variant.softmax or low.mask is not None or schedule != "grid":
         return False
     return low.logits is None or ir.uses(low.logits) <= {"score", *variant.scalar_params}
 

@@ -408,6 +408,8 @@ def test_fa3_module_compiles_for_sm90a():
         "single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_1.cu"]
     # the window mask gives a band: FA3's sliding-window schedule skips the KV tiles left of it
     assert "USE_SLIDING_WINDOW=*/true" in m.sources["single_prefill_sm90_kernel_mask_0.cu"]
+    # and its causal kernel runs on fivar's persistent launcher (csrc/fivar_fa3_persistent.cuh)
+    assert "fivar::single_prefill_persistent<" in m.sources["single_prefill_sm90_kernel_mask_1.cu"]
     assert m.build() == "cold" and m.library_path.exists()
 
 

@@ -125,7 +125,7 @@ def test_ls_size_provenance_hits_and_staleness(iso):
 def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     """Modules built with non-default rendering options (FA3 exp2 split, FA2 CTA-tile split) are fresh whatever
     this process's environment says, and still go stale when their variant is edited."""
-    from fivar.codegen.fa3 import CTA_TILE_ENV, EXP2_EMULATION_ENV, exp2_split
+    from fivar.codegen.fa3 import CTA_TILE_ENV, EXP2_EMULATION_ENV, SCHEDULE_ENV, exp2_split
     _, _, vfile = iso
     v = fivar.load(str(vfile))
     with exp2_split(8):
@@ -137,19 +137,21 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
     fa3_tile = fake_built(gen_module(v, op="single_prefill", target="fa3", cta_tile="128x176,128x64"))
     assert fa3_tile.options["cta_tile"] == "128x176,128x64"
     fa2_threads = fake_built(gen_module(v, op="batch_prefill", nvcc_split_compile=True))
+    fa3_persistent = fake_built(gen_module(v, op="single_prefill", target="fa3", schedule="persistent"))
     monkeypatch.setenv(EXP2_EMULATION_ENV, "3")  # a process that would render FA3 modules another way
     monkeypatch.setenv(CTA_TILE_ENV, "128x160")
+    monkeypatch.setenv(SCHEDULE_ENV, "grid,persistent")
     monkeypatch.setenv("FIVAR_NVCC_SPLIT_COMPILE", "1")  # and FA2 modules without nvcc's --split-compile,
     monkeypatch.setenv("FIVAR_PIN_KV_TILES", "0")  # with FlashInfer's run-time KV tiles
     monkeypatch.setenv("FIVAR_SKIP_UNUSED_HEADERS", "0")  # and <cuda/pipeline>
     monkeypatch.setenv("FIVAR_NVCC_PARALLEL_PASSES", "0")  # and nvcc's passes one after the other
     assert fa2_split.options["pin_kv_tiles"] and fa2_split.options["skip_unused_headers"]
-    mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri, fa3_tile.uri, fa2_threads.uri}
+    mine = {fa3_8.uri, fa3_default.uri, fa2_split.uri, fa3_tile.uri, fa2_threads.uri, fa3_persistent.uri}
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
-    assert len(rows) == 5 and all(r["stale"] is False for r in rows), rows
+    assert len(rows) == 6 and all(r["stale"] is False for r in rows), rows
     vfile.write_text(VARIANT.replace("20.0", "25.0"))
     rows = [r for r in as_json("cache", "ls") if r["uri"] in mine]
-    assert len(rows) == 5 and all(r["stale"] is True and "' was edited (now renders" in r["stale_reasons"][0] for r in rows), rows
+    assert len(rows) == 6 and all(r["stale"] is True and "' was edited (now renders" in r["stale_reasons"][0] for r in rows), rows
 
 
 def test_option_labels_tell_apart_modules_of_one_variant():
@@ -157,6 +159,23 @@ def test_option_labels_tell_apart_modules_of_one_variant():
         "cta-split", "no-split-compile"]
     assert cache_cli._option_labels({"split_cta_tiles": False, "nvcc_split_compile": True, "row_runs": False}) == []
     assert cache_cli._option_labels({"nvcc_parallel_passes": False}) == ["serial-passes"]
+    assert cache_cli._option_labels({"cta_tile": "flashinfer", "schedule": "grid,persistent"}) == [
+        "tile flashinfer", "schedule grid,persistent"]
+    assert cache_cli._option_labels({"schedule": "grid"}) == []
+
+
+def test_a_fa3_manifest_from_before_schedules_renders_on_the_grid(iso, monkeypatch):
+    """FA3 modules recorded before fivar had a persistent schedule (session 17) ran FlashInfer's grid: still
+    fresh where today's default (here forced by the environment) would be persistent."""
+    from fivar.codegen.fa3 import SCHEDULE_ENV
+    _, _, vfile = iso
+    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3", schedule="grid"))
+    man = json.loads(m.manifest_path.read_text())
+    del man["options"]["schedule"]
+    m.manifest_path.write_text(json.dumps(man))
+    monkeypatch.setenv(SCHEDULE_ENV, "persistent")
+    row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
+    assert row["stale"] is False, row
 
 
 def test_a_fa2_manifest_from_before_nvcc_split_compile_renders_without_it(iso, monkeypatch):

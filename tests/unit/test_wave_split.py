@@ -105,6 +105,7 @@ def test_which_variants_may_split():
     assert wave_split.applies(softcap, causal=False, window_left=-1)
     assert not wave_split.applies(softcap, causal=True, window_left=-1)
     assert not wave_split.applies(softcap, causal=False, window_left=100)
+    assert not wave_split.applies(softcap, causal=False, window_left=-1, schedule="persistent")
     # ALiBi reads the head and kv_idx, relative_bias a table, the windows and document mask mask: a launch over a
     # slice of heads or keys would see other indices
     for name in ("alibi", "relative_bias", "sliding_window", "document_mask"):
