@@ -218,8 +218,33 @@ def _fa3_tile(v) -> str:
             "overrides)")
 
 
+def _fa3_schedule(v) -> str:
+    from .codegen import fa3
+    from .jit.build import serving_op
+    if serving_op(v, "single_prefill", "fa3") != "single_prefill":
+        return ("fa3 single prefill schedule: FlashInfer's (it runs as batch prefill in the KV-range form, on "
+                f"FlashInfer's planned schedule; {fa3.SCHEDULE_ENV} does not apply)")
+    chosen = fa3.schedules(v, "single_prefill", None, 128)
+    if os.environ.get(fa3.SCHEDULE_ENV, "").strip():
+        why = fa3.SCHEDULE_ENV
+    elif "persistent" in chosen.values():
+        why = ("a window makes every causal query tile about as long as the next: one CTA per SM walking them "
+               "measured faster")
+    elif fa3.default_schedule(v, "single_prefill", 128) != "grid":
+        why = f"FlashInfer's grid: {fa3.flashinfer_dispatch_problem() or fa3.flashinfer_launcher_problem()}"
+    else:
+        why = "FlashInfer's grid; a static persistent schedule measured slower where tile costs differ"
+    return (f"fa3 single prefill schedule at hd128: {chosen[fa3.MASK_NONE]} non-causal, {chosen[fa3.MASK_CAUSAL]} "
+            f"causal ({why}; {fa3.SCHEDULE_ENV}=grid|persistent[,grid|persistent] overrides)")
+
+
 def _fa3_wave_split(v) -> str:
+    from .codegen import fa3
     from .runtime import wave_split
+    if wave_split.applies(v, causal=False, window_left=-1) and fa3.schedules(
+            v, "single_prefill", None, 128)[fa3.MASK_NONE] != "grid":
+        return ("fa3 single prefill last wave: never split (the non-causal kernel is persistent: it holds every SM "
+                "to its end, so the tail's launches could only start after it)")
     if not wave_split.applies(v, causal=False, window_left=-1):
         return ("fa3 single prefill last wave: never split (only softmax variants whose logits read nothing but the "
                 "score and scalar params, with no mask, non-causal, can run as key chunks merged through their LSE)")
@@ -289,6 +314,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         console.print(_escape(_fa2_kv_tiles(arch, where)))
         console.print(_escape(_fa3_softmax(v)))
         console.print(_escape(_fa3_tile(v)))
+        console.print(_escape(_fa3_schedule(v)))
         console.print(_escape(_fa3_wave_split(v)))
         from .codegen.triton import TritonEmitter
         for read, how in TritonEmitter(v).read_plan():

@@ -187,6 +187,27 @@ def test_explain_says_which_variants_split_fa3s_last_wave():
     assert "fa3 single prefill last wave: never split" in flat, flat
 
 
+def test_explain_says_which_fa3_kernels_run_persistent(monkeypatch):
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    monkeypatch.delenv("FIVAR_FA3_SCHEDULE", raising=False)
+
+    def explained(name, **env):
+        r = CliRunner().invoke(main, ["show", name, "--explain", "--arch", "9.0a"], env=env)
+        assert r.exit_code == 0, r.output
+        return " ".join(r.output.split())
+    flat = explained("sliding_window")
+    assert "schedule at hd128: grid non-causal, persistent causal (a window makes every causal query tile" in flat
+    assert "schedule at hd128: grid non-causal, grid causal (FlashInfer's grid;" in explained("softcap")
+    flat = explained("softcap", FIVAR_FA3_SCHEDULE="persistent")
+    assert "persistent non-causal, persistent causal (FIVAR_FA3_SCHEDULE;" in flat
+    assert "last wave: never split (the non-causal kernel is persistent" in flat
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"], env={"FIVAR_FA3_SCHEDULE": "x"})
+    assert r.exit_code != 0 and "variant 'softcap': FIVAR_FA3_SCHEDULE='x': expected grid or persistent" in r.output
+    assert "Traceback" not in r.output
+
+
 def test_check_runs_the_triton_twin_on_the_cpu(monkeypatch):
     """Without a GPU, `fivar check NAME --backends triton` runs every op the twin has (Triton's interpreter,
     float16) against the reference; other backends and bfloat16 are refused naming why."""
