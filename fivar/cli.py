@@ -208,6 +208,9 @@ def _fa3_tile(v) -> str:
     tiles = fa3.tile_text(fa3.cta_tiles(v, "single_prefill", 128, None))
     if os.environ.get(fa3.CTA_TILE_ENV, "").strip():
         why = fa3.CTA_TILE_ENV
+    elif tiles == fa3.MUFU_BOUND_WINDOW_TILE:
+        why = ("the transform costs MUFU ops: a smaller score tile measured faster; with a window, causal, three "
+               "warpgroups share each 64-key tile")
     elif tiles != fa3.FLASHINFER_TILES:
         why = "the transform costs MUFU ops: a smaller score tile measured faster"
     else:

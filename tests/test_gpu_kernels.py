@@ -111,7 +111,8 @@ def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
 # (4000 rows x 32 heads: 1024 tiles), partial tiles, qo_len < kv_len and > kv_len, GQA 32/8, a window whose last rows
 # keep no key (-37), and variants on FlashInfer's own tiles (alibi, sliding_window), rendered by fivar here.
 @pytest.mark.parametrize("name,qo_len,kv_len,causal,params,dtype,head_dim", [
-    ("softcap_sliding_window", 4000, 4000, True, {"window": 1024}, torch.bfloat16, 128),
+    ("softcap_sliding_window", 4000, 4000, True, {"window": 1024}, torch.bfloat16, 128),  # causal tile 192x64
+    ("softcap_sliding_window", 300, 1111, True, {"window": 100}, torch.bfloat16, 128),
     ("softcap_sliding_window", 1000, 1000, False, {"window": 100}, torch.bfloat16, 128),
     ("softcap", 3000, 3000, True, {}, torch.bfloat16, 128),
     ("softcap", 300, 1111, False, {}, torch.bfloat16, 128),

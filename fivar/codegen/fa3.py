@@ -173,19 +173,25 @@ def cta_tile(tile: str):
 #: whose transform costs MUFU ops (the soft-caps): those run 128 x 128 in both modes at hd128. Measured on an
 #: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs
 #: 507 at 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between,
-#: 192x128 lost 40% (160 registers per thread for three consumer warpgroups). fivar renders an explicit
+#: 192x128 lost 40% (160 registers per thread for three consumer warpgroups). With a left window too, the causal
+#: kernel (persistent, default_schedule) runs 192 x 64: three warpgroups share each K/V tile of a ~9-tile loop, and
+#: the half-width score tile fits their registers. Soft-capped window 1024, H200, TF/s at S=8192 / 16384 in two runs
+#: (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379 and 385 / 383 at 128x128;
+#: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). Without the cap (no MUFU
+#: op) 192x64 lost (396 / 415 vs 431 / 430), so sliding_window keeps FlashInfer's. fivar renders an explicit
 #: specialization of SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja).
 CTA_TILE_ENV = "FIVAR_FA3_CTA_TILE"
 MUFU_BOUND_TILE = "128x128"
+MUFU_BOUND_WINDOW_TILE = "128x128,192x64"
 FLASHINFER_TILES = "flashinfer"
 _SMEM_BYTES = 227 * 1024 - 1024  # Hopper's per-block limit, less the pipeline barriers
 
 
 def default_cta_tile(variant, op: str, head_dim: int) -> str:
     """MUFU_BOUND_TILE for single prefill of a softmax variant whose transform costs MUFU ops, at hd128 (the one
-    head dim measured); else FlashInfer's own tiles."""
+    head dim measured), MUFU_BOUND_WINDOW_TILE if it has a left window too; else FlashInfer's own tiles."""
     if op == "single_prefill" and head_dim == 128 and variant.softmax and mufu_ops_per_score(variant):
-        return MUFU_BOUND_TILE
+        return MUFU_BOUND_WINDOW_TILE if variant.kv_band.left is not None else MUFU_BOUND_TILE
     return FLASHINFER_TILES
 
 
