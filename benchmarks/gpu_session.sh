@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench
+#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -113,7 +113,7 @@ persistent)  # FA3 single prefill on the persistent schedule (csrc/fivar_fa3_per
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   (time python3 benchmarks/prewarm_gpu.py --persistent --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
-    -k "persistent_schedule or (window_tile_skipping and fa3 and not batch)" 2>&1 | tee "$OUT/gpu_tests_persistent.log" | tail -6 ;;
+    -k "persistent_schedule or wave_rule or (window_tile_skipping and fa3 and not batch)" 2>&1 | tee "$OUT/gpu_tests_persistent.log" | tail -6 ;;
 persistentbench)  # after `persistent` on a warm machine: the window variants (VARIANTS) on fivar's default schedule
   # and on SCHEDULES (default: grid, FlashInfer's) vs stock FA3 and Flex, at SEQLENS, causal (CAUSALS=0,1: both)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
@@ -121,6 +121,17 @@ persistentbench)  # after `persistent` on a warm machine: the window variants (V
     --flex-causal ${CAUSALS:-1} --variants ${VARIANTS:-softcap_sliding_window,sliding_window} --triton-seqlens 0 \
     --schedules ${SCHEDULES:-grid} --rounds ${ROUNDS:-8} --json "$OUT/bench_persistent.json" 2>&1 | quiet \
     | tee "$OUT/bench_persistent.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
+windowtiles)  # cold machine, one call: the soft-capped window's causal kernel on fivar's default (192x64 or 128x128
+  # per launch, by the wave rule) vs each tile alone (persistent), stock FA3 and Flex at S=4096/8192/16384 (each
+  # contender checked against the reference first: S=16384 takes 192x64, the others 128x128); then the GPU test
+  # that runs a shape for each tile
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${BENCH_S:-420} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-4096,8192,16384} \
+    --flex-causal 1 --variants softcap_sliding_window --triton-seqlens 0 --cta-tiles 128x128 128x128,192x64 \
+    --rounds ${ROUNDS:-5} --json "$OUT/bench_window_tiles.json" 2>&1 | quiet | tee "$OUT/bench_window_tiles.log" \
+    | grep -v "^CheckResult\|passed" | tail -5
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "wave_rule" 2>&1 \
+    | tee "$OUT/gpu_tests_window_tiles.log" | tail -3 ;;
 pipes)  # Nsight Compute on FA3 soft-cap (fivar's default, its exp2 split off, stock with and without the cap): pipe
   # utilisation and warp stalls per kernel (#3's "why"), S=${SEQLEN:-8192}, non-causal unless CAUSAL=1; WINDOW=1024
   # for the soft-capped window; CONTENDERS=a,b to profile fewer. Cold, one configuration builds for ~150 s and

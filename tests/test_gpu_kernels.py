@@ -134,6 +134,25 @@ def test_fa3_persistent_schedule(name, qo_len, kv_len, causal, params, dtype, he
     assert r.passed, r
 
 
+# The soft-capped window's causal kernel holds two tiles (fivar's default, 192x64 or 128x128) and each launch takes
+# the one whose last wave idles fewer SM-rows: a shape for each, on this GPU's SM count, checked against the reference.
+@pytest.mark.parametrize("wanted", [(192, 64), (128, 128)])
+def test_fa3_causal_window_runs_the_tile_the_wave_rule_picks(wanted):
+    v = fivar.load("softcap_sliding_window")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads = 4
+    qo_len = 128 * -(-(sms + 1) // heads) if wanted == (192, 64) else 1000
+    unit = module_for(v, "single_prefill", "fa3", "bf16", 128).sources["single_prefill_sm90_kernel_mask_1.cu"]
+    assert "const int cta_q[] = {192, 128};" in unit
+
+    def rows(cta_q):  # waves x CTA_Q, as the unit computes it
+        return -(-(-(-qo_len // cta_q) * heads) // sms) * cta_q
+    assert min((192, 64), (128, 128), key=lambda t: rows(t[0])) == wanted
+    r = check_single_prefill(v, qo_len=qo_len, kv_len=qo_len, causal=True, backend="fa3", params={"window": 700},
+                             num_qo_heads=heads, num_kv_heads=1)
+    assert r.passed, r
+
+
 # FA3's bounded softmax (the default; FIVAR_FA3_BOUNDED_SOFTMAX=0 turns it off): soft-capping's range gives the softmax its max. Cap 30
 # runs it; cap 50 spans too many powers of two and the kernel keeps the running max. Partial tiles, causal, rows
 # with no kept key (window -37), the batch forms, and rows whose every logit sits at the bottom of the range

@@ -174,15 +174,17 @@ def cta_tile(tile: str):
 #: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs
 #: 507 at 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between,
 #: 192x128 lost 40% (160 registers per thread for three consumer warpgroups). With a left window too, the causal
-#: kernel (persistent, default_schedule) runs 192 x 64: three warpgroups share each K/V tile of a ~9-tile loop, and
-#: the half-width score tile fits their registers. Soft-capped window 1024, H200, TF/s at S=8192 / 16384 in two runs
-#: (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379 and 385 / 383 at 128x128;
-#: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). Without the cap (no MUFU
+#: kernel (persistent, default_schedule) may run 192 x 64: three warpgroups share each K/V tile of a ~9-tile loop,
+#: and the half-width score tile fits their registers. Soft-capped window 1024, H200, TF/s at S=8192 / 16384 in two
+#: runs (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379 and 385 / 383 at 128x128;
+#: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At S=4096 192x64 lost
+#: (332 vs 380, bench_window_192x64_h200_session18.json): 704 tiles are 5.3 waves of 132 where 1024 are 7.8, so the
+#: module holds both and each launch takes the one whose last wave idles less (cta_tiles). Without the cap (no MUFU
 #: op) 192x64 lost (396 / 415 vs 431 / 430), so sliding_window keeps FlashInfer's. fivar renders an explicit
 #: specialization of SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja).
 CTA_TILE_ENV = "FIVAR_FA3_CTA_TILE"
 MUFU_BOUND_TILE = "128x128"
-MUFU_BOUND_WINDOW_TILE = "128x128,192x64"
+MUFU_BOUND_WINDOW_TILE = "128x128,192x64|128x128"
 FLASHINFER_TILES = "flashinfer"
 _SMEM_BYTES = 227 * 1024 - 1024  # Hopper's per-block limit, less the pipeline barriers
 
@@ -195,10 +197,13 @@ def default_cta_tile(variant, op: str, head_dim: int) -> str:
     return FLASHINFER_TILES
 
 
-def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[str, tuple[int, int]]:
-    """The tile per mask mode ({MASK_NONE: (q, kv), MASK_CAUSAL: (q, kv)}) a module's FA3 kernels use instead of
-    FlashInfer's, {} for FlashInfer's own: `requested`, else FIVAR_FA3_CTA_TILE (single prefill only), else
-    default_cta_tile. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal, "flashinfer" FlashInfer's."""
+def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The tiles per mask mode ({MASK_NONE: ((q, kv),), MASK_CAUSAL: ((q, kv), ...)}) a module's FA3 kernels use
+    instead of FlashInfer's, {} for FlashInfer's own: `requested`, else FIVAR_FA3_CTA_TILE (single prefill only),
+    else default_cta_tile. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal, "flashinfer" FlashInfer's.
+    The causal kernel may name alternatives, "QxKV|QxKV": the module holds one kernel per tile and each launch runs
+    the one whose last wave idles the fewest SM-rows (fewest waves x CTA_Q; a tie goes to the first named;
+    templates/fa3/cta_tile_inst.cu.jinja). The non-causal kernel takes one tile: it also plans the wave split."""
     where = "cta_tile" if requested is not None else CTA_TILE_ENV
     text = requested if requested is not None else os.environ.get(CTA_TILE_ENV, "").strip()
     if not text or (requested is None and op != "single_prefill"):
@@ -212,25 +217,30 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
         return {}  # fivar's default tile is an optimisation: FlashInfer's own tiles are always right
     if problem:
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}")
-    parts = [p.strip() for p in text.split(",")]
-    tiles = []
-    for p in parts:
-        m = re.fullmatch(r"(\d+)[xX](\d+)", p)
-        if not m or len(parts) > 2:
-            raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV "
-                             f"(non-causal, causal), e.g. 128x176, or {FLASHINFER_TILES!r}")
-        q, kv = int(m.group(1)), int(m.group(2))
-        smem = 2 * head_dim * (q + 2 * kv + max(2 * kv, q))  # Q, K (2 stages), V (2 stages) or O in its place
-        # CTA_Q: FA3's warp scheduler (hopper/named_barrier.cuh) static_asserts two or three consumer warpgroups
-        broken = (f"CTA_Q is {q}; it must be 128 or 192 (two or three consumer warpgroups)" if q not in (128, 192) else
-                  f"CTA_KV is {kv}; it must be a multiple of 16 from 16 to 256" if kv % 16 or not 16 <= kv <= 256 else
-                  f"Q, K and V take {smem // 1024} KiB of shared memory; at most {_SMEM_BYTES // 1024} fit"
-                  if smem > _SMEM_BYTES else None)
-        if broken:
-            raise FivarError(f"variant '{variant.name}': {where}={text!r}: tile {q}x{kv} at head dim {head_dim} is "
-                             f"not one FA3 can run: {broken}")
-        tiles.append((q, kv))
-    return {MASK_NONE: tiles[0], MASK_CAUSAL: tiles[-1]}
+    parts = [[t.strip() for t in p.split("|")] for p in text.split(",")]
+    if len(parts) > 2 or any(len(p) > 1 for p in parts[:-1]) or (len(parts) == 1 and len(parts[0]) > 1):
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV (non-causal, "
+                         f"causal), e.g. 128x176, the causal one optionally a choice QxKV|QxKV, or {FLASHINFER_TILES!r}")
+    per_mode = [tuple(_checked_tile(variant, where, text, t, head_dim) for t in p) for p in parts]
+    return {MASK_NONE: per_mode[0], MASK_CAUSAL: per_mode[-1]}
+
+
+def _checked_tile(variant, where: str, text: str, tile: str, head_dim: int) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)[xX](\d+)", tile)
+    if not m:
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV (non-causal, "
+                         f"causal), e.g. 128x176, the causal one optionally a choice QxKV|QxKV, or {FLASHINFER_TILES!r}")
+    q, kv = int(m.group(1)), int(m.group(2))
+    smem = 2 * head_dim * (q + 2 * kv + max(2 * kv, q))  # Q, K (2 stages), V (2 stages) or O in its place
+    # CTA_Q: FA3's warp scheduler (hopper/named_barrier.cuh) static_asserts two or three consumer warpgroups
+    broken = (f"CTA_Q is {q}; it must be 128 or 192 (two or three consumer warpgroups)" if q not in (128, 192) else
+              f"CTA_KV is {kv}; it must be a multiple of 16 from 16 to 256" if kv % 16 or not 16 <= kv <= 256 else
+              f"Q, K and V take {smem // 1024} KiB of shared memory; at most {_SMEM_BYTES // 1024} fit"
+              if smem > _SMEM_BYTES else None)
+    if broken:
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: tile {q}x{kv} at head dim {head_dim} is "
+                         f"not one FA3 can run: {broken}")
+    return q, kv
 
 
 #: sha256 of FlashInfer 0.7.2's SinglePrefillWithKVCacheDispatched body (hopper/prefill_sm90.cuh), whitespace
@@ -331,11 +341,11 @@ def schedule(name: str):
     return env_set(SCHEDULE_ENV, name)
 
 
-def tile_text(tiles: dict[str, tuple[int, int]]) -> str:
+def tile_text(tiles: dict[str, tuple[tuple[int, int], ...]]) -> str:
     """The canonical text of cta_tiles' result, what a module records (and cta_tiles reads back as it is)."""
     if not tiles:
         return FLASHINFER_TILES
-    a, b = ("x".join(map(str, tiles[m])) for m in (MASK_NONE, MASK_CAUSAL))
+    a, b = ("|".join("x".join(map(str, t)) for t in tiles[m]) for m in (MASK_NONE, MASK_CAUSAL))
     return a if a == b else f"{a},{b}"
 
 

@@ -496,7 +496,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     only on hosts with cores to spare; off by default. `row_runs`: FA3 batch prefill of a mask that is more
     than a band, in the row-run form (fivar.codegen.fa3.variant_decl). `exp2_emulated_of_8`: FA3's softmax
     exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
-    `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal) or "flashinfer"; default
+    `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal; the causal one may be a
+    per-launch choice "QxKV|QxKV", fivar.codegen.fa3.cta_tiles) or "flashinfer"; default
     FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
     from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on).
     `schedule`: FA3 single prefill's "grid" or "persistent", or both ("grid,persistent": non-causal, causal;
@@ -532,8 +533,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     from flashinfer.jit.utils import dtype_map, mask_mode_literal
 
     codegen = fa3 if target == "fa3" else fa2
-    tiles: dict[str, tuple[int, int]] = {}
-    chosen_tiles: dict[str, tuple[int, int]] = {}
+    tiles: dict[str, tuple[tuple[int, int], ...]] = {}
+    chosen_tiles: dict[str, tuple[tuple[int, int], ...]] = {}
     chosen_schedules: dict[str, str] = {}
     logits_range = None
     if target == "fa3":
@@ -541,7 +542,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         tiles = chosen_tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
         chosen_schedules = fa3.schedules(variant, op, schedule, head_dim)
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
-            tiles = dict(zip((fa2.MASK_NONE, fa2.MASK_CAUSAL), fa3.FLASHINFER_SINGLE_PREFILL_TILES[head_dim]))
+            tiles = {mode: (tile,) for mode, tile in zip((fa2.MASK_NONE, fa2.MASK_CAUSAL),
+                                                          fa3.FLASHINFER_SINGLE_PREFILL_TILES[head_dim])}
         logits_range = fa3.softmax_range(variant, dtype, bounded_softmax)
     elif cta_tile and cta_tile != fa3.FLASHINFER_TILES:
         raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA tile")
@@ -592,8 +594,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                 for mode in codegen.mask_modes(variant):
                     code = fa2.MASK_CODES[mode]
                     sources[f"{stem}_mask_{code}.cu"] = (
-                        fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, cta_q=tiles[mode][0],
-                                   cta_kv=tiles[mode][1], causal=str(mode == fa2.MASK_CAUSAL).lower(),
+                        fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, tiles=tiles[mode],
+                                   causal=str(mode == fa2.MASK_CAUSAL).lower(),
                                    persistent=chosen_schedules[mode] == "persistent", **kwargs)
                         if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:

@@ -20,10 +20,16 @@ def _no_tile_env(monkeypatch):
     monkeypatch.delenv(fa3.CTA_TILE_ENV, raising=False)
 
 
+def _tiles_of(source: str) -> list[tuple[int, int]]:
+    """Every tile a kernel unit instantiates, in the order it prefers them."""
+    qs = [int(part.split(",")[0]) for part in source.split("/*CTA_Q_=*/")[1:]]
+    kvs = [int(part.split(",")[0]) for part in source.split("/*CTA_KV_=*/")[1:]]
+    return list(zip(qs, kvs))
+
+
 def _tile_of(source: str) -> tuple[int, int]:
-    q = int(source.split("/*CTA_Q_=*/")[1].split(",")[0])
-    kv = int(source.split("/*CTA_KV_=*/")[1].split(",")[0])
-    return q, kv
+    (tile,) = _tiles_of(source)
+    return tile
 
 
 def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
@@ -49,7 +55,7 @@ def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
 
 
 @pytest.mark.parametrize("name,head_dim,tile", [
-    ("softcap", 128, "128x128"), ("softcap_sliding_window", 128, "128x128,192x64"),  # MUFU ops per score: measured
+    ("softcap", 128, "128x128"), ("softcap_sliding_window", 128, "128x128,192x64|128x128"),  # MUFU ops: measured
     ("softcap", 64, "flashinfer"), ("softcap", 256, "flashinfer"),  # not measured there
     ("alibi", 128, "flashinfer"), ("sliding_window", 128, "flashinfer"), ("sigmoid", 128, "flashinfer"),
 ])
@@ -58,7 +64,8 @@ def test_the_default_tile_is_128x128_only_where_it_was_measured_faster(name, hea
     m = gen_module(v, "single_prefill", "fa3", head_dim=head_dim)
     assert m.options["cta_tile"] == tile == fa3.default_cta_tile(v, "single_prefill", head_dim)
     if tile != "flashinfer":
-        assert [_tile_of(m.sources[k]) for k in KERNELS] == [(128, 128), (128, 128) if tile == "128x128" else (192, 64)]
+        assert [_tiles_of(m.sources[k]) for k in KERNELS] == [
+            [(128, 128)], [(128, 128)] if tile == "128x128" else [(192, 64), (128, 128)]]
     assert gen_module(v, "batch_prefill", "fa3", head_dim=head_dim).options["cta_tile"] == "flashinfer"
 
 
@@ -78,8 +85,25 @@ def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_tile_ignore
     assert gen_module(softcap, "single_prefill", "fa3", cta_tile="128x160").uri == tiled.uri
 
 
+def test_the_causal_kernel_may_hold_a_choice_of_tiles_picked_per_launch():
+    """"QxKV|QxKV": one kernel per tile in the causal unit, and a launch-time choice by waves x CTA_Q (the GPU
+    tests run shapes that take each, tests/test_gpu_kernels.py::test_fa3_persistent_schedule)."""
+    softcap = fivar.load("softcap")
+    m = gen_module(softcap, "single_prefill", "fa3", cta_tile="128x176,192x64|128x128|192x96")
+    assert m.options["cta_tile"] == "128x176,192x64|128x128|192x96"
+    assert _tiles_of(m.sources[KERNELS[0]]) == [(128, 176)]
+    causal = m.sources[KERNELS[1]]
+    assert _tiles_of(causal) == [(192, 64), (128, 128), (192, 96)]
+    assert "const int cta_q[] = {192, 128, 192};" in causal
+    assert [f"case {i}:\n      SinglePrefillWithKVCacheKernelTraitsDispatched<Tile{i}," in causal for i in range(3)] == [
+        True] * 3
+    assert gen_module(softcap, "single_prefill", "fa3", cta_tile=m.options["cta_tile"]).uri == m.uri
+
+
 @pytest.mark.parametrize("bad,why", [
     ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
+    ("128x128|192x64", "expected QxKV"), ("128x128|192x64,128x128", "expected QxKV"),  # a choice is causal only
+    ("128x128,192x64|", "expected QxKV"), ("128x128,128x128|64x64", "CTA_Q is 64"),
     ("96x128", "CTA_Q is 96; it must be 128 or 192"), ("64x128", "CTA_Q is 64; it must be 128 or 192"),
     ("128x100", "CTA_KV is 100; it must be a multiple of 16"), ("128x272", "CTA_KV is 272;.*from 16 to 256"),
     ("128x208", "take 240 KiB of shared memory"),  # Q, K and V at hd128
