@@ -11,9 +11,15 @@
 //
 // - tiles in heavy-first order: the query tiles of a head from the last to the first when causal (a causal row's
 //   cost grows with its index), from the first otherwise (a left window's cost falls with it; without one all cost
-//   the same), head after head (so the CTAs in flight share a few heads' K and V in L2);
-// - CTA c takes tiles c, c + G, c + 2G, ... of G = min(tiles, SMs) CTAs: static, so no counter to reset between
-//   launches, and two launches on two streams never share state.
+//   the same). Without a window, head after head (so the CTAs in flight share a few heads' K and V in L2). With a
+//   window, query tile after query tile across the heads: every head's light tiles (the first ~window / CTA_Q,
+//   whose windows are cut by the sequence start) come last, and K and V in flight are a window per head. Head-major,
+//   the light tiles alias with the grid: 4096 rows in 192-row tiles are 22 per head, and 132 CTAs = 6 x 22, so
+//   CTA c got the same query tile of six heads, heavy or light (a 25% longer makespan on an H200, by the model below);
+// - rounds of G = min(tiles, SMs) CTAs, boustrophedon: round r gives CTA c tile r * G + c when r is even and
+//   r * G + G - 1 - c when odd, so a CTA that took one of the heavier tiles of a round takes one of the lighter of
+//   the next. Static, so no counter to reset between launches, and two launches on two streams never share state.
+//   benchmarks/persistent_order.py models the makespans of these orders.
 //
 // The launcher is FlashInfer 0.7.2's SinglePrefillWithKVCacheKernelTraitsDispatched with the scheduler and grid
 // swapped (fivar/codegen/fa3.py checks that function's text is still the one mirrored here).
@@ -26,20 +32,29 @@ template <bool CAUSAL>
 struct Fa3PersistentSingleScheduler {
   struct Params {
     int num_tiles, num_ctas, num_qo_tiles, qo_len, kv_len;
-    cutlass::FastDivmod num_qo_tiles_divmod, group_size_fastdiv;
+    bool qo_tile_major;
+    cutlass::FastDivmod num_qo_tiles_divmod, num_qo_heads_divmod, group_size_fastdiv;
   };
 
   static Params make_params(int num_qo_tiles, int num_qo_heads, int qo_len, int kv_len, int group_size,
-                            int num_sm) {
+                            int window_left, int num_sm) {
     const int num_tiles = num_qo_tiles * num_qo_heads;
-    return {num_tiles, num_tiles < num_sm ? num_tiles : num_sm, num_qo_tiles, qo_len, kv_len,
-            cutlass::FastDivmod(num_qo_tiles), cutlass::FastDivmod(group_size)};
+    return {num_tiles,
+            num_tiles < num_sm ? num_tiles : num_sm,
+            num_qo_tiles,
+            qo_len,
+            kv_len,
+            /*qo_tile_major=*/window_left >= 0,
+            cutlass::FastDivmod(num_qo_tiles),
+            cutlass::FastDivmod(num_qo_heads),
+            cutlass::FastDivmod(group_size)};
   }
 
   struct WorkTileInfo {
     int q_tile_idx = 0;
     int qo_head_idx = 0;
     int kv_head_idx = 0;
+    int round = 0;
     int tile = 0;  // position in the heavy-first order
 
     CUTLASS_DEVICE bool is_valid(Params const& params) const { return tile < params.num_tiles; }
@@ -50,18 +65,22 @@ struct Fa3PersistentSingleScheduler {
     }
   };
 
-  CUTLASS_DEVICE static WorkTileInfo tile_at(Params const& params, int tile) {
+  CUTLASS_DEVICE static WorkTileInfo tile_at(Params const& params, int round) {
+    const int cta = int(blockIdx.x);
+    const int tile = round * params.num_ctas + ((round & 1) ? params.num_ctas - 1 - cta : cta);
     int head, q_rank;
-    params.num_qo_tiles_divmod(head, q_rank, tile);
+    if (params.qo_tile_major) {
+      params.num_qo_heads_divmod(q_rank, head, tile);
+    } else {
+      params.num_qo_tiles_divmod(head, q_rank, tile);
+    }
     const int q_tile_idx = CAUSAL ? params.num_qo_tiles - 1 - q_rank : q_rank;
-    return {q_tile_idx, head, params.group_size_fastdiv.divide(head), tile};
+    return {q_tile_idx, head, params.group_size_fastdiv.divide(head), round, tile};
   }
 
   CUTLASS_DEVICE Fa3PersistentSingleScheduler() {}
 
-  CUTLASS_DEVICE WorkTileInfo get_initial_work(Params const& params) const {
-    return tile_at(params, int(blockIdx.x));
-  }
+  CUTLASS_DEVICE WorkTileInfo get_initial_work(Params const& params) const { return tile_at(params, 0); }
 
   CUTLASS_DEVICE void init_consumer() const {}
   CUTLASS_DEVICE void prefetch_next_work(Params const&, WorkTileInfo&) const {}
@@ -69,7 +88,7 @@ struct Fa3PersistentSingleScheduler {
 
   template <bool is_producer = false>
   CUTLASS_DEVICE WorkTileInfo get_next_work(Params const& params, WorkTileInfo const& current) const {
-    return tile_at(params, current.tile + params.num_ctas);
+    return tile_at(params, current.round + 1);
   }
 };
 
@@ -104,7 +123,8 @@ cudaError_t single_prefill_persistent(Params& params, cudaStream_t stream) {
   FLASHINFER_CUDA_CALL(cudaDeviceGetAttribute(&num_sm, cudaDevAttrMultiProcessorCount, device));
   typename Scheduler::Params scheduler_params =
       Scheduler::make_params(cutlass::ceil_div(params.qo_len, KernelTraits::CTA_Q), params.num_qo_heads,
-                             params.qo_len, params.kv_len, params.num_qo_heads / params.num_kv_heads, num_sm);
+                             params.qo_len, params.kv_len, params.num_qo_heads / params.num_kv_heads,
+                             LEFT_SLIDING_WINDOW ? int(params.window_left) : -1, num_sm);
 
   if (scheduler_params.num_ctas == 0) return cudaSuccess;  // no query rows
   auto kernel = (void*)PrefillWithKVCacheKernel<Mainloop, Epilogue, KernelTraits, LEFT_SLIDING_WINDOW, CAUSAL,
