@@ -99,7 +99,7 @@ def option_contenders(exp2_splits=(), cta_tiles=(), running_max=False, wave_spli
     """[(contender name, the context manager its calls run under)] for --exp2-splits/--cta-tiles/--running-max/
     --wave-splits/--schedules."""
     return ([(f"fivar_fa3_exp2_{k}", lambda k=k: exp2_split(k)) for k in exp2_splits]
-            + [(f"fivar_fa3_tile_{t.replace(',', '_')}", lambda t=t: cta_tile(t)) for t in cta_tiles]
+            + [(f"fivar_fa3_tile_{t.replace(',', '_').replace('|', '_or_')}", lambda t=t: cta_tile(t)) for t in cta_tiles]
             + ([("fivar_fa3_running_max", lambda: bounded_softmax(False))] if running_max else [])
             + [(f"fivar_fa3_wave_{w}", lambda w=w: wave_split(w)) for w in wave_splits]
             + [(f"fivar_fa3_{s}", lambda s=s: schedule(s)) for s in schedules])

@@ -121,13 +121,13 @@ persistentbench)  # after `persistent` on a warm machine: the window variants (V
     --flex-causal ${CAUSALS:-1} --variants ${VARIANTS:-softcap_sliding_window,sliding_window} --triton-seqlens 0 \
     --schedules ${SCHEDULES:-grid} --rounds ${ROUNDS:-8} --json "$OUT/bench_persistent.json" 2>&1 | quiet \
     | tee "$OUT/bench_persistent.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
-windowtiles)  # cold machine, one call: the soft-capped window's causal kernel on fivar's default (192x64 or 128x128
-  # per launch, by the wave rule) vs each tile alone (persistent), stock FA3 and Flex at S=4096/8192/16384 (each
-  # contender checked against the reference first: S=16384 takes 192x64, the others 128x128); then the GPU test
-  # that runs a shape for each tile
+windowtiles)  # cold machine, one call: the soft-capped window's causal kernel on fivar's default (192x64, persistent)
+  # vs 128x128 and a choice of both picked per launch by the wave rule, stock FA3 and Flex at S=4096/8192/16384 (each
+  # contender checked against the reference first); then the GPU test that runs a shape for each tile of a choice.
+  # Session 19 ran it with the default then the choice (its columns: fivar_fa3 = the choice, 128x128_192x64 = 192x64)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   timeout ${BENCH_S:-420} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-4096,8192,16384} \
-    --flex-causal 1 --variants softcap_sliding_window --triton-seqlens 0 --cta-tiles 128x128 128x128,192x64 \
+    --flex-causal 1 --variants softcap_sliding_window --triton-seqlens 0 --cta-tiles 128x128 '128x128,192x64|128x128' \
     --rounds ${ROUNDS:-5} --json "$OUT/bench_window_tiles.json" 2>&1 | quiet | tee "$OUT/bench_window_tiles.log" \
     | grep -v "^CheckResult\|passed" | tail -5
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "wave_rule" 2>&1 \

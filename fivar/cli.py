@@ -209,8 +209,8 @@ def _fa3_tile(v) -> str:
     if os.environ.get(fa3.CTA_TILE_ENV, "").strip():
         why = fa3.CTA_TILE_ENV
     elif tiles == fa3.MUFU_BOUND_WINDOW_TILE:
-        why = ("the transform costs MUFU ops: a smaller score tile measured faster; with a window, causal, each launch "
-               "takes 192x64 (three warpgroups share each K/V tile) or 128x128, whichever idles less of its last wave")
+        why = ("the transform costs MUFU ops: a smaller score tile measured faster; with a window, causal, 192x64 "
+               "(three warpgroups share each K/V tile of the window)")
     elif tiles != fa3.FLASHINFER_TILES:
         why = "the transform costs MUFU ops: a smaller score tile measured faster"
     else:

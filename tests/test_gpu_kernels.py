@@ -107,8 +107,9 @@ def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
 
 
 # FA3 single prefill on fivar's persistent schedule (csrc/fivar_fa3_persistent.cuh): a grid of one CTA per SM, each
-# running tile after tile, heavy-first (causal: the last query tile first). Enough tiles that every CTA runs several
-# (4000 rows x 32 heads: 1024 tiles), partial tiles, qo_len < kv_len and > kv_len, GQA 32/8, a window whose last rows
+# running tile after tile, heavy-first (causal: the last query tile first; with a window, query tile after query tile
+# across the heads), in boustrophedon rounds. Enough tiles that every CTA runs several, ending on a part round taken in
+# reverse (4000 rows x 32 heads in 192-row tiles: 672 tiles, 5.1 rounds of 132), partial tiles, qo_len < kv_len and > kv_len, GQA 32/8, a window whose last rows
 # keep no key (-37), and variants on FlashInfer's own tiles (alibi, sliding_window), rendered by fivar here.
 @pytest.mark.parametrize("name,qo_len,kv_len,causal,params,dtype,head_dim", [
     ("softcap_sliding_window", 4000, 4000, True, {"window": 1024}, torch.bfloat16, 128),  # causal tile 192x64
@@ -134,22 +135,23 @@ def test_fa3_persistent_schedule(name, qo_len, kv_len, causal, params, dtype, he
     assert r.passed, r
 
 
-# The soft-capped window's causal kernel holds two tiles (fivar's default, 192x64 or 128x128) and each launch takes
-# the one whose last wave idles fewer SM-rows: a shape for each, on this GPU's SM count, checked against the reference.
+# A causal kernel may hold a choice of tiles (cta_tile "A,B|C"), and each launch takes the one whose last wave idles
+# fewer SM-rows: a shape for each, on this GPU's SM count, checked against the reference (the soft-capped window).
 @pytest.mark.parametrize("wanted", [(192, 64), (128, 128)])
 def test_fa3_causal_window_runs_the_tile_the_wave_rule_picks(wanted):
     v = fivar.load("softcap_sliding_window")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     heads = 4
     qo_len = 128 * -(-(sms + 1) // heads) if wanted == (192, 64) else 1000
-    unit = module_for(v, "single_prefill", "fa3", "bf16", 128).sources["single_prefill_sm90_kernel_mask_1.cu"]
-    assert "const int cta_q[] = {192, 128};" in unit
+    with cta_tile("128x128,192x64|128x128"):
+        unit = module_for(v, "single_prefill", "fa3", "bf16", 128).sources["single_prefill_sm90_kernel_mask_1.cu"]
+        assert "const int cta_q[] = {192, 128};" in unit
 
-    def rows(cta_q):  # waves x CTA_Q, as the unit computes it
-        return -(-(-(-qo_len // cta_q) * heads) // sms) * cta_q
-    assert min((192, 64), (128, 128), key=lambda t: rows(t[0])) == wanted
-    r = check_single_prefill(v, qo_len=qo_len, kv_len=qo_len, causal=True, backend="fa3", params={"window": 700},
-                             num_qo_heads=heads, num_kv_heads=1)
+        def rows(cta_q):  # waves x CTA_Q, as the unit computes it
+            return -(-(-(-qo_len // cta_q) * heads) // sms) * cta_q
+        assert min((192, 64), (128, 128), key=lambda t: rows(t[0])) == wanted
+        r = check_single_prefill(v, qo_len=qo_len, kv_len=qo_len, causal=True, backend="fa3",
+                                 params={"window": 700}, num_qo_heads=heads, num_kv_heads=1)
     assert r.passed, r
 
 

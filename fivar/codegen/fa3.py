@@ -177,14 +177,17 @@ def cta_tile(tile: str):
 #: kernel (persistent, default_schedule) may run 192 x 64: three warpgroups share each K/V tile of a ~9-tile loop,
 #: and the half-width score tile fits their registers. Soft-capped window 1024, H200, TF/s at S=8192 / 16384 in two
 #: runs (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379 and 385 / 383 at 128x128;
-#: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At S=4096 192x64 lost
-#: (332 vs 380, bench_window_192x64_h200_session18.json): 704 tiles are 5.3 waves of 132 where 1024 are 7.8, so the
-#: module holds both and each launch takes the one whose last wave idles less (cta_tiles). Without the cap (no MUFU
-#: op) 192x64 lost (396 / 415 vs 431 / 430), so sliding_window keeps FlashInfer's. fivar renders an explicit
-#: specialization of SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja).
+#: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At S=4096 192x64 then lost
+#: (332 vs 380): its 22 query tiles per head aliased with 132 CTAs on the persistent schedule's head-major order, so a
+#: CTA ran the same (light or heavy) tile of six heads. With the query-tile-major, boustrophedon order
+#: (csrc/fivar_fa3_persistent.cuh) 192x64 wins at every length: 407 / 417 / 419 vs 396 / 395 / 396 TF/s at S=4096 /
+#: 8192 / 16384 (bench_window_tiles_order_h200_session19.json). Without the cap (no MUFU op) 192x64 lost on the old
+#: order (396 / 415 vs 431 / 430), so sliding_window keeps FlashInfer's. fivar renders an explicit specialization of
+#: SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja); a tile given as
+#: alternatives (cta_tiles) is picked per launch.
 CTA_TILE_ENV = "FIVAR_FA3_CTA_TILE"
 MUFU_BOUND_TILE = "128x128"
-MUFU_BOUND_WINDOW_TILE = "128x128,192x64|128x128"
+MUFU_BOUND_WINDOW_TILE = "128x128,192x64"
 FLASHINFER_TILES = "flashinfer"
 _SMEM_BYTES = 227 * 1024 - 1024  # Hopper's per-block limit, less the pipeline barriers
 
@@ -203,7 +206,9 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
     else default_cta_tile. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal, "flashinfer" FlashInfer's.
     The causal kernel may name alternatives, "QxKV|QxKV": the module holds one kernel per tile and each launch runs
     the one whose last wave idles the fewest SM-rows (fewest waves x CTA_Q; a tie goes to the first named;
-    templates/fa3/cta_tile_inst.cu.jinja). The non-causal kernel takes one tile: it also plans the wave split."""
+    templates/fa3/cta_tile_inst.cu.jinja). That rule counts waves of equal tiles; on the persistent schedule's
+    balanced order it picked 128x128 where 192x64 ran 3-6% faster (S=4096 and 8192, session 19), so no default
+    names a choice. The non-causal kernel takes one tile: it also plans the wave split."""
     where = "cta_tile" if requested is not None else CTA_TILE_ENV
     text = requested if requested is not None else os.environ.get(CTA_TILE_ENV, "").strip()
     if not text or (requested is None and op != "single_prefill"):
