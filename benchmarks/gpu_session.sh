@@ -113,7 +113,7 @@ persistent)  # FA3 single prefill on the persistent schedule (csrc/fivar_fa3_per
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
   (time python3 benchmarks/prewarm_gpu.py --persistent --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
-    -k "persistent_schedule or wave_rule or (window_tile_skipping and fa3 and not batch)" 2>&1 | tee "$OUT/gpu_tests_persistent.log" | tail -6 ;;
+    -k "persistent_schedule or persistent_empty_query or wave_rule or (window_tile_skipping and fa3 and not batch)" 2>&1 | tee "$OUT/gpu_tests_persistent.log" | tail -6 ;;
 persistentbench)  # after `persistent` on a warm machine: the window variants (VARIANTS) on fivar's default schedule
   # and on SCHEDULES (default: grid, FlashInfer's) vs stock FA3 and Flex, at SEQLENS, causal (CAUSALS=0,1: both)
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"

@@ -100,6 +100,8 @@ cudaError_t single_prefill_persistent(Params& params, cudaStream_t stream) {
   using Mainloop = CollectiveMainloop<typename Params::AdditionalParams, KernelTraits, CAUSAL>;
   using Epilogue = CollectiveEpilogue<KernelTraits>;
   using Scheduler = Fa3PersistentSingleScheduler<CAUSAL>;
+  // no query rows (or heads): nothing to launch, and make_params' FastDivmod(0) would divide by zero on the host
+  if (params.qo_len == 0 || params.num_qo_heads == 0) return cudaSuccess;
   typename Mainloop::Params mainloop_params = Mainloop::to_underlying_arguments(
       {params.q_ptr,
        get_gmem_layout(params.qo_len, params.num_qo_heads, KernelTraits::HEAD_DIM_QK, params.q_stride_n,
@@ -127,7 +129,6 @@ cudaError_t single_prefill_persistent(Params& params, cudaStream_t stream) {
                              params.qo_len, params.kv_len, params.num_qo_heads / params.num_kv_heads,
                              LEFT_SLIDING_WINDOW ? int(params.window_left) : -1, num_sm);
 
-  if (scheduler_params.num_ctas == 0) return cudaSuccess;  // no query rows
   auto kernel = (void*)PrefillWithKVCacheKernel<Mainloop, Epilogue, KernelTraits, LEFT_SLIDING_WINDOW, CAUSAL,
                                                 Scheduler>;
   int smem_size = sizeof(typename KernelTraits::SharedStorage);

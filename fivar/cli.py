@@ -217,8 +217,8 @@ def _fa3_tile(v) -> str:
         why = "FlashInfer's choice"
     if tiles == fa3.FLASHINFER_TILES:
         tiles = "{}x{} non-causal, {}x{} causal".format(*sum(fa3.FLASHINFER_SINGLE_PREFILL_TILES[128], ()))
-    return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[,QxKV]|flashinfer "
-            "overrides)")
+    return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[,QxKV] or "
+            "flashinfer overrides)")
 
 
 def _fa3_schedule(v) -> str:

@@ -155,6 +155,23 @@ def test_fa3_causal_window_runs_the_tile_the_wave_rule_picks(wanted):
     assert r.passed, r
 
 
+# An empty query on the persistent launcher (the window variants' causal default): nothing to launch, and no host
+# division by zero in its scheduler's FastDivmod (which killed the process with SIGFPE). The same call then still
+# works on a real shape, checked against the reference.
+@pytest.mark.parametrize("name", ["sliding_window", "softcap_sliding_window"])
+def test_fa3_persistent_empty_query(name):
+    v = fivar.load(name)
+    unit = module_for(v, "single_prefill", "fa3", "bf16", 128).sources["single_prefill_sm90_kernel_mask_1.cu"]
+    assert "fivar::single_prefill_persistent<" in unit  # the causal kernel's default schedule
+    k, val = (torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(0, 4, 128, device="cuda", dtype=torch.bfloat16)
+    out = v.prefill(q, k, val, causal=True, backend="fa3", window=100)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape
+    r = check_single_prefill(v, qo_len=200, kv_len=300, causal=True, backend="fa3", params={"window": 100})
+    assert r.passed, r
+
+
 # FA3's bounded softmax (the default; FIVAR_FA3_BOUNDED_SOFTMAX=0 turns it off): soft-capping's range gives the softmax its max. Cap 30
 # runs it; cap 50 spans too many powers of two and the kernel keeps the running max. Partial tiles, causal, rows
 # with no kept key (window -37), the batch forms, and rows whose every logit sits at the bottom of the range

@@ -170,11 +170,11 @@ def cta_tile(tile: str):
 
 #: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh:
 #: 128 x 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one
-#: whose transform costs MUFU ops (the soft-caps): those run 128 x 128 in both modes at hd128. Measured on an
+#: whose transform costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window below). Measured on an
 #: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs
 #: 507 at 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between,
 #: 192x128 lost 40% (160 registers per thread for three consumer warpgroups). With a left window too, the causal
-#: kernel (persistent, default_schedule) may run 192 x 64: three warpgroups share each K/V tile of a ~9-tile loop,
+#: kernel (persistent, default_schedule) runs 192 x 64 (MUFU_BOUND_WINDOW_TILE): three warpgroups share each K/V tile of a ~9-tile loop,
 #: and the half-width score tile fits their registers. Soft-capped window 1024, H200, TF/s at S=8192 / 16384 in two
 #: runs (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379 and 385 / 383 at 128x128;
 #: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At S=4096 192x64 then lost
@@ -221,7 +221,8 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
     if problem and requested is None and not os.environ.get(CTA_TILE_ENV, "").strip():
         return {}  # fivar's default tile is an optimisation: FlashInfer's own tiles are always right
     if problem:
-        raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}")
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}; only FlashInfer's own tiles "
+                         f"({FLASHINFER_TILES!r}) can be built")
     parts = [[t.strip() for t in p.split("|")] for p in text.split(",")]
     if len(parts) > 2 or any(len(p) > 1 for p in parts[:-1]) or (len(parts) == 1 and len(parts[0]) > 1):
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV (non-causal, "
@@ -272,12 +273,10 @@ def _mirrored_function_problem(signature: str, sha256: str, what: str) -> str | 
 def flashinfer_dispatch_problem() -> str | None:
     """Why the installed FlashInfer's FA3 single-prefill dispatch is not the one fivar's tile specialization
     mirrors (kernel traits, stages, TMA), or None."""
-    problem = _mirrored_function_problem(
+    return _mirrored_function_problem(
         r"template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool LEFT_SLIDING_WINDOW,\s*"
         r"typename AttentionVariant, typename Params>\s*cudaError_t SinglePrefillWithKVCacheDispatched\(Params& "
         r"params, cudaStream_t stream\)", _FLASHINFER_DISPATCH_SHA256, "CTA-tile specialization")
-    return problem and problem + ("; only FlashInfer's own tiles ('flashinfer') can be built"
-                                  if "changed" in problem else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -331,7 +330,8 @@ def schedules(variant, op: str, requested: str | None, head_dim: int = 128) -> d
         if problem and not override:  # the default is an optimisation: FlashInfer's grid is always right
             return {MASK_NONE: "grid", MASK_CAUSAL: "grid"}
         if problem:
-            raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}")
+            raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}; the persistent schedule is "
+                             "built on it, so only 'grid' can be")
     return chosen
 
 

@@ -100,7 +100,8 @@ def test_a_changed_flashinfer_launcher_falls_back_to_the_grid_or_refuses_an_expl
         assert m.options["schedule"] == "grid" and _persistent_kernels(m) == [False, False]
         with pytest.raises(fivar.FivarError, match="variant 'softcap_sliding_window': schedule='persistent': "
                                                    "FlashInfer's SinglePrefillWithKVCacheKernelTraitsDispatched .* "
-                                                   "changed since fivar's persistent schedule"):
+                                                   "changed since fivar's persistent schedule .*; "
+                                                   "the persistent schedule is built on it, so only 'grid' can be$"):
             gen_module(window, "single_prefill", "fa3", schedule="persistent")
     finally:
         monkeypatch.undo()

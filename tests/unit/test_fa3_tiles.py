@@ -162,8 +162,13 @@ def test_a_flashinfer_whose_dispatch_changed_gets_its_own_tiles(monkeypatch):
         assert "changed since fivar's CTA-tile specialization" in fa3.flashinfer_dispatch_problem()
         softcap = fivar.load("softcap")
         assert gen_module(softcap, "single_prefill", "fa3").options["cta_tile"] == "flashinfer"
-        with pytest.raises(fivar.FivarError, match="variant 'softcap': cta_tile='128x128': FlashInfer's"):
+        with pytest.raises(fivar.FivarError, match="variant 'softcap': cta_tile='128x128': FlashInfer's.*; only "
+                                                   "FlashInfer's own tiles \\('flashinfer'\\) can be built$"):
             gen_module(softcap, "single_prefill", "fa3", cta_tile="128x128")
+        # the persistent schedule is built on the same dispatch: refused, saying so (not "use FlashInfer's tiles")
+        with pytest.raises(fivar.FivarError, match="schedule='persistent': FlashInfer's.*; the persistent schedule "
+                                                   "is built on it, so only 'grid' can be$"):
+            gen_module(softcap, "single_prefill", "fa3", schedule="persistent", cta_tile="flashinfer")
         monkeypatch.setenv(fa3.CTA_TILE_ENV, "128x176")
         with pytest.raises(fivar.FivarError, match=f"{fa3.CTA_TILE_ENV}='128x176': FlashInfer's"):
             gen_module(softcap, "single_prefill", "fa3")
