@@ -168,13 +168,13 @@ def cta_tile(tile: str):
     return env_set(CTA_TILE_ENV, tile)
 
 
-#: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh:
-#: 128 x 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one
-#: whose transform costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window below). Measured on an
-#: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs
-#: 507 at 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between,
-#: 192x128 lost 40% (160 registers per thread for three consumer warpgroups). With a left window too, the causal
-#: kernel (persistent, default_schedule) runs 192 x 64 (MUFU_BOUND_WINDOW_TILE): three warpgroups share each K/V tile of a ~9-tile loop,
+#: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh: 128 x
+#: 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one whose
+#: transform costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window below). Measured on an
+#: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs 507 at
+#: 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between, 192x128 lost 40%
+#: (160 registers per thread for three consumer warpgroups). With a left window too, the causal kernel (persistent,
+#: default_schedule) runs 192 x 64 (MUFU_BOUND_WINDOW_TILE): three warpgroups share each K/V tile of a ~9-tile loop,
 #: and the half-width score tile fits their registers. Soft-capped window 1024, H200, TF/s at S=8192 / 16384 in two
 #: runs (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379 and 385 / 383 at 128x128;
 #: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At S=4096 192x64 then lost
@@ -228,6 +228,10 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV (non-causal, "
                          f"causal), e.g. 128x176, the causal one optionally a choice QxKV|QxKV, or {FLASHINFER_TILES!r}")
     per_mode = [tuple(_checked_tile(variant, where, text, t, head_dim) for t in p) for p in parts]
+    choice_q = [q for q, _ in per_mode[-1]]
+    if len(set(choice_q)) < len(choice_q):  # the kernel picks by waves x CTA_Q: the later tile would never run
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: the tiles of a choice must differ in CTA_Q "
+                         "(each launch picks by waves x CTA_Q, so a second tile with the same CTA_Q would never run)")
     return {MASK_NONE: per_mode[0], MASK_CAUSAL: per_mode[-1]}
 
 

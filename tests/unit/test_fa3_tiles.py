@@ -87,16 +87,16 @@ def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_tile_ignore
 
 def test_the_causal_kernel_may_hold_a_choice_of_tiles_picked_per_launch():
     """"QxKV|QxKV": one kernel per tile in the causal unit, and a launch-time choice by waves x CTA_Q (the GPU
-    tests run shapes that take each, tests/test_gpu_kernels.py::test_fa3_persistent_schedule)."""
+    test runs a shape that takes each: test_gpu_kernels.py::test_fa3_causal_window_runs_the_tile_the_wave_rule_picks).
+    CTA_Q is 128 or 192, so a choice holds two tiles at most (a third would repeat a CTA_Q: refused below)."""
     softcap = fivar.load("softcap")
-    m = gen_module(softcap, "single_prefill", "fa3", cta_tile="128x176,192x64|128x128|192x96")
-    assert m.options["cta_tile"] == "128x176,192x64|128x128|192x96"
+    m = gen_module(softcap, "single_prefill", "fa3", cta_tile="128x176,192x64|128x96")
+    assert m.options["cta_tile"] == "128x176,192x64|128x96"
     assert _tiles_of(m.sources[KERNELS[0]]) == [(128, 176)]
     causal = m.sources[KERNELS[1]]
-    assert _tiles_of(causal) == [(192, 64), (128, 128), (192, 96)]
-    assert "const int cta_q[] = {192, 128, 192};" in causal
-    assert [f"case {i}:\n      SinglePrefillWithKVCacheKernelTraitsDispatched<Tile{i}," in causal for i in range(3)] == [
-        True] * 3
+    assert _tiles_of(causal) == [(192, 64), (128, 96)]
+    assert "const int cta_q[] = {192, 128};" in causal
+    assert all(f"case {i}:\n      SinglePrefillWithKVCacheKernelTraitsDispatched<Tile{i}," in causal for i in range(2))
     assert gen_module(softcap, "single_prefill", "fa3", cta_tile=m.options["cta_tile"]).uri == m.uri
 
 
@@ -104,6 +104,7 @@ def test_the_causal_kernel_may_hold_a_choice_of_tiles_picked_per_launch():
     ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
     ("128x128|192x64", "expected QxKV"), ("128x128|192x64,128x128", "expected QxKV"),  # a choice is causal only
     ("128x128,192x64|", "expected QxKV"), ("128x128,128x128|64x64", "CTA_Q is 64"),
+    ("128x128,192x64|192x64", "must differ in CTA_Q"), ("128x128,128x128|128x64", "must differ in CTA_Q"),
     ("96x128", "CTA_Q is 96; it must be 128 or 192"), ("64x128", "CTA_Q is 64; it must be 128 or 192"),
     ("128x100", "CTA_KV is 100; it must be a multiple of 16"), ("128x272", "CTA_KV is 272;.*from 16 to 256"),
     ("128x208", "take 240 KiB of shared memory"),  # Q, K and V at hd128
