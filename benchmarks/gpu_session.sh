@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
+#   bash benchmarks/gpu_session.sh build|tests|clibench|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -151,6 +151,11 @@ mainjob)  # the README's main job, as a new user types it, in a scratch project:
     && python3 -m fivar cache ls && python3 -m fivar cache stats; echo "mainjob rc=$?"; } 2>&1 | quiet \
     | tee "$OUT/mainjob.log" | grep -v "^│ \|^┃\|━\|─" | tail -40
   cd "$repo" ;;
+clibench)  # `fivar bench` as a user types it (after mainjob on a warm machine): the soft-capped window, causal, vs stock
+  # FA3 and Flex, at the lengths, with its JSON and plot
+  timeout 560 python3 -m fivar bench ${VARIANT:-softcap_sliding_window} --vs stock --vs flex --causal \
+    --seqlens 4096,8192,16384 --rounds 5 --json "$OUT/clibench.json" --plot "$OUT/clibench.png" 2>&1 | quiet \
+    | tee "$OUT/clibench.log" | tail -20 ;;
 hdims)  # the bounded softmax (fivar's FA3 default) vs the running max at head dims 64 and 256 (chosen at 128), soft-cap,
   # S=8192, vs stock FA3 and Flex, non-causal and causal; every module built first, in one parallel ninja
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
