@@ -151,10 +151,12 @@ mainjob)  # the README's main job, as a new user types it, in a scratch project:
     && python3 -m fivar cache ls && python3 -m fivar cache stats; echo "mainjob rc=$?"; } 2>&1 | quiet \
     | tee "$OUT/mainjob.log" | grep -v "^│ \|^┃\|━\|─" | tail -40
   cd "$repo" ;;
-clibench)  # `fivar bench` as a user types it (after mainjob on a warm machine): the soft-capped window, causal, vs stock
-  # FA3 and Flex, at the lengths, with its JSON and plot
-  timeout 560 python3 -m fivar bench ${VARIANT:-softcap_sliding_window} --vs stock --vs flex --causal \
-    --seqlens 4096,8192,16384 --rounds 5 --json "$OUT/clibench.json" --plot "$OUT/clibench.png" 2>&1 | quiet \
+clibench)  # `fivar bench` as a user types it: the soft-capped window, causal, vs stock FA3 and Flex, at the issue's
+  # lengths and window (1024; the variant's example is 128), with its JSON and plot
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${LIMIT:-560} python3 -m fivar bench ${VARIANT:-softcap_sliding_window} --vs stock --vs flex --causal \
+    ${PARAMS:---param window=1024} --seqlens 4096,8192,16384 --rounds 5 --json "$OUT/clibench.json" \
+    --plot "$OUT/clibench.png" 2>&1 | quiet \
     | tee "$OUT/clibench.log" | tail -20 ;;
 hdims)  # the bounded softmax (fivar's FA3 default) vs the running max at head dims 64 and 256 (chosen at 128), soft-cap,
   # S=8192, vs stock FA3 and Flex, non-causal and causal; every module built first, in one parallel ninja

@@ -580,19 +580,22 @@ main.add_command(cache)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
 @click.option("--causal", is_flag=True)
 @click.option("--rounds", default=4, show_default=True, help="interleaved timing rounds (each a do_bench median)")
+@click.option("--param", "param_texts", multiple=True, metavar="NAME=VALUE",
+              help="set a scalar param (repeatable), e.g. --param window=1024; default: the variant's example values")
 @click.option("--json", "json_path", default=None, help="write the full report (raw samples included)")
 @click.option("--plot", "plot_path", default=None, help="write a PNG: throughput vs seqlen + roofline")
 @click.option("--compile", "compile_", is_flag=True, help="cold/disk/memory build latency, fivar vs FlashInfer's path "
               "(at --dtype and --head-dim; without a GPU: compile only, for --arch)")
 @click.option("--arch", default=None, help="--compile without a GPU: e.g. 9.0a (default: FLASHINFER_CUDA_ARCH_LIST)")
-def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, json_path, plot_path, compile_, arch):
+def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, param_texts, json_path, plot_path,
+          compile_, arch):
     """Benchmark a variant against stock FlashInfer, its Triton twin and FlexAttention (needs a GPU)."""
     import json as _json
 
     import torch
 
     if compile_:
-        ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "plot_path")
+        ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "param_texts", "plot_path")
         if ignored:  # build latency of one module: those shape a timed run
             raise FivarError(f"--compile measures one module's build latency (at --dtype and --head-dim); "
                              f"{', '.join(ignored)} shape a timed run only; drop {'them' if len(ignored) > 1 else 'it'}")
@@ -616,15 +619,17 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
             console.print("no GPU visible: compiling only (hits are build() disk checks, not loads)", highlight=False)
             args.append("--no-load")
         sys.exit(subprocess.call(args))
+    from . import load
+    from .bench.contenders import scalar_params
+    v = load(name)
+    params = scalar_params(v, param_texts)  # before the GPU check: a typo is reported on any machine
     if not torch.cuda.is_available():
         raise FivarError("fivar bench times kernels, so it needs a CUDA GPU (without one: fivar bench NAME --compile "
                          "--arch 9.0a measures build latency)")
     if arch:
         raise FivarError("--arch applies to --compile only: a timed run uses the visible GPU")
-    from . import load
     from .bench import ceilings as ceil_mod
     from .bench.harness import run
-    v = load(name)
     try:
         hq, hkv = (int(x) for x in heads.split("/"))
     except ValueError:
@@ -634,7 +639,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     console.print(f"ceilings on {ceilings['gpu']}: copy {ceilings['copy_tb_per_s']:.2f} TB/s, "
                   f"bf16 matmul {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s")
     report = run(v, op=op, seqlens=_split(seqlens, int), batch=batch, heads=(hq, hkv), head_dim=head_dim, dtype=dt,
-                 causal=causal, vs=vs or ("stock", "triton", "flex"), rounds=rounds, ceilings=ceilings,
+                 causal=causal, vs=vs or ("stock", "triton", "flex"), rounds=rounds, ceilings=ceilings, params=params,
                  progress=lambda s: console.print(s, style="dim", markup=False))
     table = Table("S", "contender", "status", "ms (min..max)", "TFLOP/s", "% matmul", "TB/s", "% copy",
                   "vs stock", title=f"fivar bench {name} --op {op} on {report['gpu']} ({report['date']})")

@@ -7,6 +7,7 @@ against a plain-attention reference (it computes a different function, it is onl
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,7 +54,37 @@ def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
     return None
 
 
-def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, device="cuda") -> Problem:
+def scalar_params(variant, items) -> dict:
+    """{name: value} from NAME=VALUE texts setting the variant's scalar params (`fivar bench --param`), each
+    value cast to its declared type."""
+    if not items:
+        return {}
+    from ..errors import FivarError
+    from ..spec.params import Scalar
+    scalars = {n: d for n, d in variant.params.items() if isinstance(d, Scalar)}
+    out = {}
+    for item in items:
+        name, eq, text = (x.strip() for x in item.partition("="))
+        where = f"variant '{variant.name}': --param {item!r}"
+        if not eq or not name:
+            raise FivarError(f"{where}: expected NAME=VALUE, e.g. --param window=1024")
+        if name not in scalars:
+            kind = "a tensor param (only scalars can be set here)" if name in variant.params else "not a param"
+            raise FivarError(f"{where}: '{name}' is {kind}; its scalar params: {', '.join(scalars) or 'none'}")
+        cast = scalars[name].dtype
+        try:
+            value = cast(text)
+        except ValueError:
+            raise FivarError(f"{where}: '{name}' is declared {cast.__name__}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FivarError(f"{where}: '{name}' must be finite, got {text!r}")
+        out[name] = value
+    return out
+
+
+def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, device="cuda",
+                 params: dict | None = None) -> Problem:
+    """Fresh random inputs for one problem; `params` (scalar values) replace the variant's example ones."""
     from ..testing import _to_paged, example_params
     hq, hkv = heads
     p = Problem(op, seqlen, batch, hq, hkv, head_dim, dtype, causal, device)
@@ -73,6 +104,7 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
         raise ValueError(f"unknown op {op}")
     p.params = example_params(variant, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, max_len=seqlen,
                               device=device)
+    p.params.update(params or {})
     return p
 
 

@@ -113,13 +113,15 @@ def work(variant, p: Problem) -> tuple[float, float]:
 
 def run(variant, *, op="prefill", seqlens=(1024, 4096, 8192), batch=1, heads=(32, 32), head_dim=128,
         dtype=torch.bfloat16, causal=False, vs=("stock", "triton", "flex"), rounds=4, device="cuda",
-        ceilings: dict | None = None, progress=print) -> dict:
+        ceilings: dict | None = None, progress=print, params: dict | None = None) -> dict:
+    """Check, then time, every contender at each length; `params` sets scalar params (else the variant's
+    example values)."""
     import flashinfer
 
     import fivar
     rows: list[Row] = []
     for S in seqlens:
-        p = make_problem(variant, op, S, batch, heads, head_dim, dtype, causal, device)
+        p = make_problem(variant, op, S, batch, heads, head_dim, dtype, causal, device, params=params)
         flops, nbytes = work(variant, p)
         got = evaluate(contenders(variant, p, list(vs)), _checker(variant, p), flops=flops, nbytes=nbytes,
                        seqlen=S, rounds=rounds, device=device, ceilings=ceilings)
@@ -133,7 +135,8 @@ def run(variant, *, op="prefill", seqlens=(1024, 4096, 8192), batch=1, heads=(32
         "gpu": torch.cuda.get_device_name(device), "host": platform.node(),
         "versions": {"fivar": fivar.__version__, "flashinfer": flashinfer.__version__, "torch": torch.__version__},
         "config": {"seqlens": list(seqlens), "batch": batch, "heads": list(heads), "head_dim": head_dim,
-                   "dtype": str(dtype).removeprefix("torch."), "causal": causal, "vs": list(vs), "rounds": rounds},
+                   "dtype": str(dtype).removeprefix("torch."), "causal": causal, "vs": list(vs), "rounds": rounds,
+                   "params": dict(params or {})},
         "ceilings": ceilings, "results": [asdict(r) for r in rows],
     }
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import fivar
-from fivar.bench.contenders import Contender
-from fivar.bench.harness import evaluate, validate
+from fivar.bench.contenders import Contender, make_problem, scalar_params
+from fivar.errors import FivarError
+from fivar.bench.harness import evaluate, validate, work
 from fivar.bench.timing import Timing, attention_flops, decode_kv_bytes
 from fivar.bench.work import attention_bytes, kept_fraction
 from fivar.testing import compare
@@ -37,6 +38,40 @@ def test_kept_fraction_of_masks():
     assert abs(f - exact) < 0.02
     assert kept_fraction(fivar.load("softcap"), {}, qo_len=8, kv_len=8, num_qo_heads=1, num_kv_heads=1,
                          causal=False) == 1.0
+
+
+def test_param_sets_a_scalar_and_the_work_counted_follows_it():
+    """`fivar bench --param window=W`: the problem runs W, not the example's 128, and useful flops count the keys
+    W keeps (exactly: causal rows keep min(W, i + 1) keys)."""
+    sw = fivar.load("sliding_window")
+    S = 192
+    for w in (7, 40):
+        params = scalar_params(sw, [f" window = {w}"])
+        assert params == {"window": w} and type(params["window"]) is int
+        p = make_problem(sw, "prefill", S, 1, (2, 1), 16, torch.float32, True, device="cpu", params=params)
+        assert p.params["window"] == w and p.tensors["q"].shape == (S, 2, 16) and p.tensors["q"].std() > 0.5
+        flops, _ = work(sw, p)
+        exact = 4 * 2 * 16 * sum(min(w, i + 1) for i in range(S))
+        assert flops == pytest.approx(exact, rel=0.03), (w, flops, exact)
+    default = make_problem(sw, "prefill", S, 1, (2, 1), 16, torch.float32, True, device="cpu")
+    assert default.params["window"] == sw.params["window"].default
+    assert scalar_params(fivar.load("softcap"), ["softcap=12.5"]) == {"softcap": 12.5}
+
+
+@pytest.mark.parametrize("name,item,text", [
+    ("sliding_window", "window=1k", "'window' is declared int, got '1k'"),
+    ("sliding_window", "window", "expected NAME=VALUE"),
+    ("sliding_window", "=3", "expected NAME=VALUE"),
+    ("sliding_window", "windw=3", "'windw' is not a param; its scalar params: window"),
+    ("softcap", "softcap=nan", "'softcap' must be finite"),
+    ("document_mask", "doc_ids=1", "'doc_ids' is a tensor param (only scalars can be set here)"),
+])
+def test_a_bad_param_names_the_variant_and_the_param(name, item, text):
+    with pytest.raises(FivarError, match=f"variant '{name}': --param '{item}': .*"):
+        scalar_params(fivar.load(name), [item])
+    with pytest.raises(FivarError) as e:
+        scalar_params(fivar.load(name), [item])
+    assert text in str(e.value)
 
 
 def _cpu_problem():
@@ -113,3 +148,14 @@ def test_bench_cli_without_gpu_is_a_clear_error():
         pytest.skip("GPU present")
     r = CliRunner().invoke(main, ["bench", "softcap", "--vs", "stock"])
     assert r.exit_code == 1 and "needs a CUDA GPU" in r.output
+
+
+def test_bench_cli_checks_params_before_it_needs_a_gpu():
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    r = CliRunner().invoke(main, ["bench", "sliding_window", "--param", "window=1024", "--param", "size=3"])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and "variant 'sliding_window': --param 'size=3': 'size' is not a param" in flat, r.output
+    r = CliRunner().invoke(main, ["bench", "softcap", "--compile", "--param", "softcap=3"])
+    assert r.exit_code == 1 and "--param shape a timed run only" in " ".join(r.output.split()), r.output
