@@ -621,7 +621,11 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         sys.exit(subprocess.call(args))
     from . import load
     from .bench.contenders import scalar_params
+    from .fusion.spec import FusionVariant
     v = load(name)
+    if isinstance(v, FusionVariant):
+        raise FivarError(f"'{name}' is a fusion; fivar bench times attention variants (benchmarks/bench_fusions.py "
+                         "times fusions against stock FlashInfer)")
     params = scalar_params(v, param_texts)  # before the GPU check: a typo is reported on any machine
     if not torch.cuda.is_available():
         raise FivarError("fivar bench times kernels, so it needs a CUDA GPU (without one: fivar bench NAME --compile "

@@ -157,5 +157,8 @@ def test_bench_cli_checks_params_before_it_needs_a_gpu():
     r = CliRunner().invoke(main, ["bench", "sliding_window", "--param", "window=1024", "--param", "size=3"])
     flat = " ".join(r.output.split())
     assert r.exit_code == 1 and "variant 'sliding_window': --param 'size=3': 'size' is not a param" in flat, r.output
+    r = CliRunner().invoke(main, ["bench", "llama_add_rmsnorm", "--param", "eps=1e-5"])
+    assert r.exit_code == 1 and "'llama_add_rmsnorm' is a fusion; fivar bench times attention variants" in " ".join(
+        r.output.split()), r.output
     r = CliRunner().invoke(main, ["bench", "softcap", "--compile", "--param", "softcap=3"])
     assert r.exit_code == 1 and "--param shape a timed run only" in " ".join(r.output.split()), r.output
