@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|clibench|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
+#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
 set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FIVAR_TEST_FRESH_JIT_CACHE=0
 export FLASHINFER_WORKSPACE_BASE=$PWD/.gpu-jit FIVAR_CACHE_DIR=$PWD/.gpu-jit/fivar
 step=${1:-build}
@@ -81,6 +81,16 @@ tiles)  # FA3 single prefill of the soft-capped variants at other exp2 splits an
     --exp2-splits "${SPLITS-0,1,3}" \
     --cta-tiles ${TILES-128x176,192x128 128x160,128x176 128x128,128x96 192x128,128x64} ${EXTRA:-} \
     --json "$OUT/bench_tiles.json" 2>&1 | quiet | tee "$OUT/bench_tiles.log" | grep -v "^CheckResult\|passed" | tail -12 ;;
+tile192)  # cold machine, one call: #3's lead (README Known gaps, session 21): FA3 soft-cap single prefill with a 192-row
+  # non-causal tile (three consumer warpgroups) vs fivar's default 128x128, stock FA3 and Flex at S=4096/8192/16384,
+  # 6 rounds; CAUSALS=1 TILES="128x128,192x64" for the full causal kernel. Then `tile192tests` on the warm machine.
+  SEQLENS=${SEQLENS:-4096,8192,16384} CAUSALS=${CAUSALS:-0} VARIANTS=${VARIANTS:-softcap} SPLITS= \
+    TILES=${TILES-192x64,128x128 192x48,128x128 192x80,128x128} EXTRA=${EXTRA:---rounds 6} BENCH_S=${BENCH_S:-560} \
+    bash "$0" tiles ;;
+tile192tests)  # after tile192: the GPU tests of the 192-row non-causal tile (partial tiles, GQA, forced wave splits)
+  export FIVAR_TRITON_AUTOTUNE=0
+  timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "cta_tile_override or wave_split" 2>&1 | tee "$OUT/gpu_tests_tile192.log" | tail -8 ;;
 bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its modules, their running-max twins and
   # stock FA3's, its GPU tests, then the soft-capped variants with it vs the running max, stock FA3 and Flex, at
   # SEQLENS, both modes

@@ -91,18 +91,23 @@ def test_fa3_exp2_split_extremes(split, bounded, window, causal):
 
 # FA3 single prefill at CTA tiles FlashInfer never instantiates at hd128 (its own: 128x192 non-causal, 128x128
 # causal), and at fivar's default for soft-caps (128x128 in both): the reference's results at lengths that leave
-# partial tiles, qo_len < kv_len and (non-causal: causal refuses it) qo_len > kv_len.
-@pytest.mark.parametrize("qo_len,kv_len,causal", [(1000, 1000, False), (300, 1111, False), (777, 200, False),
-                                                  (1000, 1000, True), (300, 1111, True)])
-@pytest.mark.parametrize("tile", ["128x176,192x128", "128x128"])
-def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal):
+# partial tiles, qo_len < kv_len and (non-causal: causal refuses it) qo_len > kv_len, MHA and GQA 32/8. 192x64
+# non-causal (three consumer warpgroups) is the candidate of README Known gaps, "The lead for the next session".
+@pytest.mark.parametrize("qo_len,kv_len,causal,heads", [
+    (1000, 1000, False, (32, 32)), (300, 1111, False, (32, 8)), (777, 200, False, (32, 32)),
+    (1000, 1000, True, (32, 8)), (300, 1111, True, (32, 32))])
+@pytest.mark.parametrize("tile", ["128x176,192x128", "128x128", "192x64,128x128"])
+def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal, heads):
     v = fivar.load("softcap")
     with cta_tile(tile):
         sources = module_for(v, "single_prefill", "fa3", "bf16", 128).sources
         tile_none, tile_causal = (tile.split(",") * 2)[:2]
-        assert f"/*CTA_KV_=*/{tile_none.split('x')[1]}," in sources["single_prefill_sm90_kernel_mask_0.cu"]
+        q_none, kv_none = tile_none.split("x")
+        unit_none = sources["single_prefill_sm90_kernel_mask_0.cu"]
+        assert f"/*CTA_Q_=*/{q_none}," in unit_none and f"/*CTA_KV_=*/{kv_none}," in unit_none
         assert f"/*CTA_Q_=*/{tile_causal.split('x')[0]}," in sources["single_prefill_sm90_kernel_mask_1.cu"]
-        r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3")
+        r = check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend="fa3",
+                                 num_qo_heads=heads[0], num_kv_heads=heads[1])
     assert r.passed, r
 
 
@@ -222,6 +227,21 @@ def test_fa3_wave_split(setting, heads, kv_len, dtype, cap, head_dim, monkeypatc
         r = check_single_prefill(fivar.load("softcap"), qo_len=777, kv_len=kv_len, num_qo_heads=heads[0],
                                  num_kv_heads=heads[1], dtype=dtype, head_dim=head_dim, backend="fa3",
                                  params={"softcap": cap})
+    assert r.passed, r
+    assert [f"{s.tail_heads}x{s.chunks}" for s in runs] == [setting]
+
+
+# The same forced splits on a 192-row non-causal tile (the lead above): the pieces are whole 64-key tiles, and the
+# plan counts 192-row query tiles.
+@pytest.mark.parametrize("setting,heads,kv_len,dtype", [("1x2", (32, 32), 1000, torch.bfloat16),
+                                                        ("4x4", (32, 8), 1111, torch.float16)])
+def test_fa3_wave_split_on_a_192_row_tile(setting, heads, kv_len, dtype, monkeypatch):
+    runs = []
+    real = wave_split.run
+    monkeypatch.setattr(wave_split, "run", lambda *a, **kw: runs.append(a[-2]) or real(*a, **kw))
+    with cta_tile("192x64,128x128"), wave_split.wave_split(setting):
+        r = check_single_prefill(fivar.load("softcap"), qo_len=777, kv_len=kv_len, num_qo_heads=heads[0],
+                                 num_kv_heads=heads[1], dtype=dtype, backend="fa3", params={"softcap": 30.0})
     assert r.passed, r
     assert [f"{s.tail_heads}x{s.chunks}" for s in runs] == [setting]
 
