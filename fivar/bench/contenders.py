@@ -8,6 +8,7 @@ against a plain-attention reference (it computes a different function, it is onl
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,7 +61,7 @@ def scalar_params(variant, items) -> dict:
     if not items:
         return {}
     from ..errors import FivarError
-    from ..spec.params import Scalar
+    from ..spec.params import Scalar, Tensor
     scalars = {n: d for n, d in variant.params.items() if isinstance(d, Scalar)}
     out = {}
     for item in items:
@@ -71,6 +72,12 @@ def scalar_params(variant, items) -> dict:
         if name not in scalars:
             kind = "a tensor param (only scalars can be set here)" if name in variant.params else "not a param"
             raise FivarError(f"{where}: '{name}' is {kind}; its scalar params: {', '.join(scalars) or 'none'}")
+        sized = [t for t, d in variant.params.items() if isinstance(d, Tensor)
+                 and any(re.search(rf"\b{re.escape(name)}\b", dim) for dim in d.dims)]
+        if sized:  # the example drew that tensor for its own value: a new one would index it out of shape
+            raise FivarError(f"{where}: '{name}' sizes tensor param '{sized[0]}' "
+                             f"({', '.join(variant.params[sized[0]].dims)}), which the example draws for its own "
+                             f"'{name}'; change both in the variant's example instead")
         cast = scalars[name].dtype
         try:
             value = cast(text)

@@ -65,6 +65,7 @@ def test_param_sets_a_scalar_and_the_work_counted_follows_it():
     ("sliding_window", "windw=3", "'windw' is not a param; its scalar params: window"),
     ("softcap", "softcap=nan", "'softcap' must be finite"),
     ("document_mask", "doc_ids=1", "'doc_ids' is a tensor param (only scalars can be set here)"),
+    ("relative_bias", "max_distance=100", "'max_distance' sizes tensor param 'bias' (qo_head, 2*max_distance+1)"),
 ])
 def test_a_bad_param_names_the_variant_and_the_param(name, item, text):
     with pytest.raises(FivarError, match=f"variant '{name}': --param '{item}': .*"):
