@@ -7,7 +7,6 @@ against a plain-attention reference (it computes a different function, it is onl
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -61,6 +60,7 @@ def scalar_params(variant, items) -> dict:
     if not items:
         return {}
     from ..errors import FivarError
+    from ..runtime.params import checked_scalar
     from ..spec.params import Scalar, Tensor
     scalars = {n: d for n, d in variant.params.items() if isinstance(d, Scalar)}
     out = {}
@@ -83,9 +83,7 @@ def scalar_params(variant, items) -> dict:
             value = cast(text)
         except ValueError:
             raise FivarError(f"{where}: '{name}' is declared {cast.__name__}, got {text!r}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise FivarError(f"{where}: '{name}' must be finite, got {text!r}")
-        out[name] = value
+        out[name] = checked_scalar(variant, name, value)  # what a call would refuse: non-finite, int32, a 0 divisor
     return out
 
 

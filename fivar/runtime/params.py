@@ -1,6 +1,7 @@
 """Checking the params a caller passes against what the variant declares, before anything launches."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,27 @@ def _same_device(a, b) -> bool:
     return a.index == b.index
 
 
+def checked_scalar(variant, pname: str, value) -> float | int:
+    """`value` for the variant's Scalar `pname`, as its declared type, or a FivarError naming both."""
+    name, p = variant.name, variant.params[pname]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FivarError(f"variant '{name}': parameter '{pname}' must be a Python "
+                         f"{p.dtype.__name__}, got {type(value).__name__}")
+    if not math.isfinite(value):  # the kernels would turn every score it touches into NaN
+        raise FivarError(f"variant '{name}': parameter '{pname}' must be finite, got {value!r}")
+    if p.dtype is int and not float(value).is_integer():
+        raise FivarError(f"variant '{name}': parameter '{pname}' is an int parameter, got {value!r}")
+    if p.dtype is int and not -2**31 <= value < 2**31:  # int32_t in the kernels
+        raise FivarError(f"variant '{name}': parameter '{pname}' = {value} does not fit the kernels' 32-bit "
+                         f"integers [-2**31, 2**31)")
+    if value == 0 and pname in variant.ir.divisor_scalars:
+        raise FivarError(f"{variant.ir.divisor_scalars[pname]}: parameter '{pname}' is 0 and divides "
+                         "there; pass a non-zero value")
+    return p.dtype(value)
+
+
 def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, batch_size: int,
                 device) -> BoundParams:
     name = variant.name
@@ -49,20 +71,7 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
                              f"{pname}=...")
         value = given[pname]
         if isinstance(p, Scalar):
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise FivarError(f"variant '{name}': parameter '{pname}' must be a Python "
-                                 f"{p.dtype.__name__}, got {type(value).__name__}")
-            if p.dtype is int and not float(value).is_integer():
-                raise FivarError(f"variant '{name}': parameter '{pname}' is an int parameter, got {value!r}")
-            if p.dtype is int and not -2**31 <= value < 2**31:  # int32_t in the kernels
-                raise FivarError(f"variant '{name}': parameter '{pname}' = {value} does not fit the kernels' 32-bit "
-                                 f"integers [-2**31, 2**31)")
-            if value == 0 and pname in variant.ir.divisor_scalars:
-                raise FivarError(f"{variant.ir.divisor_scalars[pname]}: parameter '{pname}' is 0 and divides "
-                                 "there; pass a non-zero value")
-            scalars[pname] = p.dtype(value)
+            scalars[pname] = checked_scalar(variant, pname, value)
             continue
         if not isinstance(value, torch.Tensor):
             raise FivarError(f"variant '{name}': parameter '{pname}' must be a torch.Tensor "
