@@ -26,6 +26,8 @@ first).
 fivar's default is the plan's choice); they use the default modules.
 `--schedules persistent` adds `fivar_fa3_persistent`: FA3 single prefill with one CTA per SM walking the tiles
 (FIVAR_FA3_SCHEDULE, csrc/fivar_fa3_persistent.cuh) in place of one CTA per tile (`grid`).
+`--clock-trace` samples the SM clock, board power and clock-event reasons (nvidia-smi, fivar/bench/gpu_clocks.py)
+through part 2's timing and records, per sample, its time, the contender timed before it and the clock it ran at.
 `--running-max` adds `fivar_fa3_running_max`: FlashInfer's running row max in place of fivar's default for bounded
 transforms, whose max is the bound (FIVAR_FA3_BOUNDED_SOFTMAX=0, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
 first, in parallel.
@@ -33,7 +35,9 @@ first, in parallel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import time
 
 import torch
@@ -46,6 +50,7 @@ from fivar.runtime.wave_split import wave_split
 from fivar.testing import compare, example_params
 
 H, HKV_DECODE, D = 32, 8, 128
+CLOCK_TRACE = None  # a fivar.bench.gpu_clocks.ClockTrace under --clock-trace
 CONTENDERS = ("fivar_fa3", "fivar_fa3_planned", "fivar_triton", "stock_fa3")
 VARIANTS = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
 
@@ -168,7 +173,18 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
             fns["flex"] = flex
         except Exception as ex:  # report, do not hide
             row["flex_error"] = f"{type(ex).__name__}: {ex}"[:300]
-    t = time_interleaved(fns, rounds)
+    samples = {}
+
+    def on_sample(n, previous, t0, t1, ms):
+        samples.setdefault(n, []).append(dict(ms=ms, after=previous, **CLOCK_TRACE.during(t0, t1)))
+
+    t = time_interleaved(fns, rounds, on_sample=on_sample if CLOCK_TRACE is not None else None)
+    if samples:
+        row["samples"] = samples
+        print("  clocks: " + ", ".join(
+            f"{n} {statistics.median(x['mhz'] for x in xs if x['n']):.0f} MHz "
+            f"{statistics.median(x['watts'] for x in xs if x['n']):.0f} W" for n, xs in samples.items()
+            if any(x["n"] for x in xs)) + (f" ({CLOCK_TRACE.error})" if CLOCK_TRACE.error else ""), flush=True)
     # masked-out work is not useful work: count the kept pairs from the reference mask
     fl = attention_flops(S, S, H, D, causal)
     if v.mask is not None:
@@ -264,7 +280,7 @@ def _ints(text):
 
 
 def main():
-    global D
+    global D, CLOCK_TRACE
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -283,6 +299,7 @@ def main():
     ap.add_argument("--running-max", action="store_true",
                     help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
     ap.add_argument("--wave-splits", default="", help="e.g. 0,1x8,2x4: FA3 contenders per last-wave split (see top)")
+    ap.add_argument("--clock-trace", action="store_true", help="record SM clock and power per timing sample (see top)")
     ap.add_argument("--schedules", default="", help="e.g. persistent,grid: FA3 contenders per single-prefill schedule")
     args = ap.parse_args()
     D = args.head_dim
@@ -307,12 +324,15 @@ def main():
         build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max, args.planned,
                              schedules)
     if "flex" in parts:
+        from fivar.bench.gpu_clocks import ClockTrace
+
         def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
             out["variants_vs_flex"] = rows
             write(out)
-        bench_variants_vs_flex(_ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds,
-                               args.variants.split(","), _ints(args.triton_seqlens), on_row=save,
-                               options=options, planned=args.planned)
+        with ClockTrace() if args.clock_trace else contextlib.nullcontext() as CLOCK_TRACE:
+            bench_variants_vs_flex(_ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds,
+                                   args.variants.split(","), _ints(args.triton_seqlens), on_row=save,
+                                   options=options, planned=args.planned)
     if "decode" in parts:
         out["decode"] = bench_decode(rounds)
     write(out)

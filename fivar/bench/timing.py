@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from dataclasses import dataclass, field
 
 
@@ -25,7 +26,6 @@ class Timing:
 
 
 def _cpu_bench(fn, warmup_ms: float, rep_ms: float) -> float:
-    import time
     t_end = time.perf_counter() + warmup_ms / 1e3
     while time.perf_counter() < t_end:
         fn()
@@ -39,12 +39,13 @@ def _cpu_bench(fn, warmup_ms: float, rep_ms: float) -> float:
 
 
 def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms: float = 300,
-                     device: str = "cuda") -> dict[str, Timing]:
+                     device: str = "cuda", on_sample=None) -> dict[str, Timing]:
     """Median ms per call of each contender; each round times every contender once, in an order shuffled per
     round (seeded: runs repeat). A fixed order biases it: on an H100 the contender timed right after a slower,
     cooler one (Flex) measured up to 4% faster than the same kernel timed after a hot one (session 16).
 
     On CUDA: triton's do_bench (CUDA events, L2 flushed between calls). On the CPU (tests): wall clock.
+    `on_sample(name, previous_name, t0, t1, ms)` sees each sample with its wall-clock span (time.time()).
     """
     if device == "cpu":
         do_bench = lambda fn, warmup, rep, return_mode: _cpu_bench(fn, warmup, rep)  # noqa: E731
@@ -53,11 +54,16 @@ def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms:
     out = {name: Timing() for name in fns}
     for fn in fns.values():  # first call: JIT/autotune/compile out of the timed region
         fn()
-    order, shuffle = list(fns), random.Random(0).shuffle
+    order, shuffle, previous = list(fns), random.Random(0).shuffle, None
     for _ in range(rounds):
         shuffle(order)
         for name in order:
-            out[name].samples_ms.append(do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+            t0 = time.time()
+            ms = do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            out[name].samples_ms.append(ms)
+            if on_sample is not None:
+                on_sample(name, previous, t0, time.time(), ms)
+            previous = name
     return out
 
 
