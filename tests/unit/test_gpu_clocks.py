@@ -74,3 +74,28 @@ def test_time_interleaved_reports_every_sample_with_its_predecessor():
     assert all(t0 <= t1 for _, _, t0, t1, _ in seen)
     for n in names:
         assert [ms for name, _, _, _, ms in seen if name == n] == out[n].samples_ms
+
+
+def test_clock_report_ratios(tmp_path):
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("clock_report", "benchmarks/clock_report.py")
+    clock_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(clock_report)
+    fa3_ms, flex_ms = random.uniform(5, 9), random.uniform(15, 25)
+    fa3_mhz, flex_mhz = random.uniform(1400, 1700), random.uniform(1750, 1980)
+    sample = lambda ms, mhz, after: dict(ms=ms, after=after, n=3, mhz=mhz, watts=690.0, celsius=60,  # noqa: E731
+                                         reasons=["0x0000000000000004"])
+    row = dict(variant="softcap", S=16384, causal=False, ms={"fivar_fa3": fa3_ms, "flex": flex_ms}, samples={
+        "fivar_fa3": [sample(fa3_ms * 0.97, fa3_mhz, "flex"), sample(fa3_ms, fa3_mhz, "fivar_fa3"),
+                      sample(fa3_ms * 1.02, fa3_mhz, None)],
+        "flex": [sample(flex_ms, flex_mhz, "fivar_fa3")]})
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"variants_vs_flex": [row]}))
+    line = next(x for x in clock_report.report(str(path)).splitlines() if x.strip().startswith("fivar_fa3"))
+    cols = line.split()
+    assert float(cols[1]) == pytest.approx(fa3_ms, abs=1e-3) and float(cols[2]) == pytest.approx(fa3_mhz, abs=0.5)
+    assert float(cols[4]) == pytest.approx(fa3_ms * 0.97, abs=1e-3)  # after flex
+    assert float(cols[5]) == pytest.approx(fa3_ms * 1.01, abs=1e-3)  # median of the others
+    assert float(cols[6]) == pytest.approx(flex_ms / fa3_ms, abs=5e-3)
+    assert float(cols[7]) == pytest.approx(flex_ms / fa3_ms * flex_mhz / fa3_mhz, abs=5e-3)
