@@ -28,6 +28,8 @@ fivar's default is the plan's choice); they use the default modules.
 (FIVAR_FA3_SCHEDULE, csrc/fivar_fa3_persistent.cuh) in place of one CTA per tile (`grid`).
 `--clock-trace` samples the SM clock, board power and clock-event reasons (nvidia-smi, fivar/bench/gpu_clocks.py)
 through part 2's timing and records, per sample, its time, the contender timed before it and the clock it ran at.
+`--sustained 4` times part 2's contenders each alone, back to back for 4 s after 1 s untimed
+(fivar.bench.timing.time_sustained), in place of the interleaved rounds: the rate a kernel keeps under the power cap.
 `--running-max` adds `fivar_fa3_running_max`: FlashInfer's running row max in place of fivar's default for bounded
 transforms, whose max is the bound (FIVAR_FA3_BOUNDED_SOFTMAX=0, csrc/fivar_fa3_softmax.cuh). These, fivar's default modules and stock FA3's are built
 first, in parallel.
@@ -44,13 +46,14 @@ import torch
 
 import fivar
 from fivar.bench.contenders import stock_mapping
-from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved
+from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved, time_sustained
 from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split, schedule
 from fivar.runtime.wave_split import wave_split
 from fivar.testing import compare, example_params
 
 H, HKV_DECODE, D = 32, 8, 128
 CLOCK_TRACE = None  # a fivar.bench.gpu_clocks.ClockTrace under --clock-trace
+SUSTAINED_S = 0.0  # --sustained
 CONTENDERS = ("fivar_fa3", "fivar_fa3_planned", "fivar_triton", "stock_fa3")
 VARIANTS = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
 
@@ -178,7 +181,9 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
     def on_sample(n, previous, t0, t1, ms):
         samples.setdefault(n, []).append(dict(ms=ms, after=previous, **CLOCK_TRACE.during(t0, t1)))
 
-    t = time_interleaved(fns, rounds, on_sample=on_sample if CLOCK_TRACE is not None else None)
+    hook = on_sample if CLOCK_TRACE is not None else None
+    t = (time_sustained(fns, SUSTAINED_S, on_sample=hook) if SUSTAINED_S else
+         time_interleaved(fns, rounds, on_sample=hook))
     if samples:
         row["samples"] = samples
         print("  clocks: " + ", ".join(
@@ -280,7 +285,7 @@ def _ints(text):
 
 
 def main():
-    global D, CLOCK_TRACE
+    global D, CLOCK_TRACE, SUSTAINED_S
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -299,10 +304,12 @@ def main():
     ap.add_argument("--running-max", action="store_true",
                     help="an FA3 contender with the running-max softmax instead of the bounded one (see top)")
     ap.add_argument("--wave-splits", default="", help="e.g. 0,1x8,2x4: FA3 contenders per last-wave split (see top)")
+    ap.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                    help="part 2 times each contender alone for SECONDS after 1 s untimed (see top)")
     ap.add_argument("--clock-trace", action="store_true", help="record SM clock and power per timing sample (see top)")
     ap.add_argument("--schedules", default="", help="e.g. persistent,grid: FA3 contenders per single-prefill schedule")
     args = ap.parse_args()
-    D = args.head_dim
+    D, SUSTAINED_S = args.head_dim, args.sustained
     torch.manual_seed(0)  # the same example params (document lengths) in every run: rows comparable across runs
     rounds = args.rounds or (2 if args.quick else 4)
     parts = args.parts.split(",")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
+#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|sustained|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -91,6 +91,12 @@ clocks)  # cold machine, one call: tile192 (default rounds 8, causal too) with e
   # power and clock-event reasons (bench_fa3.py --clock-trace): faster kernel, or the same kernel at a higher clock?
   nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.sm --format=csv | tee "$OUT/power.txt"
   CAUSALS=${CAUSALS:-0,1} EXTRA="--rounds ${ROUNDS:-8} --clock-trace" bash "$0" tile192 ;;
+sustained)  # cold machine, one call: like `clocks`, but each contender alone for ${SECONDS_ON:-3} s after 1 s untimed
+  # (bench_fa3.py --sustained): the rate each keeps at the board's power limit, with its clock
+  nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.sm --format=csv | tee "$OUT/power.txt"
+  SEQLENS=${SEQLENS:-8192,16384} CAUSALS=${CAUSALS:-0,1} VARIANTS=${VARIANTS:-softcap,softcap_sliding_window} \
+    EXTRA="--sustained ${SECONDS_ON:-3} --clock-trace" bash "$0" tile192
+  python3 benchmarks/clock_report.py "$OUT/bench_tiles.json" | tee "$OUT/clock_report.txt" ;;
 tile192tests)  # after tile192: the GPU tests of the 192-row non-causal tile (partial tiles, GQA, forced wave splits)
   export FIVAR_TRITON_AUTOTUNE=0
   timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \

@@ -67,6 +67,58 @@ def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms:
     return out
 
 
+def time_sustained(fns: dict, seconds: float = 3.0, settle_s: float = 1.0, bin_ms: float = 100,
+                   device: str = "cuda", on_sample=None) -> dict[str, Timing]:
+    """Each contender alone, back to back, as a serving loop runs it: `settle_s` untimed (the board's power
+    controller finds its clock), then `seconds` timed in bins of about `bin_ms` of calls, one sample per bin
+    (the median call), the median of the bins reported. Unlike time_interleaved, no contender inherits a
+    cooler board from the one before it: under a power cap this is the rate a kernel keeps.
+
+    On CUDA: CUDA events around every call, synchronized per bin (no L2 flush: each call reads its inputs
+    from HBM only when they exceed L2). On the CPU (tests): wall clock.
+    `on_sample(name, previous_name, t0, t1, ms)` sees each bin with its wall-clock span (time.time()).
+    """
+    if device == "cpu":
+        def run_bin(fn, calls):
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+            return times
+    else:
+        import torch
+
+        def run_bin(fn, calls):
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(calls)]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) for start, end in events]
+    out = {name: Timing() for name in fns}
+    order, previous = list(fns), None
+    random.Random(0).shuffle(order)
+    for name in order:
+        fn = fns[name]
+        call_ms = statistics.median(run_bin(fn, 3))
+        calls = max(1, round(bin_ms / max(call_ms, 1e-3)))
+        t_end = time.time() + settle_s
+        while time.time() < t_end:
+            run_bin(fn, calls)
+        t_end = time.time() + seconds
+        while time.time() < t_end or not out[name].samples_ms:
+            t0 = time.time()
+            ms = statistics.median(run_bin(fn, calls))
+            out[name].samples_ms.append(ms)
+            if on_sample is not None:
+                on_sample(name, previous, t0, time.time(), ms)
+        previous = name
+    return out
+
+
 def attention_flops(qo_len: int, kv_len: int, num_qo_heads: int, head_dim: int, causal: bool,
                     batch: int = 1) -> float:
     """Useful FLOPs of attention forward: 2 matmuls x 2 FLOP/MAC; masked-out work not counted.

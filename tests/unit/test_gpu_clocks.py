@@ -99,3 +99,19 @@ def test_clock_report_ratios(tmp_path):
     assert float(cols[5]) == pytest.approx(fa3_ms * 1.01, abs=1e-3)  # median of the others
     assert float(cols[6]) == pytest.approx(flex_ms / fa3_ms, abs=5e-3)
     assert float(cols[7]) == pytest.approx(flex_ms / fa3_ms * flex_mhz / fa3_mhz, abs=5e-3)
+
+
+def test_time_sustained_times_each_contender_alone_for_its_span():
+    from fivar.bench.timing import time_sustained
+    sleeps = {f"c{i}": random.uniform(0.002, 0.006) for i in range(3)}
+    seen = []
+    out = time_sustained({n: (lambda s=s: time.sleep(s)) for n, s in sleeps.items()}, seconds=0.3, settle_s=0.05,
+                         bin_ms=30, device="cpu", on_sample=lambda *a: seen.append(a))
+    names = [a[0] for a in seen]
+    assert [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n] == list(dict.fromkeys(names))  # one block each
+    assert set(names) == set(sleeps)
+    for n, s in sleeps.items():
+        spans = [(t0, t1) for name, _, t0, t1, _ in seen if name == n]
+        assert spans[-1][1] - spans[0][0] >= 0.3 - 0.05
+        assert out[n].median == pytest.approx(s * 1e3, rel=0.5, abs=1.0)
+        assert len(out[n].samples_ms) == len(spans) >= 3
