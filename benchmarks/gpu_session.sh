@@ -100,7 +100,7 @@ sustained)  # cold machine, one call: like `clocks`, but each contender alone fo
 tile192tests)  # after tile192: the GPU tests of the 192-row non-causal tile (partial tiles, GQA, forced wave splits)
   export FIVAR_TRITON_AUTOTUNE=0
   timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
-    -k "cta_tile_override or wave_split" 2>&1 | tee "$OUT/gpu_tests_tile192.log" | tail -8 ;;
+    -k "${TESTS_K:-cta_tile_override or wave_split}" 2>&1 | tee "$OUT/gpu_tests_tile192.log" | tail -8 ;;
 bounded)  # FA3's bounded softmax (fivar's default for bounded transforms): its modules, their running-max twins and
   # stock FA3's, its GPU tests, then the soft-capped variants with it vs the running max, stock FA3 and Flex, at
   # SEQLENS, both modes
