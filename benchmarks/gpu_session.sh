@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|sustained|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
+#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|sustained|choice|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -97,6 +97,15 @@ sustained)  # cold machine, one call: like `clocks`, but each contender alone fo
   SEQLENS=${SEQLENS:-8192,16384} CAUSALS=${CAUSALS:-0,1} VARIANTS=${VARIANTS:-softcap,softcap_sliding_window} \
     EXTRA="--sustained ${SECONDS_ON:-3} --clock-trace" bash "$0" tile192
   python3 benchmarks/clock_report.py "$OUT/bench_tiles.json" | tee "$OUT/clock_report.txt" ;;
+choice)  # cold machine, one call: the soft-caps' non-causal default (192x64 from fa3.LONG_QO_LEN rows, 128x128 below)
+  # vs the previous default (128x128), stock FA3 and Flex at S=4096/8192/16384, interleaved; then its GPU tests
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${BENCH_S:-270} python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens ${SEQLENS:-4096,8192,16384} \
+    --flex-causal 0 --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 \
+    --cta-tiles 128x128,128x128 --rounds ${ROUNDS:-4} --json "$OUT/bench_choice.json" 2>&1 | quiet \
+    | tee "$OUT/bench_choice.log" | grep -v "^CheckResult\|passed" | tail -7
+  timeout ${TESTS_S:-90} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    -k "non_causal_choice or wave_split_planned" 2>&1 | tee "$OUT/gpu_tests_choice.log" | tail -4 ;;
 tile192tests)  # after tile192: the GPU tests of the 192-row non-causal tile (partial tiles, GQA, forced wave splits)
   export FIVAR_TRITON_AUTOTUNE=0
   timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \

@@ -40,7 +40,6 @@ def main():
     mods = serving_modules(v, "single_prefill", "fa3", head_dim=D)
     print(f"built in {build_beside_stock(mods, [stock_fa3_spec(D, False, True)]):.0f} s", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tile_q = non_causal_tile(mods[0].options.get("cta_tile"), D)[0]
     out = dict(gpu=torch.cuda.get_device_name(), sms=sms, date=time.strftime("%Y-%m-%d"), rows=[])
     for S in (int(s) for s in args.seqlens.split(",")):
         for H in HEADS:
@@ -56,7 +55,7 @@ def main():
             err = float((a - b).norm() / b.norm())
             assert err < 1e-2, f"fivar vs stock at S={S} H={H}: relative error {err}"
             t = time_interleaved(fns, args.rounds)
-            ctas = math.ceil(S / tile_q) * H
+            ctas = math.ceil(S / non_causal_tile(mods[0].options.get("cta_tile"), D, S)[0]) * H
             row = dict(S=S, heads=H, ctas=ctas, waves=math.ceil(ctas / sms), full_waves=ctas / sms,
                        rel_err_vs_stock=err, ms={n: x.median for n, x in t.items()},
                        spread_ms={n: x.spread for n, x in t.items()},

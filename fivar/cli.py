@@ -208,17 +208,19 @@ def _fa3_tile(v) -> str:
     tiles = fa3.tile_text(fa3.cta_tiles(v, "single_prefill", 128, None))
     if os.environ.get(fa3.CTA_TILE_ENV, "").strip():
         why = fa3.CTA_TILE_ENV
-    elif tiles == fa3.MUFU_BOUND_WINDOW_TILE:
-        why = ("the transform costs MUFU ops: a smaller score tile measured faster; with a window, causal, 192x64 "
-               "(three warpgroups share each K/V tile of the window)")
+    elif tiles in (fa3.MUFU_BOUND_TILE, fa3.MUFU_BOUND_WINDOW_TILE):
+        why = (f"the transform costs MUFU ops: smaller score tiles measured faster; non-causal, 192x64 from "
+               f"{fa3.LONG_QO_LEN} query rows (three warpgroups, more work per clock at the power limit), 128x128 "
+               "below" + ("; causal, 192x64 (three warpgroups share each K/V tile of the window)"
+                          if tiles == fa3.MUFU_BOUND_WINDOW_TILE else ""))
     elif tiles != fa3.FLASHINFER_TILES:
         why = "the transform costs MUFU ops: a smaller score tile measured faster"
     else:
         why = "FlashInfer's choice"
     if tiles == fa3.FLASHINFER_TILES:
         tiles = "{}x{} non-causal, {}x{} causal".format(*sum(fa3.FLASHINFER_SINGLE_PREFILL_TILES[128], ()))
-    return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[,QxKV] or "
-            "flashinfer overrides)")
+    return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[|QxKV][,QxKV[|QxKV]] "
+            "or flashinfer overrides)")
 
 
 def _fa3_schedule(v) -> str:

@@ -6,7 +6,7 @@ import torch
 
 import fivar
 from fivar import AttentionVariant
-from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split, non_causal_tile, schedule
+from fivar.codegen.fa3 import LONG_QO_LEN, MUFU_BOUND_TILE, bounded_softmax, cta_tile, exp2_split, non_causal_tile, schedule
 from fivar.jit.build import module_for
 from fivar.runtime import wave_split
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,
@@ -162,6 +162,38 @@ def test_fa3_causal_window_runs_the_tile_the_wave_rule_picks(wanted):
     assert r.passed, r
 
 
+def _kernel_tiles(prof) -> set[tuple[int, int]]:
+    """(CTA_Q, CTA_KV) of every FA3 kernel a profile saw, read from its name: the integers after
+    AttentionKernelTraits hold (HEAD_DIM_QK, HEAD_DIM_VO, CTA_Q, CTA_KV) in a row, demangled or not."""
+    import re
+    tiles = set()
+    for e in prof.events():
+        if "AttentionKernelTraits" in e.name:
+            ints = [int(n) for n in re.findall(r"\d+", e.name.split("AttentionKernelTraits", 1)[1])]
+            tiles.add(next((ints[i + 2], ints[i + 3]) for i in range(len(ints) - 3) if ints[i:i + 2] == [128, 128]))
+    return tiles
+
+
+# The soft-caps' non-causal default holds 192x64 and 128x128 (fivar.codegen.fa3.LONG_QO_LEN): a launch of LONG_QO_LEN
+# rows runs 192x64, one row fewer 128x128, as non_causal_tile (the wave split's plan) says; both against the reference.
+@pytest.mark.parametrize("qo_len,wanted", [(LONG_QO_LEN, (192, 64)), (LONG_QO_LEN - 1, (128, 128))])
+def test_fa3_non_causal_choice_runs_the_tile_its_rows_pick(qo_len, wanted):
+    v = fivar.load("softcap")
+    tile = module_for(v, "single_prefill", "fa3", "bf16", 128).options["cta_tile"]
+    assert tile == MUFU_BOUND_TILE and non_causal_tile(tile, 128, qo_len) == wanted
+    q = torch.randn(qo_len, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, vv = (torch.randn(700, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v.prefill(q, k, vv, backend="fa3", softcap=30.0)  # loaded outside the profile
+    with wave_split.wave_split(False), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = v.prefill(q, k, vv, backend="fa3", softcap=30.0)
+        torch.cuda.synchronize()
+    assert _kernel_tiles(prof) == {wanted}
+    r = compare(v.name, f"single_prefill[fa3] {qo_len} rows, last 512 vs reference", out[-512:],
+                v.reference(q[-512:], k, vv, softcap=30.0), torch.bfloat16)
+    assert r.passed, r
+
+
 # An empty query on the persistent launcher (the window variants' causal default): nothing to launch, and no host
 # division by zero in its scheduler's FastDivmod (which killed the process with SIGFPE). The same call then still
 # works on a real shape, checked against the reference.
@@ -241,7 +273,7 @@ def test_fa3_wave_split(setting, heads, kv_len, dtype, cap, head_dim, tile, monk
 def test_fa3_wave_split_planned():
     v = fivar.load("softcap")
     q, k, vv = (torch.randn(16384, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    tile = non_causal_tile(module_for(v, "single_prefill", "fa3", "bf16", 128).options["cta_tile"], 128)
+    tile = non_causal_tile(module_for(v, "single_prefill", "fa3", "bf16", 128).options["cta_tile"], 128, 16384)
     split = wave_split.plan_for(v, q, k, tile)
     if split is None:
         pytest.skip(f"no split planned on {torch.cuda.get_device_name()} for this shape")

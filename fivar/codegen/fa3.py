@@ -185,9 +185,17 @@ def cta_tile(tile: str):
 #: order (396 / 415 vs 431 / 430), so sliding_window keeps FlashInfer's. fivar renders an explicit specialization of
 #: SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja); a tile given as
 #: alternatives (cta_tiles) is picked per launch.
+#: The soft-caps' non-causal kernel runs 192 x 64 from LONG_QO_LEN query rows, 128 x 128 below. Every FA3 kernel here
+#: runs at the board's power limit (700 W on an H100, clock 1.5-1.8 GHz of 1.98), and 192 x 64 does more work per
+#: clock (H100, session 22; each kernel alone for 3 s, TF/s at S=8192 / 16384: soft-cap 577 / 587 vs 529 / 537, the
+#: soft-capped window 535 / 564 vs 499 / 531; soft-cap interleaved with the others: 557 / 557-563 vs 544 / 548;
+#: benchmarks/results/*_h100_session22.json). At S=4096 its 22 query tiles per head leave the last wave a third full
+#: and it loses (487 vs 508 alone, 497-499 vs 520-524 interleaved). The choice keys on the launch's rows only, so
+#: every launch of a wave split (runtime/wave_split.py, which cuts the keys in whole CTA_KV tiles) runs one tile.
 CTA_TILE_ENV = "FIVAR_FA3_CTA_TILE"
-MUFU_BOUND_TILE = "128x128"
-MUFU_BOUND_WINDOW_TILE = "128x128,192x64"
+LONG_QO_LEN = 6144
+MUFU_BOUND_TILE = "192x64|128x128,128x128"
+MUFU_BOUND_WINDOW_TILE = "192x64|128x128,192x64"
 FLASHINFER_TILES = "flashinfer"
 _SMEM_BYTES = 227 * 1024 - 1024  # Hopper's per-block limit, less the pipeline barriers
 
@@ -204,11 +212,12 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
     """The tiles per mask mode ({MASK_NONE: ((q, kv),), MASK_CAUSAL: ((q, kv), ...)}) a module's FA3 kernels use
     instead of FlashInfer's, {} for FlashInfer's own: `requested`, else FIVAR_FA3_CTA_TILE (single prefill only),
     else default_cta_tile. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal, "flashinfer" FlashInfer's.
-    The causal kernel may name alternatives, "QxKV|QxKV": the module holds one kernel per tile and each launch runs
-    the one whose last wave idles the fewest SM-rows (fewest waves x CTA_Q; a tie goes to the first named;
-    templates/fa3/cta_tile_inst.cu.jinja). That rule counts waves of equal tiles; on the persistent schedule's
-    balanced order it picked 128x128 where 192x64 ran 3-6% faster (S=4096 and 8192, session 19), so no default
-    names a choice. The non-causal kernel takes one tile: it also plans the wave split."""
+    Either may name alternatives, "QxKV|QxKV": the module holds one kernel per tile and each launch picks one
+    (templates/fa3/cta_tile_inst.cu.jinja). Non-causal: two tiles, the first for launches of at least LONG_QO_LEN
+    query rows, the second below (non_causal_tile says which, for the wave split's plan). Causal: the tile whose last
+    wave idles the fewest SM-rows (fewest waves x CTA_Q; a tie goes to the first named). That rule counts waves of
+    equal tiles; on the persistent schedule's balanced order it picked 128x128 where 192x64 ran 3-6% faster (S=4096
+    and 8192, session 19), so no default names a causal choice."""
     where = "cta_tile" if requested is not None else CTA_TILE_ENV
     text = requested if requested is not None else os.environ.get(CTA_TILE_ENV, "").strip()
     if not text or (requested is None and op != "single_prefill"):
@@ -224,22 +233,29 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}; only FlashInfer's own tiles "
                          f"({FLASHINFER_TILES!r}) can be built")
     parts = [[t.strip() for t in p.split("|")] for p in text.split(",")]
-    if len(parts) > 2 or any(len(p) > 1 for p in parts[:-1]) or (len(parts) == 1 and len(parts[0]) > 1):
-        raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV (non-causal, "
-                         f"causal), e.g. 128x176, the causal one optionally a choice QxKV|QxKV, or {FLASHINFER_TILES!r}")
+    if len(parts) > 2:
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: {_TILE_FORMAT}")
     per_mode = [tuple(_checked_tile(variant, where, text, t, head_dim) for t in p) for p in parts]
-    choice_q = [q for q, _ in per_mode[-1]]
+    non_causal, causal = per_mode[0], per_mode[-1]
+    if len(non_causal) > 2 or (len(non_causal) == 2 and non_causal[0] == non_causal[1]):
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: a non-causal choice names two different "
+                         f"tiles, the first for launches of at least {LONG_QO_LEN} query rows, the second below")
+    choice_q = [q for q, _ in causal]
     if len(set(choice_q)) < len(choice_q):  # the kernel picks by waves x CTA_Q: the later tile would never run
-        raise FivarError(f"variant '{variant.name}': {where}={text!r}: the tiles of a choice must differ in CTA_Q "
-                         "(each launch picks by waves x CTA_Q, so a second tile with the same CTA_Q would never run)")
-    return {MASK_NONE: per_mode[0], MASK_CAUSAL: per_mode[-1]}
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: the tiles of a causal choice must differ in "
+                         "CTA_Q (each launch picks by waves x CTA_Q, so a second tile with the same CTA_Q would never "
+                         "run)")
+    return {MASK_NONE: non_causal, MASK_CAUSAL: causal}
+
+
+_TILE_FORMAT = (f"expected QxKV or QxKV,QxKV (non-causal, causal), e.g. 128x176, either optionally a choice "
+                f"QxKV|QxKV, or {FLASHINFER_TILES!r}")
 
 
 def _checked_tile(variant, where: str, text: str, tile: str, head_dim: int) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)[xX](\d+)", tile)
     if not m:
-        raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected QxKV or QxKV,QxKV (non-causal, "
-                         f"causal), e.g. 128x176, the causal one optionally a choice QxKV|QxKV, or {FLASHINFER_TILES!r}")
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: {_TILE_FORMAT}")
     q, kv = int(m.group(1)), int(m.group(2))
     smem = 2 * head_dim * (q + 2 * kv + max(2 * kv, q))  # Q, K (2 stages), V (2 stages) or O in its place
     # CTA_Q: FA3's warp scheduler (hopper/named_barrier.cuh) static_asserts two or three consumer warpgroups
@@ -364,12 +380,13 @@ FLASHINFER_SINGLE_PREFILL_TILES = {64: ((192, 128), (192, 128)), 128: ((128, 192
                                    256: ((128, 64), (128, 64))}
 
 
-def non_causal_tile(tile: str | None, head_dim: int) -> tuple[int, int]:
-    """(CTA_Q, CTA_KV) of a single-prefill module's non-causal kernel, from the `cta_tile` it records: fivar's
-    tile, or FlashInfer's (FLASHINFER_SINGLE_PREFILL_TILES) for 'flashinfer'."""
+def non_causal_tile(tile: str | None, head_dim: int, qo_len: int) -> tuple[int, int]:
+    """(CTA_Q, CTA_KV) that a launch of `qo_len` query rows runs on a single-prefill module's non-causal kernel, from
+    the `cta_tile` it records: fivar's tile (of a choice, the one cta_tile_inst.cu.jinja picks), or FlashInfer's
+    (FLASHINFER_SINGLE_PREFILL_TILES) for 'flashinfer'."""
     if tile and tile != FLASHINFER_TILES:
-        q, kv = tile.split(",")[0].lower().split("x")
-        return int(q), int(kv)
+        choice = [tuple(int(n) for n in t.lower().split("x")) for t in tile.split(",")[0].split("|")]
+        return choice[0] if qo_len >= LONG_QO_LEN else choice[-1]
     return FLASHINFER_SINGLE_PREFILL_TILES[head_dim][0]
 
 

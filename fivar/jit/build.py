@@ -595,7 +595,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                     code = fa2.MASK_CODES[mode]
                     sources[f"{stem}_mask_{code}.cu"] = (
                         fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, tiles=tiles[mode],
-                                   causal=str(mode == fa2.MASK_CAUSAL).lower(),
+                                   causal=str(mode == fa2.MASK_CAUSAL).lower(), long_qo_len=fa3.LONG_QO_LEN,
                                    persistent=chosen_schedules[mode] == "persistent", **kwargs)
                         if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
             else:

@@ -224,7 +224,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     mask_mode, window_left = _codegen(target).runtime_mask_code(variant, causal), _window_left(variant, target, bound)
     non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
     if target == "fa3" and wave_split.applies(variant, causal, window_left, non_causal_schedule):
-        tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1])
+        tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1], q.shape[0])
         split = wave_split.plan_for(variant, q, k, tile)
         if split is not None:
             from flashinfer.utils import SINGLE_KERNEL_TMP_SIZE, TensorLayout

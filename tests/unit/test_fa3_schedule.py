@@ -53,7 +53,7 @@ def test_a_schedule_is_chosen_per_mask_mode_by_argument_or_environment(monkeypat
     grid = gen_module(softcap, "single_prefill", "fa3")
     both = gen_module(softcap, "single_prefill", "fa3", schedule="persistent")
     assert both.options["schedule"] == "persistent" and _persistent_kernels(both) == [True, True]
-    assert both.uri != grid.uri and both.options["cta_tile"] == grid.options["cta_tile"] == "128x128"
+    assert both.uri != grid.uri and both.options["cta_tile"] == grid.options["cta_tile"] == fa3.MUFU_BOUND_TILE
     assert _persistent_kernels(gen_module(softcap, "single_prefill", "fa3", schedule="persistent,grid")) == [True, False]
     # FlashInfer's tiles on fivar's launcher: rendered explicitly, recorded as FlashInfer's
     stock_tiles = gen_module(softcap, "single_prefill", "fa3", schedule="persistent", cta_tile="flashinfer")

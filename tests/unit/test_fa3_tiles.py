@@ -55,17 +55,17 @@ def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
 
 
 @pytest.mark.parametrize("name,head_dim,tile", [
-    ("softcap", 128, "128x128"), ("softcap_sliding_window", 128, "128x128,192x64"),  # MUFU ops: measured
+    ("softcap", 128, "192x64|128x128,128x128"), ("softcap_sliding_window", 128, "192x64|128x128,192x64"),  # measured
     ("softcap", 64, "flashinfer"), ("softcap", 256, "flashinfer"),  # not measured there
     ("alibi", 128, "flashinfer"), ("sliding_window", 128, "flashinfer"), ("sigmoid", 128, "flashinfer"),
 ])
-def test_the_default_tile_is_128x128_only_where_it_was_measured_faster(name, head_dim, tile):
+def test_fivars_own_tiles_are_the_default_only_where_they_were_measured_faster(name, head_dim, tile):
     v = fivar.load(name)
     m = gen_module(v, "single_prefill", "fa3", head_dim=head_dim)
     assert m.options["cta_tile"] == tile == fa3.default_cta_tile(v, "single_prefill", head_dim)
     if tile != "flashinfer":
         assert [_tiles_of(m.sources[k]) for k in KERNELS] == [
-            [(128, 128)], [(128, 128)] if tile == "128x128" else [(192, 64)]]
+            [(192, 64), (128, 128)], [(192, 64)] if v.kv_band.left is not None else [(128, 128)]]
     assert gen_module(v, "batch_prefill", "fa3", head_dim=head_dim).options["cta_tile"] == "flashinfer"
 
 
@@ -78,7 +78,7 @@ def test_the_env_var_picks_the_tile_of_single_prefill_and_a_recorded_tile_ignore
         # batch prefill keeps FlashInfer's tiles (its ragged and paged kernels dispatch differently)
         assert gen_module(softcap, "batch_prefill", "fa3").options["cta_tile"] == "flashinfer"
         # a module re-rendered from its manifest (fivar cache staleness) passes its recorded tile
-        assert gen_module(softcap, "single_prefill", "fa3", cta_tile="128x128").uri == default.uri
+        assert gen_module(softcap, "single_prefill", "fa3", cta_tile=fa3.MUFU_BOUND_TILE).uri == default.uri
     with fa3.cta_tile("flashinfer"):
         assert module_for(softcap, "single_prefill", "fa3", "bf16", 128).options["cta_tile"] == "flashinfer"
     assert module_for(softcap, "single_prefill", "fa3", "bf16", 128) is default
@@ -100,11 +100,35 @@ def test_the_causal_kernel_may_hold_a_choice_of_tiles_picked_per_launch():
     assert gen_module(softcap, "single_prefill", "fa3", cta_tile=m.options["cta_tile"]).uri == m.uri
 
 
+def test_the_non_causal_kernel_may_hold_two_tiles_picked_by_the_launchs_rows():
+    """"A|B,..." non-causal: A from fa3.LONG_QO_LEN query rows, B below, in the unit and in non_causal_tile (what the
+    wave split plans with) alike; the GPU tests run both sides (test_gpu_kernels.py::test_fa3_cta_tile_override)."""
+    softcap = fivar.load("softcap")
+    m = gen_module(softcap, "single_prefill", "fa3", cta_tile="192x64|128x160,128x96")
+    assert m.options["cta_tile"] == "192x64|128x160,128x96"
+    unit = m.sources[KERNELS[0]]
+    assert _tiles_of(unit) == [(192, 64), (128, 160)] and _tiles_of(m.sources[KERNELS[1]]) == [(128, 96)]
+    branch = f"if (params.qo_len >= {fa3.LONG_QO_LEN}) {{\n    SinglePrefillWithKVCacheKernelTraitsDispatched<Tile0,"
+    assert branch in unit and "} else {\n    SinglePrefillWithKVCacheKernelTraitsDispatched<Tile1," in unit
+    assert "CAUSAL=*/true" not in unit
+    for qo_len, tile in ((fa3.LONG_QO_LEN, (192, 64)), (fa3.LONG_QO_LEN - 1, (128, 160)), (1, (128, 160))):
+        assert fa3.non_causal_tile(m.options["cta_tile"], 128, qo_len) == tile
+    assert fa3.non_causal_tile("128x176,128x128", 128, 10**6) == (128, 176)
+    assert fa3.non_causal_tile("flashinfer", 128, 10**6) == fa3.FLASHINFER_SINGLE_PREFILL_TILES[128][0]
+    # one choice for both modes: each mode's own rule
+    both = gen_module(softcap, "single_prefill", "fa3", cta_tile="192x64|128x128")
+    assert both.options["cta_tile"] == "192x64|128x128"
+    assert "params.qo_len >=" in both.sources[KERNELS[0]] and "const int cta_q[] = {192, 128};" in both.sources[
+        KERNELS[1]]
+
+
 @pytest.mark.parametrize("bad,why", [
     ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
-    ("128x128|192x64", "expected QxKV"), ("128x128|192x64,128x128", "expected QxKV"),  # a choice is causal only
+    ("192x64|128x128|128x64,128x128", "a non-causal choice names two different tiles"),
+    ("128x128|128x128,128x128", "a non-causal choice names two different tiles"), ("|128x128", "expected QxKV"),
     ("128x128,192x64|", "expected QxKV"), ("128x128,128x128|64x64", "CTA_Q is 64"),
     ("128x128,192x64|192x64", "must differ in CTA_Q"), ("128x128,128x128|128x64", "must differ in CTA_Q"),
+    ("128x128|128x64", "must differ in CTA_Q"),  # one choice for both modes: the causal one's rule applies
     ("96x128", "CTA_Q is 96; it must be 128 or 192"), ("64x128", "CTA_Q is 64; it must be 128 or 192"),
     ("128x100", "CTA_KV is 100; it must be a multiple of 16"), ("128x272", "CTA_KV is 272;.*from 16 to 256"),
     ("128x208", "take 240 KiB of shared memory"),  # Q, K and V at hd128
