@@ -268,12 +268,14 @@ def test_fa3_wave_split(setting, heads, kv_len, dtype, cap, head_dim, tile, monk
     assert [f"{s.tail_heads}x{s.chunks}" for s in runs] == [setting]
 
 
-# The plan's own choice where it splits on a 132-SM Hopper (S=16384, 32 heads): the whole output against the
-# unsplit kernel's (checked against the reference everywhere else), and the last rows against the reference.
-def test_fa3_wave_split_planned():
+# The plan's own choice where it splits on a 132-SM Hopper (32 heads), on each tile of the default's choice: S=8192 runs
+# 192x64 (2 tail heads in 2 chunks), S=6000 128x128 (2 in 4). The whole output against the unsplit kernel's (checked
+# against the reference everywhere else), and the last rows against the reference.
+@pytest.mark.parametrize("seqlen", [8192, 6000])
+def test_fa3_wave_split_planned(seqlen):
     v = fivar.load("softcap")
-    q, k, vv = (torch.randn(16384, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    tile = non_causal_tile(module_for(v, "single_prefill", "fa3", "bf16", 128).options["cta_tile"], 128, 16384)
+    q, k, vv = (torch.randn(seqlen, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    tile = non_causal_tile(module_for(v, "single_prefill", "fa3", "bf16", 128).options["cta_tile"], 128, seqlen)
     split = wave_split.plan_for(v, q, k, tile)
     if split is None:
         pytest.skip(f"no split planned on {torch.cuda.get_device_name()} for this shape")
