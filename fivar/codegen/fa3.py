@@ -332,6 +332,8 @@ def default_schedule(variant, op: str, head_dim: int = 128) -> str:
 def schedules(variant, op: str, requested: str | None, head_dim: int = 128) -> dict[str, str]:
     """{MASK_NONE: schedule, MASK_CAUSAL: schedule} of a module (schedules other than single prefill's are
     FlashInfer's: "grid" here, and batch prefill's planned persistent one is FlashInfer's own)."""
+    if op != "single_prefill" and requested is None:  # FIVAR_FA3_SCHEDULE is single prefill's, like its CTA tile
+        return {MASK_NONE: "grid", MASK_CAUSAL: "grid"}
     where = "schedule" if requested is not None else SCHEDULE_ENV
     override = requested if requested is not None else os.environ.get(SCHEDULE_ENV, "").strip()
     text = override or default_schedule(variant, op, head_dim)

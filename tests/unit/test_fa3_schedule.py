@@ -78,6 +78,8 @@ def test_a_bad_schedule_names_the_variant_and_the_setting(text, monkeypatch):
     monkeypatch.setenv(fa3.SCHEDULE_ENV, text)
     with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {fa3.SCHEDULE_ENV}='{text}': expected"):
         gen_module(softcap, "single_prefill", "fa3")
+    # the variable is single prefill's, like FIVAR_FA3_CTA_TILE: batch prefill builds as if it were unset
+    assert gen_module(softcap, "batch_prefill", "fa3").options["schedule"] == "grid"
 
 
 def test_only_fa3_single_prefill_takes_a_schedule():
