@@ -74,30 +74,31 @@ def bench_qwen3(torch, flashinfer, copy_gbs, rounds, token_list):
 
 def bench_add_rmsnorm(torch, flashinfer, copy_gbs, rounds, token_list, hiddens):
     import fivar
-    from fivar.bench.timing import time_interleaved
     v = fivar.load("llama_add_rmsnorm")
-    rows = []
-    for hidden in hiddens:
-        for tokens in token_list:
-            x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-            r = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-            w = torch.randn(hidden, dtype=torch.bfloat16, device="cuda") * 0.3 + 1
-            out_ref, res_ref = v.reference(x=x, residual=r, weight=w, eps=1e-5)
-            x1, r1, x2, r2 = x.clone(), r.clone(), x.clone(), r.clone()
-            v(x=x1, residual=r1, weight=w, eps=1e-5, out=x1)
-            flashinfer.fused_add_rmsnorm(x2, r2, w, 1e-5)
-            errs = dict(fivar_vs_ref=check_close("add_rmsnorm", x1, out_ref),
-                        residual=check_close("residual", r1, res_ref),
-                        fivar_vs_stock=check_close("vs stock", x1, x2))
-            bound = v.bind(x=x1, residual=r1, weight=w, eps=1e-5, out=x1)
-            t = time_interleaved({"fivar": lambda: v(x=x1, residual=r1, weight=w, eps=1e-5, out=x1),
-                                  "fivar_bound": bound,
-                                  "stock": lambda: flashinfer.fused_add_rmsnorm(x2, r2, w, 1e-5)}, rounds=rounds)
-            moved = tokens * hidden * 2 * 4 + hidden * 2  # read x, r; write r, out; weight
-            rows.append(bandwidth_row("llama_add_rmsnorm", t, moved, copy_gbs, tokens=tokens, hidden=hidden, errs=errs,
-                             speedup_vs_stock=t["stock"].median / t["fivar_bound"].median))
-            del x, r, x1, r1, x2, r2
-    return rows
+    return [_add_rmsnorm_row(torch, flashinfer, v, copy_gbs, rounds, tokens, hidden)
+            for hidden in hiddens for tokens in token_list]
+
+
+def _add_rmsnorm_row(torch, flashinfer, v, copy_gbs, rounds, tokens, hidden):
+    """One shape; its tensors go when it returns."""
+    from fivar.bench.timing import time_interleaved
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    r = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(hidden, dtype=torch.bfloat16, device="cuda") * 0.3 + 1
+    out_ref, res_ref = v.reference(x=x, residual=r, weight=w, eps=1e-5)
+    x1, r1, x2, r2 = x.clone(), r.clone(), x.clone(), r.clone()
+    v(x=x1, residual=r1, weight=w, eps=1e-5, out=x1)
+    flashinfer.fused_add_rmsnorm(x2, r2, w, 1e-5)
+    errs = dict(fivar_vs_ref=check_close("add_rmsnorm", x1, out_ref),
+                residual=check_close("residual", r1, res_ref),
+                fivar_vs_stock=check_close("vs stock", x1, x2))
+    bound = v.bind(x=x1, residual=r1, weight=w, eps=1e-5, out=x1)
+    t = time_interleaved({"fivar": lambda: v(x=x1, residual=r1, weight=w, eps=1e-5, out=x1),
+                          "fivar_bound": bound,
+                          "stock": lambda: flashinfer.fused_add_rmsnorm(x2, r2, w, 1e-5)}, rounds=rounds)
+    moved = tokens * hidden * 2 * 4 + hidden * 2  # read x, r; write r, out; weight
+    return bandwidth_row("llama_add_rmsnorm", t, moved, copy_gbs, tokens=tokens, hidden=hidden, errs=errs,
+                         speedup_vs_stock=t["stock"].median / t["fivar_bound"].median)
 
 
 def bench_rope(torch, flashinfer, copy_gbs, rounds, tokens):

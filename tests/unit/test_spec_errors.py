@@ -188,7 +188,7 @@ def test_string_constant():
 def test_tuple_assignment():
     def logits(s, b, h, kh, qi, ki, p):
         x, y = s, s  # BAD
-        return x
+        return x + y
     _expect(logits, match="this assignment form")
 
 
