@@ -170,7 +170,8 @@ def cta_tile(tile: str):
 
 #: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh: 128 x
 #: 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one whose
-#: transform costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window below). Measured on an
+#: transform costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window and, non-causal from
+#: LONG_QO_LEN rows, 192 x 64 below). Measured on an
 #: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs 507 at
 #: 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between, 192x128 lost 40%
 #: (160 registers per thread for three consumer warpgroups). With a left window too, the causal kernel (persistent,
