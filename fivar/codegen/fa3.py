@@ -168,24 +168,23 @@ def cta_tile(tile: str):
     return env_set(CTA_TILE_ENV, tile)
 
 
-#: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh: 128 x
-#: 192 non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one whose
-#: transform costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window and, non-causal from
-#: LONG_QO_LEN rows, 192 x 64 below). Measured on an
-#: H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap 532 and 534 TF/s at 128x128 vs 507 at
-#: 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and 128x160 lay between, 192x128 lost 40%
-#: (160 registers per thread for three consumer warpgroups). With a left window too, the causal kernel (persistent,
-#: default_schedule) runs 192 x 64 (MUFU_BOUND_WINDOW_TILE): three warpgroups share each K/V tile of a ~9-tile loop,
-#: and the half-width score tile fits their registers. Soft-capped window 1024, H200, TF/s at S=8192 / 16384 in two
-#: runs (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379 and 385 / 383 at 128x128;
-#: 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At S=4096 192x64 then lost
-#: (332 vs 380): its 22 query tiles per head aliased with 132 CTAs on the persistent schedule's head-major order, so a
-#: CTA ran the same (light or heavy) tile of six heads. With the query-tile-major, boustrophedon order
-#: (csrc/fivar_fa3_persistent.cuh) 192x64 wins at every length: 407 / 417 / 419 vs 396 / 395 / 396 TF/s at S=4096 /
-#: 8192 / 16384 (bench_window_tiles_order_h200_session19.json). Without the cap (no MUFU op) 192x64 lost on the old
+#: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh: 128 x 192
+#: non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one whose transform
+#: costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window and, non-causal from LONG_QO_LEN
+#: rows, 192 x 64 below). Measured on an H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap
+#: 532 and 534 TF/s at 128x128 vs 507 at 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and
+#: 128x160 lay between, 192x128 lost 40% (160 registers per thread for three consumer warpgroups). With a left window
+#: too, the causal kernel (persistent, default_schedule) runs 192 x 64 (MUFU_BOUND_WINDOW_TILE): three warpgroups share
+#: each K/V tile of a ~9-tile loop, and the half-width score tile fits their registers. Soft-capped window 1024, H200,
+#: TF/s at S=8192 / 16384 in two runs (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379
+#: and 385 / 383 at 128x128; 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At
+#: S=4096 192x64 then lost (332 vs 380): its 22 query tiles per head aliased with 132 CTAs on the persistent schedule's
+#: head-major order, so a CTA ran the same (light or heavy) tile of six heads. With the query-tile-major, boustrophedon
+#: order (csrc/fivar_fa3_persistent.cuh) 192x64 wins at every length: 407 / 417 / 419 vs 396 / 395 / 396 TF/s at S=4096
+#: / 8192 / 16384 (bench_window_tiles_order_h200_session19.json). Without the cap (no MUFU op) 192x64 lost on the old
 #: order (396 / 415 vs 431 / 430), so sliding_window keeps FlashInfer's. fivar renders an explicit specialization of
-#: SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja); a tile given as
-#: alternatives (cta_tiles) is picked per launch.
+#: SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja); a tile given as alternatives
+#: (cta_tiles) is picked per launch.
 #: The soft-caps' non-causal kernel runs 192 x 64 from LONG_QO_LEN query rows, 128 x 128 below. Every FA3 kernel here
 #: runs at the board's power limit (700 W on an H100, clock 1.5-1.8 GHz of 1.98), and 192 x 64 does more work per
 #: clock (H100, session 22; each kernel alone for 3 s, TF/s at S=8192 / 16384: soft-cap 577 / 587 vs 529 / 537, the
