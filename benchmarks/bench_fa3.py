@@ -184,6 +184,7 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
     hook = on_sample if CLOCK_TRACE is not None else None
     t = (time_sustained(fns, SUSTAINED_S, on_sample=hook) if SUSTAINED_S else
          time_interleaved(fns, rounds, on_sample=hook))
+    row["timing"] = f"sustained {SUSTAINED_S:g} s each" if SUSTAINED_S else f"interleaved, {rounds} rounds"
     if samples:
         row["samples"] = samples
         print("  clocks: " + ", ".join(
@@ -331,15 +332,18 @@ def main():
         build_option_modules(args.variants.split(","), exp2_splits, cta_tiles, args.running_max, args.planned,
                              schedules)
     if "flex" in parts:
-        from fivar.bench.gpu_clocks import ClockTrace
+        from fivar.bench.gpu_clocks import ClockTrace, cuda_device_ids
 
         def save(rows):  # after every row: a run cut short by a time limit keeps what it measured
             out["variants_vs_flex"] = rows
             write(out)
-        with ClockTrace() if args.clock_trace else contextlib.nullcontext() as CLOCK_TRACE:
+        trace = ClockTrace(gpus=cuda_device_ids()) if args.clock_trace else contextlib.nullcontext()
+        with trace as CLOCK_TRACE:
             bench_variants_vs_flex(_ints(args.flex_seqlens), [bool(c) for c in _ints(args.flex_causal)], rounds,
                                    args.variants.split(","), _ints(args.triton_seqlens), on_row=save,
                                    options=options, planned=args.planned)
+        if args.clock_trace:
+            out["clock_trace"] = dict(nvidia_smi_id=trace.gpu, error=trace.error)
     if "decode" in parts:
         out["decode"] = bench_decode(rounds)
     write(out)

@@ -26,14 +26,17 @@ def report(path: str) -> str:
         samples = row.get("samples")
         if not samples:
             continue
-        lines.append(f"{row['variant']} S={row['S']} causal={row['causal']}")
+        # sustained timing runs each contender in one block: "after flex" then says nothing about the board
+        interleaved = "sustained" not in row.get("timing", "") and any(
+            len({x["after"] for x in xs}) > 1 for xs in samples.values())
+        lines.append(f"{row['variant']} S={row['S']} causal={row['causal']} ({row.get('timing') or ('interleaved' if interleaved else 'sustained')})")
         lines.append(f"  {'contender':34} {'ms':>7} {'MHz':>5} {'W':>4} {'ms after flex':>13} {'ms otherwise':>12}"
                      f" {'x flex':>7} {'x flex/cycle':>12}  reasons")
         clock = {n: _median(x["mhz"] for x in xs if x["n"]) for n, xs in samples.items()}
         flex_ms = row["ms"].get("flex")
         for n, xs in samples.items():
-            after_flex = _median(x["ms"] for x in xs if x["after"] == "flex")
-            otherwise = _median(x["ms"] for x in xs if x["after"] != "flex")
+            after_flex = _median(x["ms"] for x in xs if x["after"] == "flex" and interleaved)
+            otherwise = _median(x["ms"] for x in xs if x["after"] != "flex" and interleaved)
             ratio = per_cycle = float("nan")
             if flex_ms and n != "flex":
                 ratio = flex_ms / row["ms"][n]

@@ -19,10 +19,12 @@ _REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # 
 
 class ClockTrace:
     """with ClockTrace() as trace: ...; trace.during(t0, t1) -> {"mhz", "watts", "celsius", "reasons", "n"}
-    for wall-clock seconds t0..t1 (time.time()). Without nvidia-smi it records nothing and says so."""
+    for wall-clock seconds t0..t1 (time.time()). `gpus`: nvidia-smi ids to try in turn, the first it answers for
+    is traced (`self.gpu`); nvidia-smi numbers boards in PCI order, CUDA need not, so pass the device's UUID first
+    (cuda_device_ids). Without nvidia-smi, or if it answers for none, it records nothing and says so (`error`)."""
 
-    def __init__(self, interval_ms: int = 50):
-        self.interval_ms, self.samples, self.error = interval_ms, [], None
+    def __init__(self, interval_ms: int = 50, gpus: tuple[str, ...] = ("0",)):
+        self.interval_ms, self.gpus, self.samples, self.error, self.gpu = interval_ms, gpus, [], None, None
         self._proc = self._reader = None
 
     def __enter__(self):
@@ -30,16 +32,23 @@ class ClockTrace:
         if exe is None:
             self.error = "nvidia-smi not found"
             return self
-        for reasons in _REASONS:
+        refusals = []
+        for gpu, reasons in ((g, r) for g in self.gpus for r in _REASONS):
             query = ",".join((*_FIELDS, reasons))
-            probe = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", "0"],
-                                   capture_output=True, text=True)
+            try:
+                probe = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", gpu],
+                                       capture_output=True, text=True, timeout=20)
+            except subprocess.TimeoutExpired:
+                refusals.append(f"-i {gpu}: no answer in 20 s")
+                continue
             if probe.returncode == 0:
+                self.gpu = gpu
                 break
+            refusals.append(f"-i {gpu}: {probe.stdout.strip() or probe.stderr.strip()}")
         else:
-            self.error = f"nvidia-smi refused the query: {probe.stdout.strip() or probe.stderr.strip()}"
+            self.error = "nvidia-smi refused the query: " + "; ".join(refusals)
             return self
-        self._proc = subprocess.Popen([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", "0",
+        self._proc = subprocess.Popen([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", gpu,
                                        f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -67,3 +76,11 @@ class ClockTrace:
         return {"n": len(inside), "mhz": statistics.mean(s[1] for s in inside),
                 "watts": statistics.mean(s[2] for s in inside), "celsius": max(s[3] for s in inside),
                 "reasons": sorted({s[4] for s in inside})}
+
+
+def cuda_device_ids(index: int = 0) -> tuple[str, ...]:
+    """nvidia-smi ids for CUDA device `index`, most specific first: its UUID, then its CUDA index."""
+    import torch
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    ids = (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}",) if uuid else ()
+    return (*ids, str(index))

@@ -238,13 +238,14 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
     per_mode = [tuple(_checked_tile(variant, where, text, t, head_dim) for t in p) for p in parts]
     non_causal, causal = per_mode[0], per_mode[-1]
     if len(non_causal) > 2 or (len(non_causal) == 2 and non_causal[0] == non_causal[1]):
-        raise FivarError(f"variant '{variant.name}': {where}={text!r}: a non-causal choice names two different "
+        raise FivarError(f"variant '{variant.name}': {where}={text!r}: a non-causal choice must name two different "
                          f"tiles, the first for launches of at least {LONG_QO_LEN} query rows, the second below")
     choice_q = [q for q, _ in causal]
     if len(set(choice_q)) < len(choice_q):  # the kernel picks by waves x CTA_Q: the later tile would never run
+        hint = " (a choice given once applies to both modes; A|B,C makes it non-causal only)" if len(parts) == 1 else ""
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: the tiles of a causal choice must differ in "
                          "CTA_Q (each launch picks by waves x CTA_Q, so a second tile with the same CTA_Q would never "
-                         "run)")
+                         f"run){hint}")
     return {MASK_NONE: non_causal, MASK_CAUSAL: causal}
 
 

@@ -496,7 +496,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     only on hosts with cores to spare; off by default. `row_runs`: FA3 batch prefill of a mask that is more
     than a band, in the row-run form (fivar.codegen.fa3.variant_decl). `exp2_emulated_of_8`: FA3's softmax
     exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
-    `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal; the causal one may be a
+    `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal; either may be a
     per-launch choice "QxKV|QxKV", fivar.codegen.fa3.cta_tiles) or "flashinfer"; default
     FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
     from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on).

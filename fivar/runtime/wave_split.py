@@ -1,9 +1,9 @@
 """FA3 single prefill's last wave, split along the keys so that it fills the GPU.
 
 FA3's single prefill launches one CTA per (query tile, query head), one CTA per SM at a time, every CTA the same
-length when nothing is masked. 32 heads × 128 query tiles (S=16384) are 4096 CTAs: 31 waves of 132 on an H100 or
-H200 and a 32nd of 4, during which 128 SMs idle, about 3% of the kernel. S=8192 and 4096 leave their last waves
-half and three quarters full.
+length when nothing is masked. 32 heads × 128 query tiles of 128 rows (S=16384) are 4096 CTAs: 31 waves of 132 on
+an H100 or H200 and a 32nd of 4, during which 128 SMs idle, about 3% of the kernel. The soft-caps run 192-row tiles
+from 6144 rows (fivar.codegen.fa3.LONG_QO_LEN): at S=8192 that is 43 x 32 = 1376 CTAs, 10 waves and a 42% one.
 
 When a variant's logits read nothing but the score and scalar params (soft-capping), the last few heads can run
 as C shorter launches over a C-th of the keys each, whose outputs merge exactly through their log-sum-exp

@@ -124,11 +124,11 @@ def test_the_non_causal_kernel_may_hold_two_tiles_picked_by_the_launchs_rows():
 
 @pytest.mark.parametrize("bad,why", [
     ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
-    ("192x64|128x128|128x64,128x128", "a non-causal choice names two different tiles"),
-    ("128x128|128x128,128x128", "a non-causal choice names two different tiles"), ("|128x128", "expected QxKV"),
+    ("192x64|128x128|128x64,128x128", "a non-causal choice must name two different tiles"),
+    ("128x128|128x128,128x128", "a non-causal choice must name two different tiles"), ("|128x128", "expected QxKV"),
     ("128x128,192x64|", "expected QxKV"), ("128x128,128x128|64x64", "CTA_Q is 64"),
     ("128x128,192x64|192x64", "must differ in CTA_Q"), ("128x128,128x128|128x64", "must differ in CTA_Q"),
-    ("128x128|128x64", "must differ in CTA_Q"),  # one choice for both modes: the causal one's rule applies
+    ("128x128|128x64", "must differ in CTA_Q.*A\\|B,C makes it non-causal only"),  # one choice, both modes
     ("96x128", "CTA_Q is 96; it must be 128 or 192"), ("64x128", "CTA_Q is 64; it must be 128 or 192"),
     ("128x100", "CTA_KV is 100; it must be a multiple of 16"), ("128x272", "CTA_KV is 272;.*from 16 to 256"),
     ("128x208", "take 240 KiB of shared memory"),  # Q, K and V at hd128
