@@ -583,6 +583,9 @@ main.add_command(cache)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
 @click.option("--causal", is_flag=True)
 @click.option("--rounds", default=4, show_default=True, help="interleaved timing rounds (each a do_bench median)")
+@click.option("--sustained", "sustained_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", help="instead of --rounds, time each contender alone, back to back, for SECONDS after "
+              "1 s untimed: the rate a serving loop keeps at the GPU's power limit")
 @click.option("--param", "param_texts", multiple=True, metavar="NAME=VALUE",
               help="set a scalar param (repeatable), e.g. --param window=1024; default: the variant's example values")
 @click.option("--json", "json_path", default=None, help="write the full report (raw samples included)")
@@ -590,15 +593,16 @@ main.add_command(cache)
 @click.option("--compile", "compile_", is_flag=True, help="cold/disk/memory build latency, fivar vs FlashInfer's path "
               "(at --dtype and --head-dim; without a GPU: compile only, for --arch)")
 @click.option("--arch", default=None, help="--compile without a GPU: e.g. 9.0a (default: FLASHINFER_CUDA_ARCH_LIST)")
-def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, param_texts, json_path, plot_path,
-          compile_, arch):
+def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, sustained_s, param_texts, json_path,
+          plot_path, compile_, arch):
     """Benchmark a variant against stock FlashInfer, its Triton twin and FlexAttention (needs a GPU)."""
     import json as _json
 
     import torch
 
     if compile_:
-        ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "param_texts", "plot_path")
+        ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "sustained_s", "param_texts",
+                         "plot_path")
         if ignored:  # build latency of one module: those shape a timed run
             raise FivarError(f"--compile measures one module's build latency (at --dtype and --head-dim); "
                              f"{', '.join(ignored)} shape a timed run only; drop {'them' if len(ignored) > 1 else 'it'}")
@@ -630,6 +634,9 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         raise FivarError(f"'{name}' is a fusion; fivar bench times attention variants (benchmarks/bench_fusions.py "
                          "times fusions against stock FlashInfer)")
     params = scalar_params(v, param_texts)  # before the GPU check: a typo is reported on any machine
+    if sustained_s and _given("rounds"):
+        raise FivarError("--sustained times each contender once, for SECONDS; --rounds sets interleaved rounds: "
+                         "give one of them")
     if not torch.cuda.is_available():
         raise FivarError("fivar bench times kernels, so it needs a CUDA GPU (without one: fivar bench NAME --compile "
                          "--arch 9.0a measures build latency)")
@@ -647,7 +654,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
                   f"bf16 matmul {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s")
     report = run(v, op=op, seqlens=_split(seqlens, int), batch=batch, heads=(hq, hkv), head_dim=head_dim, dtype=dt,
                  causal=causal, vs=vs or ("stock", "triton", "flex"), rounds=rounds, ceilings=ceilings, params=params,
-                 progress=lambda s: console.print(s, style="dim", markup=False))
+                 sustained_s=sustained_s or 0.0, progress=lambda s: console.print(s, style="dim", markup=False))
     table = Table("S", "contender", "status", "ms (min..max)", "TFLOP/s", "% matmul", "TB/s", "% copy",
                   "vs stock", title=f"fivar bench {name} --op {op} on {report['gpu']} ({report['date']})")
     for r in report["results"]:

@@ -1,4 +1,5 @@
-"""`fivar bench`: correctness first, then interleaved timing, then numbers against measured ceilings.
+"""`fivar bench`: correctness first, then interleaved (or, with `sustained`, back-to-back) timing, then numbers
+against measured ceilings.
 
 A contender whose output does not match its reference is reported as failed and never timed; one that
 raises is reported as an error. Every figure is a median over rounds with its spread, and every ratio is
@@ -16,7 +17,7 @@ import torch
 
 from ..testing import CheckResult, compare
 from .contenders import Contender, Problem, contenders, make_problem, plain
-from .timing import attention_flops, decode_kv_bytes, time_interleaved
+from .timing import attention_flops, decode_kv_bytes, time_interleaved, time_sustained
 from .work import attention_bytes, kept_fraction
 
 SCHEMA = "fivar.bench/1"
@@ -41,7 +42,10 @@ class Row:
 
 
 def evaluate(contenders_: list[Contender], check: Callable[[Contender], CheckResult], *, flops: float,
-             nbytes: float, seqlen: int, rounds: int, device: str, ceilings: dict | None) -> list[Row]:
+             nbytes: float, seqlen: int, rounds: int, device: str, ceilings: dict | None,
+             sustained_s: float = 0.0) -> list[Row]:
+    """Check every contender, then time the ones that passed: interleaved rounds, or with `sustained_s` each alone
+    for that long after 1 s untimed (timing.time_sustained)."""
     rows, timed = [], {}
     for c in contenders_:
         try:
@@ -54,7 +58,8 @@ def evaluate(contenders_: list[Contender], check: Callable[[Contender], CheckRes
         rows.append(row)
         if r.passed:
             timed[c.name] = c.fn
-    timings = time_interleaved(timed, rounds=rounds, device=device) if timed else {}
+    timings = {} if not timed else (time_sustained(timed, sustained_s, device=device) if sustained_s else
+                                    time_interleaved(timed, rounds=rounds, device=device))
     for row in rows:
         t = timings.get(row.contender)
         if t is None:
@@ -113,9 +118,9 @@ def work(variant, p: Problem) -> tuple[float, float]:
 
 def run(variant, *, op="prefill", seqlens=(1024, 4096, 8192), batch=1, heads=(32, 32), head_dim=128,
         dtype=torch.bfloat16, causal=False, vs=("stock", "triton", "flex"), rounds=4, device="cuda",
-        ceilings: dict | None = None, progress=print, params: dict | None = None) -> dict:
+        ceilings: dict | None = None, progress=print, params: dict | None = None, sustained_s: float = 0.0) -> dict:
     """Check, then time, every contender at each length; `params` sets scalar params (else the variant's
-    example values)."""
+    example values); `sustained_s` > 0 times each contender alone for that long in place of `rounds`."""
     import flashinfer
 
     import fivar
@@ -124,7 +129,7 @@ def run(variant, *, op="prefill", seqlens=(1024, 4096, 8192), batch=1, heads=(32
         p = make_problem(variant, op, S, batch, heads, head_dim, dtype, causal, device, params=params)
         flops, nbytes = work(variant, p)
         got = evaluate(contenders(variant, p, list(vs)), _checker(variant, p), flops=flops, nbytes=nbytes,
-                       seqlen=S, rounds=rounds, device=device, ceilings=ceilings)
+                       seqlen=S, rounds=rounds, device=device, ceilings=ceilings, sustained_s=sustained_s)
         rows += got
         progress(f"S={S}: " + ", ".join(f"{r.contender} {r.tflops:.0f} TF/s" if r.tflops else f"{r.contender} {r.status}"
                                          for r in got))
@@ -136,7 +141,7 @@ def run(variant, *, op="prefill", seqlens=(1024, 4096, 8192), batch=1, heads=(32
         "versions": {"fivar": fivar.__version__, "flashinfer": flashinfer.__version__, "torch": torch.__version__},
         "config": {"seqlens": list(seqlens), "batch": batch, "heads": list(heads), "head_dim": head_dim,
                    "dtype": str(dtype).removeprefix("torch."), "causal": causal, "vs": list(vs), "rounds": rounds,
-                   "params": dict(params or {})},
+                   "sustained_s": sustained_s, "params": dict(params or {})},
         "ceilings": ceilings, "results": [asdict(r) for r in rows],
     }
 

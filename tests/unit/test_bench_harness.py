@@ -122,6 +122,22 @@ def test_ratios_are_within_one_run():
     assert by["fast"].ratio_vs["slow"] > 1.0
 
 
+def test_sustained_timing_times_each_passing_contender_alone():
+    v, q, k, vv, ref = _cpu_problem()
+    fast = Contender("fast", lambda: ref.clone())
+    slow = Contender("slow", lambda: v.reference(q, k, vv, softcap=10.0))
+    wrong = Contender("wrong", lambda: ref * 2)
+    check = lambda c: compare("softcap", c.name, c.fn(), ref, torch.float16)  # noqa: E731
+    rows = evaluate([fast, slow, wrong], check, flops=1.0, nbytes=1.0, seqlen=48, rounds=99, device="cpu",
+                    ceilings=None, sustained_s=0.2)
+    by = {r.contender: r for r in rows}
+    assert by["wrong"].status == "failed" and not by["wrong"].samples_ms
+    for name in ("fast", "slow"):  # one sample per ~100 ms bin over 0.2 s, not 99 rounds
+        assert 1 <= len(by[name].samples_ms) <= 4, by[name].samples_ms
+    assert math.isclose(by["fast"].ratio_vs["slow"], by["slow"].median_ms / by["fast"].median_ms)
+    assert by["fast"].ratio_vs["slow"] > 1.0
+
+
 def _report(rows):
     from dataclasses import asdict
     return {"schema": "fivar.bench/1", "variant": "softcap", "op": "prefill", "gpu": "cpu", "versions": {},
@@ -173,3 +189,10 @@ def test_bench_cli_checks_params_before_it_needs_a_gpu():
         r.output.split()), r.output
     r = CliRunner().invoke(main, ["bench", "softcap", "--compile", "--param", "softcap=3"])
     assert r.exit_code == 1 and "--param shape a timed run only" in " ".join(r.output.split()), r.output
+    r = CliRunner().invoke(main, ["bench", "softcap", "--sustained", "3", "--rounds", "5"])
+    assert r.exit_code == 1 and "--sustained times each contender once, for SECONDS; --rounds" in " ".join(
+        r.output.split()), r.output
+    r = CliRunner().invoke(main, ["bench", "softcap", "--sustained", "0"])
+    assert r.exit_code == 2 and "--sustained" in r.output, r.output
+    r = CliRunner().invoke(main, ["bench", "softcap", "--compile", "--sustained", "2"])
+    assert r.exit_code == 1 and "--sustained shape a timed run only" in " ".join(r.output.split()), r.output
