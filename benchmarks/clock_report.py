@@ -29,7 +29,8 @@ def report(path: str) -> str:
         # sustained timing runs each contender in one block: "after flex" then says nothing about the board
         interleaved = "sustained" not in row.get("timing", "") and any(
             len({x["after"] for x in xs}) > 1 for xs in samples.values())
-        lines.append(f"{row['variant']} S={row['S']} causal={row['causal']} ({row.get('timing') or ('interleaved' if interleaved else 'sustained')})")
+        timing = row.get("timing") or ("interleaved" if interleaved else "sustained")
+        lines.append(f"{row['variant']} S={row['S']} causal={row['causal']} ({timing})")
         lines.append(f"  {'contender':34} {'ms':>7} {'MHz':>5} {'W':>4} {'ms after flex':>13} {'ms otherwise':>12}"
                      f" {'x flex':>7} {'x flex/cycle':>12}  reasons")
         clock = {n: _median(x["mhz"] for x in xs if x["n"]) for n, xs in samples.items()}
@@ -42,8 +43,9 @@ def report(path: str) -> str:
                 ratio = flex_ms / row["ms"][n]
                 per_cycle = ratio * clock["flex"] / clock[n]
             reasons = sorted({r for x in xs for r in x.get("reasons", [])})
-            lines.append(f"  {n:34} {row['ms'][n]:7.3f} {clock[n]:5.0f} {_median(x['watts'] for x in xs if x['n']):4.0f}"
-                         f" {after_flex:13.3f} {otherwise:12.3f} {ratio:7.2f} {per_cycle:12.2f}  {' '.join(reasons)}")
+            watts = _median(x["watts"] for x in xs if x["n"])
+            lines.append(f"  {n:34} {row['ms'][n]:7.3f} {clock[n]:5.0f} {watts:4.0f} {after_flex:13.3f} "
+                         f"{otherwise:12.3f} {ratio:7.2f} {per_cycle:12.2f}  {' '.join(reasons)}")
     return "\n".join(lines)
 
 

@@ -255,8 +255,8 @@ def _fa3_wave_split(v) -> str:
                 "score and scalar params, with no mask, non-causal, can run as key chunks merged through their LSE)")
     return ("fa3 single prefill last wave, non-causal: the last heads run as key chunks merged through their LSE "
             "where a simulated schedule says it saves at least "
-            f"{wave_split.MIN_GAIN:.1%} (with 32 heads on 132 SMs, S=8192 on the 192x64 tile does; {wave_split.ENV}=0 turns "
-            "it off)")
+            f"{wave_split.MIN_GAIN:.1%} (with 32 heads on 132 SMs, S=8192 on the 192x64 tile does; "
+            f"{wave_split.ENV}=0 turns it off)")
 
 
 @main.command()

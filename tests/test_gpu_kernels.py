@@ -6,7 +6,8 @@ import torch
 
 import fivar
 from fivar import AttentionVariant
-from fivar.codegen.fa3 import LONG_QO_LEN, MUFU_BOUND_TILE, bounded_softmax, cta_tile, exp2_split, non_causal_tile, schedule
+from fivar.codegen.fa3 import (LONG_QO_LEN, MUFU_BOUND_TILE, bounded_softmax, cta_tile, exp2_split, non_causal_tile,
+                               schedule)
 from fivar.jit.build import module_for
 from fivar.runtime import wave_split
 from fivar.testing import (BATCH_CASES, DECODE_CASES, SINGLE_CASES, check_batch_prefill, check_decode,

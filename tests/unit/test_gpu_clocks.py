@@ -124,7 +124,8 @@ def test_time_sustained_times_each_contender_alone_for_its_span():
     out = time_sustained({n: (lambda s=s: time.sleep(s)) for n, s in sleeps.items()}, seconds=0.3, settle_s=0.05,
                          bin_ms=30, device="cpu", on_sample=lambda *a: seen.append(a))
     names = [a[0] for a in seen]
-    assert [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n] == list(dict.fromkeys(names))  # one block each
+    blocks = [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]
+    assert blocks == list(dict.fromkeys(names))  # each contender in one block
     assert set(names) == set(sleeps)
     for n, s in sleeps.items():
         spans = [(t0, t1) for name, _, t0, t1, _ in seen if name == n]
