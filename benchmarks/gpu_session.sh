@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|sustained|choice|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
+#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|sustained|choice|verify|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -107,6 +107,20 @@ choice)  # cold machine, one call: the soft-caps' non-causal default (192x64 fro
     | tee "$OUT/bench_choice.log" | grep -v "^CheckResult\|passed" | tail -7
   timeout ${TESTS_S:-90} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
     -k "non_causal_choice or wave_split_planned" 2>&1 | tee "$OUT/gpu_tests_choice.log" | tail -4 ;;
+verify)  # what session 22 could not run on a GPU: the non-causal choice on the persistent schedule (GPU test),
+  # `fivar bench --sustained` as a user types it, the clock trace by device UUID, bench_fusions.py after its refactor
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  (time python3 benchmarks/prewarm_gpu.py --verify --stock) 2>&1 | quiet | tail -4 | tee "$OUT/prewarm.log"
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py -k "persistent_schedule and softcap and (6200 or 777)" \
+    2>&1 | tee "$OUT/gpu_tests_verify.log" | tail -4
+  timeout 150 python3 -m fivar bench softcap --vs stock --vs flex --seqlens ${SEQLENS:-8192} --sustained 2 \
+    --json "$OUT/clibench_sustained.json" 2>&1 | quiet | tee "$OUT/clibench_sustained.log" | tail -8
+  timeout 100 python3 benchmarks/bench_fa3.py --parts flex --flex-seqlens 8192 --flex-causal 0 --variants softcap \
+    --triton-seqlens 0 --rounds 2 --clock-trace --json "$OUT/bench_clock.json" 2>&1 | quiet > "$OUT/bench_clock.log"
+  python3 -c "import json, sys; print('clock trace:', json.load(open(sys.argv[1]))['clock_trace'])" "$OUT/bench_clock.json"
+  python3 benchmarks/clock_report.py "$OUT/bench_clock.json" 2>&1 | tee "$OUT/clock_report.txt" | tail -6
+  timeout 150 python3 benchmarks/bench_fusions.py --quick --json "$OUT/bench_fusions.json" 2>&1 | quiet \
+    | tee "$OUT/bench_fusions.log" | tail -8 ;;
 tile192tests)  # after tile192: the GPU tests of the 192-row non-causal tile (partial tiles, GQA, forced wave splits)
   export FIVAR_TRITON_AUTOTUNE=0
   timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \

@@ -172,6 +172,16 @@ def persistent_set():
                    for m in serving_modules(fivar.load(n), "single_prefill", "fa3")]
 
 
+def verify_set():
+    """`gpu_session.sh verify`: soft-cap's FA3 single prefill on the persistent schedule (the non-causal choice's
+    192x64 case of test_fa3_persistent_schedule) and on its default one (what `fivar bench softcap` times)."""
+    from fivar.codegen.fa3 import schedule
+    v = fivar.load("softcap")
+    with schedule("persistent"):
+        mods = serving_modules(v, "single_prefill", "fa3")
+    return mods + serving_modules(v, "single_prefill", "fa3")
+
+
 HEAD_DIMS_BENCHED = (64, 256)
 
 
@@ -190,13 +200,14 @@ if __name__ == "__main__":
             else exp2_extremes_set() if "--exp2-extremes" in sys.argv
             else exp2_split_set() if "--exp2" in sys.argv else bounded_softmax_set() if "--bounded" in sys.argv
             else head_dim_set() if "--hdims" in sys.argv else wave_split_set() if "--wave" in sys.argv
-            else persistent_set() if "--persistent" in sys.argv else bench_set())
+            else persistent_set() if "--persistent" in sys.argv else verify_set() if "--verify" in sys.argv
+            else bench_set())
     t0 = time.perf_counter()
     res = build_many(mods)
     if "--stock" in sys.argv:  # then FlashInfer's own modules, in one ninja of their own (errors propagate)
         from flashinfer.jit.core import build_jit_specs
         head_dims, names = ((HEAD_DIMS_BENCHED, ["softcap"]) if "--hdims" in sys.argv
-                            else ((128,), ["softcap"]) if "--wave" in sys.argv
+                            else ((128,), ["softcap"]) if "--wave" in sys.argv or "--verify" in sys.argv
                             else ((128,), ["softcap", "softcap_sliding_window", "sliding_window"])
                             if "--persistent" in sys.argv
                             else ((128,), BUNDLED))

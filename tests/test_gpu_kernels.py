@@ -118,13 +118,15 @@ def test_fa3_cta_tile_override(tile, qo_len, kv_len, causal, heads):
 # running tile after tile, heavy-first (causal: the last query tile first; with a window, query tile after query tile
 # across the heads), in boustrophedon rounds. Enough tiles that every CTA runs several, ending on a part round taken in
 # reverse (4000 rows x 32 heads in 192-row tiles: 672 tiles, 5.1 rounds of 132), partial tiles, qo_len < kv_len and > kv_len, GQA 32/8, a window whose last rows
-# keep no key (-37), and variants on FlashInfer's own tiles (alibi, sliding_window), rendered by fivar here.
+# keep no key (-37), soft-cap's non-causal choice at both tiles (192x64 from LONG_QO_LEN rows), and variants on
+# FlashInfer's own tiles (alibi, sliding_window), rendered by fivar here.
 @pytest.mark.parametrize("name,qo_len,kv_len,causal,params,dtype,head_dim", [
     ("softcap_sliding_window", 4000, 4000, True, {"window": 1024}, torch.bfloat16, 128),  # causal tile 192x64
     ("softcap_sliding_window", 300, 1111, True, {"window": 100}, torch.bfloat16, 128),
     ("softcap_sliding_window", 1000, 1000, False, {"window": 100}, torch.bfloat16, 128),
     ("softcap", 3000, 3000, True, {}, torch.bfloat16, 128),
     ("softcap", 300, 1111, False, {}, torch.bfloat16, 128),
+    ("softcap", LONG_QO_LEN + 56, LONG_QO_LEN + 56, False, {}, torch.bfloat16, 128),  # the choice's 192x64 kernel
     ("softcap", 777, 200, False, {}, torch.bfloat16, 128),
     ("softcap", 300, 1111, True, {"softcap": 50.0}, torch.bfloat16, 128),  # the running-max module
     ("softcap", 2000, 2000, True, {}, torch.float16, 64),
