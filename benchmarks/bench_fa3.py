@@ -6,7 +6,9 @@
    bf16, hd128, 32 heads, S in {4096, 8192, 16384}, causal and not (target >= 0.97x);
 2. every bundled variant on fa3 (and its Triton twin at --triton-seqlens) vs FlexAttention
    (torch.compile) running the same score_mod/mask_mod, at --flex-seqlens x --flex-causal (target >= 2.5x),
-   and stock FA3 where FlashInfer has the same function built in (soft-cap, sliding window);
+   and stock FA3 where FlashInfer has the same function built in (soft-cap, sliding window); for the document
+   mask, stock FA3 batch prefill with each document as its own request (`stock_fa3_documents`, no mask: the same
+   output, and what FA3 does on that work);
    TF/s count useful work only: masked-out pairs are not counted (kept fraction from the reference mask);
 3. batch decode, paged (page 16), batch 128 x kv 8192, GQA 32/8: fivar softcap vs stock
    BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (target >= 0.95x), KV-read TB/s.
@@ -16,7 +18,8 @@ Every contender is checked against another (stock or the reference) before it is
 columns compute the softmax's exp2 on the FMA pipe (FIVAR_FA3_EXP2_EMULATION, fivar/codegen/fa3.py; 0 is
 FlashInfer's own OnlineSoftmax): how EXP2_EMULATED_OF_8 was chosen. `--cta-tiles 128x176 128x160,128x96` adds one
 per CTA tile `fivar_fa3_tile_QxKV[_QxKV]` (FIVAR_FA3_CTA_TILE: one tile, or non-causal then causal, or `flashinfer`:
-128x192 non-causal, 128x128 causal at hd128; fivar's default for soft-caps is 128x128), at the default split.
+128x192 non-causal, 128x128 causal at hd128; the soft-caps' default is fivar.codegen.fa3.MUFU_BOUND_TILE), at the
+default split.
 `--planned` adds `fivar_fa3_planned` for every variant (not only the KV-range form): FA3 batch prefill, ragged, one
 request, planned once outside the timed call (FlashInfer's persistent tile scheduler in place of single prefill's
 one CTA per tile). `--head-dim 64|256` runs every part at another head dim (default 128; part 2 builds its modules
@@ -54,7 +57,7 @@ from fivar.testing import compare, example_params
 H, HKV_DECODE, D = 32, 8, 128
 CLOCK_TRACE = None  # a fivar.bench.gpu_clocks.ClockTrace under --clock-trace
 SUSTAINED_S = 0.0  # --sustained
-CONTENDERS = ("fivar_fa3", "fivar_fa3_planned", "fivar_triton", "stock_fa3")
+CONTENDERS = ("fivar_fa3", "fivar_fa3_planned", "fivar_triton", "stock_fa3", "stock_fa3_documents")
 VARIANTS = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
 
 
@@ -153,6 +156,8 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
         plan = v.plan_ragged(indptr, indptr, num_qo_heads=H, num_kv_heads=H, head_dim=D, causal=causal,
                              backend="fa3", **params)
         fns["fivar_fa3_planned"] = lambda: plan.run(q, k, vv)
+    if name == "document_mask":
+        fns["stock_fa3_documents"] = _stock_documents(params["doc_ids"][0], q, k, vv, causal)
     if with_triton:
         fns["fivar_triton"] = lambda: v.prefill(q, k, vv, causal=causal, backend="triton", **params)
     # correctness: against the reference on a slice of queries (the full reference would not fit)
@@ -208,10 +213,28 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
             row[f"{n}_vs_stock_fa3"] = t["stock_fa3"].median / t[n].median
     if "stock_fa3" in t:
         row["fivar_fa3_vs_stock_fa3"] = t["stock_fa3"].median / t["fivar_fa3"].median
+    if "stock_fa3_documents" in t and "fivar_fa3_planned" in t:
+        row["fivar_fa3_planned_vs_stock_fa3_documents"] = t["stock_fa3_documents"].median / t["fivar_fa3_planned"].median
     print(f"{name} S={S} causal={causal}: " + ", ".join(f"{n} {row['tflops'][n]:.0f} TF/s" for n in t) +
           "".join(f", {n}/flex {row[f'{n}_vs_flex']:.2f}x" for n in t if f"{n}_vs_flex" in row) +
-          (f", fivar_fa3/stock_fa3 {row['fivar_fa3_vs_stock_fa3']:.3f}" if "stock_fa3" in t else ""), flush=True)
+          (f", fivar_fa3/stock_fa3 {row['fivar_fa3_vs_stock_fa3']:.3f}" if "stock_fa3" in t else "") +
+          (f", fivar_fa3_planned/stock_fa3_documents {row['fivar_fa3_planned_vs_stock_fa3_documents']:.3f}"
+           if "fivar_fa3_planned_vs_stock_fa3_documents" in row else ""), flush=True)
     return row
+
+
+def _stock_documents(doc_ids, q, k, v, causal):
+    """The document mask's work without a mask: stock FA3 batch prefill (ragged, planned once) with each document
+    as its own request, which computes the same output. What FA3 itself does on these documents bounds what a
+    masked kernel can reach."""
+    import flashinfer
+    starts = torch.nonzero(doc_ids[1:] != doc_ids[:-1]).flatten().to(torch.int32) + 1
+    indptr = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), doc_ids.numel())])
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=q.device),
+                                                        kv_layout="NHD", backend="fa3")
+    w.plan(indptr, indptr, q.shape[1], k.shape[1], q.shape[-1], causal=causal, q_data_type=q.dtype,
+           kv_data_type=k.dtype)
+    return lambda: w.run(q, k, v)
 
 
 def _kept_fraction(v, params, S, causal):
