@@ -214,7 +214,8 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
     if "stock_fa3" in t:
         row["fivar_fa3_vs_stock_fa3"] = t["stock_fa3"].median / t["fivar_fa3"].median
     if "stock_fa3_documents" in t and "fivar_fa3_planned" in t:
-        row["fivar_fa3_planned_vs_stock_fa3_documents"] = t["stock_fa3_documents"].median / t["fivar_fa3_planned"].median
+        ratio = t["stock_fa3_documents"].median / t["fivar_fa3_planned"].median
+        row["fivar_fa3_planned_vs_stock_fa3_documents"] = ratio
     print(f"{name} S={S} causal={causal}: " + ", ".join(f"{n} {row['tflops'][n]:.0f} TF/s" for n in t) +
           "".join(f", {n}/flex {row[f'{n}_vs_flex']:.2f}x" for n in t if f"{n}_vs_flex" in row) +
           (f", fivar_fa3/stock_fa3 {row['fivar_fa3_vs_stock_fa3']:.3f}" if "stock_fa3" in t else "") +
