@@ -48,7 +48,7 @@ import time
 import torch
 
 import fivar
-from fivar.bench.contenders import stock_mapping
+from fivar.bench.contenders import stock_documents, stock_mapping
 from fivar.bench.timing import attention_flops, decode_kv_bytes, time_interleaved, time_sustained
 from fivar.codegen.fa3 import bounded_softmax, cta_tile, exp2_split, schedule
 from fivar.runtime.wave_split import wave_split
@@ -157,7 +157,7 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
                              backend="fa3", **params)
         fns["fivar_fa3_planned"] = lambda: plan.run(q, k, vv)
     if name == "document_mask":
-        fns["stock_fa3_documents"] = _stock_documents(params["doc_ids"][0], q, k, vv, causal)
+        fns["stock_fa3_documents"] = stock_documents(q, k, vv, params["doc_ids"][0], causal, backend="fa3")
     if with_triton:
         fns["fivar_triton"] = lambda: v.prefill(q, k, vv, causal=causal, backend="triton", **params)
     # correctness: against the reference on a slice of queries (the full reference would not fit)
@@ -222,20 +222,6 @@ def _variant_vs_flex(name, S, causal, rounds, with_triton, options=(), planned=F
           (f", fivar_fa3_planned/stock_fa3_documents {row['fivar_fa3_planned_vs_stock_fa3_documents']:.3f}"
            if "fivar_fa3_planned_vs_stock_fa3_documents" in row else ""), flush=True)
     return row
-
-
-def _stock_documents(doc_ids, q, k, v, causal):
-    """The document mask's work without a mask: stock FA3 batch prefill (ragged, planned once) with each document
-    as its own request, which computes the same output. What FA3 itself does on these documents bounds what a
-    masked kernel can reach."""
-    import flashinfer
-    starts = torch.nonzero(doc_ids[1:] != doc_ids[:-1]).flatten().to(torch.int32) + 1
-    indptr = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), doc_ids.numel())])
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=q.device),
-                                                        kv_layout="NHD", backend="fa3")
-    w.plan(indptr, indptr, q.shape[1], k.shape[1], q.shape[-1], causal=causal, q_data_type=q.dtype,
-           kv_data_type=k.dtype)
-    return lambda: w.run(q, k, v)
 
 
 def _kept_fraction(v, params, S, causal):

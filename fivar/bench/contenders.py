@@ -2,7 +2,8 @@
 FlexAttention and SDPA. Each contender is a zero-argument callable plus how its output is checked.
 
 "stock" is the closest built-in FlashInfer kernel: soft-capping and sliding windows map onto FlashInfer's
-`logits_soft_cap` / `window_left`; anything else runs plain attention, labelled as such and checked
+`logits_soft_cap` / `window_left`; a document mask onto FlashInfer's ragged batch prefill with one request per
+document (the same output, no mask); anything else runs plain attention, labelled as such and checked
 against a plain-attention reference (it computes a different function, it is only a speed yardstick).
 """
 from __future__ import annotations
@@ -52,6 +53,25 @@ def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
         return ({"logits_soft_cap": float(params["softcap"]), "window_left": int(params["window"]) - 1},
                 "stock logits_soft_cap + window_left")
     return None
+
+
+def document_indptr(doc_ids: torch.Tensor) -> torch.Tensor:
+    """int32 [documents + 1]: where each document of one packed sequence starts, from its sorted document ids
+    (`document_mask`'s `doc_ids` row). Attention with each document as its own request is the document mask."""
+    starts = torch.nonzero(doc_ids[1:] != doc_ids[:-1]).flatten().to(torch.int32) + 1
+    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), doc_ids.numel())])
+
+
+def stock_documents(q, k, v, doc_ids: torch.Tensor, causal: bool, backend: str = "auto"):
+    """FlashInfer's ragged batch prefill, planned once, over the documents of `doc_ids` (one packed sequence) as
+    requests: what the document mask computes, with no mask. A zero-argument callable."""
+    import flashinfer
+    indptr = document_indptr(doc_ids)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=q.device),
+                                                        kv_layout="NHD", backend=backend)
+    w.plan(indptr, indptr, q.shape[1], k.shape[1], q.shape[-1], causal=causal, q_data_type=q.dtype,
+           kv_data_type=k.dtype)
+    return lambda: w.run(q, k, v)
 
 
 def scalar_params(variant, items) -> dict:
@@ -130,7 +150,10 @@ def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
             out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, k, v), "KV ranges planned once"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.prefill(q, k, v, causal=p.causal, backend="triton", **prm)))
-        if "stock" in wanted:
+        if "stock" in wanted and variant.name == "document_mask":
+            out.append(Contender("stock", stock_documents(q, k, v, prm["doc_ids"][0], p.causal),
+                                 "stock batch prefill, a request per document"))
+        elif "stock" in wanted:
             import flashinfer
             mapped = stock_mapping(variant, prm)
             kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fivar
-from fivar.bench.contenders import Contender, make_problem, scalar_params
+from fivar.bench.contenders import Contender, document_indptr, make_problem, scalar_params
 from fivar.errors import FivarError
 from fivar.bench.harness import evaluate, validate, work
 from fivar.bench.timing import Timing, attention_flops, decode_kv_bytes
@@ -30,6 +30,34 @@ def test_flops_noncausal_causal_and_gqa():
     # GQA does not change FLOPs (q heads do the work), but it does change bytes
     assert attention_bytes(4, 4, 8, 2, 16) == 2 * 16 * (2 * 4 * 8 + 2 * 4 * 2)
     assert decode_kv_bytes([10, 20], 8, 128) == 2 * 30 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_documents_as_requests_compute_the_document_mask(causal):
+    """`stock` for the document mask runs each document as its own request: plain attention per document,
+    concatenated (float64), must be the variant's reference on the packed sequence."""
+    torch.manual_seed(7)
+    v = fivar.load("document_mask")
+    n, h, d = 203, 3, 16
+    doc_ids = v.example(num_qo_heads=h, num_kv_heads=h, batch_size=1, max_len=n, device="cpu")["doc_ids"]
+    doc_ids[0, 150:] += 1  # at least two documents whatever the draw
+    indptr = document_indptr(doc_ids[0])
+    assert indptr[0] == 0 and indptr[-1] == n and bool((indptr.diff() > 0).all())
+    assert indptr.numel() - 1 == len(torch.unique(doc_ids[0]))
+    q, k, val = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(3))
+    pieces = []
+    for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist()):
+        s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) / d ** 0.5
+        if causal:
+            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        pieces.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), val[a:b]))
+    ref = v.reference(q.float(), k.float(), val.float(), causal=causal, doc_ids=doc_ids)
+    torch.testing.assert_close(torch.cat(pieces).float(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_document_indptr_edges():
+    assert document_indptr(torch.zeros(5, dtype=torch.int32)).tolist() == [0, 5]
+    assert document_indptr(torch.arange(4, dtype=torch.int32)).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_kept_fraction_of_masks():
