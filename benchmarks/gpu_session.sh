@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls, one step each, chained while the machine stays warm (the JIT cache lives in ./.gpu-jit,
 # git-ignored, so a later call on the same machine reuses it). From the repo root:
-#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|sustained|choice|verify|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
+#   bash benchmarks/gpu_session.sh build|tests|clibench|tile192|clocks|sustained|choice|table|verify|tile192tests|triton-tests|attention|triton|kvranges|window|windowbench|kvprofile|fusiontests|membound|compile|nvsplit|fa2-tests|pinned|pinned-tests|standin|passes|passes-again|prewarm-jobs|build-all|tests-all|pipes|exp2|tiles|batch|bounded|extremes|mainjob|hdims|additions|wave|wavebench|persistent|persistentbench|windowtiles
 # build + tests: the benchmark modules and a quick GPU test subset; build-all + tests-all: every module and
 # every GPU test (about 5 min of 16-core compile first).
 # Logs and JSON go to $OUT.
@@ -107,6 +107,13 @@ choice)  # cold machine, one call: the soft-caps' non-causal default (192x64 fro
     | tee "$OUT/bench_choice.log" | grep -v "^CheckResult\|passed" | tail -7
   timeout ${TESTS_S:-90} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
     -k "non_causal_choice or wave_split_planned" 2>&1 | tee "$OUT/gpu_tests_choice.log" | tail -4 ;;
+table)  # cold machine, one call: the issue's soft-cap rows on the final code, both modes, and decode, in one run
+  # (each row's ratios from its own interleaved rounds), with the clock trace; the other variants: VARIANTS=...
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+  timeout ${BENCH_S:-560} python3 benchmarks/bench_fa3.py --parts flex,decode --flex-seqlens ${SEQLENS:-4096,8192,16384} \
+    --flex-causal 0,1 --variants ${VARIANTS:-softcap,softcap_sliding_window} --triton-seqlens 0 --rounds ${ROUNDS:-4} \
+    --clock-trace --json "$OUT/bench_table.json" 2>&1 | quiet | tee "$OUT/bench_table.log" \
+    | grep -v "^CheckResult\|passed\|clocks:" | tail -14 ;;
 verify)  # what session 22 could not run on a GPU: the non-causal choice on the persistent schedule (GPU test),
   # `fivar bench --sustained` as a user types it, the clock trace by device UUID, bench_fusions.py after its refactor
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
