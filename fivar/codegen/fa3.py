@@ -397,3 +397,32 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
                                                           extra_tensors=tables))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """An FA3 module's kernel config as chosen (`config`, what its manifest records), with what rendering needs."""
+    config: config.FA3KernelConfig
+    tiles: dict  # cta_tiles' result
+    schedules: dict  # schedules' result
+    logits_range: tuple[float, float] | None  # softmax_range's result
+
+    @property
+    def exp2_emulated_of_8(self) -> int:
+        return self.config.exp2_emulated_of_8
+
+
+def kernel_config(variant, op: str, head_dim: int, dtype: str,
+                  requested: config.FA3KernelConfig | None = None) -> KernelChoice:
+    """The heuristic: every field `requested` leaves None is fivar.config's override or environment setting, else the
+    choice for this variant (its MUFU cost, window and bound), op and head dim (exp2_emulated_of_8, default_cta_tile,
+    default_schedule, softmax_range's defaults)."""
+    requested = requested or config.FA3KernelConfig()
+    tiles = cta_tiles(variant, op, head_dim, requested.cta_tile)
+    chosen = schedules(variant, op, requested.schedule, head_dim)
+    logits_range = softmax_range(variant, dtype, requested.bounded_softmax)
+    resolved = config.FA3KernelConfig(exp2_emulated_of_8=exp2_split_for(variant, requested.exp2_emulated_of_8),
+                                      cta_tile=tile_text(tiles), schedule=schedule_text(chosen),
+                                      bounded_softmax=logits_range is not None,
+                                      nvcc_parallel_passes=requested.nvcc_parallel_passes)
+    return KernelChoice(resolved, tiles, chosen, logits_range)

@@ -21,6 +21,7 @@ from collections.abc import Collection
 
 from ..errors import FivarError
 from ..flashinfer_compat import fa2_headers as _checks
+from ..flashinfer_compat import problem as coupling_problem
 from ..flashinfer_compat.fa2_headers import (BY_NAME, HEADERS, PROVIDED_ELSEWHERE, UnusedHeader,  # noqa: F401
                                               guard_problem, problem, reachable)
 from ..paths import csrc_dir
@@ -28,6 +29,7 @@ from ..paths import csrc_dir
 log = logging.getLogger("fivar")
 _INCLUDE = _checks.INCLUDE
 _warned: set[str] = set()
+_COUPLING_OF = {"cuda/pipeline": "fa2_skip_cuda_pipeline", "cooperative_groups.h": "fa2_thread_block_stand_in"}
 
 
 def wanted(setting: bool | Collection[str] | None) -> tuple[str, ...]:
@@ -58,8 +60,11 @@ def skipped(sources: dict[str, str], setting: bool | Collection[str] | None = No
             out.append(BY_NAME[name])
         elif why not in _warned:
             _warned.add(why)
-            log.warning("fivar: FlashInfer does not match what fivar leaves out <%s> for (%s); FA2 units keep it "
-                        "(`fivar doctor` lists every coupling)", name, why)
+            # decode keeps <cooperative_groups.h> by design (it uses this_grid()); a prefill module's mismatch is
+            # the coupling's, said once as a warning by fivar.flashinfer_compat
+            log.info("fivar: %s; FA2 units keep <%s>", why, name)
+            if why == _checks.problem_for(name, _checks.prefill_includes()):
+                coupling_problem(_COUPLING_OF[name])
     return out
 
 
