@@ -39,10 +39,9 @@ class FA3KernelConfig:
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """The Triton twin's launch configs. autotune=False: one config per kernel (much less compile time)."""
-    autotune: bool = True
-    prefill: tuple[int, int, int, int] = (128, 64, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages without autotune
-    decode: tuple[int, int, int] = (64, 4, 2)  # BLOCK_N, num_warps, num_stages without autotune
+    """What the Triton twin (templates/triton/attention.py.jinja) reads when it is imported."""
+    autotune: bool = True  # False: one launch config per kernel instead of autotuning (much less compile time)
+    tma: bool = True  # False: every K/V tile through pointers, also on Hopper (for comparison)
 
 
 @dataclass(frozen=True)
@@ -65,12 +64,13 @@ ENV = {
     "bounded_softmax": "FIVAR_FA3_BOUNDED_SOFTMAX",
     "wave_split": "FIVAR_FA3_WAVE_SPLIT",
     "triton_autotune": "FIVAR_TRITON_AUTOTUNE",
+    "triton_tma": "FIVAR_TRITON_TMA",
 }
 #: Where fivar finds variants and keeps its own cache (not tuning, but read here like every FIVAR_* variable).
 VARIANT_PATH_ENV, CACHE_DIR_ENV = "FIVAR_VARIANT_PATH", "FIVAR_CACHE_DIR"
 
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("fivar_config_overrides", default={})
-_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig) for f in fields(cls)} | {"triton_autotune"}
+_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma"}
 
 
 @contextlib.contextmanager
@@ -152,9 +152,8 @@ def fa2_build_config(given: FA2BuildConfig | None = None) -> FA2BuildConfig:
 
 
 def triton_config() -> TritonConfig:
-    """FIVAR_TRITON_AUTOTUNE=0: one config per kernel instead of autotuning."""
-    text, _ = setting("triton_autotune")
-    return TritonConfig(autotune=text != "0")
+    """FIVAR_TRITON_AUTOTUNE=0 and FIVAR_TRITON_TMA=0 turn those off (read when a twin is imported)."""
+    return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0")
 
 
 def variant_path() -> list[str]:
