@@ -272,3 +272,37 @@ def extra_include_paths() -> list[str]:
             if os.path.exists(os.path.join(d, "curand_kernel.h")):
                 return [d]
     return []
+
+
+def report() -> list[tuple[str, str]]:
+    """What builds depend on, as (name, value) pairs for `fivar doctor`: nvcc, CUDA_HOME, the arch list, and the
+    versions of torch, triton and FlashInfer. Nothing here raises: a missing piece is reported as such."""
+    def ask(fn) -> str:
+        try:
+            return str(fn())
+        except Exception as e:  # noqa: BLE001 - the report says what is missing instead of failing
+            return f"unavailable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+
+    def version(module: str) -> str:
+        import importlib
+        return importlib.import_module(module).__version__
+
+    def archs() -> str:
+        text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+        if text:
+            return f"{text} (FLASHINFER_CUDA_ARCH_LIST)"
+        import torch
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"{major}.{minor} (the visible GPU, {torch.cuda.get_device_name()})"
+        return "none: no GPU visible and FLASHINFER_CUDA_ARCH_LIST unset (builds need --arch)"
+
+    nvcc = os.path.join(cuda_home(), "bin", "nvcc")
+    return [("nvcc", ask(lambda: f"{nvcc_version()} ({nvcc if os.path.exists(nvcc) else shutil.which('nvcc')})")),
+            ("CUDA_HOME", cuda_home() + ("" if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") else
+                                         " (found; CUDA_HOME unset)")),
+            ("nvcc archs", ask(lambda: " ".join(nvcc_archs()) or "unknown")),
+            ("target archs", ask(archs)),
+            ("torch", ask(lambda: version("torch"))),
+            ("triton", ask(lambda: version("triton"))),
+            ("flashinfer", ask(flashinfer_version))]
