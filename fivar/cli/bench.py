@@ -46,7 +46,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         if ignored:  # build latency of one module: those shape a timed run
             raise FivarError(f"--compile measures one module's build latency (at --dtype and --head-dim); "
                              f"{', '.join(ignored)} shape a timed run only; drop {'them' if len(ignored) > 1 else 'it'}")
-        script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_compile.py"
+        script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_compile.py"
         if not script.exists():
             raise FivarError("fivar bench --compile runs benchmarks/bench_compile.py from a fivar checkout")
         import subprocess
