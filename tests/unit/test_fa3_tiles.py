@@ -159,6 +159,7 @@ def test_only_fa3_single_prefill_takes_a_tile():
             gen_module(softcap, op, target, cta_tile="128x128")
 
 
+@pytest.mark.nvcc
 @pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not installed")
 @pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
 def test_the_specialization_compiles_and_links_in_place_of_flashinfers():
