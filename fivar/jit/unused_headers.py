@@ -19,14 +19,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
+from .. import config
 from ..errors import FivarError
 from ..flashinfer_compat import fa2_headers as _checks
 from ..flashinfer_compat import problem as coupling_problem
 from ..flashinfer_compat.fa2_headers import (BY_NAME, HEADERS, PROVIDED_ELSEWHERE, UnusedHeader,  # noqa: F401
-                                              guard_problem, problem, reachable)
+                                              _search_path, guard_problem, problem, reachable)
 from ..paths import csrc_dir
 
 log = logging.getLogger("fivar")
+ENV = config.ENV["skip_unused_headers"]
 _INCLUDE = _checks.INCLUDE
 _warned: set[str] = set()
 _COUPLING_OF = {"cuda/pipeline": "fa2_skip_cuda_pipeline", "cooperative_groups.h": "fa2_thread_block_stand_in"}
