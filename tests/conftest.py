@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     # imported/when a kernel is defined, and other tests (FlexAttention) import it early: set it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1":
-    # A fresh FlashInfer cache per test session, so the build tests really run nvcc (FlashInfer fixes
+    # A fresh FlashInfer cache per test run, so the build tests really run nvcc (FlashInfer fixes
     # its cache directory at import, which happens after this).
     os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="fivar-test-jit-")
     _MADE.append(os.environ["FLASHINFER_WORKSPACE_BASE"])
