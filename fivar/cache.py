@@ -8,7 +8,8 @@ from .errors import FivarError
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("FIVAR_CACHE_DIR") or Path.home() / ".cache" / "fivar")
+    from .config import cache_dir_setting
+    d = Path(cache_dir_setting() or Path.home() / ".cache" / "fivar")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:

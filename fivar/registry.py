@@ -15,7 +15,8 @@ _loaded: dict[Path, AttentionVariant] = {}
 
 
 def search_path() -> list[Path]:
-    dirs = [Path(p) for p in os.environ.get("FIVAR_VARIANT_PATH", "").split(os.pathsep) if p]
+    from .config import variant_path
+    dirs = [Path(p) for p in variant_path()]
     dirs.append(Path.cwd() / "variants")
     dirs.append(bundled_variants_dir())
     seen, out = set(), []

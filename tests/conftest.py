@@ -1,9 +1,11 @@
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
+_MADE: list[str] = []  # the directories this run creates, removed when it finishes
 os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
 if not torch.cuda.is_available():
     # No GPU to detect an arch from: compile for Hopper, which is what fivar's kernels target.
@@ -12,10 +14,19 @@ if not torch.cuda.is_available():
     # imported/when a kernel is defined, and other tests (FlexAttention) import it early: set it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1":
-    # A fresh FlashInfer cache per test session, so the build tests really run nvcc (FlashInfer fixes
+    # A fresh FlashInfer cache per test run, so the build tests really run nvcc (FlashInfer fixes
     # its cache directory at import, which happens after this).
     os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="fivar-test-jit-")
-os.environ.setdefault("FIVAR_CACHE_DIR", tempfile.mkdtemp(prefix="fivar-test-cache-"))
+    _MADE.append(os.environ["FLASHINFER_WORKSPACE_BASE"])
+if "FIVAR_CACHE_DIR" not in os.environ:
+    os.environ["FIVAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fivar-test-cache-")
+    _MADE.append(os.environ["FIVAR_CACHE_DIR"])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The test run's own directories go with it (a directory set from outside is the caller's)."""
+    for d in _MADE:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

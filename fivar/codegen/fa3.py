@@ -14,15 +14,14 @@ runtime flag there, since FA3's own causal rule would align the diagonal to the 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import hashlib
 import math
 import os
 import re
 
+from .. import config
 from ..errors import FivarError
+from ..flashinfer_compat import active as coupling_active, fa3_launchers
 from ..spec import ir
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
@@ -50,13 +49,10 @@ def runs_as_window(variant) -> bool:
 
 #: MUFU ops per call of a function in the emitted code (sigmoid: an exp and a reciprocal).
 _MUFU_OPS = {"tanh": 1, "exp": 1, "exp2": 1, "log": 1, "sqrt": 1, "sigmoid": 2}
-#: Of every 8 score columns, how many compute their softmax exp2 on the FMA pipe when the logits transform
-#: itself needs the MUFU pipe. Measured on an H200 with single prefill, bf16, hd128, S=8192 only (`bench_fa3.py
-#: --exp2-splits 2,4,6`, benchmarks/results/bench_exp2_h200.json): against stock FA3 in the same run, 2 gave
-#: 0.98-1.04x on soft-capped variants (timing noise there is up to 3.5%), 4 and 6 were 4-9% slower than 2 (the
-#: FMA and issue slots are not idle either). Batch prefill and head dims 64/256 take the same split, unmeasured.
+#: Of every 8 score columns, how many compute their softmax exp2 on the FMA pipe when the logits transform itself
+#: needs the MUFU pipe: 2 measured best against 4 and 6 on soft-capped variants (docs/tuning.md).
 EXP2_EMULATED_OF_8 = 2
-EXP2_EMULATION_ENV = "FIVAR_FA3_EXP2_EMULATION"
+EXP2_EMULATION_ENV = config.ENV["exp2_emulated_of_8"]
 
 
 def mufu_ops_per_score(variant) -> int:
@@ -79,14 +75,14 @@ def mufu_ops_per_score(variant) -> int:
 def exp2_emulated_of_8(variant) -> int:
     """How many of every 8 score columns take fivar::exp2_fma instead of the MUFU exp2 (csrc/fivar_fa3_softmax.cuh):
     0 for a variant without softmax or whose logits transform needs no MUFU op (the softmax's exp2 alone does not
-    keep the MUFU pipe longer than the wgmmas), else EXP2_EMULATED_OF_8. FIVAR_FA3_EXP2_EMULATION=0..8 overrides
-    it for every softmax variant (it changes the generated source, so the module URI)."""
+    keep the MUFU pipe longer than the wgmmas), else EXP2_EMULATED_OF_8. fivar.config's override or
+    FIVAR_FA3_EXP2_EMULATION=0..8 sets it for every softmax variant (it changes the generated source, so the URI)."""
     if not variant.softmax:
         return 0
-    override = os.environ.get(EXP2_EMULATION_ENV, "").strip()
+    override, where = config.setting("exp2_emulated_of_8")
     if override:
         if override not in tuple("012345678"):
-            raise FivarError(f"variant '{variant.name}': {EXP2_EMULATION_ENV}={override!r}: expected an integer from 0 "
+            raise FivarError(f"variant '{variant.name}': {where}={override!r}: expected an integer from 0 "
                              "to 8 (how many of every 8 score columns compute exp2 on the FMA pipe)")
         return int(override)
     return EXP2_EMULATED_OF_8 if mufu_ops_per_score(variant) else 0
@@ -101,13 +97,11 @@ def exp2_split_for(variant, requested: int | None) -> int:
     return requested if variant.softmax else 0
 
 
-#: The bounded softmax (on unless FIVAR_FA3_BOUNDED_SOFTMAX=0; gen_module(bounded_softmax=False),
-#: `with bounded_softmax(False)`): a softmax variant whose logits transform is bounded (fivar.spec.ranges:
-#: soft-capping's tanh, in [-1, 1]) gets FA3 modules whose softmax takes its max from the bound, with no running
-#: max and no output rescale per tile (csrc/fivar_fa3_softmax.cuh), used for a launch when bounded_softmax_applies;
-#: the running-max module is built next to it for the launches it does not apply to. Measured faster than the
-#: running max on soft-cap (README, session 9).
-BOUNDED_SOFTMAX_ENV = "FIVAR_FA3_BOUNDED_SOFTMAX"
+#: The bounded softmax (FA3KernelConfig.bounded_softmax, on by default): a softmax variant whose logits transform is
+#: bounded (fivar.spec.ranges: soft-capping's tanh, in [-1, 1]) gets FA3 modules whose softmax takes its max from the
+#: bound, with no running max and no output rescale per tile (csrc/fivar_fa3_softmax.cuh), used for a launch when
+#: bounded_softmax_applies; the running-max module is built next to it for the launches it does not apply to.
+BOUNDED_SOFTMAX_ENV = config.ENV["bounded_softmax"]
 #: With the max at hi * scale, every unmasked probability is at least 2^-((hi - lo) * scale). Up to this span it,
 #: and p * v for |v| >= 2^-30, stay normal floats; beyond it a row whose logits all sit low could lose every weight.
 BOUNDED_SOFTMAX_SPAN = 96.0
@@ -115,13 +109,13 @@ BOUNDED_SOFTMAX_SPAN = 96.0
 
 def softmax_range(variant, dtype: str, requested: bool | None = None) -> tuple[float, float] | None:
     """The range [lo, hi] of the logits transform FA3's softmax takes its max from, or None for the running max:
-    `requested`, else FIVAR_FA3_BOUNDED_SOFTMAX (default 1), says whether to; it applies to softmax variants with a
+    `requested`, else fivar.config's setting (default on), says whether to; it applies to softmax variants with a
     bounded transform, in bf16 only (an fp16 probability under 2^-24 is zero, so a row whose logits all sit far below
     the bound would lose every weight; bf16 keeps float's exponent range)."""
     if requested is None:
-        text = os.environ.get(BOUNDED_SOFTMAX_ENV, "").strip()
+        text, where = config.setting("bounded_softmax")
         if text not in ("", "0", "1"):
-            raise FivarError(f"variant '{variant.name}': {BOUNDED_SOFTMAX_ENV}={text!r}: expected 0 or 1")
+            raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected 0 or 1")
         requested = text != "0"
     if not requested or not variant.softmax or dtype != "bf16":
         return None
@@ -139,60 +133,29 @@ def bounded_softmax_applies(logits_range: tuple[float, float], output_factor: fl
 
 
 def bounded_softmax(on: bool = True):
-    """Like exp2_split, for the bounded softmax (softmax_range)."""
-    return env_set(BOUNDED_SOFTMAX_ENV, "1" if on else "0")
-
-
-@contextlib.contextmanager
-def env_set(var: str, value: str):
-    """Within the block, environment variable `var` is `value` (the knobs fivar's module memo and runtime read)."""
-    before = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = before
+    """Shorthand for fivar.config.override(bounded_softmax=on) (the process environment is left alone)."""
+    return config.override(bounded_softmax=on)
 
 
 def exp2_split(k: int):
-    """Generate (and, through fivar's module memo, run) FA3 modules with k of every 8 exp2 columns on the FMA
-    pipe while inside: for benchmarks and tests that compare splits in one process."""
-    return env_set(EXP2_EMULATION_ENV, str(k))
+    """Shorthand for fivar.config.override(exp2_emulated_of_8=k): for benchmarks and tests comparing splits."""
+    return config.override(exp2_emulated_of_8=k)
 
 
 def cta_tile(tile: str):
-    """Like exp2_split, for FA3 single prefill's CTA tile ("128x176", or "128x176,128x128": non-causal, causal)."""
-    return env_set(CTA_TILE_ENV, tile)
+    """Shorthand for fivar.config.override(cta_tile=tile)."""
+    return config.override(cta_tile=tile)
 
 
-#: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize in prefill_sm90.cuh: 128 x 192
-#: non-causal and 128 x 128 causal at hd128) unless a module asks for another, or the variant is one whose transform
-#: costs MUFU ops (the soft-caps): those run 128 x 128 at hd128 (but see the window and, non-causal from LONG_QO_LEN
-#: rows, 192 x 64 below). Measured on an H200, S=8192 non-causal (benchmarks/results/bench_tiles*_h200.json): soft-cap
-#: 532 and 534 TF/s at 128x128 vs 507 at 128x192 in two runs, the soft-capped window 493 vs 477 (one run); 128x176 and
-#: 128x160 lay between, 192x128 lost 40% (160 registers per thread for three consumer warpgroups). With a left window
-#: too, the causal kernel (persistent, default_schedule) runs 192 x 64 (MUFU_BOUND_WINDOW_TILE): three warpgroups share
-#: each K/V tile of a ~9-tile loop, and the half-width score tile fits their registers. Soft-capped window 1024, H200,
-#: TF/s at S=8192 / 16384 in two runs (bench_window_q192{,b}_h200_session18.json): 389 / 406 and 388 / 407 vs 387 / 379
-#: and 385 / 383 at 128x128; 192x48 357 / 385, 192x80 364 / 389, 192x96 and 192x128 spill (258 / 286, 202 / 222). At
-#: S=4096 192x64 then lost (332 vs 380): its 22 query tiles per head aliased with 132 CTAs on the persistent schedule's
-#: head-major order, so a CTA ran the same (light or heavy) tile of six heads. With the query-tile-major, boustrophedon
-#: order (csrc/fivar_fa3_persistent.cuh) 192x64 wins at every length: 407 / 417 / 419 vs 396 / 395 / 396 TF/s at S=4096
-#: / 8192 / 16384 (bench_window_tiles_order_h200_session19.json). Without the cap (no MUFU op) 192x64 lost on the old
-#: order (396 / 415 vs 431 / 430), so sliding_window keeps FlashInfer's. fivar renders an explicit specialization of
-#: SinglePrefillWithKVCacheDispatched with the tile (templates/fa3/cta_tile_inst.cu.jinja); a tile given as alternatives
-#: (cta_tiles) is picked per launch.
-#: The soft-caps' non-causal kernel runs 192 x 64 from LONG_QO_LEN query rows, 128 x 128 below. Every FA3 kernel here
-#: runs at the board's power limit (700 W on an H100, clock 1.5-1.8 GHz of 1.98), and 192 x 64 does more work per
-#: clock (H100, session 22; each kernel alone for 3 s, TF/s at S=8192 / 16384: soft-cap 577 / 587 vs 529 / 537, the
-#: soft-capped window 535 / 564 vs 499 / 531; soft-cap interleaved with the others: 557 / 557-563 vs 544 / 548;
-#: benchmarks/results/*_h100_session22.json). At S=4096 its 22 query tiles per head leave the last wave a third full
-#: and it loses (487 vs 508 alone, 497-499 vs 520-524 interleaved). The choice keys on the launch's rows only, so
-#: every launch of a wave split (runtime/wave_split.py, which cuts the keys in whole CTA_KV tiles) runs one tile.
-CTA_TILE_ENV = "FIVAR_FA3_CTA_TILE"
+#: FA3 single prefill's CTA tile (CTA_Q x CTA_KV) is FlashInfer's choice (getCTATileSize) unless a module asks for
+#: another or the variant's transform costs MUFU ops (the soft-caps). Those run 192 x 64 non-causal from LONG_QO_LEN
+#: query rows (three warpgroups do more work per clock at the power limit) and 128 x 128 below (192 x 64 leaves the
+#: last wave a third full there); causal 128 x 128, or 192 x 64 with a left window (three warpgroups share each K/V
+#: tile of a short loop). Without a MUFU op FlashInfer's tiles measured best. Measurements: docs/tuning.md. fivar
+#: renders an explicit specialization of SinglePrefillWithKVCacheDispatched with the tile
+#: (templates/fa3/cta_tile_inst.cu.jinja); a tile given as alternatives (cta_tiles) is picked per launch, on the
+#: launch's rows only, so every launch of a wave split (runtime/wave_split.py) runs one tile.
+CTA_TILE_ENV = config.ENV["cta_tile"]
 LONG_QO_LEN = 6144
 MUFU_BOUND_TILE = "192x64|128x128,128x128"
 MUFU_BOUND_WINDOW_TILE = "192x64|128x128,192x64"
@@ -210,16 +173,16 @@ def default_cta_tile(variant, op: str, head_dim: int) -> str:
 
 def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[str, tuple[tuple[int, int], ...]]:
     """The tiles per mask mode ({MASK_NONE: ((q, kv),), MASK_CAUSAL: ((q, kv), ...)}) a module's FA3 kernels use
-    instead of FlashInfer's, {} for FlashInfer's own: `requested`, else FIVAR_FA3_CTA_TILE (single prefill only),
-    else default_cta_tile. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal, "flashinfer" FlashInfer's.
+    instead of FlashInfer's, {} for FlashInfer's own: `requested`, else fivar.config's setting (FIVAR_FA3_CTA_TILE;
+    single prefill only), else default_cta_tile. "QxKV" sets both modes, "QxKV,QxKV" non-causal then causal, "flashinfer" FlashInfer's.
     Either may name alternatives, "QxKV|QxKV": the module holds one kernel per tile and each launch picks one
     (templates/fa3/cta_tile_inst.cu.jinja). Non-causal: two tiles, the first for launches of at least LONG_QO_LEN
     query rows, the second below (non_causal_tile says which, for the wave split's plan). Causal: the tile whose last
     wave idles the fewest SM-rows (fewest waves x CTA_Q; a tie goes to the first named). That rule counts waves of
-    equal tiles; on the persistent schedule's balanced order it picked 128x128 where 192x64 ran 3-6% faster (S=4096
-    and 8192, session 19), so no default names a causal choice."""
-    where = "cta_tile" if requested is not None else CTA_TILE_ENV
-    text = requested if requested is not None else os.environ.get(CTA_TILE_ENV, "").strip()
+    equal tiles; on the persistent schedule's balanced order it picked 128x128 where 192x64 ran faster, so no default
+    names a causal choice."""
+    forced, where = config.setting("cta_tile") if requested is None else ("", "cta_tile")
+    text = requested if requested is not None else forced
     if not text or (requested is None and op != "single_prefill"):
         text = default_cta_tile(variant, op, head_dim)
     if text == FLASHINFER_TILES:
@@ -227,7 +190,8 @@ def cta_tiles(variant, op: str, head_dim: int, requested: str | None) -> dict[st
     if op != "single_prefill":
         raise FivarError(f"variant '{variant.name}': cta_tile={text!r}: only FA3 single prefill takes a CTA tile")
     problem = flashinfer_dispatch_problem()
-    if problem and requested is None and not os.environ.get(CTA_TILE_ENV, "").strip():
+    if problem and requested is None and not forced:
+        coupling_active("fa3_cta_tile")  # says once which optimisation this turns off, and why
         return {}  # fivar's default tile is an optimisation: FlashInfer's own tiles are always right
     if problem:
         raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}; only FlashInfer's own tiles "
@@ -270,62 +234,30 @@ def _checked_tile(variant, where: str, text: str, tile: str, head_dim: int) -> t
     return q, kv
 
 
-#: sha256 of FlashInfer 0.7.2's SinglePrefillWithKVCacheDispatched body (hopper/prefill_sm90.cuh), whitespace
-#: collapsed: the function templates/fa3/cta_tile_inst.cu.jinja specializes with everything but the tile kept.
-_FLASHINFER_DISPATCH_SHA256 = "838afb1277820d5e386dedbaf33a5f2960e16a9f13e1eb49a2383e9bc547f436"
-#: ... and of its SinglePrefillWithKVCacheKernelTraitsDispatched, the launcher csrc/fivar_fa3_persistent.cuh mirrors
-#: with another scheduler and grid.
-_FLASHINFER_LAUNCHER_SHA256 = "74f4778633778607070f182460914ee924f134174c53ddc5bf98e80a0a31d33b"
-
-
-def _mirrored_function_problem(signature: str, sha256: str, what: str) -> str | None:
-    from flashinfer.jit import env as jit_env
-    path = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "attention" / "hopper" / "prefill_sm90.cuh"
-    name = re.search(r"(\w+)\\\(Params", signature).group(1)
-    m = re.search(signature + r" \{\n(.*?)\n\}\n", path.read_text(), re.S)
-    if m is None:
-        return f"{path} has no {name} of the form fivar's {what} mirrors"
-    if hashlib.sha256(" ".join(m.group(1).split()).encode()).hexdigest() != sha256:
-        return f"FlashInfer's {name} ({path}) changed since fivar's {what} was written against 0.7.2"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
 def flashinfer_dispatch_problem() -> str | None:
     """Why the installed FlashInfer's FA3 single-prefill dispatch is not the one fivar's tile specialization
-    mirrors (kernel traits, stages, TMA), or None."""
-    return _mirrored_function_problem(
-        r"template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool LEFT_SLIDING_WINDOW,\s*"
-        r"typename AttentionVariant, typename Params>\s*cudaError_t SinglePrefillWithKVCacheDispatched\(Params& "
-        r"params, cudaStream_t stream\)", _FLASHINFER_DISPATCH_SHA256, "CTA-tile specialization")
+    mirrors, or None (fivar.flashinfer_compat.fa3_launchers)."""
+    return fa3_launchers.dispatch_problem()
 
 
-@functools.lru_cache(maxsize=None)
 def flashinfer_launcher_problem() -> str | None:
-    """Why the installed FlashInfer's FA3 single-prefill launcher is not the one fivar's persistent schedule
-    mirrors (its mainloop and epilogue arguments), or None."""
-    return _mirrored_function_problem(
-        r"template <typename KernelTraits, bool LEFT_SLIDING_WINDOW, bool CAUSAL, typename Params>\s*cudaError_t "
-        r"SinglePrefillWithKVCacheKernelTraitsDispatched\(Params& params, cudaStream_t stream\)",
-        _FLASHINFER_LAUNCHER_SHA256, "persistent schedule")
+    """Why the installed FlashInfer's FA3 single-prefill launcher is not the one the persistent schedule mirrors."""
+    return fa3_launchers.launcher_problem()
 
 
 #: FA3 single prefill's schedule per mask mode: "grid", FlashInfer's (SingleTileScheduler: one CTA per query tile and
 #: head), or "persistent" (csrc/fivar_fa3_persistent.cuh: one CTA per SM walks the tiles heavy-first, loading the next
-#: tile's first K and its Q while it finishes the current one). gen_module(schedule=...), else FIVAR_FA3_SCHEDULE,
-#: else default_schedule; "S" for both modes or "S,S" non-causal then causal, like the CTA tile.
-SCHEDULE_ENV = "FIVAR_FA3_SCHEDULE"
+#: tile's first K and its Q while it finishes the current one). FA3KernelConfig.schedule, else fivar.config's setting
+#: (FIVAR_FA3_SCHEDULE), else default_schedule; "S" for both modes or "S,S" non-causal then causal, like the CTA tile.
+SCHEDULE_ENV = config.ENV["schedule"]
 SCHEDULES = ("grid", "persistent")
 
 
 def default_schedule(variant, op: str, head_dim: int = 128) -> str:
     """Persistent for the causal kernel of a variant with a left window at hd128, the head dim measured (FA3's
     own sliding window: each query tile visits ~window / CTA_KV + 1 KV tiles, so a tile's start and end weigh),
-    grid otherwise. Measured on an H200, causal, window 1024 (benchmarks/results/bench_persistent_h200_session18.json):
-    soft-capped 379/385/387 vs 360/374/375 TF/s on the grid at S=4096/8192/16384, no cap 425/428/429 vs
-    401/400/398. Where tile costs differ (causal without a window, a window non-causal) CTAs drift apart on a
-    static schedule and the tiles in flight spread over more heads than L2 holds: soft-cap causal at S=16384 fell
-    from 515 to 430 (session 17), so those stay on the grid."""
+    grid otherwise: where tile costs differ (causal without a window, a window non-causal) CTAs drift apart on a
+    static schedule and the tiles in flight spread over more heads than L2 holds (docs/tuning.md)."""
     window = op == "single_prefill" and head_dim == 128 and variant.kv_band.left is not None
     return "grid,persistent" if window else "grid"
 
@@ -333,10 +265,10 @@ def default_schedule(variant, op: str, head_dim: int = 128) -> str:
 def schedules(variant, op: str, requested: str | None, head_dim: int = 128) -> dict[str, str]:
     """{MASK_NONE: schedule, MASK_CAUSAL: schedule} of a module (schedules other than single prefill's are
     FlashInfer's: "grid" here, and batch prefill's planned persistent one is FlashInfer's own)."""
-    if op != "single_prefill" and requested is None:  # FIVAR_FA3_SCHEDULE is single prefill's, like its CTA tile
+    if op != "single_prefill" and requested is None:  # a forced schedule is single prefill's, like its CTA tile
         return {MASK_NONE: "grid", MASK_CAUSAL: "grid"}
-    where = "schedule" if requested is not None else SCHEDULE_ENV
-    override = requested if requested is not None else os.environ.get(SCHEDULE_ENV, "").strip()
+    forced, where = config.setting("schedule") if requested is None else ("", "schedule")
+    override = requested if requested is not None else forced
     text = override or default_schedule(variant, op, head_dim)
     parts = [p.strip() for p in text.split(",")]
     if len(parts) > 2 or any(p not in SCHEDULES for p in parts):
@@ -349,8 +281,9 @@ def schedules(variant, op: str, requested: str | None, head_dim: int = 128) -> d
                              "(batch prefill runs FlashInfer's planned persistent one)")
         return {MASK_NONE: "grid", MASK_CAUSAL: "grid"}
     if "persistent" in parts:
-        problem = flashinfer_dispatch_problem() or flashinfer_launcher_problem()
+        problem = fa3_launchers.persistent_problem()
         if problem and not override:  # the default is an optimisation: FlashInfer's grid is always right
+            coupling_active("fa3_persistent_schedule")  # says once which optimisation this turns off, and why
             return {MASK_NONE: "grid", MASK_CAUSAL: "grid"}
         if problem:
             raise FivarError(f"variant '{variant.name}': {where}={text!r}: {problem}; the persistent schedule is "
@@ -365,8 +298,8 @@ def schedule_text(chosen: dict[str, str]) -> str:
 
 
 def schedule(name: str):
-    """Like exp2_split, for FA3 single prefill's schedule ("grid", "persistent" or "grid,persistent")."""
-    return env_set(SCHEDULE_ENV, name)
+    """Shorthand for fivar.config.override(schedule=name) ("grid", "persistent" or "grid,persistent")."""
+    return config.override(schedule=name)
 
 
 def tile_text(tiles: dict[str, tuple[tuple[int, int], ...]]) -> str:
@@ -377,10 +310,9 @@ def tile_text(tiles: dict[str, tuple[tuple[int, int], ...]]) -> str:
     return a if a == b else f"{a},{b}"
 
 
-#: FlashInfer 0.7.2's own single-prefill tiles (getCTATileSize, hopper/prefill_sm90.cuh): head dim -> ((CTA_Q,
-#: CTA_KV) non-causal, (CTA_Q, CTA_KV) causal)
-FLASHINFER_SINGLE_PREFILL_TILES = {64: ((192, 128), (192, 128)), 128: ((128, 192), (128, 128)),
-                                   256: ((128, 64), (128, 64))}
+#: FlashInfer's own single-prefill tiles: head dim -> ((CTA_Q, CTA_KV) non-causal, (CTA_Q, CTA_KV) causal), checked
+#: against the installed getCTATileSize by fivar.flashinfer_compat.
+FLASHINFER_SINGLE_PREFILL_TILES = fa3_launchers.SINGLE_PREFILL_TILES
 
 
 def non_causal_tile(tile: str | None, head_dim: int, qo_len: int) -> tuple[int, int]:
@@ -465,3 +397,32 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
                                                           extra_tensors=tables))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """An FA3 module's kernel config as chosen (`config`, what its manifest records), with what rendering needs."""
+    config: config.FA3KernelConfig
+    tiles: dict  # cta_tiles' result
+    schedules: dict  # schedules' result
+    logits_range: tuple[float, float] | None  # softmax_range's result
+
+    @property
+    def exp2_emulated_of_8(self) -> int:
+        return self.config.exp2_emulated_of_8
+
+
+def kernel_config(variant, op: str, head_dim: int, dtype: str,
+                  requested: config.FA3KernelConfig | None = None) -> KernelChoice:
+    """The heuristic: every field `requested` leaves None is fivar.config's override or environment setting, else the
+    choice for this variant (its MUFU cost, window and bound), op and head dim (exp2_emulated_of_8, default_cta_tile,
+    default_schedule, softmax_range's defaults)."""
+    requested = requested or config.FA3KernelConfig()
+    tiles = cta_tiles(variant, op, head_dim, requested.cta_tile)
+    chosen = schedules(variant, op, requested.schedule, head_dim)
+    logits_range = softmax_range(variant, dtype, requested.bounded_softmax)
+    resolved = config.FA3KernelConfig(exp2_emulated_of_8=exp2_split_for(variant, requested.exp2_emulated_of_8),
+                                      cta_tile=tile_text(tiles), schedule=schedule_text(chosen),
+                                      bounded_softmax=logits_range is not None,
+                                      nvcc_parallel_passes=requested.nvcc_parallel_passes)
+    return KernelChoice(resolved, tiles, chosen, logits_range)

@@ -16,15 +16,17 @@ import logging
 import os
 import re
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
 import torch
 
+from .. import config as fivar_config
 from ..codegen import fa2, fa3
+from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarBuildError, FivarError
+from ..flashinfer_compat import fa2_launchers
 from ..paths import csrc_dir, templates_dir
 from . import pinned_kv_tiles, records, toolchain, unused_headers
 
@@ -326,10 +328,6 @@ _SPLIT_HOST_INCLUDES = {"single_prefill": ("fivar_single_prefill_dispatch.cuh",)
 _split_warned: set[str] = set()
 
 
-def _norm(text: str) -> str:
-    return " ".join(text.split())
-
-
 def _fa2_reachable_tiles(head_dim_qk: int, head_dim_vo: int) -> list[int]:
     """The CTA_TILE_Q values FlashInfer's FA2DetermineCtaTileQ can return for these head dims (FlashInfer
     0.7.2, include/flashinfer/utils.cuh:411-470: 128 only for head_dim_vo < 256). This only groups tiles
@@ -351,63 +349,10 @@ def _tile_groups(tiles: list[int], head_dim_qk: int, head_dim_vo: int) -> list[l
     return groups
 
 
-@functools.lru_cache(maxsize=None)
-def _dispatch_cta_tiles() -> tuple[int, ...]:
-    """The cases of FlashInfer's DISPATCH_CTA_TILE_Q (include/flashinfer/utils.cuh)."""
-    from flashinfer.jit import env as jit_env
-    utils = (jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "utils.cuh").read_text()
-    m = re.search(r"#define DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \.\.\.\)((?:[^\n]*\\\n)+)", utils)
-    return tuple(int(c) for c in re.findall(r"case (\d+):", m.group(1))) if m else ()
-
-
-@functools.lru_cache(maxsize=None)
-def _single_prefill_split_problem() -> str | None:
-    """Why fivar's cut of FlashInfer's single-prefill launcher does not fit the installed FlashInfer, or None.
-
-    templates/fa2/single_prefill_tile.cuh and single_prefill_dispatch.cuh carry FlashInfer's text (0.7.2,
-    include/flashinfer/attention/prefill.cuh:2723-2925); this compares them token for token (whitespace
-    aside) with the installed prefill.cuh, and fivar's dispatcher signature with the declaration in
-    csrc/single_prefill.cu, so that a FlashInfer whose launcher changed gets FlashInfer's own unsplit
-    kernel units rather than a stale copy."""
-    from flashinfer.jit import env as jit_env
-    prefill = (jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer" / "attention" / "prefill.cuh").read_text()
-    host = (jit_env.FLASHINFER_CSRC_DIR / "single_prefill.cu").read_text()
-    tile = (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text()
-    dispatch = (templates_dir() / "fa2" / "single_prefill_dispatch.cuh").read_text()
-    signature = (r"(template <uint32_t HEAD_DIM_QK[^>]*>\s*cudaError_t SinglePrefillWithKVCacheDispatched\("
-                 r"Params params, typename Params::DTypeO\* tmp,\s*cudaStream_t stream\))")
-    fi = re.search(signature + r" \{\n(.*?)\n  DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \{\n(.*?)\n  \}\);\n"
-                   r"  return cudaSuccess;\n\}\n", prefill, re.S)
-    if not fi:
-        return "prefill.cuh has no SinglePrefillWithKVCacheDispatched of the form fivar splits"
-    fi_sig, fi_preamble, fi_body = fi.groups()
-    decl = re.search(signature + ";", host)
-    ours_sig = re.search(signature + " {", dispatch)
-    ours_preamble = re.search(r"// ---- BEGIN FlashInfer preamble[^\n]*\n(.*?)\n  // ---- END FlashInfer preamble",
-                              dispatch, re.S)
-    ours_body = re.search(r"// ---- BEGIN FlashInfer DISPATCH_CTA_TILE_Q body[^\n]*\n  \{\n(.*?)\n  \}\n"
-                          r"  // ---- END FlashInfer DISPATCH_CTA_TILE_Q body", tile, re.S)
-    tile_locals = re.search(r"cudaError_t fivar_single_prefill_tile\([^)]*\) \{\n(.*?)\n  // ---- BEGIN", tile, re.S)
-    if not (decl and ours_sig and ours_preamble and ours_body and tile_locals):
-        return "fivar's single-prefill templates or FlashInfer's single_prefill.cu lack the expected markers"
-    if not _norm(fi_sig) == _norm(decl.group(1)) == _norm(ours_sig.group(1)):
-        return "the signature of SinglePrefillWithKVCacheDispatched changed"
-    if _norm(fi_preamble) != _norm(ours_preamble.group(1)):
-        return "the preamble of SinglePrefillWithKVCacheDispatched changed"
-    if _norm(fi_body) != _norm(ours_body.group(1)):
-        return "the DISPATCH_CTA_TILE_Q body of SinglePrefillWithKVCacheDispatched changed"
-    fi_lines = {line.strip() for line in fi_preamble.splitlines()}
-    if any(line.strip() not in fi_lines for line in tile_locals.group(1).splitlines()):
-        return "a local the tile function copies from FlashInfer's preamble changed"
-    if not _dispatch_cta_tiles():
-        return "utils.cuh has no DISPATCH_CTA_TILE_Q of the expected form"
-    return None
-
-
-def _inst_statements(text: str) -> list[str]:
-    """The launcher instantiations (`template cudaError_t ...Dispatched<...>(...);`) in a kernel unit, normalised."""
-    return sorted(_norm(s) for s in re.findall(r"^template cudaError_t \w+Dispatched<.*?>\(.*?\);", text,
-                                                re.S | re.M))
+#: fivar's cut of FlashInfer's launchers is checked against the installed FlashInfer in fivar.flashinfer_compat.
+_dispatch_cta_tiles = fa2_launchers.dispatch_cta_tiles
+_single_prefill_split_problem = fa2_launchers.single_prefill_split_problem
+_inst_statements = fa2_launchers.inst_statements
 
 
 def _fa2_tile_split(op: str, variant, kwargs: dict):
@@ -431,7 +376,8 @@ def _fa2_tile_split(op: str, variant, kwargs: dict):
     if op not in ("single_prefill", "batch_prefill"):
         return None
     from flashinfer.jit.utils import mask_mode_literal
-    problem = _single_prefill_split_problem() if op == "single_prefill" else None
+    problem = (_single_prefill_split_problem() if op == "single_prefill" else
+               fa2_launchers.batch_prefill_split_problem())
     flashinfer_units: dict[int, str] = {}
     modes = fa2.mask_modes(variant)
     if op == "single_prefill":
@@ -464,8 +410,8 @@ def _fa2_tile_split(op: str, variant, kwargs: dict):
     if problem is not None:
         if problem not in _split_warned:
             _split_warned.add(problem)
-            log.warning("fivar: FlashInfer %s: %s; compiling its %s kernels unsplit (one unit per mask mode)",
-                        toolchain.flashinfer_version(), problem, op)
+            log.warning("fivar: FlashInfer %s: %s; compiling its %s kernels unsplit (one unit per mask mode; "
+                        "`fivar doctor` lists every coupling)", toolchain.flashinfer_version(), problem, op)
         return None
     headers = {name: (templates_dir() / "fa2" / src).read_text() for name, src in _SPLIT_HEADERS[op].items()}
     return units, headers, _SPLIT_HOST_INCLUDES[op]
@@ -485,35 +431,32 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, split_cta_tiles: bool | None = None, row_runs: bool = False,
-               exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
-               bounded_softmax: bool | None = None, schedule: str | None = None, nvcc_split_compile: bool | None = None,
-               pin_kv_tiles: bool | None = None, skip_unused_headers: bool | Collection[str] | None = None,
-               nvcc_parallel_passes: bool | None = None) -> FivarModule:
-    """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
-    prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
-    same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
-    only on hosts with cores to spare; off by default. `row_runs`: FA3 batch prefill of a mask that is more
-    than a band, in the row-run form (fivar.codegen.fa3.variant_decl). `exp2_emulated_of_8`: FA3's softmax
-    exp2 split (default: fivar.codegen.fa3.exp2_emulated_of_8, which FIVAR_FA3_EXP2_EMULATION overrides).
-    `cta_tile`: FA3 single prefill's CTA tile, "QxKV", "QxKV,QxKV" (non-causal, causal; either may be a
-    per-launch choice "QxKV|QxKV", fivar.codegen.fa3.cta_tiles) or "flashinfer"; default
-    FIVAR_FA3_CTA_TILE, else fivar.codegen.fa3.default_cta_tile. `bounded_softmax`: FA3's softmax takes its max
-    from a bounded transform's range (fivar.codegen.fa3.softmax_range; default FIVAR_FA3_BOUNDED_SOFTMAX, on).
-    `schedule`: FA3 single prefill's "grid" or "persistent", or both ("grid,persistent": non-causal, causal;
-    fivar.codegen.fa3.schedules; default FIVAR_FA3_SCHEDULE, else fa3.default_schedule); a persistent kernel renders
-    FlashInfer's tiles explicitly where fivar keeps them.
-    `nvcc_split_compile`: FA2 units compile with nvcc's --split-compile (toolchain.split_compile_flags; default on,
-    FIVAR_NVCC_SPLIT_COMPILE=1 turns it off). FA3 units keep FlashInfer's flags: they hold one or two kernels, and
-    their time is cudafe++ and cicc's front end, which the split does not touch. `pin_kv_tiles`: FA2 prefill compiles
-    only the KV tile the target archs' shared memory selects (fivar.jit.pinned_kv_tiles; default on where it applies,
-    FIVAR_PIN_KV_TILES=0 turns it off). `skip_unused_headers`: FA2 units leave out headers FlashInfer includes but
-    hardly uses, <cuda/pipeline> and <cooperative_groups.h> (fivar.jit.unused_headers; True: each where its check
-    passes, the default unless FIVAR_SKIP_UNUSED_HEADERS=0; False: none; or a list of header names).
-    `nvcc_parallel_passes`: nvcc runs each unit's host pass beside its device pass (toolchain.parallel_passes_flags;
-    FA2 and FA3; default on, FIVAR_NVCC_PARALLEL_PASSES=0 turns it off)."""
-    if split_cta_tiles is None:
-        split_cta_tiles = os.environ.get("FIVAR_SPLIT_CTA_TILES", "0") == "1"
+               head_dim: int = 128, *, row_runs: bool = False, config: FA2BuildConfig | FA3KernelConfig | None = None,
+               **options) -> FivarModule:
+    """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
+    form (fivar.codegen.fa3.variant_decl). `config`: the target's tuning (fivar.config.FA2BuildConfig or
+    FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
+    `options`: the same fields as keywords (what a manifest records), over `config`'s:
+      FA2: split_cta_tiles (one kernel unit per CTA tile, _fa2_tile_split: same kernels, another URI; ~0.7x the
+      longest unit for ~1.8x the CPU, so off by default), nvcc_split_compile (toolchain.split_compile_flags),
+      pin_kv_tiles (fivar.jit.pinned_kv_tiles), skip_unused_headers (fivar.jit.unused_headers: True, False or a
+      list of header names).
+      FA3: exp2_emulated_of_8 (fivar.codegen.fa3.exp2_emulated_of_8), cta_tile ("QxKV", "QxKV,QxKV" non-causal then
+      causal, "A|B" per-launch choices, or "flashinfer"; fa3.cta_tiles), bounded_softmax (fa3.softmax_range),
+      schedule ("grid", "persistent" or "grid,persistent"; fa3.schedules).
+      Both: nvcc_parallel_passes (toolchain.parallel_passes_flags).
+    FA3 units keep FlashInfer's other flags: they hold one or two kernels, and their time is cudafe++ and cicc's
+    front end, which --split-compile does not touch."""
+    known = {f for cls in (FA2BuildConfig, FA3KernelConfig) for f in cls.__dataclass_fields__}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"gen_module() got unexpected keyword argument(s) {', '.join(unknown)}")
+    cta_tile, schedule = options.get("cta_tile"), options.get("schedule")
+    if config is not None:
+        cta_tile = cta_tile if "cta_tile" in options else getattr(config, "cta_tile", None)
+        schedule = schedule if "schedule" in options else getattr(config, "schedule", None)
+    given = fivar_config.from_options(target, {**({k: v for k, v in vars(config).items() if v is not None}
+                                                  if config is not None else {}), **options})
     if op not in OPS:
         raise FivarError(f"unknown op '{op}' (choose from {', '.join(OPS)})")
     if target not in TARGETS:
@@ -534,21 +477,23 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
 
     codegen = fa3 if target == "fa3" else fa2
     tiles: dict[str, tuple[tuple[int, int], ...]] = {}
-    chosen_tiles: dict[str, tuple[tuple[int, int], ...]] = {}
     chosen_schedules: dict[str, str] = {}
     logits_range = None
     if target == "fa3":
-        exp2_emulated_of_8 = fa3.exp2_split_for(variant, exp2_emulated_of_8)
-        tiles = chosen_tiles = fa3.cta_tiles(variant, op, head_dim, cta_tile)
-        chosen_schedules = fa3.schedules(variant, op, schedule, head_dim)
+        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given)
+        exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
+        tiles, chosen_schedules = kernel.tiles, kernel.schedules
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
             tiles = {mode: (tile,) for mode, tile in zip((fa2.MASK_NONE, fa2.MASK_CAUSAL),
                                                           fa3.FLASHINFER_SINGLE_PREFILL_TILES[head_dim])}
-        logits_range = fa3.softmax_range(variant, dtype, bounded_softmax)
-    elif cta_tile and cta_tile != fa3.FLASHINFER_TILES:
-        raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA tile")
-    if target != "fa3" and schedule not in (None, "grid"):
-        raise FivarError(f"variant '{variant.name}': schedule={schedule!r}: only FA3 single prefill takes a schedule")
+    else:
+        if cta_tile and cta_tile != fa3.FLASHINFER_TILES:
+            raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA "
+                             "tile")
+        if schedule not in (None, "grid"):
+            raise FivarError(f"variant '{variant.name}': schedule={schedule!r}: only FA3 single prefill takes a "
+                             "schedule")
+        build_config = fivar_config.fa2_build_config(given)
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     if row_runs and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
@@ -581,7 +526,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
-    split = _fa2_tile_split(op, variant, kwargs) if target == "fa2" and split_cta_tiles else None
+    split = _fa2_tile_split(op, variant, kwargs) if target == "fa2" and build_config.split_cta_tiles else None
     host_includes: tuple[str, ...] = ()
     if split is not None:
         units, headers, host_includes = split
@@ -602,7 +547,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
     if target == "fa3" and "persistent" in chosen_schedules.values():
         sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
-    pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), pin_kv_tiles)
+    pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), build_config.pin_kv_tiles)
               if target == "fa2" and op in ("single_prefill", "batch_prefill") else None)
     if pinned:
         for name in [n for n in sources if n.endswith(".cu")]:  # the kernel units (the host unit comes next)
@@ -615,29 +560,38 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     sources[_host_unit_name(host_units)] = _host_unit(
         {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units}, host_includes)
 
-    skipped = unused_headers.skipped(sources, skip_unused_headers) if target == "fa2" else []
+    skipped = unused_headers.skipped(sources, build_config.skip_unused_headers) if target == "fa2" else []
     if skipped:
         for name in [n for n in sources if n.endswith(".cu")]:
             sources[name] = unused_headers.prefix(skipped) + sources[name]
         sources.update(unused_headers.stand_in_sources(skipped))
-    nvcc_parallel_passes = toolchain.switch(toolchain.PARALLEL_PASSES_ENV, nvcc_parallel_passes, "nvcc_parallel_passes")
+    nvcc_parallel_passes = fivar_config.switch("nvcc_parallel_passes", given.nvcc_parallel_passes,
+                                               "nvcc_parallel_passes")
     if target == "fa3":
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
     else:
-        nvcc_split_compile = toolchain.split_compile_on(nvcc_split_compile)
+        nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = "_runs" if row_runs else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
-    options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
-               **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(chosen_tiles),
-                   "bounded_softmax": logits_range is not None, "schedule": fa3.schedule_text(chosen_schedules)}
-                  if target == "fa3" else {"split_cta_tiles": bool(split), "nvcc_split_compile": nvcc_split_compile,
-                                           "pin_kv_tiles": bool(pinned),
-                                           "skip_unused_headers": [h.name for h in skipped]})}
+    built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
+             if target == "fa3" else
+             FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
+                            skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
+    options = {"row_runs": row_runs, **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
+
+
+def manifest_options(built: FA2BuildConfig | FA3KernelConfig) -> dict:
+    """A module's resolved config as its manifest records it (and gen_module(**options) reads it back)."""
+    out = {"nvcc_parallel_passes": built.nvcc_parallel_passes}
+    for name in built.__dataclass_fields__:
+        value = getattr(built, name)
+        out[name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim: int = 128) -> list[FivarModule]:
@@ -680,11 +634,7 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
                bounded_softmax: bool | None = None) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
-    knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
-                                                  fa3.BOUNDED_SOFTMAX_ENV, fa3.SCHEDULE_ENV,
-                                                  toolchain.SPLIT_COMPILE_ENV,
-                                                  pinned_kv_tiles.ENV, unused_headers.ENV,
-                                                  toolchain.PARALLEL_PASSES_ENV))
+    knobs = fivar_config.state_key()
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
     m = _memo.get(key)
     if m is None or m[0] is not variant:

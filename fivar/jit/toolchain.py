@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 
+from .. import config
 from ..errors import FivarError
 
 
@@ -139,51 +140,34 @@ def _remember_nvcc_version(key: str, version: str) -> None:
         pass  # only a cache
 
 
-SPLIT_COMPILE_ENV = "FIVAR_NVCC_SPLIT_COMPILE"
+SPLIT_COMPILE_ENV = config.ENV["nvcc_split_compile"]
 #: In an FA2 module's flags (so in its URI): nvcc's --split-compile is on. The thread count is added when the
 #: module is built (build_flags): nvcc's output does not depend on it once it is 2 or more (checked by
 #: tests/unit/test_build.py), so the same URI names the same library on a 2-core box and a 64-core host.
 SPLIT_COMPILE_FLAG = "--split-compile"
 
 
-def _split_compile_env() -> int | None:
-    """FIVAR_NVCC_SPLIT_COMPILE: unset -> None (on, threads by core count); 1 -> off; N >= 2 -> N threads."""
-    text = os.environ.get(SPLIT_COMPILE_ENV, "").strip()
-    if not text:
-        return None
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise FivarError(f"{SPLIT_COMPILE_ENV}={text!r}: expected a thread count of at least 1 (1 turns nvcc's "
-                         f"--split-compile off; unset: on, with threads by core count)")
-    return int(text)
-
-
 def split_compile_on(setting: bool | None = None) -> bool:
-    """Whether FA2 modules compile with nvcc's --split-compile: `setting`, else FIVAR_NVCC_SPLIT_COMPILE != 1."""
+    """Whether FA2 modules compile with nvcc's --split-compile: `setting`, else fivar.config's (FIVAR_NVCC_SPLIT_COMPILE
+    != 1)."""
     if setting is None:
-        return _split_compile_env() != 1
+        return config.nvcc_split_compile_threads() != 1
     if not isinstance(setting, bool):
         raise FivarError(f"nvcc_split_compile={setting!r}: expected True or False")
     return setting
 
 
 def switch(env: str, setting: bool | None, option: str) -> bool:
-    """An on-by-default build option: `setting` (gen_module's `option`) if given, else the env var (unset or 1: on,
-    0: off; anything else is refused, not read as on)."""
-    if setting is None:
-        text = os.environ.get(env, "").strip()
-        if text not in ("", "0", "1"):
-            raise FivarError(f"{env}={text!r}: expected 0 (off) or 1 (on, the default)")
-        return text != "0"
-    if not isinstance(setting, bool):
-        raise FivarError(f"{option}={setting!r}: expected True or False")
-    return setting
+    """An on-by-default build option: `setting` (gen_module's `option`) if given, else fivar.config's setting of the
+    field whose variable is `env`."""
+    return config.switch(next(k for k, v in config.ENV.items() if v == env), setting, option)
 
 
 def split_compile_threads() -> int:
     """Threads per nvcc for --split-compile: FIVAR_NVCC_SPLIT_COMPILE when it names 2 or more, else half the cores
     this process may use, between 2 and 8 (ninja runs several units at once; more threads than that only add the
     CPU a split costs: on the 2-core CI box 8 threads took 24% more CPU-seconds than none)."""
-    n = _split_compile_env()
+    n = config.nvcc_split_compile_threads()
     if n is not None and n >= 2:
         return n
     from .prewarm import cpu_count
@@ -203,7 +187,7 @@ def split_compile_flags(on: bool) -> list[str]:
     return [SPLIT_COMPILE_FLAG]
 
 
-PARALLEL_PASSES_ENV = "FIVAR_NVCC_PARALLEL_PASSES"
+PARALLEL_PASSES_ENV = config.ENV["nvcc_parallel_passes"]
 PARALLEL_PASSES_FLAG = "--threads"
 
 
@@ -288,3 +272,37 @@ def extra_include_paths() -> list[str]:
             if os.path.exists(os.path.join(d, "curand_kernel.h")):
                 return [d]
     return []
+
+
+def report() -> list[tuple[str, str]]:
+    """What builds depend on, as (name, value) pairs for `fivar doctor`: nvcc, CUDA_HOME, the arch list, and the
+    versions of torch, triton and FlashInfer. Nothing here raises: a missing piece is reported as such."""
+    def ask(fn) -> str:
+        try:
+            return str(fn())
+        except Exception as e:  # noqa: BLE001 - the report says what is missing instead of failing
+            return f"unavailable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+
+    def version(module: str) -> str:
+        import importlib
+        return importlib.import_module(module).__version__
+
+    def archs() -> str:
+        text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+        if text:
+            return f"{text} (FLASHINFER_CUDA_ARCH_LIST)"
+        import torch
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"{major}.{minor} (the visible GPU, {torch.cuda.get_device_name()})"
+        return "none: no GPU visible and FLASHINFER_CUDA_ARCH_LIST unset (builds need --arch)"
+
+    nvcc = os.path.join(cuda_home(), "bin", "nvcc")
+    return [("nvcc", ask(lambda: f"{nvcc_version()} ({nvcc if os.path.exists(nvcc) else shutil.which('nvcc')})")),
+            ("CUDA_HOME", cuda_home() + ("" if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") else
+                                         " (found; CUDA_HOME unset)")),
+            ("nvcc archs", ask(lambda: " ".join(nvcc_archs()) or "unknown")),
+            ("target archs", ask(archs)),
+            ("torch", ask(lambda: version("torch"))),
+            ("triton", ask(lambda: version("triton"))),
+            ("flashinfer", ask(flashinfer_version))]

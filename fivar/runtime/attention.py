@@ -261,8 +261,12 @@ def _workspace(device):
 def _attach(wrapper, module, fmod, owns_mask: bool):
     """Point a FlashInfer wrapper at a module fivar built (FlashInfer would otherwise build its own).
 
-    Touches the private attributes FlashInfer's `jit_args` path sets; pinned to flashinfer 0.7.x.
+    Touches the private attributes FlashInfer's `jit_args` path sets (checked: fivar.flashinfer_compat.wrappers).
     """
+    from ..flashinfer_compat import problem
+    why = problem("wrapper_jit_module")
+    if why:
+        raise FivarError(f"fivar cannot run its modules through this FlashInfer's wrappers: {why}")
     from flashinfer.decode import get_batch_decode_jit_module
     from flashinfer.prefill import get_batch_prefill_jit_module
     t_names, _, s_names, _ = fmod.additional

@@ -132,12 +132,13 @@ class _KvStartsModule:
         self._module, self.kv_starts = module, None
 
     def plan(self, *args):
-        args = list(args)
-        # FA3 plan: (float_ws, int_ws, pinned_ws, qo_indptr_host, kv_indptr_host, kv_len_arr_host, ...)
-        if self.kv_starts is None or args[4].shape != self.kv_starts.shape:
-            raise FivarError("fivar KV ranges: FlashInfer's FA3 plan arguments changed; this flashinfer "
-                             "version is not supported")
-        args[4] = self.kv_starts
+        from ..flashinfer_compat import problem, wrappers
+        args, at = list(args), wrappers.KV_STARTS_POSITION  # kv_indptr_host in FA3's plan arguments
+        why = problem("fa3_plan_kv_starts")
+        if why or self.kv_starts is None or args[at].shape != self.kv_starts.shape:
+            raise FivarError(f"fivar KV ranges: FlashInfer's FA3 plan arguments changed ({why or 'kv_indptr_host'}); "
+                             "this flashinfer version is not supported")
+        args[at] = self.kv_starts
         return self._module.plan(*args)
 
     def __getattr__(self, name):

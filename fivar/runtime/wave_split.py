@@ -20,17 +20,16 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-import os
 import re
 from dataclasses import dataclass
 
 import torch
 
-from ..codegen.fa3 import env_set
+from .. import config
 from ..errors import FivarError
 from ..spec import ir
 
-ENV = "FIVAR_FA3_WAVE_SPLIT"
+ENV = config.ENV["wave_split"]
 CHUNK_COUNTS = (2, 4, 8)  # powers of two: the merge kernel's chunk axis is a tl.arange
 MIN_CHUNK_TILES = 4  # shorter pieces are mostly prologue and epilogue
 CTA_FIXED_TILES = 2.0  # a CTA's fixed cost (Q load, first wgmma's wait, epilogue), in KV-tile times
@@ -53,18 +52,22 @@ def applies(variant, causal: bool, window_left: int, schedule: str = "grid") -> 
     low = variant.lowered
     if causal or window_left >= 0 or not variant.softmax or low.mask is not None or schedule != "grid":
         return False
+    from ..flashinfer_compat import active
+    if not (active("fa3_wave_split_launch") and active("fa3_flashinfer_tiles")):  # launches and plans as FlashInfer
+        return False
     return low.logits is None or ir.uses(low.logits) <= {"score", *variant.scalar_params}
 
 
 def _setting(variant_name: str) -> tuple[int, int] | bool:
     """FIVAR_FA3_WAVE_SPLIT: "0" off, "1" or unset `plan`'s choice, "TxC" T tail heads in C chunks wherever the
     split applies (for measuring the plan's cost model)."""
-    text = os.environ.get(ENV, "1").strip().lower()
+    text, where = config.setting("wave_split")
+    text = text.lower()
     if text in ("0", "1", ""):
         return text != "0"
     m = re.fullmatch(r"(\d+)x(\d+)", text)
     if not m or int(m.group(2)) not in CHUNK_COUNTS or int(m.group(1)) < 1:
-        raise FivarError(f"variant '{variant_name}': {ENV}={text!r}: expected 0, 1 or TxC (tail heads x chunks, "
+        raise FivarError(f"variant '{variant_name}': {where}={text!r}: expected 0, 1 or TxC (tail heads x chunks, "
                          f"chunks one of {', '.join(map(str, CHUNK_COUNTS))})")
     return int(m.group(1)), int(m.group(2))
 
@@ -72,7 +75,7 @@ def _setting(variant_name: str) -> tuple[int, int] | bool:
 def wave_split(on: bool | str = True):
     """Within the block, FA3 single prefill splits its last wave as planned (True), never (False), or as
     "TxC" says."""
-    return env_set(ENV, on if isinstance(on, str) else "1" if on else "0")
+    return config.override(wave_split=on)
 
 
 def _makespan(full_ctas: int, full_len: float, pieces: int, piece_len: float, sms: int) -> float:

@@ -7,6 +7,7 @@ import pytest
 
 import fivar
 from fivar.codegen import fa3
+from fivar.flashinfer_compat import fa3_launchers
 from fivar.jit.build import gen_module, module_for
 
 KERNELS = ("single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_1.cu")
@@ -95,8 +96,8 @@ def test_a_changed_flashinfer_launcher_falls_back_to_the_grid_or_refuses_an_expl
     """fivar's launcher mirrors FlashInfer 0.7.2's: if the installed one differs, the default is the grid (always
     right) and an explicit persistent schedule is refused with the reason, never built against other arguments."""
     window = fivar.load("softcap_sliding_window")
-    monkeypatch.setattr(fa3, "_FLASHINFER_LAUNCHER_SHA256", "0" * 64)
-    fa3.flashinfer_launcher_problem.cache_clear()
+    monkeypatch.setattr(fa3_launchers, "LAUNCHER_SHA256", "0" * 64)
+    fa3_launchers.launcher_problem.cache_clear()
     try:
         m = gen_module(window, "single_prefill", "fa3")
         assert m.options["schedule"] == "grid" and _persistent_kernels(m) == [False, False]
@@ -107,5 +108,5 @@ def test_a_changed_flashinfer_launcher_falls_back_to_the_grid_or_refuses_an_expl
             gen_module(window, "single_prefill", "fa3", schedule="persistent")
     finally:
         monkeypatch.undo()
-        fa3.flashinfer_launcher_problem.cache_clear()
+        fa3_launchers.launcher_problem.cache_clear()
     assert fa3.flashinfer_launcher_problem() is None  # the installed FlashInfer is the one mirrored

@@ -9,6 +9,7 @@ import pytest
 
 import fivar
 from fivar.codegen import fa3
+from fivar.flashinfer_compat import fa3_launchers
 from fivar.jit.build import gen_module, module_for
 
 NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
@@ -158,6 +159,7 @@ def test_only_fa3_single_prefill_takes_a_tile():
             gen_module(softcap, op, target, cta_tile="128x128")
 
 
+@pytest.mark.nvcc
 @pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not installed")
 @pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
 def test_the_specialization_compiles_and_links_in_place_of_flashinfers():
@@ -181,8 +183,8 @@ def test_a_flashinfer_whose_dispatch_changed_gets_its_own_tiles(monkeypatch):
     """The specialization keeps everything of FlashInfer's SinglePrefillWithKVCacheDispatched but the tile: a
     FlashInfer that changed it builds its own tiles by default, and an explicit tile is refused, not guessed."""
     assert fa3.flashinfer_dispatch_problem() is None  # the installed FlashInfer is the one fivar mirrors
-    monkeypatch.setattr(fa3, "_FLASHINFER_DISPATCH_SHA256", "0" * 64)
-    fa3.flashinfer_dispatch_problem.cache_clear()
+    monkeypatch.setattr(fa3_launchers, "DISPATCH_SHA256", "0" * 64)
+    fa3_launchers.dispatch_problem.cache_clear()
     try:
         assert "changed since fivar's CTA-tile specialization" in fa3.flashinfer_dispatch_problem()
         softcap = fivar.load("softcap")
@@ -199,4 +201,4 @@ def test_a_flashinfer_whose_dispatch_changed_gets_its_own_tiles(monkeypatch):
             gen_module(softcap, "single_prefill", "fa3")
     finally:
         monkeypatch.undo()
-        fa3.flashinfer_dispatch_problem.cache_clear()
+        fa3_launchers.dispatch_problem.cache_clear()

@@ -32,6 +32,7 @@ def test_fusion_uri_names_the_fusion_and_hashes_its_sources():
     assert set(row.sources) == {"fusion_llama_add_rmsnorm.cu", "fivar_fusion.cuh"}
 
 
+@pytest.mark.nvcc
 @requires_nvcc
 def test_every_bundled_fusion_compiles_for_sm90a():
     modules = [gen_fusion_module(fivar.load(n)) for n in BUNDLED_FUSIONS]
@@ -52,6 +53,7 @@ def test_every_bundled_fusion_compiles_for_sm90a():
     assert r.output.count("hit (disk)") == len(BUNDLED_FUSIONS) and "compiled" not in r.output
 
 
+@pytest.mark.nvcc
 @requires_nvcc
 def test_computed_cos_sin_fusions_compile_for_sm90a():
     """cos/sin from positions and inv_freq (sincosf in the kernel), NeoX and GPT-J."""

@@ -1,0 +1,119 @@
+"""What every `fivar` command shares: the group, its error handling, consoles and option parsing."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+from rich.console import Console
+from rich.syntax import Syntax
+
+from ..console import console_width
+from ..errors import FivarError
+
+console = Console(width=console_width())
+err_console = Console(stderr=True, width=console_width(sys.stderr))
+
+OPS = ("single_prefill", "batch_prefill", "batch_decode")
+CHECK_OPS_DEFAULT = ",".join(OPS)
+
+
+def _split(value: str | None, cast=str) -> list:
+    return [cast(x) for x in value.split(",") if x] if value else []
+
+
+def _choices(value: str | None, allowed, option: str) -> list[str]:
+    """A comma list whose every item is one of `allowed`, else one line naming the option and the item."""
+    import difflib
+    items = _split(value)
+    for x in items:
+        if x not in allowed:
+            close = difflib.get_close_matches(x, allowed, n=2, cutoff=0.4) or [a for a in allowed if x in a]
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+            raise FivarError(f"{option}: unknown {x!r}{hint}; choose from {', '.join(allowed)}")
+    if not items:
+        raise FivarError(f"{option}: empty; choose from {', '.join(allowed)}")
+    return items
+
+
+def _ints(value: str, option: str) -> list[int]:
+    try:
+        return [int(x) for x in _split(value)]
+    except ValueError:
+        raise FivarError(f"{option}: expected a comma list of integers, got {value!r}") from None
+
+
+class FivarGroup(click.Group):
+    """Turns FivarError into one red line and exit code 1; anything else is a real bug and surfaces."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except FivarError as e:
+            err_console.print(f"[bold red]error:[/] {_escape(str(e))}", highlight=False)
+            sys.exit(1)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+    return escape(text)
+
+
+@click.group(cls=FivarGroup)
+@click.version_option(package_name="fivar", message="fivar %(version)s")
+def main():
+    """Author attention variants once in Python; build them through FlashInfer's JIT; check and bench them."""
+
+
+def _set_arch(arch: str | None):
+    from ..jit.toolchain import set_arch_env
+    set_arch_env(arch)
+
+
+def _print_code(text: str, lexer: str = "cpp"):
+    if console.is_terminal:
+        console.print(Syntax(text, lexer, theme="ansi_dark", word_wrap=True))
+    else:  # piped: exact text, no wrapping or truncation
+        click.echo(text)
+
+
+def format_program_expr(e):
+    from ..spec.ir import format_expr
+    return format_expr(e)
+
+
+def _build_capabilities() -> list:
+    """The GPUs `build --targets auto` builds for: each arch of FLASHINFER_CUDA_ARCH_LIST (or --arch) when one is
+    set, else the visible GPU (None); so `--arch 8.0 9.0a` builds what both would run."""
+    from ..jit.toolchain import ensure_arch_env
+    ensure_arch_env()  # no GPU and no arch list: one line asking for FLASHINFER_CUDA_ARCH_LIST or --arch
+    text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")  # checked: space-separated
+    if not text:
+        return [None]
+    return [_arch_capability(a) for a in text.split()]
+
+
+def _builds_sm90a(arch_list: str | None = None) -> bool:
+    """Whether modules are built for sm_90a (what FA3 kernels need): `arch_list`, else FlashInfer's."""
+    text = arch_list or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+    if text:
+        return "9.0a" in text.split()
+    from ..jit.toolchain import arch_tag
+    return "90a" in arch_tag().split("_")
+
+
+def _arch_capability(arch_list: str) -> tuple[int, int]:
+    """(major, minor) of a checked arch list: sm90 if it has 9.0a (what FA3 is built for), else its first arch."""
+    archs = arch_list.split()
+    if "9.0a" in archs:
+        return 9, 0
+    major, minor = archs[0].split(".")
+    return int(major), int(minor.rstrip("abcdefghijklmnopqrstuvwxyz"))
+
+
+def _given(*params: str) -> list[str]:
+    """Which of these options of the running command were given on the command line (not left at their default)."""
+    from click.core import ParameterSource
+    ctx = click.get_current_context()
+    opts = {p.name: p.opts[0] for p in ctx.command.params}
+    return [opts[p] for p in params if ctx.get_parameter_source(p) not in (None, ParameterSource.DEFAULT)]

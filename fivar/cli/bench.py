@@ -1,0 +1,116 @@
+"""`fivar bench`: a variant's kernels timed against stock FlashInfer, its Triton twin and FlexAttention."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import FivarError
+from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilities, _builds_sm90a, _choices,
+                      _escape, _given, _ints, _print_code, _set_arch, _split, console, format_program_expr, main)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--vs", "vs", multiple=True, type=click.Choice(["stock", "triton", "flex", "sdpa"]),
+              help="contenders besides fivar's own kernels (repeatable); default: stock, triton, flex")
+@click.option("--op", type=click.Choice(["prefill", "batch-prefill", "decode"]), default="prefill", show_default=True)
+@click.option("--seqlens", default="1024,4096,8192", show_default=True)
+@click.option("--batch", default=1, show_default=True, help="requests (batch-prefill, decode)")
+@click.option("--heads", default="32/32", show_default=True, help="Hq/Hkv")
+@click.option("--head-dim", default=128, show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--causal", is_flag=True)
+@click.option("--rounds", default=4, show_default=True, help="interleaved timing rounds (each a do_bench median)")
+@click.option("--sustained", "sustained_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", help="instead of --rounds, time each contender alone, back to back, for SECONDS after "
+              "1 s untimed: the rate a serving loop keeps at the GPU's power limit")
+@click.option("--param", "param_texts", multiple=True, metavar="NAME=VALUE",
+              help="set a scalar param (repeatable), e.g. --param window=1024; default: the variant's example values")
+@click.option("--json", "json_path", default=None, help="write the full report (raw samples included)")
+@click.option("--plot", "plot_path", default=None, help="write a PNG: throughput vs seqlen + roofline")
+@click.option("--compile", "compile_", is_flag=True, help="cold/disk/memory build latency, fivar vs FlashInfer's path "
+              "(at --dtype and --head-dim; without a GPU: compile only, for --arch)")
+@click.option("--arch", default=None, help="--compile without a GPU: e.g. 9.0a (default: FLASHINFER_CUDA_ARCH_LIST)")
+def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, sustained_s, param_texts, json_path,
+          plot_path, compile_, arch):
+    """Benchmark a variant against stock FlashInfer, its Triton twin and FlexAttention (needs a GPU)."""
+    import json as _json
+
+    import torch
+
+    if compile_:
+        ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "sustained_s", "param_texts",
+                         "plot_path")
+        if ignored:  # build latency of one module: those shape a timed run
+            raise FivarError(f"--compile measures one module's build latency (at --dtype and --head-dim); "
+                             f"{', '.join(ignored)} shape a timed run only; drop {'them' if len(ignored) > 1 else 'it'}")
+        script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_compile.py"
+        if not script.exists():
+            raise FivarError("fivar bench --compile runs benchmarks/bench_compile.py from a fivar checkout")
+        import subprocess
+        _set_arch(arch)
+        from ..jit.toolchain import ensure_arch_env
+        ensure_arch_env()  # no GPU and no arch: one line, not the script's traceback
+        from .. import load
+        from ..fusion.spec import FusionVariant
+        from ..jit.build import HEAD_DIMS
+        if isinstance(load(name), FusionVariant):  # an unknown name: the registry's one line
+            raise FivarError(f"'{name}' is a fusion; bench --compile measures an attention variant's FA2 module")
+        if head_dim not in HEAD_DIMS:
+            raise FivarError(f"--head-dim must be one of {', '.join(map(str, HEAD_DIMS))}, got {head_dim}")
+        args = [sys.executable, str(script), "--variant", name, "--dtype", dtype, "--head-dim", str(head_dim)] + (
+            ["--json", json_path] if json_path else [])
+        if not torch.cuda.is_available():
+            console.print("no GPU visible: compiling only (hits are build() disk checks, not loads)", highlight=False)
+            args.append("--no-load")
+        sys.exit(subprocess.call(args))
+    from .. import load
+    from ..bench.contenders import scalar_params
+    from ..fusion.spec import FusionVariant
+    v = load(name)
+    if isinstance(v, FusionVariant):
+        raise FivarError(f"'{name}' is a fusion; fivar bench times attention variants (benchmarks/bench_fusions.py "
+                         "times fusions against stock FlashInfer)")
+    params = scalar_params(v, param_texts)  # before the GPU check: a typo is reported on any machine
+    if sustained_s and _given("rounds"):
+        raise FivarError("--sustained times each contender once, for SECONDS; --rounds sets interleaved rounds: "
+                         "give one of them")
+    if not torch.cuda.is_available():
+        raise FivarError("fivar bench times kernels, so it needs a CUDA GPU (without one: fivar bench NAME --compile "
+                         "--arch 9.0a measures build latency)")
+    if arch:
+        raise FivarError("--arch applies to --compile only: a timed run uses the visible GPU")
+    from ..bench import ceilings as ceil_mod
+    from ..bench.harness import run
+    try:
+        hq, hkv = (int(x) for x in heads.split("/"))
+    except ValueError:
+        raise FivarError(f"--heads must look like 32/8, got {heads!r}") from None
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    ceilings = ceil_mod.get()
+    console.print(f"ceilings on {ceilings['gpu']}: copy {ceilings['copy_tb_per_s']:.2f} TB/s, "
+                  f"bf16 matmul {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s")
+    report = run(v, op=op, seqlens=_split(seqlens, int), batch=batch, heads=(hq, hkv), head_dim=head_dim, dtype=dt,
+                 causal=causal, vs=vs or ("stock", "triton", "flex"), rounds=rounds, ceilings=ceilings, params=params,
+                 sustained_s=sustained_s or 0.0, progress=lambda s: console.print(s, style="dim", markup=False))
+    table = Table("S", "contender", "status", "ms (min..max)", "TFLOP/s", "% matmul", "TB/s", "% copy",
+                  "vs stock", title=f"fivar bench {name} --op {op} on {report['gpu']} ({report['date']})")
+    for r in report["results"]:
+        stock = r["ratio_vs"].get("stock")
+        table.add_row(str(r["seqlen"]), _escape(r["contender"] + (f" [{r['label']}]" if r["label"] else "")),
+                      {"ok": "[green]ok[/]", "failed": "[red]FAILED check[/]", "error": "[red]error[/]"}[r["status"]],
+                      f"{r['median_ms']:.3f} ({r['spread_ms'][0]:.3f}..{r['spread_ms'][1]:.3f})" if r["median_ms"] else
+                      _escape(str(r["check"].get("error") or r["check"].get("rel_err")))[:40],
+                      f"{r['tflops']:.1f}" if r["tflops"] else "-", f"{r['pct_of_matmul']:.0f}%" if r["tflops"] else "-",
+                      f"{r['tb_per_s']:.2f}" if r["tb_per_s"] else "-", f"{r['pct_of_copy']:.0f}%" if r["tb_per_s"] else "-",
+                      f"{stock:.2f}x" if stock else "-")
+    console.print(table)
+    if json_path:
+        Path(json_path).write_text(_json.dumps(report, indent=1, default=str))
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        from ..bench.plot import plot
+        plot(report, plot_path)
+        console.print(f"wrote {plot_path}")

@@ -1,0 +1,107 @@
+"""`fivar show`: what fivar generates for a variant, and (--explain) which kernels run it and why."""
+from __future__ import annotations
+
+import os
+
+import click
+
+from ..errors import FivarError
+from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilities, _builds_sm90a, _choices,
+                      _escape, _given, _ints, _print_code, _set_arch, _split, console, format_program_expr, main)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default=None,
+              help="attention variants only  [default: fa2]")
+@click.option("--explain", is_flag=True, help="say which target `backend='auto'` picks for each op here, and why")
+@click.option("--op", type=click.Choice(OPS), default="single_prefill", show_default=True)
+@click.option("--sources", is_flag=True, help="print every generated source file of the module, not just the struct")
+@click.option("--dtype", default="bf16", show_default=True)
+@click.option("--head-dim", default=128, show_default=True)
+@click.option("--arch", default=None, help="target arch for --sources and --explain without a GPU, e.g. 9.0a")
+def show(name, target, op, sources, dtype, head_dim, arch, explain):
+    """Print what fivar generates for a variant."""
+    from .. import load
+    from ..spec import optimize
+    from ..spec.ir import format_program
+    v = load(name)
+    if getattr(v, "kind", None) == "fusion":  # a fusion: its rendered CUDA source (--sources: with the header)
+        if target or explain:
+            raise FivarError(f"'{name}' is a fusion: it has one CUDA source and no attention targets, so "
+                             f"{'--target' if target else '--explain'} does not apply (`fivar show {name}` prints it)")
+        given = _given("op", "head_dim")
+        if given:  # a fusion declares its own head dim and has no ops
+            raise FivarError(f"'{name}' is a fusion: {' and '.join(given)} {'are' if len(given) > 1 else 'is'} for attention "
+                             f"variants only (a fusion has no ops, and its head dim is in its declaration)")
+        _set_arch(arch)
+        from ..fusion.build import render_sources
+        srcs = render_sources(v, dtype)
+        for fname, text in srcs.items():
+            if sources or fname.endswith(".cu"):
+                if sources:
+                    console.print(f"\n// ===== {fname} =====", style="bold", markup=False)
+                _print_code(text)
+        return
+    from ..jit.build import DTYPES, HEAD_DIMS
+    target = target or "fa2"
+    if target in ("fa2", "fa3") and (dtype not in DTYPES or head_dim not in HEAD_DIMS):  # `build` refuses these
+        raise FivarError(f"variant '{v.name}': " + (f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})"
+                         if dtype not in DTYPES else f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})"))
+    if explain:
+        import torch
+
+        from ..runtime.attention import choose_target
+        capability = None
+        where = "--arch" if arch else "FLASHINFER_CUDA_ARCH_LIST"
+        arch = arch or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+        no_sm90a = False
+        if arch and not torch.cuda.is_available():  # what auto would pick on that GPU
+            from ..jit.toolchain import check_arch_list
+            check_arch_list(arch, where)
+            capability = _arch_capability(arch)
+            no_sm90a = not _builds_sm90a(arch)
+            console.print(f"no GPU visible: as on sm{capability[0]}{capability[1]} ({where} {arch})")
+        for o in OPS:
+            t, why = choose_target(v, "auto", o, capability=capability)
+            if t == "fa3" and no_sm90a:  # what `fivar build` does with such a list
+                t, why = "fa2", f"{where} {arch} builds no sm_90a code, which FA3 kernels need: FA2 (add 9.0a for FA3)"
+            console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
+        from ..explain import lines
+        for line in lines(v, arch, where):
+            console.print(_escape(line))
+        return
+    if target == "triton":  # the Triton twin: one Python module with every kernel
+        from ..codegen.triton import render_attention
+        _print_code(render_attention(v), lexer="python")
+        return
+    if target == "ir":
+        vir = v.ir
+        for prog, role in ((vir.logits, "logits"), (vir.mask, "mask")):
+            if prog:
+                console.print(format_program(prog, role), highlight=False, markup=False)
+        low = optimize.lower(vir, v.softmax)
+        console.print("\n# lowered for the compiled targets (qk = unscaled q.k):", style="dim")
+        for n, e in low.hoisted.items():
+            console.print(f"  per-block {n} = {format_program_expr(e)}", highlight=False, markup=False)
+        for prog, role in ((low.logits, "logits"), (low.mask, "mask")):
+            if prog:
+                console.print(format_program(prog, role), highlight=False, markup=False)
+        if low.output_scale is not None:
+            console.print(f"  softmax exponent scale: log2(e) * {format_program_expr(low.output_scale)}",
+                          highlight=False, markup=False)
+        return
+    from ..codegen import fa2, fa3
+    if not sources:
+        decl = (fa3.variant_decl(v, kv_ranges=fa3.uses_kv_ranges(v, op), logits_range=fa3.softmax_range(v, dtype))
+                if target == "fa3"
+                else fa2.variant_decl(v))
+        _print_code(decl.source)
+        return
+    _set_arch(arch)
+    from ..jit.build import gen_module
+    m = gen_module(v, op=op, target=target, dtype=dtype, head_dim=head_dim)
+    console.print(f"# module {m.uri}", style="bold")
+    for fname, text in m.sources.items():
+        console.print(f"\n// ===== {fname} =====", style="bold", markup=False)
+        _print_code(text)

@@ -1,0 +1,194 @@
+"""Tuning as configuration: one frozen dataclass per kernel family, and the only place fivar reads FIVAR_*.
+
+A module is built from a config object. A field left None is chosen by the family's heuristic from the arch, head
+dim, variant and shape (fivar.codegen.fa3.kernel_config for FA3; fivar.jit.build.gen_module for FA2's build
+switches); a value given to gen_module(config=...) wins, then `override(...)` (a block of code forcing a choice,
+for tests and benchmarks), then the FIVAR_* environment variable, then the heuristic. What a module was built
+with is recorded in its manifest (`options`) and rendered by `fivar show --explain`, from the same objects.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+from .errors import FivarError
+
+
+@dataclass(frozen=True)
+class FA2BuildConfig:
+    """How an FA2 module is compiled (same kernels, another compile time). None: the default in ENV's notes."""
+    split_cta_tiles: bool | None = None  # one kernel unit per CTA tile (~0.7x the longest unit, ~1.8x the CPU)
+    nvcc_split_compile: bool | None = None  # nvcc --split-compile: cicc/ptxas work on a unit's kernels in threads
+    pin_kv_tiles: bool | None = None  # compile only the KV tile the archs' shared memory selects
+    skip_unused_headers: bool | tuple[str, ...] | None = None  # leave out headers FlashInfer includes but hardly uses
+    nvcc_parallel_passes: bool | None = None  # nvcc's host pass beside its device pass
+
+
+@dataclass(frozen=True)
+class FA3KernelConfig:
+    """What an FA3 (Hopper) module's kernels do. None: fivar.codegen.fa3.kernel_config's heuristic."""
+    exp2_emulated_of_8: int | None = None  # of every 8 score columns, how many compute exp2 on the FMA pipe
+    cta_tile: str | None = None  # single prefill: "QxKV", "QxKV,QxKV" (non-causal, causal), "A|B" choices, "flashinfer"
+    schedule: str | None = None  # single prefill: "grid" or "persistent", or "S,S" (non-causal, causal)
+    bounded_softmax: bool | None = None  # a bounded transform's softmax takes its max from the bound (bf16)
+    nvcc_parallel_passes: bool | None = None
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """What the Triton twin (templates/triton/attention.py.jinja) reads when it is imported."""
+    autotune: bool = True  # False: one launch config per kernel instead of autotuning (much less compile time)
+    tma: bool = True  # False: every K/V tile through pointers, also on Hopper (for comparison)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Choices made per launch. wave_split: FA3 single prefill splits its last wave as planned (True), never
+    (False), or "TxC" (T tail heads in C chunks wherever the split applies: for measuring the plan's cost model)."""
+    wave_split: bool | str = True
+
+
+#: field -> the environment variable that overrides it (unset: the heuristic's choice)
+ENV = {
+    "split_cta_tiles": "FIVAR_SPLIT_CTA_TILES",
+    "nvcc_split_compile": "FIVAR_NVCC_SPLIT_COMPILE",
+    "pin_kv_tiles": "FIVAR_PIN_KV_TILES",
+    "skip_unused_headers": "FIVAR_SKIP_UNUSED_HEADERS",
+    "nvcc_parallel_passes": "FIVAR_NVCC_PARALLEL_PASSES",
+    "exp2_emulated_of_8": "FIVAR_FA3_EXP2_EMULATION",
+    "cta_tile": "FIVAR_FA3_CTA_TILE",
+    "schedule": "FIVAR_FA3_SCHEDULE",
+    "bounded_softmax": "FIVAR_FA3_BOUNDED_SOFTMAX",
+    "wave_split": "FIVAR_FA3_WAVE_SPLIT",
+    "triton_autotune": "FIVAR_TRITON_AUTOTUNE",
+    "triton_tma": "FIVAR_TRITON_TMA",
+}
+#: Where fivar finds variants and keeps its own cache (not tuning, but read here like every FIVAR_* variable).
+VARIANT_PATH_ENV, CACHE_DIR_ENV = "FIVAR_VARIANT_PATH", "FIVAR_CACHE_DIR"
+
+_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("fivar_config_overrides", default={})
+_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma"}
+
+
+@contextlib.contextmanager
+def override(config=None, **values):
+    """Within the block, modules are generated (and, through fivar's module memo, run) with these choices, above
+    the environment: `override(exp2_emulated_of_8=4)`, `override(cta_tile="128x176")`, or
+    `override(FA3KernelConfig(...))` (its non-None fields). The process environment is left alone."""
+    if config is not None:
+        values = {**{f.name: getattr(config, f.name) for f in fields(config) if getattr(config, f.name) is not None},
+                  **values}
+    unknown = sorted(set(values) - _FIELDS)
+    if unknown:
+        raise FivarError(f"fivar.config.override: unknown setting {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(_FIELDS))})")
+    token = _overrides.set({**_overrides.get(), **values})
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def setting(name: str) -> tuple[str, str]:
+    """(text, where) of a setting above the heuristic: an override() in force (where: the field's name), else its
+    environment variable (where: the variable's name); text "" when neither says anything."""
+    forced = _overrides.get()
+    if name in forced:
+        value = forced[name]
+        text = ("1" if value else "0") if isinstance(value, bool) else \
+            ",".join(value) if isinstance(value, (tuple, list)) else str(value)
+        return text, name
+    return os.environ.get(ENV[name], "").strip(), ENV[name]
+
+
+def switch(name: str, given: bool | None = None, option: str | None = None) -> bool:
+    """An on-by-default build switch: `given` (a config field or gen_module option) if set, else an override() or
+    the environment variable (unset or 1: on, 0: off; anything else is refused, not read as on)."""
+    if given is None:
+        text, where = setting(name)
+        if text not in ("", "0", "1"):
+            raise FivarError(f"{where}={text!r}: expected 0 (off) or 1 (on, the default)")
+        return text != "0"
+    if not isinstance(given, bool):
+        raise FivarError(f"{option or name}={given!r}: expected True or False")
+    return given
+
+
+def switched_off_by(name: str) -> str:
+    """What turned a switch off when no config field did: `VAR=0` or `name=False` (an override())."""
+    text, where = setting(name)
+    return f"{where}=0" if where == ENV[name] else f"{name}=False"
+
+
+def nvcc_split_compile_threads() -> int | None:
+    """FIVAR_NVCC_SPLIT_COMPILE: unset -> None (on, threads by core count); 1 -> off; N >= 2 -> N threads."""
+    text, where = setting("nvcc_split_compile")
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise FivarError(f"{where}={text!r}: expected a thread count of at least 1 (1 turns nvcc's "
+                         f"--split-compile off; unset: on, with threads by core count)")
+    return int(text)
+
+
+def fa2_build_config(given: FA2BuildConfig | None = None) -> FA2BuildConfig:
+    """`given` with every None field resolved: overrides, then the environment, then the defaults (split_cta_tiles
+    off: it pays only on hosts with cores to spare; every other switch on)."""
+    given = given or FA2BuildConfig()
+    split, _ = setting("split_cta_tiles")
+    threads = nvcc_split_compile_threads() if given.nvcc_split_compile is None else None
+    return FA2BuildConfig(
+        split_cta_tiles=given.split_cta_tiles if given.split_cta_tiles is not None else split == "1",
+        nvcc_split_compile=(switch("nvcc_split_compile", given.nvcc_split_compile, "nvcc_split_compile")
+                            if given.nvcc_split_compile is not None else threads != 1),
+        pin_kv_tiles=switch("pin_kv_tiles", given.pin_kv_tiles, "pin_kv_tiles"),
+        skip_unused_headers=(given.skip_unused_headers if given.skip_unused_headers is not None and
+                             not isinstance(given.skip_unused_headers, bool) else
+                             switch("skip_unused_headers", given.skip_unused_headers, "skip_unused_headers")),
+        nvcc_parallel_passes=switch("nvcc_parallel_passes", given.nvcc_parallel_passes, "nvcc_parallel_passes"))
+
+
+def triton_config() -> TritonConfig:
+    """FIVAR_TRITON_AUTOTUNE=0 and FIVAR_TRITON_TMA=0 turn those off (read when a twin is imported)."""
+    return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0")
+
+
+def variant_path() -> list[str]:
+    """FIVAR_VARIANT_PATH's directories (os.pathsep-separated), first first."""
+    return [p for p in os.environ.get(VARIANT_PATH_ENV, "").split(os.pathsep) if p]
+
+
+def cache_dir_setting() -> str | None:
+    """FIVAR_CACHE_DIR, where given."""
+    return os.environ.get(CACHE_DIR_ENV) or None
+
+
+def state_key() -> tuple:
+    """Everything above the heuristics that can change a generated module: the overrides in force and every
+    FIVAR_* tuning variable (fivar.jit.build's module memo keys on it)."""
+    forced = _overrides.get()
+    return (tuple(sorted((k, repr(v)) for k, v in forced.items())),
+            tuple(os.environ.get(v, "") for v in ENV.values()))
+
+
+def from_options(target: str, options: dict) -> FA2BuildConfig | FA3KernelConfig:
+    """The config of a target from gen_module's keyword options (a manifest's `options`): fields of the other
+    target's config are not this one's, and are left out."""
+    cls = FA3KernelConfig if target == "fa3" else FA2BuildConfig
+    names = {f.name for f in fields(cls)}
+    values = {k: v for k, v in options.items() if k in names}
+    if cls is FA2BuildConfig and isinstance(values.get("skip_unused_headers"), list):
+        values["skip_unused_headers"] = tuple(values["skip_unused_headers"])
+    return cls(**values)
+
+
+def describe(config) -> str:
+    """One line of a config's fields: what --explain and the cache commands print."""
+    return ", ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config))
+
+
+def replace(config, **changes):
+    return dataclasses.replace(config, **changes)

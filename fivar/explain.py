@@ -1,0 +1,150 @@
+"""Why fivar runs a variant the way it does: the lines `fivar show --explain` prints, rendered from the same config
+objects (fivar.config, fivar.codegen.fa3.kernel_config) that generate its modules and fill their manifests."""
+from __future__ import annotations
+
+from . import config
+
+
+def _fa3_single_prefill(v):
+    """FA3 single prefill's kernel config at hd128, bf16 (what --explain describes), chosen as gen_module chooses it."""
+    from .codegen import fa3
+    return fa3.kernel_config(v, "single_prefill", 128, "bf16")
+
+
+def lines(v, arch: str | None, where: str) -> list[str]:
+    """Every line after the per-op target choice: tile skipping, FA2 KV tiles, FA3 softmax, tile, schedule and
+    wave split, and how the Triton twin reads each tensor."""
+    from .codegen.triton import TritonEmitter
+    out = [tile_skipping(v), fa2_kv_tiles(arch, where), fa3_softmax(v), fa3_tile(v), fa3_schedule(v),
+           fa3_wave_split(v)]
+    return out + [f"triton reads {read}: {how}" for read, how in TritonEmitter(v).read_plan()]
+
+
+def tile_skipping(v) -> str:
+    """What each target skips instead of masking, from the band fivar reads off the mask."""
+    from .spec.ir import format_expr
+    if v.ir.mask is None:
+        return "KV tile skipping: causal only (no mask)"
+    band = v.kv_band
+    sides = [f"kv_idx >= q_idx - {format_expr(band.left)}"] if band.left is not None else []
+    sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
+    kv_ranges = ("fa3 runs each 128-row query block (192 at head_dim 64) as its own request over the keys a "
+                 "mask pre-pass finds it keeps (KV-range form; single and ragged prefill, planned per call or "
+                 "once with plan_ragged; when every row keeps one run of keys the kernel checks each row's run "
+                 "instead of the mask; paged prefill visits every tile)")
+    if not sides:
+        return (f"KV tile skipping: the mask implies no band; {kv_ranges}; triton pre-scans it per query "
+                "block and attends over the tiles between the first and last kept one; fa2 evaluates it on "
+                "every tile")
+    how = "is exactly" if band.exact else "implies"
+    from .codegen.fa3 import runs_as_window
+    fa3_part = (kv_ranges if v.scans_mask else
+                "fa3 runs it as FlashInfer's own sliding window (window_left from the band: only the window's "
+                "boundary tiles are masked, and the struct carries no mask)" if runs_as_window(v) else
+                "fa3 builds with FlashInfer's sliding-window schedule (window_left from the band) and masks "
+                "element-wise on every tile it visits" if band.left is not None else
+                "fa3 has no hook for a right-only band")
+    return (f"KV tile skipping: the mask {how} the band {' and '.join(sides)}; {fa3_part}; triton bounds its "
+            f"KV loop by it{'' if band.exact else ' and pre-scans the rest'}; fa2 masks element-wise "
+            "(FlashInfer's FA2 kernels visit every tile)")
+
+
+def fa3_softmax(v) -> str:
+    from .codegen import fa3
+    if not v.softmax:
+        return "fa3 softmax: none (the variant's weights are used as they are)"
+    mufu, k = fa3.mufu_ops_per_score(v), _fa3_single_prefill(v).exp2_emulated_of_8
+    cost = f"the logits transform costs {mufu} MUFU op(s) per score"
+    rng = fa3.softmax_range(v, "bf16", True)
+    bounded = ("; the transform is unbounded, so the max is a running one" if rng is None else
+               f"; the transform stays in [{rng[0]:g}, {rng[1]:g}], and unless {fa3.BOUNDED_SOFTMAX_ENV}=0 (bf16) the "
+               f"softmax takes its max from the bound where the range times the softmax scale spans at most "
+               f"{fa3.BOUNDED_SOFTMAX_SPAN:g} powers of two, {'on' if _fa3_single_prefill(v).logits_range else 'off'} here")
+    if not k:
+        return f"fa3 softmax: FlashInfer's OnlineSoftmax, every exp2 on the MUFU pipe ({cost}{bounded})"
+    return (f"fa3 softmax: {k} of every 8 score columns compute exp2 on the FMA pipe ({cost}; "
+            f"{fa3.EXP2_EMULATION_ENV}=0..8 overrides{bounded})")
+
+
+def fa3_tile(v) -> str:
+    from .codegen import fa3
+    from .jit.build import serving_op
+    if serving_op(v, "single_prefill", "fa3") != "single_prefill":
+        return ("fa3 single prefill CTA tile: FlashInfer's (it runs as batch prefill in the KV-range form, whose "
+                f"tiles fivar does not change; {fa3.CTA_TILE_ENV} does not apply)")
+    tiles = _fa3_single_prefill(v).config.cta_tile
+    forced, where = config.setting("cta_tile")
+    if forced:
+        why = where
+    elif tiles in (fa3.MUFU_BOUND_TILE, fa3.MUFU_BOUND_WINDOW_TILE):
+        why = (f"the transform costs MUFU ops: smaller score tiles measured faster; non-causal, 192x64 from "
+               f"{fa3.LONG_QO_LEN} query rows (three warpgroups, more work per clock at the power limit), 128x128 "
+               "below" + ("; causal, 192x64 (three warpgroups share each K/V tile of the window)"
+                          if tiles == fa3.MUFU_BOUND_WINDOW_TILE else ""))
+    elif tiles != fa3.FLASHINFER_TILES:
+        why = "the transform costs MUFU ops: a smaller score tile measured faster"
+    elif fa3.default_cta_tile(v, "single_prefill", 128) != fa3.FLASHINFER_TILES:
+        why = f"FlashInfer's: {fa3.flashinfer_dispatch_problem()}"
+    else:
+        why = "FlashInfer's choice"
+    if tiles == fa3.FLASHINFER_TILES:
+        tiles = "{}x{} non-causal, {}x{} causal".format(*sum(fa3.FLASHINFER_SINGLE_PREFILL_TILES[128], ()))
+    return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[|QxKV][,QxKV[|QxKV]] "
+            "or flashinfer overrides)")
+
+
+def fa3_schedule(v) -> str:
+    from .codegen import fa3
+    from .jit.build import serving_op
+    if serving_op(v, "single_prefill", "fa3") != "single_prefill":
+        return ("fa3 single prefill schedule: FlashInfer's (it runs as batch prefill in the KV-range form, on "
+                f"FlashInfer's planned schedule; {fa3.SCHEDULE_ENV} does not apply)")
+    chosen = _fa3_single_prefill(v).schedules
+    forced, where = config.setting("schedule")
+    if forced:
+        why = where
+    elif "persistent" in chosen.values():
+        why = ("a window makes every causal query tile about as long as the next: one CTA per SM walking them "
+               "measured faster")
+    elif fa3.default_schedule(v, "single_prefill", 128) != "grid":
+        why = f"FlashInfer's grid: {fa3.flashinfer_dispatch_problem() or fa3.flashinfer_launcher_problem()}"
+    else:
+        why = "FlashInfer's grid; a static persistent schedule measured slower where tile costs differ"
+    return (f"fa3 single prefill schedule at hd128: {chosen[fa3.MASK_NONE]} non-causal, {chosen[fa3.MASK_CAUSAL]} "
+            f"causal ({why}; {fa3.SCHEDULE_ENV}=grid|persistent[,grid|persistent] overrides)")
+
+
+def fa3_wave_split(v) -> str:
+    from .codegen import fa3
+    from .runtime import wave_split
+    if wave_split.applies(v, causal=False, window_left=-1) and \
+            _fa3_single_prefill(v).schedules[fa3.MASK_NONE] != "grid":
+        return ("fa3 single prefill last wave: never split (the non-causal kernel is persistent: it holds every SM "
+                "to its end, so the tail's launches could only start after it)")
+    if not wave_split.applies(v, causal=False, window_left=-1):
+        return ("fa3 single prefill last wave: never split (only softmax variants whose logits read nothing but the "
+                "score and scalar params, with no mask, non-causal, can run as key chunks merged through their LSE)")
+    return ("fa3 single prefill last wave, non-causal: the last heads run as key chunks merged through their LSE "
+            "where a simulated schedule says it saves at least "
+            f"{wave_split.MIN_GAIN:.1%} (with 32 heads on 132 SMs, S=8192 on the 192x64 tile does; "
+            f"{wave_split.ENV}=0 turns it off)")
+
+
+def fa2_kv_tiles(arch: str | None, where: str) -> str:
+    """How FA2 prefill modules built for these archs (else the visible GPU's) choose their KV tile."""
+    from .jit import pinned_kv_tiles
+    if arch:
+        archs = {(int(a.split(".")[0]), a.split(".")[1]) for a in arch.split()}
+        built = f"{where} {arch}"
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            return "fa2 prefill KV tiles: depend on the target archs (give --arch)"
+        major, minor = torch.cuda.get_device_capability()
+        archs, built = {(major, str(minor))}, f"this GPU, sm{major}{minor}"
+    smem, why = pinned_kv_tiles.decide(archs)
+    if smem:
+        return (f"fa2 prefill KV tiles: fixed at compile time for {smem[0]} bytes of shared memory per SM ({built}): one "
+                f"kernel per CTA tile instead of one per NUM_MMA_KV ({pinned_kv_tiles.ENV}=0 keeps FlashInfer's "
+                "run-time choice)")
+    return f"fa2 prefill KV tiles: chosen at run time by FlashInfer ({built}: {why})"

@@ -1,0 +1,139 @@
+"""FA2 prefill: fivar's cut of FlashInfer's single-prefill launcher (templates/fa2/single_prefill_{tile,dispatch}.cuh),
+its grouping of batch-prefill instantiations by CTA tile, and its KV tiles pinned at compile time
+(csrc/fivar_pinned_kv_tiles.cuh) repeat FlashInfer's launcher text (FlashInfer 0.7.2,
+include/flashinfer/attention/prefill.cuh and utils.cuh). Each is used only while that text matches, token for token."""
+from __future__ import annotations
+
+import functools
+import re
+
+from ..paths import templates_dir
+from ._base import Coupling, csrc_dir, include_dir, norm, safe
+
+_SIGNATURE = (r"(template <uint32_t HEAD_DIM_QK[^>]*>\s*cudaError_t SinglePrefillWithKVCacheDispatched\("
+              r"Params params, typename Params::DTypeO\* tmp,\s*cudaStream_t stream\))")
+
+
+def _utils() -> str:
+    return (include_dir() / "flashinfer" / "utils.cuh").read_text()
+
+
+def _prefill() -> str:
+    return (include_dir() / "flashinfer" / "attention" / "prefill.cuh").read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def dispatch_cta_tiles() -> tuple[int, ...]:
+    """The cases of FlashInfer's DISPATCH_CTA_TILE_Q (include/flashinfer/utils.cuh)."""
+    m = re.search(r"#define DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \.\.\.\)((?:[^\n]*\\\n)+)", _utils())
+    return tuple(int(c) for c in re.findall(r"case (\d+):", m.group(1))) if m else ()
+
+
+@functools.lru_cache(maxsize=None)
+@safe
+def single_prefill_split_problem() -> str | None:
+    """Why fivar's cut of FlashInfer's single-prefill launcher does not fit the installed FlashInfer, or None.
+
+    templates/fa2/single_prefill_tile.cuh and single_prefill_dispatch.cuh carry FlashInfer's text (0.7.2,
+    prefill.cuh's SinglePrefillWithKVCacheDispatched); this compares them token for token (whitespace aside) with
+    the installed prefill.cuh, and fivar's dispatcher signature with the declaration in csrc/single_prefill.cu."""
+    prefill, host = _prefill(), (csrc_dir() / "single_prefill.cu").read_text()
+    tile = (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text()
+    dispatch = (templates_dir() / "fa2" / "single_prefill_dispatch.cuh").read_text()
+    fi = re.search(_SIGNATURE + r" \{\n(.*?)\n  DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \{\n(.*?)\n  \}\);\n"
+                   r"  return cudaSuccess;\n\}\n", prefill, re.S)
+    if not fi:
+        return "prefill.cuh has no SinglePrefillWithKVCacheDispatched of the form fivar splits"
+    fi_sig, fi_preamble, fi_body = fi.groups()
+    decl = re.search(_SIGNATURE + ";", host)
+    ours_sig = re.search(_SIGNATURE + " {", dispatch)
+    ours_preamble = re.search(r"// ---- BEGIN FlashInfer preamble[^\n]*\n(.*?)\n  // ---- END FlashInfer preamble",
+                              dispatch, re.S)
+    ours_body = re.search(r"// ---- BEGIN FlashInfer DISPATCH_CTA_TILE_Q body[^\n]*\n  \{\n(.*?)\n  \}\n"
+                          r"  // ---- END FlashInfer DISPATCH_CTA_TILE_Q body", tile, re.S)
+    tile_locals = re.search(r"cudaError_t fivar_single_prefill_tile\([^)]*\) \{\n(.*?)\n  // ---- BEGIN", tile, re.S)
+    if not (decl and ours_sig and ours_preamble and ours_body and tile_locals):
+        return "fivar's single-prefill templates or FlashInfer's single_prefill.cu lack the expected markers"
+    if not norm(fi_sig) == norm(decl.group(1)) == norm(ours_sig.group(1)):
+        return "the signature of SinglePrefillWithKVCacheDispatched changed"
+    if norm(fi_preamble) != norm(ours_preamble.group(1)):
+        return "the preamble of SinglePrefillWithKVCacheDispatched changed"
+    if norm(fi_body) != norm(ours_body.group(1)):
+        return "the DISPATCH_CTA_TILE_Q body of SinglePrefillWithKVCacheDispatched changed"
+    fi_lines = {line.strip() for line in fi_preamble.splitlines()}
+    if any(line.strip() not in fi_lines for line in tile_locals.group(1).splitlines()):
+        return "a local the tile function copies from FlashInfer's preamble changed"
+    if not dispatch_cta_tiles():
+        return "utils.cuh has no DISPATCH_CTA_TILE_Q of the expected form"
+    return None
+
+
+def inst_statements(text: str) -> list[str]:
+    """The launcher instantiations (`template cudaError_t ...Dispatched<...>(...);`) in a kernel unit, normalised:
+    fivar's per-tile batch-prefill units must instantiate exactly what FlashInfer's rendered ones do."""
+    return sorted(norm(s) for s in re.findall(r"^template cudaError_t \w+Dispatched<.*?>\(.*?\);", text, re.S | re.M))
+
+
+@functools.lru_cache(maxsize=None)
+@safe
+def batch_prefill_split_problem() -> str | None:
+    """Why FlashInfer's batch-prefill instantiation templates cannot be grouped by tile, or None (each module's
+    units are also checked statement for statement against FlashInfer's, fivar.jit.build._fa2_tile_split)."""
+    for name in ("batch_prefill_paged_kernel_inst.jinja", "batch_prefill_ragged_kernel_inst.jinja"):
+        if "/*CTA_TILE_Q=*/" not in (csrc_dir() / name).read_text():
+            return f"{name} names no /*CTA_TILE_Q=*/ in its instantiations"
+    return None
+
+
+# The steps of FlashInfer's launchers that fivar_pinned_kv_tiles.cuh repeats with the build's shared memory, and
+# the dispatch that takes their result (prefill.cuh, FlashInfer 0.7.2), whitespace aside.
+_LAUNCHER_STEPS = (
+    "const int num_ctas_per_sm = max_smem_per_sm >= 2 * (kFixedSmem + kMinValidMmaKV * kKVSmemPerMmaKV) ? 2 : 1;",
+    "const int max_smem_per_threadblock = min(max_smem_per_sm / num_ctas_per_sm, max_smem_per_block_optin);",
+    "const int max_num_mma_kv_smem = (max_smem_per_threadblock - static_cast<int>(kFixedSmem)) / "
+    "static_cast<int>(kKVSmemPerMmaKV);",
+    "DISPATCH_NUM_MMA_KV( min(static_cast<uint32_t>(max_num_mma_kv_smem), max_num_mma_kv_reg), NUM_MMA_KV, {",
+)
+_DISPATCH_CASES = re.compile(r"#define DISPATCH_NUM_MMA_KV\(max_mma_kv, NUM_MMA_KV, \.\.\.\)((?:[^\n]*\\\n)+)")
+
+
+def pinned_kv_tiles_problem_in(prefill: str, utils: str, tile_template: str = "") -> str | None:
+    """Why the pinned dispatch does not fit these launcher sources (prefill.cuh, utils.cuh and fivar's copy of the
+    single-prefill launcher), or None: every DISPATCH_NUM_MMA_KV must follow FlashInfer 0.7.2's three steps, with
+    their locals, and the macro's cases must be 8, 4, 2, 1."""
+    m = _DISPATCH_CASES.search(utils)
+    if not m or re.findall(r"NUM_MMA_KV = (\d+);", m.group(1)) != ["8", "4", "2", "1"]:
+        return "DISPATCH_NUM_MMA_KV in utils.cuh is not the 8/4/2/1 dispatch fivar pins"
+    for name, text in (("prefill.cuh", prefill), ("fivar's single-prefill launcher", tile_template)):
+        # every launcher: from its num_ctas_per_sm to its DISPATCH_NUM_MMA_KV, the steps in order
+        starts = [i.start() for i in re.finditer(r"DISPATCH_NUM_MMA_KV\(", text)]
+        if name == "prefill.cuh" and not starts:
+            return "prefill.cuh has no DISPATCH_NUM_MMA_KV"
+        for start in starts:
+            launcher = norm(text[max(0, start - 4000):start + 200])
+            at = 0
+            for step in _LAUNCHER_STEPS:
+                at = launcher.find(norm(step), at)
+                if at < 0:
+                    return f"a DISPATCH_NUM_MMA_KV in {name} does not follow '{step}'"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+@safe
+def pinned_kv_tiles_problem() -> str | None:
+    """pinned_kv_tiles_problem_in for the installed FlashInfer."""
+    return pinned_kv_tiles_problem_in(_prefill(), _utils(), (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text())
+
+
+COUPLINGS = [
+    Coupling("fa2_single_prefill_split", "SinglePrefillWithKVCacheDispatched's text (prefill.cuh) and its declaration "
+             "(csrc/single_prefill.cu), token for token", "FA2 single prefill kernel units split per CTA tile",
+             "one kernel unit per mask mode, FlashInfer's layout", single_prefill_split_problem),
+    Coupling("fa2_batch_prefill_split", "the /*CTA_TILE_Q=*/ instantiations of batch_prefill_*_kernel_inst.jinja",
+             "FA2 batch prefill kernel units split per CTA tile", "one kernel unit per mask mode, FlashInfer's layout",
+             batch_prefill_split_problem),
+    Coupling("fa2_pinned_kv_tiles", "the shared-memory steps before every DISPATCH_NUM_MMA_KV (prefill.cuh) and "
+             "that macro's 8/4/2/1 cases (utils.cuh)", "FA2 prefill KV tiles pinned at compile time",
+             "FlashInfer's run-time KV tile choice (4x the kernels per unit)", pinned_kv_tiles_problem),
+]

@@ -1,0 +1,73 @@
+"""Every FlashInfer coupling matches the installed FlashInfer; a changed FlashInfer turns the optimisation off and says
+so once, naming it (or, for a required coupling, refuses to run)."""
+import logging
+
+import fivar
+from fivar import flashinfer_compat as compat
+from fivar.flashinfer_compat import _base, fa2_launchers, fa3_launchers, wrappers
+from fivar.jit.build import gen_module
+
+
+def test_every_coupling_is_active_with_the_installed_flashinfer():
+    """Fails loudly, coupling by coupling, when a FlashInfer upgrade no longer matches what fivar relies on."""
+    import flashinfer
+    broken = {s.name: s.reason for s in compat.report() if not s.active}
+    assert not broken, f"FlashInfer {flashinfer.__version__} no longer matches: {broken}"
+    assert len(compat.COUPLINGS) >= 11 and all(s.active for s in compat.report())
+
+
+def test_each_check_can_fail():
+    """The checks compare real text: an altered copy of FlashInfer's is refused by each one."""
+    from flashinfer.jit import env as jit_env
+    inc = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer"
+    prefill, utils = (inc / "attention" / "prefill.cuh").read_text(), (inc / "utils.cuh").read_text()
+    assert fa2_launchers.pinned_kv_tiles_problem_in(prefill, utils) is None
+    assert "8/4/2/1" in fa2_launchers.pinned_kv_tiles_problem_in(
+        prefill, utils.replace("NUM_MMA_KV = 8;", "NUM_MMA_KV = 16;"))
+    assert fa3_launchers.mirrored_function_problem(fa3_launchers._DISPATCH_SIGNATURE, "0" * 64, "x").endswith(
+        "changed since fivar's x was written against 0.7.2")
+
+
+def test_a_changed_flashinfer_turns_the_fa3_tile_off_and_says_which_once(monkeypatch, caplog):
+    """The FA3 tile and schedule defaults used to fall back to FlashInfer's silently: now one warning each names
+    the optimisation, and doctor's report lists it as disabled with the reason."""
+    monkeypatch.setattr(fa3_launchers, "DISPATCH_SHA256", "0" * 64)
+    fa3_launchers.dispatch_problem.cache_clear()
+    _base._warned.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fivar"):
+            for _ in range(2):
+                m = gen_module(fivar.load("softcap_sliding_window"), "single_prefill", "fa3")
+        assert m.options["cta_tile"] == "flashinfer" and m.options["schedule"] == "grid"
+        said = [r.getMessage() for r in caplog.records if "is off" in r.getMessage()]
+        assert len([t for t in said if "own CTA tile" in t]) == 1, said
+        assert len([t for t in said if "persistent schedule" in t]) == 1, said
+        status = {s.name: s for s in compat.report()}
+        assert not status["fa3_cta_tile"].active and "SinglePrefillWithKVCacheDispatched" in status["fa3_cta_tile"].reason
+        assert not status["fa3_persistent_schedule"].active and status["fa2_pinned_kv_tiles"].active
+    finally:
+        monkeypatch.undo()
+        fa3_launchers.dispatch_problem.cache_clear()
+        _base._warned.clear()
+
+
+def test_a_required_coupling_that_breaks_is_reported_broken(monkeypatch):
+    monkeypatch.setattr(wrappers, "FA3_PLAN_HEAD", wrappers.FA3_PLAN_HEAD[:4] + ("kv_starts_host",) + wrappers.FA3_PLAN_HEAD[5:])
+    wrappers.fa3_plan_problem.cache_clear()
+    try:
+        status = {s.name: s for s in compat.report()}["fa3_plan_kv_starts"]
+        assert status.required and not status.active and "position 4" in status.reason
+    finally:
+        monkeypatch.undo()
+        wrappers.fa3_plan_problem.cache_clear()
+
+
+def test_doctor_lists_the_toolchain_and_every_coupling():
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    r = CliRunner().invoke(main, ["doctor"])
+    assert r.exit_code == 0, r.output
+    for name in ("nvcc", "CUDA_HOME", "torch", "triton", "flashinfer", *compat.COUPLINGS):
+        assert name in r.output, name
+    assert f"{len(compat.COUPLINGS)} active, 0 disabled" in r.output

@@ -1,0 +1,95 @@
+"""fivar's modules import one way: no module reaches itself through the imports it makes at import time."""
+import ast
+from pathlib import Path
+
+import fivar
+
+PACKAGE = Path(fivar.__file__).parent
+#: Known circles another change removes; delete an entry once its circle is gone (the test then guards it).
+ALLOWED: set[frozenset[str]] = set()
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The fivar modules `name` imports when it is imported: statements outside functions (and outside
+    `if TYPE_CHECKING:`), resolved to modules (a name imported from a package is its submodule if one exists)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name.startswith("fivar"))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                if base.startswith("fivar"):
+                    for a in node.names:
+                        out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+            if isinstance(node, ast.ClassDef):
+                visit(node.body)
+            elif hasattr(node, "body") and not isinstance(node, ast.ClassDef):
+                visit(getattr(node, "body", []) + getattr(node, "orelse", []) + getattr(node, "finalbody", []) +
+                      [h for h in getattr(node, "handlers", [])])
+    visit(ast.parse(path.read_text()).body)
+    return {m for m in out if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    graph = {name: _top_level_imports(p, name, modules) for name, p in paths.items()}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_the_graph_sees_imports():
+    graph = _graph()
+    assert "fivar.jit.build" in graph["fivar.runtime.attention"]
+    assert "fivar.config" in graph["fivar.codegen.fa3"] and "fivar.flashinfer_compat" in graph["fivar.codegen.fa3"]
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+def test_no_import_circles():
+    cycles = [c for c in _cycles(_graph()) if frozenset(c) not in ALLOWED]
+    assert not cycles, f"import circles: {cycles}"
