@@ -212,6 +212,10 @@ def _into(out, result, return_lse: bool):
 
 def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa2", out=None, params=None,
                    return_lse=False):
+    if torch.compiler.is_compiling():  # host checks cannot be traced: one custom op (fivar.runtime.ops)
+        from . import ops
+        return _into(out, ops.prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
+                                      params=params or {}, return_lse=return_lse), return_lse)
     if backend == "triton":
         from .triton_attention import triton_prefill
         return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params,
@@ -385,6 +389,10 @@ def _check_decode_indptr(variant, q, kv_indptr):
 
 def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
                          backend="fa2", params=None, return_lse=False):
+    if torch.compiler.is_compiling():
+        from . import ops
+        return ops.ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal, sm_scale=sm_scale, backend=backend,
+                          params=params or {}, return_lse=return_lse)
     if backend == "triton":
         from .triton_attention import triton_batch_prefill_ragged
         return triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
@@ -408,6 +416,11 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
 
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
                         causal=False, sm_scale=None, backend="fa2", params=None, return_lse=False):
+    if torch.compiler.is_compiling():
+        from . import ops
+        return ops.paged(variant, q, *_paged_kv(variant, paged_kv_cache), qo_indptr, kv_indptr, kv_indices,
+                         kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend, params=params or {},
+                         return_lse=return_lse)
     if backend == "triton":
         raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is "
                          "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
@@ -445,6 +458,10 @@ def _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, k
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
                  backend="fa2", params=None, return_lse=False):
     """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1."""
+    if torch.compiler.is_compiling():
+        from . import ops
+        return ops.decode(variant, q, *_paged_kv(variant, paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len,
+                          sm_scale=sm_scale, backend=backend, params=params or {}, return_lse=return_lse)
     if backend == "triton":
         from .triton_attention import triton_decode
         return triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
@@ -526,6 +543,9 @@ class PagedAttentionPlan:
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
     def run(self, q, paged_kv_cache, *, return_lse=False):
+        if torch.compiler.is_compiling():
+            from . import ops
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
         return_lse = check_lse(self.variant, return_lse)
         k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
         hq, hkv, d, page, dtype = self._shape
@@ -572,6 +592,9 @@ class RaggedAttentionPlan:
         self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal))
 
     def run(self, q, k, v, *, return_lse=False):
+        if torch.compiler.is_compiling():
+            from . import ops
+            return ops.plan_run(self, q, k, v, return_lse)
         return_lse = check_lse(self.variant, return_lse)
         _check_qkv(self.variant, q, k, v)
         hq, hkv, d, dtype = self._shape
