@@ -125,3 +125,74 @@ def test_no_softmax_refuses_lse_on_the_gpu():
     params = _params(v, 8, 8, 1, 16)
     with pytest.raises(fivar.FivarError, match="variant 'sigmoid': return_lse=True needs a softmax variant"):
         v.prefill(q, k, vv, backend="fa2", return_lse=True, **params)
+
+
+# --- CUDA-graph decode plans ---------------------------------------------------------------------------
+def _page_table(kv_lens, page_size, pool):
+    """Each request's pages drawn at random from a pool of `pool` pages: (indptr, indices, last_page_len)."""
+    counts = [-(-n // page_size) for n in kv_lens]
+    indices = torch.randperm(pool)[:sum(counts)].to(torch.int32)
+    indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (c - 1) * page_size for n, c in zip(kv_lens, counts)], dtype=torch.int32)
+    return indptr.cuda(), indices.cuda(), last.cuda()
+
+
+def _gathered(cache, indptr, indices, kv_lens):
+    """Contiguous K (or V) of every request, read back out of the pages."""
+    parts = []
+    for b, n in enumerate(kv_lens):
+        pages = indices[indptr[b]:indptr[b + 1]].long()
+        parts.append(cache[pages].reshape(-1, *cache.shape[2:])[:n])
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("name,heads", [("softcap", (32, 8)), ("softcap", (8, 8)), ("sliding_window", (32, 8)),
+                                        ("alibi", (8, 8)), ("sigmoid", (32, 8)), ("softcap_sliding_window", (16, 4))])
+def test_cuda_graph_decode_replays_new_lengths_and_pages(name, heads):
+    v = fivar.load(name)
+    hq, hkv = heads
+    max_batch, page, pool, d = 8, 16, 1024, 128
+    k_cache = torch.randn(pool, page, hkv, d, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(pool, page, hkv, d, dtype=DTYPE, device="cuda")
+    params = _params(v, hq, hkv, max_batch, 3000)
+    first = [100] * max_batch
+    plan = v.plan_decode(*_page_table(first, page, pool), cuda_graph=True, max_batch=max_batch, max_pages=pool,
+                         num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=DTYPE, **params)
+    q_static = torch.zeros(max_batch, hq, d, dtype=DTYPE, device="cuda")
+    with_lse = v.softmax
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (module load, lazy allocations)
+        plan.run(q_static, (k_cache, v_cache), return_lse=with_lse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plan.run(q_static, (k_cache, v_cache), return_lse=with_lse)
+    for kv_lens in ([1, 17, 300, 2049, 5, 64, 1000, 16], [3000, 1, 77], [16] * max_batch):
+        table = _page_table(kv_lens, page, pool)
+        plan.plan(*table)
+        q = torch.randn(len(kv_lens), hq, d, dtype=DTYPE, device="cuda")
+        q_static.normal_()  # padding rows: anything
+        q_static[:len(kv_lens)].copy_(q)
+        graph.replay()
+        torch.cuda.synchronize()
+        out, lse = captured if with_lse else (captured, None)
+        k = _gathered(k_cache, *table[:2], kv_lens)
+        vv = _gathered(v_cache, *table[:2], kv_lens)
+        if with_lse:
+            ref, ref_lse = _ref_lse(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params)
+            _check_lse(f"{name} graph {kv_lens}", lse[:len(kv_lens)], ref_lse)
+        else:
+            ref = _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params)
+        r = compare(name, f"graph replay {kv_lens}", out[:len(kv_lens)], ref, DTYPE)
+        assert r.passed, r
+
+
+def test_cuda_graph_plan_refuses_more_than_its_capacity():
+    v = fivar.load("softcap")
+    plan = v.plan_decode(*_page_table([40, 40], 16, 64), cuda_graph=True, max_batch=2, max_pages=8,
+                         num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=DTYPE)
+    with pytest.raises(fivar.FivarError, match="at most max_batch=2 and max_pages=8"):
+        plan.plan(*_page_table([40, 40, 40], 16, 64))
+    with pytest.raises(fivar.FivarError, match="at most max_batch=2 and max_pages=8"):
+        plan.plan(*_page_table([100, 100], 16, 64))

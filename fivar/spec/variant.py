@@ -211,9 +211,14 @@ class AttentionVariant:
                                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                    sm_scale=sm_scale, backend=backend, device=device, params=params)
 
-    def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, **kwargs):
-        """`plan_paged` for one query token per request (decode on the tensor-core paged kernel)."""
+    def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, *, cuda_graph: bool = False, **kwargs):
+        """`plan_paged` for one query token per request (decode on the tensor-core paged kernel). cuda_graph=True
+        (with max_batch=, max_pages=): fixed buffers for capture and replay (fivar.runtime.graph)."""
         import torch
+        if cuda_graph:
+            from ..runtime.graph import GraphDecodePlan
+            params = {k: kwargs.pop(k) for k in list(kwargs) if k in self.params}
+            return GraphDecodePlan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
         n = kv_indptr.numel()
         qo_indptr = torch.arange(n, dtype=torch.int32, device=kv_indptr.device)  # plan_paged moves it to the device
         return self.plan_paged(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, **kwargs)

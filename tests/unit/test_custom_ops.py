@@ -165,3 +165,13 @@ def test_unknown_param_is_named_when_traced():
 
     with pytest.raises(Exception, match="variant 'softcap': unknown parameter.*soft_cap"):
         torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cuda_graph_plan_needs_a_gpu():
+    variant = fivar.load("softcap")
+    indptr, indices, last = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                             torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(fivar.FivarError, match="variant 'softcap': a CUDA-graph decode plan needs a CUDA GPU"):
+        variant.plan_decode(indptr, indices, last, cuda_graph=True, max_batch=4, max_pages=16, num_qo_heads=8,
+                            num_kv_heads=2, head_dim=128, page_size=16, device="cpu", softcap=20.0)
