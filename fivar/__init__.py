@@ -3,6 +3,7 @@ from .errors import FivarBuildError, FivarError, FivarSpecError
 from .lang import abs, clamp, exp, exp2, floor, log, maximum, minimum, sigmoid, sqrt, tanh, where
 from .spec import AttentionVariant, Scalar, Tensor
 from .fusion import FusionVariant
+from .runtime.lse import merge_states
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,4 @@ def load(name: str) -> AttentionVariant:
 
 __all__ = ["AttentionVariant", "FusionVariant", "Scalar", "Tensor", "FivarError", "FivarSpecError", "FivarBuildError",
            "load", "tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "abs", "floor", "minimum", "maximum",
-           "clamp", "where"]
+           "clamp", "where", "merge_states"]

@@ -193,9 +193,12 @@ def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> int:
 
 
 def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params=None, batch_idx=0,
-                        batch_size=None, float_dtype=torch.float32, bound=None):
-    """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype."""
+                        batch_size=None, float_dtype=torch.float32, bound=None, return_lse=False):
+    """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype. return_lse:
+    (out, lse), lse [qo_len, Hq] the log2-sum-exp of each row's kept logits (fivar.runtime.lse), -inf if none."""
+    from ..runtime.lse import LOG2E, check_lse
     from ..runtime.params import bind_params
+    return_lse = check_lse(variant, return_lse)
     batch_idx = _check_reference_inputs(variant, q, k, v, batch_idx, batch_size)
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
@@ -238,8 +241,12 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
             raise error
         logits = logits.expand_as(score)
     if variant.softmax:
-        p = torch.softmax(logits.masked_fill(~keep, -math.inf), dim=-1)
+        kept = logits.masked_fill(~keep, -math.inf)
+        p = torch.softmax(kept, dim=-1)
         p = torch.nan_to_num(p, nan=0.0)  # fully masked rows: FlashInfer writes zeros
     else:
         p = torch.where(keep, logits, torch.zeros((), dtype=float_dtype, device=dev))
-    return torch.einsum("hqk,khd->qhd", p, vf)
+    out = torch.einsum("hqk,khd->qhd", p, vf)
+    if return_lse:  # logsumexp of a row of -inf is -inf
+        return out, (torch.logsumexp(kept, dim=-1) * LOG2E).transpose(0, 1)
+    return out

@@ -15,6 +15,7 @@ from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
 from .inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
+from .lse import check_lse
 from . import wave_split
 from .params import bind_params, kernel_args
 
@@ -201,10 +202,25 @@ def _check_out(variant, out, q):
                          f"got {got}")
 
 
-def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa2", out=None, params=None):
+def _into(out, result, return_lse: bool):
+    """`result` (an output, or (output, lse) with return_lse) with its output copied into `out` if given."""
+    if out is None:
+        return result
+    out.copy_(result[0] if return_lse else result)
+    return (out, result[1]) if return_lse else out
+
+
+def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa2", out=None, params=None,
+                   return_lse=False):
+    if torch.compiler.is_compiling():  # host checks cannot be traced: one custom op (fivar.runtime.ops)
+        from . import ops
+        return _into(out, ops.prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
+                                      params=params or {}, return_lse=return_lse), return_lse)
     if backend == "triton":
         from .triton_attention import triton_prefill
-        return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params)
+        return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params,
+                              return_lse=return_lse)
+    return_lse = check_lse(variant, return_lse)
     _check_qkv(variant, q, k, v)
     _check_out(variant, out, q)
     target = _check_backend(variant, backend, "single_prefill", q.device)
@@ -216,14 +232,14 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     if target == "fa3" and variant.scans_mask:  # a batch of one in FA3's KV-range form
         indptr = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
         o = _kv_range_prefill(variant, q, k, indptr(q.shape[0]), indptr(k.shape[0]), causal, bound,
-                              sm_scale).run(q, k, v)
-        return out.copy_(o) if out is not None else o
+                              sm_scale).run(q, k, v, return_lse=return_lse)
+        return _into(out, o, return_lse)
     fmod = _module(variant, "single_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     module = fmod.load()
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
     mask_mode, window_left = _codegen(target).runtime_mask_code(variant, causal), _window_left(variant, target, bound)
     non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
-    if target == "fa3" and wave_split.applies(variant, causal, window_left, non_causal_schedule):
+    if target == "fa3" and not return_lse and wave_split.applies(variant, causal, window_left, non_causal_schedule):
         tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1], q.shape[0])
         split = wave_split.plan_for(variant, q, k, tile)
         if split is not None:
@@ -237,11 +253,8 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
             return wave_split.run(launch, q, k, v, out if out is not None else torch.empty_like(q), split, tile[1])
     from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
     o = single_prefill_with_kv_cache_with_jit_module(module, q, k, v, *args, kv_layout="NHD", mask_mode=mask_mode,
-                                                     window_left=window_left)
-    if out is not None:
-        out.copy_(o)
-        return out
-    return o
+                                                     window_left=window_left, return_lse=return_lse)
+    return _into(out, o, return_lse)
 
 
 # --- batch entry points: FlashInfer's own wrappers plan and launch, running fivar's module -------------
@@ -379,31 +392,44 @@ def _check_decode_indptr(variant, q, kv_indptr):
 
 
 def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
-                         backend="fa2", params=None):
+                         backend="fa2", params=None, return_lse=False):
+    if torch.compiler.is_compiling():
+        from . import ops
+        return ops.ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal, sm_scale=sm_scale, backend=backend,
+                          params=params or {}, return_lse=return_lse)
     if backend == "triton":
         from .triton_attention import triton_batch_prefill_ragged
         return triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
-                                           sm_scale=sm_scale, params=params)
+                                           sm_scale=sm_scale, params=params, return_lse=return_lse)
+    return_lse = check_lse(variant, return_lse)
     _check_qkv(variant, q, k, v)
     target = _check_backend(variant, backend, "batch_prefill", q.device)
     qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     if target == "fa3" and variant.scans_mask:
-        return _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_scale).run(q, k, v)
+        return _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_scale).run(
+            q, k, v, return_lse=return_lse)
     fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     w = _wrapper("ragged", variant, fmod, q.device)
     w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=_plan_causal(variant, target, causal),
            window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k.dtype,
            o_data_type=q.dtype, **_split_kwargs(variant, target))
-    return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)))
+    return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)),
+                 return_lse=return_lse)
 
 
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
-                        causal=False, sm_scale=None, backend="fa2", params=None):
+                        causal=False, sm_scale=None, backend="fa2", params=None, return_lse=False):
+    if torch.compiler.is_compiling():
+        from . import ops
+        return ops.paged(variant, q, *_paged_kv(variant, paged_kv_cache), qo_indptr, kv_indptr, kv_indices,
+                         kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend, params=params or {},
+                         return_lse=return_lse)
     if backend == "triton":
         raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is "
                          "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
                          "on K/V gathered from the pages")
+    return_lse = check_lse(variant, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_qkv(variant, q, k_cache, v_cache, paged=True)
     target = _check_backend(variant, backend, "batch_prefill", q.device)
@@ -415,11 +441,11 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
     kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
                                                 k_cache.shape[1], q.device)
     return _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                          causal, sm_scale, params)
+                          causal, sm_scale, params, return_lse)
 
 
 def _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal,
-                   sm_scale, params):
+                   sm_scale, params, return_lse=False):
     """batch_prefill_paged after its checks (batch_decode's tensor-core path comes here with its own)."""
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], qo_indptr.numel() - 1, sm_scale)
     fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
@@ -429,16 +455,22 @@ def _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, k
            window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k_cache.dtype,
            o_data_type=q.dtype, **_split_kwargs(variant, target))
     return w.run(q, (k_cache, v_cache), *_paged_args(variant, target, bound, sm_scale, causal, qo_indptr,
-                                                     kv_indptr, kv_last_page_len, k_cache.shape[1]))
+                                                     kv_indptr, kv_last_page_len, k_cache.shape[1]),
+                 return_lse=return_lse)
 
 
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
-                 backend="fa2", params=None):
+                 backend="fa2", params=None, return_lse=False):
     """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1."""
+    if torch.compiler.is_compiling():
+        from . import ops
+        return ops.decode(variant, q, *_paged_kv(variant, paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len,
+                          sm_scale=sm_scale, backend=backend, params=params or {}, return_lse=return_lse)
     if backend == "triton":
         from .triton_attention import triton_decode
         return triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
-                             sm_scale=sm_scale, params=params)
+                             sm_scale=sm_scale, params=params, return_lse=return_lse)
+    return_lse = check_lse(variant, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_qkv(variant, q, k_cache, v_cache, paged=True)
     target = _check_backend(variant, backend, "batch_decode", q.device)
@@ -452,13 +484,14 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         # through their log-sum-exp, which a no-softmax variant does not have).
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         return _paged_prefill(variant, "fa2", q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                              False, sm_scale, params)
+                              False, sm_scale, params, return_lse)
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     fmod = module_for(variant, "batch_decode", target, dtype_name(q.dtype), q.shape[-1])
     w = _wrapper("decode", variant, fmod, q.device)
     w.plan(kv_indptr, kv_indices, kv_last_page_len, q.shape[1], k_cache.shape[2],
            q.shape[-1], k_cache.shape[1], q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype)
-    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, False if variant.mask else None))
+    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, False if variant.mask else None),
+                 return_lse=return_lse)
 
 
 def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
@@ -513,14 +546,18 @@ class PagedAttentionPlan:
                                  kv_last_page_len, page_size)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
-    def run(self, q, paged_kv_cache):
+    def run(self, q, paged_kv_cache, *, return_lse=False):
+        if torch.compiler.is_compiling():
+            from . import ops
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
+        return_lse = check_lse(self.variant, return_lse)
         k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
         hq, hkv, d, page, dtype = self._shape
         if q.shape[1:] != (hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype:
             raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [*, {hq}, {d}], "
                              f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
                              f"{tuple(k_cache.shape)}, {q.dtype}")
-        return self._wrapper.run(q, (k_cache, v_cache), *self._args)
+        return self._wrapper.run(q, (k_cache, v_cache), *self._args, return_lse=return_lse)
 
 
 class RaggedAttentionPlan:
@@ -558,7 +595,11 @@ class RaggedAttentionPlan:
                            kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
         self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal))
 
-    def run(self, q, k, v):
+    def run(self, q, k, v, *, return_lse=False):
+        if torch.compiler.is_compiling():
+            from . import ops
+            return ops.plan_run(self, q, k, v, return_lse)
+        return_lse = check_lse(self.variant, return_lse)
         _check_qkv(self.variant, q, k, v)
         hq, hkv, d, dtype = self._shape
         if (q.shape[0], k.shape[0]) != self._tokens or q.shape[1:] != (hq, d) or k.shape[1:] != (hkv, d) \
@@ -567,5 +608,5 @@ class RaggedAttentionPlan:
                              f"{hq}, {d}], k/v [{self._tokens[1]}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}, {q.dtype}")
         if self._kv_ranges is not None:
-            return self._kv_ranges.run(q, k, v)
-        return self._wrapper.run(q, k, v, *self._args)
+            return self._kv_ranges.run(q, k, v, return_lse=return_lse)
+        return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)

@@ -199,7 +199,8 @@ class KvRangePrefill:
             tables[ROW_RUNS] = relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal)
         self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
 
-    def run(self, q, k, v):
+    def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
-            return torch.empty_like(q)
-        return self._wrapper.run(q, k, v, *self._args)
+            from .lse import empty_lse
+            return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
+        return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)

@@ -13,6 +13,7 @@ from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
 from .attention import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
                         _prepare)
+from .lse import check_lse
 
 #: tl.arange and tl.dot want a power of two of at least 16.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -37,34 +38,37 @@ def _single_indptr(length: int, device) -> torch.Tensor:
     return t
 
 
-def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, params=None):
+def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, params=None, return_lse=False):
     """Single-request prefill: q [qo_len, Hq, D], k/v [kv_len, Hkv, D]."""
+    return_lse = check_lse(variant, return_lse)
     _check_inputs(variant, q, k, v)
     _check_out(variant, out, q)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     o = load_triton_module(variant).prefill(
         q, k, v, _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device), q.shape[0], causal,
-        kernel_arg_values(variant, bound, sm_scale))
+        kernel_arg_values(variant, bound, sm_scale), return_lse)
     if out is not None:
-        out.copy_(o)
-        return out
+        out.copy_(o[0] if return_lse else o)
+        return (out, o[1]) if return_lse else out
     return o
 
 
 def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
-                                params=None):
+                                params=None, return_lse=False):
     """Requests packed back to back: request b owns q[qo_indptr[b]:qo_indptr[b+1]] and likewise k/v."""
+    return_lse = check_lse(variant, return_lse)
     _check_inputs(variant, q, k, v)
     qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     return load_triton_module(variant).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal,
-                                               kernel_arg_values(variant, bound, sm_scale))
+                                               kernel_arg_values(variant, bound, sm_scale), return_lse)
 
 
 def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
-                  params=None):
+                  params=None, return_lse=False):
     """One query token per request over a paged KV cache: q [batch, Hq, D]; q_idx is kv_len - 1."""
+    return_lse = check_lse(variant, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_inputs(variant, q, k_cache, v_cache, paged=True)
     kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
@@ -74,4 +78,5 @@ def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_pag
     page_size = k_cache.shape[1]
     kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * page_size + kv_last_page_len
     return load_triton_module(variant).decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
-                                              int(kv_lens.max()), kernel_arg_values(variant, bound, sm_scale))
+                                              int(kv_lens.max()), kernel_arg_values(variant, bound, sm_scale),
+                                              return_lse)

@@ -28,7 +28,7 @@ from ..errors import FivarError, FivarSpecError
 from .names import why_param_name_is_taken
 from .params import Scalar, Tensor, call_site
 
-RESERVED_PARAM_NAMES = {"sm_scale", "causal", "q", "k", "v", "out", "backend"}
+RESERVED_PARAM_NAMES = {"sm_scale", "causal", "q", "k", "v", "out", "backend", "return_lse"}
 
 
 @dataclass(eq=False)
@@ -158,35 +158,37 @@ class AttentionVariant:
                              f"{', '.join(ALL_BACKENDS)})")
 
     def prefill(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                backend: str = "auto", out=None, **params):
-        """Single-request prefill. q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D] (NHD)."""
+                backend: str = "auto", out=None, return_lse: bool = False, **params):
+        """Single-request prefill. q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D] (NHD). return_lse: (out, lse), lse
+        float32 [qo_len, Hq] in base 2 (fivar.runtime.lse), for `fivar.merge_states`."""
         from ..runtime.attention import single_prefill
         self._check_backend_name(backend)
         return single_prefill(self, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
-                              out=out, params=params)
+                              out=out, params=params, return_lse=return_lse)
 
     def batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, *, causal: bool = False,
-                             sm_scale: float | None = None, backend: str = "auto", **params):
+                             sm_scale: float | None = None, backend: str = "auto", return_lse: bool = False,
+                             **params):
         from ..runtime.attention import batch_prefill_ragged
         self._check_backend_name(backend)
         return batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, causal=causal,
-                                    sm_scale=sm_scale, backend=backend, params=params)
+                                    sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse)
 
     def batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                             kv_last_page_len, *, causal: bool = False, sm_scale: float | None = None,
-                            backend: str = "auto", **params):
+                            backend: str = "auto", return_lse: bool = False, **params):
         from ..runtime.attention import batch_prefill_paged
         self._check_backend_name(backend)
         return batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                                    kv_last_page_len, causal=causal, sm_scale=sm_scale,
-                                   backend=backend, params=params)
+                                   backend=backend, params=params, return_lse=return_lse)
 
     def decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *,
-               sm_scale: float | None = None, backend: str = "auto", **params):
+               sm_scale: float | None = None, backend: str = "auto", return_lse: bool = False, **params):
         from ..runtime.attention import batch_decode
         self._check_backend_name(backend)
         return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
-                            sm_scale=sm_scale, backend=backend, params=params)
+                            sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse)
 
     def plan_paged(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
                    num_kv_heads: int, head_dim: int, page_size: int, dtype=None, causal: bool = False,
@@ -209,16 +211,21 @@ class AttentionVariant:
                                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                    sm_scale=sm_scale, backend=backend, device=device, params=params)
 
-    def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, **kwargs):
-        """`plan_paged` for one query token per request (decode on the tensor-core paged kernel)."""
+    def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, *, cuda_graph: bool = False, **kwargs):
+        """`plan_paged` for one query token per request (decode on the tensor-core paged kernel). cuda_graph=True
+        (with max_batch=, max_pages=): fixed buffers for capture and replay (fivar.runtime.graph)."""
         import torch
+        if cuda_graph:
+            from ..runtime.graph import GraphDecodePlan
+            params = {k: kwargs.pop(k) for k in list(kwargs) if k in self.params}
+            return GraphDecodePlan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
         n = kv_indptr.numel()
         qo_indptr = torch.arange(n, dtype=torch.int32, device=kv_indptr.device)  # plan_paged moves it to the device
         return self.plan_paged(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, **kwargs)
 
     def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, batch_idx: int = 0,
-                  batch_size: int | None = None, **params):
+                  batch_size: int | None = None, return_lse: bool = False, **params):
         """The torch reference (float32 math) for request `batch_idx` of a batch; same shapes as `prefill`."""
         from ..codegen.torch_ref import reference_attention
         return reference_attention(self, q, k, v, causal=causal, sm_scale=sm_scale, params=params,
-                                   batch_idx=batch_idx, batch_size=batch_size)
+                                   batch_idx=batch_idx, batch_size=batch_size, return_lse=return_lse)

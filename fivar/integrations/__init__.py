@@ -1,0 +1,1 @@
+"""fivar inside other libraries' models (`fivar.integrations.transformers`)."""

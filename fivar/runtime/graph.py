@@ -1,0 +1,142 @@
+"""Decode plans for CUDA graphs: fixed-capacity page-table buffers, re-planned outside the graph, replayed inside.
+
+A CUDA graph replays kernel launches with the arguments they were captured with, so everything a decode step
+reads that changes between steps has to sit at a fixed address: FlashInfer's `use_cuda_graph=True` wrappers take
+preallocated indptr / indices / last-page-length buffers, and their `plan` copies each step's page table into them
+(and its split-KV schedule into their workspace) on the host side of the graph. `GraphDecodePlan` holds one such
+wrapper running the variant's module:
+
+    plan = v.plan_decode(kv_indptr, kv_indices, kv_last_page_len, cuda_graph=True, max_batch=64, max_pages=4096,
+                         num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    q = torch.empty(64, 32, 128, ...)              # static input: the graph reads this tensor
+    out = plan.run(q, cache)                       # warm up (builds/loads the module) on the side
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = plan.run(q, cache)
+    for step ...:
+        plan.plan(kv_indptr, kv_indices, kv_last_page_len)   # new lengths and page table: outside the graph
+        q.copy_(new_q)                                       # into the static input
+        g.replay()                                           # out[:batch] holds this step's attention
+
+The graph's batch is `max_batch` rows: a step with fewer requests is padded with requests of one key (page 0,
+whose output rows are ignored), as serving engines pad to a captured batch size. Params are bound at plan
+creation: scalars are baked into the captured launch, tensor params are read through their pointers (update
+them in place). Which kernel runs follows `decode`: the tensor-core paged kernel when a KV head serves >= 4
+query heads (or without softmax), else FlashInfer's CUDA-core decode kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import FivarError
+from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from .attention import (_attach, _check_indptr, _module, _paged_args, _paged_kv, _prepare, _split_kwargs,
+                        _workspace, choose_target)
+from .lse import check_lse
+from .params import kernel_args
+
+
+class GraphDecodePlan:
+    """Decode over a paged KV cache with buffers of fixed capacity (this module's docstring)."""
+
+    def __init__(self, variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int, num_kv_heads: int,
+                 head_dim: int, page_size: int, max_batch: int | None = None, max_pages: int | None = None,
+                 dtype=None, sm_scale=None, backend: str = "auto", device="cuda", params=None):
+        import flashinfer
+        self.variant, self.device = variant, torch.device(device)
+        name = variant.name
+        dtype = dtype or torch.bfloat16
+        if dtype not in DTYPES.values():
+            raise FivarError(f"variant '{name}': dtype must be float16 or bfloat16, got {dtype}")
+        if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
+            raise FivarError(f"variant '{name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a multiple of "
+                             f"num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise FivarError(f"variant '{name}': a CUDA-graph decode plan needs a CUDA GPU (device "
+                             f"{str(self.device)!r}{'' if torch.cuda.is_available() else ', and none is visible'})")
+        if backend == "triton":
+            raise FivarError(f"variant '{name}': cuda_graph=True plans hold FlashInfer's kernels; the Triton twin "
+                             "has no plan step (capture its decode directly, its launches take device tensors)")
+        choose_target(variant, backend, "batch_decode", self.device)  # names fa3 (no decode kernel) and typos
+        batch = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu").numel() - 1
+        self.max_batch = int(max_batch if max_batch is not None else batch)
+        self.max_pages = int(max_pages if max_pages is not None else kv_indices.numel())
+        if self.max_batch < 1 or self.max_pages < 1:
+            raise FivarError(f"variant '{name}': max_batch and max_pages must be positive, got {self.max_batch}, "
+                             f"{self.max_pages}")
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        self.tensor_cores = not variant.softmax or num_qo_heads // num_kv_heads >= 4  # as batch_decode chooses
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
+        bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.max_batch, sm_scale)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._kv_indptr = torch.zeros(self.max_batch + 1, **i32)
+        self._kv_indices = torch.zeros(self.max_pages + self.max_batch, **i32)  # room for the padding requests
+        self._last_page_len = torch.ones(self.max_batch, **i32)
+        if self.tensor_cores:
+            fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale)
+            self._qo_indptr = torch.arange(self.max_batch + 1, **i32)
+            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self._qo_indptr,
+                paged_kv_indptr_buf=self._kv_indptr, paged_kv_indices_buf=self._kv_indices,
+                paged_kv_last_page_len_buf=self._last_page_len, backend="fa2")
+            self._args = _paged_args(variant, "fa2", bound, sm_scale, False, self._qo_indptr, self._kv_indptr,
+                                     self._last_page_len, page_size)
+        else:
+            fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim)
+            self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=False,
+                paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._kv_indices,
+                paged_kv_last_page_len_buffer=self._last_page_len, backend="fa2")
+            self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)
+        _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask))
+        self.batch = 0
+        self.plan(kv_indptr, kv_indices, kv_last_page_len)
+
+    @property
+    def page_size(self) -> int:
+        return self._shape[3]
+
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
+        """This step's page table (host work and copies into the fixed buffers): call it outside the graph, before
+        each replay. Up to max_batch requests and max_pages pages."""
+        name = self.variant.name
+        indptr = _check_indptr(self.variant, "kv_indptr", kv_indptr, "cpu").long()
+        batch, pages = indptr.numel() - 1, int(indptr[-1])
+        if batch > self.max_batch or pages > self.max_pages:
+            raise FivarError(f"variant '{name}': this step has {batch} requests over {pages} pages; the plan was made "
+                             f"for at most max_batch={self.max_batch} and max_pages={self.max_pages}")
+        indices = kv_indices.reshape(-1)[:pages].to(device="cpu", dtype=torch.int32)
+        last = kv_last_page_len.reshape(-1).to(device="cpu", dtype=torch.int32)
+        if last.numel() != batch or (indices.numel() and int(indices.min()) < 0) or bool((indptr.diff() < 1).any()) \
+                or (batch and not (1 <= int(last.min()) and int(last.max()) <= self.page_size)):
+            raise FivarError(f"variant '{name}': a decode step needs one kv_last_page_len per request (1..page_size), "
+                             "at least one page per request and page numbers >= 0")
+        pad = self.max_batch - batch  # padding requests: one key each, in page 0; their rows are ignored
+        indptr = torch.cat([indptr, pages + torch.arange(1, pad + 1)]).to(torch.int32)
+        indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32)])
+        last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
+        hq, hkv, d, page_size, dtype = self._shape
+        if self.tensor_cores:
+            self._wrapper.plan(self._qo_indptr.cpu(), indptr, indices, last, hq, hkv, d, page_size,
+                               causal=False, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype,
+                               **_split_kwargs(self.variant, "fa2"))
+        else:
+            self._wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, q_data_type=dtype, kv_data_type=dtype,
+                               o_data_type=dtype)
+        self.batch = batch
+
+    def run(self, q, paged_kv_cache, *, return_lse: bool = False):
+        """q [max_batch, Hq, D] (rows past this step's batch are padding); capture this call in the graph. Returns
+        [max_batch, Hq, D] (and the LSE [max_batch, Hq] with return_lse)."""
+        if torch.compiler.is_compiling():  # under torch.compile: the plan_run custom op (fivar.runtime.ops)
+            from . import ops
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
+        return_lse = check_lse(self.variant, return_lse)
+        k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
+        hq, hkv, d, page, dtype = self._shape
+        if q.shape != (self.max_batch, hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype \
+                or k_cache.dtype != dtype:
+            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self.max_batch}, {hq}, "
+                             f"{d}] (max_batch rows), cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, "
+                             f"cache {tuple(k_cache.shape)}, {q.dtype}")
+        return self._wrapper.run(q, (k_cache, v_cache), *self._args, return_lse=return_lse)

@@ -1,0 +1,65 @@
+"""Log-sum-exp outputs and merging attention over split KV.
+
+fivar's convention, the same on every backend (fa2, fa3, triton) and in the reference, and FlashInfer's own
+default (`lse_base="log2"`): for query row i and query head h,
+
+    lse[i, h] = log2( sum_j exp(logits[i, h, j]) )      over the keys j the mask (and causal) keeps,
+
+a float32 tensor shaped like the output without its last dim ([tokens, num_qo_heads]); -inf where a row keeps
+no key (its output is zeros). `logits` are the variant's (score = q.k * sm_scale, then the logits transform), in
+natural units: lse / log2(e) is the usual natural-log LSE.
+
+Attention over keys K = K_0 ∪ K_1 ∪ ... (disjoint) is then exactly
+
+    lse = log2( sum_c 2^lse_c ),        out = sum_c 2^(lse_c - lse) * out_c,
+
+which `merge_states` computes: cascade attention (a shared prefix plus per-request suffixes), context
+parallelism, and chunked prefill merge partial results this way. Only a softmax makes outputs mergeable: a
+variant with `softmax=False` has no normaliser, and asking it for an LSE is an error.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import FivarError
+
+LOG2E = 1.4426950408889634
+
+
+def check_lse(variant, return_lse: bool) -> bool:
+    """`return_lse` as a bool, refused for a variant without softmax (its weights have no log-sum-exp)."""
+    if return_lse and not variant.softmax:
+        raise FivarError(f"variant '{variant.name}': return_lse=True needs a softmax variant; '{variant.name}' has "
+                         "softmax=False, whose weights multiply V as they are, so there is no log-sum-exp to return "
+                         "and its partial outputs over split KV simply add up")
+    return bool(return_lse)
+
+
+def empty_lse(q: torch.Tensor) -> torch.Tensor:
+    """The LSE of rows that see no key: -inf, [tokens, num_qo_heads] float32."""
+    return torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+
+
+def merge_states(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combines attention computed over disjoint parts of the keys into attention over all of them.
+
+    outs: a sequence of C outputs [*, H, D] (or one tensor [C, *, H, D]); lses: their log2-sum-exps [*, H] (or
+    [C, *, H]), as `return_lse=True` gives them. Returns (out, lse): out in the outputs' dtype, lse float32.
+    Rows that no part kept a key for stay zeros with lse -inf. Plain torch (float32 math), so it runs on any
+    device and inside `torch.compile`.
+    """
+    o = outs if isinstance(outs, torch.Tensor) else torch.stack(list(outs))
+    s = lses if isinstance(lses, torch.Tensor) else torch.stack(list(lses))
+    if o.dim() < 3 or s.shape != o.shape[:-1]:
+        raise FivarError(f"merge_states: outputs {list(o.shape)} and lses {list(s.shape)} do not match: expected "
+                         "C outputs [*, H, D] and C lses [*, H] (as return_lse=True returns them)")
+    s = s.float()
+    top = s.amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all parts empty: weights 0
+    weight = torch.exp2(s - top)  # [C, *, H]
+    total = weight.sum(0)
+    merged = (weight.unsqueeze(-1) * o.float()).sum(0) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    lse = torch.where(total > 0, top + torch.log2(total), torch.full_like(total, -math.inf))
+    return merged.to(o.dtype), lse
