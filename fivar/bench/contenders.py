@@ -176,13 +176,20 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
             out.append(Contender("triton", lambda: variant.prefill(q, k, v, causal=p.causal, backend="triton", **prm)))
         if "stock" in wanted:
             st = auto_stock(variant, prm) if stock is AUTO else stock
-            if st is not None and st.doc_ids is not None:
-                out.append(Contender("stock", stock_documents(q, k, v, st.doc_ids, p.causal), st.label))
-            elif st is not None or stock is AUTO:
-                import flashinfer
-                kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
-                out.append(Contender("stock", lambda: flashinfer.single_prefill_with_kv_cache(
-                    q, k, v, causal=p.causal, **kw), label, checks_variant=st is not None))
+            # on Hopper stock runs FA3; "stock-fa2" is then the like-for-like yardstick of fivar-fa2
+            backends = [("stock", "auto")] + ([("stock-fa2", "fa2")] if "stock-fa2" in wanted and st is not None
+                                               and torch.cuda.get_device_capability() == (9, 0) else [])
+            for cname, backend in backends:
+                suffix = "" if backend == "auto" else f" ({backend})"
+                if st is not None and st.doc_ids is not None:
+                    out.append(Contender(cname, stock_documents(q, k, v, st.doc_ids, p.causal, backend=backend),
+                                         st.label + suffix))
+                elif st is not None or stock is AUTO:
+                    import flashinfer
+                    kw, label = ((st.kwargs, st.label) if st else
+                                 ({}, f"stock plain attention (no built-in for {variant.name})"))
+                    out.append(Contender(cname, lambda kw=kw, b=backend: flashinfer.single_prefill_with_kv_cache(
+                        q, k, v, causal=p.causal, backend=b, **kw), label + suffix, checks_variant=st is not None))
         if "flex" in wanted and variant.softmax:
             from ..flex import flex_attention_fn
             out.append(Contender("flex", flex_attention_fn(variant, prm, q, k, v, causal=p.causal), "torch.compile"))

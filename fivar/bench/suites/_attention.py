@@ -37,7 +37,7 @@ def shape(op: str, seqlen: int, batch: int, causal: bool) -> dict:
 
 
 def case(suite: str, name: str, load, op: str, seqlen: int, causal: bool = False, batch: int = 1,
-         wanted=("stock", "triton", "flex"), stock=AUTO, baseline: str | None = "stock", params=None) -> Case:
+         wanted=("stock", "stock-fa2", "triton", "flex"), stock=AUTO, baseline: str | None = "stock", params=None) -> Case:
     """A prefill or decode case of the variant `load()` returns. `stock(params, seqlen)` gives the stock
     equivalent (a contenders.Stock or None), or AUTO for the bundled mapping; `params(variant, seqlen)` sets
     scalar params over the variant's example."""
