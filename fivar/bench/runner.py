@@ -76,6 +76,7 @@ class Options:
     rep_ms: float = 300.0
     device: str = "cuda"
     quick: bool = False
+    clocks: object = None  # a gpu_clocks.ClockTrace: each timed row's detail gets the clock it ran at
 
     @classmethod
     def make(cls, rounds: int | None = None, quick: bool = False, device: str = "cuda") -> "Options":
@@ -137,6 +138,7 @@ def _clean(d: dict) -> dict:
 def run_case(case: Case, opts: Options, timer=None, ceilings: dict | None = None) -> list[dict]:
     """Rows of one case (without the environment fields). Never raises: a case that cannot be prepared gives one
     error row naming what failed, a contender that raises an error row of its own."""
+    spans: dict[str, list] = {}  # contender -> wall-clock spans of its samples (for the clock trace)
     try:
         prepared = case.prepare()
         if prepared.measure is not None:
@@ -146,7 +148,8 @@ def run_case(case: Case, opts: Options, timer=None, ceilings: dict | None = None
             if timer is None:
                 from .timing import time_interleaved
                 timer = partial(time_interleaved, rounds=opts.rounds, warmup_ms=opts.warmup_ms, rep_ms=opts.rep_ms,
-                                device=opts.device)
+                                device=opts.device,
+                                on_sample=lambda n, prev, t0, t1, ms: spans.setdefault(n, []).append((t0, t1)))
             got = evaluate(prepared.contenders, prepared.check, flops=prepared.flops, nbytes=prepared.nbytes,
                            seqlen=case.shape.get("seqlen", 0), rounds=opts.rounds, device=opts.device,
                            ceilings=None, timer=timer)
@@ -157,6 +160,12 @@ def run_case(case: Case, opts: Options, timer=None, ceilings: dict | None = None
                             "where": traceback.format_exc(limit=-3)[-800:]}}]
     for r in rows:
         r.update(suite=case.suite, case=case.name, op=case.op, shape=case.shape)
+        if opts.clocks is not None and r["metric"] == "ms" and r["contender"] in spans:
+            seen = [opts.clocks.during(t0, t1) for t0, t1 in spans[r["contender"]]]
+            seen = [x for x in seen if x["n"]]
+            if seen:  # the SM clock and board power while this contender was timed
+                r["detail"]["mhz"] = sorted(x["mhz"] for x in seen)[len(seen) // 2]
+                r["detail"]["watts"] = sorted(x["watts"] for x in seen)[len(seen) // 2]
     return add_ratios(rows, case.baseline)
 
 
@@ -336,6 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, default=None, help=f"results folder (default {default_results_dir()})")
     ap.add_argument("--list", action="store_true", help="list the cases and exit (no GPU needed)")
     ap.add_argument("--no-build", action="store_true", help="skip the parallel prebuild (modules build on first call)")
+    ap.add_argument("--clock-trace", action="store_true", help="sample the SM clock and board power (nvidia-smi) and "
+                    "put the median of each timed contender's samples in its row's detail")
     args = ap.parse_args(argv)
     if not args.suite:
         ap.error(f"name at least one --suite ({', '.join(sorted(SUITES))})")
@@ -352,6 +363,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("python -m fivar.bench times kernels: it needs a CUDA GPU (--list works anywhere)", file=sys.stderr)
         return 1
-    run(cases, Options.make(args.rounds, args.quick), args.results, build=not args.no_build,
-        log=lambda s: print(s, flush=True))
+    opts = Options.make(args.rounds, args.quick)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if not args.clock_trace:
+        run(cases, opts, args.results, build=not args.no_build, log=log)
+        return 0
+    from .gpu_clocks import ClockTrace, cuda_device_ids
+    with ClockTrace(gpus=cuda_device_ids()) as trace:
+        if trace.error:
+            log(f"clock trace: {trace.error}")
+        opts.clocks = trace
+        run(cases, opts, args.results, build=not args.no_build, log=log)
     return 0

@@ -198,3 +198,26 @@ def test_validate_row_refuses_a_value_on_a_failed_check():
     row.update(check="pass", value=math.nan)
     with pytest.raises(ValueError, match="needs a value"):
         validate_row(row)
+
+
+def test_clock_trace_puts_each_contenders_clock_in_its_row(tmp_path):
+    """The default timer's samples are matched to the trace by their wall-clock spans (a stand-in trace here)."""
+    class Trace:
+        def __init__(self):
+            self.asked = []
+
+        def during(self, t0, t1):
+            self.asked.append((t0, t1))
+            return {"n": 2, "mhz": 1500.0 + len(self.asked), "watts": 600.0, "celsius": 50, "reasons": []}
+    ref = torch.randn(8, 2, 16)
+    trace = Trace()
+    opts = Options(rounds=3, warmup_ms=0.5, rep_ms=1.0, device="cpu", clocks=trace)
+    cs = [Contender("fivar", lambda: ref.clone()), Contender("stock", lambda: ref.clone()),
+          Contender("wrong", lambda: -ref)]
+    rows = run([_case("c", cs, ref)], opts, tmp_path, build=False, log=lambda s: None, env=ENV)
+    by = {(r["contender"], r["metric"]): r for r in rows}
+    assert len(trace.asked) == 2 * 3 and all(t0 <= t1 for t0, t1 in trace.asked)  # a span per timed sample
+    for name in ("fivar", "stock"):
+        assert 1500 < by[(name, "ms")]["detail"]["mhz"] <= 1506 and by[(name, "ms")]["detail"]["watts"] == 600.0
+        assert "mhz" not in by[(name, "tflops_useful")]["detail"]
+    assert "mhz" not in by[("wrong", "ms")]["detail"]
