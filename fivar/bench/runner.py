@@ -56,6 +56,11 @@ class Prepared:
     flops: float = 0.0  # useful work: tflops_useful = flops / time
     nbytes: float = 0.0  # minimal bytes moved: tbps_useful = nbytes / time
     measure: Callable[[], list[Measurement]] | None = None
+    memory_bound: bool | None = None  # judged by % of copy (else % of matmul); default: when there is no flops count
+
+    @property
+    def judged_by_copy(self) -> bool:
+        return not self.flops if self.memory_bound is None else self.memory_bound
 
 
 @dataclass
@@ -119,13 +124,13 @@ def timed_rows(rows: list[Row], prepared: Prepared, ceilings: dict | None) -> li
         if prepared.flops:
             out.append({**base, "metric": "tflops_useful", "value": prepared.flops / r.median_ms / 1e9, "check": "pass",
                         "detail": detail})
-            if ceilings:
+            if ceilings and not prepared.judged_by_copy:
                 out.append({**base, "metric": "pct_of_matmul", "check": "pass", "detail": detail,
                             "value": 100 * prepared.flops / r.median_ms / 1e9 / ceilings["bf16_matmul_tflops"]})
         if prepared.nbytes:
             out.append({**base, "metric": "tbps_useful", "value": prepared.nbytes / r.median_ms / 1e9, "check": "pass",
                         "detail": detail})
-            if ceilings and not prepared.flops:
+            if ceilings and prepared.judged_by_copy:
                 out.append({**base, "metric": "pct_of_copy", "check": "pass", "detail": detail,
                             "value": 100 * prepared.nbytes / r.median_ms / 1e9 / ceilings["copy_tb_per_s"]})
     return out
@@ -269,14 +274,14 @@ def prebuild(cases: list[Case], log=print) -> None:
                 modules[m.uri] = m
         except Exception as e:
             log(f"[{c.suite}] {c.name}: cannot list its modules ({type(e).__name__}: {e}); they build on first call")
-    todo = [m for m in modules.values() if not m.manifest_ok()]
-    if not todo:
-        log(f"build: all {len(modules)} module(s) up to date")
-        return
-    jobs, why = configure_jobs(None)
-    log(f"build: {len(todo)} of {len(modules)} module(s), {jobs} nvcc job(s) ({why})")
     t0 = time.perf_counter()
     try:
+        todo = [m for m in modules.values() if not m.manifest_ok()]
+        if not todo:
+            log(f"build: all {len(modules)} module(s) up to date")
+            return
+        jobs, why = configure_jobs(None)
+        log(f"build: {len(todo)} of {len(modules)} module(s), {jobs} nvcc job(s) ({why})")
         build_many(todo, parallel=True)
     except Exception as e:
         log(f"build: {type(e).__name__}: {str(e)[:300]}; the contenders that need it report the error")

@@ -221,3 +221,48 @@ def test_clock_trace_puts_each_contenders_clock_in_its_row(tmp_path):
         assert 1500 < by[(name, "ms")]["detail"]["mhz"] <= 1506 and by[(name, "ms")]["detail"]["watts"] == 600.0
         assert "mhz" not in by[(name, "tflops_useful")]["detail"]
     assert "mhz" not in by[("wrong", "ms")]["detail"]
+
+
+def test_prebuild_builds_every_cases_modules_once_in_one_batch(monkeypatch):
+    """One parallel build of the union of the cases' modules (deduplicated by URI, only those not on disk); a
+    case whose modules cannot be listed, or a build that raises, is logged and the run goes on."""
+    from fivar.bench import runner
+    from fivar.jit import build as jb
+
+    class Mod:
+        def __init__(self, uri, ok=False):
+            self.uri, self.ok = uri, ok
+
+        def manifest_ok(self):
+            return self.ok
+    a, b, c = Mod("a"), Mod("b"), Mod("c", ok=True)
+    batches = []
+
+    def build_many(mods, parallel=True):
+        batches.append(([m.uri for m in mods], parallel))
+        raise RuntimeError("nvcc died")
+    monkeypatch.setattr(jb, "build_many", build_many)
+    monkeypatch.setattr("fivar.jit.prewarm.configure_jobs", lambda jobs: (3, "test"))
+
+    def unlistable():
+        raise OSError("no arch")
+    cases = [Case("s", "x", "prefill", {}, None, modules=lambda: [a, b]),
+             Case("s", "y", "prefill", {}, None, modules=lambda: [b, c]),
+             Case("s", "z", "prefill", {}, None, modules=unlistable)]
+    said = []
+    runner.prebuild(cases, log=said.append)
+    assert batches == [(["a", "b"], True)]
+    assert any("z: cannot list its modules" in s for s in said) and any("nvcc died" in s for s in said)
+
+
+@pytest.mark.parametrize("memory_bound,expect", [(None, "pct_of_matmul"), (True, "pct_of_copy")])
+def test_a_case_is_judged_against_one_ceiling(memory_bound, expect):
+    from fivar.bench.harness import Row
+    from fivar.bench.runner import timed_rows
+    row = Row(64, "fivar", "", "ok", {"rel_err": 0.0, "max_err": 0.0}, [2.0], 2.0, (2.0, 2.0))
+    rows = timed_rows([row], Prepared(flops=8e9, nbytes=4e9, memory_bound=memory_bound),
+                      {"bf16_matmul_tflops": 800.0, "copy_tb_per_s": 4.0})
+    by = {r["metric"]: r["value"] for r in rows}
+    assert by["tflops_useful"] == pytest.approx(4.0) and by["tbps_useful"] == pytest.approx(2.0)
+    assert {"pct_of_matmul", "pct_of_copy"} & set(by) == {expect}
+    assert by[expect] == pytest.approx(0.5 if expect == "pct_of_matmul" else 50.0)

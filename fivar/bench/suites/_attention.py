@@ -47,7 +47,8 @@ def case(suite: str, name: str, load, op: str, seqlen: int, causal: bool = False
                          params=params(v, seqlen) if params else None)
         st = stock if stock is AUTO else stock(p.params, seqlen)
         flops, nbytes = work(v, p)
-        return Prepared(contenders(v, p, list(wanted), stock=st), _checker(v, p), flops=flops, nbytes=nbytes)
+        return Prepared(contenders(v, p, list(wanted), stock=st), _checker(v, p), flops=flops, nbytes=nbytes,
+                        memory_bound=op == "decode")
 
     mods = (lambda: prefill_modules(load())) if op == "prefill" else (lambda: decode_modules(load()))
     return Case(suite, name, op, shape(op, seqlen, batch, causal), prepare, baseline=baseline, modules=mods)
