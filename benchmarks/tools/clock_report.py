@@ -4,7 +4,7 @@ to Flex at the measured clocks and per clock cycle.
 
     python3 benchmarks/tools/clock_report.py RUN.json  (a bench_fa3.py --clock-trace --json RUN.json output)
 
-Per-cycle ratios are a diagnosis, not a result: the issue's bar is wall-clock time, and a kernel that draws
+Per-cycle ratios are a diagnosis, not a result: the bar is wall-clock time, and a kernel that draws
 the board to its power limit pays for it in clock. 0x4 among the reasons is the driver's software power cap.
 """
 from __future__ import annotations
