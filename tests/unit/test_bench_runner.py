@@ -2,6 +2,7 @@
 wrong contender is never timed), errors that do not stop a run, the results file per GPU, and the render."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +267,38 @@ def test_a_case_is_judged_against_one_ceiling(memory_bound, expect):
     assert by["tflops_useful"] == pytest.approx(4.0) and by["tbps_useful"] == pytest.approx(2.0)
     assert {"pct_of_matmul", "pct_of_copy"} & set(by) == {expect}
     assert by[expect] == pytest.approx(0.5 if expect == "pct_of_matmul" else 50.0)
+
+
+def test_compile_suite_turns_a_compile_time_report_into_rows(monkeypatch, tmp_path):
+    """The compile suite runs `python -m fivar.bench.compile_time` in its own process (stood in for here) and
+    reports both builds, the ratio against FlashInfer's, and the hits; a failed process is one error row."""
+    import subprocess as sp
+
+    from fivar.bench.suites import compile as suite
+    report = {"fivar_units": 3, "flashinfer_units": 6, "flashinfer_uri": "fi_uri", "jobs": 24, "cores": 16,
+              "nvcc": "13.0", "arch": "90a", "fivar_cold_s": 20.0, "fivar_cold_cpu_s": 50.0, "flashinfer_cold_s": 50.0,
+              "flashinfer_cold_cpu_s": 150.0, "in_process_hit_us": 1.5, "in_process_hit_what": "load()",
+              "fresh_process_disk_hit_ms": 12.0, "fresh_process": {"import_s": 1.0}}
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        out = cmd[cmd.index("--json") + 1]
+        Path(out).write_text(json.dumps(report))
+        return sp.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(suite.subprocess, "run", fake_run)
+    case = [c for c in suite.cases() if "fa2" in c.name][0]
+    rows = run([case], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    assert seen[0][1:3] == ["-m", "fivar.bench.compile_time"] and seen[0][seen[0].index("--target") + 1] == "fa2"
+    by = {(r["contender"], r["metric"]): r for r in rows}
+    assert by[("fivar", "s")]["value"] == 20.0 and by[("fivar", "s")]["ratio"] == 2.5
+    assert by[("fivar", "cpu_s")]["ratio"] == 3.0 and by[("flashinfer", "s")]["ratio"] == 1.0
+    assert by[("fivar", "hit_us")]["value"] == 1.5 and by[("fivar", "hit_ms")]["value"] == 12.0
+    for r in rows:
+        validate_row(r)
+
+    def failing_run(cmd, **kw):
+        return sp.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: nvcc not found")
+    monkeypatch.setattr(suite.subprocess, "run", failing_run)
+    rows = run([case], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    assert len(rows) == 1 and rows[0]["check"] == "error" and "nvcc not found" in rows[0]["detail"]["error"]
