@@ -350,6 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, default=None, help=f"results folder (default {default_results_dir()})")
     ap.add_argument("--list", action="store_true", help="list the cases and exit (no GPU needed)")
     ap.add_argument("--no-build", action="store_true", help="skip the parallel prebuild (modules build on first call)")
+    ap.add_argument("--build-only", action="store_true", help="only the parallel prebuild (a cold build can be split "
+                    "over several shorter commands: an interrupted one resumes where it stopped)")
     ap.add_argument("--clock-trace", action="store_true", help="sample the SM clock and board power (nvidia-smi) and "
                     "put the median of each timed contender's samples in its row's detail")
     args = ap.parse_args(argv)
@@ -368,6 +370,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("python -m fivar.bench times kernels: it needs a CUDA GPU (--list works anywhere)", file=sys.stderr)
         return 1
+    if args.build_only:
+        prebuild(cases, log=lambda s: print(s, flush=True))
+        return 0
     opts = Options.make(args.rounds, args.quick)
     log = lambda s: print(s, flush=True)  # noqa: E731
     if not args.clock_trace:

@@ -23,8 +23,7 @@ DECODE = (32, 32768)  # batch, keys per request
 def zoo_dir() -> Path:
     from ..runner import repo_root
     root = repo_root()
-    d = (root if root else Path.cwd()) / "benchmarks" / "zoo"
-    return d
+    return (root if root else Path.cwd()) / "benchmarks" / "zoo"
 
 
 def load(name: str):
