@@ -55,6 +55,27 @@ def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
     return None
 
 
+@dataclass(frozen=True)
+class Stock:
+    """A stock FlashInfer call computing exactly the variant: built-in kwargs (`window_left`, `logits_soft_cap`,
+    ...), or, with `doc_ids` (one packed sequence's sorted document ids), ragged prefill with a request per
+    document and no mask."""
+    kwargs: dict
+    label: str
+    doc_ids: torch.Tensor | None = None
+
+
+AUTO = "auto"  # contenders(stock=AUTO): the bundled variants' mapping, else plain attention as a yardstick
+
+
+def auto_stock(variant, params: dict) -> Stock | None:
+    """The stock equivalent of a bundled variant (stock_mapping, or documents for `document_mask`)."""
+    if variant.name == "document_mask":
+        return Stock({}, "stock batch prefill, a request per document", doc_ids=params["doc_ids"][0])
+    mapped = stock_mapping(variant, params)
+    return Stock(*mapped) if mapped else None
+
+
 def document_indptr(doc_ids: torch.Tensor) -> torch.Tensor:
     """int32 [documents + 1]: where each document of one packed sequence starts, from its sorted document ids
     (`document_mask`'s `doc_ids` row). Attention with each document as its own request is the document mask."""
@@ -133,7 +154,10 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
     return p
 
 
-def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
+def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO) -> list[Contender]:
+    """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa; decode: call, the one-shot
+    `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for the bundled mapping
+    (else plain attention, checked as plain attention: a speed yardstick only)."""
     t, prm = p.tensors, p.params
     out: list[Contender] = []
     if p.op == "prefill":
@@ -150,15 +174,22 @@ def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
             out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, k, v), "KV ranges planned once"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.prefill(q, k, v, causal=p.causal, backend="triton", **prm)))
-        if "stock" in wanted and variant.name == "document_mask":
-            out.append(Contender("stock", stock_documents(q, k, v, prm["doc_ids"][0], p.causal),
-                                 "stock batch prefill, a request per document"))
-        elif "stock" in wanted:
-            import flashinfer
-            mapped = stock_mapping(variant, prm)
-            kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")
-            out.append(Contender("stock", lambda: flashinfer.single_prefill_with_kv_cache(
-                q, k, v, causal=p.causal, **kw), label, checks_variant=mapped is not None))
+        if "stock" in wanted:
+            st = auto_stock(variant, prm) if stock is AUTO else stock
+            # on Hopper stock runs FA3; "stock-fa2" is then the like-for-like yardstick of fivar-fa2
+            backends = [("stock", "auto")] + ([("stock-fa2", "fa2")] if "stock-fa2" in wanted and st is not None
+                                               and torch.cuda.get_device_capability() == (9, 0) else [])
+            for cname, backend in backends:
+                suffix = "" if backend == "auto" else f" ({backend})"
+                if st is not None and st.doc_ids is not None:
+                    out.append(Contender(cname, stock_documents(q, k, v, st.doc_ids, p.causal, backend=backend),
+                                         st.label + suffix))
+                elif st is not None or stock is AUTO:
+                    import flashinfer
+                    kw, label = ((st.kwargs, st.label) if st else
+                                 ({}, f"stock plain attention (no built-in for {variant.name})"))
+                    out.append(Contender(cname, lambda kw=kw, b=backend: flashinfer.single_prefill_with_kv_cache(
+                        q, k, v, causal=p.causal, backend=b, **kw), label + suffix, checks_variant=st is not None))
         if "flex" in wanted and variant.softmax:
             from ..flex import flex_attention_fn
             out.append(Contender("flex", flex_attention_fn(variant, prm, q, k, v, causal=p.causal), "torch.compile"))
@@ -191,18 +222,21 @@ def contenders(variant, p: Problem, wanted: list[str]) -> list[Contender]:
         plan = variant.plan_decode(ind, idx, last, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
                                    head_dim=p.head_dim, page_size=16, dtype=p.dtype, device=p.device, **prm)
         out.append(Contender("fivar", lambda: plan.run(q, cache), "planned"))
+        if "call" in wanted:
+            out.append(Contender("fivar-call", lambda: variant.decode(q, cache, ind, idx, last, **prm),
+                                 "one call, planned inside"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.decode(q, cache, ind, idx, last, backend="triton", **prm)))
-        if "stock" in wanted:
+        st = (Stock(*stock_mapping(variant, prm)) if stock_mapping(variant, prm) else None) if stock is AUTO else stock
+        if "stock" in wanted and (st is not None or stock is AUTO):
             import flashinfer
-            mapped = stock_mapping(variant, prm)
-            kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")
+            kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 torch.empty(256 << 20, dtype=torch.uint8, device=p.device), "NHD", use_tensor_cores=True)
             w.plan(ind, idx, last, p.num_qo_heads, p.num_kv_heads, p.head_dim, 16, q_data_type=q.dtype,
                    kv_data_type=q.dtype, **kw)
             out.append(Contender("stock", lambda: w.run(q, cache), label + " (tensor-core decode)",
-                                 checks_variant=mapped is not None))
+                                 checks_variant=st is not None))
     return out
 
 

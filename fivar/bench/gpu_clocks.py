@@ -1,8 +1,8 @@
 """The GPU's SM clock, board power and clock-event reasons over time, sampled by `nvidia-smi -lms` in the
 background, so a timing can be read next to the clock it ran at.
 
-Why: on an H100 the same FA3 kernel measured up to 10% apart between rounds of one run (session 22), and
-FA3 soft-cap runs near the board's power limit (Nsight Compute clocked stock FA3 down to 1.69 GHz, session 15).
+Why: on an H100 the same FA3 kernel measured up to 10% apart between rounds of one run, and
+FA3 soft-cap runs near the board's power limit (Nsight Compute clocked stock FA3 down to 1.69 GHz).
 A contender's median alone cannot say whether it was faster or only cooler.
 """
 from __future__ import annotations

@@ -43,9 +43,9 @@ class Row:
 
 def evaluate(contenders_: list[Contender], check: Callable[[Contender], CheckResult], *, flops: float,
              nbytes: float, seqlen: int, rounds: int, device: str, ceilings: dict | None,
-             sustained_s: float = 0.0) -> list[Row]:
+             sustained_s: float = 0.0, timer=None) -> list[Row]:
     """Check every contender, then time the ones that passed: interleaved rounds, or with `sustained_s` each alone
-    for that long after 1 s untimed (timing.time_sustained)."""
+    for that long after 1 s untimed (timing.time_sustained); `timer(fns)` -> {name: Timing} replaces both."""
     rows, timed = [], {}
     for c in contenders_:
         try:
@@ -58,8 +58,14 @@ def evaluate(contenders_: list[Contender], check: Callable[[Contender], CheckRes
         rows.append(row)
         if r.passed:
             timed[c.name] = c.fn
-    timings = {} if not timed else (time_sustained(timed, sustained_s, device=device) if sustained_s else
-                                    time_interleaved(timed, rounds=rounds, device=device))
+    if not timed:
+        timings = {}
+    elif timer is not None:
+        timings = timer(timed)
+    elif sustained_s:
+        timings = time_sustained(timed, sustained_s, device=device)
+    else:
+        timings = time_interleaved(timed, rounds=rounds, device=device)
     for row in rows:
         t = timings.get(row.contender)
         if t is None:

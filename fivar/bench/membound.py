@@ -14,10 +14,21 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float]:
     return 2 * nbytes / (t.median * 1e-3) / 1e9, t.median
 
 
+def close(name: str, got, ref, tol: float = 2e-2):
+    """A CheckResult of `got` (a tensor or a tuple of them) against `ref`: relative Frobenius error below `tol`."""
+    from ..testing import CheckResult
+    if isinstance(got, (tuple, list)):
+        got, ref = torch.cat([g.double().flatten() for g in got]), torch.cat([r.double().flatten() for r in ref])
+    got, ref = got.double(), ref.double().to(got.device)
+    if not torch.isfinite(got).all():
+        return CheckResult(name, "norm/rope", float("inf"), float("inf"), False)
+    rel = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+    return CheckResult(name, "norm/rope", rel, float((got - ref).abs().max()), rel < tol)
+
+
 def check_close(name: str, got, ref, tol: float = 2e-2) -> float:
     """Relative Frobenius error; exits (nothing gets timed) if it is not below `tol`."""
-    got, ref = got.double(), ref.double().to(got.device)
-    rel = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+    rel = close(name, got, ref, tol).rel_err
     if not rel < tol:
         raise SystemExit(f"{name}: rel err {rel:.3e} >= {tol}: not timing a wrong kernel")
     return rel

@@ -42,7 +42,7 @@ def time_interleaved(fns: dict, rounds: int = 5, warmup_ms: float = 100, rep_ms:
                      device: str = "cuda", on_sample=None) -> dict[str, Timing]:
     """Median ms per call of each contender; each round times every contender once, in an order shuffled per
     round (seeded: runs repeat). A fixed order biases it: on an H100 the contender timed right after a slower,
-    cooler one (Flex) measured up to 4% faster than the same kernel timed after a hot one (session 16).
+    cooler one (Flex) measured up to 4% faster than the same kernel timed after a hot one.
 
     On CUDA: triton's do_bench (CUDA events, L2 flushed between calls). On the CPU (tests): wall clock.
     `on_sample(name, previous_name, t0, t1, ms)` sees each sample with its wall-clock span (time.time()).

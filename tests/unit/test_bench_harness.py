@@ -139,31 +139,69 @@ def test_failing_contender_is_reported_not_timed_and_errors_are_caught():
     assert math.isclose(by["good"].pct_of_copy, 100 * by["good"].tb_per_s / 1.0)
 
 
-def test_ratios_are_within_one_run():
+class FakeClock:
+    """Stands in for the `time` module in fivar.bench.timing: time passes only when a contender runs."""
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+    perf_counter = time
+
+    def work(self, ms, out):
+        def fn():
+            self.now += ms / 1e3
+            return out
+        return fn
+
+
+def _fake_clock(monkeypatch):
+    import types
+
+    from fivar.bench import timing
+    clock = FakeClock()
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(time=clock.time, perf_counter=clock.perf_counter))
+    return clock
+
+
+def test_ratios_are_within_one_run(monkeypatch):
     v, q, k, vv, ref = _cpu_problem()
-    fast = Contender("fast", lambda: ref.clone())
-    slow = Contender("slow", lambda: v.reference(q, k, vv, softcap=10.0))
+    clock = _fake_clock(monkeypatch)
+    fast, slow = Contender("fast", clock.work(1.0, ref)), Contender("slow", clock.work(3.0, ref))
     check = lambda c: compare("softcap", c.name, c.fn(), ref, torch.float16)  # noqa: E731
     rows = evaluate([fast, slow], check, flops=1.0, nbytes=1.0, seqlen=48, rounds=3, device="cpu", ceilings=None)
     by = {r.contender: r for r in rows}
-    assert math.isclose(by["fast"].ratio_vs["slow"], by["slow"].median_ms / by["fast"].median_ms)
-    assert by["fast"].ratio_vs["slow"] > 1.0
+    assert len(by["fast"].samples_ms) == len(by["slow"].samples_ms) == 3
+    assert by["fast"].median_ms == pytest.approx(1.0) and by["slow"].median_ms == pytest.approx(3.0)
+    assert by["fast"].ratio_vs["slow"] == pytest.approx(by["slow"].median_ms / by["fast"].median_ms)
 
 
-def test_sustained_timing_times_each_passing_contender_alone():
+def test_sustained_timing_times_each_passing_contender_alone(monkeypatch):
+    """Structure, not speed: a fake clock makes each call take a known time; each passing contender is timed
+    alone (its samples back to back, never interleaved), about one sample per 100 ms bin over 0.2 s; the failing
+    one is never timed."""
     v, q, k, vv, ref = _cpu_problem()
-    fast = Contender("fast", lambda: ref.clone())
-    slow = Contender("slow", lambda: v.reference(q, k, vv, softcap=10.0))
-    wrong = Contender("wrong", lambda: ref * 2)
+    clock = _fake_clock(monkeypatch)
+    fast, slow = Contender("fast", clock.work(1.0, ref)), Contender("slow", clock.work(4.0, ref))
+    wrong = Contender("wrong", clock.work(0.5, ref * 2))
     check = lambda c: compare("softcap", c.name, c.fn(), ref, torch.float16)  # noqa: E731
+    order = []
+    from fivar.bench import timing
+    real = timing.time_sustained
+    monkeypatch.setattr(timing, "time_sustained", lambda fns, s, **kw: real(
+        fns, s, **kw, on_sample=lambda name, prev, t0, t1, ms: order.append(name)))
+    import fivar.bench.harness as harness
+    monkeypatch.setattr(harness, "time_sustained", timing.time_sustained)
     rows = evaluate([fast, slow, wrong], check, flops=1.0, nbytes=1.0, seqlen=48, rounds=99, device="cpu",
                     ceilings=None, sustained_s=0.2)
     by = {r.contender: r for r in rows}
-    assert by["wrong"].status == "failed" and not by["wrong"].samples_ms
-    for name in ("fast", "slow"):  # one sample per ~100 ms bin over 0.2 s, not 99 rounds
-        assert 1 <= len(by[name].samples_ms) <= 4, by[name].samples_ms
-    assert math.isclose(by["fast"].ratio_vs["slow"], by["slow"].median_ms / by["fast"].median_ms)
-    assert by["fast"].ratio_vs["slow"] > 1.0
+    assert by["wrong"].status == "failed" and not by["wrong"].samples_ms and "wrong" not in order
+    for name in ("fast", "slow"):  # one sample per 100 ms bin over 0.2 s, not 99 rounds
+        assert 2 <= len(by[name].samples_ms) <= 3, by[name].samples_ms
+    assert sorted(set(order)) == ["fast", "slow"] and len([i for i in range(1, len(order)) if order[i] != order[i - 1]]) == 1
+    assert by["fast"].median_ms == pytest.approx(1.0) and by["slow"].median_ms == pytest.approx(4.0)
+    assert by["fast"].ratio_vs["slow"] == pytest.approx(4.0)
 
 
 def _report(rows):

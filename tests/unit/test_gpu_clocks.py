@@ -95,7 +95,7 @@ def test_time_interleaved_reports_every_sample_with_its_predecessor():
 def test_clock_report_ratios(tmp_path):
     import importlib.util
     import json
-    spec = importlib.util.spec_from_file_location("clock_report", "benchmarks/clock_report.py")
+    spec = importlib.util.spec_from_file_location("clock_report", "benchmarks/tools/clock_report.py")
     clock_report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(clock_report)
     fa3_ms, flex_ms = random.uniform(5, 9), random.uniform(15, 25)

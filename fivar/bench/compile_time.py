@@ -1,0 +1,224 @@
+"""Build and cache costs of one variant module, fivar against FlashInfer's own module of the same op, built one
+after the other in this process into a fresh FlashInfer workspace and a fresh fivar cache:
+
+1. cold build of the fivar module (FA2 or FA3 single prefill), wall and CPU seconds;
+2. cold build of FlashInfer's module of the same op: on FA2 its `gen_customize_single_prefill_module` with
+   fivar's variant declaration (every mask mode instantiated, where fivar instantiates those the variant can
+   use), on FA3 its stock soft-cap module (`gen_single_prefill_module`); same nvcc flags and ninja job count;
+3. in-process hit: `load()` of a loaded module (microseconds), or with `--no-load` a `build()` disk check;
+4. fresh-process disk hit: a new Python finds the module in the disk cache (milliseconds, import excluded);
+5. optionally, a prewarm of N other modules in one parallel ninja against CPU seconds / cores.
+
+    python -m fivar.bench.compile_time --variant softcap --target fa2 [--json FILE]
+    FLASHINFER_CUDA_ARCH_LIST=9.0a python -m fivar.bench.compile_time --no-load     # no GPU: compile only
+
+The workspace is chosen before FlashInfer is imported (it fixes its folders then), so run this as its own process:
+`fivar bench NAME --compile` and the `compile` suite do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BUNDLED = ("alibi", "document_mask", "relative_bias", "sigmoid", "sliding_window", "softcap", "softcap_sliding_window")
+
+FRESH_PROCESS = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import fivar
+from fivar.jit.build import gen_module
+t1 = time.perf_counter()
+name, target, dtype, hd, load = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+m = gen_module(fivar.load(name), op="single_prefill", target=target, dtype=dtype, head_dim=hd)
+t2 = time.perf_counter()
+kind = None
+if load:
+    m.load()
+else:
+    kind = m.build()
+t3 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "gen_module_s": t2 - t1, "hit_s": t3 - t2, "kind": kind}))
+'''
+
+
+def child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def flashinfer_spec(v, target: str, fivar_uri: str, dtype: str, head_dim: int):
+    """FlashInfer's own JitSpec for the single-prefill op of `v` (see the module docstring)."""
+    from flashinfer.jit.attention.modules import gen_customize_single_prefill_module, gen_single_prefill_module
+
+    from ..jit import build as jb
+    from ..jit import toolchain
+    stub = toolchain.link_flags()  # only on a machine without libcuda (a CPU box)
+    if stub:
+        os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub)
+    dt = jb.DTYPES[dtype]
+    if target == "fa3":
+        return gen_single_prefill_module("fa3", dt, dt, dt, head_dim, head_dim, 0, False, True, False)
+    from flashinfer.jit import env as jit_env
+
+    from ..codegen import fa2
+    from ..paths import csrc_dir
+    decl = fa2.variant_decl(v)
+    tn, tt, sn, st = decl.additional
+    uri = f"flashinfer_ref_{fivar_uri}"
+    gen = jit_env.FLASHINFER_GEN_SRC_DIR / uri
+    gen.mkdir(parents=True, exist_ok=True)
+    header = (csrc_dir() / "fivar_ops.cuh").read_text()  # the declaration's helper header (rewritten only when it
+    if not (gen / "fivar_ops.cuh").exists() or (gen / "fivar_ops.cuh").read_text() != header:  # differs: ninja
+        (gen / "fivar_ops.cuh").write_text(header)  # rebuilds on a newer mtime)
+    return gen_customize_single_prefill_module("fa2", uri, dt, dt, dt, head_dim, head_dim, list(tn), list(tt),
+                                               list(sn), list(st), fa2.struct_name(v), decl.source)
+
+
+def _timed(build) -> tuple[float, float]:
+    c0, t0 = child_cpu(), time.perf_counter()
+    build()
+    return time.perf_counter() - t0, child_cpu() - c0
+
+
+def measure(variant: str = "softcap", target: str = "fa2", dtype: str = "bf16", head_dim: int = 128,
+            load: bool = True, with_flashinfer: bool = True, repeat: int = 1, hits: int = 10000,
+            prewarm_count: int = 0, log=print) -> dict:
+    """Every measurement of the module docstring, as a dict. Call in a process whose FlashInfer workspace and fivar
+    cache are fresh (`main` makes them)."""
+    import torch
+
+    import fivar
+    from ..jit import prewarm, toolchain
+    from ..jit.build import build_many, gen_module
+    jobs, jobs_why = prewarm.configure_jobs(None)
+    v = fivar.load(variant)
+    m = gen_module(v, op="single_prefill", target=target, dtype=dtype, head_dim=head_dim)
+    res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-only",
+           "arch": toolchain.arch_tag(), "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
+           "torch": torch.__version__, "cores": prewarm.cpu_count(), "jobs": jobs, "jobs_why": jobs_why, "load": load,
+           "variant": variant, "target": target, "dtype": dtype, "head_dim": head_dim, "uri": m.uri,
+           "fivar_units": sum(n.endswith(".cu") for n in m.sources)}
+    fi = flashinfer_spec(v, target, m.uri, dtype, head_dim) if with_flashinfer else None
+    if fi is not None:
+        res["flashinfer_uri"] = fi.name
+        res["flashinfer_units"] = len(fi.sources)
+    runs = {"fivar": [], "flashinfer": []}
+    for i in range(max(1, repeat)):
+        if i:  # cold again: drop build outputs, keep the generated sources
+            shutil.rmtree(m.build_dir, ignore_errors=True)
+            if fi is not None:
+                shutil.rmtree(fi.build_dir, ignore_errors=True)
+        kind = []
+        runs["fivar"].append(_timed(lambda: kind.append(m.build())))
+        if kind[0] != "cold":
+            raise RuntimeError(f"the fivar module was a {kind[0]} hit in a fresh cache: {m.uri}")
+        log(f"fivar {target} cold build: {runs['fivar'][-1][0]:.1f} s, {runs['fivar'][-1][1]:.1f} CPU-s")
+        if fi is not None:
+            runs["flashinfer"].append(_timed(lambda: fi.build(need_lock=True)))
+            log(f"FlashInfer {target} cold build: {runs['flashinfer'][-1][0]:.1f} s, "
+                f"{runs['flashinfer'][-1][1]:.1f} CPU-s")
+    for who, rs in runs.items():
+        if rs:
+            res[f"{who}_cold_s"] = statistics.median(r[0] for r in rs)
+            res[f"{who}_cold_cpu_s"] = statistics.median(r[1] for r in rs)
+    res["cold_runs"] = runs
+    if load:
+        t0 = time.perf_counter()
+        m.load()
+        res["first_load_ms"] = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        for _ in range(hits):
+            m.load()
+        res["in_process_hit_us"] = (time.perf_counter() - t0) / hits * 1e6
+        res["in_process_hit_what"] = "load() of a loaded module (memory hit)"
+    else:
+        n = max(1, hits // 100)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            m.build()
+        res["in_process_hit_us"] = (time.perf_counter() - t0) / n * 1e6
+        res["in_process_hit_what"] = "build() of a built, unloaded module (manifest check)"
+    pkg_root = str(Path(fivar.__file__).resolve().parents[1])  # the same fivar as this process, checkout or wheel
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS, variant, target, dtype, str(head_dim),
+                          "1" if load else "0"], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the fresh process failed:\n{out.stderr[-3000:]}")
+    fp = json.loads(out.stdout.strip().splitlines()[-1])
+    if fp["kind"] not in (None, "disk"):  # None: load() returned (a cold build would have been far slower)
+        raise RuntimeError(f"the fresh process did not hit the disk cache: {fp}")
+    res["fresh_process"] = {**fp, "process_wall_s": time.perf_counter() - t0}
+    res["fresh_process_disk_hit_ms"] = fp["hit_s"] * 1e3
+    log(f"hits: in process {res['in_process_hit_us']:.2f} us, fresh process {res['fresh_process_disk_hit_ms']:.1f} ms")
+    if prewarm_count > 0:
+        other = "fp16" if dtype == "bf16" else "bf16"
+        mods = [gen_module(fivar.load(n), op="single_prefill", dtype=other, head_dim=head_dim)
+                for n in BUNDLED][:prewarm_count]
+        c0, t0 = child_cpu(), time.perf_counter()
+        build_many(mods, parallel=True)
+        wall, cpu = time.perf_counter() - t0, child_cpu() - c0
+        res["prewarm"] = {"n": len(mods), "wall_s": wall, "cpu_s": cpu, "ideal_s": cpu / res["cores"],
+                          "efficiency": cpu / res["cores"] / wall}
+        log(f"prewarm {len(mods)}: {wall:.1f} s, {cpu:.1f} CPU-s (ideal {cpu / res['cores']:.1f} s)")
+    from ..jit import records
+    records.flush()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fivar.bench.compile_time", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", default="softcap", help="a logits-only variant makes FlashInfer's own path like "
+                    "for like")
+    ap.add_argument("--target", default="fa2", choices=["fa2", "fa3"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--no-load", action="store_true", help="compile only (no GPU): hits are build() checks")
+    ap.add_argument("--skip-flashinfer", action="store_true", help="skip FlashInfer's module")
+    ap.add_argument("--repeat", type=int, default=1, help="cold builds of each, alternating (medians reported)")
+    ap.add_argument("--prewarm-count", type=int, default=0, help="modules in a parallel prewarm (0: none)")
+    ap.add_argument("--hits", type=int, default=10000, help="in-process hit iterations")
+    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary workspace and cache")
+    args = ap.parse_args(argv)
+    if "flashinfer" in sys.modules:
+        raise SystemExit("compile_time must choose FlashInfer's workspace before FlashInfer is imported: run it as "
+                         "its own process (python -m fivar.bench.compile_time)")
+    base = tempfile.mkdtemp(prefix="fivar-compile-time-")
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = os.path.join(base, "ws")
+    os.environ["FIVAR_CACHE_DIR"] = os.path.join(base, "fivar")
+    os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+    try:
+        import torch
+        load = not args.no_load
+        if load and not torch.cuda.is_available():
+            print("no GPU visible: pass --no-load to compile only", file=sys.stderr)
+            return 2
+        res = measure(args.variant, args.target, args.dtype, args.head_dim, load=load,
+                      with_flashinfer=not args.skip_flashinfer, repeat=args.repeat, hits=args.hits,
+                      prewarm_count=args.prewarm_count, log=lambda s: print(s, flush=True))
+        if "flashinfer_cold_s" in res:
+            print(f"cold build fivar/FlashInfer: {res['fivar_cold_s'] / res['flashinfer_cold_s']:.2f} "
+                  f"({res['fivar_units']} vs {res['flashinfer_units']} nvcc units)")
+        if args.json_path:
+            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_path).write_text(json.dumps(res, indent=1))
+            print(f"wrote {args.json_path}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

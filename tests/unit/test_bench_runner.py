@@ -1,0 +1,304 @@
+"""The benchmark runner on the CPU with a fake timer: the row schema, ratios within a run, check before time (a
+wrong contender is never timed), errors that do not stop a run, the results file per GPU, and the render."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivar.bench import render as R
+from fivar.bench.contenders import Contender
+from fivar.bench.runner import (ROW_FIELDS, Case, Measurement, Options, Prepared, add_ratios, gpu_slug, ratio, run,
+                                select, validate_row)
+from fivar.bench.timing import Timing
+from fivar.testing import compare
+
+ENV = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "550.1", "flashinfer": "0.7.2", "torch": "2.x", "triton": "3.x",
+       "fivar": "0.1.0", "commit": "abc", "date": "2026-01-02T03:04:05Z", "run": "r1"}
+CPU = Options(rounds=2, device="cpu")
+
+
+class FakeTimer:
+    """Times each contender at a fixed, known median and records what it was asked to time."""
+    def __init__(self, ms):
+        self.ms, self.asked = ms, []
+
+    def __call__(self, fns):
+        self.asked.append(sorted(fns))
+        return {n: Timing([self.ms[n] * 0.9, self.ms[n], self.ms[n] * 1.2]) for n in fns}
+
+
+def _case(name, contenders, ref, flops=4e9, nbytes=2e6, baseline="stock", suite="attention"):
+    def prepare():
+        return Prepared(contenders, lambda c: compare("v", c.name, c.fn(), ref, torch.float16), flops=flops,
+                        nbytes=nbytes)
+    return Case(suite, name, "prefill", {"seqlen": 64}, prepare, baseline=baseline)
+
+
+def _calls():
+    calls = {}
+
+    def counted(name, fn):
+        def f():
+            calls[name] = calls.get(name, 0) + 1
+            return fn()
+        return f
+    return calls, counted
+
+
+def test_rows_schema_ratios_and_check_before_time(tmp_path):
+    ref = torch.randn(64, 4, 16)
+    calls, counted = _calls()
+    cs = [Contender("fivar-fa3", counted("fivar-fa3", lambda: ref.clone())),
+          Contender("stock", counted("stock", lambda: ref.clone()), "stock logits_soft_cap"),
+          Contender("wrong", counted("wrong", lambda: ref * 1.1 + 0.05))]
+    timer = FakeTimer({"fivar-fa3": 1.0, "stock": 2.5, "wrong": 0.1})
+    rows = run([_case("softcap S=64", cs, ref)], CPU, tmp_path, build=False, log=lambda s: None, timer=timer,
+               env=ENV)
+    assert (tmp_path / "h100.jsonl").exists()
+    on_disk = [json.loads(x) for x in (tmp_path / "h100.jsonl").read_text().splitlines()]
+    assert on_disk == json.loads(json.dumps(rows))
+    for r in on_disk:
+        validate_row(r)
+        assert tuple(r) == ROW_FIELDS and r["gpu"] == ENV["gpu"] and r["suite"] == "attention"
+    assert timer.asked == [["fivar-fa3", "stock"]]  # the wrong one was never handed to the timer
+    assert calls["wrong"] == 1  # called once, by its check
+    by = {(r["contender"], r["metric"]): r for r in on_disk}
+    assert by[("wrong", "ms")]["check"] == "fail" and by[("wrong", "ms")]["value"] is None
+    assert by[("wrong", "ms")]["detail"]["rel_err"] > 0.01 and ("wrong", "tflops_useful") not in by
+    assert by[("fivar-fa3", "ms")]["value"] == 1.0 and by[("fivar-fa3", "ms")]["ratio"] == pytest.approx(2.5)
+    assert by[("fivar-fa3", "tflops_useful")]["value"] == pytest.approx(4e9 / 1.0 / 1e9)
+    assert by[("fivar-fa3", "tflops_useful")]["ratio"] == pytest.approx(2.5)  # same direction for a rate
+    assert by[("fivar-fa3", "tbps_useful")]["value"] == pytest.approx(2e6 / 1.0 / 1e9)
+    assert by[("stock", "ms")]["ratio"] == 1.0 and by[("stock", "ms")]["baseline"] == "stock"
+    assert by[("fivar-fa3", "ms")]["detail"]["spread_ms"] == [0.9, 1.2]
+    assert by[("stock", "ms")]["label"] == "stock logits_soft_cap"
+
+
+def test_a_crash_or_a_broken_case_is_an_error_row_and_the_run_goes_on(tmp_path):
+    ref = torch.randn(8, 2, 16)
+
+    def boom():
+        raise RuntimeError("kernel exploded")
+
+    def bad_prepare():
+        raise ValueError("plan failed")
+    cases = [_case("a", [Contender("fivar", boom), Contender("stock", lambda: ref.clone())], ref),
+             Case("attention", "b", "prefill", {}, bad_prepare, baseline="stock"),
+             _case("c", [Contender("fivar", lambda: ref.clone()), Contender("stock", lambda: ref.clone())], ref)]
+    lines = []
+    rows = run(cases, CPU, tmp_path, build=False, log=lines.append, timer=FakeTimer({"fivar": 1.0, "stock": 1.0}),
+               env=ENV)
+    for r in rows:
+        validate_row(r)
+    a = [r for r in rows if r["case"] == "a" and r["contender"] == "fivar"]
+    assert len(a) == 1 and a[0]["check"] == "error" and "kernel exploded" in a[0]["detail"]["error"]
+    b = [r for r in rows if r["case"] == "b"]
+    assert len(b) == 1 and b[0]["check"] == "error" and "plan failed" in b[0]["detail"]["error"]
+    assert any(r["case"] == "c" and r["check"] == "pass" for r in rows)
+    assert sum(line.startswith("[attention] ") for line in lines) == 3  # a line per case as it goes
+    assert any("fivar ERROR" in line and "kernel exploded" in line for line in lines)
+
+
+def test_ratio_direction_and_missing_baseline():
+    assert ratio("ms", 2.0, 4.0) == 2.0 and ratio("tflops_useful", 300.0, 100.0) == 3.0
+    assert ratio("s", 10.0, 5.0) == 0.5 and ratio("ms", None, 1.0) is None and ratio("ms", 1.0, None) is None
+    rows = [{"contender": "fivar", "metric": "ms", "value": 1.0, "check": "pass"},
+            {"contender": "stock", "metric": "ms", "value": None, "check": "fail"}]
+    assert [r["ratio"] for r in add_ratios(rows, "stock")] == [None, None]  # a failed baseline gives no ratio
+
+
+def test_measured_cases_get_ratios_too(tmp_path):
+    m = [Measurement("fivar", "s", 30.0), Measurement("flashinfer", "s", 60.0), Measurement("fivar", "hit_us", 2.0)]
+    case = Case("compile", "softcap fa2 cold build", "build", {}, lambda: Prepared(measure=lambda: m),
+                baseline="flashinfer")
+    rows = run([case], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    by = {(r["contender"], r["metric"]): r for r in rows}
+    assert by[("fivar", "s")]["ratio"] == 2.0 and by[("fivar", "hit_us")]["ratio"] is None
+
+
+@pytest.mark.parametrize("name,slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+                                       ("cpu", "cpu")])
+def test_gpu_slug(name, slug):
+    assert gpu_slug(name) == slug
+
+
+def test_every_suite_lists_its_cases_without_a_gpu():
+    from fivar.bench.suites import SUITES, cases_of
+    for suite in SUITES:
+        for quick in (False, True):
+            cases = cases_of(suite, quick=quick)
+            names = [c.name for c in cases]
+            assert cases and len(set(names)) == len(names) and all(c.suite == suite for c in cases)
+    assert len(cases_of("attention")) == 7 * 3 * 2 and len(cases_of("zoo")) == 2 * 12
+    assert [c.name for c in select(cases_of("attention"), ["softcap prefill S=8192*"])] == [
+        "softcap prefill S=8192 full", "softcap prefill S=8192 causal"]
+
+
+def _synthetic(path, gpu="NVIDIA H200"):
+    rows = []
+    for run_, date, fivar_ms in (("old", "2026-01-01T00:00:00Z", 9.0), ("new", "2026-02-01T00:00:00Z", 1.0)):
+        for contender, ms in (("fivar-fa3", fivar_ms), ("stock", 2.0)):
+            rows.append({**ENV, "gpu": gpu, "run": run_, "date": date, "suite": "zoo", "case": "gemma2_local prefill",
+                         "op": "prefill", "shape": {}, "contender": contender, "label": "", "metric": "ms",
+                         "value": ms, "check": "pass", "detail": {}})
+    rows.append({**ENV, "gpu": gpu, "run": "new", "date": "2026-02-01T00:00:00Z", "suite": "zoo",
+                 "case": "gemma2_local prefill", "op": "prefill", "shape": {}, "contender": "flex", "label": "",
+                 "metric": "ms", "value": None, "check": "fail", "detail": {"rel_err": 0.5}})
+    rows.append({**ENV, "gpu": gpu, "run": "new", "date": "2026-02-01T00:00:00Z", "suite": "fusions", "case": "rms",
+                 "op": "add_rmsnorm", "shape": {}, "contender": "fivar", "label": "", "metric": "tbps_useful",
+                 "value": 3.1, "check": "pass", "detail": {}})
+    for r in rows:
+        r.setdefault("ratio", None)
+    add_ratios([r for r in rows if r["run"] == "new" and r["suite"] == "zoo"], "stock")
+    add_ratios([r for r in rows if r["run"] == "old"], "stock")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
+
+
+def test_render_latest_run_per_case_and_readme_markers(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    _synthetic(res / "h200.jsonl")
+    doc, readme = tmp_path / "docs" / "results.md", tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:begin -->\nstale table\n<!-- results:end -->\noutro\n")
+    R.render(res, doc, readme, log=lambda s: None)
+    text = doc.read_text()
+    assert "## NVIDIA H200 (`h200.jsonl`)" in text and "### zoo" in text and "### fusions" in text
+    assert text.index("### zoo") < text.index("### fusions")
+    assert "| gemma2_local prefill | fivar-fa3 | 1 ms | - | 2.00x | pass |" in text
+    assert "9 ms" not in text  # the older run of the case is not shown
+    assert "| gemma2_local prefill | flex | - | - | - | fail: rel err 0.5 |" in text
+    assert "3.1 TBPS" in text
+    out = readme.read_text()
+    assert out.startswith("intro\n<!-- results:begin -->\n") and out.endswith("<!-- results:end -->\noutro\n")
+    assert "stale table" not in out and "| NVIDIA H200 | zoo | 1 | 1 | 2.00x | 2.00x |" in out
+
+
+def test_render_leaves_a_readme_without_markers_alone(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    _synthetic(res / "h100.jsonl", gpu="NVIDIA H100 80GB HBM3")
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    said = []
+    R.render(res, tmp_path / "results.md", readme, log=said.append)
+    assert readme.read_text() == "no markers here\n" and any("no <!-- results:begin -->" in s for s in said)
+    assert (tmp_path / "results.md").read_text().count("### zoo") == 1
+
+
+def test_validate_row_refuses_a_value_on_a_failed_check():
+    row = {k: None for k in ROW_FIELDS}
+    row.update(check="fail", contender="x", value=1.0)
+    with pytest.raises(ValueError, match="did not pass its check has no value"):
+        validate_row(row)
+    row.update(check="maybe")
+    with pytest.raises(ValueError, match="check must be one of"):
+        validate_row(row)
+    row.update(check="pass", value=math.nan)
+    with pytest.raises(ValueError, match="needs a value"):
+        validate_row(row)
+
+
+def test_clock_trace_puts_each_contenders_clock_in_its_row(tmp_path):
+    """The default timer's samples are matched to the trace by their wall-clock spans (a stand-in trace here)."""
+    class Trace:
+        def __init__(self):
+            self.asked = []
+
+        def during(self, t0, t1):
+            self.asked.append((t0, t1))
+            return {"n": 2, "mhz": 1500.0 + len(self.asked), "watts": 600.0, "celsius": 50, "reasons": []}
+    ref = torch.randn(8, 2, 16)
+    trace = Trace()
+    opts = Options(rounds=3, warmup_ms=0.5, rep_ms=1.0, device="cpu", clocks=trace)
+    cs = [Contender("fivar", lambda: ref.clone()), Contender("stock", lambda: ref.clone()),
+          Contender("wrong", lambda: -ref)]
+    rows = run([_case("c", cs, ref)], opts, tmp_path, build=False, log=lambda s: None, env=ENV)
+    by = {(r["contender"], r["metric"]): r for r in rows}
+    assert len(trace.asked) == 2 * 3 and all(t0 <= t1 for t0, t1 in trace.asked)  # a span per timed sample
+    for name in ("fivar", "stock"):
+        assert 1500 < by[(name, "ms")]["detail"]["mhz"] <= 1506 and by[(name, "ms")]["detail"]["watts"] == 600.0
+        assert "mhz" not in by[(name, "tflops_useful")]["detail"]
+    assert "mhz" not in by[("wrong", "ms")]["detail"]
+
+
+def test_prebuild_builds_every_cases_modules_once_in_one_batch(monkeypatch):
+    """One parallel build of the union of the cases' modules (deduplicated by URI, only those not on disk); a
+    case whose modules cannot be listed, or a build that raises, is logged and the run goes on."""
+    from fivar.bench import runner
+    from fivar.jit import build as jb
+
+    class Mod:
+        def __init__(self, uri, ok=False):
+            self.uri, self.ok = uri, ok
+
+        def manifest_ok(self):
+            return self.ok
+    a, b, c = Mod("a"), Mod("b"), Mod("c", ok=True)
+    batches = []
+
+    def build_many(mods, parallel=True):
+        batches.append(([m.uri for m in mods], parallel))
+        raise RuntimeError("nvcc died")
+    monkeypatch.setattr(jb, "build_many", build_many)
+    monkeypatch.setattr("fivar.jit.prewarm.configure_jobs", lambda jobs: (3, "test"))
+
+    def unlistable():
+        raise OSError("no arch")
+    cases = [Case("s", "x", "prefill", {}, None, modules=lambda: [a, b]),
+             Case("s", "y", "prefill", {}, None, modules=lambda: [b, c]),
+             Case("s", "z", "prefill", {}, None, modules=unlistable)]
+    said = []
+    runner.prebuild(cases, log=said.append)
+    assert batches == [(["a", "b"], True)]
+    assert any("z: cannot list its modules" in s for s in said) and any("nvcc died" in s for s in said)
+
+
+@pytest.mark.parametrize("memory_bound,expect", [(None, "pct_of_matmul"), (True, "pct_of_copy")])
+def test_a_case_is_judged_against_one_ceiling(memory_bound, expect):
+    from fivar.bench.harness import Row
+    from fivar.bench.runner import timed_rows
+    row = Row(64, "fivar", "", "ok", {"rel_err": 0.0, "max_err": 0.0}, [2.0], 2.0, (2.0, 2.0))
+    rows = timed_rows([row], Prepared(flops=8e9, nbytes=4e9, memory_bound=memory_bound),
+                      {"bf16_matmul_tflops": 800.0, "copy_tb_per_s": 4.0})
+    by = {r["metric"]: r["value"] for r in rows}
+    assert by["tflops_useful"] == pytest.approx(4.0) and by["tbps_useful"] == pytest.approx(2.0)
+    assert {"pct_of_matmul", "pct_of_copy"} & set(by) == {expect}
+    assert by[expect] == pytest.approx(0.5 if expect == "pct_of_matmul" else 50.0)
+
+
+def test_compile_suite_turns_a_compile_time_report_into_rows(monkeypatch, tmp_path):
+    """The compile suite runs `python -m fivar.bench.compile_time` in its own process (stood in for here) and
+    reports both builds, the ratio against FlashInfer's, and the hits; a failed process is one error row."""
+    import subprocess as sp
+
+    from fivar.bench.suites import compile as suite
+    report = {"fivar_units": 3, "flashinfer_units": 6, "flashinfer_uri": "fi_uri", "jobs": 24, "cores": 16,
+              "nvcc": "13.0", "arch": "90a", "fivar_cold_s": 20.0, "fivar_cold_cpu_s": 50.0, "flashinfer_cold_s": 50.0,
+              "flashinfer_cold_cpu_s": 150.0, "in_process_hit_us": 1.5, "in_process_hit_what": "load()",
+              "fresh_process_disk_hit_ms": 12.0, "fresh_process": {"import_s": 1.0}}
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        out = cmd[cmd.index("--json") + 1]
+        Path(out).write_text(json.dumps(report))
+        return sp.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(suite.subprocess, "run", fake_run)
+    case = [c for c in suite.cases() if "fa2" in c.name][0]
+    rows = run([case], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    assert seen[0][1:3] == ["-m", "fivar.bench.compile_time"] and seen[0][seen[0].index("--target") + 1] == "fa2"
+    by = {(r["contender"], r["metric"]): r for r in rows}
+    assert by[("fivar", "s")]["value"] == 20.0 and by[("fivar", "s")]["ratio"] == 2.5
+    assert by[("fivar", "cpu_s")]["ratio"] == 3.0 and by[("flashinfer", "s")]["ratio"] == 1.0
+    assert by[("fivar", "hit_us")]["value"] == 1.5 and by[("fivar", "hit_ms")]["value"] == 12.0
+    for r in rows:
+        validate_row(r)
+
+    def failing_run(cmd, **kw):
+        return sp.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: nvcc not found")
+    monkeypatch.setattr(suite.subprocess, "run", failing_run)
+    rows = run([case], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    assert len(rows) == 1 and rows[0]["check"] == "error" and "nvcc not found" in rows[0]["detail"]["error"]
