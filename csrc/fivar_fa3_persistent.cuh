@@ -20,7 +20,7 @@
 // - rounds of G = min(tiles, SMs) CTAs, boustrophedon: round r gives CTA c tile r * G + c when r is even and
 //   r * G + G - 1 - c when odd, so a CTA that took one of the heavier tiles of a round takes one of the lighter of
 //   the next. Static, so no counter to reset between launches, and two launches on two streams never share state.
-//   benchmarks/persistent_order.py models the makespans of these orders.
+//   benchmarks/tools/persistent_order.py models the makespans of these orders.
 //
 // The launcher is FlashInfer 0.7.2's SinglePrefillWithKVCacheKernelTraitsDispatched with the scheduler and grid
 // swapped (fivar/codegen/fa3.py checks that function's text is still the one mirrored here).

@@ -46,9 +46,6 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         if ignored:  # build latency of one module: those shape a timed run
             raise FivarError(f"--compile measures one module's build latency (at --dtype and --head-dim); "
                              f"{', '.join(ignored)} shape a timed run only; drop {'them' if len(ignored) > 1 else 'it'}")
-        script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_compile.py"
-        if not script.exists():
-            raise FivarError("fivar bench --compile runs benchmarks/bench_compile.py from a fivar checkout")
         import subprocess
         _set_arch(arch)
         from ..jit.toolchain import ensure_arch_env
@@ -60,7 +57,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
             raise FivarError(f"'{name}' is a fusion; bench --compile measures an attention variant's FA2 module")
         if head_dim not in HEAD_DIMS:
             raise FivarError(f"--head-dim must be one of {', '.join(map(str, HEAD_DIMS))}, got {head_dim}")
-        args = [sys.executable, str(script), "--variant", name, "--dtype", dtype, "--head-dim", str(head_dim)] + (
+        args = [sys.executable, "-m", "fivar.bench.compile_time", "--variant", name, "--dtype", dtype, "--head-dim", str(head_dim)] + (
             ["--json", json_path] if json_path else [])
         if not torch.cuda.is_available():
             console.print("no GPU visible: compiling only (hits are build() disk checks, not loads)", highlight=False)
@@ -71,8 +68,8 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     from ..fusion.spec import FusionVariant
     v = load(name)
     if isinstance(v, FusionVariant):
-        raise FivarError(f"'{name}' is a fusion; fivar bench times attention variants (benchmarks/bench_fusions.py "
-                         "times fusions against stock FlashInfer)")
+        raise FivarError(f"'{name}' is a fusion; fivar bench times attention variants (`python -m fivar.bench "
+                         "--suite fusions` times fusions against stock FlashInfer)")
     params = scalar_params(v, param_texts)  # before the GPU check: a typo is reported on any machine
     if sustained_s and _given("rounds"):
         raise FivarError("--sustained times each contender once, for SECONDS; --rounds sets interleaved rounds: "

@@ -199,7 +199,7 @@ def parallel_passes_flags(on: bool) -> list[str]:
     passes unless FLASHINFER_NVCC_THREADS says otherwise, it runs them one after the other; with more threads it runs
     the host pass beside the device passes, even for one arch (nvcc's help says the option is ignored then; a gcc
     wrapper timing the two preprocessing runs shows them overlap). The output is the same (tests/unit/test_build.py).
-    For a pinned FA2 kernel unit the host pass is about a third of its time (benchmarks/nvcc_phases.py)."""
+    For a pinned FA2 kernel unit the host pass is about a third of its time (benchmarks/tools/nvcc_phases.py)."""
     return [PARALLEL_PASSES_FLAG] if on else []
 
 

@@ -8,7 +8,7 @@ covering the row, float32 math).
   (qk_norm_rope.py)
 
 All work on strided views (e.g. q/k heads inside a packed QKV buffer) as long as the last dim is
-contiguous. The torch references are `fivar.fusion.reference`; benchmarks/bench_triton_ops.py times these
+contiguous. The torch references are `fivar.fusion.reference`; `python -m fivar.bench --suite triton-ops` times these
 against stock FlashInfer.
 """
 from .qk_norm_rope import qk_norm_rope
