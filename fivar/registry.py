@@ -76,7 +76,7 @@ def load_file(path: Path) -> AttentionVariant:
         raise FivarSpecError(f"importing the variant file failed: {type(e).__name__}: {e}",
                              filename=str(path), line=line or 1, col=0) from None
     v = getattr(module, "variant", None)
-    from .fusion.spec import FusionVariant
+    from .fusion import FusionVariant
     if not isinstance(v, (AttentionVariant, FusionVariant)):
         raise FivarSpecError("the file must define `variant = fivar.AttentionVariant(...)`",
                              filename=str(path), line=1, col=0)

@@ -51,7 +51,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         from ..jit.toolchain import ensure_arch_env
         ensure_arch_env()  # no GPU and no arch: one line, not the script's traceback
         from .. import load
-        from ..fusion.spec import FusionVariant
+        from ..fusion import FusionVariant
         from ..jit.build import HEAD_DIMS
         if isinstance(load(name), FusionVariant):  # an unknown name: the registry's one line
             raise FivarError(f"'{name}' is a fusion; bench --compile measures an attention variant's FA2 module")
@@ -65,7 +65,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         sys.exit(subprocess.call(args))
     from .. import load
     from ..bench.contenders import scalar_params
-    from ..fusion.spec import FusionVariant
+    from ..fusion import FusionVariant
     v = load(name)
     if isinstance(v, FusionVariant):
         raise FivarError(f"'{name}' is a fusion; fivar bench times attention variants (`python -m fivar.bench "

@@ -15,7 +15,7 @@ from ..errors import FivarError
 from ..jit import toolchain
 from ..jit.build import DTYPES, FivarModule, content_hash
 from ..paths import csrc_dir
-from .spec import FusionVariant
+from .spec import FusionSpec
 
 NORM_ENUM = {None: "kNormNone", "rmsnorm": "kRMSNorm", "gemma": "kGemmaRMSNorm", "layernorm": "kLayerNorm"}
 ROPE_ENUM = {None: "kRopeNone", "neox": "kRopeNeox", "gptj": "kRopeGptj"}
@@ -29,13 +29,13 @@ def _env(directory: str) -> jinja2.Environment:
                               keep_trailing_newline=True)
 
 
-def template_name(variant: FusionVariant) -> str:
+def template_name(variant: FusionSpec) -> str:
     return "fusion_head.cu.jinja" if variant.is_head else "fusion_row.cu.jinja"
 
 
-def render_sources(variant: FusionVariant, dtype: str | None = None) -> dict[str, str]:
+def render_sources(variant: FusionSpec, dtype: str | None = None) -> dict[str, str]:
     """file name -> text: the rendered kernel/binding source and the shared kernel header."""
-    if not isinstance(variant, FusionVariant):
+    if not isinstance(variant, FusionSpec):
         raise FivarError(f"'{getattr(variant, 'name', variant)}' is not a fusion (fivar.FusionVariant)")
     dtype = dtype or variant.dtype
     if dtype not in CTYPES:
@@ -50,7 +50,7 @@ def render_sources(variant: FusionVariant, dtype: str | None = None) -> dict[str
     return {f"fusion_{variant.name}.cu": text, HEADER: (d / HEADER).read_text()}
 
 
-def gen_fusion_module(variant: FusionVariant, dtype: str | None = None) -> FivarModule:
+def gen_fusion_module(variant: FusionSpec, dtype: str | None = None) -> FivarModule:
     """The FivarModule of a fusion (not built yet: .build() / .load() / fivar.jit.build.build_many)."""
     sources = render_sources(variant, dtype)
     dtype = dtype or variant.dtype
@@ -64,7 +64,7 @@ def gen_fusion_module(variant: FusionVariant, dtype: str | None = None) -> Fivar
 _memo: dict[tuple, tuple] = {}
 
 
-def fusion_module_for(variant: FusionVariant, dtype: str) -> FivarModule:
+def fusion_module_for(variant: FusionSpec, dtype: str) -> FivarModule:
     """gen_fusion_module with a per-process memo (no re-rendering on the hot path)."""
     key = (id(variant), dtype)
     m = _memo.get(key)

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from .args import arg_error, check_cos_sin_cache, check_qk, split_args
+
 FP8_MAX = 448.0
 
 
@@ -121,19 +123,17 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: 
 
 
 def _check_shapes(v, a) -> None:
-    """The shapes a call takes (fivar.fusion.runtime checks those and more on the GPU), on any device and float
+    """The shapes a call takes (fivar.fusion.args checks those and more for the kernel), on any device and float
     dtype: a mismatch is an error naming the argument, not a broadcasting error from torch."""
-    from .runtime import _check_cos_sin_cache, _check_qk, _err
-
     def need(name, shape=None, dims=None):
         t = a.get(name)
         if t is None:
             return None
         if not isinstance(t, torch.Tensor):
-            raise _err(v, name, f"must be a torch.Tensor, got {type(t).__name__}")
+            raise arg_error(v, name, f"must be a torch.Tensor, got {type(t).__name__}")
         if (shape is not None and tuple(t.shape) != tuple(shape)) or (dims is not None and t.dim() != dims):
             want = f"shape {tuple(shape)}" if shape is not None else f"{dims} dims"
-            raise _err(v, name, f"must have {want}, got {tuple(t.shape)}")
+            raise arg_error(v, name, f"must have {want}, got {tuple(t.shape)}")
         return t
     if not v.is_head:
         x = need("x", dims=2)
@@ -142,14 +142,14 @@ def _check_shapes(v, a) -> None:
         need("residual", shape=x.shape)
         return
     q = need("q")
-    _check_qk(v, q, need("k"))
+    check_qk(v, q, need("k"))
     for name in ("q_weight", "k_weight", "q_bias", "k_bias"):
         need(name, shape=(v.head_dim,))
     need("positions", shape=(q.shape[0],))
     need("inv_freq", shape=(v.rotary_dim // 2,) if v.rope else None)
     cs = need("cos_sin_cache")
     if cs is not None:
-        _check_cos_sin_cache(v, cs)
+        check_cos_sin_cache(v, cs)
 
 
 def reference(variant, **kwargs):
@@ -157,7 +157,6 @@ def reference(variant, **kwargs):
 
     per-row: `out`, or `(out, new_residual)` with a residual; per-head: `(q_out, k_out)`.
     """
-    from .runtime import split_args
     a = split_args(variant, kwargs, validate=False)
     _check_shapes(variant, a)
     eps = a["eps"]

@@ -1,4 +1,7 @@
-"""`FusionVariant`: a parametric family of fused norm / residual / RoPE / FP8 kernels.
+"""`FusionSpec`: the declaration of a fused norm / residual / RoPE / FP8 kernel, checked field by field.
+
+Calling one (`v(...)`, `v.bind(...)`, `v.reference(...)`) is `fivar.FusionVariant`, its subclass in
+fivar.fusion.variant, the layer above the runtime: this module imports nothing above it and not torch.
 
 A fusion is one pass over each token (or each token x head) that does, in order:
 
@@ -54,7 +57,7 @@ def eps_problem(eps) -> str | None:
 
 
 @dataclass(eq=False)
-class FusionVariant:
+class FusionSpec:
     name: str
     norm: str | None = "rmsnorm"
     norm_scope: str = "row"
@@ -154,22 +157,3 @@ class FusionVariant:
         if self.fp8:
             parts.append("fp8 e4m3 out")
         return " + ".join(parts)
-
-    # --- runtime entry points (fivar.fusion.runtime) --------------------------------------------
-    def __call__(self, **kwargs):
-        from .runtime import run
-        return run(self, **kwargs)
-
-    def run(self, **kwargs):
-        from .runtime import run
-        return run(self, **kwargs)
-
-    def bind(self, **kwargs):
-        """Validate once; a zero-argument callable that launches on these tensors (hot loops, graphs)."""
-        from .runtime import bind
-        return bind(self, **kwargs)
-
-    def reference(self, **kwargs):
-        """The torch reference (fp32 math on the unfused ops); same arguments as a call, never in place."""
-        from .reference import reference
-        return reference(self, **kwargs)

@@ -170,7 +170,7 @@ def test_head_reference_matches_hand_math(tokens, norm, rope, rd, packed):
 def test_packed_qkv_views_are_strided_and_match_separate_tensors():
     v = fivar.load("qwen3_qk_norm_rope")
     a = random_inputs(v, tokens=7, device="cpu", packed=True)
-    from fivar.fusion.runtime import split_args
+    from fivar.fusion.args import split_args
     s = split_args(v, dict(a), validate=False)
     assert s["q"].shape == (7, 8, 128) and s["k"].shape == (7, 2, 128)
     assert s["q"].stride() == ((8 + 4) * 128, 128, 1) and not s["q"].is_contiguous()
