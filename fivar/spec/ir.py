@@ -33,6 +33,8 @@ class Expr:
 @dataclass(frozen=True)
 class Const(Expr):
     value: float | int | bool
+    #: (line, col) of the literal or name it came from, for the parser's range check
+    at: tuple = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
