@@ -441,6 +441,9 @@ class _FunctionParser:
 
     def resolve_function(self, func: ast.AST) -> str:
         if isinstance(func, ast.Name):
+            if func.id in self.env:  # Python would call the argument or local, which holds a number
+                raise self.error(func, f"`{func.id}` is an argument or local of `{self.role}` here, not a function; "
+                                 "rename it", "call of a number", ALLOWED)
             obj = self.lookup_global(func.id, func)
             for fname in lang.FUNCTIONS:
                 if obj is getattr(lang, fname):
@@ -450,6 +453,9 @@ class _FunctionParser:
             raise self.error(func, f"`{func.id}` is not a function fivar can compile", "unknown function",
                              ALLOWED)
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            if func.value.id in self.env:
+                raise self.error(func, f"`{func.value.id}` is an argument or local of `{self.role}` here, not a "
+                                 "module; rename it", "call of a number", ALLOWED)
             mod = self.lookup_global(func.value.id, func)
             modname = getattr(mod, "__name__", "")
             if modname in ("fivar", "fivar.lang") and func.attr in lang.FUNCTIONS:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
-from fivar.codegen.cuda import CppEmitter
+from fivar.codegen.cuda import CppEmitter, additional_args
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.paths import csrc_dir
 from fivar.spec import optimize
@@ -87,11 +87,12 @@ def make_variant(index: int, body_expr: str, module_dict: dict) -> AttentionVari
 HARNESS = """
 #include <cstdio>
 #include "fivar_ops.cuh"
-struct Params {{ float* t; int64_t t_size0; double sm_scale; double a; int64_t n; }};
+struct Params {{ {params_decl} }};
 {structs}
 int main() {{
   static float table[{table_len}] = {{{table}}};
-  Params params{{table, {table_len}, {sm_scale!r}, {a!r}, {n}}};
+  Params params{{}};
+  {params_init}
   struct Pt {{ float raw; uint32_t b, h, kh, qo, kv, qo_len, kv_len; }};
   static const Pt pts[{n_points}] = {{{points}}};
   for (int m = 0; m < {n_points}; ++m) {{
@@ -192,8 +193,14 @@ def test_python_torch_and_cpp_agree(seed, tmp_path_factory):
         f"s.run(params, x.raw, x.b, x.qo, x.kv, x.h, x.kh) * s.out_scale); }}" for k in range(n_expr))
     pts = ", ".join("{%sf, %du, %du, %du, %du, %du, %du, %du}" % (repr(p["raw"]), p["b"], p["h"], p["kh"], p["qo"],
                                                                  p["kv"], p["qo_len"], p["kv_len"]) for p in points)
+    # FlashInfer's Params as the module declares it (the variant's additional args, names as generated)
+    args = additional_args(variants[0], with_causal_flag=False)
+    value = {"sm_scale": repr(sm_scale), "t": "table", "a": repr(a), "n": str(n)}
+    params_decl = " ".join(f"{x.ctype}{'*' if x.source == 'tensor' else ''} {x.name};" for x in args)
+    params_init = "\n  ".join(f"params.{x.name} = {TABLE_LEN if x.source == 'size' else value[x.param or x.source]};"
+                              for x in args)
     src = HARNESS.format(structs=structs, table_len=TABLE_LEN, table=", ".join(f"{x!r}f" for x in table),
-                         sm_scale=sm_scale, a=a, n=n, n_points=N_POINTS, points=pts, calls=calls)
+                         params_decl=params_decl, params_init=params_init, n_points=N_POINTS, points=pts, calls=calls)
     d = tmp_path_factory.mktemp("host")
     (d / "h.cpp").write_text(src)
     subprocess.run(["g++", "-std=c++17", "-O1", "-I", str(csrc_dir()), "-o", str(d / "h"), str(d / "h.cpp")],
