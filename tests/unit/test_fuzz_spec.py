@@ -237,7 +237,11 @@ def load(src: str, filename: str):
     """The variant of module text `src` as if read from `filename` (inspect finds its source through linecache)."""
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     ns: dict = {"__name__": "fuzz_spec"}
-    exec(compile(src, filename, "exec"), ns)
+    try:
+        code = compile(src, filename, "exec")
+    except SyntaxError as e:  # params.None: what fivar.load says of a variant file Python cannot read
+        raise FivarSpecError(f"syntax error: {e.msg}", filename=filename, line=e.lineno, col=0) from None
+    exec(code, ns)
     return ns["variant"]
 
 
@@ -465,8 +469,24 @@ def fuzz(seed: int, n_specs: int, tmp_path, nvcc: bool = False) -> dict:
         build = subprocess.run(cmd, capture_output=True, text=True)
         assert build.returncode == 0, build.stderr[:4000]
     refused = [o for o in outcomes if o.error is not None]
+    fuzz.accepted = accepted  # for the Triton check
     return {"specs": n_specs, "refused": len(refused), "accepted": len(accepted), "compiled": len(accepted),
             "values_compared": compared, "planted_refusals": sum(bool(o.spec.must_fail) for o in outcomes)}
+
+
+def check_triton(variants: list, seed: int) -> int:
+    """Each variant's Triton twin under the interpreter against the reference, its params passed by the names the
+    spec declares (INFINITY=..., num_warps=...): returns how many ran."""
+    from fivar.testing import compare
+    g = torch.Generator().manual_seed(seed)
+    for v in variants:
+        q, k, vv = (torch.randn(n, 2, 16, generator=g).half() for n in (5, 9, 9))
+        params = {n: (torch.randn(TABLE_LEN, generator=g) if n in v.tensor_params else
+                      (1.5 if p.dtype is float else 3)) for n, p in v.params.items()}
+        out = v.prefill(q, k, vv, backend="triton", **params)
+        result = compare(v.name, "fuzzed", out, v.reference(q, k, vv, **params), torch.float16)
+        assert result.passed, f"{result}\n{render_attention(v)}"
+    return len(variants)
 
 
 NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
@@ -477,8 +497,9 @@ requires_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not i
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1))
 def test_fuzzed_specs_are_refused_with_a_location_or_compile_and_match(seed, tmp_path_factory):
-    figures = fuzz(seed, 60, tmp_path_factory.mktemp("fuzz"))
+    figures = fuzz(seed, 50, tmp_path_factory.mktemp("fuzz"))
     assert figures["accepted"] and figures["refused"]
+    assert check_triton([o.variant for o in fuzz.accepted[:3]], seed) == min(3, figures["accepted"])
 
 
 @pytest.mark.nvcc
