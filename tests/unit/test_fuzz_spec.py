@@ -517,3 +517,95 @@ def test_thousands_of_fuzzed_specs_compile_with_nvcc(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nfuzz figures: {figures}")
     assert figures["specs"] == total and figures["accepted"] > total // 4
+
+
+# --- the cases the fuzzer generalises, one by one -----------------------------------------------------------------------
+HOSTILE = '''"""A variant whose every name is one generated code used to take as it is."""
+from fivar import AttentionVariant, Scalar, Tensor, tanh, minimum
+
+def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    xor = score * params.INFINITY + params.NAN
+    bitand = tanh(xor) * params.M_PI
+    decltype = params.grid[minimum(q_idx, 6)] + float(params.errno + params.EOF)
+    nullptr = bitand + decltype * params.FLT_MAX
+    static_cast = nullptr * params.num_warps + params.num_stages + params.NULL
+    return static_cast
+
+def mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    compl = kv_idx - params.num_ctas
+    return compl <= q_idx
+
+variant = AttentionVariant(name="hostile", logits=logits, mask=mask, params={
+    "INFINITY": Scalar(float, default=0.5), "NAN": Scalar(float, default=0.25), "M_PI": Scalar(float, default=1.5),
+    "errno": Scalar(int, default=2), "EOF": Scalar(int, default=-1), "FLT_MAX": Scalar(float, default=0.75),
+    "num_warps": Scalar(float, default=1.25), "num_stages": Scalar(float, default=-0.5),
+    "NULL": Scalar(float, default=0.125), "num_ctas": Scalar(int, default=1),
+    "grid": Tensor("float32", ("n",))})
+'''
+HOSTILE_VALUES = {"INFINITY": 0.5, "NAN": -0.25, "M_PI": 1.5, "errno": 2, "EOF": -1, "FLT_MAX": 0.75,
+                  "num_warps": 1.25, "num_stages": -0.5, "NULL": 0.125, "num_ctas": 2}
+
+
+@pytest.fixture
+def hostile(tmp_path):
+    """The hostile variant in a file whose name holds a newline and C++ and Python code after it."""
+    path = tmp_path / "hostile\nint injected_cpp = 1; injected_py() #\\.py"
+    path.write_text(HOSTILE)
+    return fivar.load(str(path))
+
+
+@requires_gxx
+def test_names_of_macros_keywords_and_launch_options_compile_and_match(hostile, tmp_path):
+    """Params named INFINITY, NAN, errno, NULL, EOF, M_PI, FLT_MAX (C macros), grid, num_warps, num_stages (Triton
+    launch options), locals xor, bitand, decltype, nullptr, static_cast (C++ keywords): the FA2 and FA3 structs compile
+    in one unit with <cmath>, <cerrno>, <cstdio>, <cfloat> included, and match the reference."""
+    sm = 0.125
+    table = [float(torch.tensor(0.1 * k - 0.3, dtype=torch.float32)) for k in range(TABLE_LEN)]
+    points = [dict(raw=1.5, b=0, h=1, kh=0, qo=k, kv=2 * k, qo_len=8, kv_len=12) for k in range(4)]
+    src = harness([harness_case(0, hostile, {"sm_scale": sm, **HOSTILE_VALUES})], points, table, device=False)
+    (tmp_path / "h.cpp").write_text(src)
+    build = subprocess.run(["g++", "-std=c++17", "-O1", "-I", str(csrc_dir()), "-o", str(tmp_path / "h"),
+                            str(tmp_path / "h.cpp")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[:3000]
+    out = subprocess.run([str(tmp_path / "h")], check=True, capture_output=True, text=True).stdout.splitlines()
+    assert len(out) == len(points)
+    for line, pt in zip(out, points):
+        _, m, logit, mask, _ = line.split()
+        want = reference(hostile, {"sm_scale": sm, **HOSTILE_VALUES}, pt, table, torch.float32)
+        assert _close(float(logit), want[0]) and float(mask) == want[1], (line, want)
+
+
+def test_triton_twin_takes_params_named_like_launch_options(hostile):
+    """num_warps, num_stages, num_ctas and grid are kernel arguments of the twin like any other param, and callers
+    pass them by the names the spec declares."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 16, generator=g).half() for n in (6, 11, 11))
+    params = {**HOSTILE_VALUES, "grid": torch.randn(TABLE_LEN, generator=g)}
+    from fivar.testing import compare
+    out = hostile.prefill(q, k, v, backend="triton", **params)
+    result = compare("hostile", "launch-option names", out, hostile.reference(q, k, v, **params), torch.float16)
+    assert result.passed, result
+
+
+def test_a_file_name_with_a_newline_stays_inside_the_comment(hostile):
+    """The file name (and the docstring) reach generated code only inside one-line comments, escaped."""
+    for target, text in render_all(hostile).items():
+        code = _code_only(target, text)
+        assert "injected" not in code, (target, code)
+        assert "hostile<U+000a>int injected_cpp = 1; injected_py() #<U+005c>.py" in text, target
+    compile(render_all(hostile)["triton"], "<triton>", "exec")
+
+
+def test_identifiers_from_user_names_are_checked_against_each_target():
+    """user_ident keeps every derived identifier out of the reserved sets, one-to-one, ASCII, without `__`."""
+    pool = NASTY + PYTHON_KEYWORDS + sorted(CALL_KWARGS) + ["U", "U000055", "x_", "a__b", "\u00e9", "e\u0301"]
+    seen = {}
+    for tag in (names.PARAM, names.LOCAL, names.size_tag(0), names.size_tag(1), names.stride_tag(0)):
+        for n in pool:
+            ident = names.user_ident(tag, n)
+            assert seen.setdefault(ident, (tag, n)) == (tag, n), (ident, seen[ident], (tag, n))
+            names.check_rendered("cuda", [ident], "v")
+            names.check_rendered("triton", [ident], "v")
+    for bad in ("INFINITY", "xor", "num_warps", "grid", "window_left", "__x", "print"):
+        with pytest.raises(fivar.FivarError, match="reserved"):
+            names.check_rendered("cuda" if bad not in ("num_warps", "grid", "print") else "triton", [bad], "v")
