@@ -53,7 +53,7 @@ def applies(variant, causal: bool, window_left: int, schedule: str = "grid") -> 
     low = variant.lowered
     if causal or window_left >= 0 or not variant.softmax or low.mask is not None or schedule != "grid":
         return False
-    return low.logits is None or ir.uses(low.logits) <= {"score", *variant.scalar_params}
+    return low.logits is None or ir.uses(low.logits) <= {"score", *(f"params.{n}" for n in variant.scalar_params)}
 
 
 def _setting(variant_name: str) -> tuple[int, int] | bool:
