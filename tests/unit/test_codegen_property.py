@@ -229,3 +229,23 @@ def test_generator_covers_the_grammar():
                   "where", " if ", "//", "%", "int(", "float(", "p.t[", "p.a", "p.n", "qi", "ki", "and", "or",
                   "not", "==", "!=", "<=", "abs("]:
         assert token in text, token
+
+
+def _sqrt_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return fivar.sqrt(score)  # NaN for every negative score
+
+
+def test_reference_keeps_nan_where_the_kernels_do_and_zeros_rows_with_no_key():
+    """A NaN logit of a kept key makes its row NaN in the kernels (the Triton twin here); the reference says so too,
+    instead of zeros. A row whose every key is masked (causal, qo_len > kv_len) is zeros in both."""
+    import os
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    v = AttentionVariant(name="sqrt_logits", logits=_sqrt_logits)
+    g = torch.Generator().manual_seed(0)
+    q, k, vv = (torch.randn(n, 2, 16, generator=g).half() for n in (12, 9, 9))
+    ref = v.reference(q, k, vv, causal=True)
+    out = v.prefill(q, k, vv, causal=True, backend="triton").float()
+    assert ref.isnan().any() and torch.equal(ref.isnan(), out.isnan())
+    assert (ref[:3] == 0).all() and (out[:3] == 0).all()  # rows 0..2 see no key (q_idx = i - 3)
+    finite = ~ref.isnan()
+    assert torch.allclose(out[finite], ref[finite], atol=2e-2)
