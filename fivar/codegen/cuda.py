@@ -1,7 +1,8 @@
 """IR -> CUDA C++ (shared by the FA2 and FA3 variant structs, and by the host-compiled test harness).
 
-Everything per-element reads only locals and `fv_*` members; the members (scalar params, hoisted
-invariants, the query offset) are filled once per thread block in the variant's constructor.
+Everything per-element reads only locals and members; the members (scalar params, hoisted invariants, the
+query offset) are filled once per thread block in the variant's constructor. User names never appear as they
+are: a param is `fvp_NAME`, a local `fvl_NAME` (fivar.spec.names.user_ident), fivar's own names are `fv_*`.
 """
 from __future__ import annotations
 
@@ -10,18 +11,14 @@ from dataclasses import dataclass
 
 from ..spec import ir
 from ..spec.ir import BOOL, F32, I32
+from ..spec.names import LOCAL, PARAM, check_rendered, comment_text, size_tag, stride_tag, user_ident
 from ..spec.optimize import Lowered
+
+__all__ = ["CppEmitter", "Member", "additional_args", "additional_params", "comment_text"]
 
 CTYPE = {F32: "float", I32: "int32_t", BOOL: "bool"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
-_CPP_KEYWORDS = {"auto", "bool", "break", "case", "char", "class", "const", "default", "delete",
-                 "do", "double", "enum", "explicit", "extern", "float", "friend", "goto", "inline",
-                 "int", "long", "mutable", "namespace", "new", "operator", "private", "protected",
-                 "public", "register", "short", "signed", "sizeof", "static", "struct", "switch",
-                 "template", "this", "throw", "typedef", "typename", "union", "unsigned", "using",
-                 "virtual", "void", "volatile", "logits", "params", "output", "batch_idx", "qo_idx",
-                 "kv_idx", "qo_head_idx", "kv_head_idx", "signed", "half", "int32_t", "int64_t"}
 
 #: How each index variable is computed from the FlashInfer hook arguments.
 INDEX_INIT = {
@@ -33,8 +30,21 @@ INDEX_INIT = {
 }
 
 
+def param_ident(name: str) -> str:
+    """A param's name in FlashInfer's Params, the module's run functions and the variant struct."""
+    return user_ident(PARAM, name)
+
+
+def size_ident(name: str, dim: int) -> str:
+    return user_ident(size_tag(dim), name)
+
+
+def stride_ident(name: str, dim: int) -> str:
+    return user_ident(stride_tag(dim), name)
+
+
 def local_name(name: str) -> str:
-    return name + "_" if name in _CPP_KEYWORDS else name
+    return user_ident(LOCAL, name)
 
 
 def float_literal(v: float) -> str:
@@ -59,6 +69,18 @@ class CppEmitter:
     def __init__(self, variant, param_ref=lambda n: f"params.{n}", index_init=None):
         self.variant, self.param_ref = variant, param_ref
         self.index_init = {**INDEX_INIT, **(index_init or {})}
+        self.user_idents: set[str] = set()  # every identifier derived from a user name, checked as it is made
+
+    def ident(self, name: str) -> str:
+        """A derived identifier, held against the reserved C++/CUDA names (fivar.spec.names.check_rendered)."""
+        if name not in self.user_idents:
+            check_rendered("cuda", [name], self.variant.name)
+            self.user_idents.add(name)
+        return name
+
+    def member(self, name: str) -> str:
+        """The struct member holding a scalar param (or fivar's own sm_scale) for the block."""
+        return "fv_sm_scale" if name == "sm_scale" else self.ident(param_ident(name))
 
     def expr(self, e: ir.Expr) -> str:
         if isinstance(e, ir.Const):
@@ -73,17 +95,19 @@ class CppEmitter:
             return "(float(logits) * fv_sm_scale)"
         if isinstance(e, ir.Index):
             return f"fv_{e.name}"
-        if isinstance(e, (ir.ScalarParam, ir.Hoisted)):
+        if isinstance(e, ir.ScalarParam):
+            return self.member(e.name)
+        if isinstance(e, ir.Hoisted):
             return f"fv_{e.name}"
         if isinstance(e, ir.Local):
-            return local_name(e.name)
+            return self.ident(local_name(e.name))
         if isinstance(e, ir.Load):
             p = self.variant.params[e.param]
             offset = " + ".join(
-                f"fivar::clamp_index({self.expr(i)}, {self.param_ref(f'{e.param}_size{d}')})"
-                + (f" * {self.param_ref(f'{e.param}_stride{d}')}" if d < p.ndim - 1 else "")
+                f"fivar::clamp_index({self.expr(i)}, {self.param_ref(self.ident(size_ident(e.param, d)))})"
+                + (f" * {self.param_ref(self.ident(stride_ident(e.param, d)))}" if d < p.ndim - 1 else "")
                 for d, i in enumerate(e.indices))
-            return f"{CTYPE[e.type]}({self.param_ref(e.param)}[{offset}])"
+            return f"{CTYPE[e.type]}({self.param_ref(self.ident(param_ident(e.param)))}[{offset}])"
         if isinstance(e, ir.Unary):
             return f"(-{self.expr(e.x)})" if e.op == "neg" else f"(!{self.expr(e.x)})"
         if isinstance(e, ir.Binary):
@@ -105,7 +129,7 @@ class CppEmitter:
 
     def statements(self, program: ir.Program) -> tuple[list[str], str]:
         """The program's let-bindings as C++ statements, and the expression of its result."""
-        lines = [f"const {CTYPE[e.type]} {local_name(n)} = {self.expr(e)};" for n, e in program.lets]
+        lines = [f"const {CTYPE[e.type]} {self.ident(local_name(n))} = {self.expr(e)};" for n, e in program.lets]
         return lines, self.expr(program.result)
 
     def body(self, program: ir.Program, indent: str = "    ", guard: str | None = None) -> str:
@@ -133,7 +157,8 @@ class CppEmitter:
             out.append(Member("int32_t", "fv_q_offset", "int32_t(kv_len) - int32_t(qo_len)"))
         for name in scalars:
             t = F32 if name == "sm_scale" else self.variant.params[name].ir_type
-            out.append(Member(CTYPE[t], f"fv_{name}", f"{CTYPE[t]}({self.param_ref(name)})"))
+            field = "sm_scale" if name == "sm_scale" else param_ident(name)
+            out.append(Member(CTYPE[t], self.member(name), f"{CTYPE[t]}({self.param_ref(field)})"))
         for name, e in lowered.hoisted.items():
             out.append(Member(CTYPE[e.type], f"fv_{name}", self.expr(e)))
         return out
@@ -143,26 +168,43 @@ def _used_indices(program: ir.Program) -> set[str]:
     return {n.name for root in program.exprs() for n in ir.walk(root) if isinstance(n, ir.Index)}
 
 
-def additional_params(variant, with_causal_flag: bool, extra_tensors=()):
-    """FlashInfer `additional_*` lists: tensors, then scalars (sm_scale first), all fivar-owned names.
-    `extra_tensors` are fivar's own int32 tables (FA3's KV-range form), before the variant's tensors.
+@dataclass(frozen=True)
+class AdditionalArg:
+    """One FlashInfer `additional` argument of a module: its C++ name and type, and what the runtime passes
+    (`source`: "sm_scale", "causal", "table" (fivar's own int32 tensor `param`), "tensor", "scalar", "size" or
+    "stride" of the variant's param `param`, dimension `dim`)."""
+    name: str
+    ctype: str
+    source: str
+    param: str | None = None
+    dim: int = 0
 
-    Returns (tensor_names, tensor_ctypes, scalar_names, scalar_ctypes).
-    """
-    t_names, t_types, s_names, s_types = list(extra_tensors), ["int32_t"] * len(extra_tensors), ["sm_scale"], ["double"]
+
+def additional_args(variant, with_causal_flag: bool, extra_tensors=()) -> list[AdditionalArg]:
+    """FlashInfer's `additional_*` arguments in declaration order: tensors (fivar's `extra_tensors` tables first,
+    FA3's KV-range form), then scalars (sm_scale first). Names derived from params are user_ident's, so none is
+    `maybe*` (FlashInfer's optional tensors) or any other name FlashInfer gives a meaning."""
+    tensors = [AdditionalArg(t, "int32_t", "table", t) for t in extra_tensors]
+    scalars = [AdditionalArg("sm_scale", "double", "sm_scale")]
     for name, p in variant.tensor_params.items():
-        t_names.append(name)
-        t_types.append(p.cpp_type)
+        tensors.append(AdditionalArg(param_ident(name), p.cpp_type, "tensor", name))
         for d in range(p.ndim):
-            s_names.append(f"{name}_size{d}")
-            s_types.append("int64_t")
+            scalars.append(AdditionalArg(size_ident(name, d), "int64_t", "size", name, d))
             if d < p.ndim - 1:
-                s_names.append(f"{name}_stride{d}")
-                s_types.append("int64_t")
+                scalars.append(AdditionalArg(stride_ident(name, d), "int64_t", "stride", name, d))
     for name, p in variant.scalar_params.items():
-        s_names.append(name)
-        s_types.append("double" if p.ir_type == F32 else "int64_t")
+        scalars.append(AdditionalArg(param_ident(name), "double" if p.ir_type == F32 else "int64_t", "scalar", name))
     if with_causal_flag:
-        s_names.append("fv_causal")
-        s_types.append("int64_t")
-    return t_names, t_types, s_names, s_types
+        scalars.append(AdditionalArg("fv_causal", "int64_t", "causal"))
+    check_rendered("cuda", [a.name for a in tensors + scalars if a.param is not None and a.source != "table"],
+                   variant.name)
+    return tensors + scalars
+
+
+def additional_params(variant, with_causal_flag: bool, extra_tensors=()):
+    """additional_args as FlashInfer's lists: (tensor_names, tensor_ctypes, scalar_names, scalar_ctypes)."""
+    args = additional_args(variant, with_causal_flag, extra_tensors)
+    tensors = [a for a in args if a.source in ("table", "tensor")]
+    scalars = [a for a in args if a not in tensors]
+    return ([a.name for a in tensors], [a.ctype for a in tensors], [a.name for a in scalars],
+            [a.ctype for a in scalars])

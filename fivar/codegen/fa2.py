@@ -14,7 +14,7 @@ import jinja2
 
 from ..paths import templates_dir
 from ..spec import optimize
-from .cuda import CppEmitter, Member, additional_params
+from .cuda import CppEmitter, Member, additional_params, comment_text
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = "MaskMode::kNone", "MaskMode::kCausal", "MaskMode::kCustom"
 MASK_CODES = {MASK_NONE: 0, MASK_CAUSAL: 1, MASK_CUSTOM: 2}
@@ -24,8 +24,10 @@ CAUSAL_GUARD = "(!fv_causal || kv_idx + qo_len <= qo_idx + kv_len)"
 
 @functools.lru_cache(maxsize=None)
 def _env(directory: str) -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    env.filters["comment"] = comment_text  # user text (file, variant names, docs) inside a one-line comment
+    return env
 
 
 def render(relpath: str, **kwargs) -> str:

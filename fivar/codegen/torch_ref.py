@@ -243,7 +243,9 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
     if variant.softmax:
         kept = logits.masked_fill(~keep, -math.inf)
         p = torch.softmax(kept, dim=-1)
-        p = torch.nan_to_num(p, nan=0.0)  # fully masked rows: FlashInfer writes zeros
+        # a row with no key kept is 0/0: FlashInfer writes zeros there; a NaN logit of a kept key stays NaN, as in
+        # the kernels
+        p = p.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
     else:
         p = torch.where(keep, logits, torch.zeros((), dtype=float_dtype, device=dev))
     out = torch.einsum("hqk,khd->qhd", p, vf)

@@ -9,7 +9,6 @@ helpers below fix that up), int() truncates toward zero, tensor-parameter indice
 """
 from __future__ import annotations
 
-import keyword
 import os
 import weakref
 from dataclasses import dataclass
@@ -18,15 +17,9 @@ import torch
 
 from ..spec import ir
 from ..spec.ir import BOOL, F32, I32
+from ..spec.names import check_rendered
+from .cuda import local_name, param_ident, size_ident, stride_ident
 from .fa2 import render
-
-#: Names the rendered module and its kernels use themselves; a variant name that collides gets a `_`.
-_TAKEN = {"tl", "triton", "torch", "os", "math", "float", "int", "True", "False", "None", "qk", "logits",
-          "mask", "keep", "acc", "q", "k", "v", "p", "w", "Q", "K", "V", "Out", "sm_scale", "qk_scale",
-          "INTERPRET", "LOG2E", "GROUP", "HEAD_DIM", "CAUSAL", "BLOCK_M", "BLOCK_N", "BLOCK_H", "PAGE_SIZE",
-          "batch", "qo_head", "kv_head", "q_idx", "kv_idx", "qo_len", "kv_len", "qo_start", "kv_start",
-          "offs_m", "offs_n", "offs_d", "offs_h", "m_i", "l_i", "m_new", "m_safe", "alpha", "page", "slot",
-          "_py_floordiv", "_py_mod", "_tanh", "_sigmoid"}
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&", "or": "|"}
@@ -36,12 +29,6 @@ _CALLS = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt"
 _TL_TYPE = {F32: "tl.float32", I32: "tl.int32"}
 #: After the index variables, every variant function takes the tile's query and key index ranges.
 TILE_RANGE_ARGS = ("fv_q_lo", "fv_q_hi", "fv_kv_lo", "fv_kv_hi")
-
-
-def _safe(name: str, taken) -> str:
-    while name in taken or keyword.iskeyword(name):
-        name += "_"
-    return name
 
 
 def float_literal(v: float) -> str:
@@ -71,16 +58,13 @@ class TritonEmitter:
     def __init__(self, variant):
         self.variant = variant
         self.lowered = variant.lowered
-        taken = set(_TAKEN)
-        self.param_names = {}
-        for name in variant.params:
-            self.param_names[name] = _safe(name, taken)
-            taken.add(self.param_names[name])
-        self.hoisted_names = {h: f"fv_{h}" for h in self.lowered.hoisted}  # user names never start with fv_
+        # user names as the CUDA structs spell them (fivar.spec.names.user_ident): never a Python keyword or
+        # builtin, a name of the module's own, or a launch option such as num_warps
+        self.param_names = {name: param_ident(name) for name in variant.params}
+        self.hoisted_names = {h: f"fv_{h}" for h in self.lowered.hoisted}
         self.row_loads = self._row_loads()
         self.args = self._kernel_args()
-        self.taken = (taken | {a.name for a in self.args} | set(self.hoisted_names.values())
-                      | set(self.row_loads.values()))
+        check_rendered("triton", [a.name for a in self.args if a.param is not None], variant.name)
         self.helpers: set[str] = set()
         self.local_names: dict[str, str] = {}
         self.const_locals: dict[str, ir.Expr] = {}
@@ -96,9 +80,9 @@ class TritonEmitter:
             pname = self.param_names[name]
             args.append(KernelArg(pname, "tensor", name))
             for d in range(p.ndim):
-                args.append(KernelArg(f"{pname}_size{d}", "size", name, d))
+                args.append(KernelArg(size_ident(name, d), "size", name, d))
                 if d < p.ndim - 1:
-                    args.append(KernelArg(f"{pname}_stride{d}", "stride", name, d, specialize=True))
+                    args.append(KernelArg(stride_ident(name, d), "stride", name, d, specialize=True))
         for name in self.variant.scalar_params:
             args.append(KernelArg(self.param_names[name], "scalar", name))
         return args
@@ -182,9 +166,11 @@ class TritonEmitter:
         p = self.variant.params[e.param]
         name = self.param_names[e.param]
 
+        size = [size_ident(e.param, d) for d in range(p.ndim)]
+        stride = [stride_ident(e.param, d) for d in range(p.ndim - 1)]
+
         def offset(indices: list[str]) -> str:
-            terms = [f"tl.minimum(tl.maximum({i}, 0), {name}_size{d} - 1)" + (f" * {name}_stride{d}" if d < p.ndim - 1
-                                                                                else "")
+            terms = [f"tl.minimum(tl.maximum({i}, 0), {size[d]} - 1)" + (f" * {stride[d]}" if d < p.ndim - 1 else "")
                      for d, i in enumerate(indices)]
             return " + ".join(terms)
 
@@ -200,8 +186,8 @@ class TritonEmitter:
         n = self.tile_loads
         self.tile_loads += 1
         uniform = " & ".join(f"({lo} == {hi})" for lo, hi in (
-            (f"tl.minimum(tl.maximum({lo}, 0), {name}_size{d} - 1)",
-             f"tl.minimum(tl.maximum({hi}, 0), {name}_size{d} - 1)") for d, (lo, hi) in ranges.items()))
+            (f"tl.minimum(tl.maximum({lo}, 0), {size[d]} - 1)",
+             f"tl.minimum(tl.maximum({hi}, 0), {size[d]} - 1)") for d, (lo, hi) in ranges.items()))
         at_lo = offset([ranges[d][0] if d in ranges else self.expr(i) for d, i in enumerate(e.indices)])
         self.statements += [f"fv_offset{n} = {full}",
                             f"if {uniform}:",
@@ -300,13 +286,12 @@ class TritonEmitter:
         self.local_names, self.const_locals = {}, {}
         self.let_exprs = dict(program.lets)
         lines = self.statements = []
-        taken = set(self.taken)
         for lname, e in program.lets:
             if _constant(e, self.const_locals):
                 self.const_locals[lname] = e  # folded wherever it is used
                 continue
-            self.local_names[lname] = _safe(lname, taken)
-            taken.add(self.local_names[lname])
+            self.local_names[lname] = local_name(lname)
+            check_rendered("triton", [self.local_names[lname]], self.variant.name)
             lines.append(f"{self.local_names[lname]} = {self.expr(e)}")
         weight = program.result
         if (first_args[0] == "qk" and not self.variant.softmax and isinstance(weight, ir.Call)

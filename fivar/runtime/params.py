@@ -8,6 +8,7 @@ import torch
 
 from ..errors import FivarError
 from ..spec import Scalar
+from ..spec.params import FLOAT32_MAX
 
 
 @dataclass
@@ -42,6 +43,9 @@ def checked_scalar(variant, pname: str, value) -> float | int:
                          f"{p.dtype.__name__}, got {type(value).__name__}")
     if not math.isfinite(value):  # the kernels would turn every score it touches into NaN
         raise FivarError(f"variant '{name}': parameter '{pname}' must be finite, got {value!r}")
+    if p.dtype is float and abs(value) > FLOAT32_MAX:  # float in the kernels: it would arrive as inf
+        raise FivarError(f"variant '{name}': parameter '{pname}' = {value!r} does not fit the kernels' 32-bit "
+                         f"floats (|x| <= {FLOAT32_MAX!r})")
     if p.dtype is int and not float(value).is_integer():
         raise FivarError(f"variant '{name}': parameter '{pname}' is an int parameter, got {value!r}")
     if p.dtype is int and not -2**31 <= value < 2**31:  # int32_t in the kernels
@@ -99,22 +103,22 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
 def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | None, tables=None) -> list:
     """The FlashInfer `additional` arguments in declaration order: tensors, then scalars. `tables` are
     fivar's own int32 tensors by name (FA3's KV-range form: fv_blocks), declared before the variant's."""
-    from ..codegen.cuda import additional_params
+    from ..codegen.cuda import additional_args
     tables = tables or {}
-    t_names, _, s_names, _ = additional_params(variant, with_causal_flag=causal is not None,
-                                               extra_tensors=list(tables))
-    args: list = [tables[n] if n in tables else bound.tensors[n] for n in t_names]
-    for s in s_names:
-        if s == "sm_scale":
+    args: list = []
+    for a in additional_args(variant, with_causal_flag=causal is not None, extra_tensors=list(tables)):
+        if a.source == "table":
+            args.append(tables[a.param])
+        elif a.source == "tensor":
+            args.append(bound.tensors[a.param])
+        elif a.source == "sm_scale":
             args.append(float(sm_scale))
-        elif s == "fv_causal":
+        elif a.source == "causal":
             args.append(int(bool(causal)))
-        elif s in bound.scalars:
-            p = variant.params[s]
-            args.append(float(bound.scalars[s]) if p.dtype is float else int(bound.scalars[s]))
-        else:  # NAME_sizeD / NAME_strideD of a tensor param
-            tname, _, what = s.rpartition("_")
-            t = bound.tensors[tname]
-            d = int(what.removeprefix("size").removeprefix("stride"))
-            args.append(int(t.shape[d]) if what.startswith("size") else int(t.stride(d)))
+        elif a.source == "scalar":
+            p = variant.params[a.param]
+            args.append(float(bound.scalars[a.param]) if p.dtype is float else int(bound.scalars[a.param]))
+        else:  # the size or stride of a tensor param's dimension
+            t = bound.tensors[a.param]
+            args.append(int(t.shape[a.dim]) if a.source == "size" else int(t.stride(a.dim)))
     return args

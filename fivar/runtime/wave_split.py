@@ -55,7 +55,7 @@ def applies(variant, causal: bool, window_left: int, schedule: str = "grid") -> 
     from ..flashinfer_compat import active
     if not (active("fa3_wave_split_launch") and active("fa3_flashinfer_tiles")):  # launches and plans as FlashInfer
         return False
-    return low.logits is None or ir.uses(low.logits) <= {"score", *variant.scalar_params}
+    return low.logits is None or ir.uses(low.logits) <= {"score", *(f"params.{n}" for n in variant.scalar_params)}
 
 
 def _setting(variant_name: str) -> tuple[int, int] | bool:

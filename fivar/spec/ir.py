@@ -33,6 +33,8 @@ class Expr:
 @dataclass(frozen=True)
 class Const(Expr):
     value: float | int | bool
+    #: (line, col) of the literal or name it came from, for the parser's range check
+    at: tuple = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -170,16 +172,17 @@ def rewrite(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
 
 
 def uses(program: Program) -> set[str]:
-    """Names of index variables, params, 'score' used anywhere in the program."""
+    """What the program reads: 'score', index variables by name, params as 'params.NAME' (a param may be called
+    `score` or `q_idx`)."""
     names: set[str] = set()
     for root in program.exprs():
         for e in walk(root):
             if isinstance(e, Index):
                 names.add(e.name)
-            elif isinstance(e, (ScalarParam,)):
-                names.add(e.name)
+            elif isinstance(e, ScalarParam):
+                names.add(f"params.{e.name}")
             elif isinstance(e, Load):
-                names.add(e.param)
+                names.add(f"params.{e.param}")
             elif isinstance(e, (Score, RawScore)):
                 names.add("score")
     return names

@@ -6,6 +6,27 @@ from dataclasses import dataclass, field
 
 from .ir import BOOL, F32, I32
 
+#: The ranges of the kernels' number types: every int is an int32_t / tl.int32, every float a float32.
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def out_of_range(value, ir_type: str) -> str | None:
+    """Why a constant or Scalar value does not fit the kernels' `ir_type` (F32 or I32), or None when it does.
+    Infinities and NaN are float32 values (a constant may say -inf on purpose); a finite float beyond float32 is
+    not: it would be inf in the kernels, and a finite float64 in the reference."""
+    if ir_type == I32 and not INT32_MIN <= value <= INT32_MAX:
+        return f"{value} does not fit the kernels' 32-bit ints [-2**31, 2**31 - 1]"
+    if ir_type == F32 and isinstance(value, (int, float)) and value == value and abs(value) != float("inf"):
+        try:
+            big = abs(float(value)) > FLOAT32_MAX
+        except OverflowError:  # an int too large for any float
+            big = True
+        if big:
+            return f"{value!r} does not fit the kernels' 32-bit floats (|x| <= {FLOAT32_MAX!r})"
+    return None
+
+
 #: Dimension names whose size fivar knows at call time and therefore checks.
 KNOWN_DIMS = ("qo_head", "kv_head", "batch")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import inspect
 import textwrap
 import types
@@ -16,12 +17,16 @@ from .. import lang
 from ..errors import FivarSpecError
 from . import ir
 from .ir import BOOL, F32, I32, NUMERIC
-from .params import Tensor
+from .params import Tensor, out_of_range
 
 ALLOWED = ("arithmetic (+ - * / // %), comparisons, and/or/not, `a if c else b`, local assignments, "
            "numbers, params.NAME, params.TABLE[i, ...], and the functions "
            "tanh exp exp2 log sigmoid sqrt abs floor minimum maximum clamp where float int "
            "(from fivar; math.* and torch.* spellings of the same functions are accepted too)")
+
+#: How deep an expression may nest, counting through the locals it reads: far beyond any real variant, and shallow
+#: enough for every recursive pass over the IR (and the compilers' expression parsers) to handle.
+MAX_DEPTH = 100
 
 LOGITS_ARGS = ("score",) + ir.INDEX_VARS + ("params",)
 MASK_ARGS = ir.INDEX_VARS + ("params",)
@@ -80,6 +85,8 @@ class _FunctionParser:
         self.env: dict[str, ir.Expr] = {}  # python name -> expr (args) or Local
         self.lets: list[tuple[str, ir.Expr]] = []
         self.let_names: set[str] = set()
+        self.let_depth: dict[str, int] = {}  # local -> how deep its expression nests, through the locals it reads
+        self.nesting = 0  # of the expression being parsed
         self.divisor_scalars: dict[str, str] = {}  # Scalar param -> where it divides (a 0 is refused per call)
         self.guards = 0  # > 0 while parsing what a condition guards: a branch, or `and`/`or` after its first operand
 
@@ -103,7 +110,11 @@ class _FunctionParser:
 
     # --- entry ---------------------------------------------------------------------------------
     def parse(self) -> ir.Program:
-        tree = ast.parse(textwrap.dedent(self.source))
+        try:
+            tree = ast.parse(textwrap.dedent(self.source))
+        except (RecursionError, MemoryError, SyntaxError) as e:  # nesting beyond what Python's own parser takes
+            raise self.error(None, f"cannot parse `{self.role}` ({type(e).__name__}: {e})", "unparsable source") \
+                from None
         fdef = tree.body[0]
         if not isinstance(fdef, ast.FunctionDef):
             raise self.error(fdef, f"`{self.role}` must be defined with `def`, not a lambda", "lambda",
@@ -134,6 +145,7 @@ class _FunctionParser:
                 if stmt.value is None:
                     raise self.error(stmt, "`return` needs a value")
                 result = self.expr(stmt.value)
+                self.check_depth(result, stmt)
             elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 if len(targets) != 1 or not isinstance(targets[0], ast.Name) or stmt.value is None:
@@ -154,17 +166,46 @@ class _FunctionParser:
         elif result.type != BOOL:
             raise self.error(body[-1], f"`mask` must return a bool (a comparison), but this returns "
                              f"{'a float' if result.type == F32 else 'an int'}", "non-bool mask")
-        return ir.Program(self.lets, result)
+        program = ir.Program(self.lets, result)
+        self.check_constants(program)
+        return program
+
+    def check_constants(self, program: ir.Program):
+        """Every constant fits the type it lowered to (int32, float32): beyond it the targets would disagree."""
+        for root in program.exprs():
+            for e in ir.walk(root):
+                if isinstance(e, ir.Const) and e.type != BOOL:
+                    why = out_of_range(e.value, e.type)
+                    if why:
+                        raise self.const_error(e, why)
+
+    def const_error(self, c: ir.Const, why: str):
+        line, col = c.at or (self.first_line, 0)
+        return FivarSpecError(f"in `{self.role}`: constant {why}", variant=self.variant.name, filename=self.filename,
+                              line=line, col=col, construct="constant out of range")
+
+    def depth(self, e: ir.Expr) -> int:
+        """How deep `e` nests, a local counting as deep as the expression it names."""
+        if isinstance(e, ir.Local):
+            return self.let_depth.get(e.name, 1)
+        return 1 + max((self.depth(c) for c in e.children()), default=0)
+
+    def check_depth(self, value: ir.Expr, node):
+        d = self.depth(value)
+        if d > MAX_DEPTH:
+            raise self.error(node, f"this expression nests {d} levels deep, counting the locals it reads; at most "
+                             f"{MAX_DEPTH} are supported (split it differently)", "expression too deep")
+        return d
 
     def bind(self, name: str, value: ir.Expr, node):
         if self.env.get(name) is _PARAMS or isinstance(self.env.get(name), (ir.Score, ir.Index)):
             raise self.error(node, f"cannot assign to argument `{name}`", "argument reassignment")
         if value is _PARAMS:
             raise self.error(node, "`params` itself cannot be assigned; use params.NAME", "params alias")
-        base = "u" + name if name.startswith("fv_") else name  # fv_* are the generated code's own names
-        cname, n = base, 2
+        cname, n = name, 2  # a reassigned name is a new local (the targets spell it as their own identifier)
         while cname in self.let_names:
-            cname, n = f"{base}_{n}", n + 1
+            cname, n = f"{name}_{n}", n + 1
+        self.let_depth[cname] = self.check_depth(value, node)
         self.let_names.add(cname)
         self.lets.append((cname, value))
         self.env[name] = ir.Local(value.type, cname)
@@ -174,31 +215,42 @@ class _FunctionParser:
         method = getattr(self, "expr_" + type(node).__name__, None)
         if method is None:
             raise self.unsupported(node)
-        out = method(node)
+        if self.nesting >= MAX_DEPTH:
+            raise self.error(node, f"this expression nests more than {MAX_DEPTH} levels deep; at most {MAX_DEPTH} are "
+                             "supported (split it into local assignments)", "expression too deep")
+        self.nesting += 1
+        try:
+            out = method(node)
+        finally:
+            self.nesting -= 1
         if out is _PARAMS:
             raise self.error(node, "`params` must be used as params.NAME", "bare params")
         return out
 
     def expr_Constant(self, node):
-        v = node.value
+        c = self.const(node.value, node)
+        if c is None:
+            raise self.unsupported(node, f"constant {node.value!r}")
+        return c
+
+    def const(self, v, node) -> ir.Const | None:
+        """The constant for a Python number (None if `v` is none), remembering where it was written."""
+        at = self.location(node)
         if isinstance(v, bool):
-            return ir.Const(BOOL, v)
+            return ir.Const(BOOL, v, at)
         if isinstance(v, int):
-            return ir.Const(I32, v)
+            return ir.Const(I32, v, at)
         if isinstance(v, float):
-            return ir.Const(F32, v)
-        raise self.unsupported(node, f"constant {v!r}")
+            return ir.Const(F32, v, at)
+        return None
 
     def expr_Name(self, node):
         if node.id in self.env:
             return self.env[node.id]
         g = self.lookup_global(node.id, node)
-        if isinstance(g, bool):
-            return ir.Const(BOOL, g)
-        if isinstance(g, int):
-            return ir.Const(I32, g)
-        if isinstance(g, float):
-            return ir.Const(F32, g)
+        c = self.const(g, node) if isinstance(g, (int, float)) else None
+        if c is not None:
+            return c
         raise self.error(node, f"`{node.id}` is a {type(g).__name__}; only numbers can be used from "
                          "outside the function", "non-numeric global", ALLOWED)
 
@@ -212,7 +264,14 @@ class _FunctionParser:
             return fn.__globals__[name]
         if hasattr(builtins, name):
             return getattr(builtins, name)
-        raise self.error(node, f"name `{name}` is not defined", "undefined name")
+        raise self.error(node, f"name `{name}` is not defined", "undefined name", self.allowed_names())
+
+    def allowed_names(self) -> str:
+        args = [n for n, e in self.env.items() if not isinstance(e, ir.Local)]
+        local = [n for n, e in self.env.items() if isinstance(e, ir.Local)]
+        return (f"the arguments ({', '.join(args)}), locals assigned above ({', '.join(local) or 'none yet'}), "
+                "numbers defined outside the function, and the functions "
+                f"{' '.join(lang.FUNCTIONS)} abs min max float int")
 
     def expr_Attribute(self, node):
         base = node.value
@@ -298,7 +357,7 @@ class _FunctionParser:
             if x.type == BOOL:
                 raise self.error(node, "cannot negate a bool", "bool arithmetic")
             if isinstance(x, ir.Const):
-                return ir.Const(x.type, -x.value)
+                return dataclasses.replace(x, value=-x.value)
             return ir.Unary(x.type, "neg", x)
         if isinstance(node.op, ast.UAdd):
             return x
@@ -382,6 +441,9 @@ class _FunctionParser:
 
     def resolve_function(self, func: ast.AST) -> str:
         if isinstance(func, ast.Name):
+            if func.id in self.env:  # Python would call the argument or local, which holds a number
+                raise self.error(func, f"`{func.id}` is an argument or local of `{self.role}` here, not a function; "
+                                 "rename it", "call of a number", ALLOWED)
             obj = self.lookup_global(func.id, func)
             for fname in lang.FUNCTIONS:
                 if obj is getattr(lang, fname):
@@ -391,6 +453,9 @@ class _FunctionParser:
             raise self.error(func, f"`{func.id}` is not a function fivar can compile", "unknown function",
                              ALLOWED)
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            if func.value.id in self.env:
+                raise self.error(func, f"`{func.value.id}` is an argument or local of `{self.role}` here, not a "
+                                 "module; rename it", "call of a number", ALLOWED)
             mod = self.lookup_global(func.value.id, func)
             modname = getattr(mod, "__name__", "")
             if modname in ("fivar", "fivar.lang") and func.attr in lang.FUNCTIONS:
@@ -403,12 +468,14 @@ class _FunctionParser:
         raise self.unsupported(func, "this kind of call")
 
     # --- typing helpers ------------------------------------------------------------------------
-    @staticmethod
-    def to_f32(x: ir.Expr) -> ir.Expr:
+    def to_f32(self, x: ir.Expr) -> ir.Expr:
         if x.type == F32:
             return x
         if isinstance(x, ir.Const):
-            return ir.Const(F32, float(x.value))
+            why = out_of_range(x.value, F32)
+            if why:
+                raise self.const_error(x, why)
+            return ir.Const(F32, float(x.value), x.at)
         return ir.Cast(F32, x)
 
     def promote(self, a: ir.Expr, b: ir.Expr):

@@ -26,9 +26,7 @@ from typing import Callable
 
 from ..errors import FivarError, FivarSpecError
 from .names import why_param_name_is_taken
-from .params import Scalar, Tensor, call_site
-
-RESERVED_PARAM_NAMES = {"sm_scale", "causal", "q", "k", "v", "out", "backend", "return_lse"}
+from .params import Scalar, Tensor, call_site, out_of_range
 
 
 @dataclass(eq=False)
@@ -47,8 +45,8 @@ class AttentionVariant:
         where = self._where(self.logits or self.mask)
         if not where:  # no function to point at: the AttentionVariant(...) call (the dataclass __init__'s caller)
             where = call_site(2)
-        if not isinstance(self.name, str) or not self.name.isidentifier():
-            raise FivarSpecError(f"name must be a Python identifier, got {self.name!r}", **where)
+        if not isinstance(self.name, str) or not self.name.isidentifier() or not self.name.isascii():
+            raise FivarSpecError(f"name must be an ASCII Python identifier, got {self.name!r}", **where)
         if self.logits is None and self.mask is None:
             raise FivarSpecError("a variant needs a `logits` function, a `mask` function, or both",
                                  variant=self.name, **where)
@@ -56,16 +54,15 @@ class AttentionVariant:
             raise FivarSpecError(f"params must be a dict of name -> fivar.Scalar(...)/fivar.Tensor(...), got "
                                  f"{type(self.params).__name__}", variant=self.name, **where)
         for pname, p in self.params.items():
-            if not isinstance(pname, str) or not pname.isidentifier() or pname.startswith(("maybe", "fv_", "_")) \
-                    or pname in RESERVED_PARAM_NAMES:
-                raise FivarSpecError(
-                    f"parameter name {pname!r} is not allowed (reserved: {sorted(RESERVED_PARAM_NAMES)},"
-                    " and names starting with 'maybe', 'fv_' or '_')", variant=self.name, **where)
+            # any identifier: generated code spells it its own way (fivar.spec.names.user_ident)
+            if not isinstance(pname, str) or not pname.isidentifier():
+                raise FivarSpecError(f"parameter name {pname!r} is not allowed: it must be a Python identifier",
+                                     variant=self.name, **where)
             if not isinstance(p, (Scalar, Tensor)):
                 raise FivarSpecError(f"parameter {pname!r} must be fivar.Scalar(...) or fivar.Tensor(...),"
                                      f" got {type(p).__name__}", variant=self.name, **where)
             at = p.where or where  # the Scalar(...)/Tensor(...) call itself
-            taken = why_param_name_is_taken(pname)
+            taken = why_param_name_is_taken(pname, CALL_KWARGS)
             if taken:
                 raise FivarSpecError(f"parameter name {pname!r} cannot be used: {taken}; pick another",
                                      variant=self.name, **at)
@@ -77,6 +74,12 @@ class AttentionVariant:
                     or (p.dtype is int and not isinstance(p.default, numbers.Integral))):
                 raise FivarSpecError(f"Scalar parameter {pname!r}: default {p.default!r} is not "
                                      f"{'an int' if p.dtype is int else 'a float'}", variant=self.name, **at)
+            if isinstance(p, Scalar) and p.default is not None and p.dtype in (float, int):
+                why = ("it must be finite" if p.default != p.default or p.default in (float("inf"), float("-inf"))
+                       else out_of_range(p.default, p.ir_type))  # what a value passed at call time must be
+                if why:
+                    raise FivarSpecError(f"Scalar parameter {pname!r}: default {p.default!r}: {why}",
+                                         variant=self.name, **at)
             if isinstance(p, Tensor):
                 from .params import KNOWN_DIMS, TENSOR_DTYPES
                 if p.dtype not in TENSOR_DTYPES:
@@ -229,3 +232,20 @@ class AttentionVariant:
         from ..codegen.torch_ref import reference_attention
         return reference_attention(self, q, k, v, causal=causal, sm_scale=sm_scale, params=params,
                                    batch_idx=batch_idx, batch_size=batch_size, return_lse=return_lse)
+
+
+def _call_kwargs() -> frozenset[str]:
+    """The argument names of the entry points that take a variant's params as `**params`: a param of one of these
+    names would be taken for the entry point's own argument."""
+    names = set()
+    for fn in vars(AttentionVariant).values():
+        if not callable(fn) or fn.__name__.startswith("_"):
+            continue
+        sig = inspect.signature(fn).parameters.values()
+        if any(a.kind is inspect.Parameter.VAR_KEYWORD for a in sig):
+            names |= {a.name for a in sig if a.kind is not inspect.Parameter.VAR_KEYWORD}
+    return frozenset(names)
+
+
+#: Keyword arguments fivar's own entry points take (prefill's `causal`, plan_paged's `dtype` ...).
+CALL_KWARGS = _call_kwargs()

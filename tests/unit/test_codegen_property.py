@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
-from fivar.codegen.cuda import CppEmitter
+from fivar.codegen.cuda import CppEmitter, additional_args
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.paths import csrc_dir
 from fivar.spec import optimize
@@ -87,11 +87,12 @@ def make_variant(index: int, body_expr: str, module_dict: dict) -> AttentionVari
 HARNESS = """
 #include <cstdio>
 #include "fivar_ops.cuh"
-struct Params {{ float* t; int64_t t_size0; double sm_scale; double a; int64_t n; }};
+struct Params {{ {params_decl} }};
 {structs}
 int main() {{
   static float table[{table_len}] = {{{table}}};
-  Params params{{table, {table_len}, {sm_scale!r}, {a!r}, {n}}};
+  Params params{{}};
+  {params_init}
   struct Pt {{ float raw; uint32_t b, h, kh, qo, kv, qo_len, kv_len; }};
   static const Pt pts[{n_points}] = {{{points}}};
   for (int m = 0; m < {n_points}; ++m) {{
@@ -192,8 +193,14 @@ def test_python_torch_and_cpp_agree(seed, tmp_path_factory):
         f"s.run(params, x.raw, x.b, x.qo, x.kv, x.h, x.kh) * s.out_scale); }}" for k in range(n_expr))
     pts = ", ".join("{%sf, %du, %du, %du, %du, %du, %du, %du}" % (repr(p["raw"]), p["b"], p["h"], p["kh"], p["qo"],
                                                                  p["kv"], p["qo_len"], p["kv_len"]) for p in points)
+    # FlashInfer's Params as the module declares it (the variant's additional args, names as generated)
+    args = additional_args(variants[0], with_causal_flag=False)
+    value = {"sm_scale": repr(sm_scale), "t": "table", "a": repr(a), "n": str(n)}
+    params_decl = " ".join(f"{x.ctype}{'*' if x.source == 'tensor' else ''} {x.name};" for x in args)
+    params_init = "\n  ".join(f"params.{x.name} = {TABLE_LEN if x.source == 'size' else value[x.param or x.source]};"
+                              for x in args)
     src = HARNESS.format(structs=structs, table_len=TABLE_LEN, table=", ".join(f"{x!r}f" for x in table),
-                         sm_scale=sm_scale, a=a, n=n, n_points=N_POINTS, points=pts, calls=calls)
+                         params_decl=params_decl, params_init=params_init, n_points=N_POINTS, points=pts, calls=calls)
     d = tmp_path_factory.mktemp("host")
     (d / "h.cpp").write_text(src)
     subprocess.run(["g++", "-std=c++17", "-O1", "-I", str(csrc_dir()), "-o", str(d / "h"), str(d / "h.cpp")],
@@ -222,3 +229,23 @@ def test_generator_covers_the_grammar():
                   "where", " if ", "//", "%", "int(", "float(", "p.t[", "p.a", "p.n", "qi", "ki", "and", "or",
                   "not", "==", "!=", "<=", "abs("]:
         assert token in text, token
+
+
+def _sqrt_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return fivar.sqrt(score)  # NaN for every negative score
+
+
+def test_reference_keeps_nan_where_the_kernels_do_and_zeros_rows_with_no_key():
+    """A NaN logit of a kept key makes its row NaN in the kernels (the Triton twin here); the reference says so too,
+    instead of zeros. A row whose every key is masked (causal, qo_len > kv_len) is zeros in both."""
+    import os
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    v = AttentionVariant(name="sqrt_logits", logits=_sqrt_logits)
+    g = torch.Generator().manual_seed(0)
+    q, k, vv = (torch.randn(n, 2, 16, generator=g).half() for n in (12, 9, 9))
+    ref = v.reference(q, k, vv, causal=True)
+    out = v.prefill(q, k, vv, causal=True, backend="triton").float()
+    assert ref.isnan().any() and torch.equal(ref.isnan(), out.isnan())
+    assert (ref[:3] == 0).all() and (out[:3] == 0).all()  # rows 0..2 see no key (q_idx = i - 3)
+    finite = ~ref.isnan()
+    assert torch.allclose(out[finite], ref[finite], atol=2e-2)

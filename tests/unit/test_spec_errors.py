@@ -209,28 +209,30 @@ def test_lambda_is_refused():
         AttentionVariant(name="badvar", logits=lambda s, b, h, kh, qi, ki, p: s).ir  # noqa: E731
 
 
-@pytest.mark.parametrize("pname", ["sm_scale", "maybe_x", "causal", "fv_x"])
-def test_reserved_param_names(pname):
-    def logits(s, b, h, kh, qi, ki, p):
-        return s
-    with pytest.raises(FivarSpecError, match="not allowed"):
-        AttentionVariant(name="badvar", logits=logits, params={pname: Scalar(float)})
-
-
 @pytest.mark.parametrize("pname,why", [
-    ("o", r"already uses it \(\w+_customize_config.jinja\)"),  # a member of FlashInfer's Params structs
-    ("window_left", "already uses it"), ("lse", "already uses it"), ("kv_len", "already uses it"),
-    ("int", r"C\+\+ keyword"), ("lambda", "Python keyword")])
-def test_param_names_the_generated_cuda_already_declares(pname, why):
-    """They would redeclare a FlashInfer field or argument, which nvcc finds long after the spec was accepted."""
+    ("sm_scale", "entry points take a keyword argument"), ("causal", "entry points take"), ("dtype", "entry points"),
+    ("device", "entry points"), ("q", "entry points"), ("self", "entry points"), ("batch_idx", "entry points"),
+    ("lambda", "Python keyword"), ("class", "Python keyword")])
+def test_param_names_fivar_itself_takes(pname, why):
+    """A param is passed as a keyword of fivar's entry points and read as params.NAME in the spec: names that cannot be
+    either are refused at the Scalar(...) that declares them."""
     def logits(s, b, h, kh, qi, ki, p):
         return s
     declared = Scalar(float, default=1.0)
     with pytest.raises(FivarSpecError, match=f"parameter name '{pname}' cannot be used: .*{why}") as info:
         AttentionVariant(name="badvar", logits=logits, params={pname: declared})
     assert info.value.line == declared.where["line"]
-    for fine in ("softcap", "slopes", "window", "scale", "chunk"):  # and the usual names stay free
-        AttentionVariant(name="okvar", logits=logits, params={fine: Scalar(float, default=1.0)})
+
+
+@pytest.mark.parametrize("pname", ["o", "window_left", "lse", "kv_len", "int", "maybe_x", "fv_x", "_x", "__x", "INFINITY",
+                                   "NAN", "errno", "NULL", "EOF", "M_PI", "FLT_MAX", "grid", "num_warps", "num_stages",
+                                   "\u03b1"])
+def test_param_names_generated_code_spells_its_own_way(pname):
+    """Names of C macros, C++ keywords, FlashInfer fields and Triton launch options are fine: generated code never
+    spells a user name as it is (tests/unit/test_fuzz_spec.py compiles them)."""
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    AttentionVariant(name="okvar", logits=logits, params={pname: Scalar(float, default=1.0)})
 
 
 def test_bad_tensor_dtype():
@@ -454,3 +456,118 @@ def test_reference_refuses_integer_tensors():
     q = torch.randn(4, 2, 64)
     with pytest.raises(fivar.FivarError, match="variant 'softcap': reference: k must be a floating-point"):
         v.reference(q, torch.ones(4, 2, 64, dtype=torch.int32), q, softcap=30.0)
+
+
+# --- numbers: constants and defaults fit the kernels' int32 / float32 ----------------------------------------------------
+BIG_INT = 10**40
+BIG_FLOAT = 10.0**39
+
+
+def test_int_literal_beyond_int32():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + float(qi + 3000000000)  # BAD
+    _expect(logits, match="3000000000 does not fit the kernels' 32-bit ints")
+
+
+def test_int_global_beyond_int32():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s if qi < BIG_INT else -s  # BAD
+    _expect(logits, match="does not fit the kernels' 32-bit ints")
+
+
+def test_negative_int_literal_just_past_int32():
+    def mask(b, h, kh, qi, ki, p):
+        return ki - qi > -2147483649  # BAD
+    _expect(mask, role="mask", match="-2147483649 does not fit")
+
+
+def test_float_literal_beyond_float32():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s * 1e39  # BAD
+    _expect(logits, match="1e+39 does not fit the kernels' 32-bit floats")
+
+
+def test_float_global_beyond_float32():
+    def logits(s, b, h, kh, qi, ki, p):
+        x = s - BIG_FLOAT  # BAD
+        return x
+    _expect(logits, match="does not fit the kernels' 32-bit floats")
+
+
+def test_constants_at_the_edges_of_the_ranges_are_fine():
+    def mask(b, h, kh, qi, ki, p):
+        return (qi > -2147483648) and (ki < 2147483647) and (float(qi) < 3.4e38)
+
+    def logits(s, b, h, kh, qi, ki, p):
+        return s * 3000000000 - 1e-45  # an int in a float context is a float constant
+    v = AttentionVariant(name="okvar", logits=logits, mask=mask)
+    assert v.ir.logits is not None and v.ir.mask is not None
+
+
+@pytest.mark.parametrize("dtype,default,why", [
+    (float, math.nan, "must be finite"), (float, math.inf, "must be finite"), (float, -math.inf, "must be finite"),
+    (float, 1e39, "32-bit floats"), (int, 2**40, "32-bit ints"), (int, -2**31 - 1, "32-bit ints")])
+def test_scalar_defaults_are_range_checked(dtype, default, why):
+    def logits(s, b, h, kh, qi, ki, p):
+        return s * p.x
+    declared = Scalar(dtype, default=default)
+    with pytest.raises(FivarSpecError, match=f"Scalar parameter 'x': default .*{why}") as info:
+        AttentionVariant(name="badvar", logits=logits, params={"x": declared})
+    assert info.value.line == declared.where["line"]
+
+
+def test_a_float_scalar_beyond_float32_is_refused_per_call():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s * p.x
+    v = AttentionVariant(name="okvar", logits=logits, params={"x": Scalar(float, default=1.0)})
+    q = torch.randn(3, 1, 8)
+    with pytest.raises(fivar.FivarError, match="parameter 'x' = 1e\\+39 does not fit the kernels' 32-bit floats"):
+        v.reference(q, q, q, x=1e39)
+    v.reference(q, q, q, x=3.0e38)
+
+
+def _load_source(tmp_path, body: str, name="deep"):
+    f = tmp_path / f"{name}.py"
+    f.write_text("from fivar import AttentionVariant, tanh\n\n" + body +
+                 f"\nvariant = AttentionVariant(name='{name}', logits=logits)\n")
+    return fivar.load(str(f))
+
+
+@pytest.mark.parametrize("body", [
+    "def logits(s, b, h, kh, qi, ki, p):\n    return " + "tanh(" * 150 + "s" + ")" * 150 + "\n",
+    "def logits(s, b, h, kh, qi, ki, p):\n    return " + " + ".join(["s"] * 600) + "\n",
+    "def logits(s, b, h, kh, qi, ki, p):\n    x = s\n" + "    x = x * 0.5 + 1.0\n" * 200 + "    return x\n",
+])
+def test_deep_expressions_are_spec_errors_not_recursion_errors(tmp_path, body):
+    with pytest.raises(FivarSpecError, match="nests .* levels deep|cannot parse") as info:
+        _load_source(tmp_path, body).ir
+    assert info.value.filename.endswith("deep.py") and info.value.line >= 3
+
+
+def test_expressions_as_deep_as_allowed_are_fine(tmp_path):
+    v = _load_source(tmp_path, "def logits(s, b, h, kh, qi, ki, p):\n    return " + "tanh(" * 60 + "s" + ")" * 60 +
+                     "\n")
+    assert v.lowered.logits is not None
+
+
+def test_undefined_name_lists_the_allowed_names():
+    def logits(s, b, h, kh, qi, ki, p):
+        y = s * 2.0
+        return y + undefined_thing  # BAD  # noqa: F821
+    err = _expect(logits, match="name `undefined_thing` is not defined")
+    assert "allowed: the arguments (s, b, h, kh, qi, ki, p), locals assigned above (y)" in str(err)
+    assert "tanh" in err.allowed
+
+
+def test_a_local_that_shadows_a_function_is_refused():
+    def logits(s, b, h, kh, qi, ki, p):
+        tanh = s * 2.0  # noqa: F841
+        return tanh(s)  # BAD
+    _expect(logits, match="`tanh` is an argument or local of `logits` here, not a function")
+
+
+def test_a_variant_name_must_be_ascii():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    with pytest.raises(FivarSpecError, match="name must be an ASCII Python identifier"):
+        AttentionVariant(name="caf\u00e9", logits=logits)

@@ -262,7 +262,7 @@ def test_show_prints_the_triton_twin():
     result = CliRunner().invoke(main, ["show", "softcap", "--target", "triton"])
     assert result.exit_code == 0, result.output
     assert "def variant_logits(qk, batch, qo_head, kv_head, q_idx, kv_idx" in result.output
-    assert "return _tanh((qk * fv_h0))" in result.output and "qk_scale = LOG2E * softcap" in result.output
+    assert "return _tanh((qk * fv_h0))" in result.output and "qk_scale = LOG2E * fvp_softcap" in result.output
 
 
 # --- KV tile skipping: a band read off the mask bounds the loop, other masks are pre-scanned per block
