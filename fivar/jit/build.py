@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -106,7 +107,9 @@ class FivarModule:
                 _write_if_different(self.gen_dir / name, text)
             paths = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
             self.spec = gen_jit_spec(self.uri, paths, extra_cuda_cflags=toolchain.build_flags(self.cuda_cflags) or None,
-                                      extra_ldflags=toolchain.link_flags() or None,
+                                      # ninja runs the link line through the shell: a stub dir under a
+                                      # FIVAR_CACHE_DIR with a space stays one argument
+                                      extra_ldflags=[shlex.quote(f) for f in toolchain.link_flags()] or None,
                                       extra_include_paths=toolchain.extra_include_paths() or None)
         return self.spec
 
@@ -169,6 +172,7 @@ class FivarModule:
         self.jit_spec()
         for name in missing:
             log.warning("fivar: %s: generated source %s was missing; regenerated", self.uri, name)
+        self.gen_dir.mkdir(parents=True, exist_ok=True)  # evicted (clear, prune) since jit_spec() made it
         for name, text in self.sources.items():
             _write_if_different(self.gen_dir / name, text)
         if self.library_path.exists() and not self.manifest_ok():
@@ -716,7 +720,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = "_runs" if row_runs else ""
-    uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
+    uri = f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
                **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(chosen_tiles),
                    "bounded_softmax": logits_range is not None, "schedule": fa3.schedule_text(chosen_schedules)}
@@ -748,6 +752,19 @@ def serving_op(variant, op: str, target: str) -> str:
     """The op whose module runs `op` at runtime: FA3 single prefill of a mask that is more than a band runs
     as a batch of one in the KV-range form (fivar.runtime.kv_ranges), so builds and prewarms take that."""
     return "batch_prefill" if (target == "fa3" and op == "single_prefill" and variant.scans_mask) else op
+
+
+#: the longest variant name a URI holds whole: a URI names a directory, `<uri>.so`, and objects named
+#: `<uri>_<source stem>.cuda.o` (FlashInfer), all within a file name's 255 bytes
+URI_NAME_MAX = 64
+
+
+def uri_name(name: str) -> str:
+    """The variant's name as a URI holds it: whole up to URI_NAME_MAX characters, else its start and a hash of the
+    whole (still one name per variant; the manifest keeps the full name)."""
+    if len(name) <= URI_NAME_MAX:
+        return name
+    return f"{name[:URI_NAME_MAX - 9]}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
