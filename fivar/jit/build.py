@@ -62,6 +62,28 @@ _loaded: dict[str, object] = {}  # URI -> loaded module (the in-process cache)
 log = logging.getLogger("fivar")
 
 
+def _read_only_workspace_log() -> None:
+    """FlashInfer opens `<workspace>/flashinfer_jit.log` for appending as it is imported, so a read-only prebuilt
+    workspace (a fleet's mounted cache) fails every import with a raw OSError before a module is even looked at.
+    Where that file cannot be written, its handler opens it only once something is logged (`delay`), which
+    loading prebuilt modules never does. Runs before fivar first imports FlashInfer (fivar.jit imports this)."""
+    if getattr(logging.FileHandler.__init__, "fivar_read_only", False):
+        return
+    plain = logging.FileHandler.__init__
+
+    def init(self, filename, mode="a", encoding=None, delay=False, errors=None):
+        path = os.path.abspath(os.fspath(filename))
+        if not delay and os.path.basename(path) == "flashinfer_jit.log" and \
+                not os.access(path if os.path.exists(path) else os.path.dirname(path), os.W_OK):
+            delay = True
+        plain(self, filename, mode, encoding, delay, errors)
+    init.fivar_read_only = True
+    logging.FileHandler.__init__ = init
+
+
+_read_only_workspace_log()
+
+
 def dtype_name(dt: torch.dtype) -> str:
     for k, v in DTYPES.items():
         if v == dt:
