@@ -18,6 +18,10 @@ if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1":
 os.environ.setdefault("FIVAR_CACHE_DIR", tempfile.mkdtemp(prefix="fivar-test-cache-"))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "nvcc: runs nvcc (minutes on a small machine); the fast path is -m 'not nvcc'")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
