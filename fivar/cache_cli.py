@@ -380,7 +380,7 @@ def _evict(e: Entry) -> str | None:
     """Delete an entry under its locks. Returns why it was skipped, or None when it was removed."""
     with locks.evict_lock(e.build_dir) as why:
         if why:
-            return _in_use(e) or why if "held by" in why else why
+            return (_in_use(e) or why) if "held by" in why else why
         shutil.rmtree(e.gen_dir, ignore_errors=True)
         _remove_module_dir(e.build_dir)
     return None
@@ -759,6 +759,8 @@ def export_cmd(file, variants, as_json):
         if variants and man.get("variant") not in variants:
             continue
         problems = [p for p in verify_entry(e) if "sources missing" not in p]
+        if "cuda_cflags" not in man:  # an importer checks sources against the URI: it needs the flags
+            problems.append("built by an older fivar (manifest schema 1): rebuild it to export it")
         if problems:
             skipped.append({"uri": e.uri, "problems": problems})
             continue

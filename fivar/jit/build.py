@@ -3,7 +3,8 @@
 One `gen_module(variant, op, target, dtypes, head_dim)` renders every source of the module, derives a
 content-hashed URI from them (plus flags, FlashInfer/nvcc versions and target archs), writes them into
 FlashInfer's generated-sources dir and returns a `FivarModule` wrapping FlashInfer's `JitSpec`. Building
-runs FlashInfer's ninja under its file lock; loading goes through an in-process cache keyed by URI.
+runs FlashInfer's ninja under the module's own lock (fivar.jit.locks), and the manifest it then writes
+(fivar.jit.manifest) is what later loads trust; loading goes through an in-process cache keyed by URI.
 Since the URI covers everything that goes into the .so, an edited variant or a new toolchain gets a new
 URI (never a stale library), and an unchanged one hits the existing build.
 """
