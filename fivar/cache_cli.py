@@ -839,8 +839,8 @@ def import_cmd(file, as_json):
         tar = tarfile.open(file, "r:gz")
         tar.getmembers()  # reads the whole archive: a truncated or corrupt one fails here, not midway
     except (tarfile.TarError, OSError, EOFError, zlib.error) as ex:
-        raise FivarError(f"{file} is not a readable fivar cache export (a gzip tar archive): {ex or type(ex).__name__}")\
-            from None
+        raise FivarError(f"{file} is not a readable fivar cache export (a gzip tar archive): "
+                         f"{ex or type(ex).__name__}") from None
     with tar:
         meta = read_export_meta(tar, file)
         bad = [k for k in ("arch", "flashinfer", "nvcc") if meta.get(k) != tc.get(k)]

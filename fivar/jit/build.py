@@ -743,7 +743,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = "_runs" if row_runs else ""
-    uri = f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
+    uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
+           f"{content_hash(sources, cuda_cflags)}")
     options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
                **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(chosen_tiles),
                    "bounded_softmax": logits_range is not None, "schedule": fa3.schedule_text(chosen_schedules)}
