@@ -900,8 +900,7 @@ def build_many(modules: list[FivarModule], parallel: bool = True,
             t0 = time.perf_counter()
             kind = m._build()
             done(m, kind, time.perf_counter() - t0)
-    records.record_many([(m, *results[m.uri]) for m in unique if results[m.uri][0] == "cold"]
-                        + [(m, *results[m.uri]) for m in unique if results[m.uri][0] != "cold"])
+    records.record_many([(m, *results[m.uri]) for m in unique])
     return [results[m.uri] for m in modules]
 
 
