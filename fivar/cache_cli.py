@@ -4,7 +4,13 @@ An *entry* is one fivar module directory, `<FlashInfer cache>/<flashinfer versio
 with its generated sources beside it in `.../generated/<uri>`. Every FlashInfer-version/arch workspace under
 FlashInfer's cache dir (FLASHINFER_WORKSPACE_BASE/.cache/flashinfer) is scanned, so modules left behind by an
 older FlashInfer or another arch show up as stale. Usage (hits, last use, holders) comes from the records
-database (fivar.jit.records, under FIVAR_CACHE_DIR).
+database (fivar.jit.records, under FIVAR_CACHE_DIR); whether a module is in use or being built comes from
+its own directory (fivar.jit.locks), whoever's FIVAR_CACHE_DIR recorded it.
+
+Nothing here executes a file the cache holds: manifests are data (validated by fivar.jit.manifest), staleness
+re-renders a variant found *by name* on the user's variant search path (what `fivar list` loads), never from a
+path a manifest names, and an import takes only libraries, manifests and C++/CUDA sources whose content hash
+is the URI's.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ from rich.table import Column, Table
 
 from .console import console_width
 from .errors import FivarError
+from .jit import locks
+from .jit import manifest as manifests
 
 console = Console(width=console_width())
 EXPORT_FORMAT = "fivar-cache-export/1"
@@ -119,6 +127,8 @@ class Entry:
     lock_path: Path
     manifest: dict | None
     size: int
+    #: why the manifest is unusable ('missing', or 'malformed manifest: ...'); None when it is valid
+    manifest_problem: str | None = None
     hits: int = 0
     last_use: float | None = None
     compile_seconds: float | None = None
@@ -179,13 +189,10 @@ def scan_entries() -> list[Entry]:
         for d in sorted(ops.glob("fivar_*")):
             if not d.is_dir():
                 continue
-            try:
-                man = json.loads((d / "fivar_manifest.json").read_text())
-            except (OSError, ValueError):
-                man = None
+            man, problem = manifests.read(d / manifests.NAME)
             gen = ops.parent / "generated" / d.name
-            out.append(Entry(d.name, d, gen, ops / "tmp" / f"{d.name}.lock", man,
-                             _dir_size(d) + _dir_size(gen)))
+            out.append(Entry(d.name, d, gen, d / locks.BUILD_LOCK, man, _dir_size(d) + _dir_size(gen),
+                             manifest_problem=problem))
     return out
 
 
@@ -207,7 +214,7 @@ def annotate(entries: list[Entry], check_stale: bool = True) -> list[Entry]:
             e.hits = u.get("hits", 0)
             fallback = man.get("created") or _mtime(e.build_dir)
             e.last_use = max(u.get("last_use") or 0.0, fallback or 0.0) or None
-            e.compile_seconds = man.get("compile_seconds", u.get("compile_seconds"))
+            e.compile_seconds = man.get("compile_seconds", u.get("compile_seconds"))  # the build's, not a hit's
             e.holders = records.live_holders(con, e.uri)
     finally:
         con.close()
@@ -233,6 +240,8 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
     if man is None:
         if lock_is_held(e.lock_path):
             return None, ["being built (its lock is held)"]
+        if e.manifest_problem not in (None, "missing"):
+            return True, [f"{e.manifest_problem} (`fivar cache verify --fix` removes it: rebuilds on next use)"]
         return True, [NO_MANIFEST]
     reasons = [f"built with {k} {man.get(k)} (now {tc[k]})" for k in ("arch", "flashinfer", "nvcc")
                if tc.get(k) is not None and man.get(k) != tc[k]]
@@ -287,31 +296,56 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
     return False, []
 
 
+def untrusted_roots() -> list[Path]:
+    """Where no variant file is ever loaded from: FlashInfer's cache (workspace, generated sources) and
+    fivar's own cache dir, which hold what builds and archives wrote."""
+    from flashinfer.jit import env as jit_env
+    roots = [jit_env.FLASHINFER_CACHE_DIR, jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_GEN_SRC_DIR]
+    roots.append(Path(os.environ.get("FIVAR_CACHE_DIR") or Path.home() / ".cache" / "fivar"))
+    return [Path(os.path.realpath(r)) for r in roots]
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == r or r in real.parents for r in roots)
+
+
 def _load_variant(man: dict, cache: dict):
-    """The variant as its file reads *now* (bypassing the registry's per-process cache)."""
+    """The variant the manifest names, as its file reads *now*, or a reason staleness cannot be decided.
+
+    Found by NAME on the registry's search path (FIVAR_VARIANT_PATH, ./variants, fivar's bundled variants: the
+    user's own files, which `fivar list` loads anyway), never from the manifest's `variant_file` path and never
+    under the caches. Where the manifest says it was built from another file than the one the name finds, that
+    file is not loaded: undecidable."""
     from . import registry
-    path = man.get("variant_file")
-    key = path or man.get("variant")
-    if key in cache:
-        return cache[key]
-    try:
-        if path and Path(path).exists():
-            p = Path(path).resolve()
-            old = registry._loaded.pop(p, None)
-            try:
-                v = registry.load_file(p)
-            finally:
-                if old is not None:
-                    registry._loaded[p] = old
-                else:
-                    registry._loaded.pop(p, None)
-        elif path:
-            v = f"variant file {path} no longer exists"
-        else:
-            v = registry.load_variant(man.get("variant"))
-    except FivarError as ex:
-        v = f"variant '{man.get('variant')}' cannot be loaded: {str(ex).splitlines()[0]}"
-    cache[key] = v
+    name = man.get("variant")
+    if not re.fullmatch(r"[A-Za-z_]\w*", name or ""):
+        return f"variant name {name!r} in the manifest is not an identifier: not looked up"
+    if name in cache:
+        return cache[name]
+    roots = untrusted_roots()
+    found = [f for f in registry.all_variant_files().get(name, []) if not _inside(f, roots)]
+    built_from = man.get("variant_file")
+    if not found:
+        v = (f"variant '{name}' is not on the variant search path ({', '.join(map(str, registry.search_path()))}; "
+             "FIVAR_VARIANT_PATH adds a directory): cannot re-render it")
+    elif built_from and Path(os.path.realpath(built_from)) != Path(os.path.realpath(found[0])):
+        where = "inside fivar's or FlashInfer's cache" if _inside(Path(built_from), roots) else "elsewhere"
+        v = (f"built from {built_from} ({where}), but variant '{name}' on the search path is {found[0]}: the "
+             "manifest's file is never loaded, so staleness cannot be decided")
+    else:
+        p = Path(os.path.realpath(found[0]))
+        old = registry._loaded.pop(p, None)
+        try:
+            v = registry.load_named(name, p)
+        except FivarError as ex:
+            v = f"variant '{name}' cannot be loaded: {str(ex).splitlines()[0]}"
+        finally:
+            if old is not None:
+                registry._loaded[p] = old
+            else:
+                registry._loaded.pop(p, None)
+    cache[name] = v
     return v
 
 
@@ -327,54 +361,37 @@ def _find(uri: str) -> Entry:
 
 
 def lock_is_held(lock_path: Path) -> bool:
-    from filelock import FileLock, Timeout
-    if not lock_path.exists():
-        return False
-    lock = FileLock(str(lock_path), thread_local=False)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return True
-    except OSError:
-        return False
-    lock.release()
-    return False
+    """Whether a build holds the module lock `lock_path` (`<build dir>/.fivar.lock`, fivar.jit.locks)."""
+    return locks.build_lock_held(Path(lock_path).parent)
 
 
 BUILD_RUNNING = "its build lock is held (a build is running)"
 
 
-@contextlib.contextmanager
-def _build_lock_if_free(e: Entry):
-    """Holds the entry's build lock for the block and yields True, or yields False at once when a build holds it."""
-    from filelock import FileLock, Timeout
-    e.lock_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(e.lock_path), thread_local=False)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        lock.release()
-
-
 def _in_use(e: Entry) -> str | None:
-    return f"held by live process(es) {', '.join(map(str, e.holders))}" if e.holders else None
+    """Whether a live process has the module loaded: its hold lock, in the module's own directory."""
+    if not locks.holders_present(e.build_dir):
+        return None
+    pids = f" (pid {', '.join(map(str, e.holders))} per the records)" if e.holders else ""
+    return f"held by live process(es) that loaded it{pids}"
 
 
 def _evict(e: Entry) -> str | None:
-    """Delete an entry under its build lock. Returns why it was skipped, or None when it was removed."""
-    if _in_use(e):
-        return _in_use(e)
-    with _build_lock_if_free(e) as free:
-        if not free:
-            return BUILD_RUNNING
-        shutil.rmtree(e.build_dir, ignore_errors=True)
+    """Delete an entry under its locks. Returns why it was skipped, or None when it was removed."""
+    with locks.evict_lock(e.build_dir) as why:
+        if why:
+            return (_in_use(e) or why) if "held by" in why else why
         shutil.rmtree(e.gen_dir, ignore_errors=True)
+        _remove_module_dir(e.build_dir)
     return None
+
+
+def _remove_module_dir(d: Path) -> None:
+    """Everything but the lock files first (a library never outlives its manifest half-deleted), then the
+    directory: a process waiting on the lock finds its file unlinked and starts over (fivar.jit.locks)."""
+    for name in (manifests.NAME,):
+        (d / name).unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _out(as_json: bool, data, render) -> None:
@@ -386,6 +403,16 @@ def _out(as_json: bool, data, render) -> None:
 
 # --------------------------------------------------------------------------------------------- commands
 
+def arch_option(f):
+    """`--arch` on every subcommand too (`fivar cache ls --arch 9.0a`), the same as the group's."""
+    def set_arch(ctx, param, value):
+        if value is not None:
+            from .jit.toolchain import set_arch_env
+            set_arch_env(value)
+    return click.option("--arch", default=None, expose_value=False, is_eager=True, callback=set_arch,
+                        help="target arch of the current toolchain, e.g. 9.0a (as `fivar cache --arch`)")(f)
+
+
 @click.group()
 @click.option("--arch", default=None, help="target arch of the current toolchain, e.g. 9.0a (default: "
               "FLASHINFER_CUDA_ARCH_LIST or the visible GPU)")
@@ -396,6 +423,7 @@ def cache(arch):
 
 
 @cache.command("ls")
+@arch_option
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--no-stale-check", is_flag=True, help="skip re-rendering each variant (faster)")
 def ls_cmd(as_json, no_stale_check):
@@ -422,6 +450,7 @@ def ls_cmd(as_json, no_stale_check):
 
 
 @cache.command()
+@arch_option
 @click.argument("uri")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--events", default=20, show_default=True, help="how many recent events to show")
@@ -456,6 +485,7 @@ def show(uri, as_json, events):
 
 
 @cache.command()
+@arch_option
 @click.option("--window", default="7d", show_default=True, help="how far back, e.g. 12h, 7d, 4w")
 @click.option("--json", "as_json", is_flag=True)
 def stats(window, as_json):
@@ -506,31 +536,60 @@ def stats(window, as_json):
 
 
 def verify_entry(e: Entry) -> list[str]:
-    """Problems with an entry: manifest, library size/mtime and sha256, generated sources."""
+    """Problems with an entry: manifest (shape, library size/mtime and sha256), generated sources (the URI's
+    content hash, no stray file), and anything a tampered archive could have planted."""
     from .jit.build import _sha256
     man = e.manifest
     if man is None:
-        return [NO_MANIFEST]
+        return [NO_MANIFEST if e.manifest_problem in (None, "missing") else e.manifest_problem]
     problems = []
     try:
         st = e.library_path.stat()
     except OSError:
         return ["library missing"]
-    if man.get("uri") != e.uri:
-        problems.append(f"manifest names {man.get('uri')}")
-    if man.get("so_size") != st.st_size:
-        problems.append(f"library size {st.st_size} != manifest {man.get('so_size')} (truncated?)")
-    elif man.get("so_mtime_ns") != st.st_mtime_ns:
+    if man["uri"] != e.uri:
+        problems.append(f"manifest names {man['uri']}")
+    if man["so_size"] != st.st_size:
+        problems.append(f"library size {st.st_size} != manifest {man['so_size']} (truncated?)")
+    elif man["so_mtime_ns"] != st.st_mtime_ns:
         problems.append("library modified after its build")
-    if man.get("so_sha256") and _sha256(e.library_path) != man["so_sha256"]:
+    if _sha256(e.library_path) != man["so_sha256"]:
         problems.append("library sha256 does not match its manifest")
-    missing = [s for s in man.get("sources", []) if not (e.gen_dir / s).exists()]
+    if man.get("variant_file") and _inside(Path(man["variant_file"]), untrusted_roots()):
+        problems.append(f"manifest names a variant file inside the cache ({man['variant_file']}): tampered; "
+                        "it is never loaded")
+    problems += _foreign_files(e)
+    missing = [s for s in man["sources"] if not (e.gen_dir / s).exists()]
     if missing:
         problems.append(f"generated sources missing ({', '.join(missing)}); regenerated on the next rebuild")
+    elif "cuda_cflags" in man and not _sources_match_uri(e.uri, e.gen_dir, man):
+        problems.append("generated sources do not hash to the URI (edited or tampered)")
     return problems
 
 
+def _foreign_files(e: Entry) -> list[str]:
+    """Files no fivar build writes: a generated file the manifest does not list, or anything executable by
+    Python anywhere in the module (an archive that ships code)."""
+    listed = set((e.manifest or {}).get("sources", []))
+    stray = [p.name for p in (sorted(e.gen_dir.iterdir()) if e.gen_dir.is_dir() else [])
+             if not p.name.startswith(".") and p.name not in listed]
+    stray += [str(p.relative_to(e.build_dir)) for p in (sorted(e.build_dir.rglob("*")) if e.build_dir.is_dir()
+                                                        else []) if p.suffix in (".py", ".pyc", ".pyw")]
+    return [f"files no build writes: {', '.join(stray[:5])} (tampered?)"] if stray else []
+
+
+def _sources_match_uri(uri: str, gen_dir: Path, man: dict) -> bool:
+    """The URI ends in the content hash of the module's sources and flags (fivar.jit.build.content_hash)."""
+    from .jit.build import content_hash
+    try:
+        sources = {n: (gen_dir / n).read_bytes().decode() for n in man["sources"]}
+    except (OSError, UnicodeDecodeError):
+        return False
+    return uri.endswith("_" + content_hash(sources, man["cuda_cflags"]))
+
+
 @cache.command()
+@arch_option
 @click.option("--fix", is_flag=True, help="delete invalid libraries (and their manifests) so the next build "
               "rebuilds them")
 @click.option("--json", "as_json", is_flag=True)
@@ -550,13 +609,18 @@ def verify(fix, as_json, prefix):
         problems = verify_entry(e)
         fixed = False
         if problems and fix and any("sources missing" not in p for p in problems):
-            with _build_lock_if_free(e) as free:  # a build writing this library now wins
-                if free:
-                    e.library_path.unlink(missing_ok=True)
-                    (e.build_dir / "fivar_manifest.json").unlink(missing_ok=True)
+            with locks.evict_lock(e.build_dir) as why:  # a build writing this library, or a holder, wins
+                if why is None:
+                    if any(w in p for p in problems for w in ("tampered", "malformed", "do not hash")):
+                        # nothing of it is trusted: the next use rebuilds it from the variant
+                        shutil.rmtree(e.gen_dir, ignore_errors=True)
+                        _remove_module_dir(e.build_dir)
+                    else:  # the library only: the next build relinks it from the objects
+                        (e.build_dir / manifests.NAME).unlink(missing_ok=True)
+                        e.library_path.unlink(missing_ok=True)
                     fixed = True
                 else:
-                    problems.append(f"not fixed: {BUILD_RUNNING}")
+                    problems.append(f"not fixed: {why}")
         results.append({"uri": e.uri, "ok": not problems, "problems": problems, "fixed": fixed})
     if prefix and not results:
         raise FivarError(f"no module in the cache has a URI starting with {prefix!r} (`fivar cache ls` lists them)")
@@ -574,6 +638,7 @@ def verify(fix, as_json, prefix):
 
 
 @cache.command()
+@arch_option
 @click.option("--max-size", default=None, help="evict least-recently-used modules until the total is under "
               "this, e.g. 20G")
 @click.option("--older-than", default=None, help="evict modules not used for this long, e.g. 30d")
@@ -600,7 +665,7 @@ def prune(max_size, older_than, stale_only, dry_run, as_json):
         chosen.update({e.uri: f"unused since {human_age(e.last_use)}" for e in entries
                        if (e.last_use or 0) < cutoff and e.uri not in chosen})
     def evictable(e):
-        return not e.holders and not lock_is_held(e.lock_path)
+        return not _in_use(e) and not lock_is_held(e.lock_path)
     if max_size:
         limit = parse_size(max_size)  # what stays: everything not chosen, and what is chosen but cannot go
         total = sum(e.size for e in entries if e.uri not in chosen or not evictable(e))
@@ -644,6 +709,7 @@ def prune(max_size, older_than, stale_only, dry_run, as_json):
 
 
 @cache.command()
+@arch_option
 @click.option("--records", "wipe_records", is_flag=True, help="also delete the build/load records")
 @click.option("--yes", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True)
@@ -651,7 +717,7 @@ def clear(wipe_records, yes, as_json):
     """Delete every fivar module (not FlashInfer's own), except ones in use or being built."""
     entries = annotate(scan_entries(), check_stale=False)
     if not yes and not as_json and entries:
-        in_use = sum(bool(e.holders) or lock_is_held(e.lock_path) for e in entries)
+        in_use = sum(bool(_in_use(e)) or lock_is_held(e.lock_path) for e in entries)
         click.confirm(f"delete {len(entries) - in_use} fivar module(s) from {_flashinfer_cache_root()}"
                       + (f" ({in_use} in use or being built stay)" if in_use else "") + "?", abort=True)
     removed, kept = [], []
@@ -672,6 +738,7 @@ def clear(wipe_records, yes, as_json):
 
 
 @cache.command("export")
+@arch_option
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--variant", "variants", multiple=True, help="only these variants (repeatable)")
 @click.option("--json", "as_json", is_flag=True)
@@ -692,6 +759,8 @@ def export_cmd(file, variants, as_json):
         if variants and man.get("variant") not in variants:
             continue
         problems = [p for p in verify_entry(e) if "sources missing" not in p]
+        if "cuda_cflags" not in man:  # an importer checks sources against the URI: it needs the flags
+            problems.append("built by an older fivar (manifest schema 1): rebuild it to export it")
         if problems:
             skipped.append({"uri": e.uri, "problems": problems})
             continue
@@ -715,10 +784,9 @@ def export_cmd(file, variants, as_json):
         for e in packed:
             tar.add(e.library_path, f"cached_ops/{e.uri}/{e.uri}.so")
             tar.add(e.build_dir / "fivar_manifest.json", f"cached_ops/{e.uri}/fivar_manifest.json")
-            if e.gen_dir.is_dir():
-                for p in sorted(e.gen_dir.iterdir()):
-                    if p.is_file() and not p.name.startswith("."):
-                        tar.add(p, f"generated/{e.uri}/{p.name}")
+            for name in sorted(e.manifest["sources"]):  # what the manifest lists, nothing else found there
+                if (e.gen_dir / name).is_file():
+                    tar.add(e.gen_dir / name, f"generated/{e.uri}/{name}")
     replaced = Path(file).exists()
     os.replace(tmp, file)
     data = {"file": str(file), "replaced": replaced, "modules": [e.uri for e in packed], "skipped": skipped,
@@ -747,21 +815,32 @@ def read_export_meta(tar: tarfile.TarFile, file) -> dict:
     return meta
 
 
+#: what an archive may hold per module: its library and manifest, and the C++/CUDA sources the manifest lists
+def _member_ok(kind: str, uri: str, name: str) -> bool:
+    if kind == "cached_ops":
+        return name in (f"{uri}.so", manifests.NAME)
+    return name.endswith(manifests.SOURCE_SUFFIXES) and not name.startswith(".")
+
+
 @cache.command("import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
+@arch_option
 def import_cmd(file, as_json):
-    """Unpack an export into FlashInfer's JIT cache; refuses one built for another arch/FlashInfer/nvcc."""
-    from filelock import FileLock
+    """Unpack an export into FlashInfer's JIT cache; refuses one built for another arch/FlashInfer/nvcc.
 
+    An archive carries data only: per module a library, its manifest and the C++/CUDA sources the manifest
+    lists, which must hash to the module's URI; the library must match the sha256 in both the manifest and the
+    archive's index. Anything else (a Python file, a file the manifest does not list) refuses the whole archive.
+    """
     from .jit.build import _sha256
     tc = current_toolchain()
     try:
         tar = tarfile.open(file, "r:gz")
         tar.getmembers()  # reads the whole archive: a truncated or corrupt one fails here, not midway
     except (tarfile.TarError, OSError, EOFError, zlib.error) as ex:
-        raise FivarError(f"{file} is not a readable fivar cache export (a gzip tar archive): {ex or type(ex).__name__}")\
-            from None
+        raise FivarError(f"{file} is not a readable fivar cache export (a gzip tar archive): "
+                         f"{ex or type(ex).__name__}") from None
     with tar:
         meta = read_export_meta(tar, file)
         bad = [k for k in ("arch", "flashinfer", "nvcc") if meta.get(k) != tc.get(k)]
@@ -783,18 +862,21 @@ def import_cmd(file, as_json):
             if not (mem.isfile() and len(parts) == 3 and parts[0] in ("cached_ops", "generated")
                     and parts[1] in uris and parts[2] and not parts[2].startswith(".") and ".." not in parts):
                 raise FivarError(f"{file}: unexpected member {mem.name!r}; refusing to import")
+            if not _member_ok(parts[0], parts[1], parts[2]):
+                raise FivarError(f"{file}: member {mem.name!r} is not a library, manifest or C++/CUDA source (an "
+                                 "archive carries no code fivar would run); refusing to import")
             members.setdefault(parts[1], []).append(mem)
         from flashinfer.jit import env as jit_env
         jit_dir, gen_root = jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_GEN_SRC_DIR
-        (jit_dir / "tmp").mkdir(parents=True, exist_ok=True)
-        imported, present = [], []
+        jit_dir.mkdir(parents=True, exist_ok=True)
+        imported, present, skipped = [], [], []
         staged: list[tuple[str, Path, dict]] = []
         try:
-            # every entry is unpacked and checked first (library hash, manifest), so a bad one leaves the cache
-            # as it was instead of half imported
+            # every entry is unpacked and checked first (library hash, manifest, sources against the URI), so a
+            # bad one leaves the cache as it was instead of half imported
             for ent in meta.get("entries", []):
                 uri = ent["uri"]
-                staging = Path(tempfile.mkdtemp(prefix=f".import-{uri}-", dir=jit_dir))
+                staging = Path(tempfile.mkdtemp(prefix=f".import-{uri[:40]}-", dir=jit_dir))
                 staged.append((uri, staging, {}))
                 for mem in members.get(uri, []):
                     kind, _, name = mem.name.split("/")
@@ -802,42 +884,74 @@ def import_cmd(file, as_json):
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     with tar.extractfile(mem) as src, open(dest, "wb") as out:
                         shutil.copyfileobj(src, out)
-                so = staging / "cached_ops" / f"{uri}.so"
-                if not so.exists() or (ent.get("so_sha256") and _sha256(so) != ent["so_sha256"]):
-                    raise FivarError(f"{file}: the library of {uri} is missing or corrupt (sha256 mismatch); "
-                                     "nothing was imported")
-                try:
-                    man = json.loads((staging / "cached_ops" / "fivar_manifest.json").read_text())
-                except (OSError, ValueError):
-                    man = None
-                if not isinstance(man, dict) or man.get("uri") != uri:
-                    raise FivarError(f"{file}: the manifest of {uri} is missing or unreadable; nothing was imported")
-                staged[-1][2].update(man)
+                    os.chmod(dest, 0o644)  # data: never an executable bit from the archive
+                staged[-1][2].update(_check_staged(file, uri, ent, staging, _sha256))
             for uri, staging, man in staged:
-                with FileLock(str(jit_dir / "tmp" / f"{uri}.lock"), thread_local=False):
-                    entry = Entry(uri, jit_dir / uri, gen_root / uri, jit_dir / "tmp" / f"{uri}.lock", None, 0)
-                    try:
-                        entry.manifest = json.loads((entry.build_dir / "fivar_manifest.json").read_text())
-                    except (OSError, ValueError):
-                        pass
+                entry = Entry(uri, jit_dir / uri, gen_root / uri, jit_dir / uri / locks.BUILD_LOCK, None, 0)
+                with locks.evict_lock(entry.build_dir) as why:
+                    entry.manifest, entry.manifest_problem = manifests.read(entry.build_dir / manifests.NAME)
                     if entry.manifest and not [p for p in verify_entry(entry) if "sources missing" not in p]:
                         present.append(uri)
                         continue
-                    shutil.rmtree(entry.build_dir, ignore_errors=True)
-                    os.replace(staging / "cached_ops", entry.build_dir)
+                    if why:  # being built here, or loaded by a live process: left alone
+                        skipped.append({"uri": uri, "skipped": why})
+                        continue
+                    for p in entry.build_dir.iterdir() if entry.build_dir.is_dir() else []:
+                        if p.name not in (locks.BUILD_LOCK, locks.HOLD_LOCK):
+                            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                    entry.build_dir.mkdir(parents=True, exist_ok=True)
+                    for p in (staging / "cached_ops").iterdir():
+                        if p.name != manifests.NAME:
+                            os.replace(p, entry.build_dir / p.name)
                     if (staging / "generated").is_dir():
+                        shutil.rmtree(entry.gen_dir, ignore_errors=True)
                         entry.gen_dir.mkdir(parents=True, exist_ok=True)
                         for p in (staging / "generated").iterdir():
                             os.replace(p, entry.gen_dir / p.name)
                     st = entry.library_path.stat()
                     man.update(so_size=st.st_size, so_mtime_ns=st.st_mtime_ns, imported_from=str(file),
                                imported=time.time())
-                    (entry.build_dir / "fivar_manifest.json").write_text(json.dumps(man, indent=1))
+                    tmp = entry.build_dir / f".{manifests.NAME}.{os.getpid()}.tmp"
+                    tmp.write_text(json.dumps(man, indent=1))
+                    os.replace(tmp, entry.build_dir / manifests.NAME)  # last: the module is whole once it exists
                     imported.append(uri)
         finally:
             for _, staging, _ in staged:
                 shutil.rmtree(staging, ignore_errors=True)
-    data = {"file": str(file), "imported": imported, "already_present": present}
+    data = {"file": str(file), "imported": imported, "already_present": present, "skipped": skipped}
     _out(as_json, data, lambda: console.print(
         f"imported {len(imported)} module(s) into {jit_dir}" +
-        (f"; {len(present)} already present" if present else ""), highlight=False))
+        (f"; {len(present)} already present" if present else "") +
+        "".join(f"; kept {r['uri']} as it is: {r['skipped']}" for r in skipped), highlight=False))
+
+
+def _check_staged(file, uri: str, ent: dict, staging: Path, sha256) -> dict:
+    """The staged module of `uri`, checked against its own content: its manifest (validated, of this URI), its
+    library (sha256 of the manifest and of the archive's index), its sources (exactly the manifest's, hashing to
+    the URI). Returns the manifest; FivarError when anything is off (nothing is imported then)."""
+    man, problem = manifests.read(staging / "cached_ops" / manifests.NAME)
+    if man is None:
+        why = "manifest missing" if problem == "missing" else problem
+        raise FivarError(f"{file}: {uri}: {why}; nothing was imported")
+    if man["uri"] != uri:
+        raise FivarError(f"{file}: the manifest of {uri} names {man['uri']}; nothing was imported")
+    so = staging / "cached_ops" / f"{uri}.so"
+    if not so.exists() or sha256(so) != man["so_sha256"] or ent.get("so_sha256") not in (None, man["so_sha256"]):
+        raise FivarError(f"{file}: the library of {uri} is missing or corrupt (sha256 mismatch); "
+                         "nothing was imported")
+    if "cuda_cflags" not in man:
+        raise FivarError(f"{file}: the manifest of {uri} predates content checks (schema 1: no cuda_cflags), so its "
+                         "sources cannot be checked against its URI; re-export it with this fivar. Nothing was "
+                         "imported")
+    gen = staging / "generated"
+    shipped = sorted(p.name for p in gen.iterdir()) if gen.is_dir() else []
+    if shipped != sorted(man["sources"]):
+        raise FivarError(f"{file}: the generated sources of {uri} are not the ones its manifest lists "
+                         f"(extra: {sorted(set(shipped) - set(man['sources']))[:3]}, missing: "
+                         f"{sorted(set(man['sources']) - set(shipped))[:3]}); nothing was imported")
+    if not _sources_match_uri(uri, gen, man):
+        raise FivarError(f"{file}: the sources of {uri} do not hash to its URI (tampered, or another fivar's "
+                         "hash); nothing was imported")
+    if man.get("variant_file") and _inside(Path(man["variant_file"]), untrusted_roots()):
+        man["variant_file"] = None  # a path into the cache is never a variant file (and never loaded)
+    return man

@@ -29,6 +29,10 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "nvcc: runs nvcc (minutes on a small machine); the fast path is -m 'not nvcc'")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

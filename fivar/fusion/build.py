@@ -13,7 +13,7 @@ import jinja2
 
 from ..errors import FivarError
 from ..jit import toolchain
-from ..jit.build import DTYPES, FivarModule, content_hash
+from ..jit.build import DTYPES, FivarModule, content_hash, uri_name
 from ..paths import csrc_dir
 from .spec import FusionSpec
 
@@ -57,7 +57,7 @@ def gen_fusion_module(variant: FusionSpec, dtype: str | None = None) -> FivarMod
     toolchain.ensure_arch_env()
     cuda_cflags: list[str] = []
     hd = variant.head_dim or 0
-    uri = f"fivar_{variant.name}_fusion_{dtype}_hd{hd}_{content_hash(sources, cuda_cflags)}"
+    uri = f"fivar_{uri_name(variant.name)}_fusion_{dtype}_hd{hd}_{content_hash(sources, cuda_cflags)}"
     return FivarModule(variant, "fusion", "fusion", dtype, hd, uri, sources, cuda_cflags, ())
 
 

@@ -3,7 +3,8 @@
 One `gen_module(variant, op, target, dtypes, head_dim)` renders every source of the module, derives a
 content-hashed URI from them (plus flags, FlashInfer/nvcc versions and target archs), writes them into
 FlashInfer's generated-sources dir and returns a `FivarModule` wrapping FlashInfer's `JitSpec`. Building
-runs FlashInfer's ninja under its file lock; loading goes through an in-process cache keyed by URI.
+runs FlashInfer's ninja under the module's own lock (fivar.jit.locks), and the manifest it then writes
+(fivar.jit.manifest) is what later loads trust; loading goes through an in-process cache keyed by URI.
 Since the URI covers everything that goes into the .so, an edited variant or a new toolchain gets a new
 URI (never a stale library), and an unchanged one hits the existing build.
 """
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,8 @@ from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarBuildError, FivarError
 from ..flashinfer_compat import fa2_launchers
 from ..paths import csrc_dir, templates_dir
-from . import pinned_kv_tiles, records, toolchain, unused_headers
+from . import locks, pinned_kv_tiles, records, toolchain, unused_headers
+from . import manifest as manifests
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
 TARGETS = ("fa2", "fa3")
@@ -60,6 +63,28 @@ _FA3_LAYOUT = {
 
 _loaded: dict[str, object] = {}  # URI -> loaded module (the in-process cache)
 log = logging.getLogger("fivar")
+
+
+def _read_only_workspace_log() -> None:
+    """FlashInfer opens `<workspace>/flashinfer_jit.log` for appending as it is imported, so a read-only prebuilt
+    workspace (a fleet's mounted cache) fails every import with a raw OSError before a module is even looked at.
+    Where that file cannot be written, its handler opens it only once something is logged (`delay`), which
+    loading prebuilt modules never does. Runs before fivar first imports FlashInfer (fivar.jit imports this)."""
+    if getattr(logging.FileHandler.__init__, "fivar_read_only", False):
+        return
+    plain = logging.FileHandler.__init__
+
+    def init(self, filename, mode="a", encoding=None, delay=False, errors=None):
+        path = os.path.abspath(os.fspath(filename))
+        if not delay and os.path.basename(path) == "flashinfer_jit.log" and \
+                not os.access(path if os.path.exists(path) else os.path.dirname(path), os.W_OK):
+            delay = True
+        plain(self, filename, mode, encoding, delay, errors)
+    init.fivar_read_only = True
+    logging.FileHandler.__init__ = init
+
+
+_read_only_workspace_log()
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -107,38 +132,57 @@ class FivarModule:
                 _write_if_different(self.gen_dir / name, text)
             paths = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
             self.spec = gen_jit_spec(self.uri, paths, extra_cuda_cflags=toolchain.build_flags(self.cuda_cflags) or None,
-                                      extra_ldflags=toolchain.link_flags() or None,
+                                      # ninja runs the link line through the shell: a stub dir under a
+                                      # FIVAR_CACHE_DIR with a space stays one argument
+                                      extra_ldflags=[shlex.quote(f) for f in toolchain.link_flags()] or None,
                                       extra_include_paths=toolchain.extra_include_paths() or None)
         return self.spec
 
     @property
     def manifest_path(self) -> Path:
-        return self.build_dir / "fivar_manifest.json"
+        return self.build_dir / manifests.NAME
+
+    def read_manifest(self) -> tuple[dict | None, str | None]:
+        """(manifest, None) or (None, why): validated (fivar.jit.manifest), never a raw list or null."""
+        return manifests.read(self.manifest_path)
 
     def manifest_ok(self) -> bool:
-        """The library fivar recorded after its last successful build is still there, unchanged.
+        """The library fivar recorded after its last successful build is still there, byte for byte.
 
-        Trusting this (instead of asking ninja) is safe because the URI already hashes every input.
+        Trusting this (instead of asking ninja) is safe because the URI already hashes every input. The
+        library's sha256 is checked against the manifest once per (size, mtime, inode, ctime) of the file
+        (library_verified), so a same-size corruption is caught and a warm load costs a stat, not a hash.
         """
-        try:
-            man = json.loads(self.manifest_path.read_text())
-            st = self.library_path.stat()
-        except (OSError, ValueError):
+        man, _ = self.read_manifest()
+        if man is None or man["uri"] != self.uri:
             return False
-        return man.get("uri") == self.uri and man.get("so_size") == st.st_size and \
-            man.get("so_mtime_ns") == st.st_mtime_ns
+        try:
+            st = self.library_path.stat()
+        except OSError:
+            return False
+        return man["so_size"] == st.st_size and man["so_mtime_ns"] == st.st_mtime_ns and \
+            library_verified(self.library_path, st, man["so_sha256"])
 
-    def write_manifest(self, seconds: float) -> None:
+    def write_manifest(self, seconds: float) -> bool:
+        """Record the library just built. A valid manifest of this very library is kept as it is (its compile
+        time stays the build's, never a later hit's). Returns whether it wrote one."""
         st = self.library_path.stat()
-        man = {"uri": self.uri, "variant": self.variant.name, "op": self.op, "target": self.target,
-               "dtype": self.dtype, "head_dim": self.head_dim, "so_size": st.st_size,
+        old, _ = self.read_manifest()
+        if old is not None and old["uri"] == self.uri and old["so_size"] == st.st_size and \
+                old["so_mtime_ns"] == st.st_mtime_ns:
+            return False
+        sha = _sha256(self.library_path)
+        man = {"schema": manifests.SCHEMA_VERSION, "uri": self.uri, "variant": self.variant.name, "op": self.op,
+               "target": self.target, "dtype": self.dtype, "head_dim": self.head_dim, "so_size": st.st_size,
                "so_mtime_ns": st.st_mtime_ns, "compile_seconds": round(seconds, 3),
                "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
                "arch": toolchain.arch_tag(), "created": time.time(),
-               "so_sha256": _sha256(self.library_path), "sources": sorted(self.sources),
+               "so_sha256": sha, "sources": sorted(self.sources), "cuda_cflags": list(self.cuda_cflags),
                "variant_file": getattr(self.variant, "source_file", None),
                "variant_file_sha256": variant_file_sha256(self.variant), "options": self.options}
         _write_if_different(self.manifest_path, json.dumps(man, indent=1))
+        _remember_verified(self.library_path, st, sha)
+        return True
 
     def _missing_sources(self) -> list[str]:
         """Generated sources gone from a module built here before (a first build has none yet)."""
@@ -153,10 +197,13 @@ class FivarModule:
         self.jit_spec()
         for name in missing:
             log.warning("fivar: %s: generated source %s was missing; regenerated", self.uri, name)
+        self.gen_dir.mkdir(parents=True, exist_ok=True)  # evicted (clear, prune) since jit_spec() made it
         for name, text in self.sources.items():
             _write_if_different(self.gen_dir / name, text)
         if self.library_path.exists() and not self.manifest_ok():
-            why = "has no manifest" if not self.manifest_path.exists() else "does not match its manifest"
+            _, bad = self.read_manifest()
+            why = ("has no manifest" if bad == "missing" else f"has a {bad}" if bad
+                   else "does not match its manifest")
             log.warning("fivar: %s: library %s %s (interrupted build or corrupted file); rebuilding",
                         self.uri, self.library_path, why)
             self.library_path.unlink()
@@ -176,12 +223,12 @@ class FivarModule:
             return "memory"
         if self.manifest_ok():
             return "disk"
-        from filelock import FileLock
         t0 = time.perf_counter()
         try:
+            check_buildable_paths(self)
             missing = self._missing_sources()
             spec = self.jit_spec()
-            with FileLock(spec.lock_path, thread_local=False):
+            with locks.build_lock(self.build_dir):
                 if self.manifest_ok():  # another process finished it while we waited
                     return "disk"
                 self._prepare(missing)
@@ -222,6 +269,14 @@ class FivarModule:
         if mod is None:
             t0 = time.perf_counter()
             kind = self._build()
+            # the hold (fivar.jit.locks) before the last check: an eviction either happened before it (the
+            # library is gone: build again) or waits until this process exits
+            for _ in range(3):
+                locks.hold(self.build_dir)
+                if self.manifest_ok():
+                    break
+                locks.release_hold(self.build_dir)
+                kind = self._build()
             try:
                 # the library is the one its manifest names: no JitSpec (link flags, source checks) to load it
                 import tvm_ffi
@@ -234,6 +289,65 @@ class FivarModule:
         else:
             records.memory_hit(self)  # a counter bump, no I/O (see fivar.jit.records)
         return mod
+
+
+#: FlashInfer writes these paths unquoted into build.ninja, where whitespace, `$`, `:` and `|` are syntax
+_NINJA_SPECIAL = re.compile(r"[\s$:|]")
+
+
+def check_buildable_paths(m: "FivarModule") -> None:
+    """Before compiling (never before loading a prebuilt module): FlashInfer's ninja files cannot hold a
+    workspace path with a space (the build would fail after compiling, naming neither the path nor the
+    variable), so say so up front."""
+    for what, path in (("FLASHINFER_WORKSPACE_BASE", m.build_dir), ("FLASHINFER_WORKSPACE_BASE", m.gen_dir)):
+        text = str(Path(path).resolve())
+        if _NINJA_SPECIAL.search(text):
+            raise FivarError(
+                f"variant '{m.variant.name}': cannot compile into {text}: FlashInfer's ninja build files cannot "
+                f"hold a path with spaces, '$', ':' or '|'; set {what} to a directory without them (a symlink "
+                f"to this one works); loading modules already built there is fine")
+
+
+#: library path -> (size, mtime_ns, inode, ctime_ns, sha256) this process has hashed
+_verified: dict[str, tuple] = {}
+_VERIFIED = ".fivar.verified"
+
+
+def _stamp(st: os.stat_result) -> list:
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+
+
+def library_verified(path: Path, st: os.stat_result, sha256: str) -> bool:
+    """Whether the library at `path` (stat `st`) hashes to `sha256`. Hashed once per file version: the
+    result is kept in process and in `.fivar.verified` beside it (best effort: a read-only cache re-hashes
+    once per process). Any write to the file changes its ctime, which nothing can set back."""
+    key = _stamp(st)
+    hit = _verified.get(str(path))
+    if hit is not None and list(hit[:4]) == key:
+        return hit[4] == sha256
+    try:
+        stamp = json.loads((path.parent / _VERIFIED).read_text())
+        if isinstance(stamp, dict) and stamp.get("stat") == key and stamp.get("sha256") == sha256:
+            _verified[str(path)] = (*key, sha256)
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        actual = _sha256(path)
+    except OSError:
+        return False
+    _remember_verified(path, st, actual)
+    if actual != sha256:
+        log.warning("fivar: %s does not hash to its manifest's sha256 (corrupted?); it is not loaded", path)
+    return actual == sha256
+
+
+def _remember_verified(path: Path, st: os.stat_result, sha256: str) -> None:
+    _verified[str(path)] = (*_stamp(st), sha256)
+    try:
+        _write_if_different(path.parent / _VERIFIED, json.dumps({"stat": _stamp(st), "sha256": sha256}))
+    except OSError:
+        pass  # a read-only cache: verified again by the next process
 
 
 def _cache_write_error(m: FivarModule, e: OSError) -> FivarError:
@@ -575,7 +689,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = "_runs" if row_runs else ""
-    uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
+    uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
+           f"{content_hash(sources, cuda_cflags)}")
     built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
              if target == "fa3" else
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
@@ -617,6 +732,19 @@ def serving_op(variant, op: str, target: str) -> str:
     return "batch_prefill" if (target == "fa3" and op == "single_prefill" and variant.scans_mask) else op
 
 
+#: the longest variant name a URI holds whole: a URI names a directory, `<uri>.so`, and objects named
+#: `<uri>_<source stem>.cuda.o` (FlashInfer), all within a file name's 255 bytes
+URI_NAME_MAX = 64
+
+
+def uri_name(name: str) -> str:
+    """The variant's name as a URI holds it: whole up to URI_NAME_MAX characters, else its start and a hash of the
+    whole (still one name per variant; the manifest keeps the full name)."""
+    if len(name) <= URI_NAME_MAX:
+        return name
+    return f"{name[:URI_NAME_MAX - 9]}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
 def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
     """12 hex digits over every source (name and text), the flags, FlashInfer/nvcc versions and archs.
 
@@ -647,11 +775,13 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
 _memo: dict[tuple, tuple] = {}
 
 
-def ninja_spans(modules: list[FivarModule], log_text: str | None = None, since_ns: int = 0) -> dict[str, float]:
+def ninja_spans(modules: list[FivarModule], log_text: str | None = None, since_ns: int = 0,
+                linked_only: bool = False) -> dict[str, float]:
     """Per module of one shared ninja run, the seconds from its first unit's start to its last step's end, read
     from ninja's log (FlashInfer runs ninja in its JIT directory): what that module's compile took inside the
     batch, rather than the batch's wall time on every module. Only outputs written since `since_ns` count (the
-    log's times are relative to each ninja run; an object left by an earlier, interrupted run is not this one's)."""
+    log's times are relative to each ninja run; an object left by an earlier, interrupted run is not this one's).
+    `linked_only`: only modules whose library ninja has finished linking (ninja logs a step once it is done)."""
     if log_text is None:
         from flashinfer.jit import env as jit_env
         try:
@@ -667,40 +797,99 @@ def ninja_spans(modules: list[FivarModule], log_text: str | None = None, since_n
     for m in modules:
         prefixes = tuple({str(m.build_dir) + os.sep, os.path.realpath(m.build_dir) + os.sep})
         times = [t[:2] for out, t in latest.items() if out.startswith(prefixes) and t[2] >= since_ns]
+        if linked_only and not any(out == p + f"{m.uri}.so" and t[2] >= since_ns
+                                   for out, t in latest.items() for p in prefixes):
+            continue
         if times:
             spans[m.uri] = (max(e for _, e in times) - min(s for s, _ in times)) / 1000.0
     return spans
 
 
-def build_many(modules: list[FivarModule], parallel: bool = True) -> list[tuple[str, float]]:
+def build_many(modules: list[FivarModule], parallel: bool = True,
+               on_done=None) -> list[tuple[str, float]]:
     """Build modules, all cold compiles in one parallel ninja. Returns (cold|disk|memory, seconds) each: a cold
-    module's seconds are its own span inside the shared build (ninja_spans), else the batch's wall time."""
+    module's seconds are its own span inside the shared build (ninja_spans), else the batch's wall time.
+
+    The ninja run takes only the modules whose build lock (fivar.jit.locks) this process got at once, and holds
+    each lock until that module's manifest is written, which happens as soon as ninja has linked it (a watcher
+    reads ninja's log), not after the whole run: a concurrent prewarm, build, clear or prune never touches a
+    module in flight. Modules another process is building are waited for afterwards, one lock at a time.
+    `on_done(module, kind, seconds)` is called as each module is ready."""
+    import contextlib
+    import threading
+
     from flashinfer.jit.core import build_jit_specs
     results: dict[str, tuple[str, float]] = {}
-    for m in modules:
+    unique = list({m.uri: m for m in modules}.values())
+
+    def done(m, kind, secs):
+        results[m.uri] = (kind, secs)
+        if on_done is not None:
+            on_done(m, kind, secs)
+    for m in unique:
         if m.uri in _loaded:
-            results[m.uri] = ("memory", 0.0)
+            done(m, "memory", 0.0)
         elif m.manifest_ok():
-            results[m.uri] = ("disk", 0.0)
-    todo = list({m.uri: m for m in modules if m.uri not in results}.values())
+            done(m, "disk", 0.0)
+    todo = [m for m in unique if m.uri not in results]
     if parallel and len(todo) > 1:
-        t0, t0_ns = time.perf_counter(), time.time_ns()
-        try:
+        with contextlib.ExitStack() as held:
+            mine = []
             for m in todo:
-                m._prepare()
-            build_jit_specs([m.jit_spec() for m in todo], skip_prebuilt=False)
-        except Exception:
-            pass  # the per-module builds below name the module that failed
-        secs = time.perf_counter() - t0
-        spans = ninja_spans(todo, since_ns=t0_ns)
-        for m in todo:
-            if m.library_path.exists():
-                m.write_manifest(spans.get(m.uri, secs))
-                results[m.uri] = ("cold", spans.get(m.uri, secs))
-    for m in modules:
+                check_buildable_paths(m)
+                if held.enter_context(locks.build_lock(m.build_dir, wait=False)):
+                    if m.manifest_ok():  # finished by another process before we got its lock
+                        done(m, "disk", 0.0)
+                    else:
+                        mine.append(m)
+            if len(mine) > 1:
+                _ninja_batch(mine, build_jit_specs, done, threading)
+            # the rest (one module, another process's, a failed one) below: the per-module path names a failure
+    for m in unique:
         if m.uri not in results:
             t0 = time.perf_counter()
             kind = m._build()
-            results[m.uri] = (kind, time.perf_counter() - t0)
-    records.record_many([(m, *results[m.uri]) for m in {m.uri: m for m in modules}.values()])
+            done(m, kind, time.perf_counter() - t0)
+    records.record_many([(m, *results[m.uri]) for m in unique])
     return [results[m.uri] for m in modules]
+
+
+def _ninja_batch(mine: list[FivarModule], build_jit_specs, done, threading) -> None:
+    """One ninja run over `mine` (whose build locks the caller holds); each module's manifest is written the
+    moment ninja's log shows its library linked in this run."""
+    t0, t0_ns = time.perf_counter(), time.time_ns()
+    for m in mine:
+        m._prepare()
+    pending = {m.uri: m for m in mine}
+    stop = threading.Event()
+
+    def finish(final: bool):
+        spans = ninja_spans(list(pending.values()), since_ns=t0_ns, linked_only=not final)
+        for uri in list(pending):
+            m = pending[uri]
+            if uri in spans or (final and m.library_path.exists()):
+                secs = spans.get(uri, time.perf_counter() - t0)
+                try:
+                    m.write_manifest(secs)
+                except OSError:
+                    continue
+                del pending[uri]
+                done(m, "cold", secs)
+
+    def watch():
+        while not stop.wait(0.2):
+            finish(final=False)
+    watcher = threading.Thread(target=watch, name="fivar-manifests", daemon=True)
+    watcher.start()
+    try:
+        build_jit_specs([m.jit_spec() for m in mine], skip_prebuilt=False)
+        ok = True
+    except Exception:  # noqa: BLE001 - the per-module builds after this name the module that failed
+        ok = False
+    finally:
+        stop.set()
+        watcher.join()
+    if ok:
+        finish(final=True)
+    else:
+        finish(final=False)  # only what ninja's log says it linked: a library left by a failed link is not trusted

@@ -91,8 +91,14 @@ def live_progress(modules, console, enabled: bool = True, interval: float = 0.5)
     """A rich progress display while `build_many` runs: modules done/total, compile units, elapsed.
 
     It polls the build directories (new .so files and object files) instead of hooking ninja, so it works
-    with FlashInfer's single parallel ninja run unchanged.
+    with FlashInfer's single parallel ninja run unchanged. Where the console is not a terminal (a log, CI),
+    it prints one line per module instead, as its manifest is written (`build_many` writes each as soon as
+    ninja has linked it), enabled or not: a cold build is never silent for minutes.
     """
+    if not console.is_terminal:
+        with _line_progress(modules, console, interval):
+            yield
+        return
     if not enabled:
         yield
         return
@@ -132,3 +138,40 @@ def live_progress(modules, console, enabled: bool = True, interval: float = 0.5)
             th.join()
         progress.update(t_mod, completed=len(modules))
         progress.update(t_obj, completed=progress.tasks[t_obj].total)
+
+
+@contextlib.contextmanager
+def _line_progress(modules, console, interval: float = 0.5):
+    """One line per module that becomes ready (valid manifest) while the block runs: `built URI in S s (k/n)`."""
+    todo = [m for m in {m.uri: m for m in modules}.values() if not m.manifest_ok()]
+    if not todo:
+        yield
+        return
+    t0, printed, stop = time.time(), set(), threading.Event()
+    lock = threading.Lock()
+
+    def report():
+        for m in todo:
+            if m.uri in printed or not m.manifest_path.exists() or not m.manifest_ok():
+                continue
+            man, _ = m.read_manifest()
+            with lock:
+                if m.uri in printed:
+                    continue
+                printed.add(m.uri)
+                secs = (man or {}).get("compile_seconds")
+                took = f" in {secs:.1f} s" if isinstance(secs, (int, float)) else ""
+                console.print(f"built {m.uri}{took} ({len(printed)}/{len(todo)}, {time.time() - t0:.0f} s "
+                              "elapsed)", highlight=False, soft_wrap=True)
+
+    def poll():
+        while not stop.wait(interval):
+            report()
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+        report()

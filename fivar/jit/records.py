@@ -13,16 +13,17 @@ Cost model, deliberately asymmetric:
   that loads a module from disk would otherwise spend longer on the transaction (3-7 ms) than on the
   dlopen (about 1 ms). They are written moments later; `flush()` (which every reader in `fivar cache`
   calls first, and atexit) waits for them. Another process's `fivar cache prune` cannot see a holder row
-  that is still queued: for those few milliseconds a prune could delete the files of a library that is
-  already mapped (harmless on Linux: the mapping stays valid; a later load rebuilds or re-imports).
+  that is still queued; prune does not rely on it (the hold lock in the module's directory is taken before
+  the library is opened).
   A forked child writes synchronously (it may leave through os._exit, which skips atexit).
 - `memory` hits happen on every attention call (`module_for(...).load()`), so they never touch the
   database on the hot path: `memory_hit(uri)` only bumps a per-process counter (well under a microsecond).
   The counters are written as one aggregated row per URI (`kind='memory'`, `count=N`) when the process
   exits (atexit), and at most once a minute when a hit notices the minute has passed. A process killed
   with SIGKILL loses at most a minute of memory-hit counts; that only affects hit statistics.
-- Loads also record a *holder* row (uri, host, pid), so that `fivar cache prune` never evicts a module
-  a live process has mapped.
+- Loads also record a *holder* row (uri, host, pid), which `fivar cache ls/show` display. Whether a module
+  is in use is decided by its own directory, not by these rows (a process may record under another
+  FIVAR_CACHE_DIR): a loading process holds the module's hold lock until it exits (fivar.jit.locks).
 
 Recording never breaks a build: every error here is logged as a warning (once per process) and
 swallowed.

@@ -207,6 +207,7 @@ def test_host_sources_are_one_host_only_translation_unit(op, target):
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 def test_every_bundled_variant_compiles_for_sm90a():
     assert sorted(variant_files()) == BUNDLED or set(BUNDLED) <= set(variant_files())
     modules = [gen_module(fivar.load(n), op="single_prefill") for n in BUNDLED]
@@ -287,6 +288,7 @@ def _check_split_objects(m):
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 @requires_cuobjdump
 def test_split_single_prefill_compiles_to_flashinfer_kernels_instruction_for_instruction():
     """The per-tile units build the kernels FlashInfer's per-mask-mode unit does, each once, the same SASS."""
@@ -305,6 +307,7 @@ def test_split_single_prefill_compiles_to_flashinfer_kernels_instruction_for_ins
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 @requires_cuobjdump
 def test_nvcc_split_compile_output_does_not_depend_on_the_thread_count(monkeypatch):
     """The URI says whether nvcc's --split-compile is on, not with how many threads (each host picks its own):
@@ -351,6 +354,7 @@ def _assert_same_sass(variant: str, one: dict, other: dict, **module):
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 @requires_cuobjdump
 def test_parallel_passes_compile_to_the_same_sass():
     _assert_same_sass("sigmoid", {"nvcc_parallel_passes": True}, {"nvcc_parallel_passes": False}, dtype="fp16",
@@ -358,6 +362,7 @@ def test_parallel_passes_compile_to_the_same_sass():
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 def test_batch_prefill_and_decode_modules_compile():
     modules = [gen_module(fivar.load("document_mask"), op="batch_prefill", split_cta_tiles=True),
                gen_module(fivar.load("alibi"), op="batch_decode")]
@@ -368,6 +373,7 @@ def test_batch_prefill_and_decode_modules_compile():
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 def test_nvcc_failure_is_reported_as_a_fivar_bug_not_a_raw_error():
     m = gen_module(fivar.load("softcap"), op="single_prefill", dtype="fp16", head_dim=64)
     m.uri += "_broken"
@@ -401,6 +407,7 @@ def test_an_arch_nvcc_rejects_is_named_not_called_a_fivar_bug(tmp_path, monkeypa
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 def test_fa3_module_compiles_for_sm90a():
     """The Hopper struct (mask folded into LogitsTransform, request index from the block coordinate)."""
     m = gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3")
@@ -522,6 +529,7 @@ def test_pinned_fa2_prefill_units_carry_the_shared_memory_in_their_text(monkeypa
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 @requires_cuobjdump
 def test_pinned_kv_tiles_compile_the_one_kernel_per_cta_tile_flashinfer_picks_on_sm90(monkeypatch):
     """FlashInfer 0.7.2's launcher on a 228 KB (sm_90) GPU, 16-bit hd128, two CTAs per SM (114 KB each):
@@ -639,6 +647,7 @@ def test_a_header_is_left_out_only_where_the_compiler_copy_has_the_guard_fivar_d
 
 
 @requires_nvcc
+@pytest.mark.nvcc
 @requires_cuobjdump
 def test_fa2_units_without_the_unused_headers_compile_to_the_same_sass(monkeypatch):
     """<cuda/pipeline> left out and <cooperative_groups.h> replaced by fivar_thread_block.cuh: the same kernels."""

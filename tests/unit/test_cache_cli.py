@@ -350,9 +350,11 @@ def test_unreadable_sizes_are_one_line(text):
         cache_cli.parse_size(text)
 
 
-def _hold_lock(path):
-    p = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
-                          "l = FileLock(sys.argv[1], thread_local=False); l.acquire(); print('locked', flush=True)\n"
+def _hold_lock(path, shared=False):
+    """Another process holding flock on `path` (a module's .fivar.lock, or shared: its .fivar.hold)."""
+    p = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                          "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                          f"fcntl.flock(fd, fcntl.{'LOCK_SH' if shared else 'LOCK_EX'}); print('locked', flush=True)\n"
                           "time.sleep(120)", str(path)], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"
     return p
@@ -366,8 +368,7 @@ def test_verify_leaves_a_build_in_progress_alone(iso):
     building.manifest_path.unlink()  # linked, manifest not yet written
     man = json.loads(corrupt.manifest_path.read_text())
     corrupt.manifest_path.write_text(json.dumps({**man, "so_sha256": "0" * 64}))
-    (ws / "cached_ops" / "tmp").mkdir(parents=True, exist_ok=True)
-    lockers = [_hold_lock(ws / "cached_ops" / "tmp" / f"{m.uri}.lock") for m in (building, corrupt)]
+    lockers = [_hold_lock(m.build_dir / ".fivar.lock") for m in (building, corrupt)]
     try:
         r = invoke("cache", "verify", "--fix", "--json")
         rows = {x["uri"]: x for x in json.loads(r.output)}
@@ -390,13 +391,13 @@ def test_prune_lru_by_size_and_age_never_evicting_live_or_locked(iso):
         [5 * 86400, 4 * 86400, 3 * 86400, 2 * 3600, 60])]
     a, b, c, d, e = ms
     sizes = {r["uri"]: r["size_bytes"] for r in as_json("cache", "ls", "--no-stale-check")}
-    holder = subprocess.Popen(["sleep", "120"])
+    # a loads in a process that recorded nothing in this FIVAR_CACHE_DIR: its hold lock alone says in use
+    holder = _hold_lock(a.build_dir / ".fivar.hold", shared=True)
     con = records.connect()
     con.execute("INSERT INTO holders(uri, host, pid, time) VALUES (?,?,?,?)", (a.uri, records.HOST, holder.pid,
                                                                             time.time()))
     con.close()
-    (ws / "cached_ops" / "tmp").mkdir(parents=True, exist_ok=True)
-    locker = _hold_lock(ws / "cached_ops" / "tmp" / f"{b.uri}.lock")
+    locker = _hold_lock(b.build_dir / ".fivar.lock")
     try:
         limit = sum(sizes.values()) - sizes[c.uri] - sizes[d.uri] // 2  # evicting c alone is not enough
         dry = as_json("cache", "prune", "--max-size", str(limit), "--dry-run")
@@ -491,8 +492,9 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch)
     assert not (ws.parent / "escape.txt").exists()
 
 
-def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None):
-    """A copy of an export with its metadata (a function of the dict) or one member's bytes replaced."""
+def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None, extra=None):
+    """A copy of an export with its metadata (a function of the dict) or one member's bytes replaced, or with
+    one more member (name, bytes)."""
     with tarfile.open(src_path) as src, tarfile.open(dst_path, "w:gz") as dst:
         for mem in src.getmembers():
             data = src.extractfile(mem).read()
@@ -502,6 +504,10 @@ def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None):
                 data = member_edit[1]
             mem.size = len(data)
             dst.addfile(mem, io.BytesIO(data))
+        if extra:
+            info = tarfile.TarInfo(extra[0])
+            info.size = len(extra[1])
+            dst.addfile(info, io.BytesIO(extra[1]))
     return dst_path
 
 
@@ -510,7 +516,13 @@ def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None):
     ("entries-int", "malformed entries"),
     ("entry-no-uri", "malformed entries"),
     ("uri-path", "malformed entries"),
-    ("manifest-garbage", "manifest of .* is missing or unreadable; nothing was imported"),
+    ("manifest-garbage", "malformed manifest: not JSON.*nothing was imported"),
+    ("manifest-list", r"malformed manifest: not a JSON object \(a list\).*nothing was imported"),
+    ("manifest-null", r"malformed manifest: not a JSON object \(a NoneType\)"),
+    ("manifest-types", "field 'head_dim' is a str, expected int.*field 'sources' is a dict"),
+    ("python-member", "is not a library, manifest or C.*refusing to import"),
+    ("extra-source", "are not the ones its manifest lists"),
+    ("edited-source", "do not hash to its URI"),
     ("second-sha", "corrupt .*nothing was imported"),
 ])
 def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match):
@@ -518,6 +530,7 @@ def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match):
     _, ws, vfile = iso
     m1, m2 = fake_built(module(vfile, "bf16", 128)), fake_built(module(vfile, "fp16", 64))
     out = tmp_path / "mods.tar.gz"
+    man2 = json.loads(m2.manifest_path.read_text())
     as_json("cache", "export", str(out))
     as_json("cache", "clear", "--yes")
     edits = {
@@ -526,6 +539,13 @@ def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match):
         "entry-no-uri": dict(meta_edit=lambda m: {**m, "entries": [{"so_sha256": "0"}]}),
         "uri-path": dict(meta_edit=lambda m: {**m, "entries": [{**m["entries"][0], "uri": "a/b"}]}),
         "manifest-garbage": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"{not json")),
+        "manifest-list": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"[1, 2]")),
+        "manifest-null": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"null")),
+        "manifest-types": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", json.dumps(
+            {**man2, "head_dim": "64", "sources": {}}).encode())),
+        "python-member": dict(extra=(f"generated/{m2.uri}/payload.py", b"open('/tmp/x', 'w')")),
+        "extra-source": dict(extra=(f"generated/{m2.uri}/more.cuh", b"// not in the manifest")),
+        "edited-source": dict(member_edit=(f"{m2.uri}/{sorted(m2.sources)[0]}", b"// edited")),
         "second-sha": dict(meta_edit=lambda m: {**m, "entries": [m["entries"][0], {**m["entries"][1],
                                                                                   "so_sha256": "0" * 64}]}),
     }
@@ -590,7 +610,7 @@ def test_build_prewarm_progress_jobs_and_summary(iso, monkeypatch):
                "--head-dims", "64")
     assert r.exit_code == 0, r.output
     assert "all 2 module(s) up to date" in r.output and os.environ["MAX_JOBS"] == "1"
-    assert "modules" in r.output and "2/2" in r.output  # the progress display's final state
+    assert "built " not in r.output  # not a terminal: a line per module compiled, and none was
     assert r.output.count("hit (disk)") == 2
     assert sorted(k for (k,) in records.connect().execute("SELECT kind FROM events")) == ["disk", "disk"]
     assert all(m.manifest_ok() for m in mods)
