@@ -178,15 +178,18 @@ class TritonEmitter:
                 return False
         return True
 
+    def clamped_offset(self, param: str, indices: list[str]) -> str:
+        """The element offset of `param[indices]`, each index clamped to its dimension (also where the
+        backward scatters a tensor parameter's gradient)."""
+        name, ndim = self.param_names[param], self.variant.params[param].ndim
+        return " + ".join(f"tl.minimum(tl.maximum({i}, 0), {name}_size{d} - 1)"
+                          + (f" * {name}_stride{d}" if d < ndim - 1 else "") for d, i in enumerate(indices))
+
     def load(self, e: ir.Load) -> str:
-        p = self.variant.params[e.param]
         name = self.param_names[e.param]
 
         def offset(indices: list[str]) -> str:
-            terms = [f"tl.minimum(tl.maximum({i}, 0), {name}_size{d} - 1)" + (f" * {name}_stride{d}" if d < p.ndim - 1
-                                                                                else "")
-                     for d, i in enumerate(indices)]
-            return " + ".join(terms)
+            return self.clamped_offset(e.param, indices)
 
         def typed(value: str) -> str:
             return f"({value} != 0)" if e.type == BOOL else f"{value}.to({_TL_TYPE[e.type]})"

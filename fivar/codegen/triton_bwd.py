@@ -1,0 +1,93 @@
+"""IR -> Triton backward: the variant's training module, the forward twin plus FlashAttention-2 backward kernels.
+
+The backward kernels inline the same lowered programs as the forward (through the same `TritonEmitter`), plus
+their derivatives from `fivar.spec.grad`: `fv_dlogits_dqk` (d logits / d unscaled q.k) and, per read of a
+learnable tensor parameter, `fv_dlogits_dload<i>` with `fv_grad_offset<i>`, the clamped element the read
+came from, where its gradient is scattered. The module is the forward module's text followed by the
+backward's, so both share the variant functions and helpers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import grad, ir
+from ..spec.ir import I32
+from .fa2 import render
+from .triton import TritonEmitter, render_attention
+
+
+@dataclass(frozen=True)
+class _GradOffset(ir.Expr):
+    """Where a tensor-parameter read lands: its clamped element offset (only the backward emits this)."""
+    load: ir.Load = None
+
+
+@dataclass
+class LearnableRead:
+    """One read of a learnable tensor parameter in the logits: how the backward accumulates its gradient."""
+    index: int
+    param: str
+    #: "program": the same element for the whole program (per head, say) -- one sum, one atomic add;
+    #: "row": one element per query row -- summed over the keys, one atomic add per row;
+    #: "element": any element per (query, key) -- atomic adds per tile (one when the tile maps to one element).
+    kind: str
+    text: str
+
+
+class _BackwardEmitter(TritonEmitter):
+    def expr(self, e: ir.Expr) -> str:
+        if isinstance(e, _GradOffset):
+            return self.clamped_offset(e.load.param, [self.expr(i) for i in e.load.indices])
+        return super().expr(e)
+
+    def read_kind(self, load: ir.Load) -> str:
+        nodes = [n for i in load.indices for n in self.walk_lets(i)]
+        if any(isinstance(n, (ir.Score, ir.RawScore)) for n in nodes):
+            return "element"
+        used = {n.name for n in nodes if isinstance(n, ir.Index)}
+        return "element" if "kv_idx" in used else "row" if "q_idx" in used else "program"
+
+
+def learnable_params(variant) -> list[str]:
+    """The variant's tensor parameters that get gradients: float tensors declared `learnable=True`."""
+    return [name for name, p in variant.tensor_params.items() if p.learnable and p.ir_type == ir.F32]
+
+
+def render_training(variant) -> str:
+    """The forward twin's module followed by the backward kernels and their launcher."""
+    forward = render_attention(variant)
+    emit = _BackwardEmitter(variant)
+    logits = emit.lowered.logits
+    fns = [emit.function(grad.derivative(logits, grad.WRT_QK), "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
+    learnable = learnable_params(variant)
+    reads = []
+    emit.let_exprs = dict(logits.lets)
+    loads = grad.learnable_loads(logits, variant.params, names=set(learnable))
+    kinds = {}
+    for load in loads:
+        emit.let_exprs = dict(logits.lets)
+        kinds[load] = emit.read_kind(load)
+    for i, load in enumerate(loads):
+        fns.append(emit.function(grad.derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
+        fns.append(emit.function(ir.Program(list(logits.lets), _GradOffset(I32, load)), f"fv_grad_offset{i}",
+                                 ir.INDEX_VARS))
+        reads.append(LearnableRead(i, load.param, kinds[load], ir.format_expr(load)))
+    # the derivatives only use functions the logits use, so the forward module defines every helper they need
+    if not emit.helpers <= _forward_helpers(variant):
+        raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
+    band = variant.kv_band
+    backward = render("triton/attention_bwd.py.jinja", name=variant.name, softmax=variant.softmax,
+                      functions=fns, prologue=emit.prologue(), row_prologue=emit.row_prologue(),
+                      kernel_args=[a.name for a in emit.args], variant_args=emit.variant_args(),
+                      unspecialized=emit.unspecialized(), reads=reads, learnable=learnable,
+                      band_left=band.left is not None, band_right=band.right is not None, prescan=variant.scans_mask,
+                      has_mask=emit.lowered.mask is not None)
+    return forward + "\n\n" + backward
+
+
+def _forward_helpers(variant) -> set[str]:
+    emit = TritonEmitter(variant)
+    emit.function(emit.lowered.logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
+    if emit.lowered.mask:
+        emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS)
+    return emit.helpers
