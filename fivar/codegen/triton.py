@@ -379,11 +379,12 @@ def render_attention(variant) -> str:
     logits_fn = emit.function(logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
     mask_fn = emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS) if emit.lowered.mask else None
     prologue = emit.prologue()
+    row_prologue = emit.row_prologue()  # before `helpers` is read: a row read's index may need _py_mod & co.
     band = variant.kv_band
     source = os.path.basename(variant.source_file or "<unknown>")
     return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
                   softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, helpers=sorted(emit.helpers),
-                  prologue=prologue, row_prologue=emit.row_prologue(), kernel_args=[a.name for a in emit.args],
+                  prologue=prologue, row_prologue=row_prologue, kernel_args=[a.name for a in emit.args],
                   band_left=band.left and ir.format_expr(band.left),
                   band_right=band.right and ir.format_expr(band.right),
                   band_exact=band.exact,

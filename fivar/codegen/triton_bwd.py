@@ -48,6 +48,17 @@ class _BackwardEmitter(TritonEmitter):
         return "element" if "kv_idx" in used else "row" if "q_idx" in used else "program"
 
 
+def _needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.Expr]]:
+    """The lets `roots` use, directly or through other lets (an index's lets never need the score)."""
+    need = {n.name for r in roots for n in ir.walk(r) if isinstance(n, ir.Local)}
+    kept = []
+    for name, e in reversed(lets):
+        if name in need:
+            kept.append((name, e))
+            need |= {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
+    return kept[::-1]
+
+
 def learnable_params(variant) -> list[str]:
     """The variant's tensor parameters that get gradients: float tensors declared `learnable=True`."""
     return [name for name, p in variant.tensor_params.items() if p.learnable and p.ir_type == ir.F32]
@@ -59,6 +70,7 @@ def render_training(variant) -> str:
     emit = _BackwardEmitter(variant)
     logits = emit.lowered.logits
     fns = [emit.function(grad.derivative(logits, grad.WRT_QK), "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
+    prologue, row_prologue = emit.prologue(), emit.row_prologue()
     learnable = learnable_params(variant)
     reads = []
     emit.let_exprs = dict(logits.lets)
@@ -69,7 +81,7 @@ def render_training(variant) -> str:
         kinds[load] = emit.read_kind(load)
     for i, load in enumerate(loads):
         fns.append(emit.function(grad.derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
-        fns.append(emit.function(ir.Program(list(logits.lets), _GradOffset(I32, load)), f"fv_grad_offset{i}",
+        fns.append(emit.function(ir.Program(_needed_lets(logits.lets, load.indices), _GradOffset(I32, load)), f"fv_grad_offset{i}",
                                  ir.INDEX_VARS))
         reads.append(LearnableRead(i, load.param, kinds[load], ir.format_expr(load)))
     # the derivatives only use functions the logits use, so the forward module defines every helper they need
@@ -77,7 +89,7 @@ def render_training(variant) -> str:
         raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
     band = variant.kv_band
     backward = render("triton/attention_bwd.py.jinja", name=variant.name, softmax=variant.softmax,
-                      functions=fns, prologue=emit.prologue(), row_prologue=emit.row_prologue(),
+                      functions=fns, prologue=prologue, row_prologue=row_prologue,
                       kernel_args=[a.name for a in emit.args], variant_args=emit.variant_args(),
                       unspecialized=emit.unspecialized(), reads=reads, learnable=learnable,
                       band_left=band.left is not None, band_right=band.right is not None, prescan=variant.scans_mask,
@@ -90,4 +102,6 @@ def _forward_helpers(variant) -> set[str]:
     emit.function(emit.lowered.logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
     if emit.lowered.mask:
         emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS)
+    emit.prologue()
+    emit.row_prologue()
     return emit.helpers

@@ -22,6 +22,7 @@ from .params import BoundParams
 _VARIANTS: dict[str, object] = {}  # op key -> variant (kept alive: the key holds its id)
 
 
+@torch.compiler.disable  # run, not traced: the fake backward looks the variant up while the graph is traced
 def _key(variant) -> str:
     key = f"{variant.name}@{id(variant):x}"
     _VARIANTS.setdefault(key, variant)
@@ -99,7 +100,8 @@ def _backward(ctx, do, dlse):
                                         ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars)
     by_name = dict(zip(learnable_params(var), dparams))
     dtensors = [by_name[n].to(t.dtype) if n in by_name else None for n, t in zip(var.tensor_params, tensors)]
-    return None, dq, dk, dv, None, None, None, None, None, None, dtensors, None
+    # a list of numbers is one leaf of the inputs' structure, an empty list is a list (torch's pytree)
+    return None, dq, dk, dv, None, None, None, None, None, None, dtensors, (None if ctx.scalars else [])
 
 
 torch.library.register_autograd("fivar::attention_fwd", _backward, setup_context=_setup)
