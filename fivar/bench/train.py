@@ -80,4 +80,114 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
     return GradCheck(results)
 
 
-__all__ = ["TOLERANCE", "check_gradients", "learnable_copy", "reference_gradients"]
+# --- `--op train`: forward + backward, fivar vs Flex vs SDPA's flash backend -------------------------------------
+TRAIN_CONTENDERS = ("fivar", "flex", "sdpa")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDERS):
+    """name -> zero-argument callable running forward + backward once and returning the gradients (q, k, v, then
+    the learnable tensor params); each starts from the same leaves and the same upstream gradient."""
+    import torch.nn.functional as F
+
+    from ..flex import flex_attention_fn
+    learn = [n for n, p in variant.tensor_params.items() if p.learnable]
+    params = {n: (t.detach().clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    inputs = leaves + [params[n] for n in learn]
+    do = torch.randn_like(q)
+    fns = {}
+    if "fivar" in wanted:
+        def fivar_step():
+            o = variant.attention(*leaves, causal=causal, **params)
+            return torch.autograd.grad(o, inputs, do)
+        fns["fivar"] = fivar_step
+    if "flex" in wanted and variant.softmax:
+        run = flex_attention_fn(variant, params, *leaves, causal=causal)
+
+        def flex_step():
+            return torch.autograd.grad(run(), inputs, do)
+        fns["flex"] = flex_step
+    if "sdpa" in wanted:  # plain attention (no variant), heads expanded outside the timed step
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        group = q.shape[1] // k.shape[1]
+        plain = [x.detach().transpose(0, 1).unsqueeze(0).requires_grad_(True) for x in
+                 (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))]
+        do_plain = do.transpose(0, 1).unsqueeze(0)
+
+        def sdpa_step():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = F.scaled_dot_product_attention(*plain, is_causal=causal)
+            return torch.autograd.grad(o, plain, do_plain)
+        fns["sdpa"] = sdpa_step
+    return fns
+
+
+def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 128, causal: bool = True,
+                dtype=torch.bfloat16, params: dict | None = None, wanted=TRAIN_CONTENDERS, rounds: int = 3,
+                device: str = "cuda") -> list[dict]:
+    """One tidy row per contender: median ms of forward + backward, and useful TFLOP/s (3.5x the forward's
+    matmul work on the pairs the mask and causal keep: the backward's five matmuls are 2.5x the forward's two).
+    Flex's gradients are checked against fivar's (`vs_fivar`: relative error of dq, dk, dv, params)."""
+    from ..testing import example_params
+    from .timing import attention_flops, time_interleaved
+    from .work import kept_fraction
+    hq, hkv = heads
+    variant = learnable_copy(variant) if not any(p.learnable for p in variant.tensor_params.values()) else variant
+    q = torch.randn(seqlen, hq, head_dim, dtype=dtype, device=device)
+    k = torch.randn(seqlen, hkv, head_dim, dtype=dtype, device=device)
+    v = torch.randn(seqlen, hkv, head_dim, dtype=dtype, device=device)
+    params = {**example_params(variant, num_qo_heads=hq, num_kv_heads=hkv, batch_size=1, max_len=seqlen,
+                               device=device), **(params or {})}
+    fns = train_contenders(variant, q, k, v, causal=causal, params=params, wanted=wanted)
+    grads = {name: fn() for name, fn in fns.items()}  # also compiles / autotunes outside the timing
+    agree = {}
+    if "fivar" in grads and "flex" in grads:
+        agree["flex"] = max(_rel(a, b) for a, b in zip(grads["flex"], grads["fivar"]))
+    timings = time_interleaved(fns, rounds=rounds, device=device)
+    useful = 3.5 * attention_flops(seqlen, seqlen, hq, head_dim, causal) * kept_fraction(
+        variant, params, qo_len=seqlen, kv_len=seqlen, num_qo_heads=hq, num_kv_heads=hkv, causal=causal,
+        device=device)
+    plain = 3.5 * attention_flops(seqlen, seqlen, hq, head_dim, causal)
+    rows = []
+    for name, t in timings.items():
+        work = plain if name == "sdpa" else useful  # SDPA runs no mask: its own (causal or full) work
+        rows.append({"variant": variant.name, "op": "train", "contender": name, "seqlen": seqlen, "heads": f"{hq}/{hkv}",
+                     "head_dim": head_dim, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
+                     "ms": t.median, "ms_spread": list(t.spread), "tflops": work / t.median / 1e9,
+                     "vs_fivar": agree.get(name)})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A small text table of `bench_train` rows, with each contender's speed relative to fivar."""
+    base = {(r["variant"], r["causal"]): r["ms"] for r in rows if r["contender"] == "fivar"}
+    lines = [f"{'variant':<24}{'causal':<8}{'contender':<10}{'ms':>9}{'TFLOP/s':>9}{'fivar x':>9}"]
+    for r in rows:
+        speed = base.get((r["variant"], r["causal"]))
+        lines.append(f"{r['variant']:<24}{str(r['causal']):<8}{r['contender']:<10}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
+                     f"{(r['ms'] / speed if speed else float('nan')):>9.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m fivar.bench.train softcap alibi document_mask relative_bias
+    import json
+    import sys
+
+    import fivar
+    names = sys.argv[1:] or ["softcap", "alibi", "document_mask", "relative_bias"]
+    rows = []
+    for n in names:
+        for causal in (True, False):
+            rows += bench_train(fivar.load(n), causal=causal)
+    for r in rows:
+        print(json.dumps(r))
+    print(format_rows(rows))
+
+
+__all__ = ["TOLERANCE", "bench_train", "check_gradients", "learnable_copy", "reference_gradients",
+           "train_contenders"]
