@@ -59,6 +59,12 @@ def _needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.E
     return kept[::-1]
 
 
+def _derivative(program: ir.Program, wrt) -> ir.Program:
+    """grad.derivative with only the lets the derivative uses (a let it does not need may hold a gather)."""
+    d = grad.derivative(program, wrt)
+    return ir.Program(_needed_lets(d.lets, [d.result]), d.result, d.hoisted)
+
+
 def learnable_params(variant) -> list[str]:
     """The variant's tensor parameters that get gradients: float tensors declared `learnable=True`."""
     return [name for name, p in variant.tensor_params.items() if p.learnable and p.ir_type == ir.F32]
@@ -69,7 +75,7 @@ def render_training(variant) -> str:
     forward = render_attention(variant)
     emit = _BackwardEmitter(variant)
     logits = emit.lowered.logits
-    fns = [emit.function(grad.derivative(logits, grad.WRT_QK), "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
+    fns = [emit.function(_derivative(logits, grad.WRT_QK), "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
     learnable = learnable_params(variant)
     reads = []
@@ -80,7 +86,7 @@ def render_training(variant) -> str:
         emit.let_exprs = dict(logits.lets)
         kinds[load] = emit.read_kind(load)
     for i, load in enumerate(loads):
-        fns.append(emit.function(grad.derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
+        fns.append(emit.function(_derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
         fns.append(emit.function(ir.Program(_needed_lets(logits.lets, load.indices), _GradOffset(I32, load)), f"fv_grad_offset{i}",
                                  ir.INDEX_VARS))
         reads.append(LearnableRead(i, load.param, kinds[load], ir.format_expr(load)))
