@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..testing import TOLERANCE, CheckResult, compare
+from ..testing import CheckResult, compare
 
 
 def learnable_copy(variant, names=None):
@@ -156,8 +156,8 @@ def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 1
     rows = []
     for name, t in timings.items():
         work = plain if name == "sdpa" else useful  # SDPA runs no mask: its own (causal or full) work
-        rows.append({"variant": variant.name, "op": "train", "contender": name, "seqlen": seqlen, "heads": f"{hq}/{hkv}",
-                     "head_dim": head_dim, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
+        rows.append({"variant": variant.name, "op": "train", "contender": name, "seqlen": seqlen,
+                     "heads": f"{hq}/{hkv}", "head_dim": head_dim, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
                      "ms": t.median, "ms_spread": list(t.spread), "tflops": work / t.median / 1e9,
                      "vs_fivar": agree.get(name)})
     return rows
@@ -189,5 +189,5 @@ if __name__ == "__main__":  # python -m fivar.bench.train softcap alibi document
     print(format_rows(rows))
 
 
-__all__ = ["TOLERANCE", "bench_train", "check_gradients", "learnable_copy", "reference_gradients",
+__all__ = ["bench_train", "check_gradients", "learnable_copy", "reference_gradients",
            "train_contenders"]

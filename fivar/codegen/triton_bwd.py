@@ -77,19 +77,13 @@ def render_training(variant) -> str:
     logits = emit.lowered.logits
     fns = [emit.function(_derivative(logits, grad.WRT_QK), "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
-    learnable = learnable_params(variant)
     reads = []
-    emit.let_exprs = dict(logits.lets)
-    loads = grad.learnable_loads(logits, variant.params, names=set(learnable))
-    kinds = {}
-    for load in loads:
-        emit.let_exprs = dict(logits.lets)
-        kinds[load] = emit.read_kind(load)
-    for i, load in enumerate(loads):
+    for i, load in enumerate(grad.learnable_loads(logits, variant.params, names=set(learnable_params(variant)))):
+        emit.let_exprs = dict(logits.lets)  # read_kind follows the index through the lets
+        reads.append(LearnableRead(i, load.param, emit.read_kind(load), ir.format_expr(load)))
         fns.append(emit.function(_derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
-        fns.append(emit.function(ir.Program(_needed_lets(logits.lets, load.indices), _GradOffset(I32, load)), f"fv_grad_offset{i}",
-                                 ir.INDEX_VARS))
-        reads.append(LearnableRead(i, load.param, kinds[load], ir.format_expr(load)))
+        offset = ir.Program(_needed_lets(logits.lets, load.indices), _GradOffset(I32, load))
+        fns.append(emit.function(offset, f"fv_grad_offset{i}", ir.INDEX_VARS))
     # the derivatives only use functions the logits use, so the forward module defines every helper they need
     if not emit.helpers <= _forward_helpers(variant):
         raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
@@ -97,7 +91,7 @@ def render_training(variant) -> str:
     backward = render("triton/attention_bwd.py.jinja", name=variant.name, softmax=variant.softmax,
                       functions=fns, prologue=prologue, row_prologue=row_prologue,
                       kernel_args=[a.name for a in emit.args], variant_args=emit.variant_args(),
-                      unspecialized=emit.unspecialized(), reads=reads, learnable=learnable,
+                      unspecialized=emit.unspecialized(), reads=reads,
                       band_left=band.left is not None, band_right=band.right is not None, prescan=variant.scans_mask,
                       has_mask=emit.lowered.mask is not None)
     return forward + "\n\n" + backward

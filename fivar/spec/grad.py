@@ -112,7 +112,10 @@ CALL_RULES = {
     "exp2": lambda a, d: mul(mul(call("exp2", a[0]), ir.Const(F32, math.log(2.0))), d[0]),
     "log": lambda a, d: div(d[0], a[0]),
     "sigmoid": lambda a, d: mul(mul(call("sigmoid", a[0]), sub(ONE, call("sigmoid", a[0]))), d[0]),
-    "sqrt": lambda a, d: div(d[0], mul(ir.Const(F32, 2.0), call("sqrt", a[0]))),
+    # sqrt(0) is finite with an infinite slope: where nothing upstream moves (d = 0) the derivative is 0, as
+    # autograd's masked branches make it, not 0 / 0
+    "sqrt": lambda a, d: select(ir.Binary(BOOL, "eq", d[0], ZERO), ZERO,
+                                div(d[0], mul(ir.Const(F32, 2.0), call("sqrt", a[0])))),
     "floor": lambda a, d: ZERO,
     "abs": lambda a, d: mul(_sign(a[0]), d[0]),
     "minimum": lambda a, d: _tie_split(a[0], a[1], d[0], d[1], "lt"),
