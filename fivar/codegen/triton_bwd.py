@@ -22,6 +22,13 @@ class _GradOffset(ir.Expr):
     load: ir.Load = None
 
 
+@dataclass(frozen=True)
+class _TileElement(ir.Expr):
+    """For a read indexed by both q_idx and kv_idx: the one element the whole tile reads when its clamped index
+    cannot vary over the tile's query and key ranges (a relative offset clamped far from the diagonal), else -1."""
+    load: ir.Load = None
+
+
 @dataclass
 class LearnableRead:
     """One read of a learnable tensor parameter in the logits: how the backward accumulates its gradient."""
@@ -32,12 +39,23 @@ class LearnableRead:
     #: "element": any element per (query, key) -- atomic adds per tile (one when the tile maps to one element).
     kind: str
     text: str
+    #: element reads: whether `fv_grad_tile<index>` tells a tile that reads one element from its index ranges
+    #: (else the kernel finds that out by reducing the tile's offsets)
+    tile_test: bool = False
 
 
 class _BackwardEmitter(TritonEmitter):
     def expr(self, e: ir.Expr) -> str:
         if isinstance(e, _GradOffset):
             return self.clamped_offset(e.load.param, [self.expr(i) for i in e.load.indices])
+        if isinstance(e, _TileElement):
+            ranges = self.tile_ranges(e.load)
+            name = self.param_names[e.load.param]
+            clamp = lambda d, x: f"tl.minimum(tl.maximum({x}, 0), {name}_size{d} - 1)"  # noqa: E731
+            uniform = " & ".join(f"({clamp(d, lo)} == {clamp(d, hi)})" for d, (lo, hi) in ranges.items())
+            at_lo = self.clamped_offset(e.load.param, [ranges[d][0] if d in ranges else self.expr(i)
+                                                       for d, i in enumerate(e.load.indices)])
+            return f"tl.where({uniform}, {at_lo}, -1)"
         return super().expr(e)
 
     def read_kind(self, load: ir.Load) -> str:
@@ -79,11 +97,16 @@ def render_training(variant) -> str:
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
     reads = []
     for i, load in enumerate(grad.learnable_loads(logits, variant.params, names=set(learnable_params(variant)))):
-        emit.let_exprs = dict(logits.lets)  # read_kind follows the index through the lets
-        reads.append(LearnableRead(i, load.param, emit.read_kind(load), ir.format_expr(load)))
+        emit.let_exprs = dict(logits.lets)  # read_kind and tile_ranges follow the index through the lets
+        kind = emit.read_kind(load)
+        tile_test = kind == "element" and emit.tile_ranges(load) is not None
+        reads.append(LearnableRead(i, load.param, kind, ir.format_expr(load), tile_test))
         fns.append(emit.function(_derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
-        offset = ir.Program(_needed_lets(logits.lets, load.indices), _GradOffset(I32, load))
-        fns.append(emit.function(offset, f"fv_grad_offset{i}", ir.INDEX_VARS))
+        index_lets = _needed_lets(logits.lets, load.indices)
+        fns.append(emit.function(ir.Program(index_lets, _GradOffset(I32, load)), f"fv_grad_offset{i}", ir.INDEX_VARS))
+        if tile_test:
+            fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
+                                     ir.INDEX_VARS))
     # the derivatives only use functions the logits use, so the forward module defines every helper they need
     if not emit.helpers <= _forward_helpers(variant):
         raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
