@@ -103,7 +103,9 @@ def render_training(variant) -> str:
         reads.append(LearnableRead(i, load.param, kind, ir.format_expr(load), tile_test))
         fns.append(emit.function(_derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
         index_lets = _needed_lets(logits.lets, load.indices)
-        fns.append(emit.function(ir.Program(index_lets, _GradOffset(I32, load)), f"fv_grad_offset{i}", ir.INDEX_VARS))
+        # an element read's index may depend on the score (then its offset function takes the tile's q.k)
+        offset_args = ir.INDEX_VARS + (("qk",) if kind == "element" else ())  # not first: no tile broadcast
+        fns.append(emit.function(ir.Program(index_lets, _GradOffset(I32, load)), f"fv_grad_offset{i}", offset_args))
         if tile_test:
             fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
                                      ir.INDEX_VARS))

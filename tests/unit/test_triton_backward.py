@@ -74,12 +74,37 @@ READS = AttentionVariant(name="learnable_reads", logits=_reads_logits, params={
 })
 
 
+def _scattered_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    # indices fivar cannot bound over a tile (a modulo, the score itself): the kernel reduces each tile's offsets
+    return score + params.t[qo_head, (kv_idx + 2 * q_idx) % 7] * 0.5 + params.u[clamp(int(score * 2.0), -3, 3) + 3]
+
+
+SCATTERED = AttentionVariant(name="learnable_scattered", logits=_scattered_logits, params={
+    "t": Tensor("float32", ("qo_head", "n"), learnable=True), "u": Tensor("float32", ("m",), learnable=True)})
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_kind_of_learnable_read(causal):
     q, k, vv = _qkv(19, 40, 2, 1, 16)
     params = {"rel": torch.randn(2, 7), "cap": torch.rand(2) * 2 + 1.0, "row": torch.randn(5)}
     r = check_gradients(READS, q, k, vv, qo_lens=[19], kv_lens=[40], causal=causal, params=params, dtype=DTYPE)
     assert r.passed, r
+
+
+def test_scattered_learnable_reads():
+    q, k, vv = _qkv(19, 40, 2, 1, 16)
+    params = {"t": torch.randn(2, 7), "u": torch.randn(7)}
+    r = check_gradients(SCATTERED, q, k, vv, qo_lens=[19], kv_lens=[40], causal=True, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
+def test_bench_train_rows():
+    """The --op train runner's row for fivar alone (timed on the CPU here; the GPU run adds Flex and SDPA)."""
+    from fivar.bench.train import bench_train
+    rows = bench_train(fivar.load("alibi"), seqlen=16, heads=(2, 1), head_dim=16, dtype=DTYPE, wanted=("fivar",),
+                       rounds=1, device="cpu")
+    (row,) = rows
+    assert row["contender"] == "fivar" and row["op"] == "train" and row["ms"] > 0 and row["tflops"] > 0
 
 
 def test_gradients_reach_only_learnable_tensors():
