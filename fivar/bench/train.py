@@ -174,19 +174,39 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m fivar.bench.train softcap alibi document_mask relative_bias
+def main(argv=None) -> None:
+    """python -m fivar.bench.train [NAME ...] [--causal both|yes|no] [--seqlen 8192] [--heads 32/8] [--vs flex,sdpa]"""
+    import argparse
     import json
-    import sys
 
     import fivar
-    names = sys.argv[1:] or ["softcap", "alibi", "document_mask", "relative_bias"]
+    ap = argparse.ArgumentParser(prog="python -m fivar.bench.train", description=main.__doc__)
+    ap.add_argument("names", nargs="*", default=["softcap", "alibi", "document_mask", "relative_bias"])
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--heads", default="32/8")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vs", default="flex,sdpa", help="contenders besides fivar, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--jsonl", default=None, help="append the rows here (one JSON object a line)")
+    args = ap.parse_args(argv)
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    wanted = ("fivar",) + tuple(x for x in args.vs.split(",") if x)
     rows = []
-    for n in names:
-        for causal in (True, False):
-            rows += bench_train(fivar.load(n), causal=causal)
+    for name in args.names:
+        for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
+            rows += bench_train(fivar.load(name), seqlen=args.seqlen, heads=(hq, hkv), head_dim=args.head_dim,
+                                causal=causal, wanted=wanted, rounds=args.rounds)
     for r in rows:
         print(json.dumps(r))
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()
 
 
 __all__ = ["bench_train", "check_gradients", "learnable_copy", "reference_gradients",
