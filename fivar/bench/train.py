@@ -144,7 +144,13 @@ def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 1
     params = {**example_params(variant, num_qo_heads=hq, num_kv_heads=hkv, batch_size=1, max_len=seqlen,
                                device=device), **(params or {})}
     fns = train_contenders(variant, q, k, v, causal=causal, params=params, wanted=wanted)
-    grads = {name: fn() for name, fn in fns.items()}  # also compiles / autotunes outside the timing
+    grads, errors = {}, {}
+    for name, fn in list(fns.items()):  # also compiles / autotunes outside the timing
+        try:
+            grads[name] = fn()
+        except Exception as e:  # noqa: BLE001 - a contender that cannot run is reported, the others still timed
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+            del fns[name]
     agree = {}
     if "fivar" in grads and "flex" in grads:
         agree["flex"] = max(_rel(a, b) for a, b in zip(grads["flex"], grads["fivar"]))
@@ -160,6 +166,9 @@ def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 1
                      "heads": f"{hq}/{hkv}", "head_dim": head_dim, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
                      "ms": t.median, "ms_spread": list(t.spread), "tflops": work / t.median / 1e9,
                      "vs_fivar": agree.get(name)})
+    rows += [{"variant": variant.name, "op": "train", "contender": name, "seqlen": seqlen, "heads": f"{hq}/{hkv}",
+              "head_dim": head_dim, "causal": causal, "dtype": str(dtype).removeprefix("torch."), "ms": None,
+              "tflops": None, "error": err} for name, err in errors.items()]
     return rows
 
 
@@ -169,6 +178,9 @@ def format_rows(rows: list[dict]) -> str:
     lines = [f"{'variant':<24}{'causal':<8}{'contender':<10}{'ms':>9}{'TFLOP/s':>9}{'fivar x':>9}"]
     for r in rows:
         speed = base.get((r["variant"], r["causal"]))
+        if r["ms"] is None:
+            lines.append(f"{r['variant']:<24}{str(r['causal']):<8}{r['contender']:<10}  error: {r['error'][:60]}")
+            continue
         lines.append(f"{r['variant']:<24}{str(r['causal']):<8}{r['contender']:<10}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
                      f"{(r['ms'] / speed if speed else float('nan')):>9.2f}")
     return "\n".join(lines)
