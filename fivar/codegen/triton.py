@@ -162,17 +162,19 @@ class TritonEmitter:
                 return False
         return True
 
-    def load(self, e: ir.Load) -> str:
-        p = self.variant.params[e.param]
-        name = self.param_names[e.param]
+    def clamped_offset(self, param: str, indices: list[str]) -> str:
+        """The element offset of `param[indices]`, each index clamped to its dimension (also where the
+        backward scatters a tensor parameter's gradient)."""
+        ndim = self.variant.params[param].ndim
+        return " + ".join(f"tl.minimum(tl.maximum({i}, 0), {size_ident(param, d)} - 1)"
+                          + (f" * {stride_ident(param, d)}" if d < ndim - 1 else "") for d, i in enumerate(indices))
 
-        size = [size_ident(e.param, d) for d in range(p.ndim)]
-        stride = [stride_ident(e.param, d) for d in range(p.ndim - 1)]
+    def load(self, e: ir.Load) -> str:
+        name = self.param_names[e.param]
+        size = [size_ident(e.param, d) for d in range(self.variant.params[e.param].ndim)]
 
         def offset(indices: list[str]) -> str:
-            terms = [f"tl.minimum(tl.maximum({i}, 0), {size[d]} - 1)" + (f" * {stride[d]}" if d < p.ndim - 1 else "")
-                     for d, i in enumerate(indices)]
-            return " + ".join(terms)
+            return self.clamped_offset(e.param, indices)
 
         def typed(value: str) -> str:
             return f"({value} != 0)" if e.type == BOOL else f"{value}.to({_TL_TYPE[e.type]})"
@@ -361,11 +363,12 @@ def render_attention(variant) -> str:
     logits_fn = emit.function(logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
     mask_fn = emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS) if emit.lowered.mask else None
     prologue = emit.prologue()
+    row_prologue = emit.row_prologue()  # before `helpers` is read: a row read's index may need _py_mod & co.
     band = variant.kv_band
     source = os.path.basename(variant.source_file or "<unknown>")
     return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
                   softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, helpers=sorted(emit.helpers),
-                  prologue=prologue, row_prologue=emit.row_prologue(), kernel_args=[a.name for a in emit.args],
+                  prologue=prologue, row_prologue=row_prologue, kernel_args=[a.name for a in emit.args],
                   band_left=band.left and ir.format_expr(band.left),
                   band_right=band.right and ir.format_expr(band.right),
                   band_exact=band.exact,

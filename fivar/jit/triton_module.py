@@ -34,21 +34,27 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def load_triton_module(variant) -> ModuleType:
-    key = (id(variant), _interpreting())
+def load_triton_module(variant, training: bool = False) -> ModuleType:
+    """The variant's Triton twin; `training`: the module that also holds the backward kernels
+    (fivar.codegen.triton_bwd)."""
+    key = (id(variant), _interpreting(), training)
     hit = _by_variant.get(key)
     if hit is not None and hit[0] is variant:
         return hit[1]
-    mod = _import(variant)
+    mod = _import(variant, training)
     _by_variant[key] = (variant, mod)
     return mod
 
 
-def _import(variant) -> ModuleType:
+def _import(variant, training: bool = False) -> ModuleType:
     """Executes the text it just rendered, never what a file in the cache holds: the file is written for
     tracebacks and readers, and its lines are handed to linecache, so Triton's inspect.getsource reads the
     verified text too (a file swapped in the cache dir after the write is never imported or read)."""
-    text = render_attention(variant)
+    if training:
+        from ..codegen.triton_bwd import render_training
+        text = render_training(variant)
+    else:
+        text = render_attention(variant)
     name = module_name(variant, text)
     import_name = name + ("_interpreted" if _interpreting() else "")
     mod = _loaded.get(import_name)

@@ -75,11 +75,13 @@ class Tensor(_Declared):
 
     `dims` names each dimension; `qo_head`, `kv_head` and `batch` are checked against the call's shapes,
     any other name is free. Indices are clamped to the tensor's bounds on every target, so an index
-    expression can never read outside the tensor.
+    expression can never read outside the tensor. `learnable=True` (float dtypes): `v.attention` returns
+    its gradient when the tensor passed requires grad (a learned bias table, ALiBi-like slopes).
     """
     dtype: str = "float32"
     dims: tuple[str, ...] = ("n",)
     doc: str = ""
+    learnable: bool = False
 
     @property
     def ndim(self) -> int:

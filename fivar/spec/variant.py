@@ -91,6 +91,9 @@ class AttentionVariant:
                         f"Tensor parameter {pname!r}: dims must be a non-empty tuple of dimension names, one per "
                         f"dimension, e.g. (\"qo_head\",) or (\"qo_head\", \"n\"); got {p.dims!r}",
                         variant=self.name, **at)
+                if p.learnable and p.ir_type != "f32":
+                    raise FivarSpecError(f"Tensor parameter {pname!r}: learnable=True needs a float dtype, got "
+                                         f"{p.dtype!r}", variant=self.name, **at)
                 for dim in p.dims:  # a near miss of a checked name would silently go unchecked
                     close = difflib.get_close_matches(dim, KNOWN_DIMS, n=1, cutoff=0.8)
                     if close and dim not in KNOWN_DIMS and dim[0] == close[0][0]:  # not `patch` for `batch`
@@ -225,6 +228,15 @@ class AttentionVariant:
         n = kv_indptr.numel()
         qo_indptr = torch.arange(n, dtype=torch.int32, device=kv_indptr.device)  # plan_paged moves it to the device
         return self.plan_paged(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, **kwargs)
+
+    def attention(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, backend: str = "triton",
+                  qo_indptr=None, kv_indptr=None, return_lse: bool = False, **params):
+        """Differentiable attention for training (fivar.runtime.autograd): q [qo_len, Hq, D], k/v [kv_len, Hkv, D],
+        or a ragged batch with `qo_indptr`/`kv_indptr`. Gradients reach q, k, v and the tensor params declared
+        `learnable=True`; works under torch.compile (custom ops with fake implementations)."""
+        from ..runtime.autograd import attention
+        return attention(self, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend, qo_indptr=qo_indptr,
+                         kv_indptr=kv_indptr, return_lse=return_lse, params=params)
 
     def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, batch_idx: int = 0,
                   batch_size: int | None = None, return_lse: bool = False, **params):

@@ -1,0 +1,225 @@
+"""Training with a variant: gradient checks against float64 autograd of the reference, and the forward+backward
+benchmark (`--op train`): fivar's Triton forward+backward against FlexAttention's and SDPA's flash backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..testing import CheckResult, compare
+
+
+def learnable_copy(variant, names=None):
+    """The variant with its float tensor params (or those in `names`) declared learnable=True."""
+    from dataclasses import replace
+
+    from ..spec import AttentionVariant, Tensor
+    params = {n: (replace(p, learnable=True, where=p.where) if isinstance(p, Tensor) and p.ir_type == "f32"
+                  and (names is None or n in names) else p) for n, p in variant.params.items()}
+    return AttentionVariant(name=variant.name, logits=variant.logits, mask=variant.mask, params=params,
+                            softmax=variant.softmax, doc=variant.doc, example=variant.example)
+
+
+def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, params, sm_scale=None):
+    """(o, {"q": dq, "k": dk, "v": dv, param: dparam}) by float64 autograd through the torch reference, request by
+    request; gradients of the float tensor params declared learnable=True."""
+    from ..codegen.torch_ref import reference_attention
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    learn = {n: params[n].detach().float().requires_grad_(True) for n, p in variant.tensor_params.items()
+             if p.learnable}
+    full = {**params, **learn}
+    outs, qo, ko = [], 0, 0
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        outs.append(reference_attention(variant, q64[qo:qo + lq], k64[ko:ko + lk], v64[ko:ko + lk], causal=causal,
+                                        sm_scale=sm_scale, params=full, batch_idx=b, batch_size=len(qo_lens),
+                                        float_dtype=torch.float64))
+        qo, ko = qo + lq, ko + lk
+    o = torch.cat(outs)
+    o.backward(do.double())
+    grads = {"q": q64.grad, "k": k64.grad, "v": v64.grad}
+    grads.update({n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in learn.items()})
+    return o.detach(), grads
+
+
+@dataclass
+class GradCheck:
+    results: list[CheckResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def __str__(self):
+        return "; ".join(f"{r.case}: rel {r.rel_err:.2e} max {r.max_err:.2e}{'' if r.passed else ' FAIL'}"
+                         for r in self.results)
+
+
+def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype, sm_scale=None) -> GradCheck:
+    """Forward + backward through `variant.attention` against `reference_gradients` (fresh random `do`)."""
+    dev = q.device
+    learn = [n for n, p in variant.tensor_params.items() if p.learnable]
+    params = {n: (t.detach().clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
+    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    kw = {}
+    if len(qo_lens) > 1:
+        kw = dict(qo_indptr=torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=dev),
+                  kv_indptr=torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=dev))
+    o = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, **kw, **params)
+    do = torch.randn_like(o)
+    o.backward(do)
+    ref_o, ref = reference_gradients(variant, q, k, v, do, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
+                                     params=params, sm_scale=sm_scale)
+    got = {"q": qg.grad, "k": kg.grad, "v": vg.grad, **{n: params[n].grad for n in learn}}
+    results = [compare(variant.name, "o", o.detach(), ref_o, dtype)]
+    for name, want in ref.items():
+        g = got[name]
+        if g is None:
+            g = torch.zeros_like(want)
+        results.append(compare(variant.name, f"d{name}", g.detach(), want, dtype))
+    return GradCheck(results)
+
+
+# --- `--op train`: forward + backward, fivar vs Flex vs SDPA's flash backend -------------------------------------
+TRAIN_CONTENDERS = ("fivar", "flex", "sdpa")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDERS):
+    """name -> zero-argument callable running forward + backward once and returning the gradients (q, k, v, then
+    the learnable tensor params); each starts from the same leaves and the same upstream gradient."""
+    import torch.nn.functional as F
+
+    from ..flex import flex_attention_fn
+    learn = [n for n, p in variant.tensor_params.items() if p.learnable]
+    params = {n: (t.detach().clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    inputs = leaves + [params[n] for n in learn]
+    do = torch.randn_like(q)
+    fns = {}
+    if "fivar" in wanted:
+        def fivar_step():
+            o = variant.attention(*leaves, causal=causal, **params)
+            return torch.autograd.grad(o, inputs, do)
+        fns["fivar"] = fivar_step
+    if "flex" in wanted and variant.softmax:
+        run = flex_attention_fn(variant, params, *leaves, causal=causal)
+
+        def flex_step():
+            return torch.autograd.grad(run(), inputs, do)
+        fns["flex"] = flex_step
+    if "sdpa" in wanted:  # plain attention (no variant), heads expanded outside the timed step
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        group = q.shape[1] // k.shape[1]
+        plain = [x.detach().transpose(0, 1).unsqueeze(0).requires_grad_(True) for x in
+                 (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))]
+        do_plain = do.transpose(0, 1).unsqueeze(0)
+
+        def sdpa_step():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = F.scaled_dot_product_attention(*plain, is_causal=causal)
+            return torch.autograd.grad(o, plain, do_plain)
+        fns["sdpa"] = sdpa_step
+    return fns
+
+
+def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 128, causal: bool = True,
+                dtype=torch.bfloat16, params: dict | None = None, wanted=TRAIN_CONTENDERS, rounds: int = 3,
+                device: str = "cuda") -> list[dict]:
+    """One tidy row per contender: median ms of forward + backward, and useful TFLOP/s (3.5x the forward's
+    matmul work on the pairs the mask and causal keep: the backward's five matmuls are 2.5x the forward's two).
+    Flex's gradients are checked against fivar's (`vs_fivar`: relative error of dq, dk, dv, params)."""
+    from ..testing import example_params
+    from .timing import attention_flops, time_interleaved
+    from .work import kept_fraction
+    hq, hkv = heads
+    variant = learnable_copy(variant) if not any(p.learnable for p in variant.tensor_params.values()) else variant
+    q = torch.randn(seqlen, hq, head_dim, dtype=dtype, device=device)
+    k = torch.randn(seqlen, hkv, head_dim, dtype=dtype, device=device)
+    v = torch.randn(seqlen, hkv, head_dim, dtype=dtype, device=device)
+    params = {**example_params(variant, num_qo_heads=hq, num_kv_heads=hkv, batch_size=1, max_len=seqlen,
+                               device=device), **(params or {})}
+    fns = train_contenders(variant, q, k, v, causal=causal, params=params, wanted=wanted)
+    grads, errors = {}, {}
+    for name, fn in list(fns.items()):  # also compiles / autotunes outside the timing
+        try:
+            grads[name] = fn()
+        except Exception as e:  # noqa: BLE001 - a contender that cannot run is reported, the others still timed
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+            del fns[name]
+    agree = {}
+    if "fivar" in grads and "flex" in grads:
+        agree["flex"] = max(_rel(a, b) for a, b in zip(grads["flex"], grads["fivar"]))
+    timings = time_interleaved(fns, rounds=rounds, device=device)
+    useful = 3.5 * attention_flops(seqlen, seqlen, hq, head_dim, causal) * kept_fraction(
+        variant, params, qo_len=seqlen, kv_len=seqlen, num_qo_heads=hq, num_kv_heads=hkv, causal=causal,
+        device=device)
+    plain = 3.5 * attention_flops(seqlen, seqlen, hq, head_dim, causal)
+    rows = []
+    for name, t in timings.items():
+        work = plain if name == "sdpa" else useful  # SDPA runs no mask: its own (causal or full) work
+        rows.append({"variant": variant.name, "op": "train", "contender": name, "seqlen": seqlen,
+                     "heads": f"{hq}/{hkv}", "head_dim": head_dim, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
+                     "ms": t.median, "ms_spread": list(t.spread), "tflops": work / t.median / 1e9,
+                     "vs_fivar": agree.get(name)})
+    rows += [{"variant": variant.name, "op": "train", "contender": name, "seqlen": seqlen, "heads": f"{hq}/{hkv}",
+              "head_dim": head_dim, "causal": causal, "dtype": str(dtype).removeprefix("torch."), "ms": None,
+              "tflops": None, "error": err} for name, err in errors.items()]
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A small text table of `bench_train` rows, with each contender's speed relative to fivar."""
+    base = {(r["variant"], r["causal"]): r["ms"] for r in rows if r["contender"] == "fivar"}
+    lines = [f"{'variant':<24}{'causal':<8}{'contender':<10}{'ms':>9}{'TFLOP/s':>9}{'fivar x':>9}"]
+    for r in rows:
+        speed = base.get((r["variant"], r["causal"]))
+        if r["ms"] is None:
+            lines.append(f"{r['variant']:<24}{str(r['causal']):<8}{r['contender']:<10}  error: {r['error'][:60]}")
+            continue
+        lines.append(f"{r['variant']:<24}{str(r['causal']):<8}{r['contender']:<10}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
+                     f"{(r['ms'] / speed if speed else float('nan')):>9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """python -m fivar.bench.train [NAME ...] [--causal both|yes|no] [--seqlen 8192] [--heads 32/8] [--vs flex,sdpa]"""
+    import argparse
+    import json
+
+    import fivar
+    ap = argparse.ArgumentParser(prog="python -m fivar.bench.train", description=main.__doc__)
+    ap.add_argument("names", nargs="*", default=["softcap", "alibi", "document_mask", "relative_bias"])
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--heads", default="32/8")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vs", default="flex,sdpa", help="contenders besides fivar, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--jsonl", default=None, help="append the rows here (one JSON object a line)")
+    args = ap.parse_args(argv)
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    wanted = ("fivar",) + tuple(x for x in args.vs.split(",") if x)
+    rows = []
+    for name in args.names:
+        for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
+            rows += bench_train(fivar.load(name), seqlen=args.seqlen, heads=(hq, hkv), head_dim=args.head_dim,
+                                causal=causal, wanted=wanted, rounds=args.rounds)
+    for r in rows:
+        print(json.dumps(r))
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["bench_train", "check_gradients", "learnable_copy", "reference_gradients",
+           "train_contenders"]

@@ -1,0 +1,132 @@
+"""IR -> Triton backward: the variant's training module, the forward twin plus FlashAttention-2 backward kernels.
+
+The backward kernels inline the same lowered programs as the forward (through the same `TritonEmitter`), plus
+their derivatives from `fivar.spec.grad`: `fv_dlogits_dqk` (d logits / d unscaled q.k) and, per read of a
+learnable tensor parameter, `fv_dlogits_dload<i>` with `fv_grad_offset<i>`, the clamped element the read
+came from, where its gradient is scattered. The module is the forward module's text followed by the
+backward's, so both share the variant functions and helpers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import grad, ir
+from ..spec.ir import I32
+from .fa2 import render
+from .triton import TritonEmitter, render_attention
+
+
+@dataclass(frozen=True)
+class _GradOffset(ir.Expr):
+    """Where a tensor-parameter read lands: its clamped element offset (only the backward emits this)."""
+    load: ir.Load = None
+
+
+@dataclass(frozen=True)
+class _TileElement(ir.Expr):
+    """For a read indexed by both q_idx and kv_idx: the one element the whole tile reads when its clamped index
+    cannot vary over the tile's query and key ranges (a relative offset clamped far from the diagonal), else -1."""
+    load: ir.Load = None
+
+
+@dataclass
+class LearnableRead:
+    """One read of a learnable tensor parameter in the logits: how the backward accumulates its gradient."""
+    index: int
+    param: str
+    #: "program": the same element for the whole program (per head, say) -- one sum, one atomic add;
+    #: "row": one element per query row -- summed over the keys, one atomic add per row;
+    #: "element": any element per (query, key) -- atomic adds per tile (one when the tile maps to one element).
+    kind: str
+    text: str
+    #: element reads: whether `fv_grad_tile<index>` tells a tile that reads one element from its index ranges
+    #: (else the kernel finds that out by reducing the tile's offsets)
+    tile_test: bool = False
+
+
+class _BackwardEmitter(TritonEmitter):
+    def expr(self, e: ir.Expr) -> str:
+        if isinstance(e, _GradOffset):
+            return self.clamped_offset(e.load.param, [self.expr(i) for i in e.load.indices])
+        if isinstance(e, _TileElement):
+            ranges = self.tile_ranges(e.load)
+            name = self.param_names[e.load.param]
+            clamp = lambda d, x: f"tl.minimum(tl.maximum({x}, 0), {name}_size{d} - 1)"  # noqa: E731
+            uniform = " & ".join(f"({clamp(d, lo)} == {clamp(d, hi)})" for d, (lo, hi) in ranges.items())
+            at_lo = self.clamped_offset(e.load.param, [ranges[d][0] if d in ranges else self.expr(i)
+                                                       for d, i in enumerate(e.load.indices)])
+            return f"tl.where({uniform}, {at_lo}, -1)"
+        return super().expr(e)
+
+    def read_kind(self, load: ir.Load) -> str:
+        nodes = [n for i in load.indices for n in self.walk_lets(i)]
+        if any(isinstance(n, (ir.Score, ir.RawScore)) for n in nodes):
+            return "element"
+        used = {n.name for n in nodes if isinstance(n, ir.Index)}
+        return "element" if "kv_idx" in used else "row" if "q_idx" in used else "program"
+
+
+def _needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.Expr]]:
+    """The lets `roots` use, directly or through other lets (an index's lets never need the score)."""
+    need = {n.name for r in roots for n in ir.walk(r) if isinstance(n, ir.Local)}
+    kept = []
+    for name, e in reversed(lets):
+        if name in need:
+            kept.append((name, e))
+            need |= {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
+    return kept[::-1]
+
+
+def _derivative(program: ir.Program, wrt) -> ir.Program:
+    """grad.derivative with only the lets the derivative uses (a let it does not need may hold a gather)."""
+    d = grad.derivative(program, wrt)
+    return ir.Program(_needed_lets(d.lets, [d.result]), d.result, d.hoisted)
+
+
+def learnable_params(variant) -> list[str]:
+    """The variant's tensor parameters that get gradients: float tensors declared `learnable=True`."""
+    return [name for name, p in variant.tensor_params.items() if p.learnable and p.ir_type == ir.F32]
+
+
+def render_training(variant) -> str:
+    """The forward twin's module followed by the backward kernels and their launcher."""
+    forward = render_attention(variant)
+    emit = _BackwardEmitter(variant)
+    logits = emit.lowered.logits
+    fns = [emit.function(_derivative(logits, grad.WRT_QK), "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
+    prologue, row_prologue = emit.prologue(), emit.row_prologue()
+    reads = []
+    for i, load in enumerate(grad.learnable_loads(logits, variant.params, names=set(learnable_params(variant)))):
+        emit.let_exprs = dict(logits.lets)  # read_kind and tile_ranges follow the index through the lets
+        kind = emit.read_kind(load)
+        tile_test = kind == "element" and emit.tile_ranges(load) is not None
+        reads.append(LearnableRead(i, load.param, kind, ir.format_expr(load), tile_test))
+        fns.append(emit.function(_derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
+        index_lets = _needed_lets(logits.lets, load.indices)
+        # an element read's index may depend on the score (then its offset function takes the tile's q.k)
+        offset_args = ir.INDEX_VARS + (("qk",) if kind == "element" else ())  # not first: no tile broadcast
+        fns.append(emit.function(ir.Program(index_lets, _GradOffset(I32, load)), f"fv_grad_offset{i}", offset_args))
+        if tile_test:
+            fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
+                                     ir.INDEX_VARS))
+    # the derivatives only use functions the logits use, so the forward module defines every helper they need
+    if not emit.helpers <= _forward_helpers(variant):
+        raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
+    band = variant.kv_band
+    backward = render("triton/attention_bwd.py.jinja", name=variant.name, softmax=variant.softmax,
+                      functions=fns, prologue=prologue, row_prologue=row_prologue,
+                      kernel_args=[a.name for a in emit.args], variant_args=emit.variant_args(),
+                      unspecialized=emit.unspecialized(), reads=reads,
+                      band_left=band.left is not None, band_right=band.right is not None, prescan=variant.scans_mask,
+                      has_mask=emit.lowered.mask is not None)
+    return forward + "\n\n" + backward
+
+
+def _forward_helpers(variant) -> set[str]:
+    emit = TritonEmitter(variant)
+    emit.function(emit.lowered.logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
+    if emit.lowered.mask:
+        emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS)
+    emit.prologue()
+    emit.row_prologue()
+    return emit.helpers

@@ -1,0 +1,138 @@
+"""Training with a variant: `variant.attention(q, k, v, ...)`, differentiable through the Triton twin.
+
+Two torch.library custom ops carry the work, so `torch.compile` sees opaque, shape-described calls:
+
+* `fivar::attention_fwd` -> (o, lse): the Triton forward, also writing each row's log2-sum-exp (softmax variants;
+  zeros without softmax);
+* `fivar::attention_bwd` -> (dq, dk, dv, [d param]): FlashAttention-2 backward kernels generated from the same
+  spec (fivar.codegen.triton_bwd), with float32 gradients of the tensor parameters declared `learnable=True`.
+
+The autograd formula of the forward op (`register_autograd`) calls the backward op. Custom ops take tensors and
+numbers only, so the variant travels as a key into `_VARIANTS` and its params as two lists, tensors then scalars
+in declaration order. `lse` is an output for callers that merge states; no gradient flows through it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codegen.triton import kernel_arg_values
+from ..errors import FivarError
+from .params import BoundParams
+
+_VARIANTS: dict[str, object] = {}  # op key -> variant (kept alive: the key holds its id)
+
+
+@torch.compiler.disable  # run, not traced: the fake backward looks the variant up while the graph is traced
+def _key(variant) -> str:
+    key = f"{variant.name}@{id(variant):x}"
+    _VARIANTS.setdefault(key, variant)
+    return key
+
+
+def _bound(variant, tensors: list, scalars: list) -> BoundParams:
+    tnames, snames = list(variant.tensor_params), list(variant.scalar_params)
+    values = {n: (int(x) if variant.params[n].dtype is int else float(x)) for n, x in zip(snames, scalars)}
+    return BoundParams(values, dict(zip(tnames, tensors)))
+
+
+def _module(variant):
+    from ..jit.triton_module import load_triton_module
+    return load_triton_module(variant, training=True)
+
+
+@torch.library.custom_op("fivar::attention_fwd", mutates_args=())
+def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
+                  kv_indptr: torch.Tensor, max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float,
+                  tensors: list[torch.Tensor], scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    var = _VARIANTS[variant]
+    args = kernel_arg_values(var, _bound(var, tensors, scalars), sm_scale)
+    # every row belongs to a request (the indptrs were checked), so softmax's kernel writes each one
+    if not var.softmax:  # no softmax, no log-sum-exp: the backward reads nothing of it
+        o = _module(var).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args)
+        return o, torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    return _module(var).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse=True)
+
+
+@attention_fwd.register_fake
+def _(variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars):
+    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fivar::attention_bwd", mutates_args=())
+def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  o: torch.Tensor, lse: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                  max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float, tensors: list[torch.Tensor],
+                  scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """dq, dk, dv, and one float32 gradient per learnable tensor parameter (in declaration order)."""
+    from ..codegen.triton_bwd import learnable_params
+    var = _VARIANTS[variant]
+    bound = _bound(var, tensors, scalars)
+    grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
+             for n in learnable_params(var)}
+    dq, dk, dv = _module(var).backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal,
+                                       kernel_arg_values(var, bound, sm_scale), grads)
+    return dq, dk, dv, list(grads.values())
+
+
+@attention_bwd.register_fake
+def _(variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
+      scalars):
+    from ..codegen.triton_bwd import learnable_params
+    var = _VARIANTS[variant]
+    tnames = list(var.tensor_params)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            [tensors[tnames.index(n)].new_empty(tensors[tnames.index(n)].shape, dtype=torch.float32)
+             for n in learnable_params(var)])
+
+
+def _setup(ctx, inputs, output):
+    variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, qo_indptr, kv_indptr, *tensors)
+    ctx.variant, ctx.causal, ctx.sm_scale, ctx.scalars = variant, causal, sm_scale, scalars
+    ctx.max_qo_len, ctx.max_kv_len = max_qo_len, max_kv_len
+
+
+def _backward(ctx, do, dlse):
+    from ..codegen.triton_bwd import learnable_params
+    q, k, v, o, lse, qo_indptr, kv_indptr, *tensors = ctx.saved_tensors
+    var = _VARIANTS[ctx.variant]
+    dq, dk, dv, dparams = attention_bwd(ctx.variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, ctx.max_qo_len,
+                                        ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars)
+    by_name = dict(zip(learnable_params(var), dparams))
+    dtensors = [by_name[n].to(t.dtype) if n in by_name else None for n, t in zip(var.tensor_params, tensors)]
+    # a list of numbers is one leaf of the inputs' structure, an empty list is a list (torch's pytree)
+    return None, dq, dk, dv, None, None, None, None, None, None, dtensors, (None if ctx.scalars else [])
+
+
+torch.library.register_autograd("fivar::attention_fwd", _backward, setup_context=_setup)
+
+
+def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="triton", qo_indptr=None, kv_indptr=None,
+              return_lse=False, params=None):
+    """Differentiable attention. q [qo_tokens, Hq, D], k/v [kv_tokens, Hkv, D]: one request, or a ragged batch
+    given `qo_indptr`/`kv_indptr` (int32, request b owns rows [indptr[b], indptr[b+1])). Returns o, or (o, lse)
+    with `return_lse` (lse: float32 [qo_tokens, Hq], log2 of each row's softmax denominator in the units of
+    `logits * log2(e)`; zeros without softmax)."""
+    from .attention import _check_ragged_indptr, _prepare
+    from .triton_attention import _check_inputs, _single_indptr
+    if backend != "triton":
+        raise FivarError(f"variant '{variant.name}': attention() (training) runs on backend='triton' only, got "
+                         f"{backend!r}")
+    _check_inputs(variant, q, k, v)
+    if (qo_indptr is None) != (kv_indptr is None):
+        raise FivarError(f"variant '{variant.name}': pass both qo_indptr and kv_indptr, or neither")
+    if qo_indptr is None:
+        batch = 1
+        qo_indptr, kv_indptr = _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device)
+        max_qo_len, max_kv_len = q.shape[0], k.shape[0]
+    else:
+        qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
+        max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+    bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
+    tensors = [bound.tensors[n] for n in variant.tensor_params]  # .contiguous() of the caller's: in its graph
+    scalars = [float(bound.scalars[n]) for n in variant.scalar_params]
+    o, lse = attention_fwd(_key(variant), q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal),
+                           sm_scale, tensors, scalars)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,66 @@
+"""Training through the Triton twin on the GPU (bf16, hd128, 32/8 heads): dq, dk, dv and learnable tensor
+params against float64 autograd of the torch reference, within bf16 tolerance; and a compiled training step
+(marked `gpu`)."""
+import pytest
+import torch
+
+import fivar
+from fivar.bench.train import check_gradients, learnable_copy
+from fivar.testing import example_params
+
+BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
+           "softcap_sliding_window"]
+HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
+pytestmark = pytest.mark.gpu
+
+
+def _qkv(lq, lk):
+    return (torch.randn(lq, HQ, D, dtype=DTYPE, device="cuda"), torch.randn(lk, HKV, D, dtype=DTYPE, device="cuda"),
+            torch.randn(lk, HKV, D, dtype=DTYPE, device="cuda"))
+
+
+def _params(v, batch, max_len):
+    params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=batch, max_len=max_len, device="cuda")
+    if "softcap" in params:
+        params["softcap"] = 5.0  # the tanh bends at these scores (30 would leave it almost linear)
+    return params
+
+
+@pytest.mark.parametrize("lq,lk,causal", [(37, 129, False), (300, 300, True), (1000, 1000, False),
+                                          (1000, 1000, True)])
+@pytest.mark.parametrize("name", BUNDLED)
+def test_single(name, lq, lk, causal):
+    v = learnable_copy(fivar.load(name))
+    q, k, vv = _qkv(lq, lk)
+    r = check_gradients(v, q, k, vv, qo_lens=[lq], kv_lens=[lk], causal=causal, params=_params(v, 1, lk),
+                        dtype=DTYPE)
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", BUNDLED)
+def test_ragged(name, causal):
+    v = learnable_copy(fivar.load(name))
+    qo_lens, kv_lens = [17, 300, 1, 257], [40, 300, 129, 257]
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens))
+    r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
+                        params=_params(v, len(qo_lens), max(kv_lens)), dtype=DTYPE)
+    assert r.passed, r
+
+
+def test_compiled_training_step_with_a_learned_bias():
+    """torch.compile (inductor) of a loss through the attention: the same gradients as eager."""
+    v = learnable_copy(fivar.load("relative_bias"))
+    q, k, vv = _qkv(512, 512)
+    bias = torch.randn(HQ, 129, device="cuda") * 0.1
+
+    def step(q, k, vv, bias):
+        return (v.attention(q, k, vv, causal=True, bias=bias, max_distance=64).float() ** 2).mean()
+
+    runs = []
+    for fn in (step, torch.compile(step)):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, vv, bias)]
+        fn(*leaves).backward()
+        runs.append([x.grad for x in leaves])
+    for a, b in zip(*runs):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)

@@ -1,0 +1,170 @@
+"""Training through the Triton twin, run by Triton's interpreter on the CPU: dq, dk, dv and the gradients of
+learnable tensor params against float64 autograd of the torch reference, at tiny float16 shapes (lengths off
+the 16-wide tiles, qo_len != kv_len, GQA, ragged batches, causal or not)."""
+import pytest
+import torch
+
+import fivar
+from fivar import AttentionVariant, Scalar, Tensor, clamp, tanh
+from fivar.bench.train import check_gradients, learnable_copy
+from fivar.testing import example_params
+
+DTYPE = torch.float16  # the interpreter has no bfloat16 arithmetic
+BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _params(variant, hq, hkv, batch, max_len):
+    params = example_params(variant, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, max_len=max_len,
+                            device="cpu")
+    if "window" in variant.params:
+        params["window"] = int(torch.randint(3, max(4, max_len // 2), (1,)))
+    if "max_distance" in params:
+        params["max_distance"] = 6
+        params["bias"] = torch.randn(hq, 13)
+    if "softcap" in params:
+        params["softcap"] = 2.0  # small enough that the tanh bends at these scores
+    return params
+
+
+def _qkv(lq, lk, hq, hkv, d):
+    return (torch.randn(lq, hq, d, dtype=DTYPE), torch.randn(lk, hkv, d, dtype=DTYPE),
+            torch.randn(lk, hkv, d, dtype=DTYPE))
+
+
+def _check(v, qo_lens, kv_lens, hq, hkv, d, causal):
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), hq, hkv, d)
+    params = _params(v, hq, hkv, len(qo_lens), max(kv_lens))
+    r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_single(name, causal):
+    """GQA 4/2, 21 queries over 37 keys (bottom-right aligned), learnable tables where the variant has them."""
+    _check(learnable_copy(fivar.load(name)), [21], [37], 4, 2, 16, causal)
+
+
+@pytest.mark.parametrize("name", ["softcap", "document_mask", "relative_bias", "sigmoid"])
+def test_bundled_ragged(name):
+    """Three requests, one shorter than a tile and one with more queries than keys; causal."""
+    _check(learnable_copy(fivar.load(name)), [5, 1, 20], [19, 7, 17], 4, 2, 16, True)
+
+
+# --- a variant with every kind of learnable read: per program, per query row, per element ----------------------
+def _reads_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    r = params.radius
+    rel = params.rel[qo_head, clamp(kv_idx - q_idx, -r, r) + r]  # per element (one element on far tiles)
+    capped = params.cap[qo_head] * tanh(score / params.cap[qo_head])  # per program
+    return capped + rel * params.row[q_idx % 5] - params.rel[qo_head, 0] * 0.5
+
+
+READS = AttentionVariant(name="learnable_reads", logits=_reads_logits, params={
+    "rel": Tensor("float32", ("qo_head", "offset"), learnable=True),
+    "cap": Tensor("float32", ("qo_head",), learnable=True),
+    "row": Tensor("float32", ("n",), learnable=True),
+    "radius": Scalar(int, default=3),
+})
+
+
+def _scattered_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    # indices fivar cannot bound over a tile (a modulo, the score itself): the kernel reduces each tile's offsets
+    return score + params.t[qo_head, (kv_idx + 2 * q_idx) % 7] * 0.5 + params.u[clamp(int(score * 2.0), -3, 3) + 3]
+
+
+SCATTERED = AttentionVariant(name="learnable_scattered", logits=_scattered_logits, params={
+    "t": Tensor("float32", ("qo_head", "n"), learnable=True), "u": Tensor("float32", ("m",), learnable=True)})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_kind_of_learnable_read(causal):
+    q, k, vv = _qkv(19, 40, 2, 1, 16)
+    params = {"rel": torch.randn(2, 7), "cap": torch.rand(2) * 2 + 1.0, "row": torch.randn(5)}
+    r = check_gradients(READS, q, k, vv, qo_lens=[19], kv_lens=[40], causal=causal, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
+def test_scattered_learnable_reads():
+    q, k, vv = _qkv(19, 40, 2, 1, 16)
+    params = {"t": torch.randn(2, 7), "u": torch.randn(7)}
+    r = check_gradients(SCATTERED, q, k, vv, qo_lens=[19], kv_lens=[40], causal=True, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
+def test_bench_train_rows():
+    """The --op train runner's row for fivar alone (timed on the CPU here; the GPU run adds Flex and SDPA)."""
+    from fivar.bench.train import bench_train
+    rows = bench_train(fivar.load("alibi"), seqlen=16, heads=(2, 1), head_dim=16, dtype=DTYPE, wanted=("fivar",),
+                       rounds=1, device="cpu")
+    (row,) = rows
+    assert row["contender"] == "fivar" and row["op"] == "train" and row["ms"] > 0 and row["tflops"] > 0
+
+
+def test_gradients_reach_only_learnable_tensors():
+    """A table not declared learnable gets no gradient (and needs no requires_grad)."""
+    v = fivar.load("relative_bias")
+    q, k, vv = (x.requires_grad_(True) for x in _qkv(8, 8, 2, 2, 16))
+    bias = torch.randn(2, 13, requires_grad=True)
+    v.attention(q, k, vv, bias=bias, max_distance=6).sum().backward()
+    assert bias.grad is None and q.grad is not None
+
+
+def test_learnable_needs_a_float_tensor():
+    with pytest.raises(fivar.FivarSpecError, match="learnable=True needs a float dtype"):
+        AttentionVariant(name="bad", mask=lambda *a: True,
+                         params={"ids": Tensor("int32", ("n",), learnable=True)})
+
+
+def test_lse_is_the_log2_sum_exp():
+    v = fivar.load("softcap")
+    q, k, vv = _qkv(9, 21, 2, 1, 16)
+    o, lse = v.attention(q, k, vv, causal=True, return_lse=True, softcap=3.0)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(2, 1)) / 4.0
+    s = 3.0 * torch.tanh(s / 3.0)
+    s = s.masked_fill(torch.arange(21)[None, None, :] > torch.arange(9)[None, :, None] + 12, float("-inf"))
+    want = torch.logsumexp(s, -1).T / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    assert torch.allclose(lse.double(), want, atol=2e-3)
+
+
+def test_compiled_training_step():
+    """torch.compile traces through the custom ops (fake implementations give the shapes)."""
+    v = learnable_copy(fivar.load("relative_bias"))
+    q, k, vv = _qkv(16, 16, 2, 2, 16)
+    bias = torch.randn(2, 13, requires_grad=True)
+
+    def step(q, k, vv, bias):
+        return (v.attention(q, k, vv, causal=True, bias=bias, max_distance=6).float() ** 2).sum()
+
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, vv)]
+    torch.compile(step, backend="aot_eager")(*leaves, bias).backward()
+    want = [x.detach().clone().requires_grad_(True) for x in (q, k, vv)]
+    bias2 = bias.detach().clone().requires_grad_(True)
+    step(*want, bias2).backward()
+    for a, b in zip(leaves + [bias], want + [bias2]):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_custom_ops_trace_in_one_graph():
+    """The forward op and its autograd formula (the backward op) inside one fullgraph-compiled step."""
+    from fivar.runtime.autograd import _key
+    v = fivar.load("softcap")
+    q, k, vv = (x.requires_grad_(True) for x in _qkv(16, 16, 2, 1, 16))
+    indptr = torch.tensor([0, 16], dtype=torch.int32)
+    key = _key(v)
+
+    def step(q, k, vv):
+        o, _ = torch.ops.fivar.attention_fwd(key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0])
+        return o.float().sum()
+
+    torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, vv).backward()
+    want = [x.detach().clone().requires_grad_(True) for x in (q, k, vv)]
+    v.attention(*want, causal=True, sm_scale=0.25, softcap=30.0).float().sum().backward()
+    for a, b in zip((q, k, vv), want):
+        assert torch.equal(a.grad, b.grad)
