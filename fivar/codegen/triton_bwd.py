@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..spec import grad, ir
 from ..spec.ir import I32
 from .fa2 import render
+from .cuda import size_ident
 from .triton import TritonEmitter, render_attention
 
 
@@ -50,8 +51,7 @@ class _BackwardEmitter(TritonEmitter):
             return self.clamped_offset(e.load.param, [self.expr(i) for i in e.load.indices])
         if isinstance(e, _TileElement):
             ranges = self.tile_ranges(e.load)
-            name = self.param_names[e.load.param]
-            clamp = lambda d, x: f"tl.minimum(tl.maximum({x}, 0), {name}_size{d} - 1)"  # noqa: E731
+            clamp = lambda d, x: f"tl.minimum(tl.maximum({x}, 0), {size_ident(e.load.param, d)} - 1)"  # noqa: E731
             uniform = " & ".join(f"({clamp(d, lo)} == {clamp(d, hi)})" for d, (lo, hi) in ranges.items())
             at_lo = self.clamped_offset(e.load.param, [ranges[d][0] if d in ranges else self.expr(i)
                                                        for d, i in enumerate(e.load.indices)])
