@@ -15,7 +15,8 @@ from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilit
 @click.argument("name")
 @click.option("--vs", "vs", multiple=True, type=click.Choice(["stock", "triton", "flex", "sdpa"]),
               help="contenders besides fivar's own kernels (repeatable); default: stock, triton, flex")
-@click.option("--op", type=click.Choice(["prefill", "batch-prefill", "decode"]), default="prefill", show_default=True)
+@click.option("--op", type=click.Choice(["prefill", "batch-prefill", "decode", "train"]), default="prefill",
+              show_default=True, help="train: forward + backward (the Triton training twin) against Flex and SDPA")
 @click.option("--seqlens", default="1024,4096,8192", show_default=True)
 @click.option("--batch", default=1, show_default=True, help="requests (batch-prefill, decode)")
 @click.option("--heads", default="32/32", show_default=True, help="Hq/Hkv")
@@ -86,6 +87,16 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     except ValueError:
         raise FivarError(f"--heads must look like 32/8, got {heads!r}") from None
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if op == "train":
+        from ..bench.train import bench_train, format_rows
+        wanted = ("fivar",) + tuple(x for x in (vs or ("flex", "sdpa")) if x in ("flex", "sdpa"))
+        rows = [r for S in _split(seqlens, int) for r in bench_train(
+            v, seqlen=S, heads=(hq, hkv), head_dim=head_dim, causal=causal, dtype=dt, params=params, wanted=wanted,
+            rounds=rounds)]
+        console.print(format_rows(rows), markup=False)
+        if json_path:
+            Path(json_path).write_text(_json.dumps(rows, indent=1, default=str))
+        return
     ceilings = ceil_mod.get()
     console.print(f"ceilings on {ceilings['gpu']}: copy {ceilings['copy_tb_per_s']:.2f} TB/s, "
                   f"bf16 matmul {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s")
