@@ -243,6 +243,9 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
         if e.manifest_problem not in (None, "missing"):
             return True, [f"{e.manifest_problem} (`fivar cache verify --fix` removes it: rebuilds on next use)"]
         return True, [NO_MANIFEST]
+    schema = man.get("schema", 1)
+    if schema < manifests.SCHEMA_VERSION:  # its URI was named by an older scheme: never fresh
+        return True, [f"built by an older fivar (manifest schema {schema})"]
     reasons = [f"built with {k} {man.get(k)} (now {tc[k]})" for k in ("arch", "flashinfer", "nvcc")
                if tc.get(k) is not None and man.get(k) != tc[k]]
     if reasons:
@@ -264,21 +267,9 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
             from .fusion.build import gen_fusion_module
             now = gen_fusion_module(v, man["dtype"]).uri
         else:
-            # rendered the way it was built (row-run form, CTA-tile split, FA3 exp2 split), not as this
-            # process's environment would render it now
+            # rendered the way it was built (its recorded config), not as this process's environment would
+            # render it now
             options = dict(man.get("options", {}))
-            if man.get("target") == "fa3" and "cta_tile" not in options:
-                options["cta_tile"] = "flashinfer"  # recorded before fivar had tiles: built with FlashInfer's
-            options.setdefault("nvcc_parallel_passes", False)  # recorded before session 14: nvcc's passes in turn
-            if man.get("target") == "fa3":
-                options.setdefault("bounded_softmax", False)  # recorded before fivar had it: built without
-                options.setdefault("schedule", "grid")  # recorded before session 17: FlashInfer's grid launch
-            else:
-                options.setdefault("nvcc_split_compile", False)  # likewise: built without nvcc's --split-compile
-                options.setdefault("pin_kv_tiles", False)  # and with FlashInfer's run-time KV tile choice
-                options.setdefault("skip_unused_headers", False)  # and every header FlashInfer includes
-                if options["skip_unused_headers"] is True:  # recorded when <cuda/pipeline> was the only one left out
-                    options["skip_unused_headers"] = ["cuda/pipeline"]
             now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
                              head_dim=man["head_dim"], **options).uri
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all

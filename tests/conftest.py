@@ -23,7 +23,7 @@ if "FIVAR_CACHE_DIR" not in os.environ:
     _MADE.append(os.environ["FIVAR_CACHE_DIR"])
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_unconfigure(config):
     """The test run's own directories go with it (a directory set from outside is the caller's)."""
     for d in _MADE:
         shutil.rmtree(d, ignore_errors=True)

@@ -95,7 +95,7 @@ def test_fa3_exp2_split_extremes(split, bounded, window, causal):
 # FA3 single prefill at CTA tiles FlashInfer never instantiates at hd128 (its own: 128x192 non-causal, 128x128
 # causal), and at fivar's default for soft-caps (128x128 in both): the reference's results at lengths that leave
 # partial tiles, qo_len < kv_len and (non-causal: causal refuses it) qo_len > kv_len, MHA and GQA 32/8. 192x64
-# non-causal (three consumer warpgroups) is the candidate of README Known gaps, "The lead for the next session".
+# non-causal (three consumer warpgroups) is the soft-caps' non-causal tile for long queries (docs/tuning.md).
 @pytest.mark.parametrize("qo_len,kv_len,causal,heads", [
     (1000, 1000, False, (32, 32)), (300, 1111, False, (32, 8)), (777, 200, False, (32, 32)),
     (1000, 1000, True, (32, 8)), (300, 1111, True, (32, 32))])
@@ -250,9 +250,9 @@ def test_fa3_bounded_softmax(case, cap):
 
 # FA3 single prefill's last wave run as key chunks merged through their LSE (fivar/runtime/wave_split.py), forced:
 # MHA and GQA, chunks of uneven length and a last partial tile, bf16 with the bounded softmax (cap 30) and with the
-# running max (cap 50), fp16, FlashInfer's tiles at head dims 64 and 256, and a 192-row non-causal tile (README Known
-# gaps, "The lead for the next session": pieces of whole 64-key tiles, 192-row query tiles planned). The split must
-# have run (wave_split.run called) and match the reference.
+# running max (cap 50), fp16, FlashInfer's tiles at head dims 64 and 256, and a 192-row non-causal tile (key chunks
+# of whole 64-key tiles, query tiles of 192 rows to plan the wave by). The split must have run (wave_split.run
+# called) and match the reference.
 @pytest.mark.parametrize("setting,heads,kv_len,dtype,cap,head_dim,tile", [
     ("1x2", (32, 32), 1000, torch.bfloat16, 30.0, 128, None), ("4x4", (32, 8), 1111, torch.bfloat16, 30.0, 128, None),
     ("8x8", (32, 8), 4500, torch.float16, 30.0, 128, None), ("2x8", (16, 16), 5000, torch.bfloat16, 50.0, 128, None),
@@ -301,7 +301,7 @@ def test_decode(name, kv_lens):
 
 
 # A mask that is neither causal- nor window-shaped: it removes a band in the middle of the keys. A kernel
-# that applies masks only on boundary tiles gets this wrong (FlashInfer issue #4695).
+# that applies masks only on the tiles at the diagonal or the window's edges skips the band's interior tiles.
 def _middle_band(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return kv_idx < 64 or kv_idx >= 320
 

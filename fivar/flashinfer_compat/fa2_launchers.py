@@ -14,6 +14,15 @@ _SIGNATURE = (r"(template <uint32_t HEAD_DIM_QK[^>]*>\s*cudaError_t SinglePrefil
               r"Params params, typename Params::DTypeO\* tmp,\s*cudaStream_t stream\))")
 
 
+#: a C++ string literal: its text is an error message, never code, so the copy may word it as fivar's own
+_STRING_LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"')
+
+
+def _code(text: str) -> str:
+    """`norm(text)` with every string literal emptied: what the copied launcher body must match."""
+    return norm(_STRING_LITERAL.sub('""', text))
+
+
 def _utils() -> str:
     return (include_dir() / "flashinfer" / "utils.cuh").read_text()
 
@@ -35,8 +44,9 @@ def single_prefill_split_problem() -> str | None:
     """Why fivar's cut of FlashInfer's single-prefill launcher does not fit the installed FlashInfer, or None.
 
     templates/fa2/single_prefill_tile.cuh and single_prefill_dispatch.cuh carry FlashInfer's text (0.7.2,
-    prefill.cuh's SinglePrefillWithKVCacheDispatched); this compares them token for token (whitespace aside) with
-    the installed prefill.cuh, and fivar's dispatcher signature with the declaration in csrc/single_prefill.cu."""
+    prefill.cuh's SinglePrefillWithKVCacheDispatched); this compares them token for token (whitespace and the text
+    of string literals aside) with the installed prefill.cuh, and fivar's dispatcher signature with the declaration
+    in csrc/single_prefill.cu."""
     prefill, host = _prefill(), (csrc_dir() / "single_prefill.cu").read_text()
     tile = (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text()
     dispatch = (templates_dir() / "fa2" / "single_prefill_dispatch.cuh").read_text()
@@ -58,7 +68,7 @@ def single_prefill_split_problem() -> str | None:
         return "the signature of SinglePrefillWithKVCacheDispatched changed"
     if norm(fi_preamble) != norm(ours_preamble.group(1)):
         return "the preamble of SinglePrefillWithKVCacheDispatched changed"
-    if norm(fi_body) != norm(ours_body.group(1)):
+    if _code(fi_body) != _code(ours_body.group(1)):
         return "the DISPATCH_CTA_TILE_Q body of SinglePrefillWithKVCacheDispatched changed"
     fi_lines = {line.strip() for line in fi_preamble.splitlines()}
     if any(line.strip() not in fi_lines for line in tile_locals.group(1).splitlines()):

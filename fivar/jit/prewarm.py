@@ -37,8 +37,8 @@ def default_jobs() -> tuple[int, str]:
 
     Half again as many jobs as cores: a prewarm's units are of a few sizes, so with one job per core the last wave
     leaves cores idle (8 FA2 modules are 24 units: 16, then 8 on 16 cores), and an nvcc unit spends phases waiting
-    on files. Measured on 16 cores (H200 host, 2026-11-22, benchmarks/results/bench_prewarm_jobs*_h200_session14.json):
-    -j 16 took 15.2 and 16.5 s (73-74% of CPU-seconds / cores), -j 24 12.8 and 14.6 s (90%), -j 32 14.2 and 14.6 s."""
+    on files. On 16 cores a prewarm of 8 FA2 modules kept the cores 73-74% busy at -j 16 and 90% at -j 24, the
+    fastest of -j 16/24/32 (docs/compile-time.md)."""
     cores, mem = cpu_count(), mem_available()
     by_cores = max(1, cores * 3 // 2)
     if mem is None:

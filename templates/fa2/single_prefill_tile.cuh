@@ -141,7 +141,7 @@ cudaError_t fivar_single_prefill_tile(Params params, typename Params::DTypeO* tm
                 << " NUM_MMA_KV=" << NUM_MMA_KV << " NUM_WARPS_Q=" << NUM_WARPS_Q
                 << " NUM_WARPS_KV=" << NUM_WARPS_KV
                 << " please create an issue (https://github.com/flashinfer-ai/flashinfer/issues)"
-                   " and report the issue to the developers.";
+                   " and report it to the developers.";
             FLASHINFER_ERROR(err_msg.str());
           } else {
             constexpr uint32_t num_threads = (NUM_WARPS_Q * NUM_WARPS_KV) * WARP_SIZE;

@@ -216,7 +216,7 @@ def test_every_bundled_variant_compiles_for_sm90a():
     wall = time.perf_counter() - t0
     for m, (kind, _) in zip(modules, results):
         assert m.library_path.exists(), m.uri
-        assert kind == "cold", (m.uri, kind)  # fresh cache per session (tests/conftest.py)
+        assert kind == "cold", (m.uri, kind)  # fresh cache per test run (tests/conftest.py)
         assert "-gencode=arch=compute_90a,code=sm_90a" in (m.build_dir / "build.ninja").read_text()
     # each module's seconds are its own span inside the shared ninja (ninja's log), not the batch's wall time
     secs = [s for _, s in results]

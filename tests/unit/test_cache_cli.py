@@ -164,41 +164,31 @@ def test_option_labels_tell_apart_modules_of_one_variant():
     assert cache_cli._option_labels({"schedule": "grid"}) == []
 
 
-def test_a_fa3_manifest_from_before_schedules_renders_on_the_grid(iso, monkeypatch):
-    """FA3 modules recorded before fivar had a persistent schedule (session 17) ran FlashInfer's grid: still
-    fresh where today's default (here forced by the environment) would be persistent."""
-    from fivar.codegen.fa3 import SCHEDULE_ENV
+def test_a_manifest_of_an_older_schema_is_stale_and_pruned(iso):
+    """Module names changed with manifest schema 2, so a module recorded by an older fivar (schema 1: no
+    `schema`, no `cuda_cflags`) can never be loaded again: stale, whatever else it records, and
+    `prune --stale` removes it while a current module of the same variant stays."""
     _, _, vfile = iso
-    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3", schedule="grid"))
-    man = json.loads(m.manifest_path.read_text())
-    del man["options"]["schedule"]
-    m.manifest_path.write_text(json.dumps(man))
-    monkeypatch.setenv(SCHEDULE_ENV, "persistent")
-    row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
-    assert row["stale"] is False, row
-
-
-def test_a_fa2_manifest_from_before_nvcc_split_compile_renders_without_it(iso, monkeypatch):
-    """FA2 modules recorded before fivar passed nvcc --split-compile (session 12), pinned KV tiles and left out
-    <cuda/pipeline> (session 13) were built without them: still fresh."""
-    _, _, vfile = iso
-    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", nvcc_split_compile=False,
-                              pin_kv_tiles=False, skip_unused_headers=False, nvcc_parallel_passes=False))
-    man = json.loads(m.manifest_path.read_text())
-    for option in ("nvcc_split_compile", "pin_kv_tiles", "skip_unused_headers", "nvcc_parallel_passes"):
-        del man["options"][option]
-    m.manifest_path.write_text(json.dumps(man))
-    for env in ("FIVAR_NVCC_SPLIT_COMPILE", "FIVAR_PIN_KV_TILES", "FIVAR_SKIP_UNUSED_HEADERS",
-                "FIVAR_NVCC_PARALLEL_PASSES"):
-        monkeypatch.delenv(env, raising=False)  # today's defaults would render another module
-    row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
-    assert row["stale"] is False, row
+    v = fivar.load(str(vfile))
+    old = fake_built(gen_module(v, op="single_prefill"))
+    current = fake_built(gen_module(v, op="batch_prefill"))
+    man = json.loads(old.manifest_path.read_text())
+    del man["schema"], man["cuda_cflags"]
+    old.manifest_path.write_text(json.dumps(man))
+    rows = {r["uri"]: r for r in as_json("cache", "ls")}
+    assert rows[old.uri]["stale"] is True, rows[old.uri]
+    assert rows[old.uri]["stale_reasons"] == ["built by an older fivar (manifest schema 1)"]
+    assert rows[current.uri]["stale"] is False, rows[current.uri]
+    r = invoke("cache", "prune", "--stale")
+    assert r.exit_code == 0, r.output
+    assert not old.build_dir.exists() and current.manifest_ok()
+    assert [row["uri"] for row in as_json("cache", "ls")] == [current.uri]
 
 
 def test_staleness_tells_an_edited_variant_from_changed_code_generation(iso):
     """Same variant file, another rendering (here: the manifest says it was built at another exp2 split than the
-    library it describes, as a module from an older fivar with other defaults would): stale, and the reason
-    says the variant is unchanged. A manifest from before the file hash says it cannot tell."""
+    library it describes, as a module of a fivar with other defaults would): stale, and the reason says the
+    variant is unchanged. A manifest without the variant file's hash says it cannot tell."""
     _, _, vfile = iso
     m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3"))
     man = json.loads(m.manifest_path.read_text())
@@ -210,23 +200,6 @@ def test_staleness_tells_an_edited_variant_from_changed_code_generation(iso):
     m.manifest_path.write_text(json.dumps({**man, "options": {**man["options"], "exp2_emulated_of_8": 5}}))
     row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
     assert "was edited, or fivar's code generation changed" in row["stale_reasons"][0]
-
-
-def test_a_manifest_from_before_cta_tiles_renders_with_flashinfers_tiles(iso, monkeypatch):
-    """FA3 modules recorded before fivar chose tiles were built with FlashInfer's: they stay fresh, whatever
-    this process's FIVAR_FA3_CTA_TILE says (even a value that is not a tile)."""
-    from fivar.codegen.fa3 import CTA_TILE_ENV
-    _, _, vfile = iso
-    m = fake_built(gen_module(fivar.load(str(vfile)), op="single_prefill", target="fa3", cta_tile="flashinfer",
-                              nvcc_parallel_passes=False))
-    man = json.loads(m.manifest_path.read_text())
-    del man["options"]["cta_tile"]
-    del man["options"]["nvcc_parallel_passes"]  # nor had nvcc's passes run side by side (session 14)
-    m.manifest_path.write_text(json.dumps(man))
-    for env in ("128x176", "not-a-tile"):
-        monkeypatch.setenv(CTA_TILE_ENV, env)
-        row = [r for r in as_json("cache", "ls") if r["uri"] == m.uri][0]
-        assert row["stale"] is False, row
 
 
 def test_background_load_records_are_written_by_flush_and_survive_fork(iso):

@@ -4,6 +4,7 @@ One module is compiled for this whole file (8 processes race to build it; exactl
 tests damage it and check that fivar notices, logs, and repairs it with the least work (a relink or one
 translation unit), never trusting a broken library.
 """
+import contextlib
 import json
 import logging
 import os
@@ -56,7 +57,7 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(REPO), "MAX_JOBS": "1"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_file(tmp_path_factory):
     f = tmp_path_factory.mktemp("reltiny") / "reltiny.py"
     f.write_text(TINY)
@@ -67,13 +68,13 @@ def tiny_module(tiny_file):
     return gen_module(fivar.load(str(tiny_file)), **ARGS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def raced(tiny_file, tmp_path_factory):
     """8 processes build the same uncached module at the same instant (behind a file barrier)."""
     if not (os.path.exists(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"))):
         pytest.skip("nvcc not installed")
     m = tiny_module(tiny_file)
-    assert not m.library_path.exists(), "the session's JIT cache should be fresh"
+    assert not m.library_path.exists(), "the test run's JIT cache should be fresh"
     sync = tmp_path_factory.mktemp("barrier")
     go = sync / "go"
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tiny_file), str(sync / f"ready{i}"), str(go)],
@@ -164,18 +165,36 @@ def _wait_for(pred, timeout, what):
         time.sleep(0.1)
 
 
-def _session_has_nvcc(sid):
-    """Is an nvcc (or its cicc/ptxas) running in process session `sid`?"""
+def _build_processes(sid: int) -> dict[int, bytes]:
+    """The live processes (pid -> command line) of the build started with setsid as `sid`: the builder, ninja, and
+    the compilers ninja runs. Found by sid, not by process group: ninja gives each command a group of its own."""
+    out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            if os.getsid(int(d.name)) == sid and any(
-                    t in (d / "cmdline").read_bytes() for t in (b"nvcc", b"cicc", b"ptxas")):
-                return True
-        except OSError:
-            pass
-    return False
+            stat = (d / "stat").read_text()
+            state, _ppid, _pgrp, proc_sid = stat[stat.rindex(")") + 2:].split()[:4]
+            if int(proc_sid) == sid and state != "Z":
+                out[int(d.name)] = (d / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            pass  # gone meanwhile
+    return out
+
+
+def _build_runs_nvcc(sid: int) -> bool:
+    return any(t in cmd for cmd in _build_processes(sid).values() for t in (b"nvcc", b"cicc", b"ptxas"))
+
+
+def _power_cut(sid: int) -> None:
+    """SIGKILL every process of the build, again until none is left (a compiler may start another meanwhile)."""
+    deadline = time.time() + 30
+    while procs := _build_processes(sid):
+        assert time.time() < deadline, f"the build's processes outlive SIGKILL: {procs}"
+        for pid in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 @requires_nvcc
@@ -190,12 +209,12 @@ def test_sigkill_midway_then_the_next_build_repairs_without_hanging(raced, tiny_
     m.manifest_path.unlink()
     binding_obj.unlink()
     p = subprocess.Popen([sys.executable, "-c", KILLED_BUILD, str(tiny_file)], env=_env(),
-                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         preexec_fn=os.setsid, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(lambda: _session_has_nvcc(p.pid), 120, "nvcc to start in the doomed build")
+        _wait_for(lambda: _build_runs_nvcc(p.pid), 120, "nvcc to start in the doomed build")
         time.sleep(2)
     finally:
-        os.killpg(p.pid, signal.SIGKILL)  # the builder, ninja and nvcc: a power cut for this build
+        _power_cut(p.pid)  # the builder, ninja and nvcc at once: a power cut for this build
     p.wait()
     assert not m.manifest_ok()
     # the dead builder held the build lock: it must be free now (flock dies with its process)

@@ -40,7 +40,7 @@ def test_every_bundled_fusion_compiles_for_sm90a():
     results = build_many(modules)  # one parallel ninja over all of them
     for m, (kind, _) in zip(modules, results):
         assert m.library_path.exists(), m.uri
-        assert kind == "cold", (m.uri, kind)  # fresh cache per session (tests/conftest.py)
+        assert kind == "cold", (m.uri, kind)  # fresh cache per test run (tests/conftest.py)
         assert "-gencode=arch=compute_90a,code=sm_90a" in (m.build_dir / "build.ninja").read_text()
         assert m.manifest_ok()
         assert b"__tvm_ffi_fusion_run" in m.library_path.read_bytes()  # the tvm-ffi binding is exported

@@ -17,8 +17,8 @@ MAX_POS = 4096
 
 @pytest.fixture(autouse=True, scope="module")
 def interpret():
-    """Triton picks interpreted vs compiled when a kernel is defined (conftest sets TRITON_INTERPRET=1
-    session-wide without a GPU, before anything imports triton); keep it set for this module too."""
+    """Triton picks interpreted vs compiled when a kernel is defined (conftest sets TRITON_INTERPRET=1 for the
+    whole run without a GPU, before anything imports triton); keep it set for this module too."""
     if torch.cuda.is_available():
         yield
         return
