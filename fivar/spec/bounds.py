@@ -47,19 +47,20 @@ def _conjuncts(e: ir.Expr):
         yield e
 
 
-def _linear(e: ir.Expr):
-    """e as (coefficient of q_idx, coefficient of kv_idx, invariant rest) or None. Integer terms only."""
+def _linear(e: ir.Expr, rest_ok=ir.is_invariant):
+    """e as (coefficient of q_idx, coefficient of kv_idx, rest) or None, where `rest_ok(rest)` (an invariant by
+    default). Integer terms only."""
     if e.type != I32:
         return None
     if isinstance(e, ir.Index) and e.name in ("q_idx", "kv_idx"):
         return (1, 0, ir.Const(I32, 0)) if e.name == "q_idx" else (0, 1, ir.Const(I32, 0))
-    if ir.is_invariant(e):
+    if rest_ok(e):
         return 0, 0, e
     if isinstance(e, ir.Unary) and e.op == "neg":
-        x = _linear(e.x)
+        x = _linear(e.x, rest_ok)
         return None if x is None else (-x[0], -x[1], ir.Unary(I32, "neg", x[2]))
     if isinstance(e, ir.Binary) and e.op in ("add", "sub"):
-        a, b = _linear(e.a), _linear(e.b)
+        a, b = _linear(e.a, rest_ok), _linear(e.b, rest_ok)
         if a is None or b is None:
             return None
         s = 1 if e.op == "add" else -1
@@ -70,11 +71,11 @@ def _linear(e: ir.Expr):
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 
 
-def _term_bound(e: ir.Expr):
+def _term_bound(e: ir.Expr, rest_ok=ir.is_invariant):
     """('left'|'right', expr) for a term `q_idx - kv_idx (op) c`, after normalising; else None."""
     if not (isinstance(e, ir.Binary) and e.op in _FLIP):
         return None
-    a, b = _linear(e.a), _linear(e.b)
+    a, b = _linear(e.a, rest_ok), _linear(e.b, rest_ok)
     if a is None or b is None:
         return None
     cq, ckv, op = a[0] - b[0], a[1] - b[1], e.op
