@@ -36,13 +36,31 @@ def struct_name(variant) -> str:
     return "Fivar_" + variant.name
 
 
+def window_form(variant) -> bool:
+    """The mask is exactly `kv_idx >= q_idx - left` (a sliding window). Called causally with left >= 0, it runs in
+    FlashInfer's kCausal mode with `window_left = left`: the kernel skips the tiles right of the diagonal and
+    left of the window, and evaluates the mask only on the tiles the window or the diagonal cuts (its
+    `window_iteration`/`mask_iteration`), as stock FA2 does with its own window; every other tile is kept whole
+    by exactly that mask."""
+    return variant.lowered.mask is not None and variant.kv_band.left_window
+
+
 def mask_modes(variant) -> list[str]:
-    """A variant with a mask owns it on every tile (kCustom) and folds `causal` in itself."""
+    """A variant with a mask owns it on every tile (kCustom) and folds `causal` in itself; a window-form mask
+    also gets kCausal (window_form)."""
+    if window_form(variant):
+        return [MASK_CAUSAL, MASK_CUSTOM]
     return [MASK_CUSTOM] if variant.mask else [MASK_NONE, MASK_CAUSAL]
 
 
-def runtime_mask_code(variant, causal: bool) -> int:
-    if variant.mask:
+def runs_window_mode(variant, causal: bool, window_left: int) -> bool:
+    """True when this call runs the window form in kCausal mode (window_form): causal, and a window the
+    kernel's unsigned window_left can hold."""
+    return bool(causal) and window_left >= 0 and window_form(variant)
+
+
+def runtime_mask_code(variant, causal: bool, window_left: int = -1) -> int:
+    if variant.mask and not runs_window_mode(variant, causal, window_left):
         return MASK_CODES[MASK_CUSTOM]
     return MASK_CODES[MASK_CAUSAL if causal else MASK_NONE]
 

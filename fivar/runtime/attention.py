@@ -16,6 +16,7 @@ from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
 from .inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
 from . import wave_split
+from .plan_cache import PlanCache
 from .params import bind_params, kernel_args
 
 
@@ -60,15 +61,9 @@ def _codegen(target: str):
 
 
 def _causal_flag(variant, target: str, causal: bool):
-    """FA2 runs masked variants in kCustom mode and applies `causal` inside the mask: a runtime flag."""
+    """FA2 runs masked variants in kCustom mode and applies `causal` inside the mask: a runtime flag (also set in the
+    window form's kCausal mode, where the kernel applies causal as well)."""
     return bool(causal) if (variant.mask and target == "fa2") else None
-
-
-def _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_scale):
-    from .kv_ranges import KvRangePrefill
-    return KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
-                          head_dim=q.shape[-1], dtype=q.dtype, causal=causal, bound=bound, sm_scale=sm_scale,
-                          device=q.device, shared=True)
 
 
 def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size):
@@ -162,19 +157,34 @@ def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: boo
 
 
 def _window_left(variant, target: str, bound) -> int:
-    """FlashInfer's `window_left` for a kernel fivar built with FA3's sliding-window schedule, else -1.
+    """FlashInfer's `window_left` for this launch: the left edge of the band the mask implies, else -1.
 
-    A mask that is exactly the window is FA3's own to apply (fa3.runs_as_window): window_left is then the
+    FA3: a mask that is exactly the window is FA3's own to apply (fa3.runs_as_window): window_left is then the
     band's left edge exactly, negative ones included (keys right of the diagonal only; FlashInfer's -1 means
     "no window" only to its Python wrappers, the kernel built with the window applies it as given). Otherwise
     the mask still runs on every visited tile, so the window only has to be no tighter than the mask: a band
     reaching right of the diagonal is clamped to 0. Keys and rows stay below 2**30, so clamping there is exact.
+
+    FA2 (prefill and decode): the batch kernels start each query tile's KV loop at its first row's q_idx -
+    window_left, so the window only has to be no tighter than the mask there too (clamped to 0: the kernel's
+    window_left is unsigned). In the window form's kCausal mode (fa2.window_form) a tile the window and the
+    diagonal leave whole is not masked: with a clamped edge no tile is left whole, so that stays exact.
     """
     left = variant.kv_band.left
-    if target != "fa3" or left is None or variant.scans_mask:  # the KV-range form skips through its ranges
+    if left is None:
+        return -1
+    if target == "fa2":
+        return min(max(int(_invariant(variant, left, bound)), 0), 1 << 30)
+    if target != "fa3" or variant.scans_mask:  # the KV-range form skips through its ranges
         return -1
     lowest = -(1 << 30) if fa3.runs_as_window(variant) else 0
     return min(max(int(_invariant(variant, left, bound)), lowest), 1 << 30)
+
+
+def _owns_mask(variant, target: str, causal: bool, window_left: int) -> bool:
+    """FA2 runs a masked variant in kCustom mode (its wrappers call that the variant owning the mask), except
+    the window form called causally, which runs in kCausal mode (fa2.window_form)."""
+    return bool(variant.mask) and target == "fa2" and not fa2.runs_window_mode(variant, causal, window_left)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
@@ -205,6 +215,12 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     if backend == "triton":
         from .triton_attention import triton_prefill
         return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params)
+    parts = ("single", variant, backend, bool(causal), sm_scale, params or {}, _shapes(q, k, v))
+    plan = _one_shot.lookup(parts)
+    if plan is not None:  # a batch of one, planned by an earlier call with the same key
+        _check_out(variant, out, q)
+        o = plan.run(q, k, v)
+        return out.copy_(o) if out is not None else o
     _check_qkv(variant, q, k, v)
     _check_out(variant, out, q)
     target = _check_backend(variant, backend, "single_prefill", q.device)
@@ -212,16 +228,23 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         raise FivarError(f"variant '{variant.name}': causal attention with qo_len ({q.shape[0]}) > kv_len "
                          f"({k.shape[0]}) is not supported by FlashInfer's kernels (the first rows would see no "
                          "key); use backend='triton', which returns zeros for those rows like the reference")
+    given_scale = sm_scale
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
-    if target == "fa3" and variant.scans_mask:  # a batch of one in FA3's KV-range form
-        indptr = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
-        o = _kv_range_prefill(variant, q, k, indptr(q.shape[0]), indptr(k.shape[0]), causal, bound,
-                              sm_scale).run(q, k, v)
+    window_left = _window_left(variant, target, bound)
+    if (target == "fa3" and variant.scans_mask) or (target == "fa2" and window_left >= 0):
+        # A batch of one: FA3's KV-range form; FA2's batch kernel, which starts each query tile's KV loop at the
+        # window where the single-prefill kernel visits every tile left of it. Planned once per key.
+        indptr = lambda n: torch.tensor([0, n], dtype=torch.int32, device=q.device)  # noqa: E731
+        plan = _one_shot.get(parts, lambda: RaggedAttentionPlan(
+            variant, indptr(q.shape[0]), indptr(k.shape[0]), num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
+            head_dim=q.shape[-1], dtype=q.dtype, causal=causal, sm_scale=given_scale, backend=target,
+            device=q.device, params=params or {}))
+        o = plan.run(q, k, v)
         return out.copy_(o) if out is not None else o
     fmod = _module(variant, "single_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     module = fmod.load()
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
-    mask_mode, window_left = _codegen(target).runtime_mask_code(variant, causal), _window_left(variant, target, bound)
+    mask_mode = _codegen(target).runtime_mask_code(variant, causal)
     non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
     if target == "fa3" and wave_split.applies(variant, causal, window_left, non_causal_schedule):
         tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1], q.shape[0])
@@ -248,7 +271,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
 
 _WORKSPACE_BYTES = 128 << 20
 _workspaces: dict = {}
-_wrappers: dict = {}
+_one_shot = PlanCache()  # the one-shot calls' plans (fivar.runtime.plan_cache)
 
 
 def _workspace(device):
@@ -276,27 +299,9 @@ def _attach(wrapper, module, fmod, owns_mask: bool):
     return wrapper
 
 
-def _wrapper(kind: str, variant, fmod, device):
-    import flashinfer
-    key = (kind, fmod.uri, device)
-    w = _wrappers.get(key)
-    if w is None:
-        ws = _workspace(device)
-        if kind == "ragged":
-            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
-        elif kind == "paged":
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
-        else:
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", use_tensor_cores=False,
-                                                              backend="fa2")
-        _attach(w, fmod.load(), fmod, owns_mask=bool(variant.mask) and fmod.target == "fa2")
-        _wrappers[key] = w
-    return w
-
-
-def _plan_causal(variant, target: str, causal: bool) -> bool:
+def _plan_causal(variant, target: str, causal: bool, window_left: int = -1) -> bool:
     # FA2 masked variants fold causal into their kCustom mask; everything else uses the kernel's causal mode
-    return bool(causal) and not (variant.mask and target == "fa2")
+    return bool(causal) and not _owns_mask(variant, target, causal, window_left)
 
 
 def _split_kwargs(variant, target: str) -> dict:
@@ -374,24 +379,28 @@ def _check_decode_indptr(variant, q, kv_indptr):
     return kv_indptr, batch
 
 
+def _shapes(*tensors) -> tuple:
+    """What a cached plan assumes of the data tensors (not their contents)."""
+    return tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for t in tensors)
+
+
 def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
                          backend="fa2", params=None):
     if backend == "triton":
         from .triton_attention import triton_batch_prefill_ragged
         return triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
                                            sm_scale=sm_scale, params=params)
-    _check_qkv(variant, q, k, v)
-    target = _check_backend(variant, backend, "batch_prefill", q.device)
-    qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
-    bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
-    if target == "fa3" and variant.scans_mask:
-        return _kv_range_prefill(variant, q, k, qo_indptr, kv_indptr, causal, bound, sm_scale).run(q, k, v)
-    fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
-    w = _wrapper("ragged", variant, fmod, q.device)
-    w.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[-1], causal=_plan_causal(variant, target, causal),
-           window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k.dtype,
-           o_data_type=q.dtype, **_split_kwargs(variant, target))
-    return w.run(q, k, v, *kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal)))
+    parts = ("ragged", variant, backend, bool(causal), sm_scale, params or {}, qo_indptr, kv_indptr, _shapes(q, k, v))
+    plan = _one_shot.lookup(parts)
+    if plan is None:
+        _check_qkv(variant, q, k, v)
+        _check_backend(variant, backend, "batch_prefill", q.device)
+        qo_indptr, kv_indptr, _ = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
+        plan = _one_shot.get(parts, lambda: RaggedAttentionPlan(
+            variant, qo_indptr, kv_indptr, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[-1],
+            dtype=q.dtype, causal=causal, sm_scale=sm_scale, backend=backend, device=q.device, params=params or {}))
+    return plan.run(q, k, v)
 
 
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
@@ -401,31 +410,39 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
                          "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
                          "on K/V gathered from the pages")
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    _check_qkv(variant, q, k_cache, v_cache, paged=True)
-    target = _check_backend(variant, backend, "batch_prefill", q.device)
-    qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
-    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
-    if kv_indptr.numel() != qo_indptr.numel() or int(qo_indptr[-1]) != q.shape[0]:
-        raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length, and "
-                         f"qo_indptr[-1] ({int(qo_indptr[-1])}) must equal q's token count ({q.shape[0]})")
-    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
-                                                k_cache.shape[1], q.device)
-    return _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                          causal, sm_scale, params)
+    parts = ("paged", variant, backend, bool(causal), sm_scale, params or {}, qo_indptr, kv_indptr, kv_indices,
+             kv_last_page_len, _shapes(q, k_cache, v_cache))
+    plan = _one_shot.lookup(parts)
+    if plan is None:
+        _check_qkv(variant, q, k_cache, v_cache, paged=True)
+        _check_backend(variant, backend, "batch_prefill", q.device)
+        qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
+        kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+        if kv_indptr.numel() != qo_indptr.numel() or int(qo_indptr[-1]) != q.shape[0]:
+            raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length, and "
+                             f"qo_indptr[-1] ({int(qo_indptr[-1])}) must equal q's token count ({q.shape[0]})")
+        kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len,
+                                                    k_cache.shape[0], k_cache.shape[1], q.device)
+        plan = _one_shot.get(parts, lambda: _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices,
+                                                        kv_last_page_len, causal, sm_scale, params))
+    return plan.run(q, (k_cache, v_cache))
 
 
-def _paged_prefill(variant, target, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal,
-                   sm_scale, params):
-    """batch_prefill_paged after its checks (batch_decode's tensor-core path comes here with its own)."""
-    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], qo_indptr.numel() - 1, sm_scale)
-    fmod = _module(variant, "batch_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
-    w = _wrapper("paged", variant, fmod, q.device)
-    w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, q.shape[1],
-           k_cache.shape[2], q.shape[-1], k_cache.shape[1], causal=_plan_causal(variant, target, causal),
-           window_left=_window_left(variant, target, bound), q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-           o_data_type=q.dtype, **_split_kwargs(variant, target))
-    return w.run(q, (k_cache, v_cache), *_paged_args(variant, target, bound, sm_scale, causal, qo_indptr,
-                                                     kv_indptr, kv_last_page_len, k_cache.shape[1]))
+def _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale,
+                params):
+    return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=q.shape[1],
+                              num_kv_heads=k_cache.shape[2], head_dim=q.shape[-1], page_size=k_cache.shape[1],
+                              dtype=q.dtype, causal=causal, sm_scale=sm_scale, backend=backend, device=q.device,
+                              params=params or {})
+
+
+def _decode_on_tensor_cores(variant, num_qo_heads: int, num_kv_heads: int) -> bool:
+    """One-token paged prefill on the tensor-core FA2 kernel instead of the CUDA-core decode kernel: faster once a
+    KV head serves >= 4 query heads (H200, batch 128 x 8192, GQA 32/8: 3.80 vs 2.60 TB/s of KV read); the only
+    correct path without softmax (FlashInfer merges split-KV partials through their log-sum-exp, which a
+    no-softmax variant does not have); and the only one that skips keys left of a window (the prefill kernel
+    starts its KV loop at q_idx - window_left, the decode kernel reads every page)."""
+    return (not variant.softmax or num_qo_heads // num_kv_heads >= 4 or variant.kv_band.left is not None)
 
 
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
@@ -436,25 +453,47 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         return triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                              sm_scale=sm_scale, params=params)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    _check_qkv(variant, q, k_cache, v_cache, paged=True)
-    target = _check_backend(variant, backend, "batch_decode", q.device)
-    kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
-    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
-                                                k_cache.shape[1], q.device)
-    if not variant.softmax or q.shape[1] // k_cache.shape[2] >= 4:
-        # One-token paged prefill on the tensor-core FA2 kernel: faster than the CUDA-core decode kernel
-        # once a KV head serves >= 4 query heads (H200, batch 128 x 8192, GQA 32/8: 3.80 vs 2.60 TB/s of
-        # KV read), and the only correct path without softmax (FlashInfer merges split-KV partials
-        # through their log-sum-exp, which a no-softmax variant does not have).
-        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        return _paged_prefill(variant, "fa2", q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                              False, sm_scale, params)
-    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
-    fmod = module_for(variant, "batch_decode", target, dtype_name(q.dtype), q.shape[-1])
-    w = _wrapper("decode", variant, fmod, q.device)
-    w.plan(kv_indptr, kv_indices, kv_last_page_len, q.shape[1], k_cache.shape[2],
-           q.shape[-1], k_cache.shape[1], q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=q.dtype)
-    return w.run(q, (k_cache, v_cache), *kernel_args(variant, bound, sm_scale, False if variant.mask else None))
+    parts = ("decode", variant, backend, sm_scale, params or {}, kv_indptr, kv_indices, kv_last_page_len,
+             _shapes(q, k_cache, v_cache))
+    plan = _one_shot.lookup(parts)
+    if plan is None:
+        _check_qkv(variant, q, k_cache, v_cache, paged=True)
+        _check_backend(variant, backend, "batch_decode", q.device)
+        kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
+        kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len,
+                                                    k_cache.shape[0], k_cache.shape[1], q.device)
+        if _decode_on_tensor_cores(variant, q.shape[1], k_cache.shape[2]):
+            qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+            make = lambda: _paged_plan(variant, "fa2", q, k_cache, qo_indptr, kv_indptr, kv_indices,  # noqa: E731
+                                       kv_last_page_len, False, sm_scale, params)
+        else:
+            make = lambda: DecodePlan(variant, kv_indptr, kv_indices, kv_last_page_len,  # noqa: E731
+                                      num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[-1],
+                                      page_size=k_cache.shape[1], dtype=q.dtype, sm_scale=sm_scale, device=q.device,
+                                      params=params or {})
+        plan = _one_shot.get(parts, make)
+    return plan.run(q, (k_cache, v_cache))
+
+
+class DecodePlan:
+    """The CUDA-core decode kernel, planned (the one-shot `batch_decode` keeps one per batch layout)."""
+
+    def __init__(self, variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, dtype, sm_scale, device, params):
+        import flashinfer
+        self.variant = variant
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=device)
+        bound, sm_scale = _prepare(variant, params, probe, num_kv_heads, kv_indptr.numel() - 1, sm_scale)
+        fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim)
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(device), kv_layout="NHD",
+                                                                      use_tensor_cores=False, backend="fa2")
+        _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask))
+        self._wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                           q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)
+
+    def run(self, q, paged_kv_cache):
+        return self._wrapper.run(q, _paged_kv(self.variant, paged_kv_cache), *self._args)
 
 
 def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
@@ -499,11 +538,12 @@ class PagedAttentionPlan:
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(self.device), kv_layout="NHD",
                                                                        backend=self.target)
-        _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask) and self.target == "fa2")
+        window_left = _window_left(variant, self.target, bound)
+        _attach(self._wrapper, fmod.load(), fmod, owns_mask=_owns_mask(variant, self.target, causal, window_left))
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices.to(self.device), kv_last_page_len.to(self.device),
                            num_qo_heads, num_kv_heads, head_dim, page_size,
-                           causal=_plan_causal(variant, self.target, causal),
-                           window_left=_window_left(variant, self.target, bound), q_data_type=dtype,
+                           causal=_plan_causal(variant, self.target, causal, window_left),
+                           window_left=window_left, q_data_type=dtype,
                            kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
         self._args = _paged_args(variant, self.target, bound, sm_scale, causal, qo_indptr, kv_indptr,
                                  kv_last_page_len, page_size)
@@ -547,10 +587,11 @@ class RaggedAttentionPlan:
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
         self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(self.device), kv_layout="NHD",
                                                                         backend=self.target)
-        _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask) and self.target == "fa2")
+        window_left = _window_left(variant, self.target, bound)
+        _attach(self._wrapper, fmod.load(), fmod, owns_mask=_owns_mask(variant, self.target, causal, window_left))
         self._wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
-                           causal=_plan_causal(variant, self.target, causal),
-                           window_left=_window_left(variant, self.target, bound), q_data_type=dtype,
+                           causal=_plan_causal(variant, self.target, causal, window_left),
+                           window_left=window_left, q_data_type=dtype,
                            kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
         self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal))
 

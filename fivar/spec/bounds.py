@@ -27,6 +27,11 @@ class KvBand:
     #: True when the mask is exactly the band (every term gave a bound): nothing inside it is masked.
     exact: bool = False
 
+    @property
+    def left_window(self) -> bool:
+        """The mask is exactly `kv_idx >= q_idx - left`: a sliding window, which kernels apply as their own."""
+        return self.exact and self.left is not None and self.right is None
+
 
 def _inline(program: ir.Program) -> ir.Expr:
     env: dict[str, ir.Expr] = {}
