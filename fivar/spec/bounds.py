@@ -99,19 +99,40 @@ def _term_bound(e: ir.Expr, rest_ok=ir.is_invariant):
     return "right", ir.Unary(I32, "neg", rest)
 
 
+def _chunk_width(e: ir.Expr) -> ir.Expr | None:
+    """`abs(C) - 1` for a term `q_idx // C == kv_idx // C` (a chunked mask, C invariant): two positions in one
+    chunk of C are at most |C| - 1 apart. None for any other term."""
+    if not (isinstance(e, ir.Binary) and e.op == "eq"):
+        return None
+    sides = []
+    for x in (e.a, e.b):
+        if not (isinstance(x, ir.Binary) and x.op == "floordiv" and isinstance(x.a, ir.Index)
+                and ir.is_invariant(x.b) and x.b.type == I32):
+            return None
+        sides.append((x.a.name, x.b))
+    if {sides[0][0], sides[1][0]} != {"q_idx", "kv_idx"} or sides[0][1] != sides[1][1]:
+        return None
+    return ir.Binary(I32, "sub", ir.Call(I32, "abs", (sides[0][1],)), ir.Const(I32, 1))
+
+
 def kv_band(mask: ir.Program | None) -> KvBand:
     if mask is None:
         return KvBand(None, None)
     found: dict[str, ir.Expr] = {}
     exact = True
     for term in _conjuncts(_inline(mask)):
-        bound = _term_bound(term)
-        if bound is None:
-            exact = False
-            continue
-        side, e = bound
-        e = _simplify(e)
-        found[side] = e if side not in found else ir.Call(I32, "minimum", (found[side], e))
+        chunk = _chunk_width(term)
+        if chunk is not None:  # implies |q_idx - kv_idx| <= width, both sides; the chunk edges stay in the mask
+            bounds, exact = [("left", chunk), ("right", chunk)], False
+        else:
+            bound = _term_bound(term)
+            if bound is None:
+                exact = False
+                continue
+            bounds = [bound]
+        for side, e in bounds:
+            e = _simplify(e)
+            found[side] = e if side not in found else ir.Call(I32, "minimum", (found[side], e))
     return KvBand(found.get("left"), found.get("right"), exact and bool(found))
 
 

@@ -55,9 +55,18 @@ def m_doc(b, h, kh, q, kv, p):
     return p.doc[q] == p.doc[kv]
 
 
+def m_chunk(b, h, kh, q, kv, p):
+    return q // p.w == kv // p.w and kv <= q  # chunked local attention: a loose band of the chunk's width
+
+
+def m_chunk_other(b, h, kh, q, kv, p):
+    return q // p.w == kv // p.r  # different divisors: no band
+
+
 CASES = {m_window: ("left", True), m_flipped: ("left", True), m_shifted: ("left", True),
          m_two_sided: ("both", True), m_right_only: ("right", True), m_window_and_doc: ("left", False),
-         m_two_windows: ("left", True), m_either: (None, False), m_scaled: (None, False), m_doc: (None, False)}
+         m_two_windows: ("left", True), m_either: (None, False), m_scaled: (None, False), m_doc: (None, False),
+         m_chunk: ("both", False), m_chunk_other: (None, False)}
 
 
 @pytest.mark.parametrize("mask", list(CASES), ids=lambda f: f.__name__)
@@ -73,6 +82,7 @@ def test_band_is_implied_by_the_mask(mask):
     kv_idx = torch.arange(n).view(1, -1).expand(n, n)
     for _ in range(20):
         scalars = {"w": int(torch.randint(-3, 12, ())), "r": int(torch.randint(-3, 12, ()))}
+        scalars = {k: x or 1 for k, x in scalars.items()}  # never 0: the chunk masks divide by them
         doc = torch.randint(0, 3, (n,)).sort().values.to(torch.int32)
         keep = torch.tensor([[bool(mask(0, 0, 0, int(i), int(j), _P(scalars, doc))) for j in range(n)]
                              for i in range(n)])
@@ -160,7 +170,7 @@ def _fa2_batch_kernel_keeps(mask_fn, scalars, doc, qo_len, kv_len, window_left, 
     return keep
 
 
-FA2_CASES = [m_window, m_flipped, m_shifted, m_two_windows, m_two_sided, m_window_and_doc, m_right_only]
+FA2_CASES = [m_window, m_flipped, m_shifted, m_two_windows, m_two_sided, m_window_and_doc, m_right_only, m_chunk]
 
 
 @pytest.mark.parametrize("mask", FA2_CASES, ids=lambda f: f.__name__)
@@ -174,7 +184,7 @@ def test_fa2_window_skips_only_masked_tiles(mask):
     gen = torch.Generator().manual_seed(1)
     for _ in range(25):
         ri = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
-        scalars = {"w": ri(-6, 60), "r": ri(-6, 40)}
+        scalars = {"w": ri(-6, 60) or 1, "r": ri(-6, 40) or 1}
         kv_len = ri(1, 90)
         qo_len = ri(1, kv_len + 1)
         doc = torch.randint(0, 3, (kv_len,), generator=gen).sort().values.to(torch.int32)
