@@ -165,3 +165,20 @@ def test_plain_and_planned_prefill_agree(name, backend):
     assert torch.equal(plain, planned)
     ref = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, True, params)
     assert compare(v.name, "plain", plain, ref, torch.bfloat16).passed
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_one_shot_plans_beyond_the_cache_reuse_wrappers_correctly(backend):
+    """More distinct batch layouts than the one-shot cache keeps: dropped plans hand their wrappers to later
+    plans of the same module, which re-plan them; every result must still be the reference's."""
+    v = VARIANTS["chunked"]
+    for n in range(12):
+        qo_lens = kv_lens = [64 + 37 * n, 129]
+        q = torch.randn(sum(qo_lens), 32, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(sum(kv_lens), 8, 128, dtype=torch.bfloat16, device="cuda")
+        vv = torch.randn_like(k)
+        indptr = torch.tensor([0, qo_lens[0], sum(qo_lens)], dtype=torch.int32, device="cuda")
+        out = v.batch_prefill_ragged(q, k, vv, indptr, indptr, causal=True, backend=backend)
+        ref = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, True, {})
+        r = compare(v.name, f"layout {n}", out, ref, torch.bfloat16)
+        assert r.passed, r

@@ -12,8 +12,8 @@ from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from . import wave_split
 from .kv_ranges import KvRangePrefill
-from .launch import (_attach, _check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv,
-                     _check_ragged_indptr, _invariant, _module, _paged_kv, _prepare, _workspace)
+from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
+                     _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
 from .params import kernel_args
 from .plan_cache import PlanCache
 from .triton_attention import triton_batch_prefill_ragged, triton_decode, triton_prefill
@@ -169,7 +169,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
 
 # --- batch entry points: FlashInfer's own wrappers plan and launch, running fivar's module -------------
 
-_one_shot = PlanCache()  # the one-shot calls' plans (fivar.runtime.plan_cache)
+_one_shot = PlanCache(on_evict=lambda plan: plan.release())  # the one-shot calls' plans (fivar.runtime.plan_cache)
 
 
 def _plan_causal(variant, target: str, causal: bool, window_left: int = -1) -> bool:
@@ -276,25 +276,33 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
     return plan.run(q, (k_cache, v_cache))
 
 
-class DecodePlan:
+class _OwnsWrapper:
+    """A plan running one FlashInfer wrapper, taken with fivar.runtime.launch.take_wrapper."""
+
+    def release(self):
+        """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        release_wrapper(*self._release, self._wrapper)
+        self._wrapper = None
+
+
+class DecodePlan(_OwnsWrapper):
     """The CUDA-core decode kernel, planned (the one-shot `batch_decode` keeps one per batch layout)."""
 
     def __init__(self, variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
                  page_size, dtype, sm_scale, device, params):
-        import flashinfer
         self.variant = variant
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=device)
         bound, sm_scale = _prepare(variant, params, probe, num_kv_heads, kv_indptr.numel() - 1, sm_scale)
         fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim)
-        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(device), kv_layout="NHD",
-                                                                      use_tensor_cores=False, backend="fa2")
-        _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask))
+        self._wrapper = take_wrapper("decode", fmod, device, owns_mask=bool(variant.mask))
+        self._release = ("decode", fmod, device)
         self._wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                            q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)
 
     def run(self, q, paged_kv_cache):
         return self._wrapper.run(q, _paged_kv(self.variant, paged_kv_cache), *self._args)
+
 
 
 def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
@@ -322,7 +330,7 @@ def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
     return dtype, qo_indptr, kv_indptr
 
 
-class PagedAttentionPlan:
+class PagedAttentionPlan(_OwnsWrapper):
     """A planned paged batch: validate and plan once per batch layout, then `run(q, cache)` per layer.
 
     This is FlashInfer's plan/run split; the one-shot `batch_prefill_paged` re-plans on every call.
@@ -331,16 +339,14 @@ class PagedAttentionPlan:
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
                  num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
                  device="cuda", params=None):
-        import flashinfer
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(self.device), kv_layout="NHD",
-                                                                       backend=self.target)
         window_left = _window_left(variant, self.target, bound)
-        _attach(self._wrapper, fmod.load(), fmod, owns_mask=_owns_mask(variant, self.target, causal, window_left))
+        self._wrapper = take_wrapper("paged", fmod, self.device, _owns_mask(variant, self.target, causal, window_left))
+        self._release = ("paged", fmod, self.device)
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices.to(self.device), kv_last_page_len.to(self.device),
                            num_qo_heads, num_kv_heads, head_dim, page_size,
                            causal=_plan_causal(variant, self.target, causal, window_left),
@@ -360,7 +366,7 @@ class PagedAttentionPlan:
         return self._wrapper.run(q, (k_cache, v_cache), *self._args)
 
 
-class RaggedAttentionPlan:
+class RaggedAttentionPlan(_OwnsWrapper):
     """A planned ragged batch (`v.plan_ragged`): plan once per batch layout, then `run(q, k, v)` per layer.
 
     For a mask that is more than a band on FA3, planning is where the KV-range lowering happens (the mask
@@ -382,13 +388,12 @@ class RaggedAttentionPlan:
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
             return
-        import flashinfer
         self._kv_ranges = None
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
-        self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(self.device), kv_layout="NHD",
-                                                                        backend=self.target)
         window_left = _window_left(variant, self.target, bound)
-        _attach(self._wrapper, fmod.load(), fmod, owns_mask=_owns_mask(variant, self.target, causal, window_left))
+        self._wrapper = take_wrapper("ragged", fmod, self.device,
+                                     _owns_mask(variant, self.target, causal, window_left))
+        self._release = ("ragged", fmod, self.device)
         self._wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
                            causal=_plan_causal(variant, self.target, causal, window_left),
                            window_left=window_left, q_data_type=dtype,
@@ -406,3 +411,9 @@ class RaggedAttentionPlan:
         if self._kv_ranges is not None:
             return self._kv_ranges.run(q, k, v)
         return self._wrapper.run(q, k, v, *self._args)
+
+    def release(self):
+        if self._kv_ranges is not None:
+            self._kv_ranges.release()
+        else:
+            _OwnsWrapper.release(self)

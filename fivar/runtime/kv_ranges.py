@@ -34,7 +34,7 @@ from ..codegen.fa3 import BLOCKS, ROW_RUNS
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..jit.triton_module import load_triton_module
-from .launch import _attach, _module, _workspace
+from .launch import _module, release_wrapper, take_wrapper
 from .params import kernel_args
 
 _RANGE_ROWS = 16  # the pre-pass granularity (RANGE_ROWS in templates/triton/attention.py.jinja)
@@ -149,12 +149,8 @@ class _KvStartsModule:
 
 
 def _fa3_wrapper(fmod, device):
-    """A ragged FA3 wrapper running fivar's module with the KV-starts plan; each plan owns its own (the one-shot
-    calls keep their plans: fivar.runtime.plan_cache)."""
-    import flashinfer
-
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), kv_layout="NHD", backend="fa3")
-    _attach(w, fmod.load(), fmod, owns_mask=False)
+    """A ragged FA3 wrapper running fivar's module with the KV-starts plan."""
+    w = take_wrapper("ragged", fmod, device, owns_mask=False)
     w._jit_module = _KvStartsModule(w._jit_module)
     return w
 
@@ -179,6 +175,7 @@ class KvRangePrefill:
                                  runs_shape=tuple(runs.shape) if self.row_runs else None)
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, row_runs=self.row_runs)
         w = _fa3_wrapper(fmod, device)
+        self._release = ("ragged", fmod, device)
         w._jit_module.kv_starts = layout.kv_starts
         w.plan(layout.qo_indptr, layout.kv_indptr_for_lengths, num_qo_heads, num_kv_heads, head_dim,
                causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
@@ -192,3 +189,9 @@ class KvRangePrefill:
         if self.empty:
             return torch.empty_like(q)
         return self._wrapper.run(q, k, v, *self._args)
+
+    def release(self):
+        """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        if not self.empty:
+            release_wrapper(*self._release, self._wrapper)
+            self._wrapper = None

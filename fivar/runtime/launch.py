@@ -147,6 +147,38 @@ def _attach(wrapper, module, fmod, owns_mask: bool):
     return wrapper
 
 
+#: Wrappers of plans the one-shot cache dropped, per (kind, module, device), for the next plans of that module: a new
+#: wrapper allocates pinned host and device workspaces (milliseconds), a re-plan of a kept one does not.
+_free_wrappers: dict = {}
+_FREE_WRAPPERS_PER_MODULE = 4
+
+
+def take_wrapper(kind: str, fmod, device, owns_mask: bool):
+    """A FlashInfer wrapper of `kind` ("ragged", "paged", "decode") running fivar's module `fmod`: a released one
+    if there is one, else a new one."""
+    free = _free_wrappers.get((kind, fmod.uri, str(device)))
+    if free:
+        w = free.pop()
+    else:
+        import flashinfer
+        ws = _workspace(device)
+        if kind == "ragged":
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
+        elif kind == "paged":
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
+        else:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", use_tensor_cores=False,
+                                                              backend="fa2")
+    return _attach(w, fmod.load(), fmod, owns_mask)
+
+
+def release_wrapper(kind: str, fmod, device, wrapper) -> None:
+    """Give a wrapper whose plan is no longer used back for take_wrapper (its next plan re-plans it)."""
+    free = _free_wrappers.setdefault((kind, fmod.uri, str(device)), [])
+    if len(free) < _FREE_WRAPPERS_PER_MODULE:
+        free.append(wrapper)
+
+
 def _check_indptr(variant, name, t, device):
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 2:
         raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor with batch_size+1 "

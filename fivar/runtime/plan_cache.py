@@ -50,8 +50,8 @@ class PlanCache:
     """A small LRU of plans. `get(parts, make)`: the plan for `parts` (a tuple of call arguments), made by
     `make()` on a miss. Plans own device memory (a FlashInfer wrapper's workspace), hence the small capacity."""
 
-    def __init__(self, capacity: int = 8):
-        self.capacity = capacity
+    def __init__(self, capacity: int = 8, on_evict=None):
+        self.capacity, self.on_evict = capacity, on_evict
         self._entries: OrderedDict = OrderedDict()  # key -> (plan, weakrefs of the key's tensors)
         self.hits = self.misses = 0
 
@@ -67,7 +67,7 @@ class PlanCache:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return plan
-            del self._entries[key]  # a keyed tensor died: its id may now name another tensor
+            self._drop(key)  # a keyed tensor died: its id may now name another tensor
         return None
 
     def get(self, parts: tuple, make):
@@ -80,11 +80,17 @@ class PlanCache:
         refs = [weakref.ref(t) for t in _tensors(parts)]
         self._entries[key] = (plan, refs)
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))
         return plan
 
+    def _drop(self, key):
+        plan, _ = self._entries.pop(key)
+        if self.on_evict is not None:
+            self.on_evict(plan)
+
     def clear(self):
-        self._entries.clear()
+        for key in list(self._entries):
+            self._drop(key)
 
     def __len__(self):
         return len(self._entries)

@@ -106,3 +106,20 @@ def test_one_shot_call_plans_once_per_key(fake_ragged):
     assert fake_ragged.made == 4
     v.batch_prefill_ragged(q[:, :2], k, k, qo, kv, causal=False, backend="fa2", doc_ids=doc)  # another shape
     assert fake_ragged.made == 5
+
+
+def test_dropped_plans_are_released_once():
+    released = []
+    cache = PlanCache(capacity=2, on_evict=released.append)
+    made, make = _make_counter()
+    a = torch.zeros(2)
+    cache.get(("x", a), make)
+    cache.get(("y",), make)
+    cache.get(("z",), make)  # evicts the oldest
+    assert released == [made[0]]
+    del a
+    gc.collect()
+    cache.lookup(("x", torch.zeros(2)))  # nothing of x is left to drop
+    assert released == [made[0]]
+    cache.clear()
+    assert sorted(map(id, released)) == sorted(map(id, made)) and len(cache) == 0
