@@ -42,13 +42,32 @@ SINKS = AttentionVariant(name="sinks_window_probe", mask=_sinks_mask,
                          params={"n_sink": Scalar(int, default=4), "window": Scalar(int, default=200)})
 PREFIX = AttentionVariant(name="prefix_lm_probe", mask=_prefix_mask,
                           params={"prefix": Tensor("int32", ("batch",))})
+def _document_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return params.doc[batch, q_idx] == params.doc[batch, kv_idx]
+
+
+def _head_window_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.head_window[qo_head]
+
+
+DOCUMENTS = AttentionVariant(name="documents_probe", mask=_document_mask,
+                             params={"doc": Tensor("int32", ("batch", "position"))})
+HEAD_WINDOW = AttentionVariant(name="head_window_probe", logits=_gemma_logits, mask=_head_window_mask,
+                               params={"cap": Scalar(float, default=50.0),
+                                       "head_window": Tensor("int32", ("qo_head",))})
 VARIANTS = {"gemma": GEMMA, "chunked": CHUNKED, "sinks": SINKS, "prefix": PREFIX}
+DECODE_ONLY = {"documents": DOCUMENTS, "head_window": HEAD_WINDOW}
 HEADS = [(32, 8), (4, 4)]
 
 
-def _params(name, batch, kv_len, device="cuda"):
+def _params(name, batch, kv_len, device="cuda", num_qo_heads=32):
     if name == "prefix":
         return {"prefix": torch.randint(0, kv_len + 1, (batch,), dtype=torch.int32, device=device)}
+    if name == "documents":  # a few documents per request, sorted ids
+        starts = torch.rand(batch, kv_len, device=device) < 4.0 / kv_len
+        return {"doc": starts.to(torch.int32).cumsum(1).to(torch.int32)}
+    if name == "head_window":
+        return {"head_window": torch.randint(-3, 700, (num_qo_heads,), dtype=torch.int32, device=device)}
     return {}
 
 
@@ -104,12 +123,15 @@ def _decode_inputs(kv_lens, heads, page_size=16, dtype=torch.bfloat16):
 @pytest.mark.parametrize("name,params", [
     ("gemma", {"window": 1}), ("gemma", {"window": 100}), ("gemma", {"window": 517}), ("gemma", {"window": 5000}),
     ("gemma", {"window": -3}), ("chunked", {"chunk": 64}), ("chunked", {"chunk": 1000}), ("sinks", {}),
-    ("prefix", None)])
+    ("sinks", {"n_sink": 0, "window": 37}), ("sinks", {"n_sink": 21, "window": 5000}), ("prefix", None),
+    ("documents", None), ("head_window", None)])
 def test_decode_plain_and_planned(name, params, heads):
-    v = VARIANTS[name]
+    """Windows read only the window (window_left); sinks + window, documents and per-head windows read the
+    trimmed pages (key-segments form); prefix-LM keeps every key. Plain and planned decode both match."""
+    v = {**VARIANTS, **DECODE_ONLY}[name]
     kv_lens = [1, 33, 517, 1000, 2049]
     q, k, vv, cache, indptr, indices, last = _decode_inputs(kv_lens, heads)
-    params = params if params is not None else _params(name, len(kv_lens), max(kv_lens))
+    params = params if params is not None else _params(name, len(kv_lens), max(kv_lens), num_qo_heads=heads[0])
     ref = _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params)
     out = v.decode(q, cache, indptr, indices, last, **params)
     r = compare(v.name, f"decode {heads} {params if name != 'prefix' else ''}", out, ref, torch.bfloat16)

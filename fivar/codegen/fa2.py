@@ -82,10 +82,27 @@ def softmax_scale_log2(variant, emit: CppEmitter) -> str:
     return "flashinfer::math::log2e"
 
 
-def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja") -> VariantDecl:
+#: The key-segments form's per-request table: int32 [requests, 4] = (seg, shift_a, shift_b, q_shift). The request's
+#: pages were trimmed to two runs (fivar.runtime.decode_pages): the kernel's key kv sits at kv_idx kv + shift_a
+#: below local key `seg`, kv + shift_b from it on, and its query at q_idx (kv_len - qo_len + qo_idx) + q_shift.
+KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 4
+
+
+def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",
+                 kv_segments: bool = False) -> VariantDecl:
+    """`kv_segments`: the key-segments form of batch prefill (decode over trimmed pages; KV_SEGMENTS)."""
     lowered = variant.lowered
-    emit = CppEmitter(variant, param_ref)
+    seg = lambda i: f"{param_ref(KV_SEGMENTS)}[{KV_SEGMENT_FIELDS} * batch_idx + {i}]"  # noqa: E731
+    index_init = ({"kv_idx": "(int32_t(kv_idx) < fv_seg ? int32_t(kv_idx) + fv_shift_a : int32_t(kv_idx) + fv_shift_b)"}
+                  if kv_segments else None)
+    emit = CppEmitter(variant, param_ref, index_init=index_init)
     members = emit.members(lowered, [lowered.output_scale] if lowered.output_scale is not None else [])
+    if kv_segments:
+        for m in members:
+            if m.name == "fv_q_offset":
+                m.init = f"int32_t(kv_len) - int32_t(qo_len) + {seg(3)}"
+        members[:0] = [Member("int32_t", "fv_seg", seg(0)), Member("int32_t", "fv_shift_a", seg(1)),
+                       Member("int32_t", "fv_shift_b", seg(2))]
     scale = softmax_scale_log2(variant, emit)
     mask_body = None
     if lowered.mask:
@@ -95,4 +112,5 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
                     logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body)
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask)))
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask),
+                                                          extra_tensors=[KV_SEGMENTS] if kv_segments else []))

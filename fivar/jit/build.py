@@ -489,7 +489,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                exp2_emulated_of_8: int | None = None, cta_tile: str | None = None,
                bounded_softmax: bool | None = None, schedule: str | None = None, nvcc_split_compile: bool | None = None,
                pin_kv_tiles: bool | None = None, skip_unused_headers: bool | Collection[str] | None = None,
-               nvcc_parallel_passes: bool | None = None) -> FivarModule:
+               nvcc_parallel_passes: bool | None = None, kv_segments: bool = False) -> FivarModule:
     """All sources of one module. `split_cta_tiles=True` (default: FIVAR_SPLIT_CTA_TILES=1) renders FA2
     prefill kernels as one unit per CTA tile (_fa2_tile_split) instead of FlashInfer's one per mask mode:
     same kernels, another URI. It shortens the longest unit (~0.7x) for ~1.8x the compile CPU, so it pays
@@ -556,7 +556,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
                              logits_range=logits_range)
             if target == "fa3"
-            else fa2.variant_decl(variant))
+            else fa2.variant_decl(variant, kv_segments=kv_segments))  # decode over trimmed pages (FA2 batch prefill)
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
@@ -628,9 +628,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = toolchain.split_compile_on(nvcc_split_compile)
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = "_runs" if row_runs else ""
+    form = "_runs" if row_runs else "_kvseg" if kv_segments else ""
     uri = f"fivar_{variant.name}_{target}_{op}{form}_{dtype}_hd{head_dim}_{content_hash(sources, cuda_cflags)}"
     options = {"row_runs": row_runs, "nvcc_parallel_passes": nvcc_parallel_passes,
+               **({"kv_segments": True} if kv_segments else {}),
                **({"exp2_emulated_of_8": exp2_emulated_of_8, "cta_tile": fa3.tile_text(chosen_tiles),
                    "bounded_softmax": logits_range is not None, "schedule": fa3.schedule_text(chosen_schedules)}
                   if target == "fa3" else {"split_cta_tiles": bool(split), "nvcc_split_compile": nvcc_split_compile,
@@ -678,18 +679,18 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
-               bounded_softmax: bool | None = None) -> FivarModule:
+               bounded_softmax: bool | None = None, kv_segments: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = tuple(os.environ.get(k, "") for k in ("FIVAR_SPLIT_CTA_TILES", fa3.EXP2_EMULATION_ENV, fa3.CTA_TILE_ENV,
                                                   fa3.BOUNDED_SOFTMAX_ENV, fa3.SCHEDULE_ENV,
                                                   toolchain.SPLIT_COMPILE_ENV,
                                                   pinned_kv_tiles.ENV, unused_headers.ENV,
                                                   toolchain.PARALLEL_PASSES_ENV))
-    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
+    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
-                                 bounded_softmax=bounded_softmax))
+                                 bounded_softmax=bounded_softmax, kv_segments=kv_segments))
         _memo[key] = m
     return m[1]
 

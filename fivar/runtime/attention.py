@@ -10,7 +10,10 @@ import torch
 from ..codegen import fa2, fa3
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..spec import ir
+from ..spec.sparsity import classify_decode
 from . import wave_split
+from .decode_pages import trim_pages
 from .kv_ranges import KvRangePrefill
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
@@ -183,9 +186,9 @@ def _split_kwargs(variant, target: str) -> dict:
 
 
 def _shapes(*tensors) -> tuple:
-    """What a cached plan assumes of the data tensors (not their contents)."""
-    return tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
-                 for t in tensors)
+    """What a cached plan assumes of the data tensors (not their contents): a hit skips the checks of these."""
+    return tuple((tuple(t.shape), t.stride(), t.dtype, str(t.device)) if isinstance(t, torch.Tensor)
+                 else type(t).__name__ for t in tensors)
 
 
 def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,
@@ -247,6 +250,25 @@ def _decode_on_tensor_cores(variant, num_qo_heads: int, num_kv_heads: int) -> bo
     return (not variant.softmax or num_qo_heads // num_kv_heads >= 4 or variant.kv_band.left is not None)
 
 
+def trims_decode_pages(variant) -> bool:
+    """Decode trims each request's pages to those holding kept keys (fivar.runtime.decode_pages) for a mask with
+    no left band (a band's window_left already skips) that depends on the key position."""
+    mask = variant.ir.mask
+    return mask is not None and variant.kv_band.left is None and "kv_idx" in ir.uses(mask)
+
+
+def _trimmed_decode_pages(variant, q, k_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, params):
+    if not trims_decode_pages(variant):
+        return None
+    page = k_cache.shape[1]
+    bound, _ = _prepare(variant, params or {}, q, k_cache.shape[2], kv_indptr.numel() - 1, sm_scale)
+    n_pages = kv_indptr.long().diff()
+    kv_lens = (n_pages - 1).clamp(min=0) * page + torch.where(n_pages > 0, kv_last_page_len.long(), 0)
+    kinds = classify_decode(variant.ir.mask, kv_lens, page_size=page, scalars=bound.scalars, tensors=bound.tensors,
+                            num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2])
+    return trim_pages(kinds, kv_indptr, kv_indices, kv_last_page_len, page)
+
+
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
                  backend="fa2", params=None):
     """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1."""
@@ -263,7 +285,16 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
         kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len,
                                                     k_cache.shape[0], k_cache.shape[1], q.device)
-        if _decode_on_tensor_cores(variant, q.shape[1], k_cache.shape[2]):
+        trimmed = _trimmed_decode_pages(variant, q, k_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale,
+                                        params)
+        if trimmed is not None:  # the pages holding kept keys, in the key-segments form
+            qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+            make = lambda: PagedAttentionPlan(  # noqa: E731
+                variant, qo_indptr, trimmed.kv_indptr, trimmed.kv_indices, trimmed.kv_last_page_len,
+                num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[-1],
+                page_size=k_cache.shape[1], dtype=q.dtype, sm_scale=sm_scale, backend="fa2", device=q.device,
+                params=params or {}, kv_segments=trimmed.segments)
+        elif _decode_on_tensor_cores(variant, q.shape[1], k_cache.shape[2]):
             qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
             make = lambda: _paged_plan(variant, "fa2", q, k_cache, qo_indptr, kv_indptr, kv_indices,  # noqa: E731
                                        kv_last_page_len, False, sm_scale, params)
@@ -338,12 +369,14 @@ class PagedAttentionPlan(_OwnsWrapper):
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
                  num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
-                 device="cuda", params=None):
+                 device="cuda", params=None, kv_segments=None):
+        """`kv_segments` (decode over trimmed pages, fivar.runtime.decode_pages): FA2's key-segments form."""
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
-        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
+        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
+                       kv_segments=kv_segments is not None)
         window_left = _window_left(variant, self.target, bound)
         self._wrapper = take_wrapper("paged", fmod, self.device, _owns_mask(variant, self.target, causal, window_left))
         self._release = ("paged", fmod, self.device)
@@ -352,8 +385,11 @@ class PagedAttentionPlan(_OwnsWrapper):
                            causal=_plan_causal(variant, self.target, causal, window_left),
                            window_left=window_left, q_data_type=dtype,
                            kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
-        self._args = _paged_args(variant, self.target, bound, sm_scale, causal, qo_indptr, kv_indptr,
-                                 kv_last_page_len, page_size)
+        self._args = (kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal),
+                                  tables={fa2.KV_SEGMENTS: kv_segments.to(self.device)})
+                      if kv_segments is not None else
+                      _paged_args(variant, self.target, bound, sm_scale, causal, qo_indptr, kv_indptr,
+                                  kv_last_page_len, page_size))
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
     def run(self, q, paged_kv_cache):

@@ -6,6 +6,7 @@ block map, fivar.codegen's window forms), so the text cannot drift from what run
 from __future__ import annotations
 
 from ..codegen import fa2, fa3
+from .attention import trims_decode_pages
 from ..spec import sparsity
 from ..spec.ir import format_expr
 from ..spec.params import Scalar
@@ -80,9 +81,13 @@ def _decode_line(v) -> str:
         return ("decode: the tensor-core paged kernel with window_left = the band's left edge: it reads only the "
                 "pages from q_idx - window_left on (FlashInfer's scheduler sizes each request's work by the window), "
                 "like stock decode with window_left")
-    return ("decode: reads every page of each request. Trimming a request's pages to those holding kept keys "
-            "would shift the kernel's kv_idx, which fivar's FA2 struct cannot offset: not done for masks without a "
-            "left band (prefix-LM, documents, sinks + window, whose kept keys are two ranges)")
+    if trims_decode_pages(v):
+        return ("decode (one-shot v.decode): each request's pages are trimmed to those that may hold kept keys (the "
+                "block map per page, on the device): the first run of such pages and the hull of the rest, read on "
+                "the tensor-core paged kernel in the key-segments form (fivar.runtime.decode_pages), which maps each "
+                "key back to its kv_idx; a mask keeping more than two runs reads the gaps after the first. A plan "
+                "(plan_decode) reads every page")
+    return "decode: reads every page of each request (the mask does not depend on the key position)"
 
 
 def _triton_line(v) -> str:

@@ -78,7 +78,7 @@ def _check_output_scale(variant, bound, sm_scale):
                          f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
 
 
-def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False):
+def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False, kv_segments: bool = False):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
     for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
     dt = dtype_name(dtype)
@@ -89,7 +89,7 @@ def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: boo
             factor = 1.0 if scale is None else _invariant(variant, scale, bound, sm_scale)
             if not fa3.bounded_softmax_applies(rng, factor):
                 return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, bounded_softmax=False)
-    return module_for(variant, op, target, dt, head_dim, row_runs=row_runs)
+    return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, kv_segments=kv_segments)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):

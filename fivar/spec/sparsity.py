@@ -373,6 +373,33 @@ def classify_bounds(program: ir.Program, q_lo, q_hi, kv_lo, kv_hi, *, scalars: d
     return kinds
 
 
+def classify_decode(program: ir.Program | None, kv_lens: torch.Tensor, *, page_size: int, scalars: dict | None = None,
+                    tensors: dict | None = None, num_qo_heads: int = 1, num_kv_heads: int = 1) -> torch.Tensor:
+    """kinds [batch, max pages] of a decode batch (request b's one query at q_idx kv_lens[b] - 1) over its pages
+    of `page_size` keys, all requests at once on kv_lens' device; pages past a request's keys are EMPTY."""
+    dev = kv_lens.device
+    lens = kv_lens.long().view(-1, 1, 1, 1)  # [batch, heads, q, pages]
+    pages = max(1, -(-int(kv_lens.max()) // page_size)) if kv_lens.numel() else 1
+    kv_lo = (torch.arange(pages, device=dev, dtype=torch.int64) * page_size).view(1, 1, 1, -1)
+    kv_hi = torch.minimum(kv_lo + page_size - 1, lens - 1)
+    q = lens - 1
+    heads = torch.arange(num_qo_heads, device=dev, dtype=torch.int64).view(1, -1, 1, 1)
+    group = max(1, num_qo_heads // max(1, num_kv_heads))
+    batch = torch.arange(kv_lens.numel(), device=dev, dtype=torch.int64).view(-1, 1, 1, 1)
+    env = {"q_idx": _Iv(q, q, I32), "kv_idx": _Iv(kv_lo, kv_hi, I32), "qo_head": _Iv(heads, heads, I32),
+           "kv_head": _Iv(heads // group, heads // group, I32), "batch": _Iv(batch, batch, I32)}
+    if program is None:
+        program = ir.Program([], ir.Const(BOOL, True))
+    tensors = {n: t.to(dev) for n, t in (tensors or {}).items()}
+    keep = _Interpreter(env, scalars or {}, tensors).run(program)
+    shape = (kv_lens.numel(), num_qo_heads, 1, pages)
+    must, may = keep.lo.expand(shape).all(1)[:, 0], keep.hi.expand(shape).any(1)[:, 0]
+    kinds = torch.full(must.shape, PARTIAL, dtype=torch.int8, device=dev)
+    kinds[must] = FULL
+    kinds[~may | (kv_lo.view(1, -1) >= kv_lens.long().view(-1, 1))] = EMPTY
+    return kinds
+
+
 def classify(program: ir.Program | None, *, qo_len: int, kv_len: int, q_block: int, kv_block: int,
              scalars: dict | None = None, tensors: dict | None = None, num_qo_heads: int = 1,
              num_kv_heads: int = 1, batch_idx: int = 0, causal: bool = False) -> BlockMap:

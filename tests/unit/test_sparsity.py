@@ -268,3 +268,103 @@ def test_mutation_interval_rule_is_caught(rule, monkeypatch):
         claimed = classify(v.ir.mask, q_block=qb, kv_block=kb, **case).kinds
         failed += bool(violations(claimed, _truth(v, case, qb, kb)))
     assert failed > 0
+
+
+# --- decode: the page map of a batch, and the trimmed page lists built from it ----------------------------------
+
+DECODE_MASKS = [m_document, m_sinks_window, m_prefix_lm, m_chunk_causal, m_per_head_window, m_hole, m_mod_keys]
+
+
+def _decode_batch(gen, page):
+    batch = 5
+    kv_lens = torch.randint(1, 140, (batch,), generator=gen)
+    n_pages = (kv_lens + page - 1) // page
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), n_pages.cumsum(0)])
+    indices = torch.randperm(int(n_pages.sum()) + 7, generator=gen)[:int(n_pages.sum())]
+    last = kv_lens - (n_pages - 1) * page
+    return kv_lens, indptr.int(), indices.int(), last.int()
+
+
+def _decode_params(gen, kv_lens, hq):
+    ri = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
+    scalars = {"w": ri(1, 50), "r": ri(-3, 20), "c": ri(1, 40), "n_sink": ri(0, 20), "hole": ri(0, 10)}
+    width = int(kv_lens.max())
+    doc = torch.randint(0, ri(1, 6), (len(kv_lens), width), generator=gen).sort(1).values.to(torch.int32)
+    tensors = {"doc": doc, "prefix": torch.randint(0, width + 1, (len(kv_lens),), generator=gen).to(torch.int32),
+               "hw": torch.randint(-2, 60, (hq,), generator=gen).to(torch.int32)}
+    return scalars, tensors
+
+
+def _decode_truth(v, kv_lens, scalars, tensors, b, hq, hkv):
+    n = int(kv_lens[b])
+    return keep_matrix(v.ir.mask, qo_len=1, kv_len=n, scalars=scalars, tensors=tensors, num_qo_heads=hq,
+                       num_kv_heads=hkv, batch_idx=b).any(0)[0]  # [kv_len]: kept by some head
+
+
+@pytest.mark.parametrize("mask", DECODE_MASKS, ids=lambda f: f.__name__)
+def test_decode_page_map_and_trimmed_pages(mask):
+    from fivar.runtime.decode_pages import local_to_kv_idx, trim_pages
+    v = _variant(mask)
+    gen = torch.Generator().manual_seed(3)
+    dropped = 0
+    for _ in range(12):
+        page = [1, 4, 16][int(torch.randint(0, 3, (), generator=gen))]
+        hq, hkv = [(4, 2), (2, 2), (8, 1)][int(torch.randint(0, 3, (), generator=gen))]
+        kv_lens, indptr, indices, last = _decode_batch(gen, page)
+        scalars, tensors = _decode_params(gen, kv_lens, hq)
+        kinds = sparsity.classify_decode(v.ir.mask, kv_lens, page_size=page, scalars=scalars, tensors=tensors,
+                                         num_qo_heads=hq, num_kv_heads=hkv)
+        for b in range(len(kv_lens)):
+            truth = brute_force(keep_matrix(v.ir.mask, qo_len=1, kv_len=int(kv_lens[b]), scalars=scalars,
+                                            tensors=tensors, num_qo_heads=hq, num_kv_heads=hkv, batch_idx=b),
+                                1, page)[0]
+            claimed = kinds[b, :truth.numel()]
+            assert not violations(claimed.view(1, -1), truth.view(1, -1)), (mask.__name__, b, claimed, truth)
+            assert (kinds[b, truth.numel():] == EMPTY).all()
+        t = trim_pages(kinds, indptr, indices, last, page)
+        if t is None:
+            continue
+        dropped += t.pages_total - t.pages_read
+        for b in range(len(kv_lens)):
+            n, n_local = int(kv_lens[b]), int((t.kv_indptr[b + 1] - t.kv_indptr[b] - 1) * page + t.kv_last_page_len[b])
+            local = torch.arange(n_local).view(1, -1)
+            kv = local_to_kv_idx(t.segments[b:b + 1], local)[0]
+            assert (kv >= 0).all() and (kv < n).all() and kv.unique().numel() == n_local
+            # the page the kernel reads for each local key holds that key's K/V
+            new_page = t.kv_indices[t.kv_indptr[b] + local[0] // page]
+            old_page = indices[indptr[b] + kv // page]
+            assert torch.equal(new_page, old_page) and torch.equal(local[0] % page, kv % page)
+            assert n_local - 1 + int(t.segments[b, 3]) == n - 1  # the query's q_idx
+            kept = _decode_truth(v, kv_lens, scalars, tensors, b, hq, hkv).nonzero().flatten()
+            assert torch.isin(kept, kv).all(), (mask.__name__, b, kept, kv)
+    if mask in (m_document, m_sinks_window, m_chunk_causal, m_per_head_window):
+        assert dropped > 0, "a mask that drops whole pages must trim some"
+    if mask is m_prefix_lm:
+        assert dropped == 0  # decode keeps every key of a prefix-LM mask
+
+
+def test_trimmed_pages_mutations_are_caught():
+    """The checks above catch a shift off by one page or a dropped page that holds a kept key."""
+    from fivar.runtime.decode_pages import local_to_kv_idx, trim_pages
+    v = _variant(m_sinks_window)
+    page = 4
+    kv_lens = torch.tensor([100, 61])
+    n_pages = (kv_lens + page - 1) // page
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), n_pages.cumsum(0)]).int()
+    indices = torch.arange(int(n_pages.sum())).int()
+    last = (kv_lens - (n_pages - 1) * page).int()
+    scalars = {"n_sink": 3, "w": 10}
+    kinds = sparsity.classify_decode(v.ir.mask, kv_lens, page_size=page, scalars=scalars)
+    t = trim_pages(kinds, indptr, indices, last, page)
+    assert t is not None and t.pages_read < t.pages_total
+    seg = t.segments.clone()
+    seg[:, 2] += page  # the second run's shift off by a page
+    local = torch.arange(int((t.kv_indptr[1] - 1) * page + t.kv_last_page_len[0])).view(1, -1)
+    assert not torch.equal(indices[local_to_kv_idx(seg[:1], local)[0] // page],
+                           t.kv_indices[local[0] // page])
+    wrong = kinds.clone()
+    wrong[0, 24] = EMPTY  # the page of the query (key 99) claimed empty
+    t2 = trim_pages(wrong, indptr, indices, last, page)
+    kv = local_to_kv_idx(t2.segments[:1], torch.arange(int((t2.kv_indptr[1] - 1) * page
+                                                           + t2.kv_last_page_len[0])).view(1, -1))[0]
+    assert not torch.isin(torch.tensor([99]), kv).all()
