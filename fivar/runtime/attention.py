@@ -251,10 +251,11 @@ def _decode_on_tensor_cores(variant, num_qo_heads: int, num_kv_heads: int) -> bo
 
 
 def trims_decode_pages(variant) -> bool:
-    """Decode trims each request's pages to those holding kept keys (fivar.runtime.decode_pages) for a mask with
-    no left band (a band's window_left already skips) that depends on the key position."""
-    mask = variant.ir.mask
-    return mask is not None and variant.kv_band.left is None and "kv_idx" in ir.uses(mask)
+    """Decode trims each request's pages to those holding kept keys (fivar.runtime.decode_pages) for a mask that
+    depends on the key position and is not exactly a band with a left edge (whose window_left reads exactly the
+    window; a band a mask only implies, such as a chunk's, reads more than the kept keys)."""
+    mask, band = variant.ir.mask, variant.kv_band
+    return mask is not None and "kv_idx" in ir.uses(mask) and not (band.exact and band.left is not None)
 
 
 def _trimmed_decode_pages(variant, q, k_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, params):
@@ -377,7 +378,8 @@ class PagedAttentionPlan(_OwnsWrapper):
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
                        kv_segments=kv_segments is not None)
-        window_left = _window_left(variant, self.target, bound)
+        # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
+        window_left = _window_left(variant, self.target, bound) if kv_segments is None else -1
         self._wrapper = take_wrapper("paged", fmod, self.device, _owns_mask(variant, self.target, causal, window_left))
         self._release = ("paged", fmod, self.device)
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices.to(self.device), kv_last_page_len.to(self.device),

@@ -77,7 +77,7 @@ def _decode_line(v) -> str:
     band = v.kv_band
     if v.ir.mask is None:
         return "decode: reads every page of each request"
-    if band.left is not None:
+    if band.exact and band.left is not None:
         return ("decode: the tensor-core paged kernel with window_left = the band's left edge: it reads only the "
                 "pages from q_idx - window_left on (FlashInfer's scheduler sizes each request's work by the window), "
                 "like stock decode with window_left")
