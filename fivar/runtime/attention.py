@@ -258,16 +258,13 @@ def trims_decode_pages(variant) -> bool:
     return mask is not None and "kv_idx" in ir.uses(mask) and not (band.exact and band.left is not None)
 
 
-def _trimmed_decode_pages(variant, q, k_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, params):
-    if not trims_decode_pages(variant):
-        return None
-    page = k_cache.shape[1]
-    bound, _ = _prepare(variant, params or {}, q, k_cache.shape[2], kv_indptr.numel() - 1, sm_scale)
+def _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices, kv_last_page_len, page_size, num_qo_heads,
+                          num_kv_heads):
     n_pages = kv_indptr.long().diff()
-    kv_lens = (n_pages - 1).clamp(min=0) * page + torch.where(n_pages > 0, kv_last_page_len.long(), 0)
-    kinds = classify_decode(variant.ir.mask, kv_lens, page_size=page, scalars=bound.scalars, tensors=bound.tensors,
-                            num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2])
-    return trim_pages(kinds, kv_indptr, kv_indices, kv_last_page_len, page)
+    kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, kv_last_page_len.long(), 0)
+    kinds = classify_decode(variant.ir.mask, kv_lens, page_size=page_size, scalars=bound.scalars,
+                            tensors=bound.tensors, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
+    return trim_pages(kinds, kv_indptr, kv_indices, kv_last_page_len, page_size)
 
 
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
@@ -286,16 +283,7 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
         kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len,
                                                     k_cache.shape[0], k_cache.shape[1], q.device)
-        trimmed = _trimmed_decode_pages(variant, q, k_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale,
-                                        params)
-        if trimmed is not None:  # the pages holding kept keys, in the key-segments form
-            qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-            make = lambda: PagedAttentionPlan(  # noqa: E731
-                variant, qo_indptr, trimmed.kv_indptr, trimmed.kv_indices, trimmed.kv_last_page_len,
-                num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[-1],
-                page_size=k_cache.shape[1], dtype=q.dtype, sm_scale=sm_scale, backend="fa2", device=q.device,
-                params=params or {}, kv_segments=trimmed.segments)
-        elif _decode_on_tensor_cores(variant, q.shape[1], k_cache.shape[2]):
+        if trims_decode_pages(variant) or _decode_on_tensor_cores(variant, q.shape[1], k_cache.shape[2]):
             qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
             make = lambda: _paged_plan(variant, "fa2", q, k_cache, qo_indptr, kv_indptr, kv_indices,  # noqa: E731
                                        kv_last_page_len, False, sm_scale, params)
@@ -365,17 +353,27 @@ def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
 class PagedAttentionPlan(_OwnsWrapper):
     """A planned paged batch: validate and plan once per batch layout, then `run(q, cache)` per layer.
 
-    This is FlashInfer's plan/run split; the one-shot `batch_prefill_paged` re-plans on every call.
+    This is FlashInfer's plan/run split. A batch of one query per request on FA2 (decode) whose mask drops
+    whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
                  num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
-                 device="cuda", params=None, kv_segments=None):
-        """`kv_segments` (decode over trimmed pages, fivar.runtime.decode_pages): FA2's key-segments form."""
+                 device="cuda", params=None):
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
+        kv_segments = None
+        if self.target == "fa2" and trims_decode_pages(variant) and bool((qo_indptr.diff() == 1).all()):
+            # one query per request (decode): read only the pages holding kept keys, in the key-segments form
+            trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
+                                            kv_last_page_len.to(self.device), page_size, num_qo_heads, num_kv_heads)
+            if trimmed is not None:
+                kv_indptr, kv_indices, kv_last_page_len = trimmed.kv_indptr, trimmed.kv_indices, \
+                    trimmed.kv_last_page_len
+                kv_segments = trimmed.segments
+        self.pages_read = None if kv_segments is None else (trimmed.pages_read, trimmed.pages_total)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
                        kv_segments=kv_segments is not None)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
