@@ -82,9 +82,11 @@ def softmax_scale_log2(variant, emit: CppEmitter) -> str:
     return "flashinfer::math::log2e"
 
 
-#: The key-segments form's per-request table: int32 [requests, 4] = (seg, shift_a, shift_b, q_shift). The request's
-#: pages were trimmed to two runs (fivar.runtime.decode_pages): the kernel's key kv sits at kv_idx kv + shift_a
-#: below local key `seg`, kv + shift_b from it on, and its query at q_idx (kv_len - qo_len + qo_idx) + q_shift.
+#: The key-segments form's per-request table: int32 [requests, 4] = (seg, shift_a, shift_b, q_shift). A request of
+#: the kernel is a piece of one of the batch: decode over pages trimmed to two runs (fivar.runtime.decode_pages), or
+#: a query block over the pages of the keys its mask may keep (fivar.runtime.fa2_blocks). The kernel's key kv sits
+#: at kv_idx kv + shift_a below local key `seg`, kv + shift_b from it on, and its query qo_idx at q_idx
+#: (kv_len - qo_len + qo_idx) + q_shift; causal compares those positions.
 KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 4
 
 
@@ -97,18 +99,24 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
                   if kv_segments else None)
     emit = CppEmitter(variant, param_ref, index_init=index_init)
     members = emit.members(lowered, [lowered.output_scale] if lowered.output_scale is not None else [])
+    guard = CAUSAL_GUARD
     if kv_segments:
+        q_offset = f"int32_t(kv_len) - int32_t(qo_len) + {seg(3)}"
+        if not any(m.name == "fv_q_offset" for m in members):
+            members.append(Member("int32_t", "fv_q_offset", q_offset))
         for m in members:
             if m.name == "fv_q_offset":
-                m.init = f"int32_t(kv_len) - int32_t(qo_len) + {seg(3)}"
+                m.init = q_offset
         members[:0] = [Member("int32_t", "fv_seg", seg(0)), Member("int32_t", "fv_shift_a", seg(1)),
                        Member("int32_t", "fv_shift_b", seg(2))]
+        # causal on the positions the keys and queries stand for (a request here is a piece of one)
+        guard = f"(!fv_causal || {index_init['kv_idx']} <= int32_t(qo_idx) + fv_q_offset)"
     scale = softmax_scale_log2(variant, emit)
     mask_body = None
     if lowered.mask:
         # Masked variants run in kCustom mode (mask on every tile), so `causal` is a runtime flag here.
         members.append(Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0"))
-        mask_body = emit.body(lowered.mask, guard=CAUSAL_GUARD)
+        mask_body = emit.body(lowered.mask, guard=guard)
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
                     logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body)

@@ -13,6 +13,7 @@ from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
 from ..spec.sparsity import classify_decode
 from . import wave_split
+from . import fa2_blocks
 from .decode_pages import trim_pages
 from .kv_ranges import KvRangePrefill
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
@@ -364,7 +365,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                                                   head_dim, dtype, backend, device)
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
-        kv_segments = None
+        kv_segments, self.pages_read, self.keys_read = None, None, None
         if self.target == "fa2" and trims_decode_pages(variant) and bool((qo_indptr.diff() == 1).all()):
             # one query per request (decode): read only the pages holding kept keys, in the key-segments form
             trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
@@ -373,7 +374,21 @@ class PagedAttentionPlan(_OwnsWrapper):
                 kv_indptr, kv_indices, kv_last_page_len = trimmed.kv_indptr, trimmed.kv_indices, \
                     trimmed.kv_last_page_len
                 kv_segments = trimmed.segments
-        self.pages_read = None if kv_segments is None else (trimmed.pages_read, trimmed.pages_total)
+                self.pages_read = (trimmed.pages_read, trimmed.pages_total)
+        elif self.target == "fa2" and variant.scans_mask:
+            # a mask that is more than a band: one request per query block over the keys it may keep
+            kv_h, last_h = kv_indptr.long().cpu(), kv_last_page_len.long().cpu()
+            n_pages = kv_h.diff()
+            kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last_h, 0)
+            pages = kv_indices.long().cpu()
+            layout = fa2_blocks.block_layout(
+                variant.ir.mask, qo_indptr, kv_lens, [pages[kv_h[b]:kv_h[b + 1]] for b in range(self.batch)],
+                last_h, page_size, scalars=bound.scalars, tensors=bound.tensors, num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads, causal=causal, kv_block=-(-fa2_blocks.RAGGED_KV_BLOCK // page_size) * page_size)
+            qo_indptr, kv_indptr = layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device)
+            kv_indices, kv_last_page_len = layout.kv_indices, layout.kv_last_page_len
+            kv_segments = layout.segments
+            self.keys_read = (layout.keys_read, layout.keys_total)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
                        kv_segments=kv_segments is not None)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
@@ -405,8 +420,9 @@ class PagedAttentionPlan(_OwnsWrapper):
 class RaggedAttentionPlan(_OwnsWrapper):
     """A planned ragged batch (`v.plan_ragged`): plan once per batch layout, then `run(q, k, v)` per layer.
 
-    For a mask that is more than a band on FA3, planning is where the KV-range lowering happens (the mask
-    pre-pass and FA3's schedule, fivar.runtime.kv_ranges); the one-shot entry points redo it every call.
+    For a mask that is more than a band, planning is where the block lowering happens: on FA3 the KV-range form
+    (the mask pre-pass and FA3's schedule, fivar.runtime.kv_ranges), on FA2 the block form over K/V read as pages
+    of one key (fivar.runtime.fa2_blocks).
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype=None,
@@ -419,12 +435,21 @@ class RaggedAttentionPlan(_OwnsWrapper):
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
+        self._kv_ranges = self._blocks = None
         if self.target == "fa3" and variant.scans_mask:
             self._kv_ranges = KvRangePrefill(
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
             return
-        self._kv_ranges = None
+        if self.target == "fa2" and variant.scans_mask:
+            # FA2's block form (fivar.runtime.fa2_blocks) on the paged kernel, K/V read as pages of one key
+            n_keys = int(kv_indptr[-1])
+            self._blocks = PagedAttentionPlan(
+                variant, qo_indptr, kv_indptr, torch.arange(n_keys, dtype=torch.int32, device=self.device),
+                (kv_indptr.diff() > 0).to(torch.int32), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, page_size=1, dtype=dtype, causal=causal, sm_scale=sm_scale, backend="fa2",
+                device=self.device, params=params)
+            return
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
         window_left = _window_left(variant, self.target, bound)
         self._wrapper = take_wrapper("ragged", fmod, self.device,
@@ -446,10 +471,14 @@ class RaggedAttentionPlan(_OwnsWrapper):
                              f"k {tuple(k.shape)}, {q.dtype}")
         if self._kv_ranges is not None:
             return self._kv_ranges.run(q, k, v)
+        if self._blocks is not None:
+            return self._blocks.run(q, (k.unsqueeze(1), v.unsqueeze(1)))
         return self._wrapper.run(q, k, v, *self._args)
 
     def release(self):
         if self._kv_ranges is not None:
             self._kv_ranges.release()
+        elif self._blocks is not None:
+            self._blocks.release()
         else:
             _OwnsWrapper.release(self)

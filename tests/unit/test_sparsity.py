@@ -368,3 +368,59 @@ def test_trimmed_pages_mutations_are_caught():
     kv = local_to_kv_idx(t2.segments[:1], torch.arange(int((t2.kv_indptr[1] - 1) * page
                                                            + t2.kv_last_page_len[0])).view(1, -1))[0]
     assert not torch.isin(torch.tensor([99]), kv).all()
+
+
+# --- FA2's block form: one request per query block over the pages of the keys it may keep -----------------------
+
+@pytest.mark.parametrize("mask", [m_document_causal, m_chunk_causal, m_sinks_window, m_prefix_lm, m_hole,
+                                  m_per_head_window], ids=lambda f: f.__name__)
+def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
+    """Every block-request's local rows and keys map (through the key-segments table) to the q_idx and kv_idx of
+    the batch, its pages hold those keys, the blocks partition the rows, and every key a row keeps is read."""
+    from fivar.runtime.decode_pages import local_to_kv_idx
+    from fivar.runtime.fa2_blocks import block_layout
+    v = _variant(mask)
+    gen = torch.Generator().manual_seed(9)
+    saved = 0
+    for _ in range(6):
+        page = [1, 4, 16][int(torch.randint(0, 3, (), generator=gen))]
+        hq, hkv = [(4, 2), (2, 2)][int(torch.randint(0, 2, (), generator=gen))]
+        kv_lens, indptr, indices, last = _decode_batch(gen, page)
+        qo_lens = torch.stack([torch.randint(1, int(n) + 1, (), generator=gen) for n in kv_lens])
+        qo_indptr = torch.cat([torch.zeros(1, dtype=torch.long), qo_lens.cumsum(0)])
+        scalars, tensors = _decode_params(gen, kv_lens, hq)
+        causal = bool(torch.randint(0, 2, (), generator=gen))
+        rows = [16, 32][int(torch.randint(0, 2, (), generator=gen))]
+        pages = [indices[indptr[b]:indptr[b + 1]].long() for b in range(len(kv_lens))]
+        lay = block_layout(v.ir.mask, qo_indptr, kv_lens, pages, last, page, scalars=scalars, tensors=tensors,
+                           num_qo_heads=hq, num_kv_heads=hkv, causal=causal, kv_block=page * 2, rows=rows)
+        saved += lay.keys_total - lay.keys_read
+        req_of_row = torch.bucketize(torch.arange(int(qo_indptr[-1])), qo_indptr[1:], right=True)
+        covered = {}
+        for r in range(lay.qo_indptr.numel() - 1):
+            r0, r1 = int(lay.qo_indptr[r]), int(lay.qo_indptr[r + 1])
+            b = int(req_of_row[r0])
+            assert int(req_of_row[r1 - 1]) == b, "a block stays inside its request"
+            n_local_pages = int(lay.kv_indptr[r + 1] - lay.kv_indptr[r])
+            local_len = (n_local_pages - 1) * page + int(lay.kv_last_page_len[r]) if n_local_pages else 0
+            seg = lay.segments[r:r + 1]
+            local = torch.arange(local_len).view(1, -1)
+            kv = local_to_kv_idx(seg, local)[0]
+            assert (kv >= 0).all() and (kv < int(kv_lens[b])).all()
+            new_page = lay.kv_indices[lay.kv_indptr[r] + local[0] // page].long()
+            assert torch.equal(new_page, pages[b][kv // page]) and torch.equal(local[0] % page, kv % page)
+            qo_len, kv_len = int(qo_lens[b]), int(kv_lens[b])
+            for j in range(r1 - r0):  # the struct's q_idx of local row j
+                q_struct = j + local_len - (r1 - r0) + int(seg[0, 3])
+                row = r0 + j - int(qo_indptr[b])
+                assert q_struct == row + kv_len - qo_len
+                covered[r0 + j] = set(kv.tolist())
+        assert sorted(covered) == list(range(int(qo_indptr[-1]))), "the blocks partition the rows"
+        for b in range(len(kv_lens)):
+            keep = keep_matrix(v.ir.mask, qo_len=int(qo_lens[b]), kv_len=int(kv_lens[b]), scalars=scalars,
+                               tensors=tensors, num_qo_heads=hq, num_kv_heads=hkv, batch_idx=b, causal=causal).any(0)
+            for row in range(int(qo_lens[b])):
+                need = set(keep[row].nonzero().flatten().tolist())
+                assert need <= covered[int(qo_indptr[b]) + row], (mask.__name__, b, row)
+    if mask in (m_document_causal, m_chunk_causal, m_sinks_window, m_prefix_lm):
+        assert saved > 0
