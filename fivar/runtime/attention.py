@@ -135,9 +135,10 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     given_scale = sm_scale
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     window_left = _window_left(variant, target, bound)
-    if (target == "fa3" and variant.scans_mask) or (target == "fa2" and window_left >= 0):
-        # A batch of one: FA3's KV-range form; FA2's batch kernel, which starts each query tile's KV loop at the
-        # window where the single-prefill kernel visits every tile left of it. Planned once per key.
+    if variant.scans_mask or (target == "fa2" and window_left >= 0):
+        # A batch of one: FA3's KV-range form, FA2's block form (fivar.runtime.fa2_blocks); for a window, FA2's
+        # batch kernel, which starts each query tile's KV loop at the window where the single-prefill kernel
+        # visits every tile left of it. Planned once per key.
         indptr = lambda n: torch.tensor([0, n], dtype=torch.int32, device=q.device)  # noqa: E731
         plan = _one_shot.get(parts, lambda: RaggedAttentionPlan(
             variant, indptr(q.shape[0]), indptr(k.shape[0]), num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
@@ -385,10 +386,11 @@ class PagedAttentionPlan(_OwnsWrapper):
                 variant.ir.mask, qo_indptr, kv_lens, [pages[kv_h[b]:kv_h[b + 1]] for b in range(self.batch)],
                 last_h, page_size, scalars=bound.scalars, tensors=bound.tensors, num_qo_heads=num_qo_heads,
                 num_kv_heads=num_kv_heads, causal=causal, kv_block=-(-fa2_blocks.RAGGED_KV_BLOCK // page_size) * page_size)
-            qo_indptr, kv_indptr = layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device)
-            kv_indices, kv_last_page_len = layout.kv_indices, layout.kv_last_page_len
-            kv_segments = layout.segments
-            self.keys_read = (layout.keys_read, layout.keys_total)
+            if layout.keys_read < layout.keys_total:  # else the mask drops no block: the plain form is faster
+                qo_indptr, kv_indptr = layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device)
+                kv_indices, kv_last_page_len = layout.kv_indices, layout.kv_last_page_len
+                kv_segments = layout.segments
+                self.keys_read = (layout.keys_read, layout.keys_total)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
                        kv_segments=kv_segments is not None)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
@@ -449,7 +451,10 @@ class RaggedAttentionPlan(_OwnsWrapper):
                 (kv_indptr.diff() > 0).to(torch.int32), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, page_size=1, dtype=dtype, causal=causal, sm_scale=sm_scale, backend="fa2",
                 device=self.device, params=params)
-            return
+            if self._blocks.keys_read is not None:
+                return
+            self._blocks.release()  # the mask drops no block: FA2's ragged kernel as it is
+            self._blocks = None
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
         window_left = _window_left(variant, self.target, bound)
         self._wrapper = take_wrapper("ragged", fmod, self.device,

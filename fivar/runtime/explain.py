@@ -63,9 +63,11 @@ def _fa2_line(v) -> str:
     band = v.kv_band
     if v.ir.mask is None:
         return "fa2 prefill: causal only skips tiles (no mask)"
-    if band.left is None:
-        return ("fa2 prefill (single, ragged, paged): kCustom mode, the mask runs on every tile and no tile is "
-                "skipped (FlashInfer's FA2 kernels take no per-block KV ranges)")
+    if v.scans_mask:
+        return ("fa2 prefill (single, ragged, paged): each 128-row query block runs as its own request of FA2's "
+                "paged kernel over the pages holding the keys the block map says it may keep (ragged K/V read as "
+                "pages of one key), in the key-segments form that maps its rows and keys back to q_idx and kv_idx "
+                "(fivar.runtime.fa2_blocks); kCustom mode: the mask, causal included, runs on every tile visited")
     how = ("; called causally it runs in kCausal mode: the tiles right of the diagonal are skipped too, and only "
            "the tiles the window or the diagonal cut evaluate the mask" if fa2.window_form(v) else
            "; kCustom mode: the mask runs on every tile visited, and the tiles right of the diagonal are visited")
