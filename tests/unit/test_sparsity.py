@@ -4,6 +4,8 @@ Every claim must hold for random shapes, block sizes, heads and params: a block 
 block called empty keeps none. For the mask shapes the analysis is exact on (bands, causal, chunks, documents,
 prefixes, per-head windows) the map must equal the truth. Mutations of the classifier (a partial block called
 full, a block bound shifted by one, a comparison rule loosened) must be caught by the same check."""
+import zlib
+
 import pytest
 import torch
 
@@ -134,7 +136,7 @@ def _truth(v, case, qb, kb):
 @pytest.mark.parametrize("mask", EXACT + SOUND_ONLY, ids=lambda f: f.__name__)
 def test_block_map_is_sound_and_exact_where_claimed(mask):
     v = _variant(mask)
-    gen = torch.Generator().manual_seed(hash(mask.__name__) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(mask.__name__.encode()))
     loose = 0
     for _ in range(40):
         case, qb, kb = _draw(gen)
