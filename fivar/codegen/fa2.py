@@ -82,12 +82,13 @@ def softmax_scale_log2(variant, emit: CppEmitter) -> str:
     return "flashinfer::math::log2e"
 
 
-#: The key-segments form's per-request table: int32 [requests, 4] = (seg, shift_a, shift_b, q_shift). A request of
+#: The key-segments form's per-request table: int32 [requests, 5] = (seg, shift_a, shift_b, q_shift, batch). A request of
 #: the kernel is a piece of one of the batch: decode over pages trimmed to two runs (fivar.runtime.decode_pages), or
 #: a query block over the pages of the keys its mask may keep (fivar.runtime.fa2_blocks). The kernel's key kv sits
 #: at kv_idx kv + shift_a below local key `seg`, kv + shift_b from it on, and its query qo_idx at q_idx
-#: (kv_len - qo_len + qo_idx) + q_shift; causal compares those positions.
-KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 4
+#: (kv_len - qo_len + qo_idx) + q_shift; causal compares those positions; `batch` is the request of the batch it is
+#: a piece of.
+KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 5
 
 
 def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",
@@ -95,8 +96,8 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
     """`kv_segments`: the key-segments form of batch prefill (decode over trimmed pages; KV_SEGMENTS)."""
     lowered = variant.lowered
     seg = lambda i: f"{param_ref(KV_SEGMENTS)}[{KV_SEGMENT_FIELDS} * batch_idx + {i}]"  # noqa: E731
-    index_init = ({"kv_idx": "(int32_t(kv_idx) < fv_seg ? int32_t(kv_idx) + fv_shift_a : int32_t(kv_idx) + fv_shift_b)"}
-                  if kv_segments else None)
+    index_init = ({"kv_idx": "(int32_t(kv_idx) < fv_seg ? int32_t(kv_idx) + fv_shift_a : int32_t(kv_idx) + fv_shift_b)",
+                   "batch": "fv_piece_batch"} if kv_segments else None)
     emit = CppEmitter(variant, param_ref, index_init=index_init)
     members = emit.members(lowered, [lowered.output_scale] if lowered.output_scale is not None else [])
     guard = CAUSAL_GUARD
@@ -108,7 +109,7 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
             if m.name == "fv_q_offset":
                 m.init = q_offset
         members[:0] = [Member("int32_t", "fv_seg", seg(0)), Member("int32_t", "fv_shift_a", seg(1)),
-                       Member("int32_t", "fv_shift_b", seg(2))]
+                       Member("int32_t", "fv_shift_b", seg(2)), Member("int32_t", "fv_piece_batch", seg(4))]
         # causal on the positions the keys and queries stand for (a request here is a piece of one)
         guard = f"(!fv_causal || {index_init['kv_idx']} <= int32_t(qo_idx) + fv_q_offset)"
     scale = softmax_scale_log2(variant, emit)

@@ -30,7 +30,7 @@ class BlockLayout:
     kv_indptr: torch.Tensor         # int32 [R + 1]: pages per block
     kv_indices: torch.Tensor        # int32: the blocks' page lists
     kv_last_page_len: torch.Tensor  # int32 [R]
-    segments: torch.Tensor          # int32 [R, 4]: fivar.codegen.fa2.KV_SEGMENTS
+    segments: torch.Tensor          # int32 [R, 5]: fivar.codegen.fa2.KV_SEGMENTS
     keys_read: int                  # keys the blocks read, and what every block reading its request's keys would
     keys_total: int
 
@@ -57,7 +57,7 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
                 q_rows.append(int(qo_h[b]) + r0)
                 kv_counts.append(0)
                 lasts.append(0)
-                segs.append((_NO_SECOND_RUN, 0, 0, 0))
+                segs.append((_NO_SECOND_RUN, 0, 0, 0, b))
             continue
         ranges = BlockRanges.of(classify(mask, qo_len=qo_len, kv_len=kv_len, q_block=rows, kv_block=kv_block,
                                          scalars=scalars, tensors=tensors, num_qo_heads=num_qo_heads,
@@ -75,7 +75,7 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
             indices.append(pages[b][lo:hi])
             lasts.append(last)
             # row j of the block: q_idx = r0 + j + kv_len - qo_len; the kernel computes j + local_len - r
-            segs.append((_NO_SECOND_RUN, lo * page_size, 0, r0 + kv_len - qo_len - (local_len - r)))
+            segs.append((_NO_SECOND_RUN, lo * page_size, 0, r0 + kv_len - qo_len - (local_len - r), b))
             read += local_len
             total += kv_len
     q_rows.append(int(qo_h[-1]))
@@ -85,5 +85,5 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
         kv_indptr=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
         kv_indices=(torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)).to(torch.int32),
         kv_last_page_len=torch.tensor(lasts, dtype=torch.int32),
-        segments=torch.tensor(segs, dtype=torch.int64).clamp(max=2**31 - 1).to(torch.int32).view(-1, 4),
+        segments=torch.tensor(segs, dtype=torch.int64).clamp(max=2**31 - 1).to(torch.int32).view(-1, 5),
         keys_read=read, keys_total=total)

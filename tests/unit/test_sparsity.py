@@ -337,6 +337,7 @@ def test_decode_page_map_and_trimmed_pages(mask):
             old_page = indices[indptr[b] + kv // page]
             assert torch.equal(new_page, old_page) and torch.equal(local[0] % page, kv % page)
             assert n_local - 1 + int(t.segments[b, 3]) == n - 1  # the query's q_idx
+            assert int(t.segments[b, 4]) == b  # the request the mask's `batch` reads
             kept = _decode_truth(v, kv_lens, scalars, tensors, b, hq, hkv).nonzero().flatten()
             assert torch.isin(kept, kv).all(), (mask.__name__, b, kept, kv)
     if mask in (m_document, m_sinks_window, m_chunk_causal, m_per_head_window):
@@ -406,6 +407,7 @@ def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
             n_local_pages = int(lay.kv_indptr[r + 1] - lay.kv_indptr[r])
             local_len = (n_local_pages - 1) * page + int(lay.kv_last_page_len[r]) if n_local_pages else 0
             seg = lay.segments[r:r + 1]
+            assert int(seg[0, 4]) == b, "the struct's `batch` is the block's request"
             local = torch.arange(local_len).view(1, -1)
             kv = local_to_kv_idx(seg, local)[0]
             assert (kv >= 0).all() and (kv < int(kv_lens[b])).all()
