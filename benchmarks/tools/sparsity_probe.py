@@ -192,7 +192,10 @@ def oneshot_row(seq: int, backends=("fa2", "fa3")):
             print("  not timed: a check failed")
             continue
         t_plain, t_planned = time_ms(plain), time_ms(planned)
-        print(f"  {backend}: plain {t_plain:.4f} ms, planned {t_planned:.4f} ms, plain/planned {t_plain / t_planned:.3f}")
+        blocks = getattr(plan, "_blocks", None)
+        read = f", keys read {blocks.keys_read[0] / blocks.keys_read[1]:.3f} of the requests'" if blocks else ""
+        print(f"  {backend}: plain {t_plain:.4f} ms, planned {t_planned:.4f} ms, plain/planned "
+              f"{t_plain / t_planned:.3f}{read}")
 
 
 def main(argv=None):

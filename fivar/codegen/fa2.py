@@ -93,7 +93,7 @@ KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 5
 
 def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",
                  kv_segments: bool = False) -> VariantDecl:
-    """`kv_segments`: the key-segments form of batch prefill (decode over trimmed pages; KV_SEGMENTS)."""
+    """`kv_segments`: the key-segments form of batch prefill (KV_SEGMENTS: trimmed decode pages, the block form)."""
     lowered = variant.lowered
     seg = lambda i: f"{param_ref(KV_SEGMENTS)}[{KV_SEGMENT_FIELDS} * batch_idx + {i}]"  # noqa: E731
     index_init = ({"kv_idx": "(int32_t(kv_idx) < fv_seg ? int32_t(kv_idx) + fv_shift_a : int32_t(kv_idx) + fv_shift_b)",

@@ -556,7 +556,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
                              logits_range=logits_range)
             if target == "fa3"
-            else fa2.variant_decl(variant, kv_segments=kv_segments))  # decode over trimmed pages (FA2 batch prefill)
+            else fa2.variant_decl(variant, kv_segments=kv_segments))  # FA2 key-segments form (fa2.KV_SEGMENTS)
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
