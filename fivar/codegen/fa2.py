@@ -38,13 +38,31 @@ def struct_name(variant) -> str:
     return "Fivar_" + variant.name
 
 
+def window_form(variant) -> bool:
+    """The mask is exactly `kv_idx >= q_idx - left` (a sliding window). Called causally with left >= 0, it runs in
+    FlashInfer's kCausal mode with `window_left = left`: the kernel skips the tiles right of the diagonal and
+    left of the window, and evaluates the mask only on the tiles the window or the diagonal cuts (its
+    `window_iteration`/`mask_iteration`), as stock FA2 does with its own window; every other tile is kept whole
+    by exactly that mask."""
+    return variant.lowered.mask is not None and variant.kv_band.left_window
+
+
 def mask_modes(variant) -> list[str]:
-    """A variant with a mask owns it on every tile (kCustom) and folds `causal` in itself."""
+    """A variant with a mask owns it on every tile (kCustom) and folds `causal` in itself; a window-form mask
+    also gets kCausal (window_form)."""
+    if window_form(variant):
+        return [MASK_CAUSAL, MASK_CUSTOM]
     return [MASK_CUSTOM] if variant.mask else [MASK_NONE, MASK_CAUSAL]
 
 
-def runtime_mask_code(variant, causal: bool) -> int:
-    if variant.mask:
+def runs_window_mode(variant, causal: bool, window_left: int) -> bool:
+    """True when this call runs the window form in kCausal mode (window_form): causal, and a window the
+    kernel's unsigned window_left can hold."""
+    return bool(causal) and window_left >= 0 and window_form(variant)
+
+
+def runtime_mask_code(variant, causal: bool, window_left: int = -1) -> int:
+    if variant.mask and not runs_window_mode(variant, causal, window_left):
         return MASK_CODES[MASK_CUSTOM]
     return MASK_CODES[MASK_CAUSAL if causal else MASK_NONE]
 
@@ -66,17 +84,44 @@ def softmax_scale_log2(variant, emit: CppEmitter) -> str:
     return "flashinfer::math::log2e"
 
 
-def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja") -> VariantDecl:
+#: The key-segments form's per-request table: int32 [requests, 5] = (seg, shift_a, shift_b, q_shift, batch). A request of
+#: the kernel is a piece of one of the batch: decode over pages trimmed to two runs (fivar.runtime.decode_pages), or
+#: a query block over the pages of the keys its mask may keep (fivar.runtime.fa2_blocks). The kernel's key kv sits
+#: at kv_idx kv + shift_a below local key `seg`, kv + shift_b from it on, and its query qo_idx at q_idx
+#: (kv_len - qo_len + qo_idx) + q_shift; causal compares those positions; `batch` is the request of the batch it is
+#: a piece of.
+KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 5
+
+
+def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",
+                 kv_segments: bool = False) -> VariantDecl:
+    """`kv_segments`: the key-segments form of batch prefill (KV_SEGMENTS: trimmed decode pages, the block form)."""
     lowered = variant.lowered
-    emit = CppEmitter(variant, param_ref)
+    seg = lambda i: f"{param_ref(KV_SEGMENTS)}[{KV_SEGMENT_FIELDS} * batch_idx + {i}]"  # noqa: E731
+    index_init = ({"kv_idx": "(int32_t(kv_idx) < fv_seg ? int32_t(kv_idx) + fv_shift_a : int32_t(kv_idx) + fv_shift_b)",
+                   "batch": "fv_piece_batch"} if kv_segments else None)
+    emit = CppEmitter(variant, param_ref, index_init=index_init)
     members = emit.members(lowered, [lowered.output_scale] if lowered.output_scale is not None else [])
+    guard = CAUSAL_GUARD
+    if kv_segments:
+        q_offset = f"int32_t(kv_len) - int32_t(qo_len) + {seg(3)}"
+        if not any(m.name == "fv_q_offset" for m in members):
+            members.append(Member("int32_t", "fv_q_offset", q_offset))
+        for m in members:
+            if m.name == "fv_q_offset":
+                m.init = q_offset
+        members[:0] = [Member("int32_t", "fv_seg", seg(0)), Member("int32_t", "fv_shift_a", seg(1)),
+                       Member("int32_t", "fv_shift_b", seg(2)), Member("int32_t", "fv_piece_batch", seg(4))]
+        # causal on the positions the keys and queries stand for (a request here is a piece of one)
+        guard = f"(!fv_causal || {index_init['kv_idx']} <= int32_t(qo_idx) + fv_q_offset)"
     scale = softmax_scale_log2(variant, emit)
     mask_body = None
     if lowered.mask:
         # Masked variants run in kCustom mode (mask on every tile), so `causal` is a runtime flag here.
         members.append(Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0"))
-        mask_body = emit.body(lowered.mask, guard=CAUSAL_GUARD)
+        mask_body = emit.body(lowered.mask, guard=guard)
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
                     logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body)
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask)))
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask),
+                                                          extra_tensors=[KV_SEGMENTS] if kv_segments else []))

@@ -545,10 +545,12 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, row_runs: bool = False, config: FA2BuildConfig | FA3KernelConfig | None = None,
+               head_dim: int = 128, *, row_runs: bool = False, kv_segments: bool = False,
+               config: FA2BuildConfig | FA3KernelConfig | None = None,
                **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
-    form (fivar.codegen.fa3.variant_decl). `config`: the target's tuning (fivar.config.FA2BuildConfig or
+    form (fivar.codegen.fa3.variant_decl). `kv_segments`: FA2 batch prefill/decode over trimmed pages, each key
+    mapped back to its position (fivar.runtime.decode_pages). `config`: the target's tuning (fivar.config.FA2BuildConfig or
     FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
     `options`: the same fields as keywords (what a manifest records), over `config`'s:
       FA2: split_cta_tiles (one kernel unit per CTA tile, _fa2_tile_split: same kernels, another URI; ~0.7x the
@@ -615,7 +617,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
                              logits_range=logits_range)
             if target == "fa3"
-            else fa2.variant_decl(variant))
+            else fa2.variant_decl(variant, kv_segments=kv_segments))  # FA2 key-segments form (fa2.KV_SEGMENTS)
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
@@ -688,14 +690,14 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = "_runs" if row_runs else ""
+    form = "_runs" if row_runs else "_kvseg" if kv_segments else ""
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
     built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
              if target == "fa3" else
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
-    options = {"row_runs": row_runs, **manifest_options(built)}
+    options = {"row_runs": row_runs, **({"kv_segments": True} if kv_segments else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 
@@ -760,14 +762,14 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
-               bounded_softmax: bool | None = None) -> FivarModule:
+               bounded_softmax: bool | None = None, kv_segments: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
-    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax)
+    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
-                                 bounded_softmax=bounded_softmax))
+                                 bounded_softmax=bounded_softmax, kv_segments=kv_segments))
         _memo[key] = m
     return m[1]
 

@@ -30,8 +30,8 @@ import torch
 
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
-from .attention import (_attach, _check_indptr, _module, _paged_args, _paged_kv, _prepare, _split_kwargs,
-                        _workspace, choose_target)
+from .attention import _decode_on_tensor_cores, _paged_args, _split_kwargs, _window_left, choose_target
+from .launch import _attach, _check_indptr, _module, _paged_kv, _prepare, _workspace
 from .lse import check_lse
 from .params import kernel_args
 
@@ -65,9 +65,11 @@ class GraphDecodePlan:
             raise FivarError(f"variant '{name}': max_batch and max_pages must be positive, got {self.max_batch}, "
                              f"{self.max_pages}")
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        self.tensor_cores = not variant.softmax or num_qo_heads // num_kv_heads >= 4  # as batch_decode chooses
+        self.tensor_cores = _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads)  # as batch_decode chooses
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.max_batch, sm_scale)
+        # a window's left edge skips the pages left of it; other masks read every page (no trimming in a graph)
+        self._window_left = _window_left(variant, "fa2", bound) if self.tensor_cores else -1
         i32 = dict(dtype=torch.int32, device=self.device)
         self._kv_indptr = torch.zeros(self.max_batch + 1, **i32)
         self._kv_indices = torch.zeros(self.max_pages + self.max_batch, **i32)  # room for the padding requests
@@ -118,8 +120,8 @@ class GraphDecodePlan:
         hq, hkv, d, page_size, dtype = self._shape
         if self.tensor_cores:
             self._wrapper.plan(self._qo_indptr.cpu(), indptr, indices, last, hq, hkv, d, page_size,
-                               causal=False, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype,
-                               **_split_kwargs(self.variant, "fa2"))
+                               causal=False, window_left=self._window_left, q_data_type=dtype, kv_data_type=dtype,
+                               o_data_type=dtype, **_split_kwargs(self.variant, "fa2"))
         else:
             self._wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, q_data_type=dtype, kv_data_type=dtype,
                                o_data_type=dtype)

@@ -31,7 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.fa3 import BLOCKS, ROW_RUNS
+from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
+from ..jit.triton_module import load_triton_module
+from .launch import _module, release_wrapper, take_wrapper
+from .params import kernel_args
 
 _RANGE_ROWS = 16  # the pre-pass granularity (RANGE_ROWS in templates/triton/attention.py.jinja)
 
@@ -145,37 +149,19 @@ class _KvStartsModule:
         return getattr(self._module, name)
 
 
-_shared_wrappers: dict = {}
-
-
-def _fa3_wrapper(fmod, device, shared: bool):
-    """A ragged FA3 wrapper running fivar's module with the KV-starts plan. One-shot calls share one per
-    module (a wrapper allocates pinned host memory: too slow to make per call); a plan owns its own."""
-    import flashinfer
-
-    from .attention import _attach, _workspace
-    key = (fmod.uri, device)
-    if shared and key in _shared_wrappers:
-        return _shared_wrappers[key]
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), kv_layout="NHD", backend="fa3")
-    _attach(w, fmod.load(), fmod, owns_mask=False)
+def _fa3_wrapper(fmod, device):
+    """A ragged FA3 wrapper running fivar's module with the KV-starts plan."""
+    w = take_wrapper("ragged", fmod, device, owns_mask=False)
     w._jit_module = _KvStartsModule(w._jit_module)
-    if shared:
-        _shared_wrappers[key] = w
     return w
 
 
 class KvRangePrefill:
     """A ragged batch (a single request is a batch of one) planned on FA3 in the KV-range form; `run(q, k, v)`
-    per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan). `shared=True` (the
-    one-shot entry points) plans on a wrapper shared by later one-shot calls: run it before planning again."""
+    per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan)."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal,
-                 bound, sm_scale, device, shared=False):
-        from ..codegen.triton import kernel_arg_values
-        from ..jit.triton_module import load_triton_module
-        from .attention import _module
-        from .params import kernel_args
+                 bound, sm_scale, device):
         qo_h, kv_h = qo_indptr.cpu(), kv_indptr.cpu()
         max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
         self.empty = max_qo_len == 0
@@ -189,7 +175,8 @@ class KvRangePrefill:
         layout = kv_range_layout(ranges.cpu(), qo_h, kv_h, block_rows(head_dim), causal,
                                  runs_shape=tuple(runs.shape) if self.row_runs else None)
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, row_runs=self.row_runs)
-        w = _fa3_wrapper(fmod, device, shared)
+        w = _fa3_wrapper(fmod, device)
+        self._release = ("ragged", fmod, device)
         w._jit_module.kv_starts = layout.kv_starts
         w.plan(layout.qo_indptr, layout.kv_indptr_for_lengths, num_qo_heads, num_kv_heads, head_dim,
                causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
@@ -204,3 +191,9 @@ class KvRangePrefill:
             from .lse import empty_lse
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
         return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
+
+    def release(self):
+        """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        if not self.empty:
+            release_wrapper(*self._release, self._wrapper)
+            self._wrapper = None

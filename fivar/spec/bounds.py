@@ -27,6 +27,11 @@ class KvBand:
     #: True when the mask is exactly the band (every term gave a bound): nothing inside it is masked.
     exact: bool = False
 
+    @property
+    def left_window(self) -> bool:
+        """The mask is exactly `kv_idx >= q_idx - left`: a sliding window, which kernels apply as their own."""
+        return self.exact and self.left is not None and self.right is None
+
 
 def _inline(program: ir.Program) -> ir.Expr:
     env: dict[str, ir.Expr] = {}
@@ -47,19 +52,20 @@ def _conjuncts(e: ir.Expr):
         yield e
 
 
-def _linear(e: ir.Expr):
-    """e as (coefficient of q_idx, coefficient of kv_idx, invariant rest) or None. Integer terms only."""
+def _linear(e: ir.Expr, rest_ok=ir.is_invariant):
+    """e as (coefficient of q_idx, coefficient of kv_idx, rest) or None, where `rest_ok(rest)` (an invariant by
+    default). Integer terms only."""
     if e.type != I32:
         return None
     if isinstance(e, ir.Index) and e.name in ("q_idx", "kv_idx"):
         return (1, 0, ir.Const(I32, 0)) if e.name == "q_idx" else (0, 1, ir.Const(I32, 0))
-    if ir.is_invariant(e):
+    if rest_ok(e):
         return 0, 0, e
     if isinstance(e, ir.Unary) and e.op == "neg":
-        x = _linear(e.x)
+        x = _linear(e.x, rest_ok)
         return None if x is None else (-x[0], -x[1], ir.Unary(I32, "neg", x[2]))
     if isinstance(e, ir.Binary) and e.op in ("add", "sub"):
-        a, b = _linear(e.a), _linear(e.b)
+        a, b = _linear(e.a, rest_ok), _linear(e.b, rest_ok)
         if a is None or b is None:
             return None
         s = 1 if e.op == "add" else -1
@@ -70,11 +76,11 @@ def _linear(e: ir.Expr):
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 
 
-def _term_bound(e: ir.Expr):
+def _term_bound(e: ir.Expr, rest_ok=ir.is_invariant):
     """('left'|'right', expr) for a term `q_idx - kv_idx (op) c`, after normalising; else None."""
     if not (isinstance(e, ir.Binary) and e.op in _FLIP):
         return None
-    a, b = _linear(e.a), _linear(e.b)
+    a, b = _linear(e.a, rest_ok), _linear(e.b, rest_ok)
     if a is None or b is None:
         return None
     cq, ckv, op = a[0] - b[0], a[1] - b[1], e.op
@@ -93,19 +99,40 @@ def _term_bound(e: ir.Expr):
     return "right", ir.Unary(I32, "neg", rest)
 
 
+def _chunk_width(e: ir.Expr) -> ir.Expr | None:
+    """`abs(C) - 1` for a term `q_idx // C == kv_idx // C` (a chunked mask, C invariant): two positions in one
+    chunk of C are at most |C| - 1 apart. None for any other term."""
+    if not (isinstance(e, ir.Binary) and e.op == "eq"):
+        return None
+    sides = []
+    for x in (e.a, e.b):
+        if not (isinstance(x, ir.Binary) and x.op == "floordiv" and isinstance(x.a, ir.Index)
+                and ir.is_invariant(x.b) and x.b.type == I32):
+            return None
+        sides.append((x.a.name, x.b))
+    if {sides[0][0], sides[1][0]} != {"q_idx", "kv_idx"} or sides[0][1] != sides[1][1]:
+        return None
+    return ir.Binary(I32, "sub", ir.Call(I32, "abs", (sides[0][1],)), ir.Const(I32, 1))
+
+
 def kv_band(mask: ir.Program | None) -> KvBand:
     if mask is None:
         return KvBand(None, None)
     found: dict[str, ir.Expr] = {}
     exact = True
     for term in _conjuncts(_inline(mask)):
-        bound = _term_bound(term)
-        if bound is None:
-            exact = False
-            continue
-        side, e = bound
-        e = _simplify(e)
-        found[side] = e if side not in found else ir.Call(I32, "minimum", (found[side], e))
+        chunk = _chunk_width(term)
+        if chunk is not None:  # implies |q_idx - kv_idx| <= width, both sides; the chunk edges stay in the mask
+            bounds, exact = [("left", chunk), ("right", chunk)], False
+        else:
+            bound = _term_bound(term)
+            if bound is None:
+                exact = False
+                continue
+            bounds = [bound]
+        for side, e in bounds:
+            e = _simplify(e)
+            found[side] = e if side not in found else ir.Call(I32, "minimum", (found[side], e))
     return KvBand(found.get("left"), found.get("right"), exact and bool(found))
 
 

@@ -71,7 +71,10 @@ def test_editing_a_variant_changes_the_uri_and_reverting_restores_it(tmp_path):
 def test_only_needed_mask_modes_are_instantiated(monkeypatch):
     monkeypatch.delenv("FIVAR_SPLIT_CTA_TILES", raising=False)
     plain = gen_module(fivar.load("softcap"), split_cta_tiles=True)
-    masked = gen_module(fivar.load("sliding_window"), split_cta_tiles=True)
+    masked = gen_module(fivar.load("document_mask"), split_cta_tiles=True)
+    window = gen_module(fivar.load("sliding_window"), split_cta_tiles=True)  # fa2.window_form: kCausal too
+    assert sorted(n for n in window.sources if "kernel_mask" in n and "_cta" not in n) == [
+        "single_prefill_kernel_mask_1.cu", "single_prefill_kernel_mask_2.cu"]
     assert sorted(n for n in plain.sources if "kernel_mask" in n) == [
         "single_prefill_kernel_mask_0.cu", "single_prefill_kernel_mask_0_cta16_32.cu",
         "single_prefill_kernel_mask_0_cta64.cu", "single_prefill_kernel_mask_1.cu",

@@ -1,0 +1,84 @@
+"""Decode over the pages that hold kept keys: each request's page list trimmed to at most two runs of pages.
+
+A mask with a left band already reads only its window (window_left, fivar.runtime.attention). Other masks keep
+keys the band cannot describe: a document mask keeps the query's own document, StreamingLLM keeps its sink tokens
+and a window (two ranges). fivar.spec.sparsity.classify_decode finds, per request and page, whether the mask may
+keep a key there; this module keeps the first run of such pages and the hull of the rest (a mask whose kept pages
+form more than two runs reads the gaps after the first), and rebuilds kv_indptr / kv_indices / kv_last_page_len
+for them on the device.
+
+The kernel then sees shorter requests: the key-segments form of fivar's FA2 struct (fivar.codegen.fa2,
+KV_SEGMENTS) maps each local key back to its kv_idx (one shift below the second run, another from it on) and the
+query to its q_idx, so the mask and the logits see the positions they would have seen untrimmed, and still apply
+to every key read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec.sparsity import EMPTY
+
+_NO_SECOND_RUN = 1 << 30  # seg past every local key: all of them in the first run
+
+
+@dataclass
+class TrimmedPages:
+    kv_indptr: torch.Tensor         # int32 [batch + 1]
+    kv_indices: torch.Tensor        # int32 [pages kept]
+    kv_last_page_len: torch.Tensor  # int32 [batch]
+    segments: torch.Tensor          # int32 [batch, 5]: fivar.codegen.fa2.KV_SEGMENTS
+    pages_read: int                 # kept pages, for the record
+    pages_total: int
+
+
+def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+               kv_last_page_len: torch.Tensor, page_size: int) -> TrimmedPages | None:
+    """The trimmed page lists of a decode batch from its page map (kinds [batch, max pages]), or None when no
+    page can be dropped. One device-to-host copy (the kept page count, which sizes the new kv_indices)."""
+    dev = kinds.device
+    batch, width = kinds.shape
+    indptr = kv_indptr.long()
+    n_pages = indptr.diff()
+    col = torch.arange(width, device=dev).view(1, -1)
+    kept = (kinds != EMPTY) & (col < n_pages.view(-1, 1))
+    # a request that keeps no key still reads one page, masked in the kernel like any other (zeros out)
+    none = ~kept.any(1) & (n_pages > 0)
+    kept[:, 0] |= none
+    big = torch.full_like(col, width).expand(batch, width)
+    a0 = torch.where(kept, col, big).amin(1)
+    a1 = torch.where((col >= a0.view(-1, 1)) & ~kept, col, big).amin(1)  # the first run is [a0, a1)
+    rest = kept & (col >= a1.view(-1, 1))
+    has_b = rest.any(1)
+    b0 = torch.where(rest, col, big).amin(1)
+    b1 = torch.where(rest, col + 1, torch.zeros_like(col)).amax(1)
+    sel = ((col >= a0.view(-1, 1)) & (col < a1.view(-1, 1))) | \
+        (has_b.view(-1, 1) & (col >= b0.view(-1, 1)) & (col < b1.view(-1, 1)))
+    new_n = sel.sum(1)
+    total_new, total = (int(x) for x in torch.stack([new_n.sum(), n_pages.sum()]).tolist())
+    if total_new == total:
+        return None
+    new_indptr = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), new_n.cumsum(0)])
+    pos = (indptr[:-1].view(-1, 1) + col)[sel]  # row-major: each request's pages in order
+    new_indices = kv_indices.long()[pos]
+    last = kv_last_page_len.long()
+    last_page_kept = sel.gather(1, (n_pages - 1).clamp(min=0).view(-1, 1)).view(-1) & (n_pages > 0)
+    new_last = torch.where(last_page_kept, last, torch.full_like(last, page_size))
+    new_last = torch.where(new_n > 0, new_last, torch.zeros_like(last))
+    kv_len = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last, torch.zeros_like(last))
+    local_len = (new_n - 1).clamp(min=0) * page_size + new_last
+    first_len = (a1 - a0).clamp(min=0) * page_size
+    seg = torch.where(has_b, first_len, torch.full_like(first_len, _NO_SECOND_RUN))
+    shift_a = torch.where(new_n > 0, a0 * page_size, torch.zeros_like(a0))
+    shift_b = torch.where(has_b, b0 * page_size - first_len, torch.zeros_like(b0))
+    segments = torch.stack([seg, shift_a, shift_b, kv_len - local_len, torch.arange(batch, device=dev)],
+                           1).to(torch.int32).contiguous()
+    return TrimmedPages(new_indptr.to(torch.int32), new_indices.to(torch.int32), new_last.to(torch.int32),
+                        segments, total_new, total)
+
+
+def local_to_kv_idx(segments: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """kv_idx of local keys ([batch, n]), the mapping the key-segments struct applies (for checks)."""
+    seg, shift_a, shift_b = (segments[:, i].long().view(-1, 1) for i in range(3))
+    return torch.where(local < seg, local + shift_a, local + shift_b)

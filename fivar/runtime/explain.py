@@ -1,0 +1,118 @@
+"""What each path skips of a variant's mask, and how: the text of `fivar show NAME --explain`.
+
+One line per path, read off the same analyses the runtime uses (fivar.spec.bounds' band, fivar.spec.sparsity's
+block map, fivar.codegen's window forms), so the text cannot drift from what runs.
+"""
+from __future__ import annotations
+
+from ..codegen import fa2, fa3
+from .attention import trims_decode_pages
+from ..spec import sparsity
+from ..spec.ir import format_expr
+from ..spec.params import Scalar
+
+#: The shape the block-map summary is shown at (a long prefill, FA3's 128-row tile, a 128-key tile).
+SAMPLE_LEN, SAMPLE_Q_BLOCK, SAMPLE_KV_BLOCK = 8192, 128, 128
+
+
+def _band_text(v) -> str:
+    band = v.kv_band
+    sides = [f"kv_idx >= q_idx - {format_expr(band.left)}"] if band.left is not None else []
+    sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
+    if not sides:
+        return "the mask implies no band"
+    return f"the mask {'is exactly' if band.exact else 'implies'} the band {' and '.join(sides)}"
+
+
+def block_map_summary(v, causal: bool = True) -> str:
+    """The block map at SAMPLE_LEN with the params' defaults, or why it is computed per call."""
+    if v.ir.mask is None:
+        return "block map: no mask (causal only skips tiles)"
+    if v.tensor_params or any(p.default is None for p in v.params.values() if isinstance(p, Scalar)):
+        return ("block map: depends on tensor params or params without defaults; the runtime reads it per call "
+                "(fivar.spec.sparsity.classify)")
+    scalars = {n: p.default for n, p in v.scalar_params.items()}
+    bm = sparsity.classify(v.ir.mask, qo_len=SAMPLE_LEN, kv_len=SAMPLE_LEN, q_block=SAMPLE_Q_BLOCK,
+                           kv_block=SAMPLE_KV_BLOCK, scalars=scalars, causal=causal)
+    c = bm.counts()
+    total = sum(c.values())
+    pct = lambda n: f"{100.0 * n / total:.1f}%"  # noqa: E731
+    return (f"block map ({SAMPLE_Q_BLOCK}x{SAMPLE_KV_BLOCK} tiles, S={SAMPLE_LEN}, causal, default params): "
+            f"{pct(c['empty'])} empty (never visited where a path skips), {pct(c['full'])} full (no mask needed), "
+            f"{pct(c['partial'])} partial")
+
+
+def _fa3_line(v) -> str:
+    band = v.kv_band
+    if v.ir.mask is None:
+        return "fa3 prefill: causal only skips tiles (no mask)"
+    if v.scans_mask:
+        return ("fa3 prefill (single, ragged): each 128-row query block (192 at head_dim 64) runs as its own request "
+                "over the keys a mask pre-pass finds it keeps (KV-range form); when every row keeps one run of keys "
+                "the kernel checks each row's run instead of the mask. Paged prefill visits every tile")
+    if fa3.runs_as_window(v):
+        return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
+                "are skipped, only its boundary tiles are masked, the struct carries no mask")
+    if band.left is not None:
+        return ("fa3 prefill: FlashInfer's sliding-window schedule skips the tiles left of the band (window_left from "
+                "it); the mask runs element-wise on every tile visited")
+    return "fa3 prefill: visits every tile (causal skips the upper triangle); the mask runs element-wise"
+
+
+def _fa2_line(v) -> str:
+    band = v.kv_band
+    if v.ir.mask is None:
+        return "fa2 prefill: causal only skips tiles (no mask)"
+    if v.scans_mask:
+        return ("fa2 prefill (single, ragged, paged): each 128-row query block runs as its own request of FA2's "
+                "paged kernel over the pages holding the keys the block map says it may keep (ragged K/V read as "
+                "pages of one key), in the key-segments form that maps its rows and keys back to q_idx and kv_idx "
+                "(fivar.runtime.fa2_blocks); kCustom mode: the mask, causal included, runs on every tile visited")
+    how = ("; called causally it runs in kCausal mode: the tiles right of the diagonal are skipped too, and only "
+           "the tiles the window or the diagonal cut evaluate the mask" if fa2.window_form(v) else
+           "; kCustom mode: the mask runs on every tile visited, and the tiles right of the diagonal are visited")
+    return ("fa2 prefill (ragged, paged; single runs as a batch of one): window_left = the band's left edge, so "
+            "each query tile starts its KV loop there" + how)
+
+
+def _decode_line(v) -> str:
+    band = v.kv_band
+    if v.ir.mask is None:
+        return "decode: reads every page of each request"
+    if band.exact and band.left is not None:
+        return ("decode: the tensor-core paged kernel with window_left = the band's left edge: it reads only the "
+                "pages from q_idx - window_left on (FlashInfer's scheduler sizes each request's work by the window), "
+                "like stock decode with window_left")
+    if trims_decode_pages(v):
+        return ("decode (v.decode, and FA2 plans of one query per request): each request's pages are trimmed to those that may hold kept keys (the "
+                "block map per page, on the device): the first run of such pages and the hull of the rest, read on "
+                "the tensor-core paged kernel in the key-segments form (fivar.runtime.decode_pages), which maps each "
+                "key back to its kv_idx; a mask keeping more than two runs reads the gaps after the first")
+    return "decode: reads every page of each request (the mask does not depend on the key position)"
+
+
+def _triton_line(v) -> str:
+    band = v.kv_band
+    if v.ir.mask is None:
+        return "triton: causal only bounds the KV loop"
+    if band.left is None and band.right is None:
+        return ("triton: a pre-pass finds each 16-row block's first and last kept key and the KV loop runs "
+                "between them")
+    return ("triton: the band bounds the KV loop" + ("" if band.exact else
+                                                     "; a pre-pass narrows it to the kept keys"))
+
+
+def mask_skipping(v) -> list[str]:
+    """`fivar show NAME --explain`'s lines on what each path skips and how."""
+    return [
+        f"mask: {_band_text(v)}",
+        block_map_summary(v),
+        _fa3_line(v),
+        _fa2_line(v),
+        _decode_line(v),
+        _triton_line(v),
+        ("one-shot calls (v.prefill, v.batch_prefill_*, v.decode): the plan of a call is kept (8 most recent) and "
+         "reused for the same shapes, dtype, device, flags, scalar params and the same index/param tensors "
+         "unchanged (identity and version counter: a tensor written in place is planned again)"),
+        "position-only logits terms: evaluated per element (no table)",
+    ]

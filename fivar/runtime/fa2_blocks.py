@@ -1,0 +1,89 @@
+"""FA2 prefill of a mask that is more than a band: each query block attends over the keys its mask may keep.
+
+FlashInfer's FA2 kernels take no per-block KV ranges, and a mask that is more than a band runs in kCustom mode
+on every tile (causal included: kCustom skips nothing right of the diagonal). The same lowering as FA3's
+(fivar.runtime.kv_ranges), on FA2's paged kernel: each request is cut into query blocks, and each block becomes a
+request of its own over the pages that hold the keys fivar.spec.sparsity's block map says it may keep (the hull of
+its non-empty KV blocks). Requests over overlapping keys are just page lists that share pages; ragged K/V is read
+as pages of one key. The key-segments form of the struct (fivar.codegen.fa2.KV_SEGMENTS) maps each block's local
+rows and keys back to their q_idx and kv_idx, applies causal on those, and still applies the mask to every pair.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec.sparsity import BlockRanges, classify
+
+#: Query rows per block: FA2's largest query tile (a block smaller than a tile wastes rows of it).
+BLOCK_ROWS = 128
+#: KV block of the analysis for ragged K/V (read as pages of one key): finer finds more empty keys, costs more
+#: planning.
+RAGGED_KV_BLOCK = 64
+_NO_SECOND_RUN = 1 << 30
+
+
+@dataclass
+class BlockLayout:
+    qo_indptr: torch.Tensor         # int32 [R + 1]: the blocks' rows (a refinement of the batch's)
+    kv_indptr: torch.Tensor         # int32 [R + 1]: pages per block
+    kv_indices: torch.Tensor        # int32: the blocks' page lists
+    kv_last_page_len: torch.Tensor  # int32 [R]
+    segments: torch.Tensor          # int32 [R, 5]: fivar.codegen.fa2.KV_SEGMENTS
+    keys_read: int                  # keys the blocks read, and what every block reading its request's keys would
+    keys_total: int
+
+
+def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: list[torch.Tensor],
+                 last_page_len: torch.Tensor, page_size: int, *, scalars: dict, tensors: dict, num_qo_heads: int,
+                 num_kv_heads: int, causal: bool, kv_block: int | None = None, rows: int = BLOCK_ROWS) -> BlockLayout:
+    """Host tensors in, host tensors out. `pages[b]`: request b's page ids in order (for ragged K/V read as pages of
+    one key, its token indices); `kv_lens`/`last_page_len` per request."""
+    kv_block = kv_block or page_size
+    if kv_block % page_size:
+        raise ValueError(f"kv_block {kv_block} must be a multiple of the page size {page_size}")
+    tensors = {n: t.cpu() for n, t in tensors.items()}
+    qo_h = qo_indptr.long().cpu()
+    q_rows, kv_counts, indices, lasts, segs = [], [], [], [], []
+    read = total = 0
+    for b in range(qo_h.numel() - 1):
+        qo_len, kv_len = int(qo_h[b + 1] - qo_h[b]), int(kv_lens[b])
+        if qo_len == 0:
+            continue
+        n_pages = pages[b].numel()
+        if kv_len == 0:  # nothing to attend: one block per tile of rows over no keys
+            for r0 in range(0, qo_len, rows):
+                q_rows.append(int(qo_h[b]) + r0)
+                kv_counts.append(0)
+                lasts.append(0)
+                segs.append((_NO_SECOND_RUN, 0, 0, 0, b))
+            continue
+        ranges = BlockRanges.of(classify(mask, qo_len=qo_len, kv_len=kv_len, q_block=rows, kv_block=kv_block,
+                                         scalars=scalars, tensors=tensors, num_qo_heads=num_qo_heads,
+                                         num_kv_heads=num_kv_heads, batch_idx=b, causal=causal).kinds)
+        per = kv_block // page_size
+        for i, r0 in enumerate(range(0, qo_len, rows)):
+            r = min(rows, qo_len - r0)
+            lo, hi = int(ranges.kept_lo[i]) * per, min(int(ranges.kept_hi[i]) * per, n_pages)
+            if hi <= lo:  # no key kept: one page, masked in the kernel like any other (zeros out)
+                lo, hi = 0, 1
+            last = int(last_page_len[b]) if hi == n_pages else page_size
+            local_len = (hi - lo - 1) * page_size + last
+            q_rows.append(int(qo_h[b]) + r0)
+            kv_counts.append(hi - lo)
+            indices.append(pages[b][lo:hi])
+            lasts.append(last)
+            # row j of the block: q_idx = r0 + j + kv_len - qo_len; the kernel computes j + local_len - r
+            segs.append((_NO_SECOND_RUN, lo * page_size, 0, r0 + kv_len - qo_len - (local_len - r), b))
+            read += local_len
+            total += kv_len
+    q_rows.append(int(qo_h[-1]))
+    counts = torch.tensor(kv_counts, dtype=torch.long)
+    return BlockLayout(
+        qo_indptr=torch.tensor(q_rows, dtype=torch.int32),
+        kv_indptr=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
+        kv_indices=(torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)).to(torch.int32),
+        kv_last_page_len=torch.tensor(lasts, dtype=torch.int32),
+        segments=torch.tensor(segs, dtype=torch.int64).clamp(max=2**31 - 1).to(torch.int32).view(-1, 5),
+        keys_read=read, keys_total=total)

@@ -1,0 +1,253 @@
+"""What every entry point shares: argument checks, param binding, module lookup, FlashInfer wrapper attachment.
+
+Below the entry points (fivar.runtime.attention, .kv_ranges, .triton_attention), importing none of them, so the
+runtime's modules import one way: launch <- kv_ranges, triton_attention <- attention.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codegen import fa3
+from ..codegen.torch_ref import eval_scalar
+from ..errors import FivarError
+from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..spec import ir
+from .inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
+from .params import bind_params
+
+
+def _check_qkv(variant, q, k, v, *, paged: bool = False, allow_cpu: bool = False, head_dims=HEAD_DIMS):
+    """fivar.runtime.inputs' shape checks, then what the kernels support: CUDA (or the CPU where allowed),
+    float16/bfloat16, `head_dims`, a contiguous last dimension. paged: k and v are the paged caches."""
+    name = variant.name
+    if paged:
+        check_qkv_layout(name, q, k, v, kv_layout=PAGED_KV_LAYOUT, kv_names=PAGED_KV_NAMES)
+    else:
+        check_qkv_layout(name, q, k, v)
+    if not q.is_cuda and not allow_cpu:
+        raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); on the CPU use "
+                         f"variant.reference(...), or backend='triton' with TRITON_INTERPRET=1 set before Triton is "
+                         f"imported (float16)")
+    if q.dtype not in DTYPES.values() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise FivarError(f"variant '{name}': q, k, v must all be float16 or all bfloat16, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_cuda and q.dtype == torch.bfloat16:
+        raise FivarError(f"variant '{name}': bfloat16 on the CPU: the Triton interpreter (TRITON_INTERPRET=1) has no "
+                         "bfloat16 arithmetic and would return wrong numbers; use float16 CPU tensors")
+    d = q.shape[-1]
+    if d not in head_dims:
+        raise FivarError(f"variant '{name}': head_dim {d} is not supported (use one of {tuple(head_dims)})")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise FivarError(f"variant '{name}': the last dimension of q, k, v must be contiguous")
+
+
+_invariants: dict = {}
+
+
+def _invariant(variant, expr, bound, sm_scale: float = 1.0) -> float:
+    """Value of an invariant IR expression for these scalar params, evaluated once per distinct values
+    (not on every launch)."""
+    key = (id(variant), id(expr), tuple(sorted(bound.scalars.items())), sm_scale)
+    value = _invariants.get(key)
+    if value is None:
+        if len(_invariants) > 4096:
+            _invariants.clear()
+        value = _invariants[key] = eval_scalar(expr, bound.scalars, sm_scale, variant.lowered.hoisted)
+    return value
+
+
+def _expanded(variant, e: ir.Expr) -> ir.Expr:
+    """`e` with the lowered programs' hoisted names put back, for messages."""
+    if isinstance(e, ir.Hoisted):
+        return _expanded(variant, variant.lowered.hoisted[e.name])
+    kids = tuple(_expanded(variant, c) for c in e.children())
+    return ir.rebuild(e, kids) if kids != e.children() else e
+
+
+def _check_output_scale(variant, bound, sm_scale):
+    """The folded logits factor goes into the softmax exponent scale: it must be positive."""
+    scale = variant.lowered.output_scale
+    if scale is None:
+        return
+    factor = _invariant(variant, scale, bound, sm_scale)
+    if not (factor > 0 and math.isfinite(factor)):
+        text = ir.format_expr(_expanded(variant, scale)).replace("params.sm_scale", "sm_scale")
+        raise FivarError(f"variant '{variant.name}': the logits factor `{text}` evaluates to {factor} for these "
+                         f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
+
+
+def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False, kv_segments: bool = False):
+    """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
+    for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
+    dt = dtype_name(dtype)
+    if target == "fa3":
+        rng = fa3.softmax_range(variant, dt)
+        if rng is not None:
+            scale = variant.lowered.output_scale
+            factor = 1.0 if scale is None else _invariant(variant, scale, bound, sm_scale)
+            if not fa3.bounded_softmax_applies(rng, factor):
+                return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, bounded_softmax=False)
+    return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, kv_segments=kv_segments)
+
+
+def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
+    bound = bind_params(variant, params, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
+                        batch_size=batch_size, device=q.device)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    try:
+        finite = math.isfinite(float(sm_scale))
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        finite = False
+    if not finite:
+        raise FivarError(f"variant '{variant.name}': sm_scale must be a finite number, got {sm_scale!r}")
+    _check_output_scale(variant, bound, sm_scale)
+    return bound, float(sm_scale)
+
+
+def _check_out(variant, out, q):
+    """`out=` of a single prefill: written in place, so it must be q's shape, dtype and device."""
+    if out is not None and not (isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype
+                                and out.device == q.device):
+        got = f"{out.dtype} {list(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise FivarError(f"variant '{variant.name}': out must be like q ({q.dtype} {list(q.shape)} on {q.device}), "
+                         f"got {got}")
+
+
+_WORKSPACE_BYTES = 128 << 20
+
+
+_workspaces: dict = {}
+
+
+def _workspace(device):
+    ws = _workspaces.get(device)
+    if ws is None:
+        ws = _workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return ws
+
+
+def _attach(wrapper, module, fmod, owns_mask: bool):
+    """Point a FlashInfer wrapper at a module fivar built (FlashInfer would otherwise build its own).
+
+    Touches the private attributes FlashInfer's `jit_args` path sets (checked: fivar.flashinfer_compat.wrappers).
+    """
+    from ..flashinfer_compat import problem
+    why = problem("wrapper_jit_module")
+    if why:
+        raise FivarError(f"fivar cannot run its modules through this FlashInfer's wrappers: {why}")
+    from flashinfer.decode import get_batch_decode_jit_module
+    from flashinfer.prefill import get_batch_prefill_jit_module
+    t_names, _, s_names, _ = fmod.additional
+    make = get_batch_decode_jit_module if fmod.op == "batch_decode" else get_batch_prefill_jit_module
+    wrapper._jit_module = make(fmod.uri, module)
+    wrapper._jit_additional_tensor_names = list(t_names)
+    if hasattr(wrapper, "_jit_additional_scalar_names"):
+        wrapper._jit_additional_scalar_names = list(s_names)
+    if hasattr(wrapper, "_variant_owns_mask"):
+        wrapper._variant_owns_mask = owns_mask
+    return wrapper
+
+
+#: Wrappers of plans the one-shot cache dropped, per (kind, module, device), for the next plans of that module: a new
+#: wrapper allocates pinned host and device workspaces (milliseconds), a re-plan of a kept one does not.
+_free_wrappers: dict = {}
+_FREE_WRAPPERS_PER_MODULE = 4
+
+
+def take_wrapper(kind: str, fmod, device, owns_mask: bool):
+    """A FlashInfer wrapper of `kind` ("ragged", "paged", "decode") running fivar's module `fmod`: a released one
+    if there is one, else a new one."""
+    free = _free_wrappers.get((kind, fmod.uri, str(device)))
+    if free:
+        w = free.pop()
+    else:
+        import flashinfer
+        ws = _workspace(device)
+        if kind == "ragged":
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
+        elif kind == "paged":
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
+        else:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", use_tensor_cores=False,
+                                                              backend="fa2")
+    return _attach(w, fmod.load(), fmod, owns_mask)
+
+
+def release_wrapper(kind: str, fmod, device, wrapper) -> None:
+    """Give a wrapper whose plan is no longer used back for take_wrapper (its next plan re-plans it)."""
+    free = _free_wrappers.setdefault((kind, fmod.uri, str(device)), [])
+    if len(free) < _FREE_WRAPPERS_PER_MODULE:
+        free.append(wrapper)
+
+
+def _check_indptr(variant, name, t, device):
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 2:
+        raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor with batch_size+1 "
+                         f"entries")
+    # The kernels trust it (a negative or decreasing entry reads or writes outside the tensors). One host copy: the
+    # plans copy it to the host anyway.
+    host = t.cpu()
+    if int(host[0]) != 0 or bool((host[1:] < host[:-1]).any()):
+        raise FivarError(f"variant '{variant.name}': {name} must start at 0 and never decrease, got "
+                         f"{host[:8].tolist()}{' ...' if t.numel() > 8 else ''}")
+    return t.to(device)
+
+
+def _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int, device):
+    """kv_indices / kv_last_page_len of a paged batch (kv_indptr checked): what the kernels read without a bound
+    check, so a bad entry reads another request's page or outside the cache."""
+    batch, pages = kv_indptr.numel() - 1, int(kv_indptr[-1])
+    for name, t, ok, want in (
+            ("kv_indices", kv_indices, lambda n: n >= pages, f"at least {pages} entries (kv_indptr[-1])"),
+            ("kv_last_page_len", kv_last_page_len, lambda n: n == batch, f"{batch} entries (one per request)")):
+        if not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype in (torch.int32, torch.int64)
+                and ok(t.numel())):
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor of {want}, got {got}")
+    kv_indices = kv_indices.to(device=device, dtype=torch.int32)
+    kv_last_page_len = kv_last_page_len.to(device=device, dtype=torch.int32)
+    ranges = [t.aminmax() if t.numel() else (t.new_zeros(()),) * 2 for t in (kv_indices[:pages], kv_last_page_len)]
+    lo, hi, last_lo, last_hi = torch.stack([x for r in ranges for x in r]).tolist()  # one sync for all four
+    if lo < 0 or hi >= num_pages:
+        raise FivarError(f"variant '{variant.name}': kv_indices must be page numbers in 0..{num_pages - 1} (the "
+                         f"cache's pages), got {lo}..{hi}")
+    if last_lo < 0 or last_hi > page_size:
+        raise FivarError(f"variant '{variant.name}': kv_last_page_len must be in 0..page_size ({page_size}), got "
+                         f"{last_lo}..{last_hi}")
+    return kv_indices, kv_last_page_len
+
+
+def _paged_kv(variant, paged_kv_cache):
+    if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
+        k_cache, v_cache = paged_kv_cache
+    elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
+        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    else:
+        raise FivarError(f"variant '{variant.name}': paged_kv_cache must be (k_cache, v_cache), each "
+                         "[num_pages, page_size, num_kv_heads, head_dim], or one [num_pages, 2, page_size, "
+                         "num_kv_heads, head_dim] tensor")
+    return k_cache, v_cache
+
+
+def _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr):
+    qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+    batch = qo_indptr.numel() - 1
+    if kv_indptr.numel() != batch + 1:
+        raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length")
+    if int(qo_indptr[-1]) != q.shape[0] or int(kv_indptr[-1]) != k.shape[0]:
+        raise FivarError(f"variant '{variant.name}': qo_indptr[-1]/kv_indptr[-1] ({int(qo_indptr[-1])}, "
+                         f"{int(kv_indptr[-1])}) must equal the token counts of q and k ({q.shape[0]}, {k.shape[0]})")
+    return qo_indptr, kv_indptr, batch
+
+
+def _check_decode_indptr(variant, q, kv_indptr):
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+    batch = kv_indptr.numel() - 1
+    if q.shape[0] != batch:
+        raise FivarError(f"variant '{variant.name}': decode takes one query per request: q has {q.shape[0]} rows, "
+                         f"kv_indptr describes {batch} requests")
+    return kv_indptr, batch

@@ -1,0 +1,96 @@
+"""The plans behind the one-shot calls (`v.prefill`, `v.batch_prefill_*`, `v.decode`), kept between calls.
+
+A one-shot call used to validate, plan (FlashInfer's scheduler, a host copy of the indptrs, for a mask that is more
+than a band the mask pre-pass) and launch every time: for the layers of one model step, which share one batch
+layout, all but the first plan were waste (a chunked mask at S=8192: 2.4 ms a call against 0.12 ms planned).
+Here the plan is kept under a key of everything it depends on, and a later call with the same key only launches.
+
+The key holds values (shapes, dtypes, devices, scalar params, flags) and tensors by identity and version
+counter: `t._version` moves on every in-place write through torch, so a tensor changed in place (an indptr, a
+document-id table) is never served the plan made from its old contents. A tensor is held weakly: once the
+caller drops it, entries keyed on it are dropped too (its id may then be reused by another tensor).
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    return ("tensor", id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype, str(t.device))
+
+
+def value_key(x) -> tuple | object:
+    """A hashable key of a call argument: a tensor by identity and version, containers item by item."""
+    if isinstance(x, torch.Tensor):
+        return tensor_key(x)
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted((k, value_key(v)) for k, v in x.items())))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(value_key(v) for v in x))
+    if isinstance(x, (torch.dtype, torch.device, torch.Size)):
+        return str(x)
+    return (type(x).__name__, x)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+class PlanCache:
+    """A small LRU of plans. `get(parts, make)`: the plan for `parts` (a tuple of call arguments), made by
+    `make()` on a miss. Plans own device memory (a FlashInfer wrapper's workspace), hence the small capacity."""
+
+    def __init__(self, capacity: int = 8, on_evict=None):
+        self.capacity, self.on_evict = capacity, on_evict
+        self._entries: OrderedDict = OrderedDict()  # key -> (plan, weakrefs of the key's tensors)
+        self.hits = self.misses = 0
+
+    def key(self, parts: tuple) -> tuple:
+        return value_key(parts)
+
+    def lookup(self, parts: tuple, key: tuple | None = None):
+        key = self.key(parts) if key is None else key
+        entry = self._entries.get(key)
+        if entry is not None:
+            plan, refs = entry
+            if all(r() is not None for r in refs):
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return plan
+            self._drop(key)  # a keyed tensor died: its id may now name another tensor
+        return None
+
+    def get(self, parts: tuple, make):
+        key = self.key(parts)  # before make(): the versions the plan is made from
+        plan = self.lookup(parts, key)
+        if plan is not None:
+            return plan
+        self.misses += 1
+        plan = make()
+        refs = [weakref.ref(t) for t in _tensors(parts)]
+        self._entries[key] = (plan, refs)
+        while len(self._entries) > self.capacity:
+            self._drop(next(iter(self._entries)))
+        return plan
+
+    def _drop(self, key):
+        plan, _ = self._entries.pop(key)
+        if self.on_evict is not None:
+            self.on_evict(plan)
+
+    def clear(self):
+        for key in list(self._entries):
+            self._drop(key)
+
+    def __len__(self):
+        return len(self._entries)

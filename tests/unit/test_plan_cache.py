@@ -1,0 +1,125 @@
+"""The one-shot calls' plan cache (fivar.runtime.plan_cache): a plan is reused only for the same key, and a tensor
+changed in place, replaced, or freed is never served a plan made from its old contents."""
+import gc
+
+import pytest
+import torch
+
+import fivar
+from fivar.runtime import attention
+from fivar.runtime.plan_cache import PlanCache
+
+
+def _make_counter():
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+    return made, make
+
+
+def test_same_key_is_one_plan_and_in_place_writes_replan():
+    cache = PlanCache()
+    made, make = _make_counter()
+    indptr = torch.tensor([0, 5, 9], dtype=torch.int32)
+    doc = torch.zeros(2, 9, dtype=torch.int32)
+    parts = lambda: ("ragged", "v", True, 0.5, {"doc": doc, "w": 4}, indptr)  # noqa: E731
+    first = cache.get(parts(), make)
+    assert cache.get(parts(), make) is first and len(made) == 1
+    doc[0, 3] = 1  # a tensor param changed in place: its version moves
+    second = cache.get(parts(), make)
+    assert second is not first and len(made) == 2
+    indptr[1] = 4  # an indptr changed in place
+    assert cache.get(parts(), make) is not second and len(made) == 3
+    assert cache.get(("ragged", "v", True, 0.5, {"doc": doc, "w": 5}, indptr), make) is made[-1] and len(made) == 4
+    assert cache.get(("ragged", "v", False, 0.5, {"doc": doc, "w": 5}, indptr), make) is made[-1] and len(made) == 5
+
+
+def test_equal_contents_in_a_new_tensor_replan_and_freed_tensors_drop_their_plans():
+    cache = PlanCache()
+    made, make = _make_counter()
+    a = torch.tensor([0, 3], dtype=torch.int32)
+    cache.get(("x", a), make)
+    b = a.clone()
+    cache.get(("x", b), make)  # identity, not contents: a new tensor is a new key
+    assert len(made) == 2 and len(cache) == 2
+    del a
+    gc.collect()
+    c = torch.tensor([0, 3], dtype=torch.int32)
+    cache.get(("x", c), make)  # whatever id c got, the plan keyed on the dead tensor is never served
+    assert len(made) == 3
+
+
+def test_capacity_is_least_recently_used():
+    cache = PlanCache(capacity=2)
+    made, make = _make_counter()
+    for k in ("a", "b", "a", "c"):
+        cache.get((k,), make)
+    assert len(made) == 3 and len(cache) == 2
+    cache.get(("a",), make)
+    assert len(made) == 3  # "a" was used last before "c": kept; "b" went
+    cache.get(("b",), make)
+    assert len(made) == 4
+
+
+class _FakePlan:
+    made = 0
+
+    def __init__(self, variant, qo_indptr, kv_indptr, **kw):
+        type(self).made += 1
+        self.kw = kw
+
+    def run(self, q, k, v):
+        return q
+
+
+@pytest.fixture
+def fake_ragged(monkeypatch):
+    """The one-shot ragged call's wiring on the CPU: its checks pass CPU tensors, its plan is a counter."""
+    _FakePlan.made = 0
+    monkeypatch.setattr(attention, "RaggedAttentionPlan", _FakePlan)
+    monkeypatch.setattr(attention, "_check_qkv", lambda *a, **k: None)
+    monkeypatch.setattr(attention, "_check_backend", lambda *a, **k: "fa2")
+    monkeypatch.setattr(attention, "_one_shot", PlanCache())
+    return _FakePlan
+
+
+def test_one_shot_call_plans_once_per_key(fake_ragged):
+    v = fivar.load("document_mask")
+    q = torch.zeros(12, 4, 64)
+    k = torch.zeros(12, 2, 64)
+    qo = torch.tensor([0, 5, 12], dtype=torch.int32)
+    kv = torch.tensor([0, 5, 12], dtype=torch.int32)
+    doc = torch.zeros(2, 7, dtype=torch.int32)
+    call = lambda: v.batch_prefill_ragged(q, k, k, qo, kv, causal=True, backend="fa2", doc_ids=doc)  # noqa: E731
+    call()
+    call()
+    assert fake_ragged.made == 1
+    doc[1, 4] = 1  # the document ids changed in place: a new plan
+    call()
+    assert fake_ragged.made == 2
+    kv[1] = 6  # an indptr changed in place
+    call()
+    assert fake_ragged.made == 3
+    v.batch_prefill_ragged(q, k, k, qo, kv, causal=False, backend="fa2", doc_ids=doc)
+    assert fake_ragged.made == 4
+    v.batch_prefill_ragged(q[:, :2], k, k, qo, kv, causal=False, backend="fa2", doc_ids=doc)  # another shape
+    assert fake_ragged.made == 5
+
+
+def test_dropped_plans_are_released_once():
+    released = []
+    cache = PlanCache(capacity=2, on_evict=released.append)
+    made, make = _make_counter()
+    a = torch.zeros(2)
+    cache.get(("x", a), make)
+    cache.get(("y",), make)
+    cache.get(("z",), make)  # evicts the oldest
+    assert released == [made[0]]
+    del a
+    gc.collect()
+    cache.lookup(("x", torch.zeros(2)))  # nothing of x is left to drop
+    assert released == [made[0]]
+    cache.clear()
+    assert sorted(map(id, released)) == sorted(map(id, made)) and len(cache) == 0
