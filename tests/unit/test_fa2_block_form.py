@@ -9,8 +9,9 @@ import types
 import pytest
 import torch
 
+
 from fivar.codegen import fa2
-from fivar.codegen.cuda import additional_params
+from fivar.codegen.cuda import additional_params, param_ident
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.runtime import attention
 from fivar.testing import _ragged_reference, _to_paged
@@ -29,7 +30,7 @@ class _FakePagedWrapper:
         self.p = dict(qo=qo_indptr.long().cpu(), kv=kv_indptr.long().cpu(), idx=kv_indices.long().cpu(),
                       last=last.long().cpu(), page=page, causal=causal)
 
-    def run(self, q, cache, *args):
+    def run(self, q, cache, *args, return_lse=False):
         v, p = self.variant, self.p
         k_cache, v_cache = cache
         extra = [fa2.KV_SEGMENTS] if self.fmod.kv_segments else []
@@ -55,7 +56,7 @@ class _FakePagedWrapper:
             score = torch.einsum("qhd,khd->hqk", rows, keys.repeat_interleave(hq // hkv, 1)) * named["sm_scale"]
             env = {"score": score, "sm_scale": named["sm_scale"], "batch": torch.tensor(batch), "qo_head": head,
                    "kv_head": head // (hq // hkv), "q_idx": q_idx, "kv_idx": kv_idx}
-            params = {n: named[n] for n in v.params}
+            params = {n: named[param_ident(n)] for n in v.params}  # the struct's names are mangled
             ev = TorchEvaluator(env, params, torch.float64)
             keep = ev.run(v.ir.mask).bool() & torch.ones_like(score, dtype=torch.bool)
             if named["fv_causal"]:  # the struct's guard: mapped positions in the key-segments form, local else

@@ -70,7 +70,7 @@ class _FakePlan:
         type(self).made += 1
         self.kw = kw
 
-    def run(self, q, k, v):
+    def run(self, q, k, v, return_lse=False):
         return q
 
 
