@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import jinja2
 
 from ..paths import templates_dir
-from ..spec import optimize
+from ..spec import ir, optimize
 from .cuda import CppEmitter, Member, additional_params, comment_text
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = "MaskMode::kNone", "MaskMode::kCausal", "MaskMode::kCustom"
@@ -66,10 +66,24 @@ def softmax_scale_log2(variant, emit: CppEmitter) -> str:
     return "flashinfer::math::log2e"
 
 
+def sink_members_and_body(variant, param_ref, emit: CppEmitter) -> tuple[list[Member], str | None]:
+    """The sink for FA2's REGISTER_M_D_UPDATE, which runs once per query row (OutputTransform runs per output
+    element): qo_head is the hook's, the request index a member (the hook has none)."""
+    sink = variant.ir.sink
+    if sink is None:
+        return [], None
+    sink_emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_sink_batch"})
+    members = [Member("int32_t", "fv_sink_batch", "int32_t(batch_idx)")] if "batch" in ir.uses(sink) else []
+    return members, "\n      ".join(sink_emit.sink_lines(sink))
+
+
 def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja") -> VariantDecl:
     lowered = variant.lowered
     emit = CppEmitter(variant, param_ref)
-    members = emit.members(lowered, [lowered.output_scale] if lowered.output_scale is not None else [])
+    sink_exprs = list(variant.ir.sink.exprs()) if variant.ir.sink is not None else []
+    members = emit.members(lowered, ([lowered.output_scale] if lowered.output_scale is not None else []) + sink_exprs)
+    sink_members, sink_body = sink_members_and_body(variant, param_ref, emit)
+    members += sink_members
     scale = softmax_scale_log2(variant, emit)
     mask_body = None
     if lowered.mask:
@@ -78,5 +92,6 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
         mask_body = emit.body(lowered.mask, guard=CAUSAL_GUARD)
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
-                    logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body)
+                    logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body,
+                    sink_body=sink_body)
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask)))

@@ -477,11 +477,12 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
     kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
     kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
                                                 k_cache.shape[1], q.device)
-    if not variant.softmax or q.shape[1] // k_cache.shape[2] >= 4:
+    if not variant.softmax or variant.sink is not None or q.shape[1] // k_cache.shape[2] >= 4:
         # One-token paged prefill on the tensor-core FA2 kernel: faster than the CUDA-core decode kernel
         # once a KV head serves >= 4 query heads (H200, batch 128 x 8192, GQA 32/8: 3.80 vs 2.60 TB/s of
         # KV read), and the only correct path without softmax (FlashInfer merges split-KV partials
-        # through their log-sum-exp, which a no-softmax variant does not have).
+        # through their log-sum-exp, which a no-softmax variant does not have) or with a sink (the decode
+        # kernel has no per-row hook that knows its KV chunk: fivar.codegen.fa2).
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         return _paged_prefill(variant, "fa2", q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                               False, sm_scale, params, return_lse)

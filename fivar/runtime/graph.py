@@ -65,7 +65,8 @@ class GraphDecodePlan:
             raise FivarError(f"variant '{name}': max_batch and max_pages must be positive, got {self.max_batch}, "
                              f"{self.max_pages}")
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        self.tensor_cores = not variant.softmax or num_qo_heads // num_kv_heads >= 4  # as batch_decode chooses
+        self.tensor_cores = (not variant.softmax or variant.sink is not None
+                             or num_qo_heads // num_kv_heads >= 4)  # as batch_decode chooses
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.max_batch, sm_scale)
         i32 = dict(dtype=torch.int32, device=self.device)
