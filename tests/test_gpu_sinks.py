@@ -54,7 +54,8 @@ def _assert_lse(lse, want, case):
                                                   (1, 4099, False)])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
 def test_single_prefill(backend, qo_len, kv_len, causal, large):
-    q, k, v = (torch.randn(n, h, D, dtype=DTYPE, device="cuda") for n, h in ((qo_len, HQ), (kv_len, HKV), (kv_len, HKV)))
+    q = torch.randn(qo_len, HQ, D, dtype=DTYPE, device="cuda")
+    k, v = (torch.randn(kv_len, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
     p = _params(GPT_OSS, 1, kv_len, large)
     out, lse = GPT_OSS.prefill(q, k, v, causal=causal, backend=backend, return_lse=True, **p)
     ref, ref_lse = GPT_OSS.reference(q, k, v, causal=causal, return_lse=True, **p)

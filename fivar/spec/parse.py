@@ -125,6 +125,7 @@ class _FunctionParser:
         on the code's first line with its argument names."""
         code = self.fn.__code__
         try:
+            linecache.checkcache(self.filename)  # the file as it is now, as inspect reads a def
             text = "".join(linecache.getlines(self.filename)) or inspect.getsource(inspect.getmodule(self.fn))
             tree = ast.parse(text)
         except (OSError, TypeError, SyntaxError, RecursionError, MemoryError) as e:

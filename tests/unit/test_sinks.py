@@ -111,7 +111,8 @@ def test_reference_is_the_formula(kind, lq, lk, hq, hkv, causal):
 
     p = _params(PER_REQUEST, hq, 3, kind)
     out, lse = _ref64(PER_REQUEST, q, k, vv, causal=causal, sm_scale=sm_scale, batch_idx=2, batch_size=3, **p)
-    want, want_lse = _formula(q, k, vv, p["sinks"].double() + p["per_request"][2].double(), sm_scale, causal, softcap=20.0)
+    sinks = p["sinks"].double() + p["per_request"][2].double()
+    want, want_lse = _formula(q, k, vv, sinks, sm_scale, causal, softcap=20.0)
     torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-9, atol=1e-9)
 
