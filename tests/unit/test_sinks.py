@@ -214,6 +214,16 @@ def test_triton_decode_adds_the_sink_once_over_its_splits(v, kind):
     _check_lse(lse, torch.cat(want))
 
 
+def test_gpt_oss_example_draws_realistic_sinks():
+    p = GPT_OSS.example(num_qo_heads=64, num_kv_heads=8, batch_size=2, max_len=300, device="cpu")
+    assert p["window"] == 128 and p["sinks"].dtype == torch.float32 and p["sinks"].shape == (64,)
+    s = p["sinks"]
+    assert -8 < float(s.min()) and float(s.max()) < 20  # a few units, as the logits
+    assert float(s.topk(8).values.mean() - s.median()) > 3  # an eighth of the heads far above the rest
+    other = GPT_OSS.example(num_qo_heads=64, num_kv_heads=8, batch_size=2, max_len=300, device="cpu")
+    assert not torch.equal(other["sinks"], p["sinks"])  # fresh on every call
+
+
 def test_triton_twin_shows_the_sink():
     from fivar.codegen.triton import render_attention
     src = render_attention(PER_REQUEST)
@@ -348,3 +358,49 @@ def test_fa2_sink_module_compiles():
 
 def _window(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return q_idx - kv_idx < params.window
+
+
+# --- a gpt-oss model through transformers -------------------------------------------------------------------------
+
+def _gpt_oss_model(attn_implementation, zero_sinks=False):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).to(DTYPE).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # sinks of the size trained ones have, or none
+            layer.self_attn.sinks.copy_(torch.zeros(4) if zero_sinks else torch.tensor([4.0, 0.4, 1.1, -0.6]))
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def _generate(model, ids):
+    with torch.no_grad():
+        r = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                           pad_token_id=0)
+    return r.sequences, torch.stack(r.logits, 1).float()
+
+
+def test_gpt_oss_generate_matches_eager_with_the_sinks_in_the_kernel(monkeypatch):
+    """A tiny random gpt-oss (a sliding-window layer, a full one, both with sinks) generates eager attention's greedy
+    tokens with close logits through the Triton twin; its sinks are the variants' own (gpt_oss, attention_sink)."""
+    import fivar.integrations.transformers as fivar_hf
+    from fivar.runtime import triton_attention
+    calls = []
+    run = triton_attention.triton_batch_prefill_ragged
+    monkeypatch.setattr(triton_attention, "triton_batch_prefill_ragged",
+                        lambda v, *a, **kw: calls.append((v.name, kw["return_lse"])) or run(v, *a, **kw))
+    name = fivar_hf.register("fivar_triton", backend="triton")
+    ids = torch.randint(1, 256, (1, 9))
+    tokens, logits = _generate(_gpt_oss_model(name), ids)
+    assert set(calls) == {("gpt_oss", False), ("attention_sink", False)} and len(calls) == 2 * 6
+    want_tokens, want_logits = _generate(_gpt_oss_model("eager"), ids)
+    assert torch.equal(tokens, want_tokens)
+    tol = 2e-2 * max(1.0, want_logits.abs().max().item())
+    assert (logits - want_logits).abs().max() < tol
+    # the sinks matter at this tolerance: without them the logits move well beyond it
+    _, unsunk = _generate(_gpt_oss_model("eager", zero_sinks=True), ids)
+    assert (unsunk[:, 0] - want_logits[:, 0]).abs().max() > 5 * (logits - want_logits).abs().max()
