@@ -5,6 +5,10 @@
 // Fa3OnlineSoftmax), then adds the sink to what it left: with lse the keys' log2-sum-exp and s the sink (both log2),
 // lse' = log2(2^lse + 2^s), and the output's factor 1/sum becomes 1/sum * 2^(lse - lse'). The LSE FA3 writes is lse',
 // as in FlashInfer's own sink kernels. Once per row, after the KV loop: the loop itself is untouched.
+//
+// A query tile that visits no KV tile at all (kv_len 0, or every row of the tile above the causal diagonal when
+// qo_len > kv_len) never reaches finalize: FlashInfer's epilogue writes zeros, as the reference does, but lse -inf
+// where the reference (and FA2) has the sink's. Every row that visits a tile gets the sink.
 #pragma once
 #include "fivar_ops.cuh"
 
