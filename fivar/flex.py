@@ -19,6 +19,9 @@ def flex_mods(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: 
     if not variant.softmax:
         raise FivarError(f"variant '{variant.name}': FlexAttention always applies softmax, so a no-softmax "
                          "variant has no Flex equivalent")
+    if variant.sink is not None:
+        raise FivarError(f"variant '{variant.name}': FlexAttention's score_mod cannot add a sink to the softmax "
+                         "denominator, so a variant with a sink has no Flex equivalent")
     bound = bind_params(variant, params, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                         batch_size=batch_size, device=device)
     values = {**bound.scalars, **bound.tensors}

@@ -190,7 +190,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
                                  ({}, f"stock plain attention (no built-in for {variant.name})"))
                     out.append(Contender(cname, lambda kw=kw, b=backend: flashinfer.single_prefill_with_kv_cache(
                         q, k, v, causal=p.causal, backend=b, **kw), label + suffix, checks_variant=st is not None))
-        if "flex" in wanted and variant.softmax:
+        if "flex" in wanted and variant.softmax and variant.sink is None:
             from ..flex import flex_attention_fn
             out.append(Contender("flex", flex_attention_fn(variant, prm, q, k, v, causal=p.causal), "torch.compile"))
         if "sdpa" in wanted:

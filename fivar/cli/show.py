@@ -77,7 +77,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         return
     if target == "ir":
         vir = v.ir
-        for prog, role in ((vir.logits, "logits"), (vir.mask, "mask")):
+        for prog, role in ((vir.logits, "logits"), (vir.mask, "mask"), (vir.sink, "sink")):
             if prog:
                 console.print(format_program(prog, role), highlight=False, markup=False)
         low = optimize.lower(vir, v.softmax)

@@ -139,6 +139,12 @@ class CppEmitter:
         lines.append(f"return {guard} && {result};" if guard else f"return {result};")
         return ("\n" + indent).join(lines)
 
+    def sink_lines(self, program: ir.Program, out: str = "fv_log2_sink") -> list[str]:
+        """Statements setting `out` (a float declared by the caller) to the sink logit in the kernels' softmax
+        domain: log2, like the running max m (the logits' own factor is in sm_scale_log2, not in the sink)."""
+        lines, result = self.statements(program)
+        return self.prologue(program) + lines + [f"{out} = float({result}) * flashinfer::math::log2e;"]
+
     def members(self, lowered: Lowered, extra_exprs=()) -> list[Member]:
         """Per-block members: scalar params read per element, hoisted invariants, the query offset."""
         roots = [e for p in (lowered.logits, lowered.mask) if p for e in p.exprs()]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import jinja2
 
 from ..paths import templates_dir
-from ..spec import optimize
+from ..spec import ir, optimize
 from .cuda import CppEmitter, Member, additional_params, comment_text
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = "MaskMode::kNone", "MaskMode::kCausal", "MaskMode::kCustom"
@@ -84,6 +84,19 @@ def softmax_scale_log2(variant, emit: CppEmitter) -> str:
     return "flashinfer::math::log2e"
 
 
+def sink_members_and_body(variant, param_ref, emit: CppEmitter,
+                          batch_init: str = "int32_t(batch_idx)") -> tuple[list[Member], str | None]:
+    """The sink for FA2's REGISTER_M_D_UPDATE, which runs once per query row (OutputTransform runs per output
+    element): qo_head is the hook's, the request index a member (the hook has none; in the key-segments form a
+    kernel request is a piece of the batch's request `batch_init` names)."""
+    sink = variant.ir.sink
+    if sink is None:
+        return [], None
+    sink_emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_sink_batch"})
+    members = [Member("int32_t", "fv_sink_batch", batch_init)] if "batch" in ir.uses(sink) else []
+    return members, "\n      ".join(sink_emit.sink_lines(sink))
+
+
 #: The key-segments form's per-request table: int32 [requests, 5] = (seg, shift_a, shift_b, q_shift, batch). A request of
 #: the kernel is a piece of one of the batch: decode over pages trimmed to two runs (fivar.runtime.decode_pages), or
 #: a query block over the pages of the keys its mask may keep (fivar.runtime.fa2_blocks). The kernel's key kv sits
@@ -101,7 +114,11 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
     index_init = ({"kv_idx": "(int32_t(kv_idx) < fv_seg ? int32_t(kv_idx) + fv_shift_a : int32_t(kv_idx) + fv_shift_b)",
                    "batch": "fv_piece_batch"} if kv_segments else None)
     emit = CppEmitter(variant, param_ref, index_init=index_init)
-    members = emit.members(lowered, [lowered.output_scale] if lowered.output_scale is not None else [])
+    sink_exprs = list(variant.ir.sink.exprs()) if variant.ir.sink is not None else []
+    members = emit.members(lowered, ([lowered.output_scale] if lowered.output_scale is not None else []) + sink_exprs)
+    sink_members, sink_body = sink_members_and_body(variant, param_ref, emit,
+                                                    seg(4) if kv_segments else "int32_t(batch_idx)")
+    members += sink_members
     guard = CAUSAL_GUARD
     if kv_segments:
         q_offset = f"int32_t(kv_len) - int32_t(qo_len) + {seg(3)}"
@@ -122,6 +139,7 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
         mask_body = emit.body(lowered.mask, guard=guard)
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
-                    logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body)
+                    logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body,
+                    sink_body=sink_body)
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask),
                                                           extra_tensors=[KV_SEGMENTS] if kv_segments else []))

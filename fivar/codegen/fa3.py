@@ -351,7 +351,8 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
     if as_window:
         lowered = dataclasses.replace(lowered, mask=None)
     extra = [lowered.output_scale] if lowered.output_scale is not None else []
-    members = emit.members(lowered, extra)
+    sink = variant.ir.sink
+    members = emit.members(lowered, extra + (list(sink.exprs()) if sink is not None else []))
     # FA3 reads the request's lengths from the block coordinate; q_offset needs them in scope
     for m in members:
         if m.name == "fv_q_offset":
@@ -364,7 +365,7 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
                 [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
         causal = [] if row_runs else [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
         members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *keys, *causal]
-    if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask)):
+    if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask, sink)):
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
     lines = emit.prologue(lowered.logits, None if row_runs else lowered.mask)
@@ -393,7 +394,10 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
                     members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges,
                     window=as_window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
-                    logits_range=logits_range and tuple(repr(float(x)) for x in logits_range))
+                    logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
+                    # FA3 has no output hook: the sink joins in the updater's finalize (csrc/fivar_sink.cuh); a
+                    # CTA serves one query head of one request, so it is read once, in the constructor
+                    sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
     tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
                                                           extra_tensors=tables))

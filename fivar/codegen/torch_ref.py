@@ -195,7 +195,8 @@ def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> int:
 def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params=None, batch_idx=0,
                         batch_size=None, float_dtype=torch.float32, bound=None, return_lse=False):
     """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype. return_lse:
-    (out, lse), lse [qo_len, Hq] the log2-sum-exp of each row's kept logits (fivar.runtime.lse), -inf if none."""
+    (out, lse), lse [qo_len, Hq] the log2-sum-exp of each row's kept logits (fivar.runtime.lse), -inf if none; with
+    a sink, its exp joins the sum (as in FlashInfer's sink kernels), so a row that keeps nothing has lse = sink."""
     from ..runtime.lse import LOG2E, check_lse
     from ..runtime.params import bind_params
     return_lse = check_lse(variant, return_lse)
@@ -242,7 +243,13 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
         logits = logits.expand_as(score)
     if variant.softmax:
         kept = logits.masked_fill(~keep, -math.inf)
-        p = torch.softmax(kept, dim=-1)
+        if vir.sink is not None:  # one more logit per row, with no value row: it only joins the denominator
+            sink = ev.run(vir.sink)
+            error = ev.zero_division_error(torch.ones_like(sink, dtype=torch.bool), sink)
+            if error:
+                raise error
+            kept = torch.cat([kept, sink.to(float_dtype).expand(hq, qo_len, 1)], dim=-1)
+        p = torch.softmax(kept, dim=-1)[..., :kv_len]
         # a row with no key kept is 0/0: FlashInfer writes zeros there; a NaN logit of a kept key stays NaN, as in
         # the kernels
         p = p.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)

@@ -312,6 +312,29 @@ class TritonEmitter:
         body = "\n".join("    " + line for line in lines)
         return f"@triton.jit\ndef {name}({args}):\n{body}\n"
 
+    def sink_function(self, program: ir.Program) -> str:
+        """`variant_sink(batch, qo_head, <kernel args>)`: the sink logit of one (request, query head), from the
+        parsed program (nothing in it is per element, so it is not lowered); its tensor reads are plain loads."""
+        self.local_names, self.const_locals = {}, {}
+        self.let_exprs = dict(program.lets)
+        self.statements = None
+        self.in_prologue = True  # a load the logits also read per row is not a row load here
+        try:
+            lines = []
+            for lname, e in program.lets:
+                if _constant(e, self.const_locals):
+                    self.const_locals[lname] = e
+                    continue
+                self.local_names[lname] = local_name(lname)
+                check_rendered("triton", [self.local_names[lname]], self.variant.name)
+                lines.append(f"{self.local_names[lname]} = {self.expr(e)}")
+            lines.append(f"return tl.cast({self.expr(program.result)}, tl.float32)")
+        finally:
+            self.in_prologue = False
+        args = ", ".join(["batch", "qo_head"] + [a.name for a in self.args])
+        body = "\n".join("    " + line for line in lines)
+        return f"@triton.jit\ndef variant_sink({args}):\n{body}\n"
+
     def prologue(self) -> list[str]:
         """Kernel statements computing the per-program invariants and the exp2 scale of the softmax."""
         self.local_names, self.const_locals = {}, {}
@@ -362,12 +385,14 @@ def render_attention(variant) -> str:
     logits = emit.lowered.logits
     logits_fn = emit.function(logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
     mask_fn = emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS) if emit.lowered.mask else None
+    sink_fn = emit.sink_function(variant.ir.sink) if variant.ir.sink is not None else None
     prologue = emit.prologue()
     row_prologue = emit.row_prologue()  # before `helpers` is read: a row read's index may need _py_mod & co.
     band = variant.kv_band
     source = os.path.basename(variant.source_file or "<unknown>")
     return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
-                  softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, helpers=sorted(emit.helpers),
+                  softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, sink_fn=sink_fn,
+                  helpers=sorted(emit.helpers),
                   prologue=prologue, row_prologue=row_prologue, kernel_args=[a.name for a in emit.args],
                   band_left=band.left and ir.format_expr(band.left),
                   band_right=band.right and ir.format_expr(band.right),
@@ -377,7 +402,8 @@ def render_attention(variant) -> str:
                   else False,
                   variant_args=emit.variant_args(), unspecialized=emit.unspecialized(),
                   logits_text=ir.format_program(variant.ir.logits, "logits") if variant.ir.logits else None,
-                  mask_text=ir.format_program(variant.ir.mask, "mask") if variant.ir.mask else None)
+                  mask_text=ir.format_program(variant.ir.mask, "mask") if variant.ir.mask else None,
+                  sink_text=ir.format_program(variant.ir.sink, "sink") if variant.ir.sink else None)
 
 
 _kernel_args: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -10,8 +10,9 @@
 module's arguments choose the variant: `softcap` (Gemma 2's attn_logit_softcapping) -> `softcap`, `sliding_window`
 -> `sliding_window`, both -> `softcap_sliding_window`, neither -> plain softmax attention, with `scaling` as
 sm_scale and the module's `is_causal`. Attention sinks (gpt-oss's `s_aux`, one logit per head joining the softmax
-denominator) are applied from the kernel's log-sum-exp: with a sink logit s, softmax over [logits, s] gives
-out * sigmoid(lse_e - s), lse_e the natural-log LSE, so any softmax variant takes sinks without a kernel change.
+denominator) are the variant's own `sink`, added inside the kernel: `gpt_oss` (sinks and a window) for gpt-oss's
+local layers, `attention_sink` below for its full ones. A soft-cap with sinks (no model has both) takes them from
+the kernel's log-sum-exp instead: softmax over [logits, s] is out * sigmoid(lse_e - s), lse_e the natural-log LSE.
 
 A padded batch is unpadded into a ragged batch (each row's kept keys must be one run, as left or right padding
 gives); padded query rows come back as zeros. The window and the causal mask count positions from the end of each
@@ -23,24 +24,36 @@ import torch
 
 from ..errors import FivarError
 from ..spec import AttentionVariant
+from ..spec.params import Tensor
 
 
 def _score(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score
 
 
+def _head_sink(qo_head, params):
+    return params.sinks[qo_head]
+
+
 #: Softmax attention with no transform: the model's layers without soft-cap or window.
 PLAIN = AttentionVariant(name="plain", logits=_score, doc="Plain softmax attention.")
+#: Softmax attention with a sink per query head: gpt-oss's full-attention layers (its local ones are `gpt_oss`).
+SINK = AttentionVariant(name="attention_sink", sink=_head_sink, params={"sinks": Tensor("float32", ("qo_head",))},
+                        doc="Softmax attention with a learned sink logit per query head.")
 
 
-def variant_for(softcap: float | None, sliding_window: int | None) -> tuple[AttentionVariant, dict]:
-    """The fivar variant and params for a transformers attention call's soft-cap and window."""
+def variant_for(softcap: float | None, sliding_window: int | None, sinks: bool = False) -> tuple[AttentionVariant,
+                                                                                                 dict]:
+    """The fivar variant and params for a transformers attention call's soft-cap, window and (with `sinks`) sinks;
+    the caller adds the sink logits as params["sinks"] when the variant declares them."""
     import fivar
     params = {}
     if softcap:
         params["softcap"] = float(softcap)
     if sliding_window:
         params["window"] = int(sliding_window)
+    if sinks and not softcap:
+        return (fivar.load("gpt_oss") if sliding_window else SINK), params
     name = {(True, True): "softcap_sliding_window", (True, False): "softcap", (False, True): "sliding_window"}.get(
         (bool(softcap), bool(sliding_window)))
     return (fivar.load(name) if name else PLAIN), params
@@ -67,7 +80,10 @@ def fivar_attention(module, query, key, value, attention_mask, dropout: float = 
     if dropout and getattr(module, "training", False):
         raise FivarError("fivar attention (transformers): attention dropout is not supported (inference kernels); "
                          "put the model in eval() or set attention_dropout=0")
-    variant, params = variant_for(softcap, sliding_window)
+    variant, params = variant_for(softcap, sliding_window, sinks=s_aux is not None)
+    in_kernel = "sinks" in variant.params
+    if in_kernel:  # one logit per query head, in the dtype the variant declares
+        params["sinks"] = s_aux.reshape(-1).float()
     batch, hq, s, d = query.shape
     kv_len = key.shape[2]
     causal = bool(getattr(module, "is_causal", True))
@@ -88,10 +104,12 @@ def fivar_attention(module, query, key, value, attention_mask, dropout: float = 
         qo_lens, kv_lens = q_mask.sum(1).int().cpu(), kv_mask.sum(1).int().cpu()
         q_flat, k_flat, v_flat = q[q_mask], k[kv_mask], v[kv_mask]
     indptr = lambda lens: torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()]).to(query.device)  # noqa: E731
-    out, lse = variant.batch_prefill_ragged(q_flat.contiguous(), k_flat.contiguous(), v_flat.contiguous(),
-                                            indptr(qo_lens), indptr(kv_lens), causal=causal, sm_scale=scaling,
-                                            backend=backend, return_lse=True, **params)
-    if s_aux is not None:  # sinks: the extra softmax term exp(s) scales the output by sigmoid(lse_e - s)
+    from_lse = s_aux is not None and not in_kernel
+    out = variant.batch_prefill_ragged(q_flat.contiguous(), k_flat.contiguous(), v_flat.contiguous(),
+                                       indptr(qo_lens), indptr(kv_lens), causal=causal, sm_scale=scaling,
+                                       backend=backend, return_lse=from_lse, **params)
+    if from_lse:  # sinks beside a soft-cap: the extra softmax term exp(s) scales the output by sigmoid(lse_e - s)
+        out, lse = out
         sink = s_aux.reshape(-1).float()  # one logit per query head
         out = (out.float() * torch.sigmoid(lse * 0.6931471805599453 - sink)[..., None]).to(out.dtype)
     if attention_mask is None:

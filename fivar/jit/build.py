@@ -581,6 +581,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         raise FivarError(f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})")
     if head_dim not in HEAD_DIMS:
         raise FivarError(f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})")
+    if op == "batch_decode" and variant.sink is not None:  # its kernel calls no per-row hook (fivar.codegen.fa2)
+        raise FivarError(f"variant '{variant.name}': a sink runs decode on FA2 batch prefill; there is no "
+                         "batch_decode module for it")
     if target == "fa3" and op not in _FA3_LAYOUT:
         raise FivarError(f"variant '{variant.name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
     toolchain.ensure_arch_env()
@@ -716,8 +719,9 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
     that is more than a band on FA3: the KV-range form's mask and row-run modules; with the bounded softmax, the
     running-max modules too; decode: also FA2 batch prefill, which runs it once a KV head serves >= 4 query heads
     or without softmax, fivar.runtime.attention.batch_decode)."""
-    if op == "batch_decode":  # without softmax, decode always runs on FA2 batch prefill
-        return ([gen_module(variant, op, target, dtype, head_dim)] if variant.softmax else []) + [
+    if op == "batch_decode":  # without softmax or with a sink, decode always runs on FA2 batch prefill
+        return ([gen_module(variant, op, target, dtype, head_dim)] if variant.softmax and variant.sink is None
+                else []) + [
             gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
     op = serving_op(variant, op, target)
     forms = [False, True] if target == "fa3" and fa3.uses_kv_ranges(variant, op) else [False]

@@ -269,8 +269,10 @@ def _decode_on_tensor_cores(variant, num_qo_heads: int, num_kv_heads: int) -> bo
     KV head serves >= 4 query heads (H200, batch 128 x 8192, GQA 32/8: 3.80 vs 2.60 TB/s of KV read); the only
     correct path without softmax (FlashInfer merges split-KV partials through their log-sum-exp, which a
     no-softmax variant does not have); and the only one that skips keys left of a window (the prefill kernel
-    starts its KV loop at q_idx - window_left, the decode kernel reads every page)."""
-    return (not variant.softmax or num_qo_heads // num_kv_heads >= 4 or variant.kv_band.left is not None)
+    starts its KV loop at q_idx - window_left, the decode kernel reads every page); and with a sink (the decode
+    kernel has no per-row hook that knows its KV chunk: fivar.codegen.fa2)."""
+    return (not variant.softmax or variant.sink is not None or num_qo_heads // num_kv_heads >= 4
+            or variant.kv_band.left is not None)
 
 
 def trims_decode_pages(variant) -> bool:

@@ -50,7 +50,8 @@ def applies(variant, causal: bool, window_left: int, schedule: str = "grid") -> 
     launch over a slice), on FlashInfer's grid (a persistent kernel holds every SM to its end, so the tail's
     launches could only start after it)."""
     low = variant.lowered
-    if causal or window_left >= 0 or not variant.softmax or low.mask is not None or schedule != "grid":
+    if causal or window_left >= 0 or not variant.softmax or low.mask is not None or schedule != "grid" \
+            or variant.sink is not None:  # each launch over a slice of the keys would add the sink again
         return False
     from ..flashinfer_compat import active
     if not (active("fa3_wave_split_launch") and active("fa3_flashinfer_tiles")):  # launches and plans as FlashInfer

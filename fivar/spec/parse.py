@@ -9,6 +9,7 @@ import ast
 import builtins
 import dataclasses
 import inspect
+import linecache
 import textwrap
 import types
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ MAX_DEPTH = 100
 
 LOGITS_ARGS = ("score",) + ir.INDEX_VARS + ("params",)
 MASK_ARGS = ir.INDEX_VARS + ("params",)
+#: A sink is one logit per (request, query head): the full form, and the per-head shorthand.
+SINK_ARGS = ("batch", "qo_head", "params")
+SINK_HEAD_ARGS = ("qo_head", "params")
 
 _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv",
            ast.Mod: "mod"}
@@ -48,14 +52,18 @@ class VariantIR:
     logits: ir.Program | None
     mask: ir.Program | None
     divisor_scalars: dict[str, str] = field(default_factory=dict)  # int Scalar param -> where it divides
+    #: The attention sink: a float of `batch` and `qo_head` only (no score, no query or key position).
+    sink: ir.Program | None = None
 
 
 def parse_variant(variant) -> VariantIR:
+    sink = getattr(variant, "sink", None)
     parsers = {role: _FunctionParser(variant, fn, role) for role, fn in (("logits", variant.logits),
-                                                                          ("mask", variant.mask)) if fn}
+                                                                          ("mask", variant.mask),
+                                                                          ("sink", sink)) if fn}
     programs = {role: p.parse() for role, p in parsers.items()}
     divisors = {name: where for p in parsers.values() for name, where in p.divisor_scalars.items()}
-    return VariantIR(programs.get("logits"), programs.get("mask"), divisors)
+    return VariantIR(programs.get("logits"), programs.get("mask"), divisors, programs.get("sink"))
 
 
 def _node_name(node: ast.AST) -> str:
@@ -82,6 +90,9 @@ class _FunctionParser:
                                  line=fn.__code__.co_firstlineno) from None
         self.source = "".join(lines)
         self.col_offset = len(lines[0]) - len(lines[0].lstrip())
+        self.lambda_node: ast.Lambda | None = None
+        if fn.__name__ == "<lambda>" and role == "sink":
+            self.lambda_node = self.find_lambda()
         self.env: dict[str, ir.Expr] = {}  # python name -> expr (args) or Local
         self.lets: list[tuple[str, ir.Expr]] = []
         self.let_names: set[str] = set()
@@ -108,23 +119,54 @@ class _FunctionParser:
         return self.error(node, f"{what} is not supported in a variant function", construct=what,
                           allowed=ALLOWED)
 
+    def find_lambda(self) -> ast.Lambda:
+        """The sink's lambda in its file: `inspect` gives only the lines around it, which need not parse alone
+        (`sink=lambda qo_head, params: ...,` inside a call), so the whole file is parsed and the lambda is the one
+        on the code's first line with its argument names."""
+        code = self.fn.__code__
+        try:
+            linecache.checkcache(self.filename)  # the file as it is now, as inspect reads a def
+            text = "".join(linecache.getlines(self.filename)) or inspect.getsource(inspect.getmodule(self.fn))
+            tree = ast.parse(text)
+        except (OSError, TypeError, SyntaxError, RecursionError, MemoryError) as e:
+            raise FivarSpecError(f"cannot read the source of the `sink` lambda ({e}); define it in a .py file",
+                                 variant=self.variant.name, filename=self.filename,
+                                 line=code.co_firstlineno) from None
+        names = list(code.co_varnames[:code.co_argcount])
+        found = [n for n in ast.walk(tree) if isinstance(n, ast.Lambda) and n.lineno == code.co_firstlineno
+                 and [a.arg for a in n.args.args] == names]
+        if len(found) != 1:
+            raise FivarSpecError(f"cannot tell which lambda on line {code.co_firstlineno} is the `sink` "
+                                 f"({len(found)} match its arguments); define it with `def`",
+                                 variant=self.variant.name, filename=self.filename, line=code.co_firstlineno)
+        self.source, self.first_line, self.col_offset = text, 1, 0
+        return found[0]
+
     # --- entry ---------------------------------------------------------------------------------
     def parse(self) -> ir.Program:
-        try:
-            tree = ast.parse(textwrap.dedent(self.source))
-        except (RecursionError, MemoryError, SyntaxError) as e:  # nesting beyond what Python's own parser takes
-            raise self.error(None, f"cannot parse `{self.role}` ({type(e).__name__}: {e})", "unparsable source") \
-                from None
-        fdef = tree.body[0]
-        if not isinstance(fdef, ast.FunctionDef):
+        if self.lambda_node is not None:
+            fdef = self.lambda_node
+        else:
+            try:
+                tree = ast.parse(textwrap.dedent(self.source))
+            except (RecursionError, MemoryError, SyntaxError) as e:  # nesting beyond what Python's parser takes
+                raise self.error(None, f"cannot parse `{self.role}` ({type(e).__name__}: {e})",
+                                 "unparsable source") from None
+            fdef = tree.body[0]
+        if not isinstance(fdef, (ast.FunctionDef, ast.Lambda)) or (isinstance(fdef, ast.Lambda)
+                                                                    and self.role != "sink"):
             raise self.error(fdef, f"`{self.role}` must be defined with `def`, not a lambda", "lambda",
                              "def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params): ...")
-        expected = LOGITS_ARGS if self.role == "logits" else MASK_ARGS
         a = fdef.args
+        if self.role == "sink":
+            expected = SINK_HEAD_ARGS if len(a.args) == len(SINK_HEAD_ARGS) else SINK_ARGS
+        else:
+            expected = LOGITS_ARGS if self.role == "logits" else MASK_ARGS
         if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults \
                 or len(a.args) != len(expected):
+            forms = f"({', '.join(expected)})" + (f" or ({', '.join(SINK_HEAD_ARGS)})" if self.role == "sink" else "")
             raise self.error(fdef, f"`{self.role}` must take exactly {len(expected)} positional "
-                             f"arguments ({', '.join(expected)}); got {len(a.args)}",
+                             f"arguments {forms}; got {len(a.args)}",
                              "signature", f"def {self.role}({', '.join(expected)})")
         for arg, role in zip(a.args, expected):
             if role == "score":
@@ -133,7 +175,10 @@ class _FunctionParser:
                 self.env[arg.arg] = _PARAMS
             else:
                 self.env[arg.arg] = ir.Index(I32, role)
-        body = list(fdef.body)
+        if isinstance(fdef, ast.Lambda):  # one expression: the sink
+            body = [ast.Return(value=fdef.body, lineno=fdef.body.lineno, col_offset=fdef.body.col_offset)]
+        else:
+            body = list(fdef.body)
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
                 and isinstance(body[0].value.value, str):
             body = body[1:]  # docstring
@@ -161,6 +206,12 @@ class _FunctionParser:
             if result.type == BOOL:
                 raise self.error(body[-1], "`logits` must return a number, but this returns a bool "
                                  "(a condition belongs in a `mask` function)", "bool result")
+            if result.type == I32:
+                result = ir.Cast(F32, result)
+        elif self.role == "sink":
+            if result.type == BOOL:
+                raise self.error(body[-1], "`sink` must return a number (a logit), but this returns a bool",
+                                 "bool result")
             if result.type == I32:
                 result = ir.Cast(F32, result)
         elif result.type != BOOL:

@@ -14,6 +14,12 @@ Semantics every target implements (and the README repeats):
     (sigmoid attention) the result is the weight itself: out = sum_j logits_j * V_j.
 * `mask(batch, qo_head, kv_head, q_idx, kv_idx, params) -> bool`: False removes the pair. The mask is
   applied on every KV tile. `causal=True` at call time is applied in addition to it.
+* `sink(batch, qo_head, params) -> float` (or `sink(qo_head, params)`, a per-head sink): an attention sink, a
+  logit that joins the softmax denominator with no value row (StreamingLLM's learned sinks, gpt-oss's `s_aux`):
+  out_i = sum_j exp(l_ij) v_j / (exp(sink) + sum_j exp(l_ij)), in the same units as `logits`' result. It is
+  counted once per query row, whatever the mask keeps (a row that keeps no key is zeros). The log-sum-exp that
+  `return_lse=True` gives includes it, as FlashInfer's own sink kernels write it: log2(exp(sink) + sum_j
+  exp(l_ij)) (base 2, fivar.runtime.lse). A `def` or a lambda; softmax variants only.
 """
 from __future__ import annotations
 
@@ -40,16 +46,22 @@ class AttentionVariant:
     #: Optional `example(num_qo_heads=, num_kv_heads=, batch_size=, max_len=, device=) -> dict` giving
     #: realistic random params for checks and benchmarks (fivar draws from the declarations otherwise).
     example: Callable | None = None
+    #: Optional `sink(batch, qo_head, params)` or `sink(qo_head, params)`: the attention sink (module docstring).
+    sink: Callable | None = None
 
     def __post_init__(self):
-        where = self._where(self.logits or self.mask)
+        where = self._where(self.logits or self.mask or self.sink)
         if not where:  # no function to point at: the AttentionVariant(...) call (the dataclass __init__'s caller)
             where = call_site(2)
         if not isinstance(self.name, str) or not self.name.isidentifier() or not self.name.isascii():
             raise FivarSpecError(f"name must be an ASCII Python identifier, got {self.name!r}", **where)
-        if self.logits is None and self.mask is None:
-            raise FivarSpecError("a variant needs a `logits` function, a `mask` function, or both",
+        if self.logits is None and self.mask is None and self.sink is None:
+            raise FivarSpecError("a variant needs a `logits` function, a `mask` function, a `sink`, or several",
                                  variant=self.name, **where)
+        if self.sink is not None and not self.softmax:
+            raise FivarSpecError("a `sink` joins the softmax denominator, and this variant has softmax=False (its "
+                                 "weights multiply V as they are): drop the sink, or use softmax",
+                                 variant=self.name, **(self._where(self.sink) or where))
         if not isinstance(self.params, dict):
             raise FivarSpecError(f"params must be a dict of name -> fivar.Scalar(...)/fivar.Tensor(...), got "
                                  f"{type(self.params).__name__}", variant=self.name, **where)
@@ -102,7 +114,7 @@ class AttentionVariant:
                             f"checks against the call's shapes; use {close[0]!r}, or a name further from it for a "
                             "free dimension", variant=self.name, **at)
         if not self.doc:
-            fn = self.logits or self.mask
+            fn = self.logits or self.mask or self.sink
             module = inspect.getmodule(fn)
             self.doc = inspect.getdoc(module) or "" if module else ""
 
@@ -114,12 +126,12 @@ class AttentionVariant:
 
     @property
     def source_file(self) -> str | None:
-        fn = self.logits or self.mask
+        fn = self.logits or self.mask or self.sink
         return fn.__code__.co_filename if hasattr(fn, "__code__") else None
 
     @cached_property
     def ir(self):
-        """The parsed, type-checked programs: `.logits` and `.mask` (either may be None)."""
+        """The parsed, type-checked programs: `.logits`, `.mask` and `.sink` (any may be None)."""
         from .parse import parse_variant
         return parse_variant(self)
 

@@ -1,6 +1,7 @@
 """fivar as a transformers attention implementation: a tiny random-weight Gemma 2 (soft-capped logits, alternating
 sliding-window layers) generates the same greedy tokens with close logits through fivar's Triton twin (interpreter,
-float16 on the CPU) as through transformers' eager attention; gpt-oss-style sinks through the LSE; padded batches."""
+float16 on the CPU) as through transformers' eager attention; gpt-oss-style sinks (the variant's own, or through the
+LSE beside a soft-cap); padded batches."""
 import math
 
 import pytest
@@ -72,35 +73,49 @@ def test_the_config_chooses_the_variant():
     assert fivar_hf.variant_for(30.0, None) == (fivar.load("softcap"), {"softcap": 30.0})
     assert fivar_hf.variant_for(None, 128) == (fivar.load("sliding_window"), {"window": 128})
     assert fivar_hf.variant_for(None, None) == (fivar_hf.PLAIN, {})
+    assert fivar_hf.variant_for(None, 128, sinks=True) == (fivar.load("gpt_oss"), {"window": 128})
+    assert fivar_hf.variant_for(None, None, sinks=True) == (fivar_hf.SINK, {})
+    assert fivar_hf.variant_for(30.0, None, sinks=True) == (fivar.load("softcap"), {"softcap": 30.0})
 
 
 class _Module(torch.nn.Module):
     is_causal = True
 
 
-def _eager_with_sinks(q, k, v, sinks, scaling, window):
+def _eager_with_sinks(q, k, v, sinks, scaling, window, softcap=None):
     """gpt-oss's eager attention: a per-head sink logit joins the softmax, then is dropped."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
     w = q.float() @ k.transpose(2, 3) * scaling
+    if softcap:
+        w = softcap * torch.tanh(w / softcap)
     s, kv = q.shape[2], k.shape[2]
     qi = torch.arange(s)[:, None] + kv - s
     ki = torch.arange(kv)[None, :]
-    keep = (ki <= qi) & (qi - ki < window)
+    keep = (ki <= qi) & ((qi - ki < window) if window else True)
     w = w.masked_fill(~keep, -math.inf)
     w = torch.cat([w, sinks.float().reshape(1, -1, 1, 1).expand(q.shape[0], -1, s, 1)], -1)
     p = torch.softmax(w, -1)[..., :-1]
     return (p @ v).transpose(1, 2)
 
 
-def test_sinks_through_the_lse_match_eager_sinks():
+@pytest.mark.parametrize("window,softcap,variant", [(4, None, "gpt_oss"), (None, None, "attention_sink"),
+                                                    (4, 3.0, "softcap_sliding_window")])
+def test_sinks_match_eager_sinks(monkeypatch, window, softcap, variant):
+    """In the kernel where a variant has a sink (gpt-oss's layers), through the LSE beside a soft-cap."""
+    from fivar.runtime import triton_attention
+    calls = []
+    run = triton_attention.triton_batch_prefill_ragged
+    monkeypatch.setattr(triton_attention, "triton_batch_prefill_ragged",
+                        lambda v, *a, **kw: calls.append((v.name, kw["return_lse"])) or run(v, *a, **kw))
     q = torch.randn(2, 4, 7, 16, dtype=DTYPE)
     k = torch.randn(2, 2, 12, 16, dtype=DTYPE)
     v = torch.randn(2, 2, 12, 16, dtype=DTYPE)
-    sinks = torch.randn(4) * 2
-    out, _ = fivar_hf.fivar_attention(_Module(), q, k, v, None, scaling=0.3, sliding_window=4, s_aux=sinks,
-                                      backend="triton")
-    want = _eager_with_sinks(q, k, v, sinks, 0.3, 4)
+    sinks = (torch.randn(4) * 2).to(DTYPE)  # the model's dtype, as gpt-oss holds them
+    out, _ = fivar_hf.fivar_attention(_Module(), q, k, v, None, scaling=0.3, sliding_window=window, softcap=softcap,
+                                      s_aux=sinks, backend="triton")
+    assert calls == [(variant, softcap is not None)]
+    want = _eager_with_sinks(q, k, v, sinks, 0.3, window, softcap)
     assert out.shape == want.shape and out.dtype == DTYPE
     assert (out.float() - want).abs().max() < 3e-3
 
