@@ -388,7 +388,7 @@ def test_gpt_oss_generate_matches_eager_with_the_sinks_in_the_kernel(monkeypatch
     """A tiny random gpt-oss (a sliding-window layer, a full one, both with sinks) generates eager attention's greedy
     tokens with close logits through the Triton twin; its sinks are the variants' own (gpt_oss, attention_sink)."""
     import fivar.integrations.transformers as fivar_hf
-    from fivar.runtime import triton_attention
+    from fivar.runtime import attention as triton_attention  # where the entry point calls it
     calls = []
     run = triton_attention.triton_batch_prefill_ragged
     monkeypatch.setattr(triton_attention, "triton_batch_prefill_ragged",

@@ -41,7 +41,7 @@ def _generate(model, ids, mask=None, new=8):
 
 
 def test_gemma2_generate_matches_eager(monkeypatch):
-    from fivar.runtime import triton_attention
+    from fivar.runtime import attention as triton_attention  # where the entry point calls it
     calls = []
     run = triton_attention.triton_batch_prefill_ragged
     monkeypatch.setattr(triton_attention, "triton_batch_prefill_ragged",
@@ -103,7 +103,7 @@ def _eager_with_sinks(q, k, v, sinks, scaling, window, softcap=None):
                                                     (4, 3.0, "softcap_sliding_window")])
 def test_sinks_match_eager_sinks(monkeypatch, window, softcap, variant):
     """In the kernel where a variant has a sink (gpt-oss's layers), through the LSE beside a soft-cap."""
-    from fivar.runtime import triton_attention
+    from fivar.runtime import attention as triton_attention  # where the entry point calls it
     calls = []
     run = triton_attention.triton_batch_prefill_ragged
     monkeypatch.setattr(triton_attention, "triton_batch_prefill_ragged",
