@@ -5,6 +5,8 @@ is a one-line `FivarError` naming the variant, never a CUDA error from inside a 
 """
 from __future__ import annotations
 
+import types
+
 import torch
 
 from ..codegen import fa2, fa3
@@ -351,7 +353,33 @@ class DecodePlan(_OwnsWrapper):
         self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)
 
     def run(self, q, paged_kv_cache, *, return_lse=False):
+        if torch.compiler.is_compiling():
+            from . import ops
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
+        return_lse = check_lse(self.variant, return_lse)
         return self._wrapper.run(q, _paged_kv(self.variant, paged_kv_cache), *self._args, return_lse=return_lse)
+
+
+def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim, page_size,
+                dtype=None, sm_scale=None, backend="auto", device="cuda", params=None):
+    """What `batch_decode` runs, planned once: FA2's tensor-core paged kernel (one query per request; pages trimmed
+    to the kept keys where the mask drops some) or its CUDA-core decode kernel, chosen as batch_decode chooses.
+    backend="auto" is FA2 here, as for batch_decode: FA3's prefill kernel is no decode kernel."""
+    backend = "fa2" if backend == "auto" else backend
+    qo_indptr = torch.arange(kv_indptr.numel(), dtype=torch.int32, device=kv_indptr.device)
+    if backend != "fa2" or trims_decode_pages(variant) or _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads):
+        return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  page_size=page_size, dtype=dtype, causal=False, sm_scale=sm_scale, backend=backend,
+                                  device=device, params=params or {})
+    checked = types.SimpleNamespace()  # the planned entry points' checks, then the decode kernel's own plan
+    dtype, _, kv_indptr = _plan_setup(checked, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
+                                      dtype, backend, device)
+    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, 1 << 62, page_size,
+                                                checked.device)
+    return DecodePlan(variant, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                      sm_scale=sm_scale, device=checked.device, params=params or {})
 
 
 

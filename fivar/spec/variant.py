@@ -230,16 +230,18 @@ class AttentionVariant:
                                    sm_scale=sm_scale, backend=backend, device=device, params=params)
 
     def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, *, cuda_graph: bool = False, **kwargs):
-        """`plan_paged` for one query token per request (decode on the tensor-core paged kernel). cuda_graph=True
+        """Plan what `decode` runs (FA2: the tensor-core paged kernel or the decode kernel, as `decode` chooses) once
+        per batch, then `.run(q, paged_kv_cache)` per layer. cuda_graph=True
         (with max_batch=, max_pages=): fixed buffers for capture and replay (fivar.runtime.graph)."""
-        import torch
         if cuda_graph:
             from ..runtime.graph import GraphDecodePlan
             params = {k: kwargs.pop(k) for k in list(kwargs) if k in self.params}
             return GraphDecodePlan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
-        n = kv_indptr.numel()
-        qo_indptr = torch.arange(n, dtype=torch.int32, device=kv_indptr.device)  # plan_paged moves it to the device
-        return self.plan_paged(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, **kwargs)
+        from ..runtime.attention import decode_plan
+        self._check_backend_name(kwargs.get("backend", "auto"))
+        plan_args = {"num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "sm_scale", "backend", "device"}
+        params = {k: kwargs.pop(k) for k in list(kwargs) if k not in plan_args}  # checked against the declaration
+        return decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
 
     def attention(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, backend: str = "triton",
                   qo_indptr=None, kv_indptr=None, return_lse: bool = False, **params):
