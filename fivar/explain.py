@@ -12,41 +12,13 @@ def _fa3_single_prefill(v):
 
 
 def lines(v, arch: str | None, where: str) -> list[str]:
-    """Every line after the per-op target choice: tile skipping, FA2 KV tiles, FA3 softmax, tile, schedule and
+    """Every line after the per-op target choice: what each path skips of the mask, FA2 KV tiles, FA3 softmax, tile, schedule and
     wave split, and how the Triton twin reads each tensor."""
     from .codegen.triton import TritonEmitter
-    out = [tile_skipping(v), fa2_kv_tiles(arch, where), fa3_softmax(v), fa3_tile(v), fa3_schedule(v),
+    from .runtime.explain import mask_skipping
+    out = [*mask_skipping(v), fa2_kv_tiles(arch, where), fa3_softmax(v), fa3_tile(v), fa3_schedule(v),
            fa3_wave_split(v)]
     return out + [f"triton reads {read}: {how}" for read, how in TritonEmitter(v).read_plan()]
-
-
-def tile_skipping(v) -> str:
-    """What each target skips instead of masking, from the band fivar reads off the mask."""
-    from .spec.ir import format_expr
-    if v.ir.mask is None:
-        return "KV tile skipping: causal only (no mask)"
-    band = v.kv_band
-    sides = [f"kv_idx >= q_idx - {format_expr(band.left)}"] if band.left is not None else []
-    sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
-    kv_ranges = ("fa3 runs each 128-row query block (192 at head_dim 64) as its own request over the keys a "
-                 "mask pre-pass finds it keeps (KV-range form; single and ragged prefill, planned per call or "
-                 "once with plan_ragged; when every row keeps one run of keys the kernel checks each row's run "
-                 "instead of the mask; paged prefill visits every tile)")
-    if not sides:
-        return (f"KV tile skipping: the mask implies no band; {kv_ranges}; triton pre-scans it per query "
-                "block and attends over the tiles between the first and last kept one; fa2 evaluates it on "
-                "every tile")
-    how = "is exactly" if band.exact else "implies"
-    from .codegen.fa3 import runs_as_window
-    fa3_part = (kv_ranges if v.scans_mask else
-                "fa3 runs it as FlashInfer's own sliding window (window_left from the band: only the window's "
-                "boundary tiles are masked, and the struct carries no mask)" if runs_as_window(v) else
-                "fa3 builds with FlashInfer's sliding-window schedule (window_left from the band) and masks "
-                "element-wise on every tile it visits" if band.left is not None else
-                "fa3 has no hook for a right-only band")
-    return (f"KV tile skipping: the mask {how} the band {' and '.join(sides)}; {fa3_part}; triton bounds its "
-            f"KV loop by it{'' if band.exact else ' and pre-scans the rest'}; fa2 masks element-wise "
-            "(FlashInfer's FA2 kernels visit every tile)")
 
 
 def fa3_softmax(v) -> str:
