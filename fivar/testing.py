@@ -102,22 +102,28 @@ def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params):
 
 def check_batch_prefill(variant, *, qo_lens, kv_lens, paged: bool, page_size=16, num_qo_heads=32,
                         num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, causal=False,
-                        device="cuda", backend="auto", params: dict | None = None) -> CheckResult:
+                        device="cuda", backend="auto", params: dict | None = None, kv_dtype=None) -> CheckResult:
+    """kv_dtype=torch.float8_e4m3fn (paged only): an FP8 cache with per-tensor scales, against the dequantized
+    reference."""
     batch = len(qo_lens)
     q, k, v = _qkv(sum(qo_lens), sum(kv_lens), num_qo_heads, num_kv_heads, head_dim, dtype, device)
+    if kv_dtype is not None and not paged:
+        raise ValueError("kv_dtype is a paged cache's dtype (paged=True)")
+    k_held, v_held, k, v, scales = _kv_case(k, v, kv_dtype)
     params = {**example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
                                max_len=max(kv_lens), device=device), **(params or {})}
     qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=device)
     if paged:
-        paged_args = _to_paged(k, v, kv_lens, page_size)
+        paged_args = _to_paged(k_held, v_held, kv_lens, page_size)
         out = variant.batch_prefill_paged(q, paged_args[0], qo_indptr, *paged_args[1:], causal=causal,
-                                          backend=backend, **params)
+                                          backend=backend, **scales, **params)
     else:
         kv_indptr = torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=device)
         out = variant.batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal, backend=backend, **params)
     ref = _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params)
     kind = "paged" if paged else "ragged"
-    return compare(variant.name, f"batch_prefill_{kind}[{backend}] {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
+    return compare(variant.name, f"batch_prefill_{kind}[{backend}] {dtype}{f' kv {kv_dtype}' if kv_dtype else ''} "
+                   f"hd{head_dim} {num_qo_heads}/{num_kv_heads} "
                    f"qo{list(qo_lens)} kv{list(kv_lens)}{' causal' if causal else ''}", out, ref, dtype)
 
 
@@ -128,8 +134,9 @@ def _to_paged(k, v, kv_lens, page_size):
     total = sum(pages_per)
     perm = torch.randperm(total, device=device)
     hkv, d = k.shape[1], k.shape[2]
-    k_cache = torch.randn(total, page_size, hkv, d, dtype=k.dtype, device=device)
-    v_cache = torch.randn(total, page_size, hkv, d, dtype=k.dtype, device=device)
+    # randn in float32 then cast: torch has no randn for float8 (an FP8 cache)
+    k_cache = torch.randn(total, page_size, hkv, d, device=device).to(k.dtype)
+    v_cache = torch.randn(total, page_size, hkv, d, device=device).to(k.dtype)
     indices, off, p = [], 0, 0
     for n, np_ in zip(kv_lens, pages_per):
         ids = perm[p:p + np_]
@@ -145,18 +152,37 @@ def _to_paged(k, v, kv_lens, page_size):
     return (k_cache, v_cache), indptr, torch.cat(indices).to(torch.int32), last
 
 
+def quantize_kv(k, v, kv_dtype):
+    """(k8, v8, k_scale, v_scale): k and v in kv_dtype (float8_e4m3fn) with per-tensor scales that map their
+    largest magnitude to 3/4 of the format's range; k8.float() * k_scale approximates k."""
+    limit = 0.75 * torch.finfo(kv_dtype).max
+    scales = [max(float(t.abs().max()), 1e-6) / limit for t in (k, v)]
+    return (*(((t.float() / s).to(kv_dtype)) for t, s in zip((k, v), scales)), *scales)
+
+
+def _kv_case(k, v, kv_dtype):
+    """K/V as the cache holds them, their dequantized values (what the reference reads) and the run's scales."""
+    if kv_dtype is None:
+        return k, v, k, v, {}
+    k8, v8, k_scale, v_scale = quantize_kv(k, v, kv_dtype)
+    from .codegen.torch_ref import dequantize
+    return k8, v8, dequantize(k8, k_scale), dequantize(v8, v_scale), {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def check_decode(variant, *, kv_lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                 dtype=torch.bfloat16, device="cuda", backend="auto") -> CheckResult:
+                 dtype=torch.bfloat16, device="cuda", backend="auto", kv_dtype=None) -> CheckResult:
+    """kv_dtype=torch.float8_e4m3fn: an FP8 cache with per-tensor scales, against the dequantized reference."""
     batch = len(kv_lens)
     q = torch.randn(batch, num_qo_heads, head_dim, dtype=dtype, device=device)
     _, k, v = _qkv(1, sum(kv_lens), num_qo_heads, num_kv_heads, head_dim, dtype, device)
     params = example_params(variant, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch,
                             max_len=max(kv_lens), device=device)
-    cache, indptr, indices, last = _to_paged(k, v, kv_lens, page_size)
-    out = variant.decode(q, cache, indptr, indices, last, backend=backend, **params)
-    ref = _ragged_reference(variant, q, k, v, [1] * batch, kv_lens, False, params)
-    return compare(variant.name, f"batch_decode[{backend}] {dtype} hd{head_dim} {num_qo_heads}/{num_kv_heads} "
-                   f"kv{list(kv_lens)}", out, ref, dtype)
+    k_held, v_held, k_ref, v_ref, scales = _kv_case(k, v, kv_dtype)
+    cache, indptr, indices, last = _to_paged(k_held, v_held, kv_lens, page_size)
+    out = variant.decode(q, cache, indptr, indices, last, backend=backend, **scales, **params)
+    ref = _ragged_reference(variant, q, k_ref, v_ref, [1] * batch, kv_lens, False, params)
+    return compare(variant.name, f"batch_decode[{backend}] {dtype}{f' kv {kv_dtype}' if kv_dtype else ''} "
+                   f"hd{head_dim} {num_qo_heads}/{num_kv_heads} kv{list(kv_lens)}", out, ref, dtype)
 
 
 #: Awkward shapes every bundled variant is checked at (lengths not multiples of 16, qo_len != kv_len).

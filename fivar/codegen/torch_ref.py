@@ -192,8 +192,14 @@ def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> int:
     return index
 
 
+def dequantize(t, scale, float_dtype=torch.float32):
+    """A quantized K or V (an FP8 cache holds k / k_scale) back in float_dtype: t * scale."""
+    return t.to(float_dtype) if scale is None else t.to(float_dtype) * float(scale)
+
+
 def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params=None, batch_idx=0,
-                        batch_size=None, float_dtype=torch.float32, bound=None, return_lse=False):
+                        batch_size=None, float_dtype=torch.float32, bound=None, return_lse=False, k_scale=None,
+                        v_scale=None):
     """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype. return_lse:
     (out, lse), lse [qo_len, Hq] the log2-sum-exp of each row's kept logits (fivar.runtime.lse), -inf if none; with
     a sink, its exp joins the sum (as in FlashInfer's sink kernels), so a row that keeps nothing has lse = sink."""
@@ -210,7 +216,7 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
                             device=q.device)
     values = {**bound.scalars, **bound.tensors}
     group = hq // hkv
-    qf, kf, vf = q.to(float_dtype), k.to(float_dtype), v.to(float_dtype)
+    qf, kf, vf = q.to(float_dtype), dequantize(k, k_scale, float_dtype), dequantize(v, v_scale, float_dtype)
     kf = kf.repeat_interleave(group, dim=1)
     vf = vf.repeat_interleave(group, dim=1)
     score = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale

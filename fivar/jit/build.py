@@ -36,6 +36,11 @@ from . import manifest as manifests
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
 TARGETS = ("fa2", "fa3")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: KV-cache dtypes other than q's (FlashInfer's FA2 paged kernels read them and upcast in shared memory/registers);
+#: the k/v scales are the runtime's (fivar.runtime.attention.fp8_scales).
+KV_DTYPES = {"fp8e4m3": torch.float8_e4m3fn}
+#: the ops that read a paged KV cache, so the only ones a KV dtype applies to
+KV_DTYPE_OPS = ("batch_prefill", "batch_decode")
 HEAD_DIMS = (64, 128, 256)
 
 #: Per op: FlashInfer's config template, kernel-instantiation templates (rendered per mask mode unless
@@ -92,6 +97,17 @@ def dtype_name(dt: torch.dtype) -> str:
         if v == dt:
             return k
     raise FivarError(f"dtype {dt} is not supported (use one of {sorted(DTYPES)})")
+
+
+def kv_dtype_name(dt: torch.dtype, q_dtype: torch.dtype) -> str | None:
+    """gen_module's `kv_dtype` for a cache of dtype `dt` read with queries of `q_dtype`: None when they match."""
+    if dt == q_dtype:
+        return None
+    for k, v in KV_DTYPES.items():
+        if v == dt:
+            return k
+    raise FivarError(f"KV-cache dtype {dt} is not supported with q {q_dtype} (use q's dtype, or one of "
+                     f"{', '.join(str(v) for v in KV_DTYPES.values())})")
 
 
 @dataclass
@@ -546,11 +562,12 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, row_runs: bool = False, kv_segments: bool = False,
-               config: FA2BuildConfig | FA3KernelConfig | None = None,
+               kv_dtype: str | None = None, config: FA2BuildConfig | FA3KernelConfig | None = None,
                **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
     form (fivar.codegen.fa3.variant_decl). `kv_segments`: FA2 batch prefill/decode over trimmed pages, each key
-    mapped back to its position (fivar.runtime.decode_pages). `config`: the target's tuning (fivar.config.FA2BuildConfig or
+    mapped back to its position (fivar.runtime.decode_pages). `kv_dtype`: a KV cache of another dtype than q's
+    (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
     FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
     `options`: the same fields as keywords (what a manifest records), over `config`'s:
       FA2: split_cta_tiles (one kernel unit per CTA tile, _fa2_tile_split: same kernels, another URI; ~0.7x the
@@ -581,6 +598,13 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         raise FivarError(f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})")
     if head_dim not in HEAD_DIMS:
         raise FivarError(f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})")
+    if kv_dtype is not None:
+        if kv_dtype not in KV_DTYPES:
+            raise FivarError(f"variant '{variant.name}': kv_dtype '{kv_dtype}' is not supported (use one of "
+                             f"{sorted(KV_DTYPES)}, or None for q's dtype)")
+        if target != "fa2" or op not in KV_DTYPE_OPS:
+            raise FivarError(f"variant '{variant.name}': an FP8 KV cache runs on FA2's paged kernels (batch_prefill, "
+                             f"batch_decode); there is no {target} {op} module for it")
     if op == "batch_decode" and variant.sink is not None:  # its kernel calls no per-row hook (fivar.codegen.fa2)
         raise FivarError(f"variant '{variant.name}': a sink runs decode on FA2 batch prefill; there is no "
                          "batch_decode module for it")
@@ -627,7 +651,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     tdt = DTYPES[dtype]
     kwargs = dict(
         variant_decl=decl.source, variant_name=fa2.struct_name(variant),
-        dtype_q=dtype_map[tdt], dtype_kv=dtype_map[tdt], dtype_o=dtype_map[tdt], idtype="int32_t",
+        dtype_q=dtype_map[tdt], dtype_kv=dtype_map[KV_DTYPES[kv_dtype] if kv_dtype else tdt], dtype_o=dtype_map[tdt],
+        idtype="int32_t",
         head_dim_qk=head_dim, head_dim_vo=head_dim, pos_encoding_mode="PosEncodingMode::kNone",
         # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it (the KV-range
         # form skips them through its ranges; the window would be measured from the block, not the request)
@@ -693,14 +718,15 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = "_runs" if row_runs else "_kvseg" if kv_segments else ""
+    form = ("_runs" if row_runs else "_kvseg" if kv_segments else "") + (f"_kv{kv_dtype}" if kv_dtype else "")
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
     built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
              if target == "fa3" else
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
-    options = {"row_runs": row_runs, **({"kv_segments": True} if kv_segments else {}), **manifest_options(built)}
+    options = {"row_runs": row_runs, **({"kv_segments": True} if kv_segments else {}),
+               **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
 
@@ -766,14 +792,15 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
-               bounded_softmax: bool | None = None, kv_segments: bool = False) -> FivarModule:
+               bounded_softmax: bool | None = None, kv_segments: bool = False,
+               kv_dtype: str | None = None) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
-    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments)
+    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments, kv_dtype)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
-                                 bounded_softmax=bounded_softmax, kv_segments=kv_segments))
+                                 bounded_softmax=bounded_softmax, kv_segments=kv_segments, kv_dtype=kv_dtype))
         _memo[key] = m
     return m[1]
 

@@ -5,6 +5,7 @@ is a one-line `FivarError` naming the variant, never a CUDA error from inside a 
 """
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -15,6 +16,8 @@ from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
 from ..spec.sparsity import classify_decode
 from .lse import check_lse
+from .fp8_kv import (ScaledArgs, check_q_dtype, check_scale, fp8_backend, kv_dtype_of, plan_kv_dtype,
+                     scaled_output)
 from . import wave_split
 from . import fa2_blocks
 from .decode_pages import trim_pages
@@ -227,19 +230,36 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     return plan.run(q, k, v, return_lse=return_lse)
 
 
+def _k_scaled(sm_scale, q, k_scale: float):
+    """sm_scale with k_scale folded in (fivar.runtime.fp8_kv); an invalid sm_scale is left for _prepare to name."""
+    if k_scale == 1.0:
+        return sm_scale
+    try:
+        return (1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)) * k_scale
+    except (TypeError, ValueError, RuntimeError):
+        return sm_scale
+
+
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
-                        causal=False, sm_scale=None, backend="fa2", params=None, return_lse=False):
+                        causal=False, sm_scale=None, backend="fa2", params=None, return_lse=False, k_scale=None,
+                        v_scale=None):
+    """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
+    check_q_dtype(variant, q)
+    k_scale, v_scale = check_scale(variant, "k_scale", k_scale), check_scale(variant, "v_scale", v_scale)
+    sm_scale = _k_scaled(sm_scale, q, k_scale)
     if torch.compiler.is_compiling():
         from . import ops
-        return ops.paged(variant, q, *_paged_kv(variant, paged_kv_cache), qo_indptr, kv_indptr, kv_indices,
-                         kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend, params=params or {},
-                         return_lse=return_lse)
+        return scaled_output(ops.paged(variant, q, *_paged_kv(variant, paged_kv_cache), qo_indptr, kv_indptr,
+                                       kv_indices, kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend,
+                                       params=params or {}, return_lse=return_lse), v_scale, return_lse)
+    k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
+    if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+        backend = fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))
     if backend == "triton":
         raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is "
                          "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
                          "on K/V gathered from the pages")
     return_lse = check_lse(variant, return_lse)
-    k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     parts = ("paged", variant, backend, bool(causal), sm_scale, params or {}, qo_indptr, kv_indptr, kv_indices,
              kv_last_page_len, _shapes(q, k_cache, v_cache))
     plan = _one_shot.lookup(parts)
@@ -255,15 +275,15 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
                                                     k_cache.shape[0], k_cache.shape[1], q.device)
         plan = _one_shot.get(parts, lambda: _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices,
                                                         kv_last_page_len, causal, sm_scale, params))
-    return plan.run(q, (k_cache, v_cache), return_lse=return_lse)
+    return scaled_output(plan.run(q, (k_cache, v_cache), return_lse=return_lse), v_scale, return_lse)
 
 
 def _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale,
                 params):
     return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=q.shape[1],
                               num_kv_heads=k_cache.shape[2], head_dim=q.shape[-1], page_size=k_cache.shape[1],
-                              dtype=q.dtype, causal=causal, sm_scale=sm_scale, backend=backend, device=q.device,
-                              params=params or {})
+                              dtype=q.dtype, kv_dtype=k_cache.dtype, causal=causal, sm_scale=sm_scale,
+                              backend=backend, device=q.device, params=params or {})
 
 
 def _decode_on_tensor_cores(variant, num_qo_heads: int, num_kv_heads: int) -> bool:
@@ -295,17 +315,25 @@ def _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices, kv_last_page_le
 
 
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,
-                 backend="fa2", params=None, return_lse=False):
-    """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1."""
+                 backend="fa2", params=None, return_lse=False, k_scale=None, v_scale=None):
+    """One query token per request: q [batch, num_qo_heads, head_dim]; q_idx is kv_len - 1. k_scale/v_scale: the
+    cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
+    check_q_dtype(variant, q)
+    k_scale, v_scale = check_scale(variant, "k_scale", k_scale), check_scale(variant, "v_scale", v_scale)
+    sm_scale = _k_scaled(sm_scale, q, k_scale)
     if torch.compiler.is_compiling():
         from . import ops
-        return ops.decode(variant, q, *_paged_kv(variant, paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len,
-                          sm_scale=sm_scale, backend=backend, params=params or {}, return_lse=return_lse)
-    if backend == "triton":
-        return triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
-                             sm_scale=sm_scale, params=params, return_lse=return_lse)
-    return_lse = check_lse(variant, return_lse)
+        return scaled_output(ops.decode(variant, q, *_paged_kv(variant, paged_kv_cache), kv_indptr, kv_indices,
+                                        kv_last_page_len, sm_scale=sm_scale, backend=backend, params=params or {},
+                                        return_lse=return_lse), v_scale, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
+    if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+        backend = fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))
+    if backend == "triton":
+        return scaled_output(triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
+                                           sm_scale=sm_scale, params=params, return_lse=return_lse),
+                             v_scale, return_lse)
+    return_lse = check_lse(variant, return_lse)
     parts = ("decode", variant, backend, sm_scale, params or {}, kv_indptr, kv_indices, kv_last_page_len,
              _shapes(q, k_cache, v_cache))
     plan = _one_shot.lookup(parts)
@@ -322,10 +350,10 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
         else:
             make = lambda: DecodePlan(variant, kv_indptr, kv_indices, kv_last_page_len,  # noqa: E731
                                       num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[-1],
-                                      page_size=k_cache.shape[1], dtype=q.dtype, sm_scale=sm_scale, device=q.device,
-                                      params=params or {})
+                                      page_size=k_cache.shape[1], dtype=q.dtype, kv_dtype=k_cache.dtype,
+                                      sm_scale=sm_scale, device=q.device, params=params or {})
         plan = _one_shot.get(parts, make)
-    return plan.run(q, (k_cache, v_cache), return_lse=return_lse)
+    return scaled_output(plan.run(q, (k_cache, v_cache), return_lse=return_lse), v_scale, return_lse)
 
 
 class _OwnsWrapper:
@@ -341,37 +369,62 @@ class DecodePlan(_OwnsWrapper):
     """The CUDA-core decode kernel, planned (the one-shot `batch_decode` keeps one per batch layout)."""
 
     def __init__(self, variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
-                 page_size, dtype, sm_scale, device, params):
+                 page_size, dtype, sm_scale, device, params, kv_dtype=None):
         self.variant = variant
+        kv_name = plan_kv_dtype(variant, dtype, kv_dtype)
+        self._kv_dtype = kv_dtype or dtype
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=device)
         bound, sm_scale = _prepare(variant, params, probe, num_kv_heads, kv_indptr.numel() - 1, sm_scale)
-        fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim)
+        fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim, kv_dtype=kv_name)
         self._wrapper = take_wrapper("decode", fmod, device, owns_mask=bool(variant.mask))
         self._release = ("decode", fmod, device)
         self._wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                           q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)
+                           q_data_type=dtype, kv_data_type=self._kv_dtype, o_data_type=dtype)
+        self._args = ScaledArgs(lambda s: kernel_args(variant, bound, s, False if variant.mask else None), sm_scale)
 
-    def run(self, q, paged_kv_cache, *, return_lse=False):
+    def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
+        """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
         if torch.compiler.is_compiling():
             from . import ops
+            _no_scales_compiled(self.variant, k_scale, v_scale)
             return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
         return_lse = check_lse(self.variant, return_lse)
-        return self._wrapper.run(q, _paged_kv(self.variant, paged_kv_cache), *self._args, return_lse=return_lse)
+        k_scale, v_scale = _run_scales(self, q, paged_kv_cache, k_scale, v_scale)
+        return scaled_output(self._wrapper.run(q, _paged_kv(self.variant, paged_kv_cache), *self._args(k_scale),
+                                               return_lse=return_lse), v_scale, return_lse)
+
+
+def _no_scales_compiled(variant, k_scale, v_scale) -> None:
+    # the plan_run op takes no scales; the one-shot entry points fold them in under torch.compile
+    if k_scale is not None or v_scale is not None:
+        raise FivarError(f"variant '{variant.name}': a plan's run(k_scale=, v_scale=) is not supported under "
+                         "torch.compile; call v.decode / v.batch_prefill_paged with the scales instead")
+
+
+def _run_scales(plan, q, paged_kv_cache, k_scale, v_scale) -> tuple[float, float]:
+    """A planned run's scales, checked, and its cache's dtype against the plan's."""
+    variant = plan.variant
+    check_q_dtype(variant, q)
+    k_cache, _ = _paged_kv(variant, paged_kv_cache)
+    if isinstance(k_cache, torch.Tensor) and k_cache.dtype != plan._kv_dtype:
+        raise FivarError(f"variant '{variant.name}': the cache is {k_cache.dtype}, the plan was made for "
+                         f"{plan._kv_dtype} (plan with kv_dtype={k_cache.dtype})")
+    return check_scale(variant, "k_scale", k_scale), check_scale(variant, "v_scale", v_scale)
 
 
 def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim, page_size,
-                dtype=None, sm_scale=None, backend="auto", device="cuda", params=None):
+                dtype=None, sm_scale=None, backend="auto", device="cuda", params=None, kv_dtype=None):
     """What `batch_decode` runs, planned once: FA2's tensor-core paged kernel (one query per request; pages trimmed
     to the kept keys where the mask drops some) or its CUDA-core decode kernel, chosen as batch_decode chooses.
     backend="auto" is FA2 here, as for batch_decode: FA3's prefill kernel is no decode kernel."""
     backend = "fa2" if backend == "auto" else backend
+    backend = fp8_backend(variant, backend, plan_kv_dtype(variant, dtype or torch.bfloat16, kv_dtype))
     qo_indptr = torch.arange(kv_indptr.numel(), dtype=torch.int32, device=kv_indptr.device)
     if backend != "fa2" or trims_decode_pages(variant) or _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads):
         return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                   num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                  page_size=page_size, dtype=dtype, causal=False, sm_scale=sm_scale, backend=backend,
-                                  device=device, params=params or {})
+                                  page_size=page_size, dtype=dtype, kv_dtype=kv_dtype, causal=False, sm_scale=sm_scale,
+                                  backend=backend, device=device, params=params or {})
     checked = types.SimpleNamespace()  # the planned entry points' checks, then the decode kernel's own plan
     dtype, _, kv_indptr = _plan_setup(checked, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
                                       dtype, backend, device)
@@ -379,7 +432,7 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
                                                 checked.device)
     return DecodePlan(variant, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
-                      sm_scale=sm_scale, device=checked.device, params=params or {})
+                      sm_scale=sm_scale, device=checked.device, params=params or {}, kv_dtype=kv_dtype)
 
 
 
@@ -417,9 +470,12 @@ class PagedAttentionPlan(_OwnsWrapper):
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
                  num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
-                 device="cuda", params=None):
+                 device="cuda", params=None, kv_dtype=None):
+        kv_name = plan_kv_dtype(variant, dtype or torch.bfloat16, kv_dtype)  # an FP8 cache: fivar.runtime.fp8_kv
+        backend = fp8_backend(variant, backend, kv_name)
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
+        self._kv_dtype = kv_dtype or dtype
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         kv_segments, self.pages_read, self.keys_read = None, None, None
@@ -448,7 +504,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                 kv_segments = layout.segments
                 self.keys_read = (layout.keys_read, layout.keys_total)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
-                       kv_segments=kv_segments is not None)
+                       kv_segments=kv_segments is not None, kv_dtype=kv_name)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
         window_left = _window_left(variant, self.target, bound) if kv_segments is None else -1
         self._wrapper = take_wrapper("paged", fmod, self.device, _owns_mask(variant, self.target, causal, window_left))
@@ -457,26 +513,30 @@ class PagedAttentionPlan(_OwnsWrapper):
                            num_qo_heads, num_kv_heads, head_dim, page_size,
                            causal=_plan_causal(variant, self.target, causal, window_left),
                            window_left=window_left, q_data_type=dtype,
-                           kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
-        self._args = (kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal),
-                                  tables={fa2.KV_SEGMENTS: kv_segments.to(self.device)})
-                      if kv_segments is not None else
-                      _paged_args(variant, self.target, bound, sm_scale, causal, qo_indptr, kv_indptr,
-                                  kv_last_page_len, page_size))
+                           kv_data_type=self._kv_dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
+        self._args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
+                                                       tables={fa2.KV_SEGMENTS: kv_segments.to(self.device)})
+                                           if kv_segments is not None else
+                                           _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
+                                                       kv_last_page_len, page_size)), sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
-    def run(self, q, paged_kv_cache, *, return_lse=False):
+    def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
+        """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
         if torch.compiler.is_compiling():
             from . import ops
+            _no_scales_compiled(self.variant, k_scale, v_scale)
             return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
         return_lse = check_lse(self.variant, return_lse)
+        k_scale, v_scale = _run_scales(self, q, paged_kv_cache, k_scale, v_scale)
         k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
         hq, hkv, d, page, dtype = self._shape
         if q.shape[1:] != (hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype:
             raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [*, {hq}, {d}], "
                              f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
                              f"{tuple(k_cache.shape)}, {q.dtype}")
-        return self._wrapper.run(q, (k_cache, v_cache), *self._args, return_lse=return_lse)
+        return scaled_output(self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse),
+                             v_scale, return_lse)
 
 
 class RaggedAttentionPlan(_OwnsWrapper):

@@ -12,7 +12,7 @@ import torch
 from ..codegen import fa3
 from ..codegen.torch_ref import eval_scalar
 from ..errors import FivarError
-from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, dtype_name, module_for
 from ..spec import ir
 from .inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
 from .params import bind_params
@@ -30,9 +30,10 @@ def _check_qkv(variant, q, k, v, *, paged: bool = False, allow_cpu: bool = False
         raise FivarError(f"variant '{name}': inputs must be CUDA tensors (got {q.device}); on the CPU use "
                          f"variant.reference(...), or backend='triton' with TRITON_INTERPRET=1 set before Triton is "
                          f"imported (float16)")
-    if q.dtype not in DTYPES.values() or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise FivarError(f"variant '{name}': q, k, v must all be float16 or all bfloat16, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    fp8_cache = paged and k.dtype == v.dtype and k.dtype in KV_DTYPES.values()  # fivar.runtime.fp8_kv
+    if q.dtype not in DTYPES.values() or ((k.dtype != q.dtype or v.dtype != q.dtype) and not fp8_cache):
+        raise FivarError(f"variant '{name}': q, k, v must all be float16 or all bfloat16"
+                         f"{' (or a float8_e4m3fn paged cache)' if paged else ''}, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.is_cuda and q.dtype == torch.bfloat16:
         raise FivarError(f"variant '{name}': bfloat16 on the CPU: the Triton interpreter (TRITON_INTERPRET=1) has no "
                          "bfloat16 arithmetic and would return wrong numbers; use float16 CPU tensors")
@@ -78,7 +79,8 @@ def _check_output_scale(variant, bound, sm_scale):
                          f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
 
 
-def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False, kv_segments: bool = False):
+def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False, kv_segments: bool = False,
+            kv_dtype: str | None = None):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
     for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
     dt = dtype_name(dtype)
@@ -89,7 +91,7 @@ def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: boo
             factor = 1.0 if scale is None else _invariant(variant, scale, bound, sm_scale)
             if not fa3.bounded_softmax_applies(rng, factor):
                 return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, bounded_softmax=False)
-    return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, kv_segments=kv_segments)
+    return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, kv_segments=kv_segments, kv_dtype=kv_dtype)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):

@@ -194,30 +194,37 @@ class AttentionVariant:
 
     def batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                             kv_last_page_len, *, causal: bool = False, sm_scale: float | None = None,
-                            backend: str = "auto", return_lse: bool = False, **params):
+                            backend: str = "auto", return_lse: bool = False, k_scale: float | None = None,
+                            v_scale: float | None = None, **params):
+        """k_scale/v_scale: the cache holds k / k_scale, v / v_scale (a float8_e4m3fn cache: fivar.runtime.fp8_kv)."""
         from ..runtime.attention import batch_prefill_paged
         self._check_backend_name(backend)
         return batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                                    kv_last_page_len, causal=causal, sm_scale=sm_scale,
-                                   backend=backend, params=params, return_lse=return_lse)
+                                   backend=backend, params=params, return_lse=return_lse, k_scale=k_scale,
+                                   v_scale=v_scale)
 
     def decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *,
-               sm_scale: float | None = None, backend: str = "auto", return_lse: bool = False, **params):
+               sm_scale: float | None = None, backend: str = "auto", return_lse: bool = False,
+               k_scale: float | None = None, v_scale: float | None = None, **params):
+        """k_scale/v_scale: the cache holds k / k_scale, v / v_scale (a float8_e4m3fn cache: fivar.runtime.fp8_kv)."""
         from ..runtime.attention import batch_decode
         self._check_backend_name(backend)
         return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
-                            sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse)
+                            sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse,
+                            k_scale=k_scale, v_scale=v_scale)
 
     def plan_paged(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
                    num_kv_heads: int, head_dim: int, page_size: int, dtype=None, causal: bool = False,
-                   sm_scale: float | None = None, backend: str = "auto", device="cuda", **params):
-        """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split)."""
+                   sm_scale: float | None = None, backend: str = "auto", device="cuda", kv_dtype=None, **params):
+        """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split).
+        kv_dtype=torch.float8_e4m3fn: an FP8 cache, run with `.run(q, cache, k_scale=, v_scale=)`."""
         from ..runtime.attention import PagedAttentionPlan
         self._check_backend_name(backend)
         return PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                   num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
-                                  backend=backend, device=device, params=params)
+                                  backend=backend, device=device, params=params, kv_dtype=kv_dtype)
 
     def plan_ragged(self, qo_indptr, kv_indptr, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                     dtype=None, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
@@ -239,7 +246,8 @@ class AttentionVariant:
             return GraphDecodePlan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
         from ..runtime.attention import decode_plan
         self._check_backend_name(kwargs.get("backend", "auto"))
-        plan_args = {"num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "sm_scale", "backend", "device"}
+        plan_args = {"num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "sm_scale", "backend", "device",
+                     "kv_dtype"}
         params = {k: kwargs.pop(k) for k in list(kwargs) if k not in plan_args}  # checked against the declaration
         return decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
 
@@ -253,11 +261,14 @@ class AttentionVariant:
                          kv_indptr=kv_indptr, return_lse=return_lse, params=params)
 
     def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, batch_idx: int = 0,
-                  batch_size: int | None = None, return_lse: bool = False, **params):
-        """The torch reference (float32 math) for request `batch_idx` of a batch; same shapes as `prefill`."""
+                  batch_size: int | None = None, return_lse: bool = False, k_scale: float | None = None,
+                  v_scale: float | None = None, **params):
+        """The torch reference (float32 math) for request `batch_idx` of a batch; same shapes as `prefill`.
+        k_scale/v_scale: k and v are quantized (an FP8 cache's contents), dequantized as k.float() * k_scale."""
         from ..codegen.torch_ref import reference_attention
         return reference_attention(self, q, k, v, causal=causal, sm_scale=sm_scale, params=params,
-                                   batch_idx=batch_idx, batch_size=batch_size, return_lse=return_lse)
+                                   batch_idx=batch_idx, batch_size=batch_size, return_lse=return_lse,
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 def _call_kwargs() -> frozenset[str]:
