@@ -38,6 +38,10 @@ class Problem:
     device: str = "cuda"
     tensors: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
+    #: decode's cache dtype when not q's (float8_e4m3fn): the cache holds k / k_scale, v / v_scale, and the
+    #: tensors k, v are its dequantized values (what the reference reads)
+    kv_dtype: torch.dtype | None = None
+    scales: dict = field(default_factory=dict)  # k_scale, v_scale
 
 
 def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
@@ -129,11 +133,14 @@ def scalar_params(variant, items) -> dict:
 
 
 def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, device="cuda",
-                 params: dict | None = None) -> Problem:
-    """Fresh random inputs for one problem; `params` (scalar values) replace the variant's example ones."""
-    from ..testing import _to_paged, example_params
+                 params: dict | None = None, kv_dtype: torch.dtype | None = None) -> Problem:
+    """Fresh random inputs for one problem; `params` (scalar values) replace the variant's example ones.
+    `kv_dtype` (decode): an FP8 cache with per-tensor scales."""
+    from ..testing import _kv_case, _to_paged, example_params
     hq, hkv = heads
-    p = Problem(op, seqlen, batch, hq, hkv, head_dim, dtype, causal, device)
+    if kv_dtype is not None and op != "decode":
+        raise ValueError("kv_dtype applies to decode problems")
+    p = Problem(op, seqlen, batch, hq, hkv, head_dim, dtype, causal, device, kv_dtype=kv_dtype)
     rnd = lambda *s: torch.randn(*s, dtype=dtype, device=device)  # noqa: E731
     if op == "prefill":
         p.tensors = dict(q=rnd(seqlen, hq, head_dim), k=rnd(seqlen, hkv, head_dim), v=rnd(seqlen, hkv, head_dim))
@@ -143,7 +150,8 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
                          indptr=torch.arange(0, n + 1, seqlen, dtype=torch.int32, device=device))
     elif op == "decode":
         k, v = rnd(batch * seqlen, hkv, head_dim), rnd(batch * seqlen, hkv, head_dim)
-        cache, indptr, indices, last = _to_paged(k, v, [seqlen] * batch, 16)
+        k_held, v_held, k, v, p.scales = _kv_case(k, v, kv_dtype)
+        cache, indptr, indices, last = _to_paged(k_held, v_held, [seqlen] * batch, 16)
         p.tensors = dict(q=rnd(batch, hq, head_dim), k=k, v=v, cache=cache, kv_indptr=indptr, kv_indices=indices,
                          last=last)
     else:
@@ -219,25 +227,75 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
     else:  # decode
         q, cache, ind, idx, last = t["q"], t["cache"], t["kv_indptr"], t["kv_indices"], t["last"]
         # planned once like the stock wrapper below, so both time only the kernel launch
+        sc, kv_dtype = p.scales, p.kv_dtype or p.dtype
+        fp8 = " fp8 KV" if p.kv_dtype is not None else ""
         plan = variant.plan_decode(ind, idx, last, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
-                                   head_dim=p.head_dim, page_size=16, dtype=p.dtype, device=p.device, **prm)
-        out.append(Contender("fivar", lambda: plan.run(q, cache), "planned"))
+                                   head_dim=p.head_dim, page_size=16, dtype=p.dtype, device=p.device,
+                                   **({"kv_dtype": p.kv_dtype} if p.kv_dtype is not None else {}), **prm)
+        out.append(Contender("fivar", lambda: plan.run(q, cache, **sc), "planned" + fp8))
         if "call" in wanted:
-            out.append(Contender("fivar-call", lambda: variant.decode(q, cache, ind, idx, last, **prm),
-                                 "one call, planned inside"))
-        if "triton" in wanted:
+            out.append(Contender("fivar-call", lambda: variant.decode(q, cache, ind, idx, last, **sc, **prm),
+                                 "one call, planned inside" + fp8))
+        if "graph" in wanted:
+            out += graph_contenders(variant, p, stock)
+        if "triton" in wanted and p.kv_dtype is None:  # the twin reads 16-bit caches
             out.append(Contender("triton", lambda: variant.decode(q, cache, ind, idx, last, backend="triton", **prm)))
         st = (Stock(*stock_mapping(variant, prm)) if stock_mapping(variant, prm) else None) if stock is AUTO else stock
         if "stock" in wanted and (st is not None or stock is AUTO):
             import flashinfer
             kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
+            # FA2 named: with an FP8 cache FlashInfer's auto would look for another backend
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(256 << 20, dtype=torch.uint8, device=p.device), "NHD", use_tensor_cores=True)
+                torch.empty(256 << 20, dtype=torch.uint8, device=p.device), "NHD", use_tensor_cores=True,
+                backend="fa2")
             w.plan(ind, idx, last, p.num_qo_heads, p.num_kv_heads, p.head_dim, 16, q_data_type=q.dtype,
-                   kv_data_type=q.dtype, **kw)
-            out.append(Contender("stock", lambda: w.run(q, cache), label + " (tensor-core decode)",
+                   kv_data_type=kv_dtype, **kw)
+            out.append(Contender("stock", lambda: w.run(q, cache, **sc), label + " (tensor-core decode)" + fp8,
                                  checks_variant=st is not None))
     return out
+
+
+def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:
+    """Decode replayed from a CUDA graph: fivar's `plan_decode(..., cuda_graph=True)` ("fivar-graph") and stock
+    FlashInfer's use_cuda_graph wrapper ("stock-graph", with the variant's built-in kwargs, else plain decode),
+    each captured once; a contender replays its graph and returns the graph's output."""
+    import flashinfer
+    t, prm = p.tensors, p.params
+    q, cache, ind, idx, last = t["q"], t["cache"], t["kv_indptr"], t["kv_indices"], t["last"]
+    hq, hkv, d, dev = p.num_qo_heads, p.num_kv_heads, p.head_dim, p.device
+    plan = variant.plan_decode(ind, idx, last, cuda_graph=True, max_batch=p.batch, max_pages=idx.numel(),
+                               num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16, dtype=p.dtype,
+                               device=dev, **prm)
+    st = (Stock(*stock_mapping(variant, prm)) if stock_mapping(variant, prm) else None) if stock is AUTO else stock
+    kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
+    i32 = dict(dtype=torch.int32, device=dev)
+    bufs = (torch.empty(p.batch + 1, **i32), torch.empty(idx.numel(), **i32), torch.empty(p.batch, **i32))
+    # the kernel fivar's plan runs (tensor cores once a KV head serves >= 4 query heads): stock runs the same one
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True,
+        use_tensor_cores=plan.tensor_cores, paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
+        paged_kv_last_page_len_buffer=bufs[2], backend="fa2")
+    w.plan(ind, idx, last, hq, hkv, d, 16, q_data_type=p.dtype, kv_data_type=p.dtype, **kw)
+    return [Contender("fivar-graph", _replayed(lambda: plan.run(q, cache)), "plan_decode(cuda_graph=True), replayed"),
+            Contender("stock-graph", _replayed(lambda: w.run(q, cache)), label + " (use_cuda_graph, replayed)",
+                      checks_variant=st is not None)]
+
+
+def _replayed(fn):
+    """`fn` captured in a CUDA graph (after a warm-up launch on a side stream): a callable that replays it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
 
 
 def _keep_all(batch, qo_head, kv_head, q_idx, kv_idx, params):

@@ -113,7 +113,8 @@ def _checker(variant, p: Problem):
 def work(variant, p: Problem) -> tuple[float, float]:
     if p.op == "decode":
         flops = attention_flops(1, p.seqlen, p.num_qo_heads, p.head_dim, False, batch=p.batch)
-        return flops, decode_kv_bytes([p.seqlen] * p.batch, p.num_kv_heads, p.head_dim, p.dtype.itemsize)
+        return flops, decode_kv_bytes([p.seqlen] * p.batch, p.num_kv_heads, p.head_dim,
+                                      (p.kv_dtype or p.dtype).itemsize)
     flops = attention_flops(p.seqlen, p.seqlen, p.num_qo_heads, p.head_dim, p.causal, batch=p.batch)
     flops *= kept_fraction(variant, p.params, qo_len=p.seqlen, kv_len=p.seqlen, num_qo_heads=p.num_qo_heads,
                            num_kv_heads=p.num_kv_heads, causal=p.causal, device=p.device, batch_size=p.batch)

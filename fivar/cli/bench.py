@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import click
+from rich.table import Table
 
 from ..errors import FivarError
 from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilities, _builds_sm90a, _choices,
@@ -34,16 +35,22 @@ from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilit
 @click.option("--compile", "compile_", is_flag=True, help="cold/disk/memory build latency, fivar vs FlashInfer's path "
               "(at --dtype and --head-dim; without a GPU: compile only, for --arch)")
 @click.option("--arch", default=None, help="--compile without a GPU: e.g. 9.0a (default: FLASHINFER_CUDA_ARCH_LIST)")
+@click.option("--cuda-graph", "cuda_graph", is_flag=True, help="decode: also replay fivar's plan_decode(cuda_graph=True) "
+              "and stock FlashInfer's use_cuda_graph decode from CUDA graphs (fivar-graph vs stock-graph), at batch "
+              "1, 8 and 64 unless --batch is given")
 def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, sustained_s, param_texts, json_path,
-          plot_path, compile_, arch):
+          plot_path, compile_, arch, cuda_graph):
     """Benchmark a variant against stock FlashInfer, its Triton twin and FlexAttention (needs a GPU)."""
     import json as _json
 
     import torch
 
+    if cuda_graph and op != "decode":
+        raise FivarError(f"--cuda-graph replays decode plans from CUDA graphs; it applies to --op decode only (got "
+                         f"--op {op})")
     if compile_:
         ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "sustained_s", "param_texts",
-                         "plot_path")
+                         "plot_path", "cuda_graph")
         if ignored:  # build latency of one module: those shape a timed run
             raise FivarError(f"--compile measures one module's build latency (at --dtype and --head-dim); "
                              f"{', '.join(ignored)} shape a timed run only; drop {'them' if len(ignored) > 1 else 'it'}")
@@ -100,13 +107,30 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     ceilings = ceil_mod.get()
     console.print(f"ceilings on {ceilings['gpu']}: copy {ceilings['copy_tb_per_s']:.2f} TB/s, "
                   f"bf16 matmul {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s")
-    report = run(v, op=op, seqlens=_split(seqlens, int), batch=batch, heads=(hq, hkv), head_dim=head_dim, dtype=dt,
-                 causal=causal, vs=vs or ("stock", "triton", "flex"), rounds=rounds, ceilings=ceilings, params=params,
-                 sustained_s=sustained_s or 0.0, progress=lambda s: console.print(s, style="dim", markup=False))
+    wanted = tuple(vs or ("stock", "triton", "flex")) + (("graph",) if cuda_graph else ())
+    batches = [batch] if (_given("batch") or not cuda_graph) else [1, 8, 64]
+    reports = [run(v, op=op, seqlens=_split(seqlens, int), batch=b, heads=(hq, hkv), head_dim=head_dim, dtype=dt,
+                   causal=causal, vs=wanted, rounds=rounds, ceilings=ceilings, params=params,
+                   sustained_s=sustained_s or 0.0, progress=lambda s: console.print(s, style="dim", markup=False))
+               for b in batches]
+    for report in reports:
+        _print_report(name, op, report)
+    if json_path:
+        Path(json_path).write_text(_json.dumps(reports[0] if len(reports) == 1 else reports, indent=1, default=str))
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        from ..bench.plot import plot
+        plot(reports[0], plot_path)
+        console.print(f"wrote {plot_path}")
+
+
+def _print_report(name, op, report) -> None:
+    batch = f" batch {report['config']['batch']}" if op == "decode" else ""
     table = Table("S", "contender", "status", "ms (min..max)", "TFLOP/s", "% matmul", "TB/s", "% copy",
-                  "vs stock", title=f"fivar bench {name} --op {op} on {report['gpu']} ({report['date']})")
+                  "vs stock", title=f"fivar bench {name} --op {op}{batch} on {report['gpu']} ({report['date']})")
     for r in report["results"]:
-        stock = r["ratio_vs"].get("stock")
+        # a graph-replayed contender against the graph-replayed stock decode, the rest against stock
+        stock = r["ratio_vs"].get("stock-graph" if r["contender"].endswith("-graph") else "stock")
         table.add_row(str(r["seqlen"]), _escape(r["contender"] + (f" [{r['label']}]" if r["label"] else "")),
                       {"ok": "[green]ok[/]", "failed": "[red]FAILED check[/]", "error": "[red]error[/]"}[r["status"]],
                       f"{r['median_ms']:.3f} ({r['spread_ms'][0]:.3f}..{r['spread_ms'][1]:.3f})" if r["median_ms"] else
@@ -115,10 +139,3 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
                       f"{r['tb_per_s']:.2f}" if r["tb_per_s"] else "-", f"{r['pct_of_copy']:.0f}%" if r["tb_per_s"] else "-",
                       f"{stock:.2f}x" if stock else "-")
     console.print(table)
-    if json_path:
-        Path(json_path).write_text(_json.dumps(report, indent=1, default=str))
-        console.print(f"wrote {json_path}")
-    if plot_path:
-        from ..bench.plot import plot
-        plot(report, plot_path)
-        console.print(f"wrote {plot_path}")

@@ -26,9 +26,12 @@ def prefill_modules(variant) -> list:
     return mods
 
 
-def decode_modules(variant) -> list:
-    from ...jit.build import serving_modules
-    return serving_modules(variant, "batch_decode", "fa2", "bf16", HEAD_DIM)
+def decode_modules(variant, kv_dtype=None) -> list:
+    from ...jit.build import gen_module, kv_dtype_name, serving_modules
+    if kv_dtype is None:
+        return serving_modules(variant, "batch_decode", "fa2", "bf16", HEAD_DIM)
+    kv = kv_dtype_name(kv_dtype, DTYPE)  # an FP8 cache: both kernels decode may run
+    return [gen_module(variant, op, "fa2", "bf16", HEAD_DIM, kv_dtype=kv) for op in ("batch_decode", "batch_prefill")]
 
 
 def shape(op: str, seqlen: int, batch: int, causal: bool) -> dict:
@@ -37,18 +40,20 @@ def shape(op: str, seqlen: int, batch: int, causal: bool) -> dict:
 
 
 def case(suite: str, name: str, load, op: str, seqlen: int, causal: bool = False, batch: int = 1,
-         wanted=("stock", "stock-fa2", "triton", "flex"), stock=AUTO, baseline: str | None = "stock", params=None) -> Case:
+         wanted=("stock", "stock-fa2", "triton", "flex"), stock=AUTO, baseline: str | None = "stock", params=None,
+         kv_dtype=None) -> Case:
     """A prefill or decode case of the variant `load()` returns. `stock(params, seqlen)` gives the stock
     equivalent (a contenders.Stock or None), or AUTO for the bundled mapping; `params(variant, seqlen)` sets
-    scalar params over the variant's example."""
+    scalar params over the variant's example. `kv_dtype`: decode over an FP8 cache (contenders.make_problem)."""
     def prepare() -> Prepared:
         v = load()
         p = make_problem(v, op, seqlen, batch, HEADS, HEAD_DIM, DTYPE, causal, "cuda",
-                         params=params(v, seqlen) if params else None)
+                         params=params(v, seqlen) if params else None, kv_dtype=kv_dtype)
         st = stock if stock is AUTO else stock(p.params, seqlen)
         flops, nbytes = work(v, p)
         return Prepared(contenders(v, p, list(wanted), stock=st), _checker(v, p), flops=flops, nbytes=nbytes,
                         memory_bound=op == "decode")
 
-    mods = (lambda: prefill_modules(load())) if op == "prefill" else (lambda: decode_modules(load()))
-    return Case(suite, name, op, shape(op, seqlen, batch, causal), prepare, baseline=baseline, modules=mods)
+    mods = (lambda: prefill_modules(load())) if op == "prefill" else (lambda: decode_modules(load(), kv_dtype))
+    sh = {**shape(op, seqlen, batch, causal), **({"kv_dtype": "fp8_e4m3"} if kv_dtype is not None else {})}
+    return Case(suite, name, op, sh, prepare, baseline=baseline, modules=mods)
