@@ -42,21 +42,34 @@ SINK = AttentionVariant(name="attention_sink", sink=_head_sink, params={"sinks":
                         doc="Softmax attention with a learned sink logit per query head.")
 
 
+#: The bundled variants the calls choose from, loaded by register(): a lookup here is traceable, where loading
+#: (the registry reads the working directory) would break a torch.compile graph at every attention call.
+_BUNDLED = ("softcap_sliding_window", "softcap", "sliding_window", "gpt_oss")
+_loaded: dict[str, AttentionVariant] = {}
+
+
+def _variant(name: str) -> AttentionVariant:
+    v = _loaded.get(name)
+    if v is None:
+        import fivar
+        v = _loaded[name] = fivar.load(name)
+    return v
+
+
 def variant_for(softcap: float | None, sliding_window: int | None, sinks: bool = False) -> tuple[AttentionVariant,
                                                                                                  dict]:
     """The fivar variant and params for a transformers attention call's soft-cap, window and (with `sinks`) sinks;
     the caller adds the sink logits as params["sinks"] when the variant declares them."""
-    import fivar
     params = {}
     if softcap:
         params["softcap"] = float(softcap)
     if sliding_window:
         params["window"] = int(sliding_window)
     if sinks and not softcap:
-        return (fivar.load("gpt_oss") if sliding_window else SINK), params
+        return (_variant("gpt_oss") if sliding_window else SINK), params
     name = {(True, True): "softcap_sliding_window", (True, False): "softcap", (False, True): "sliding_window"}.get(
         (bool(softcap), bool(sliding_window)))
-    return (fivar.load(name) if name else PLAIN), params
+    return (_variant(name) if name else PLAIN), params
 
 
 def _runs(mask: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +143,8 @@ def register(name: str = "fivar", *, backend: str = "auto") -> str:
     if backend not in ALL_BACKENDS:
         raise FivarError(f"fivar attention (transformers): backend {backend!r} is not available (choose from "
                          f"{', '.join(ALL_BACKENDS)})")
+    for bundled in _BUNDLED:
+        _variant(bundled)
     fn = functools.partial(fivar_attention, backend=backend)
     functools.update_wrapper(fn, fivar_attention)
     AttentionInterface.register(name, fn)
