@@ -116,6 +116,8 @@ def tabulable(e: ir.Expr, analysis: _Analysis, mode: str) -> bool:
     """Whether `e` is a term to replace by a table read under `mode` ("costly", "all" or "off")."""
     if mode == "off" or e.type != F32 or isinstance(e, (ir.Const, ir.ScalarParam)):
         return False
+    if isinstance(e, ir.Cast) and is_distance(e.x):  # float(kv_idx - q_idx): a subtraction beats any read
+        return False
     if not (analysis.position_only(e) and analysis.reads_distance(e)):
         return False
     return mode == "all" or analysis.costly(e)
@@ -160,22 +162,22 @@ def tabulate(program: ir.Program | None, mode: str, taken=()) -> tuple[ir.Progra
         kids = tuple(replace(c) for c in e.children())
         return ir.rebuild(e, kids) if kids != e.children() else e
 
-    lets = [(n, replace(e)) for n, e in program.lets]
+    # from the result back: a let only a table's term read is dropped, not rewritten (no table of its own)
     result = replace(program.result)
+    live = _locals(result)
+    lets = []
+    for name, e in reversed(program.lets):
+        if name in live:
+            e = replace(e)
+            lets.append((name, e))
+            live |= _locals(e)
     if not tables:
         return program, (), None
-    return ir.Program(_live_lets(lets, result), result), tuple(tables.values()), offset
+    return ir.Program(lets[::-1], result), tuple(tables.values()), offset
 
 
-def _live_lets(lets: list[tuple[str, ir.Expr]], result: ir.Expr) -> list[tuple[str, ir.Expr]]:
-    """The lets the result still reads once terms became table reads."""
-    live = {n.name for n in ir.walk(result) if isinstance(n, ir.Local)}
-    kept = []
-    for name, e in reversed(lets):
-        if name in live:
-            kept.append((name, e))
-            live |= {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
-    return kept[::-1]
+def _locals(e: ir.Expr) -> set[str]:
+    return {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
 
 
 def synthesized_params(tables: tuple[PositionTable, ...], offset: str | None) -> dict[str, Scalar | Tensor]:
