@@ -51,6 +51,18 @@ class RuntimeConfig:
     wave_split: bool | str = True
 
 
+@dataclass(frozen=True)
+class LoweringConfig:
+    """How the compiled targets' IR passes rewrite a variant (fivar.spec.optimize). position_tables: which logits terms
+    of only the head and kv_idx - q_idx become a per-call table (fivar.spec.positions): "costly" (a transcendental, a
+    floor/int conversion, a gather whose index is itself gathered or costly), "all" (any such term of the distance,
+    even `slope * distance`) or "off"."""
+    position_tables: str = "costly"
+
+
+POSITION_TABLE_MODES = ("costly", "all", "off")
+
+
 #: field -> the environment variable that overrides it (unset: the heuristic's choice)
 ENV = {
     "split_cta_tiles": "FIVAR_SPLIT_CTA_TILES",
@@ -65,12 +77,13 @@ ENV = {
     "wave_split": "FIVAR_FA3_WAVE_SPLIT",
     "triton_autotune": "FIVAR_TRITON_AUTOTUNE",
     "triton_tma": "FIVAR_TRITON_TMA",
+    "position_tables": "FIVAR_POSITION_TABLES",
 }
 #: Where fivar finds variants and keeps its own cache (not tuning, but read here like every FIVAR_* variable).
 VARIANT_PATH_ENV, CACHE_DIR_ENV = "FIVAR_VARIANT_PATH", "FIVAR_CACHE_DIR"
 
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("fivar_config_overrides", default={})
-_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma"}
+_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig, LoweringConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma"}
 
 
 @contextlib.contextmanager
@@ -154,6 +167,14 @@ def fa2_build_config(given: FA2BuildConfig | None = None) -> FA2BuildConfig:
 def triton_config() -> TritonConfig:
     """FIVAR_TRITON_AUTOTUNE=0 and FIVAR_TRITON_TMA=0 turn those off (read when a twin is imported)."""
     return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0")
+
+
+def lowering_config() -> LoweringConfig:
+    """The lowering choices in force: an override(position_tables=...), else FIVAR_POSITION_TABLES, else "costly"."""
+    text, where = setting("position_tables")
+    if text and text not in POSITION_TABLE_MODES:
+        raise FivarError(f"{where}={text!r}: expected one of {', '.join(POSITION_TABLE_MODES)}")
+    return LoweringConfig(position_tables=text or LoweringConfig.position_tables)
 
 
 def variant_path() -> list[str]:

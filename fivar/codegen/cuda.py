@@ -13,6 +13,7 @@ from ..spec import ir
 from ..spec.ir import BOOL, F32, I32
 from ..spec.names import LOCAL, PARAM, check_rendered, comment_text, size_tag, stride_tag, user_ident
 from ..spec.optimize import Lowered
+from ..spec.params import Tensor
 
 __all__ = ["CppEmitter", "Member", "additional_args", "additional_params", "comment_text"]
 
@@ -102,7 +103,7 @@ class CppEmitter:
         if isinstance(e, ir.Local):
             return self.ident(local_name(e.name))
         if isinstance(e, ir.Load):
-            p = self.variant.params[e.param]
+            p = self.variant.compiled_params[e.param]
             offset = " + ".join(
                 f"fivar::clamp_index({self.expr(i)}, {self.param_ref(self.ident(size_ident(e.param, d)))})"
                 + (f" * {self.param_ref(self.ident(stride_ident(e.param, d)))}" if d < p.ndim - 1 else "")
@@ -162,7 +163,7 @@ class CppEmitter:
         if q_offset:
             out.append(Member("int32_t", "fv_q_offset", "int32_t(kv_len) - int32_t(qo_len)"))
         for name in scalars:
-            t = F32 if name == "sm_scale" else self.variant.params[name].ir_type
+            t = F32 if name == "sm_scale" else self.variant.compiled_params[name].ir_type
             field = "sm_scale" if name == "sm_scale" else param_ident(name)
             out.append(Member(CTYPE[t], self.member(name), f"{CTYPE[t]}({self.param_ref(field)})"))
         for name, e in lowered.hoisted.items():
@@ -192,13 +193,17 @@ def additional_args(variant, with_causal_flag: bool, extra_tensors=()) -> list[A
     `maybe*` (FlashInfer's optional tensors) or any other name FlashInfer gives a meaning."""
     tensors = [AdditionalArg(t, "int32_t", "table", t) for t in extra_tensors]
     scalars = [AdditionalArg("sm_scale", "double", "sm_scale")]
-    for name, p in variant.tensor_params.items():
-        tensors.append(AdditionalArg(param_ident(name), p.cpp_type, "tensor", name))
-        for d in range(p.ndim):
-            scalars.append(AdditionalArg(size_ident(name, d), "int64_t", "size", name, d))
-            if d < p.ndim - 1:
-                scalars.append(AdditionalArg(stride_ident(name, d), "int64_t", "stride", name, d))
-    for name, p in variant.scalar_params.items():
+    params = variant.compiled_params  # the variant's own, then the lowering's (position tables)
+    for name, p in params.items():
+        if isinstance(p, Tensor):
+            tensors.append(AdditionalArg(param_ident(name), p.cpp_type, "tensor", name))
+            for d in range(p.ndim):
+                scalars.append(AdditionalArg(size_ident(name, d), "int64_t", "size", name, d))
+                if d < p.ndim - 1:
+                    scalars.append(AdditionalArg(stride_ident(name, d), "int64_t", "stride", name, d))
+    for name, p in params.items():
+        if isinstance(p, Tensor):
+            continue
         scalars.append(AdditionalArg(param_ident(name), "double" if p.ir_type == F32 else "int64_t", "scalar", name))
     if with_causal_flag:
         scalars.append(AdditionalArg("fv_causal", "int64_t", "causal"))

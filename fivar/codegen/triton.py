@@ -18,6 +18,7 @@ import torch
 from ..spec import ir
 from ..spec.ir import BOOL, F32, I32
 from ..spec.names import check_rendered
+from ..spec.params import Tensor
 from .cuda import local_name, param_ident, size_ident, stride_ident
 from .fa2 import render
 
@@ -60,7 +61,7 @@ class TritonEmitter:
         self.lowered = variant.lowered
         # user names as the CUDA structs spell them (fivar.spec.names.user_ident): never a Python keyword or
         # builtin, a name of the module's own, or a launch option such as num_warps
-        self.param_names = {name: param_ident(name) for name in variant.params}
+        self.param_names = {name: param_ident(name) for name in variant.compiled_params}
         self.hoisted_names = {h: f"fv_{h}" for h in self.lowered.hoisted}
         self.row_loads = self._row_loads()
         self.args = self._kernel_args()
@@ -76,14 +77,15 @@ class TritonEmitter:
     # --- arguments -------------------------------------------------------------------------------
     def _kernel_args(self) -> list[KernelArg]:
         args = [KernelArg("sm_scale", "sm_scale")]
-        for name, p in self.variant.tensor_params.items():
+        params = self.variant.compiled_params  # the variant's own, then the lowering's (position tables)
+        for name, p in ((n, p) for n, p in params.items() if isinstance(p, Tensor)):
             pname = self.param_names[name]
             args.append(KernelArg(pname, "tensor", name))
             for d in range(p.ndim):
                 args.append(KernelArg(size_ident(name, d), "size", name, d))
                 if d < p.ndim - 1:
                     args.append(KernelArg(stride_ident(name, d), "stride", name, d, specialize=True))
-        for name in self.variant.scalar_params:
+        for name in (n for n, p in params.items() if not isinstance(p, Tensor)):
             args.append(KernelArg(self.param_names[name], "scalar", name))
         return args
 
@@ -165,13 +167,13 @@ class TritonEmitter:
     def clamped_offset(self, param: str, indices: list[str]) -> str:
         """The element offset of `param[indices]`, each index clamped to its dimension (also where the
         backward scatters a tensor parameter's gradient)."""
-        ndim = self.variant.params[param].ndim
+        ndim = self.variant.compiled_params[param].ndim
         return " + ".join(f"tl.minimum(tl.maximum({i}, 0), {size_ident(param, d)} - 1)"
                           + (f" * {stride_ident(param, d)}" if d < ndim - 1 else "") for d, i in enumerate(indices))
 
     def load(self, e: ir.Load) -> str:
         name = self.param_names[e.param]
-        size = [size_ident(e.param, d) for d in range(self.variant.params[e.param].ndim)]
+        size = [size_ident(e.param, d) for d in range(self.variant.compiled_params[e.param].ndim)]
 
         def offset(indices: list[str]) -> str:
             return self.clamped_offset(e.param, indices)
@@ -411,15 +413,16 @@ _kernel_args: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def kernel_arg_values(variant, bound, sm_scale: float) -> dict:
     """The variant's kernel arguments by name, from params checked by `bind_params`."""
+    lowered = variant.lowered
     args = _kernel_args.get(variant)
-    if args is None:
-        args = _kernel_args[variant] = TritonEmitter(variant).args
+    if args is None or args[0] is not lowered:  # another lowering config: other arguments
+        args = _kernel_args[variant] = (lowered, TritonEmitter(variant).args)
     values = {}
-    for a in args:
+    for a in args[1]:
         if a.source == "sm_scale":
             values[a.name] = float(sm_scale)
         elif a.source == "scalar":
-            p = variant.params[a.param]
+            p = variant.compiled_params[a.param]
             values[a.name] = float(bound.scalars[a.param]) if p.dtype is float else int(bound.scalars[a.param])
         elif a.source == "tensor":
             values[a.name] = bound.tensors[a.param]

@@ -37,7 +37,8 @@ def _interpreting() -> bool:
 def load_triton_module(variant, training: bool = False) -> ModuleType:
     """The variant's Triton twin; `training`: the module that also holds the backward kernels
     (fivar.codegen.triton_bwd)."""
-    key = (id(variant), _interpreting(), training)
+    from ..config import lowering_config
+    key = (id(variant), _interpreting(), training, lowering_config())  # the lowering decides the text
     hit = _by_variant.get(key)
     if hit is not None and hit[0] is variant:
         return hit[1]

@@ -25,6 +25,7 @@ from .kv_ranges import KvRangePrefill
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
 from .params import kernel_args
+from .position_tables import max_lengths
 from .plan_cache import PlanCache
 from .triton_attention import triton_batch_prefill_ragged, triton_decode, triton_prefill
 
@@ -79,8 +80,9 @@ def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, 
     """Run arguments of a paged batch. FA3's batch module of a mask that is more than a band is the KV-range
     form (fivar.runtime.kv_ranges); paged batches run it unsplit, one block per request, with FA3's own
     causal mode (so no runtime flag) and each request's q_idx offset kv_len - qo_len in `fv_blocks`."""
+    lengths = lambda: max_lengths(qo_indptr, kv_indptr, kv_last_page_len, page_size)  # noqa: E731
     if not (target == "fa3" and variant.scans_mask):
-        return kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
+        return kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal), lengths=lengths)
     from ..codegen.fa3 import BLOCKS
     qo_h, kv_h, last_h = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_last_page_len.cpu().long()
     kv_lens = (kv_h.diff() - 1).clamp(min=0) * page_size + torch.where(kv_h.diff() > 0, last_h, 0)
@@ -88,7 +90,7 @@ def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, 
     zeros = torch.zeros(batch, dtype=torch.long)  # no full range: the mask runs on every pair
     blocks = torch.stack([torch.arange(batch), kv_lens - qo_h.diff(), zeros, zeros, zeros], 1)
     return kernel_args(variant, bound, sm_scale, False,
-                       tables={BLOCKS: blocks.to(device=qo_indptr.device, dtype=torch.int32)})
+                       tables={BLOCKS: blocks.to(device=qo_indptr.device, dtype=torch.int32)}, lengths=lengths)
 
 
 def _window_left(variant, target: str, bound) -> int:
@@ -167,7 +169,8 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         return _into(out, plan.run(q, k, v, return_lse=return_lse), return_lse)
     fmod = _module(variant, "single_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
     module = fmod.load()
-    args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal))
+    args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal),
+                       lengths=(q.shape[0], k.shape[0]))
     mask_mode = _codegen(target).runtime_mask_code(variant, causal)
     non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
     if target == "fa3" and not return_lse and wave_split.applies(variant, causal, window_left, non_causal_schedule):
@@ -380,7 +383,9 @@ class DecodePlan(_OwnsWrapper):
         self._release = ("decode", fmod, device)
         self._wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                            q_data_type=dtype, kv_data_type=self._kv_dtype, o_data_type=dtype)
-        self._args = ScaledArgs(lambda s: kernel_args(variant, bound, s, False if variant.mask else None), sm_scale)
+        self._args = ScaledArgs(lambda s: kernel_args(
+            variant, bound, s, False if variant.mask else None,
+            lengths=lambda: max_lengths(None, kv_indptr, kv_last_page_len, page_size)), sm_scale)
 
     def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
         """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
@@ -478,6 +483,7 @@ class PagedAttentionPlan(_OwnsWrapper):
         self._kv_dtype = kv_dtype or dtype
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
+        lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
         if self.target == "fa2" and trims_decode_pages(variant) and bool((qo_indptr.diff() == 1).all()):
             # one query per request (decode): read only the pages holding kept keys, in the key-segments form
@@ -515,7 +521,8 @@ class PagedAttentionPlan(_OwnsWrapper):
                            window_left=window_left, q_data_type=dtype,
                            kv_data_type=self._kv_dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
         self._args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
-                                                       tables={fa2.KV_SEGMENTS: kv_segments.to(self.device)})
+                                                       tables={fa2.KV_SEGMENTS: kv_segments.to(self.device)},
+                                                       lengths=lengths)
                                            if kv_segments is not None else
                                            _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
                                                        kv_last_page_len, page_size)), sm_scale)
@@ -584,7 +591,8 @@ class RaggedAttentionPlan(_OwnsWrapper):
                            causal=_plan_causal(variant, self.target, causal, window_left),
                            window_left=window_left, q_data_type=dtype,
                            kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
-        self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal))
+        self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal),
+                                 lengths=lambda: max_lengths(qo_indptr, kv_indptr))
 
     def run(self, q, k, v, *, return_lse=False):
         if torch.compiler.is_compiling():

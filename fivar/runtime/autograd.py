@@ -45,6 +45,18 @@ def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                   kv_indptr: torch.Tensor, max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float,
                   tensors: list[torch.Tensor], scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     var = _VARIANTS[variant]
+    with _per_element():
+        return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, sm_scale, tensors, scalars)
+
+
+def _per_element():
+    """Training evaluates every logits term per element: a position table (fivar.spec.positions) would stand
+    between a learnable tensor and its gradient."""
+    from ..config import override
+    return override(position_tables="off")
+
+
+def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, sm_scale, tensors, scalars):
     args = kernel_arg_values(var, _bound(var, tensors, scalars), sm_scale)
     # every row belongs to a request (the indptrs were checked), so softmax's kernel writes each one
     if not var.softmax:  # no softmax, no log-sum-exp: the backward reads nothing of it
@@ -69,8 +81,9 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
     bound = _bound(var, tensors, scalars)
     grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
              for n in learnable_params(var)}
-    dq, dk, dv = _module(var).backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal,
-                                       kernel_arg_values(var, bound, sm_scale), grads)
+    with _per_element():
+        dq, dk, dv = _module(var).backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal,
+                                           kernel_arg_values(var, bound, sm_scale), grads)
     return dq, dk, dv, list(grads.values())
 
 

@@ -114,5 +114,20 @@ def mask_skipping(v) -> list[str]:
         ("one-shot calls (v.prefill, v.batch_prefill_*, v.decode): the plan of a call is kept (8 most recent) and "
          "reused for the same shapes, dtype, device, flags, scalar params and the same index/param tensors "
          "unchanged (identity and version counter: a tensor written in place is planned again)"),
-        "position-only logits terms: evaluated per element (no table)",
+        _position_tables_line(v),
     ]
+
+
+def _position_tables_line(v) -> str:
+    """What the compiled targets do with logits terms of only the head and kv_idx - q_idx (fivar.spec.positions)."""
+    from ..config import lowering_config
+    mode = lowering_config().position_tables
+    tables = v.lowered.position_tables
+    if not tables:
+        return (f"position-only logits terms: none tabulated (position_tables={mode!r}: none of the logits' terms of "
+                "only the head and kv_idx - q_idx is costly enough); evaluated per element")
+    terms = "; ".join(f"{format_expr(t.term.result)} -> {t.name}[{'qo_head' if t.per_head else '0'}, kv_idx - q_idx "
+                      "+ offset]" for t in tables)
+    return (f"position-only logits terms (position_tables={mode!r}): evaluated once per call (per plan for planned "
+            f"calls) over every head and distance into a float32 table the fa2, fa3 and triton kernels gather from "
+            f"(the reference evaluates the expression itself): {terms}")

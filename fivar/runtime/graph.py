@@ -33,6 +33,7 @@ from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from .attention import _decode_on_tensor_cores, _paged_args, _split_kwargs, _window_left, choose_target
 from .launch import _attach, _check_indptr, _module, _paged_kv, _prepare, _workspace
 from .lse import check_lse
+from . import position_tables
 from .params import kernel_args
 
 
@@ -68,6 +69,8 @@ class GraphDecodePlan:
         self.tensor_cores = _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads)  # as batch_decode chooses
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.max_batch, sm_scale)
+        # replays change the lengths: position tables cover the capacity (fivar.runtime.position_tables)
+        bound = position_tables.bind(variant, bound, (1, self.max_pages * page_size))
         # a window's left edge skips the pages left of it; other masks read every page (no trimming in a graph)
         self._window_left = _window_left(variant, "fa2", bound) if self.tensor_cores else -1
         i32 = dict(dtype=torch.int32, device=self.device)

@@ -35,6 +35,7 @@ from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..jit.triton_module import load_triton_module
 from .launch import _module, release_wrapper, take_wrapper
+from . import position_tables
 from .params import kernel_args
 
 _RANGE_ROWS = 16  # the pre-pass granularity (RANGE_ROWS in templates/triton/attention.py.jinja)
@@ -163,6 +164,7 @@ class KvRangePrefill:
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal,
                  bound, sm_scale, device):
         qo_h, kv_h = qo_indptr.cpu(), kv_indptr.cpu()
+        bound = position_tables.bind(variant, bound, lambda: position_tables.max_lengths(qo_h, kv_h))
         max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
         self.empty = max_qo_len == 0
         if self.empty:

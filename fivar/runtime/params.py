@@ -15,6 +15,10 @@ from ..spec.params import FLOAT32_MAX
 class BoundParams:
     scalars: dict[str, float | int]
     tensors: dict[str, torch.Tensor]
+    #: what the lowering's position tables are sized and placed by (fivar.runtime.position_tables)
+    num_qo_heads: int = 0
+    num_kv_heads: int = 0
+    device: object = None
 
 
 def _describe(p) -> str:
@@ -97,13 +101,18 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
             raise FivarError(f"variant '{name}': parameter '{pname}' is on {value.device}, the inputs are "
                              f"on {device}")
         tensors[pname] = value.contiguous()
-    return BoundParams(scalars, tensors)
+    return BoundParams(scalars, tensors, num_qo_heads, num_kv_heads, device)
 
 
-def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | None, tables=None) -> list:
+def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | None, tables=None,
+                lengths=None) -> list:
     """The FlashInfer `additional` arguments in declaration order: tensors, then scalars. `tables` are
-    fivar's own int32 tensors by name (FA3's KV-range form: fv_blocks), declared before the variant's."""
+    fivar's own int32 tensors by name (FA3's KV-range form: fv_blocks), declared before the variant's. `lengths`:
+    the call's longest (query, key) runs, or a function giving them, for the position tables
+    (fivar.runtime.position_tables)."""
     from ..codegen.cuda import additional_args
+    from .position_tables import bind
+    bound = bind(variant, bound, lengths)
     tables = tables or {}
     args: list = []
     for a in additional_args(variant, with_causal_flag=causal is not None, extra_tensors=list(tables)):
@@ -116,7 +125,7 @@ def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | Non
         elif a.source == "causal":
             args.append(int(bool(causal)))
         elif a.source == "scalar":
-            p = variant.params[a.param]
+            p = variant.compiled_params[a.param]
             args.append(float(bound.scalars[a.param]) if p.dtype is float else int(bound.scalars[a.param]))
         else:  # the size or stride of a tensor param's dimension
             t = bound.tensors[a.param]

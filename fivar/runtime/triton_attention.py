@@ -13,6 +13,7 @@ from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
 from .launch import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
                      _prepare)
+from . import position_tables
 from .lse import check_lse
 
 #: tl.arange and tl.dot want a power of two of at least 16.
@@ -44,6 +45,7 @@ def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, p
     _check_inputs(variant, q, k, v)
     _check_out(variant, out, q)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
+    bound = position_tables.bind(variant, bound, (q.shape[0], k.shape[0]))
     o = load_triton_module(variant).prefill(
         q, k, v, _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device), q.shape[0], causal,
         kernel_arg_values(variant, bound, sm_scale), return_lse)
@@ -61,6 +63,7 @@ def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causa
     qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    bound = position_tables.bind(variant, bound, lambda: position_tables.max_lengths(qo_indptr, kv_indptr))
     return load_triton_module(variant).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal,
                                                kernel_arg_values(variant, bound, sm_scale), return_lse)
 
@@ -77,6 +80,7 @@ def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_pag
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     page_size = k_cache.shape[1]
     kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * page_size + kv_last_page_len
+    bound = position_tables.bind(variant, bound, lambda: (1, int(kv_lens.max())))
     return load_triton_module(variant).decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
                                               int(kv_lens.max()), kernel_arg_values(variant, bound, sm_scale),
                                               return_lse)

@@ -9,12 +9,13 @@ Users write against the scaled `score`; these passes turn that into what stock k
   e.g. soft-capping becomes `tanh(raw * K)` with `sm_scale_log2 = log2(e) * cap`, the stock kernel's form.
   Signs the spec fixes (`-score`, `-2 * tanh(...)`) stay in the logits; the runtime checks that what remains
   is > 0 for the params of a launch (a non-positive factor would flip the softmax max).
+* `positions.tabulate` (first): a logits term of only the head and kv_idx - q_idx becomes a per-call table read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from . import ir
+from . import ir, positions
 from .ir import F32
 
 SM_SCALE = ir.ScalarParam(F32, "sm_scale")
@@ -104,14 +105,19 @@ class Lowered:
     hoisted: dict[str, ir.Expr]
     #: Invariant factor folded out of the logits (None: the softmax scale is plain log2(e)).
     output_scale: ir.Expr | None
+    #: Position-only terms the logits read from per-call tables (fivar.spec.positions), and the params they add.
+    position_tables: tuple = ()
+    params: dict = field(default_factory=dict)
 
 
-def lower(variant_ir, softmax: bool) -> Lowered:
+def lower(variant_ir, softmax: bool, position_tables: str = "off", param_names=()) -> Lowered:
+    """`position_tables`: LoweringConfig's mode; `param_names`: the variant's own, which synthesized params avoid."""
     hoister = _Hoister("h")
     output_scale = None
     programs = []
     # A mask-only variant still has logits: the scaled score (the kernels hand over the unscaled q.k).
     logits = variant_ir.logits or ir.Program([], ir.Score(F32))
+    logits, tables, offset = positions.tabulate(logits, position_tables, param_names)
     for prog, is_logits in ((logits, True), (variant_ir.mask, False)):
         if prog is None:
             programs.append(None)
@@ -124,4 +130,5 @@ def lower(variant_ir, softmax: bool) -> Lowered:
         programs.append(ir.Program(lets, hoister(result)))
     if output_scale is not None:
         output_scale = hoister(output_scale)
-    return Lowered(programs[0], programs[1], hoister.table, output_scale)
+    return Lowered(programs[0], programs[1], hoister.table, output_scale, tables,
+                   positions.synthesized_params(tables, offset))

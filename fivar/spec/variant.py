@@ -135,11 +135,21 @@ class AttentionVariant:
         from .parse import parse_variant
         return parse_variant(self)
 
-    @cached_property
+    @property
     def lowered(self):
-        """The IR after the compiled targets' passes (see fivar.spec.optimize)."""
+        """The IR after the compiled targets' passes (see fivar.spec.optimize), for the lowering config in force."""
+        from ..config import lowering_config
         from .optimize import lower
-        return lower(self.ir, self.softmax)
+        mode = lowering_config().position_tables
+        memo = self.__dict__.setdefault("_lowered", {})
+        if mode not in memo:
+            memo[mode] = lower(self.ir, self.softmax, mode, tuple(self.params))
+        return memo[mode]
+
+    @property
+    def compiled_params(self) -> dict:
+        """The params the compiled targets read: the variant's own, then those the lowering synthesized."""
+        return {**self.params, **self.lowered.params}
 
     @cached_property
     def kv_band(self):

@@ -1,0 +1,190 @@
+"""Position-only logits terms become per-call tables (an IR pass of the compiled targets).
+
+A term that reads only the head and the distance `kv_idx - q_idx` (T5's log buckets, a learned relative table, any
+function of the distance) has at most heads x (2 * max_len - 1) distinct values, while the kernels evaluate it for
+every (query, key) pair. `tabulate` replaces each maximal such term that is costly enough (LoweringConfig's
+`position_tables`) by a read of a float32 table fivar synthesizes, `TABLE[qo_head, (kv_idx - q_idx) + OFFSET]`
+(clamped like every table read); the runtime evaluates the original term once per call, or per plan, over every
+head and distance with the torch evaluator (fivar.runtime.position_tables) and passes the table like any tensor
+param. The reference never runs this pass: it evaluates the user's expression, which is what checks the tables.
+
+The distance is recognised syntactically, after the lets it goes through are followed: every read of `q_idx` and
+`kv_idx` in the term must be one side of `kv_idx - q_idx` or `q_idx - kv_idx` (so `clamp(q_idx - kv_idx, 0, r)` and
+`float(kv_idx - q_idx)` qualify, `q_idx // 64` does not).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import ir
+from .ir import F32, I32
+from .params import Scalar, Tensor
+
+TABLE_PREFIX, OFFSET_NAME = "fv_pos_table", "fv_pos_offset"
+HEADS = ("qo_head", "kv_head")
+COSTLY_FUNCS = ("tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "floor")
+
+
+@dataclass(frozen=True)
+class PositionTable:
+    """One synthesized table: its param name, the term it holds (a program: the lets it needs, then the term) and
+    whether it varies by head (else it has one row)."""
+    name: str
+    term: ir.Program
+    per_head: bool
+
+
+def is_distance(e: ir.Expr) -> bool:
+    """`kv_idx - q_idx` or `q_idx - kv_idx`."""
+    return (isinstance(e, ir.Binary) and e.op == "sub" and isinstance(e.a, ir.Index) and isinstance(e.b, ir.Index)
+            and {e.a.name, e.b.name} == {"kv_idx", "q_idx"})
+
+
+class _Analysis:
+    """Per-node facts, following Locals into the let they name (memoised per let, so shared lets cost once)."""
+
+    def __init__(self, lets: dict[str, ir.Expr]):
+        self.lets = lets
+        self._memo: dict[tuple[str, str], object] = {}
+
+    def _local(self, kind: str, name: str, fn):
+        key = (kind, name)
+        if key not in self._memo:
+            self._memo[key] = fn(self.lets[name])
+        return self._memo[key]
+
+    def position_only(self, e: ir.Expr) -> bool:
+        if is_distance(e):
+            return True
+        if isinstance(e, ir.Index):
+            return e.name in HEADS
+        if isinstance(e, (ir.Score, ir.RawScore, ir.Hoisted)):
+            return False
+        if isinstance(e, ir.Local):
+            return self._local("pos", e.name, self.position_only)
+        return all(self.position_only(c) for c in e.children())
+
+    def reads_distance(self, e: ir.Expr) -> bool:
+        if is_distance(e):
+            return True
+        if isinstance(e, ir.Local):
+            return self._local("dist", e.name, self.reads_distance)
+        return any(self.reads_distance(c) for c in e.children())
+
+    def reads_head(self, e: ir.Expr) -> bool:
+        if isinstance(e, ir.Index):
+            return e.name in HEADS
+        if isinstance(e, ir.Local):
+            return self._local("head", e.name, self.reads_head)
+        return any(self.reads_head(c) for c in e.children())
+
+    def costly(self, e: ir.Expr) -> bool:
+        """A transcendental, a floor or float->int conversion, an integer // or %, or a gather whose index is
+        costly or itself gathered: what a table read beats."""
+        if isinstance(e, ir.Call) and e.fn in COSTLY_FUNCS:
+            return True
+        if isinstance(e, ir.Cast) and e.type == I32 and e.x.type == F32:
+            return True
+        if isinstance(e, ir.Binary) and e.op in ("floordiv", "mod"):
+            return True
+        if isinstance(e, ir.Load) and any(self.gathers(i) for i in e.indices):
+            return True
+        if isinstance(e, ir.Local):
+            return self._local("cost", e.name, self.costly)
+        return any(self.costly(c) for c in e.children())
+
+    def gathers(self, e: ir.Expr) -> bool:
+        if isinstance(e, ir.Load):
+            return True
+        if isinstance(e, ir.Local):
+            return self._local("gather", e.name, self.gathers)
+        return any(self.gathers(c) for c in e.children())
+
+    def needed_lets(self, e: ir.Expr, order: list[str]) -> list[str]:
+        """The lets `e` reads, directly or through other lets, in program order."""
+        seen: set[str] = set()
+        stack = [e]
+        while stack:
+            for n in ir.walk(stack.pop()):
+                if isinstance(n, ir.Local) and n.name not in seen:
+                    seen.add(n.name)
+                    stack.append(self.lets[n.name])
+        return [n for n in order if n in seen]
+
+
+def tabulable(e: ir.Expr, analysis: _Analysis, mode: str) -> bool:
+    """Whether `e` is a term to replace by a table read under `mode` ("costly", "all" or "off")."""
+    if mode == "off" or e.type != F32 or isinstance(e, (ir.Const, ir.ScalarParam)):
+        return False
+    if isinstance(e, ir.Cast) and is_distance(e.x):  # float(kv_idx - q_idx): a subtraction beats any read
+        return False
+    if not (analysis.position_only(e) and analysis.reads_distance(e)):
+        return False
+    return mode == "all" or analysis.costly(e)
+
+
+def distance_index(offset: str = OFFSET_NAME) -> ir.Expr:
+    """The table column of the pair's distance: (kv_idx - q_idx) + offset."""
+    dist = ir.Binary(I32, "sub", ir.Index(I32, "kv_idx"), ir.Index(I32, "q_idx"))
+    return ir.Binary(I32, "add", dist, ir.ScalarParam(I32, offset))
+
+
+def _fresh(prefix: str, taken: set[str]) -> str:
+    i = 0
+    while f"{prefix}{i}" in taken:
+        i += 1
+    return f"{prefix}{i}"
+
+
+def tabulate(program: ir.Program | None, mode: str, taken=()) -> tuple[ir.Program | None, tuple[PositionTable, ...],
+                                                                       str | None]:
+    """(program with its maximal tabulable terms replaced, the tables, the offset param's name or None). `taken`:
+    the variant's own param names, which the synthesized ones avoid."""
+    if program is None or mode == "off":
+        return program, (), None
+    taken = set(taken)
+    offset = OFFSET_NAME if OFFSET_NAME not in taken else _fresh(OFFSET_NAME, taken)
+    taken.add(offset)
+    order = [n for n, _ in program.lets]
+    analysis = _Analysis(dict(program.lets))
+    tables: dict[ir.Expr, PositionTable] = {}
+
+    def replace(e: ir.Expr) -> ir.Expr:
+        if tabulable(e, analysis, mode):
+            if e not in tables:
+                name = _fresh(TABLE_PREFIX, taken)
+                taken.add(name)
+                lets = [(n, analysis.lets[n]) for n in analysis.needed_lets(e, order)]
+                tables[e] = PositionTable(name, ir.Program(lets, e), analysis.reads_head(e))
+            t = tables[e]
+            head = ir.Index(I32, "qo_head") if t.per_head else ir.Const(I32, 0)
+            return ir.Load(F32, t.name, (head, distance_index(offset)))
+        kids = tuple(replace(c) for c in e.children())
+        return ir.rebuild(e, kids) if kids != e.children() else e
+
+    # from the result back: a let only a table's term read is dropped, not rewritten (no table of its own)
+    result = replace(program.result)
+    live = _locals(result)
+    lets = []
+    for name, e in reversed(program.lets):
+        if name in live:
+            e = replace(e)
+            lets.append((name, e))
+            live |= _locals(e)
+    if not tables:
+        return program, (), None
+    return ir.Program(lets[::-1], result), tuple(tables.values()), offset
+
+
+def _locals(e: ir.Expr) -> set[str]:
+    return {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
+
+
+def synthesized_params(tables: tuple[PositionTable, ...], offset: str | None) -> dict[str, Scalar | Tensor]:
+    """Declarations of the tables and the offset, as the code generators read a variant's params."""
+    if not tables:
+        return {}
+    decls: dict[str, Scalar | Tensor] = {t.name: Tensor("float32", ("qo_head" if t.per_head else "one", "distance"),
+                                                       where={"filename": "<fivar>", "line": 0}) for t in tables}
+    decls[offset] = Scalar(int, where={"filename": "<fivar>", "line": 0})
+    return decls
