@@ -535,14 +535,13 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     else:
         for inst_t in inst_ts:
             stem = inst_t.removesuffix("_inst.jinja")
-            if has_mask_dispatch:
+            if tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
+                sources.update(fa3.single_prefill_kernel_units(stem, tiles, chosen_schedules, head_dim, **kwargs))
+            elif has_mask_dispatch:
                 for mode in codegen.mask_modes(variant):
                     code = fa2.MASK_CODES[mode]
-                    sources[f"{stem}_mask_{code}.cu"] = (
-                        fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, tiles=tiles[mode],
-                                   causal=str(mode == fa2.MASK_CAUSAL).lower(), long_qo_len=fa3.LONG_QO_LEN,
-                                   persistent=chosen_schedules[mode] == "persistent", **kwargs)
-                        if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
+                    sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code],
+                                                                           **kwargs)
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
     if target == "fa3" and "persistent" in chosen_schedules.values():

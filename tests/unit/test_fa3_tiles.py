@@ -33,6 +33,17 @@ def _tile_of(source: str) -> tuple[int, int]:
     return tile
 
 
+def _mode_units(m, code: int) -> list[str]:
+    """A mask mode's kernel units: its dispatch unit, then one per tile compiled on its own (fa3.tile_units)."""
+    stem = f"single_prefill_sm90_kernel_mask_{code}"
+    return [stem + ".cu"] + sorted(n for n in m.sources if n.startswith(stem + "_tile"))
+
+
+def _mode_tiles(m, code: int) -> list[tuple[int, int]]:
+    """Every tile a mask mode's units instantiate, in the order its dispatch prefers them."""
+    return [t for n in _mode_units(m, code) for t in _tiles_of(m.sources[n])]
+
+
 def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
     softcap = fivar.load("softcap")
     stock = gen_module(softcap, "single_prefill", "fa3", cta_tile="flashinfer")
@@ -65,7 +76,7 @@ def test_fivars_own_tiles_are_the_default_only_where_they_were_measured_faster(n
     m = gen_module(v, "single_prefill", "fa3", head_dim=head_dim)
     assert m.options["cta_tile"] == tile == fa3.default_cta_tile(v, "single_prefill", head_dim)
     if tile != "flashinfer":
-        assert [_tiles_of(m.sources[k]) for k in KERNELS] == [
+        assert [_mode_tiles(m, code) for code in (0, 1)] == [
             [(192, 64), (128, 128)], [(192, 64)] if v.kv_band.left is not None else [(128, 128)]]
     assert gen_module(v, "batch_prefill", "fa3", head_dim=head_dim).options["cta_tile"] == "flashinfer"
 
@@ -95,9 +106,10 @@ def test_the_causal_kernel_may_hold_a_choice_of_tiles_picked_per_launch():
     assert m.options["cta_tile"] == "128x176,192x64|128x96"
     assert _tiles_of(m.sources[KERNELS[0]]) == [(128, 176)]
     causal = m.sources[KERNELS[1]]
-    assert _tiles_of(causal) == [(192, 64), (128, 96)]
+    assert _mode_tiles(m, 1) == [(192, 64), (128, 96)]
     assert "const int cta_q[] = {192, 128};" in causal
-    assert all(f"case {i}:\n      SinglePrefillWithKVCacheKernelTraitsDispatched<Tile{i}," in causal for i in range(2))
+    assert "case 0:\n      SinglePrefillWithKVCacheKernelTraitsDispatched<Tile0," in causal
+    assert "case 1:\n      fivar_single_prefill_mask_1_tile_1(params, stream);" in causal
     assert gen_module(softcap, "single_prefill", "fa3", cta_tile=m.options["cta_tile"]).uri == m.uri
 
 
@@ -108,10 +120,10 @@ def test_the_non_causal_kernel_may_hold_two_tiles_picked_by_the_launchs_rows():
     m = gen_module(softcap, "single_prefill", "fa3", cta_tile="192x64|128x160,128x96")
     assert m.options["cta_tile"] == "192x64|128x160,128x96"
     unit = m.sources[KERNELS[0]]
-    assert _tiles_of(unit) == [(192, 64), (128, 160)] and _tiles_of(m.sources[KERNELS[1]]) == [(128, 96)]
+    assert _mode_tiles(m, 0) == [(192, 64), (128, 160)] and _mode_tiles(m, 1) == [(128, 96)]
     branch = f"if (params.qo_len >= {fa3.LONG_QO_LEN}) {{\n    SinglePrefillWithKVCacheKernelTraitsDispatched<Tile0,"
-    assert branch in unit and "} else {\n    SinglePrefillWithKVCacheKernelTraitsDispatched<Tile1," in unit
-    assert "CAUSAL=*/true" not in unit
+    assert branch in unit and "} else {\n    fivar_single_prefill_mask_0_tile_1(params, stream);" in unit
+    assert not any("CAUSAL=*/true" in m.sources[n] for n in _mode_units(m, 0))
     for qo_len, tile in ((fa3.LONG_QO_LEN, (192, 64)), (fa3.LONG_QO_LEN - 1, (128, 160)), (1, (128, 160))):
         assert fa3.non_causal_tile(m.options["cta_tile"], 128, qo_len) == tile
     assert fa3.non_causal_tile("128x176,128x128", 128, 10**6) == (128, 176)
@@ -121,6 +133,34 @@ def test_the_non_causal_kernel_may_hold_two_tiles_picked_by_the_launchs_rows():
     assert both.options["cta_tile"] == "192x64|128x128"
     assert "params.qo_len >=" in both.sources[KERNELS[0]] and "const int cta_q[] = {192, 128};" in both.sources[
         KERNELS[1]]
+
+
+@pytest.mark.parametrize("name,tile,schedule", [
+    ("softcap", None, None), ("softcap_sliding_window", None, None),  # the defaults: a non-causal choice
+    ("softcap", "128x176,192x64|128x96", "persistent"), ("softcap", "192x64|128x128", "grid,persistent"),
+])
+def test_every_kernel_unit_holds_one_kernel_so_the_units_compile_side_by_side(name, tile, schedule):
+    """A module's cold build on a many-core host lasts as long as its longest unit: each tile of a choice compiles in a
+    unit of its own, launched from the mode's dispatch through a function the module defines once and keeps hidden
+    (another module's same-named function never binds to it)."""
+    m = gen_module(fivar.load(name), "single_prefill", "fa3", cta_tile=tile, schedule=schedule)
+    chosen = m.options["cta_tile"].split(",")
+    per_mode = [chosen[0].split("|"), chosen[-1].split("|")]
+    for code, tiles in enumerate(per_mode):
+        units = _mode_units(m, code)
+        assert len(units) == len(tiles) and _mode_tiles(m, code) == [tuple(map(int, t.split("x"))) for t in tiles]
+        persistent = m.options["schedule"].split(",")[-1 if code else 0] == "persistent"
+        for n in units:
+            text = m.sources[n]
+            launches = text.count("SinglePrefillWithKVCacheKernelTraitsDispatched<Tile") + text.count(
+                "fivar::single_prefill_persistent<Tile")
+            assert launches == 1 and (("fivar::single_prefill_persistent<Tile" in text) == persistent), (n, text)
+        for i in range(1, len(tiles)):
+            fn = f"fivar_single_prefill_mask_{code}_tile_{i}(Params& params, cudaStream_t stream)"
+            defined = [n for n in m.sources if f'__attribute__((visibility("hidden"))) cudaError_t {fn} {{' in
+                       m.sources[n]]
+            assert defined == [units[i]]
+            assert f'__attribute__((visibility("hidden"))) cudaError_t {fn};' in m.sources[units[0]]
 
 
 @pytest.mark.parametrize("bad,why", [
