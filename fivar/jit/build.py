@@ -445,8 +445,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
       causal, "A|B" per-launch choices, or "flashinfer"; fa3.cta_tiles), bounded_softmax (fa3.softmax_range),
       schedule ("grid", "persistent" or "grid,persistent"; fa3.schedules).
       Both: nvcc_parallel_passes (toolchain.parallel_passes_flags).
-    FA3 units keep FlashInfer's other flags: they hold one or two kernels, and their time is cudafe++ and cicc's
-    front end, which --split-compile does not touch."""
+    FA3 units keep FlashInfer's other flags: they hold one kernel each (fa3.tile_units), and their time is
+    cudafe++ and cicc's front end, which --split-compile does not touch."""
     known = {f for cls in (FA2BuildConfig, FA3KernelConfig) for f in cls.__dataclass_fields__}
     unknown = sorted(set(options) - known)
     if unknown:
