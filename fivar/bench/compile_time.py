@@ -1,5 +1,6 @@
 """Build and cache costs of one variant module, fivar against FlashInfer's own module of the same op, built one
-after the other in this process into a fresh FlashInfer workspace and a fresh fivar cache:
+after the other in this process into a fresh FlashInfer workspace and a fresh fivar cache, after a warm-up (warm_up:
+neither pays for a cold file cache), each first in every other round (`--repeat`):
 
 1. cold build of the fivar module (FA2 or FA3 single prefill), wall and CPU seconds, and its longest unit (from
    ninja's log: on a host with a core per unit, the module's wall time is about its longest unit plus the link);
@@ -94,6 +95,29 @@ def _timed(build) -> tuple[float, float]:
     return time.perf_counter() - t0, child_cpu() - c0
 
 
+def warm_up(specs) -> float:
+    """Before any timed build: one nvcc run per module over its first kernel unit, preprocessing only (reads every
+    header it includes), and a compile of an empty kernel with the same command (loads cudafe++, cicc, ptxas and the
+    host compiler). Otherwise the module built first pays for a cold file cache that the second finds warm."""
+    import re
+    import shlex
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="fivar-warm-up-"))
+    empty = work / "fivar_warm_up.cu"
+    empty.write_text("__global__ void fivar_warm_up() {}\n")
+    for spec in specs:
+        cmds = [e["command"] for e in spec.get_compile_commands() if "kernel" in Path(e["file"]).name]
+        if not cmds:
+            continue
+        cmd = re.sub(r"\s-o\s+\S+", "", cmds[0])
+        subprocess.run(shlex.split(cmd) + ["-E", "-o", os.devnull], capture_output=True)
+        src = re.search(r"-c (\S+\.cu)\b", cmd).group(1)
+        subprocess.run(shlex.split(cmd.replace(src, str(empty))) + ["-o", str(work / "fivar_warm_up.o")],
+                       capture_output=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
 def unit_seconds(build_dir: Path) -> dict[str, float]:
     """Seconds per nvcc unit (object file) of the last ninja run in `build_dir` (a module built on its own: FlashInfer
     runs ninja there, so its log is the module's), from ninja's log: start and end in ms, then mtime and output."""
@@ -133,24 +157,30 @@ def measure(variant: str = "softcap", target: str = "fa2", dtype: str = "bf16", 
         res["flashinfer_units"] = len(fi.sources)
     runs = {"fivar": [], "flashinfer": []}
     units: dict[str, list[dict[str, float]]] = {"fivar": [], "flashinfer": []}
-    for i in range(max(1, repeat)):
-        if i:  # cold again: drop build outputs, keep the generated sources
-            shutil.rmtree(m.build_dir, ignore_errors=True)
-            if fi is not None:
-                shutil.rmtree(fi.build_dir, ignore_errors=True)
+    res["warm_up_s"] = warm_up([m.jit_spec(), *([fi] if fi is not None else [])])
+
+    def build_fivar():
         kind = []
         runs["fivar"].append(_timed(lambda: kind.append(m.build())))
         if kind[0] != "cold":
             raise RuntimeError(f"the fivar module was a {kind[0]} hit in a fresh cache: {m.uri}")
         units["fivar"].append(unit_seconds(m.build_dir))
-        log(f"fivar {target} cold build: {runs['fivar'][-1][0]:.1f} s, {runs['fivar'][-1][1]:.1f} CPU-s, "
-            f"longest unit {max(units['fivar'][-1].values(), default=0):.1f} s")
-        if fi is not None:
-            runs["flashinfer"].append(_timed(lambda: fi.build(need_lock=True)))
-            units["flashinfer"].append(unit_seconds(fi.build_dir))
-            log(f"FlashInfer {target} cold build: {runs['flashinfer'][-1][0]:.1f} s, "
-                f"{runs['flashinfer'][-1][1]:.1f} CPU-s, longest unit "
-                f"{max(units['flashinfer'][-1].values(), default=0):.1f} s")
+
+    def build_flashinfer():
+        runs["flashinfer"].append(_timed(lambda: fi.build(need_lock=True)))
+        units["flashinfer"].append(unit_seconds(fi.build_dir))
+
+    for i in range(max(1, repeat)):
+        if i:  # cold again: drop build outputs, keep the generated sources
+            shutil.rmtree(m.build_dir, ignore_errors=True)
+            if fi is not None:
+                shutil.rmtree(fi.build_dir, ignore_errors=True)
+        order = [("fivar", build_fivar)] + ([("FlashInfer", build_flashinfer)] if fi is not None else [])
+        for who, build in order[::-1] if i % 2 else order:  # each goes first in every other round
+            build()
+            key = who.lower()
+            log(f"{who} {target} cold build: {runs[key][-1][0]:.1f} s, {runs[key][-1][1]:.1f} CPU-s, longest unit "
+                f"{max(units[key][-1].values(), default=0):.1f} s")
     for who, rs in runs.items():
         if rs:
             res[f"{who}_cold_s"] = statistics.median(r[0] for r in rs)
@@ -215,7 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-load", action="store_true", help="compile only (no GPU): hits are build() checks")
     ap.add_argument("--skip-flashinfer", action="store_true", help="skip FlashInfer's module")
-    ap.add_argument("--repeat", type=int, default=1, help="cold builds of each, alternating (medians reported)")
+    ap.add_argument("--repeat", type=int, default=1, help="cold builds of each, each first in every other round "
+                    "(medians reported)")
     ap.add_argument("--prewarm-count", type=int, default=0, help="modules in a parallel prewarm (0: none)")
     ap.add_argument("--hits", type=int, default=10000, help="in-process hit iterations")
     ap.add_argument("--json", dest="json_path", default=None)
