@@ -105,7 +105,8 @@ class FivarModule:
             self.gen_dir.mkdir(parents=True, exist_ok=True)
             for name, text in self.sources.items():
                 _write_if_different(self.gen_dir / name, text)
-            paths = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
+            units = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
+            paths = toolchain.compile_units(units, self.build_dir)  # FA3 tile units grouped on few cores
             self.spec = gen_jit_spec(self.uri, paths, extra_cuda_cflags=toolchain.build_flags(self.cuda_cflags) or None,
                                       extra_ldflags=toolchain.link_flags() or None,
                                       extra_include_paths=toolchain.extra_include_paths() or None)

@@ -163,6 +163,32 @@ def test_every_kernel_unit_holds_one_kernel_so_the_units_compile_side_by_side(na
             assert f'__attribute__((visibility("hidden"))) cudaError_t {fn};' in m.sources[units[0]]
 
 
+@pytest.mark.parametrize("cores,grouped", [(2, True), (7, True), (8, False), (64, False)])
+def test_few_cores_compile_a_tile_unit_inside_its_modes_unit_under_the_same_uri(cores, grouped, monkeypatch, tmp_path):
+    """On a host of fewer than SPLIT_TILE_UNITS_MIN_CORES a unit of its own would only add a front end: nvcc then runs
+    one translation unit that includes the mode's unit and its tile unit, both unchanged. Nothing rendered differs, so
+    the URI (and what a cache exported from any host holds) is the same."""
+    from fivar.jit import prewarm, toolchain
+    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3")
+    monkeypatch.setattr(prewarm, "cpu_count", lambda: cores)
+    units = [tmp_path / n for n in m.sources if n.endswith(".cu")]
+    out = toolchain.compile_units(units, tmp_path / "build")
+    names = sorted(p.name for p in out)
+    if not grouped:
+        assert out == units
+        return
+    assert names == ["single_prefill_sm90_jit_binding.cu", "single_prefill_sm90_kernel_mask_0.cu",
+                     "single_prefill_sm90_kernel_mask_1.cu"]
+    (group,) = [p for p in out if p.parent == tmp_path / "build" / "fivar_units"]
+    assert group.read_text().splitlines() == [
+        f'#include "{(tmp_path / n).resolve()}"' for n in ("single_prefill_sm90_kernel_mask_0.cu",
+                                                            "single_prefill_sm90_kernel_mask_0_tile1.cu")]
+    assert gen_module(fivar.load("softcap"), "single_prefill", "fa3").uri == m.uri
+    # a module without a tile choice compiles its sources as they are
+    plain = [tmp_path / n for n in gen_module(fivar.load("alibi"), "single_prefill", "fa3").sources if n.endswith(".cu")]
+    assert toolchain.compile_units(plain, tmp_path / "b2") == plain
+
+
 @pytest.mark.parametrize("bad,why", [
     ("128", "expected QxKV"), ("128x176,128x128,64x64", "expected QxKV"), ("128 by 176", "expected QxKV"),
     ("192x64|128x128|128x64,128x128", "a non-causal choice must name two different tiles"),
@@ -217,6 +243,27 @@ def test_the_specialization_compiles_and_links_in_place_of_flashinfers():
     traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
     assert traits.format(128, 176) in syms and traits.format(192, 128) in syms
     assert traits.format(128, 192) not in syms  # FlashInfer's own non-causal tile is not built
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not installed")
+@pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
+@pytest.mark.parametrize("cores", [2, 16])
+def test_a_tile_choice_links_whether_its_units_compile_apart_or_together(cores, monkeypatch):
+    """The soft-cap default (a non-causal choice of two tiles): on many cores its second tile is a unit of its own, on
+    few one translation unit with its mode's; either way the library defines the dispatch and both kernels, and the
+    second tile's launcher is local to it (nm: t)."""
+    from fivar.jit import prewarm
+    monkeypatch.setattr(prewarm, "cpu_count", lambda: cores)
+    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3", bounded_softmax=cores == 2)  # two URIs: both cold
+    assert m.build() == "cold"
+    objects = sorted(p.name.split("_single_prefill_")[-1] for p in m.build_dir.glob("*.o"))
+    assert ("sm90_kernel_mask_0_tile1.cuda.o" in objects) == (cores >= 8), objects
+    syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
+    assert [ln.split()[1] for ln in syms.splitlines() if "fivar_single_prefill_mask_0_tile_1(" in ln] == ["t"]
+    traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
+    assert traits.format(192, 64) in syms and traits.format(128, 128) in syms
+    assert not [ln for ln in syms.splitlines() if "SinglePrefillWithKVCacheDispatched<" in ln and ln.split()[0] == "U"]
 
 
 def test_a_flashinfer_whose_dispatch_changed_gets_its_own_tiles(monkeypatch):
