@@ -406,7 +406,7 @@ def test_fa3_module_compiles_for_sm90a():
     m = gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3")
     assert sorted(n for n in m.sources if "kernel_mask" in n) == [
         "single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_0_tile1.cu",
-        "single_prefill_sm90_kernel_mask_1.cu"]  # the non-causal choice's second tile in a unit of its own
+        "single_prefill_sm90_kernel_mask_1.cu"]  # the non-causal choice's second tile: a source of its own
     # the window mask gives a band: FA3's sliding-window schedule skips the KV tiles left of it
     assert "USE_SLIDING_WINDOW=*/true" in m.sources["single_prefill_sm90_kernel_mask_0.cu"]
     # and its causal kernel runs on fivar's persistent launcher (csrc/fivar_fa3_persistent.cuh)
