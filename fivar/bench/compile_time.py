@@ -1,10 +1,13 @@
 """Build and cache costs of one variant module, fivar against FlashInfer's own module of the same op, built one
-after the other in this process into a fresh FlashInfer workspace and a fresh fivar cache:
+after the other in this process into a fresh FlashInfer workspace and a fresh fivar cache, after a warm-up (warm_up:
+neither pays for a cold file cache), each first in every other round (`--repeat`):
 
-1. cold build of the fivar module (FA2 or FA3 single prefill), wall and CPU seconds;
-2. cold build of FlashInfer's module of the same op: on FA2 its `gen_customize_single_prefill_module` with
-   fivar's variant declaration (every mask mode instantiated, where fivar instantiates those the variant can
-   use), on FA3 its stock soft-cap module (`gen_single_prefill_module`); same nvcc flags and ninja job count;
+1. cold build of the fivar module (FA2 or FA3 single prefill), wall and CPU seconds, and its longest unit (from
+   ninja's log: on a host with a core per unit, the module's wall time is about its longest unit plus the link);
+2. cold build of FlashInfer's module of the same op, the same way: on FA2 its `gen_customize_single_prefill_module`
+   with fivar's variant declaration (every mask mode instantiated, where fivar instantiates those the variant can
+   use), on FA3 its stock soft-cap module (`gen_single_prefill_module(backend="fa3", use_logits_soft_cap=True)`:
+   what a soft-capped FA3 single prefill runs in FlashInfer); the same ninja job count, include and link paths;
 3. in-process hit: `load()` of a loaded module (microseconds), or with `--no-load` a `build()` disk check;
 4. fresh-process disk hit: a new Python finds the module in the disk cache (milliseconds, import excluded);
 5. optionally, a prewarm of N other modules in one parallel ninja against CPU seconds / cores.
@@ -66,7 +69,10 @@ def flashinfer_spec(v, target: str, fivar_uri: str, dtype: str, head_dim: int):
         os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub)
     dt = jb.DTYPES[dtype]
     if target == "fa3":
-        return gen_single_prefill_module("fa3", dt, dt, dt, head_dim, head_dim, 0, False, True, False)
+        spec = gen_single_prefill_module("fa3", dt, dt, dt, head_dim, head_dim, 0, False, True, False)
+        # the headers a minimal toolkit lacks (curand_kernel.h), found where fivar's modules find them
+        spec.extra_include_dirs = [*(spec.extra_include_dirs or []), *map(Path, toolchain.extra_include_paths())] or None
+        return spec
     from flashinfer.jit import env as jit_env
 
     from ..codegen import fa2
@@ -87,6 +93,44 @@ def _timed(build) -> tuple[float, float]:
     c0, t0 = child_cpu(), time.perf_counter()
     build()
     return time.perf_counter() - t0, child_cpu() - c0
+
+
+def warm_up(specs) -> float:
+    """Before any timed build: one nvcc run per module over its first kernel unit, preprocessing only (reads every
+    header it includes), and a compile of an empty kernel with the same command (loads cudafe++, cicc, ptxas and the
+    host compiler). Otherwise the module built first pays for a cold file cache that the second finds warm."""
+    import re
+    import shlex
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="fivar-warm-up-"))
+    empty = work / "fivar_warm_up.cu"
+    empty.write_text("__global__ void fivar_warm_up() {}\n")
+    for spec in specs:
+        cmds = [e["command"] for e in spec.get_compile_commands() if "kernel" in Path(e["file"]).name]
+        if not cmds:
+            continue
+        cmd = re.sub(r"\s-o\s+\S+", "", cmds[0])
+        subprocess.run(shlex.split(cmd) + ["-E", "-o", os.devnull], capture_output=True)
+        src = re.search(r"-c (\S+\.cu)\b", cmd).group(1)
+        subprocess.run(shlex.split(cmd.replace(src, str(empty))) + ["-o", str(work / "fivar_warm_up.o")],
+                       capture_output=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
+def unit_seconds(build_dir: Path) -> dict[str, float]:
+    """Seconds per nvcc unit (object file) of the last ninja run in `build_dir` (a module built on its own: FlashInfer
+    runs ninja there, so its log is the module's), from ninja's log: start and end in ms, then mtime and output."""
+    try:
+        text = (Path(build_dir) / ".ninja_log").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 4 and parts[0].isdigit() and parts[1].isdigit() and parts[3].endswith(".o"):
+            out[Path(parts[3]).name] = (int(parts[1]) - int(parts[0])) / 1000.0
+    return out
 
 
 def measure(variant: str = "softcap", target: str = "fa2", dtype: str = "bf16", head_dim: int = 128,
@@ -112,24 +156,40 @@ def measure(variant: str = "softcap", target: str = "fa2", dtype: str = "bf16", 
         res["flashinfer_uri"] = fi.name
         res["flashinfer_units"] = len(fi.sources)
     runs = {"fivar": [], "flashinfer": []}
+    units: dict[str, list[dict[str, float]]] = {"fivar": [], "flashinfer": []}
+    res["warm_up_s"] = warm_up([m.jit_spec(), *([fi] if fi is not None else [])])
+
+    def build_fivar():
+        kind = []
+        runs["fivar"].append(_timed(lambda: kind.append(m.build())))
+        if kind[0] != "cold":
+            raise RuntimeError(f"the fivar module was a {kind[0]} hit in a fresh cache: {m.uri}")
+        units["fivar"].append(unit_seconds(m.build_dir))
+
+    def build_flashinfer():
+        runs["flashinfer"].append(_timed(lambda: fi.build(need_lock=True)))
+        units["flashinfer"].append(unit_seconds(fi.build_dir))
+
     for i in range(max(1, repeat)):
         if i:  # cold again: drop build outputs, keep the generated sources
             shutil.rmtree(m.build_dir, ignore_errors=True)
             if fi is not None:
                 shutil.rmtree(fi.build_dir, ignore_errors=True)
-        kind = []
-        runs["fivar"].append(_timed(lambda: kind.append(m.build())))
-        if kind[0] != "cold":
-            raise RuntimeError(f"the fivar module was a {kind[0]} hit in a fresh cache: {m.uri}")
-        log(f"fivar {target} cold build: {runs['fivar'][-1][0]:.1f} s, {runs['fivar'][-1][1]:.1f} CPU-s")
-        if fi is not None:
-            runs["flashinfer"].append(_timed(lambda: fi.build(need_lock=True)))
-            log(f"FlashInfer {target} cold build: {runs['flashinfer'][-1][0]:.1f} s, "
-                f"{runs['flashinfer'][-1][1]:.1f} CPU-s")
+        order = [("fivar", build_fivar)] + ([("FlashInfer", build_flashinfer)] if fi is not None else [])
+        for who, build in order[::-1] if i % 2 else order:  # each goes first in every other round
+            build()
+            key = who.lower()
+            log(f"{who} {target} cold build: {runs[key][-1][0]:.1f} s, {runs[key][-1][1]:.1f} CPU-s, longest unit "
+                f"{max(units[key][-1].values(), default=0):.1f} s")
     for who, rs in runs.items():
         if rs:
             res[f"{who}_cold_s"] = statistics.median(r[0] for r in rs)
             res[f"{who}_cold_cpu_s"] = statistics.median(r[1] for r in rs)
+        longest = [max(u.items(), key=lambda kv: kv[1]) for u in units[who] if u]
+        if longest:
+            res[f"{who}_longest_unit_s"] = statistics.median(s for _, s in longest)
+            res[f"{who}_longest_unit"] = longest[-1][0]
+            res[f"{who}_unit_s"] = units[who][-1]
     res["cold_runs"] = runs
     if load:
         t0 = time.perf_counter()
@@ -185,7 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-load", action="store_true", help="compile only (no GPU): hits are build() checks")
     ap.add_argument("--skip-flashinfer", action="store_true", help="skip FlashInfer's module")
-    ap.add_argument("--repeat", type=int, default=1, help="cold builds of each, alternating (medians reported)")
+    ap.add_argument("--repeat", type=int, default=1, help="cold builds of each, each first in every other round "
+                    "(medians reported)")
     ap.add_argument("--prewarm-count", type=int, default=0, help="modules in a parallel prewarm (0: none)")
     ap.add_argument("--hits", type=int, default=10000, help="in-process hit iterations")
     ap.add_argument("--json", dest="json_path", default=None)
@@ -208,8 +269,13 @@ def main(argv=None) -> int:
                       with_flashinfer=not args.skip_flashinfer, repeat=args.repeat, hits=args.hits,
                       prewarm_count=args.prewarm_count, log=lambda s: print(s, flush=True))
         if "flashinfer_cold_s" in res:
-            print(f"cold build fivar/FlashInfer: {res['fivar_cold_s'] / res['flashinfer_cold_s']:.2f} "
-                  f"({res['fivar_units']} vs {res['flashinfer_units']} nvcc units)")
+            print(f"cold build fivar/FlashInfer on {res['cores']} cores, {res['jobs']} jobs: "
+                  f"{res['fivar_cold_s'] / res['flashinfer_cold_s']:.2f} ({res['fivar_units']} vs "
+                  f"{res['flashinfer_units']} nvcc units)")
+        if "flashinfer_longest_unit_s" in res and "fivar_longest_unit_s" in res:
+            print(f"longest unit fivar/FlashInfer: {res['fivar_longest_unit_s']:.1f} s ({res['fivar_longest_unit']}) / "
+                  f"{res['flashinfer_longest_unit_s']:.1f} s ({res['flashinfer_longest_unit']}) = "
+                  f"{res['fivar_longest_unit_s'] / res['flashinfer_longest_unit_s']:.2f}")
         if args.json_path:
             Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_path).write_text(json.dumps(res, indent=1))

@@ -31,7 +31,7 @@ from .contenders import Contender
 from .harness import Row, evaluate
 
 #: metrics where a smaller value is better; every other metric is a rate or a share (larger is better)
-LOWER_IS_BETTER = {"ms", "s", "cpu_s", "us", "hit_us", "hit_ms"}
+LOWER_IS_BETTER = {"ms", "s", "cpu_s", "unit_s", "us", "hit_us", "hit_ms"}
 ROW_FIELDS = ("gpu", "driver", "flashinfer", "torch", "triton", "fivar", "commit", "date", "run", "suite", "case",
               "op", "shape", "contender", "label", "metric", "value", "ratio", "baseline", "check", "detail")
 CHECKS = ("pass", "fail", "error")

@@ -24,7 +24,7 @@ from ..errors import FivarError
 from ..flashinfer_compat import active as coupling_active, fa3_launchers
 from ..spec import ir
 from .cuda import CppEmitter, Member, additional_params
-from .fa2 import MASK_CAUSAL, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
+from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
 #: The KV-range form's per-request table: int32 [requests, BLOCK_FIELDS] = (batch, q_idx of row 0, kv_idx of
 #: key 0, then for the mask form [full_lo, full_hi): the keys every row of the block keeps (request kv_idx);
@@ -323,6 +323,31 @@ def non_causal_tile(tile: str | None, head_dim: int, qo_len: int) -> tuple[int, 
         choice = [tuple(int(n) for n in t.lower().split("x")) for t in tile.split(",")[0].split("|")]
         return choice[0] if qo_len >= LONG_QO_LEN else choice[-1]
     return FLASHINFER_SINGLE_PREFILL_TILES[head_dim][0]
+
+
+def tile_units(tiles: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """The tiles of one mask mode's choice that compile in a unit of their own: every one after the first. A module's
+    cold build on a many-core host lasts as long as its longest unit (ninja runs the units side by side), and a unit
+    of two FA3 kernels took 1.5x one of a single kernel; split, each unit holds one kernel, like FlashInfer's own
+    per mask mode (docs/compile-time.md). The kernels and the choice between them are the same."""
+    return tuple(range(1, len(tiles)))
+
+
+def single_prefill_kernel_units(stem: str, tiles: dict, chosen_schedules: dict, head_dim: int, **kwargs) -> dict[str, str]:
+    """The kernel units of an FA3 single-prefill module on fivar's tiles, per mask mode: `{stem}_mask_{code}.cu`
+    (the specialization of SinglePrefillWithKVCacheDispatched, holding its first tile's kernel) and one
+    `{stem}_mask_{code}_tile{i}.cu` per tile_units entry. `kwargs`: FlashInfer's config template arguments."""
+    units = {}
+    for mode, mode_tiles in tiles.items():
+        code, own = MASK_CODES[mode], tile_units(mode_tiles)
+        common = dict(head_dim=head_dim, mask_mode=mode, mask_code=code, causal=str(mode == MASK_CAUSAL).lower(),
+                      persistent=chosen_schedules[mode] == "persistent", **kwargs)
+        units[f"{stem}_mask_{code}.cu"] = render("fa3/cta_tile_inst.cu.jinja", tiles=mode_tiles, own_units=own,
+                                                 long_qo_len=LONG_QO_LEN, **common)
+        for i in own:
+            units[f"{stem}_mask_{code}_tile{i}.cu"] = render("fa3/cta_tile_unit.cu.jinja", index=i,
+                                                             tile=mode_tiles[i], **common)
+    return units
 
 
 def mask_modes(variant) -> list[str]:

@@ -146,7 +146,8 @@ class FivarModule:
             self.gen_dir.mkdir(parents=True, exist_ok=True)
             for name, text in self.sources.items():
                 _write_if_different(self.gen_dir / name, text)
-            paths = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
+            units = [self.gen_dir / n for n in self.sources if n.endswith(".cu")]
+            paths = toolchain.compile_units(units, self.build_dir)  # FA3 tile units grouped on few cores
             self.spec = gen_jit_spec(self.uri, paths, extra_cuda_cflags=toolchain.build_flags(self.cuda_cflags) or None,
                                       # ninja runs the link line through the shell: a stub dir under a
                                       # FIVAR_CACHE_DIR with a space stays one argument
@@ -578,8 +579,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
       causal, "A|B" per-launch choices, or "flashinfer"; fa3.cta_tiles), bounded_softmax (fa3.softmax_range),
       schedule ("grid", "persistent" or "grid,persistent"; fa3.schedules).
       Both: nvcc_parallel_passes (toolchain.parallel_passes_flags).
-    FA3 units keep FlashInfer's other flags: they hold one or two kernels, and their time is cudafe++ and cicc's
-    front end, which --split-compile does not touch."""
+    FA3 units keep FlashInfer's other flags: they hold one kernel each (fa3.tile_units), and their time is
+    cudafe++ and cicc's front end, which --split-compile does not touch."""
     known = {f for cls in (FA2BuildConfig, FA3KernelConfig) for f in cls.__dataclass_fields__}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -679,14 +680,13 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     else:
         for inst_t in inst_ts:
             stem = inst_t.removesuffix("_inst.jinja")
-            if has_mask_dispatch:
+            if tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
+                sources.update(fa3.single_prefill_kernel_units(stem, tiles, chosen_schedules, head_dim, **kwargs))
+            elif has_mask_dispatch:
                 for mode in codegen.mask_modes(variant):
                     code = fa2.MASK_CODES[mode]
-                    sources[f"{stem}_mask_{code}.cu"] = (
-                        fa3.render("fa3/cta_tile_inst.cu.jinja", head_dim=head_dim, mask_mode=mode, tiles=tiles[mode],
-                                   causal=str(mode == fa2.MASK_CAUSAL).lower(), long_qo_len=fa3.LONG_QO_LEN,
-                                   persistent=chosen_schedules[mode] == "persistent", **kwargs)
-                        if tiles else _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs))
+                    sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code],
+                                                                           **kwargs)
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
     if target == "fa3" and "persistent" in chosen_schedules.values():

@@ -211,6 +211,48 @@ def build_flags(cuda_cflags: list[str]) -> list[str]:
     return [f"{f}={counts[f]()}" if f in counts else f for f in cuda_cflags]
 
 
+#: Below this many cores an FA3 tile unit (fivar.codegen.fa3.tile_units) compiles inside its mask mode's unit: a module's
+#: units with nvcc's host and device passes side by side already keep that many cores busy, so a unit of its own only
+#: adds a front end (about 32 CPU-seconds: 2 cores, 61 -> 81 s for the soft-cap module) for no shorter wall time.
+SPLIT_TILE_UNITS_MIN_CORES = 8
+_TILE_UNIT = re.compile(r"(.+_mask_\d+)_tile\d+\.cu")
+
+
+def compile_units(units: list, build_dir) -> list:
+    """The translation units nvcc runs for a module's .cu sources (paths in its generated folder). Every source on a
+    host of SPLIT_TILE_UNITS_MIN_CORES or more; below, each FA3 tile unit joins its mask mode's unit in one
+    translation unit written to the module's build folder (`#include` of both sources, unchanged), the two-kernel
+    unit of old. Not part of the URI: the sources are the same and so are the kernels (the two layouts' SASS is the
+    same byte for byte); only how the objects split the library differs."""
+    from pathlib import Path
+
+    from .prewarm import cpu_count
+    tiles: dict[str, list] = {}
+    for u in units:
+        m = _TILE_UNIT.fullmatch(Path(u).name)
+        if m:
+            tiles.setdefault(m.group(1) + ".cu", []).append(Path(u))
+    if not tiles or cpu_count() >= SPLIT_TILE_UNITS_MIN_CORES:
+        return list(units)
+    out, folder = [], Path(build_dir) / "fivar_units"
+    for u in units:
+        u = Path(u)
+        if _TILE_UNIT.fullmatch(u.name):
+            continue
+        if u.name not in tiles:
+            out.append(u)
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        grouped = folder / u.name
+        text = "".join(f'#include "{p.resolve()}"\n' for p in [u, *sorted(tiles[u.name])])
+        if not grouped.exists() or grouped.read_text() != text:
+            tmp = grouped.with_name(f".{grouped.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, grouped)
+        out.append(grouped)
+    return out
+
+
 def flashinfer_version() -> str:
     import flashinfer
     return flashinfer.__version__

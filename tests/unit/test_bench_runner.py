@@ -277,7 +277,9 @@ def test_compile_suite_turns_a_compile_time_report_into_rows(monkeypatch, tmp_pa
     from fivar.bench.suites import compile as suite
     report = {"fivar_units": 3, "flashinfer_units": 6, "flashinfer_uri": "fi_uri", "jobs": 24, "cores": 16,
               "nvcc": "13.0", "arch": "90a", "fivar_cold_s": 20.0, "fivar_cold_cpu_s": 50.0, "flashinfer_cold_s": 50.0,
-              "flashinfer_cold_cpu_s": 150.0, "in_process_hit_us": 1.5, "in_process_hit_what": "load()",
+              "flashinfer_cold_cpu_s": 150.0, "fivar_longest_unit_s": 12.0, "fivar_longest_unit": "a_mask_0.cuda.o",
+              "fivar_unit_s": {"a_mask_0.cuda.o": 12.0, "b.cuda.o": 3.0}, "flashinfer_longest_unit_s": 48.0,
+              "flashinfer_longest_unit": "mask_0.cuda.o", "in_process_hit_us": 1.5, "in_process_hit_what": "load()",
               "fresh_process_disk_hit_ms": 12.0, "fresh_process": {"import_s": 1.0}}
     seen = []
 
@@ -294,6 +296,9 @@ def test_compile_suite_turns_a_compile_time_report_into_rows(monkeypatch, tmp_pa
     assert by[("fivar", "s")]["value"] == 20.0 and by[("fivar", "s")]["ratio"] == 2.5
     assert by[("fivar", "cpu_s")]["ratio"] == 3.0 and by[("flashinfer", "s")]["ratio"] == 1.0
     assert by[("fivar", "hit_us")]["value"] == 1.5 and by[("fivar", "hit_ms")]["value"] == 12.0
+    assert by[("fivar", "unit_s")]["value"] == 12.0 and by[("fivar", "unit_s")]["ratio"] == 4.0
+    assert by[("fivar", "unit_s")]["detail"]["unit"] == "a_mask_0.cuda.o"
+    assert by[("flashinfer", "unit_s")]["value"] == 48.0
     for r in rows:
         validate_row(r)
 
@@ -302,3 +307,16 @@ def test_compile_suite_turns_a_compile_time_report_into_rows(monkeypatch, tmp_pa
     monkeypatch.setattr(suite.subprocess, "run", failing_run)
     rows = run([case], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
     assert len(rows) == 1 and rows[0]["check"] == "error" and "nvcc not found" in rows[0]["detail"]["error"]
+
+
+def test_compile_time_reads_each_units_seconds_from_ninjas_log(tmp_path):
+    """The longest unit bounds a module's cold build on a host with a core per unit: read per object file from the
+    log ninja keeps in the module's build folder (start and end in ms; the link and other outputs are not units)."""
+    from fivar.bench.compile_time import unit_seconds
+    (tmp_path / ".ninja_log").write_text("# ninja log v7\n"
+                                         "0\t41500\t1\t/ws/m/single_prefill_sm90_kernel_mask_0.cuda.o\tab\n"
+                                         "10\t30010\t1\tsingle_prefill_sm90_jit_binding.cuda.o\tcd\n"
+                                         "41500\t42700\t1\t/ws/m/m.so\tef\nbroken line\n")
+    assert unit_seconds(tmp_path) == {"single_prefill_sm90_kernel_mask_0.cuda.o": 41.5,
+                                      "single_prefill_sm90_jit_binding.cuda.o": 30.0}
+    assert unit_seconds(tmp_path / "missing") == {}

@@ -415,12 +415,16 @@ def test_fa3_module_compiles_for_sm90a():
     """The Hopper struct (mask folded into LogitsTransform, request index from the block coordinate)."""
     m = gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3")
     assert sorted(n for n in m.sources if "kernel_mask" in n) == [
-        "single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_1.cu"]
+        "single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_0_tile1.cu",
+        "single_prefill_sm90_kernel_mask_1.cu"]  # the non-causal choice's second tile: a source of its own
     # the window mask gives a band: FA3's sliding-window schedule skips the KV tiles left of it
     assert "USE_SLIDING_WINDOW=*/true" in m.sources["single_prefill_sm90_kernel_mask_0.cu"]
     # and its causal kernel runs on fivar's persistent launcher (csrc/fivar_fa3_persistent.cuh)
     assert "fivar::single_prefill_persistent<" in m.sources["single_prefill_sm90_kernel_mask_1.cu"]
     assert m.build() == "cold" and m.library_path.exists()
+    if shutil.which("nm"):  # the second tile's launcher is defined in the library, and local to it
+        syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True).stdout.splitlines()
+        assert [ln.split()[1] for ln in syms if "fivar_single_prefill_mask_0_tile_1(" in ln] == ["t"], syms[:5]
 
 
 def test_fa3_has_no_decode():

@@ -33,6 +33,17 @@ def _tile_of(source: str) -> tuple[int, int]:
     return tile
 
 
+def _mode_units(m, code: int) -> list[str]:
+    """A mask mode's kernel units: its dispatch unit, then one per tile compiled on its own (fa3.tile_units)."""
+    stem = f"single_prefill_sm90_kernel_mask_{code}"
+    return [stem + ".cu"] + sorted(n for n in m.sources if n.startswith(stem + "_tile"))
+
+
+def _mode_tiles(m, code: int) -> list[tuple[int, int]]:
+    """Every tile a mask mode's units instantiate, in the order its dispatch prefers them."""
+    return [t for n in _mode_units(m, code) for t in _tiles_of(m.sources[n])]
+
+
 def test_a_tile_replaces_flashinfers_instantiation_per_mask_mode():
     softcap = fivar.load("softcap")
     stock = gen_module(softcap, "single_prefill", "fa3", cta_tile="flashinfer")
@@ -65,7 +76,7 @@ def test_fivars_own_tiles_are_the_default_only_where_they_were_measured_faster(n
     m = gen_module(v, "single_prefill", "fa3", head_dim=head_dim)
     assert m.options["cta_tile"] == tile == fa3.default_cta_tile(v, "single_prefill", head_dim)
     if tile != "flashinfer":
-        assert [_tiles_of(m.sources[k]) for k in KERNELS] == [
+        assert [_mode_tiles(m, code) for code in (0, 1)] == [
             [(192, 64), (128, 128)], [(192, 64)] if v.kv_band.left is not None else [(128, 128)]]
     assert gen_module(v, "batch_prefill", "fa3", head_dim=head_dim).options["cta_tile"] == "flashinfer"
 
@@ -95,9 +106,10 @@ def test_the_causal_kernel_may_hold_a_choice_of_tiles_picked_per_launch():
     assert m.options["cta_tile"] == "128x176,192x64|128x96"
     assert _tiles_of(m.sources[KERNELS[0]]) == [(128, 176)]
     causal = m.sources[KERNELS[1]]
-    assert _tiles_of(causal) == [(192, 64), (128, 96)]
+    assert _mode_tiles(m, 1) == [(192, 64), (128, 96)]
     assert "const int cta_q[] = {192, 128};" in causal
-    assert all(f"case {i}:\n      SinglePrefillWithKVCacheKernelTraitsDispatched<Tile{i}," in causal for i in range(2))
+    assert "case 0:\n      SinglePrefillWithKVCacheKernelTraitsDispatched<Tile0," in causal
+    assert "case 1:\n      fivar_single_prefill_mask_1_tile_1(params, stream);" in causal
     assert gen_module(softcap, "single_prefill", "fa3", cta_tile=m.options["cta_tile"]).uri == m.uri
 
 
@@ -108,10 +120,10 @@ def test_the_non_causal_kernel_may_hold_two_tiles_picked_by_the_launchs_rows():
     m = gen_module(softcap, "single_prefill", "fa3", cta_tile="192x64|128x160,128x96")
     assert m.options["cta_tile"] == "192x64|128x160,128x96"
     unit = m.sources[KERNELS[0]]
-    assert _tiles_of(unit) == [(192, 64), (128, 160)] and _tiles_of(m.sources[KERNELS[1]]) == [(128, 96)]
+    assert _mode_tiles(m, 0) == [(192, 64), (128, 160)] and _mode_tiles(m, 1) == [(128, 96)]
     branch = f"if (params.qo_len >= {fa3.LONG_QO_LEN}) {{\n    SinglePrefillWithKVCacheKernelTraitsDispatched<Tile0,"
-    assert branch in unit and "} else {\n    SinglePrefillWithKVCacheKernelTraitsDispatched<Tile1," in unit
-    assert "CAUSAL=*/true" not in unit
+    assert branch in unit and "} else {\n    fivar_single_prefill_mask_0_tile_1(params, stream);" in unit
+    assert not any("CAUSAL=*/true" in m.sources[n] for n in _mode_units(m, 0))
     for qo_len, tile in ((fa3.LONG_QO_LEN, (192, 64)), (fa3.LONG_QO_LEN - 1, (128, 160)), (1, (128, 160))):
         assert fa3.non_causal_tile(m.options["cta_tile"], 128, qo_len) == tile
     assert fa3.non_causal_tile("128x176,128x128", 128, 10**6) == (128, 176)
@@ -121,6 +133,60 @@ def test_the_non_causal_kernel_may_hold_two_tiles_picked_by_the_launchs_rows():
     assert both.options["cta_tile"] == "192x64|128x128"
     assert "params.qo_len >=" in both.sources[KERNELS[0]] and "const int cta_q[] = {192, 128};" in both.sources[
         KERNELS[1]]
+
+
+@pytest.mark.parametrize("name,tile,schedule", [
+    ("softcap", None, None), ("softcap_sliding_window", None, None),  # the defaults: a non-causal choice
+    ("softcap", "128x176,192x64|128x96", "persistent"), ("softcap", "192x64|128x128", "grid,persistent"),
+])
+def test_every_kernel_unit_holds_one_kernel_so_the_units_compile_side_by_side(name, tile, schedule):
+    """A module's cold build on a many-core host lasts as long as its longest unit: each tile of a choice compiles in a
+    unit of its own, launched from the mode's dispatch through a function the module defines once and keeps hidden
+    (another module's same-named function never binds to it)."""
+    m = gen_module(fivar.load(name), "single_prefill", "fa3", cta_tile=tile, schedule=schedule)
+    chosen = m.options["cta_tile"].split(",")
+    per_mode = [chosen[0].split("|"), chosen[-1].split("|")]
+    for code, tiles in enumerate(per_mode):
+        units = _mode_units(m, code)
+        assert len(units) == len(tiles) and _mode_tiles(m, code) == [tuple(map(int, t.split("x"))) for t in tiles]
+        persistent = m.options["schedule"].split(",")[-1 if code else 0] == "persistent"
+        for n in units:
+            text = m.sources[n]
+            launches = text.count("SinglePrefillWithKVCacheKernelTraitsDispatched<Tile") + text.count(
+                "fivar::single_prefill_persistent<Tile")
+            assert launches == 1 and (("fivar::single_prefill_persistent<Tile" in text) == persistent), (n, text)
+        for i in range(1, len(tiles)):
+            fn = f"fivar_single_prefill_mask_{code}_tile_{i}(Params& params, cudaStream_t stream)"
+            defined = [n for n in m.sources if f'__attribute__((visibility("hidden"))) cudaError_t {fn} {{' in
+                       m.sources[n]]
+            assert defined == [units[i]]
+            assert f'__attribute__((visibility("hidden"))) cudaError_t {fn};' in m.sources[units[0]]
+
+
+@pytest.mark.parametrize("cores,grouped", [(2, True), (7, True), (8, False), (64, False)])
+def test_few_cores_compile_a_tile_unit_inside_its_modes_unit_under_the_same_uri(cores, grouped, monkeypatch, tmp_path):
+    """On a host of fewer than SPLIT_TILE_UNITS_MIN_CORES a unit of its own would only add a front end: nvcc then runs
+    one translation unit that includes the mode's unit and its tile unit, both unchanged. Nothing rendered differs, so
+    the URI (and what a cache exported from any host holds) is the same."""
+    from fivar.jit import prewarm, toolchain
+    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3")
+    monkeypatch.setattr(prewarm, "cpu_count", lambda: cores)
+    units = [tmp_path / n for n in m.sources if n.endswith(".cu")]
+    out = toolchain.compile_units(units, tmp_path / "build")
+    names = sorted(p.name for p in out)
+    if not grouped:
+        assert out == units
+        return
+    assert names == ["single_prefill_sm90_jit_binding.cu", "single_prefill_sm90_kernel_mask_0.cu",
+                     "single_prefill_sm90_kernel_mask_1.cu"]
+    (group,) = [p for p in out if p.parent == tmp_path / "build" / "fivar_units"]
+    assert group.read_text().splitlines() == [
+        f'#include "{(tmp_path / n).resolve()}"' for n in ("single_prefill_sm90_kernel_mask_0.cu",
+                                                            "single_prefill_sm90_kernel_mask_0_tile1.cu")]
+    assert gen_module(fivar.load("softcap"), "single_prefill", "fa3").uri == m.uri
+    # a module without a tile choice compiles its sources as they are
+    plain = [tmp_path / n for n in gen_module(fivar.load("alibi"), "single_prefill", "fa3").sources if n.endswith(".cu")]
+    assert toolchain.compile_units(plain, tmp_path / "b2") == plain
 
 
 @pytest.mark.parametrize("bad,why", [
@@ -177,6 +243,27 @@ def test_the_specialization_compiles_and_links_in_place_of_flashinfers():
     traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
     assert traits.format(128, 176) in syms and traits.format(192, 128) in syms
     assert traits.format(128, 192) not in syms  # FlashInfer's own non-causal tile is not built
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not installed")
+@pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
+@pytest.mark.parametrize("cores", [2, 16])
+def test_a_tile_choice_links_whether_its_units_compile_apart_or_together(cores, monkeypatch):
+    """The soft-cap default (a non-causal choice of two tiles): on many cores its second tile is a unit of its own, on
+    few one translation unit with its mode's; either way the library defines the dispatch and both kernels, and the
+    second tile's launcher is local to it (nm: t)."""
+    from fivar.jit import prewarm
+    monkeypatch.setattr(prewarm, "cpu_count", lambda: cores)
+    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3", bounded_softmax=cores == 2)  # two URIs: both cold
+    assert m.build() == "cold"
+    objects = sorted(p.name.split("_single_prefill_")[-1] for p in m.build_dir.glob("*.o"))
+    assert ("sm90_kernel_mask_0_tile1.cuda.o" in objects) == (cores >= 8), objects
+    syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
+    assert [ln.split()[1] for ln in syms.splitlines() if "fivar_single_prefill_mask_0_tile_1(" in ln] == ["t"]
+    traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
+    assert traits.format(192, 64) in syms and traits.format(128, 128) in syms
+    assert not [ln for ln in syms.splitlines() if "SinglePrefillWithKVCacheDispatched<" in ln and ln.split()[0] == "U"]
 
 
 def test_a_flashinfer_whose_dispatch_changed_gets_its_own_tiles(monkeypatch):
