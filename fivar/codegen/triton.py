@@ -270,7 +270,7 @@ class TritonEmitter:
     def fold(self, e: ir.Expr):
         """Constant subtrees are computed here (float32, the reference's semantics): Triton would
         otherwise evaluate them as Python constexprs, with Python's float64 and no tensor methods."""
-        from .torch_ref import TorchEvaluator
+        from ..spec.evaluate import TorchEvaluator
         ev = TorchEvaluator({}, {}, torch.float32, "cpu")
         for name, value in self.const_locals.items():
             ev.locals[name] = ev.eval(value)

@@ -29,6 +29,7 @@ from ..codegen import fa2, fa3
 from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarBuildError, FivarError
 from ..flashinfer_compat import fa2_launchers
+from ..flashinfer_layout import FA2_LAYOUT, FA3_LAYOUT
 from ..paths import csrc_dir, templates_dir
 from . import locks, pinned_kv_tiles, records, toolchain, unused_headers
 from . import manifest as manifests
@@ -42,29 +43,6 @@ KV_DTYPES = {"fp8e4m3": torch.float8_e4m3fn}
 #: the ops that read a paged KV cache, so the only ones a KV dtype applies to
 KV_DTYPE_OPS = ("batch_prefill", "batch_decode")
 HEAD_DIMS = (64, 128, 256)
-
-#: Per op: FlashInfer's config template, kernel-instantiation templates (rendered per mask mode unless
-#: the op has none), host sources, and the name the host sources include the config as.
-_FA2_LAYOUT = {
-    "single_prefill": ("single_prefill_customize_config.jinja", ["single_prefill_kernel_inst.jinja"],
-                       ["single_prefill.cu", "single_prefill_jit_binding.cu"], "single_prefill_config.inc"),
-    "batch_prefill": ("batch_prefill_customize_config.jinja",
-                      ["batch_prefill_paged_kernel_inst.jinja", "batch_prefill_ragged_kernel_inst.jinja"],
-                      ["batch_prefill.cu", "batch_prefill_jit_binding.cu", "batch_prefill_paged.cuh"],
-                      "batch_prefill_config.inc"),
-    "batch_decode": ("batch_decode_customize_config.jinja", ["batch_decode_kernel_inst.jinja"],
-                     ["batch_decode.cu", "batch_decode_jit_binding.cu"], "batch_decode_config.inc"),
-}
-
-#: FA3 (Hopper): single and batch prefill only; decode stays on FA2's decode kernel (FlashInfer has no FA3 one).
-_FA3_LAYOUT = {
-    "single_prefill": ("single_prefill_sm90_customize_config.jinja", ["single_prefill_sm90_kernel_inst.jinja"],
-                       ["single_prefill_sm90.cu", "single_prefill_sm90_jit_binding.cu"],
-                       "single_prefill_sm90_config.inc"),
-    "batch_prefill": ("batch_prefill_sm90_customize_config.jinja",
-                      ["batch_prefill_paged_sm90_kernel_inst.jinja", "batch_prefill_ragged_sm90_kernel_inst.jinja"],
-                      ["batch_prefill_sm90.cu", "batch_prefill_sm90_jit_binding.cu"], "batch_prefill_sm90_config.inc"),
-}
 
 _loaded: dict[str, object] = {}  # URI -> loaded module (the in-process cache)
 log = logging.getLogger("fivar")
@@ -518,7 +496,7 @@ def _fa2_tile_split(op: str, variant, kwargs: dict):
             code = fa2.MASK_CODES[mode]
             flashinfer_units[code] = "".join(
                 _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs)
-                for inst_t in _FA2_LAYOUT[op][1])
+                for inst_t in FA2_LAYOUT[op][1])
         tiles = [int(c) for c in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", "".join(flashinfer_units.values()))]
         if not tiles:
             problem = "FlashInfer's batch prefill instantiations name no CTA_TILE_Q"
@@ -609,7 +587,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if op == "batch_decode" and variant.sink is not None:  # its kernel calls no per-row hook (fivar.codegen.fa2)
         raise FivarError(f"variant '{variant.name}': a sink runs decode on FA2 batch prefill; there is no "
                          "batch_decode module for it")
-    if target == "fa3" and op not in _FA3_LAYOUT:
+    if target == "fa3" and op not in FA3_LAYOUT:
         raise FivarError(f"variant '{variant.name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
     toolchain.ensure_arch_env()
     if target == "fa3" and "90a" not in toolchain.arch_tag().split("_"):
@@ -664,7 +642,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         additional_params_setter=params_setter, require_fp4_kv_cache=False,
         paged_kv_stride_mode="runtime", same_kv_strides_values=["true", "false"],
     )
-    config_t, inst_ts, host_files, config_name = (_FA3_LAYOUT if target == "fa3" else _FA2_LAYOUT)[op]
+    config_t, inst_ts, host_files, config_name = (FA3_LAYOUT if target == "fa3" else FA2_LAYOUT)[op]
     config = _render_flashinfer(config_t, **kwargs)
     if tiles:
         config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)

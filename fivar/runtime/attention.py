@@ -14,8 +14,8 @@ from ..codegen import fa2, fa3
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec import ir
+from ..spec.inputs import check_lse
 from ..spec.sparsity import classify_decode
-from .lse import check_lse
 from .fp8_kv import (ScaledArgs, check_q_dtype, check_scale, fp8_backend, kv_dtype_of, plan_kv_dtype,
                      scaled_output)
 from . import wave_split
@@ -362,6 +362,8 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
 class _OwnsWrapper:
     """A plan running one FlashInfer wrapper, taken with fivar.runtime.launch.take_wrapper."""
 
+    kv_form = "paged"  # run(q, paged_kv_cache); fivar.runtime.ops' plan_run passes the caches as one pair
+
     def release(self):
         """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
         release_wrapper(*self._release, self._wrapper)
@@ -553,6 +555,8 @@ class RaggedAttentionPlan(_OwnsWrapper):
     (the mask pre-pass and FA3's schedule, fivar.runtime.kv_ranges), on FA2 the block form over K/V read as pages
     of one key (fivar.runtime.fa2_blocks).
     """
+
+    kv_form = "ragged"  # run(q, k, v)
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype=None,
                  causal=False, sm_scale=None, backend="auto", device="cuda", params=None):

@@ -30,15 +30,17 @@ import torch
 
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..spec.inputs import check_lse
 from .attention import _decode_on_tensor_cores, _paged_args, _split_kwargs, _window_left, choose_target
 from .launch import _attach, _check_indptr, _module, _paged_kv, _prepare, _workspace
-from .lse import check_lse
 from . import position_tables
 from .params import kernel_args
 
 
 class GraphDecodePlan:
     """Decode over a paged KV cache with buffers of fixed capacity (this module's docstring)."""
+
+    kv_form = "paged"  # run(q, paged_kv_cache), as fivar.runtime.ops' plan_run calls it
 
     def __init__(self, variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, max_batch: int | None = None, max_pages: int | None = None,

@@ -10,16 +10,16 @@ import math
 import torch
 
 from ..codegen import fa3
-from ..codegen.torch_ref import eval_scalar
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, dtype_name, module_for
 from ..spec import ir
-from .inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
+from ..spec.evaluate import eval_scalar
+from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
 from .params import bind_params
 
 
 def _check_qkv(variant, q, k, v, *, paged: bool = False, allow_cpu: bool = False, head_dims=HEAD_DIMS):
-    """fivar.runtime.inputs' shape checks, then what the kernels support: CUDA (or the CPU where allowed),
+    """fivar.spec.inputs' shape checks, then what the kernels support: CUDA (or the CPU where allowed),
     float16/bfloat16, `head_dims`, a contiguous last dimension. paged: k and v are the paged caches."""
     name = variant.name
     if paged:

@@ -15,7 +15,8 @@ Attention over keys K = K_0 ∪ K_1 ∪ ... (disjoint) is then exactly
 
 which `merge_states` computes: cascade attention (a shared prefix plus per-request suffixes), context
 parallelism, and chunked prefill merge partial results this way. Only a softmax makes outputs mergeable: a
-variant with `softmax=False` has no normaliser, and asking it for an LSE is an error.
+variant with `softmax=False` has no normaliser, and asking it for an LSE is an error (fivar.spec.inputs.check_lse,
+which the reference shares, as it does LOG2E).
 """
 from __future__ import annotations
 
@@ -24,17 +25,6 @@ import math
 import torch
 
 from ..errors import FivarError
-
-LOG2E = 1.4426950408889634
-
-
-def check_lse(variant, return_lse: bool) -> bool:
-    """`return_lse` as a bool, refused for a variant without softmax (its weights have no log-sum-exp)."""
-    if return_lse and not variant.softmax:
-        raise FivarError(f"variant '{variant.name}': return_lse=True needs a softmax variant; '{variant.name}' has "
-                         "softmax=False, whose weights multiply V as they are, so there is no log-sum-exp to return "
-                         "and its partial outputs over split KV simply add up")
-    return bool(return_lse)
 
 
 def empty_lse(q: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from ..spec import Scalar
+from ..spec.params import Scalar
 
 #: Arguments before the params, per op (schema text).
 _HEADS = {
@@ -66,35 +66,33 @@ class OpFamily:
         return {n: v for n, v in zip(self.param_names, values) if v is not None}
 
     # --- the real implementations: the ordinary entry points (checks included) --------------------
+    # reached through the variant's own methods, which import the runtime when called: this module is what those
+    # entry points call under torch.compile, so importing them here would close a circle
     def _prefill(self, q, k, v, causal, sm_scale, backend, return_lse, *params):
-        from .attention import single_prefill
-        return _pair(single_prefill(self.variant, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
-                                    params=self._params(params), return_lse=return_lse), q, return_lse)
+        return _pair(self.variant.prefill(q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
+                                          return_lse=return_lse, **self._params(params)), q, return_lse)
 
     def _ragged(self, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, backend, return_lse, *params):
-        from .attention import batch_prefill_ragged
-        return _pair(batch_prefill_ragged(self.variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
-                                          sm_scale=sm_scale, backend=backend, params=self._params(params),
-                                          return_lse=return_lse), q, return_lse)
+        return _pair(self.variant.batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal,
+                                                       sm_scale=sm_scale, backend=backend, return_lse=return_lse,
+                                                       **self._params(params)), q, return_lse)
 
     def _paged(self, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale,
                backend, return_lse, *params):
-        from .attention import batch_prefill_paged
-        return _pair(batch_prefill_paged(self.variant, q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices,
-                                         kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend,
-                                         params=self._params(params), return_lse=return_lse), q, return_lse)
+        return _pair(self.variant.batch_prefill_paged(q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices,
+                                                      kv_last_page_len, causal=causal, sm_scale=sm_scale,
+                                                      backend=backend, return_lse=return_lse,
+                                                      **self._params(params)), q, return_lse)
 
     def _decode(self, q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, backend, return_lse,
                 *params):
-        from .attention import batch_decode
-        return _pair(batch_decode(self.variant, q, (k_cache, v_cache), kv_indptr, kv_indices, kv_last_page_len,
-                                  sm_scale=sm_scale, backend=backend, params=self._params(params),
-                                  return_lse=return_lse), q, return_lse)
+        return _pair(self.variant.decode(q, (k_cache, v_cache), kv_indptr, kv_indices, kv_last_page_len,
+                                         sm_scale=sm_scale, backend=backend, return_lse=return_lse,
+                                         **self._params(params)), q, return_lse)
 
     def _plan_run(self, q, plan, k, v, return_lse):
-        from .attention import RaggedAttentionPlan
         p = _plans[plan]
-        result = p.run(q, k, v, return_lse=return_lse) if isinstance(p, RaggedAttentionPlan) else \
+        result = p.run(q, k, v, return_lse=return_lse) if p.kv_form == "ragged" else \
             p.run(q, (k, v), return_lse=return_lse)
         return _pair(result, q, return_lse)
 
@@ -146,7 +144,7 @@ def _param_args(variant, params: dict, return_lse: bool) -> list:
     """The op's param arguments; what the fake cannot know (an LSE without softmax, a misspelt param) is refused
     here, while tracing, rather than when the graph first runs."""
     from ..errors import FivarError
-    from .lse import check_lse
+    from ..spec.inputs import check_lse
     check_lse(variant, return_lse)
     unknown = sorted(set(params) - set(variant.params))
     if unknown:  # the entry point would name it too, but only when the graph runs

@@ -11,10 +11,10 @@ import torch
 
 from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
+from ..spec.inputs import check_lse
 from .launch import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
                      _prepare)
 from . import position_tables
-from .lse import check_lse
 
 #: tl.arange and tl.dot want a power of two of at least 16.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from ..errors import FivarError
+from ..flashinfer_layout import FA2_LAYOUT, FA3_LAYOUT
 
 CPP_KEYWORDS = frozenset("""
 alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t class compl
@@ -119,10 +120,9 @@ def _flashinfer_csrc() -> Path | None:
 @functools.lru_cache(maxsize=1)
 def flashinfer_names() -> frozenset[str]:
     """Names FlashInfer's files that a module's params go into declare or use (the `Params` structs' configs and the
-    host sources whose run functions take them: fivar.jit.build's layouts), read off the installed FlashInfer."""
-    from ..jit.build import _FA2_LAYOUT, _FA3_LAYOUT
+    host sources whose run functions take them: fivar.flashinfer_layout), read off the installed FlashInfer."""
     fi = _flashinfer_csrc()
-    layouts = [*_FA2_LAYOUT.values(), *_FA3_LAYOUT.values()]
+    layouts = [*FA2_LAYOUT.values(), *FA3_LAYOUT.values()]
     names_ = [config for config, _, _, _ in layouts] + [h for _, _, host, _ in layouts for h in host]
     found: set[str] = set()
     for n in dict.fromkeys(names_):

@@ -419,7 +419,7 @@ def keep_matrix(program: ir.Program | None, *, qo_len: int, kv_len: int, scalars
                 tensors: dict | None = None, num_qo_heads: int = 1, num_kv_heads: int = 1, batch_idx: int = 0,
                 causal: bool = False) -> torch.Tensor:
     """Every pair, evaluated by the torch reference's evaluator: bool [heads, qo_len, kv_len]."""
-    from ..codegen.torch_ref import TorchEvaluator
+    from .evaluate import TorchEvaluator
     group = max(1, num_qo_heads // max(1, num_kv_heads))
     head = torch.arange(num_qo_heads).view(-1, 1, 1)
     q_idx = torch.arange(qo_len).view(1, -1, 1) + (kv_len - qo_len)

@@ -1,0 +1,151 @@
+"""What a call passes a variant, checked before anything runs: q/k/v shapes, the params against the variant's
+declarations, and `return_lse`. The torch reference (fivar.codegen.torch_ref) and every runtime entry point
+(fivar.runtime) check with these, so a bad call gets the same error everywhere; they need only torch and the
+spec, so the reference uses them without loading the runtime."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FivarError
+from .params import FLOAT32_MAX, Scalar
+
+Q_LAYOUT = ("tokens", "num_qo_heads", "head_dim")
+KV_LAYOUT = ("tokens", "num_kv_heads", "head_dim")
+PAGED_KV_LAYOUT = ("num_pages", "page_size", "num_kv_heads", "head_dim")
+PAGED_KV_NAMES = ("k_cache", "v_cache")
+
+
+def check_qkv_layout(name: str, q, k, v, *, prefix: str = "", q_layout=Q_LAYOUT, kv_layout=KV_LAYOUT,
+                     kv_names=("k", "v")) -> None:
+    """q, k, v are tensors on one device, q [*q_layout], k and v [*kv_layout] of one shape (the last two dims
+    num_kv_heads, head_dim), q's head_dim k's, num_qo_heads a multiple of num_kv_heads. A mismatch is a
+    FivarError "variant '<name>': <prefix>..." naming the tensor and its shape. Dtypes, devices and sizes each
+    caller supports are its own checks."""
+    pre = f"variant '{name}': {prefix}"
+    kn, vn = kv_names
+    for t, tn in ((q, "q"), (k, kn), (v, vn)):
+        if not isinstance(t, torch.Tensor):
+            raise FivarError(f"{pre}{tn} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != len(q_layout):
+        raise FivarError(f"{pre}q must be [{', '.join(q_layout)}], got shape {tuple(q.shape)}")
+    if k.dim() != len(kv_layout) or k.shape != v.shape:
+        raise FivarError(f"{pre}{kn} and {vn} must be [{', '.join(kv_layout)}] of one shape, got {kn} "
+                         f"{tuple(k.shape)} and {vn} {tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise FivarError(f"{pre}q {tuple(q.shape)} and {kn} {tuple(k.shape)} need the same head_dim, got "
+                         f"{q.shape[-1]} and {k.shape[-1]}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv:
+        raise FivarError(f"{pre}num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv}), got q "
+                         f"{tuple(q.shape)} and {kn} {tuple(k.shape)}")
+    if k.device != q.device or v.device != q.device:
+        raise FivarError(f"{pre}q, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+#: log2(e): fivar's LSE is in base 2 (fivar.runtime.lse says why and how outputs merge).
+LOG2E = 1.4426950408889634
+
+
+def check_lse(variant, return_lse: bool) -> bool:
+    """`return_lse` as a bool, refused for a variant without softmax (its weights have no log-sum-exp)."""
+    if return_lse and not variant.softmax:
+        raise FivarError(f"variant '{variant.name}': return_lse=True needs a softmax variant; '{variant.name}' has "
+                         "softmax=False, whose weights multiply V as they are, so there is no log-sum-exp to return "
+                         "and its partial outputs over split KV simply add up")
+    return bool(return_lse)
+
+
+@dataclass
+class BoundParams:
+    scalars: dict[str, float | int]
+    tensors: dict[str, torch.Tensor]
+    #: what the lowering's position tables are sized and placed by (fivar.runtime.position_tables)
+    num_qo_heads: int = 0
+    num_kv_heads: int = 0
+    device: object = None
+
+
+def _describe(p) -> str:
+    if isinstance(p, Scalar):
+        return f"Scalar({p.dtype.__name__})"
+    return f"Tensor({p.dtype}, dims={p.dims})"
+
+
+def _same_device(a, b) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda" and (a.index is None) != (b.index is None):  # "cuda" means the current device
+        cur = torch.cuda.current_device()
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index
+
+
+def checked_scalar(variant, pname: str, value) -> float | int:
+    """`value` for the variant's Scalar `pname`, as its declared type, or a FivarError naming both."""
+    name, p = variant.name, variant.params[pname]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FivarError(f"variant '{name}': parameter '{pname}' must be a Python "
+                         f"{p.dtype.__name__}, got {type(value).__name__}")
+    if not math.isfinite(value):  # the kernels would turn every score it touches into NaN
+        raise FivarError(f"variant '{name}': parameter '{pname}' must be finite, got {value!r}")
+    if p.dtype is float and abs(value) > FLOAT32_MAX:  # float in the kernels: it would arrive as inf
+        raise FivarError(f"variant '{name}': parameter '{pname}' = {value!r} does not fit the kernels' 32-bit "
+                         f"floats (|x| <= {FLOAT32_MAX!r})")
+    if p.dtype is int and not float(value).is_integer():
+        raise FivarError(f"variant '{name}': parameter '{pname}' is an int parameter, got {value!r}")
+    if p.dtype is int and not -2**31 <= value < 2**31:  # int32_t in the kernels
+        raise FivarError(f"variant '{name}': parameter '{pname}' = {value} does not fit the kernels' 32-bit "
+                         f"integers [-2**31, 2**31)")
+    if value == 0 and pname in variant.ir.divisor_scalars:
+        raise FivarError(f"{variant.ir.divisor_scalars[pname]}: parameter '{pname}' is 0 and divides "
+                         "there; pass a non-zero value")
+    return p.dtype(value)
+
+
+def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, batch_size: int,
+                device) -> BoundParams:
+    name = variant.name
+    unknown = sorted(set(given) - set(variant.params))
+    if unknown:
+        declared = ", ".join(f"{k}: {_describe(p)}" for k, p in variant.params.items()) or "none"
+        raise FivarError(f"variant '{name}': unknown parameter(s) {', '.join(unknown)} (declared: {declared})")
+    scalars, tensors = {}, {}
+    known = {"qo_head": num_qo_heads, "kv_head": num_kv_heads, "batch": batch_size}
+    for pname, p in variant.params.items():
+        if pname not in given or given[pname] is None:
+            if isinstance(p, Scalar) and p.default is not None:
+                scalars[pname] = p.default
+                continue
+            raise FivarError(f"variant '{name}': missing parameter '{pname}' ({_describe(p)}); pass it as "
+                             f"{pname}=...")
+        value = given[pname]
+        if isinstance(p, Scalar):
+            scalars[pname] = checked_scalar(variant, pname, value)
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise FivarError(f"variant '{name}': parameter '{pname}' must be a torch.Tensor "
+                             f"({_describe(p)}), got {type(value).__name__}")
+        want = getattr(torch, p.dtype)
+        if value.dtype != want:
+            raise FivarError(f"variant '{name}': parameter '{pname}' must have dtype torch.{p.dtype}, "
+                             f"got {value.dtype}")
+        if value.dim() != p.ndim:
+            raise FivarError(f"variant '{name}': parameter '{pname}' must have {p.ndim} dimension(s) "
+                             f"{p.dims}, got shape {tuple(value.shape)}")
+        for d, dim in enumerate(p.dims):
+            if dim in known and value.shape[d] != known[dim]:
+                raise FivarError(f"variant '{name}': parameter '{pname}' dimension {d} ('{dim}') must be "
+                                 f"{known[dim]}, got {value.shape[d]}")
+            if value.shape[d] == 0:
+                raise FivarError(f"variant '{name}': parameter '{pname}' has an empty dimension {d}")
+        if _same_device(device, value.device) is False:
+            raise FivarError(f"variant '{name}': parameter '{pname}' is on {value.device}, the inputs are "
+                             f"on {device}")
+        tensors[pname] = value.contiguous()
+    return BoundParams(scalars, tensors, num_qo_heads, num_kv_heads, device)
