@@ -356,6 +356,7 @@ namespace case{k} {{
 struct Params {{
   {decl}
   uint32_t qo_len_, kv_len_;
+  int32_t window_left = -1;  // FlashInfer's Params field the FA2 struct reads (no window here)
   __device__ __host__ uint32_t get_qo_len(uint32_t) const {{ return qo_len_; }}
   __device__ __host__ uint32_t get_kv_len(uint32_t) const {{ return kv_len_; }}
 }};
