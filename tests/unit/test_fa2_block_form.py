@@ -78,7 +78,8 @@ def cpu_fa2(monkeypatch):
         plan.variant, plan.device, plan.target, plan.batch = variant, torch.device("cpu"), "fa2", qo_indptr.numel() - 1
         return dtype, qo_indptr, kv_indptr
 
-    def module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs=False, kv_segments=False):
+    def module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs=False, kv_segments=False,
+               kv_dtype=None):
         return types.SimpleNamespace(kv_segments=kv_segments, uri=f"fake_{kv_segments}", target=target)
 
     def take(kind, fmod, device, owns_mask):
