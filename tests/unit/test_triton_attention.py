@@ -250,8 +250,14 @@ def test_explain_says_how_the_twin_reads_each_tensor():
         "params.bias[qo_head, offset]": "one value per tile where its clamped index cannot vary, else a gather"}
     wrapped = AttentionVariant(name="wrapped", logits=_wrapped_offset,
                                params={"table": Tensor("float32", ("qo_head", "offset"))})
+    from fivar.config import override
+    with override(position_tables="off"):  # read per element: % has no interval rule
+        assert dict(TritonEmitter(wrapped).read_plan()) == {
+            "params.table[qo_head, ((kv_idx - q_idx) % 5)]": "a gather per element"}
+    # by default the gather at a costly function of the distance is a per-call table (fivar.spec.positions)
     assert dict(TritonEmitter(wrapped).read_plan()) == {
-        "params.table[qo_head, ((kv_idx - q_idx) % 5)]": "a gather per element"}  # % has no interval rule
+        "params.fv_pos_table0[qo_head, ((kv_idx - q_idx) + params.fv_pos_offset)]":
+            "one value per tile where its clamped index cannot vary, else a gather"}
     by_score = AttentionVariant(name="by_score", logits=_score_indexed,
                                 params={"table": Tensor("float32", ("offset",))})
     assert [how for _, how in TritonEmitter(by_score).read_plan()] == ["a gather per element"]
