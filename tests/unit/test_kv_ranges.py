@@ -1,6 +1,8 @@
 """FA3's KV-range lowering of masks that are more than a band (fivar.runtime.kv_ranges), on the CPU: the
 mask pre-pass runs in Triton's interpreter, and the lowered batch is checked against the mask evaluated
 on every (row, key) pair by the torch evaluator. The GPU tests run the FA3 kernels themselves."""
+import functools
+
 import pytest
 import torch
 
@@ -66,6 +68,24 @@ def _kept(variant, bound, b, qo_len, kv_len, heads, causal):
     return keep
 
 
+_HEADS, _QO_LENS, _KV_LENS = 4, [500, 0, 77], [520, 40, 600]
+_QO_INDPTR = torch.tensor([0] + _QO_LENS).cumsum(0).to(torch.int32)
+_KV_INDPTR = torch.tensor([0] + _KV_LENS).cumsum(0).to(torch.int32)
+
+
+@functools.cache
+def _prescanned():
+    """Each case's params (drawn once per test run) and its Triton pre-scan, which neither causal nor the head
+    dim changes: the interpreter runs it once, not once per parametrization."""
+    out = []
+    for variant, params in _cases(600):
+        bound = bind_params(variant, params, num_qo_heads=_HEADS, num_kv_heads=2, batch_size=3, device="cpu")
+        ranges, runs = load_triton_module(variant).mask_ranges(_QO_INDPTR, _KV_INDPTR, max(_QO_LENS), _HEADS, 2,
+                                                               kernel_arg_values(variant, bound, 1.0), row_runs=True)
+        out.append((variant, params, bound, ranges, runs))
+    return out
+
+
 @pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
@@ -73,14 +93,9 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
     any of its rows keeps, lies inside that request's keys, and `fv_blocks` maps local rows and keys back
     to the original q_idx / kv_idx. Holes, documents, per-head windows, requests shorter than a tile and
     qo_len < kv_len all appear."""
-    heads, rows = 4, block_rows(head_dim)
-    qo_lens, kv_lens = [500, 0, 77], [520, 40, 600]
-    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    for variant, params in _cases(600):
-        bound = bind_params(variant, params, num_qo_heads=heads, num_kv_heads=2, batch_size=3, device="cpu")
-        ranges, runs = load_triton_module(variant).mask_ranges(qo_indptr, kv_indptr, max(qo_lens), heads, 2,
-                                                               kernel_arg_values(variant, bound, 1.0), row_runs=True)
+    heads, rows = _HEADS, block_rows(head_dim)
+    qo_lens, kv_lens, qo_indptr, kv_indptr = _QO_LENS, _KV_LENS, _QO_INDPTR, _KV_INDPTR
+    for variant, params, bound, ranges, runs in _prescanned():
         _check_row_runs(variant, bound, runs, qo_lens, kv_lens, heads)
         lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal)
         run_lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal, runs_shape=tuple(runs.shape))
@@ -88,7 +103,7 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
         assert one_run_rows == (variant is not HOLED)
         flat_rel = relative_runs(runs, run_lay, qo_indptr, kv_indptr, rows, causal).reshape(-1)
         assert torch.equal(run_lay.blocks[:, :3], lay.blocks[:, :3]) and torch.equal(run_lay.kv_lens, lay.kv_lens)
-        covered_rows, kv_work = 0, 0
+        covered_rows, kv_work, kept_of = 0, 0, {}
         for r in range(lay.kv_lens.numel()):
             b, q0, k0, full_lo, full_hi = lay.blocks[r].tolist()
             row0, row1 = int(lay.qo_indptr[r] - qo_indptr[b]), int(lay.qo_indptr[r + 1] - qo_indptr[b])
@@ -97,7 +112,9 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
             assert int(lay.kv_starts[r]) == int(kv_indptr[b]) + k0
             k1 = k0 + int(lay.kv_lens[r])
             assert 0 <= k0 < k1 <= kv_lens[b], (variant.name, r, k0, k1)
-            keep = _kept(variant, bound, b, qo_lens[b], kv_lens[b], heads, causal)[:, row0:row1]
+            if b not in kept_of:  # a request's kept pairs, once (each of its blocks reads a slice)
+                kept_of[b] = _kept(variant, bound, b, qo_lens[b], kv_lens[b], heads, causal)
+            keep = kept_of[b][:, row0:row1]
             keys = keep.any(0).any(0).nonzero().flatten()
             # the kernel skips the mask on [full_lo, full_hi): every row of every head keeps those keys
             assert bool(_kept(variant, bound, b, qo_lens[b], kv_lens[b], heads, False)[:, row0:row1,
