@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fivar
-from fivar import AttentionVariant, Scalar
+from fivar import AttentionVariant, Scalar, Tensor
 from fivar.bench.suites.zoo import load as load_zoo
 from fivar.codegen.cuda import additional_params, param_ident
 from fivar.codegen.fa3 import BLOCKS, ROW_RUNS
@@ -41,6 +41,12 @@ def _two_runs(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return kv_idx < params.sink or (q_idx - kv_idx < params.window and kv_idx <= q_idx)  # sinks + window
 
 
+def _padded_documents(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return params.doc[batch, q_idx] == params.doc[batch, kv_idx] and params.doc[batch, q_idx] >= 0  # -1: padding
+
+
+PADDED_DOCS = AttentionVariant(name="fa3pb_padded_documents", mask=_padded_documents,
+                               params={"doc": Tensor("int32", ("batch", "position"))})
 SINKS = AttentionVariant(name="fa3pb_sinks_window", mask=_two_runs,
                          params={"sink": Scalar(int, default=3), "window": Scalar(int, default=40)})
 
@@ -61,7 +67,18 @@ def _cases():
         ("head_window", load_zoo("per_head_window"), {"windows": torch.tensor([5, 120, 33, 90],
                                                                              dtype=torch.int32)}),
         ("sinks", SINKS, {}),
+        # padding rows keep nothing: a block's last rows may keep no key near their diagonal, so FA3's own causal
+        # rule (aligned to the block's last key) would cut the rows above them wrongly
+        ("padded_documents", PADDED_DOCS, {"doc": _padded(starts, 23)}),
     ]
+
+
+def _padded(starts, pad):
+    """Document ids with each request's last `pad` positions padding (-1)."""
+    doc = starts.to(torch.int32).cumsum(1).to(torch.int32)
+    for b, n in enumerate(KV_LENS):
+        doc[b, max(0, n - pad):n] = -1
+    return doc
 
 
 def _indptr(lengths):
@@ -199,7 +216,7 @@ def test_blocks_read_exactly_the_kept_pairs_through_their_pages(page_size, causa
         check_layout(variant, bound, lay, table, page_size, rows, causal, form)
         saved[name] = lay.keys_total - lay.keys_read
     # the point of it: documents, chunks and windows leave pages unread
-    assert saved["document"] > 0 and saved["chunked"] > 0 and saved["head_window"] > 0, saved
+    assert all(saved[n] > 0 for n in ("document", "chunked", "head_window", "padded_documents")), saved
 
 
 def _first_kept_block(variant, bound, lay, causal, at_end: bool):
@@ -371,7 +388,7 @@ def cpu_fa3(monkeypatch):
 
 @pytest.mark.parametrize("page_size", [16, 1])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["document", "chunked", "head_window", "sinks"])
+@pytest.mark.parametrize("name", ["document", "chunked", "head_window", "sinks", "padded_documents"])
 def test_paged_plan_matches_the_reference(cpu_fa3, name, causal, page_size):
     current, made = cpu_fa3
     _, variant, params = next(c for c in _cases() if c[0] == name)
