@@ -20,6 +20,11 @@ per-head window), the struct's row-run form checks the key against its row's run
 instead of evaluating the mask per element: the mask's per-element gathers made FA3's consumer warps spill
 (H200: the mask form ran 4.3x slower per tile than stock FA3 even when the mask was skipped by a branch).
 
+A paged batch gets the same blocks over pages (`paged_kv_ranges`): each block is a request of FA3's paged kernel
+whose page list is the run of its request's pages from the one holding its first kept key (so the block's first
+key is page-aligned, and `fv_blocks` says so) to the one holding its last; pages may be shared by blocks, so no
+KV-starts plan is needed there. A batch whose mask drops no page keeps a request per request.
+
 FlashInfer's own BlockSparseAttentionWrapper maps a block-sparse mask onto batch prefill the same way
 (one request per block row). Planning costs one pre-pass and one device->host copy; `plan_ragged` does it
 once per batch layout, as FlashInfer's wrappers do.
