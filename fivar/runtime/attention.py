@@ -479,6 +479,8 @@ class PagedAttentionPlan(_OwnsWrapper):
 
     This is FlashInfer's plan/run split. A batch of one query per request on FA2 (decode) whose mask drops
     whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
+    A mask that is more than a band runs one request per query block over the pages it may keep, on FA2
+    (fivar.runtime.fa2_blocks) and FA3 (fivar.runtime.kv_ranges); `keys_read`: keys read and the unsplit form's.
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
