@@ -21,7 +21,7 @@ from .fp8_kv import (ScaledArgs, check_q_dtype, check_scale, fp8_backend, kv_dty
 from . import wave_split
 from . import fa2_blocks
 from .decode_pages import trim_pages
-from .kv_ranges import KvRangePrefill
+from .kv_ranges import KvRangePrefill, paged_kv_ranges
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
 from .params import kernel_args
@@ -76,11 +76,17 @@ def _causal_flag(variant, target: str, causal: bool):
     return bool(causal) if (variant.mask and target == "fa2") else None
 
 
-def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size):
+def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size,
+                kv_ranges=None):
     """Run arguments of a paged batch. FA3's batch module of a mask that is more than a band is the KV-range
-    form (fivar.runtime.kv_ranges); paged batches run it unsplit, one block per request, with FA3's own
-    causal mode (so no runtime flag) and each request's q_idx offset kv_len - qo_len in `fv_blocks`."""
+    form (fivar.runtime.kv_ranges): `kv_ranges` (its PagedKvRanges) when the batch was split into query blocks
+    over the pages they may keep, with causal as a runtime flag (or folded into the row runs); otherwise it runs
+    unsplit, one block per request, with FA3's own causal mode (so no runtime flag) and each request's q_idx
+    offset kv_len - qo_len in `fv_blocks`. The indptrs are the batch's own (the position tables' lengths)."""
     lengths = lambda: max_lengths(qo_indptr, kv_indptr, kv_last_page_len, page_size)  # noqa: E731
+    if kv_ranges is not None:
+        return kernel_args(variant, bound, sm_scale, None if kv_ranges.row_runs else causal, tables=kv_ranges.tables,
+                           lengths=lengths)
     if not (target == "fa3" and variant.scans_mask):
         return kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal), lengths=lengths)
     from ..codegen.fa3 import BLOCKS
@@ -473,6 +479,8 @@ class PagedAttentionPlan(_OwnsWrapper):
 
     This is FlashInfer's plan/run split. A batch of one query per request on FA2 (decode) whose mask drops
     whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
+    A mask that is more than a band runs one request per query block over the pages it may keep, on FA2
+    (fivar.runtime.fa2_blocks) and FA3 (fivar.runtime.kv_ranges); `keys_read`: keys read and the unsplit form's.
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
@@ -487,6 +495,7 @@ class PagedAttentionPlan(_OwnsWrapper):
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
+        fa3_split = plan_indptrs = None  # FA3's KV-range blocks: its layout is what the wrapper plans
         if self.target == "fa2" and trims_decode_pages(variant) and bool((qo_indptr.diff() == 1).all()):
             # one query per request (decode): read only the pages holding kept keys, in the key-segments form
             trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
@@ -511,15 +520,28 @@ class PagedAttentionPlan(_OwnsWrapper):
                 kv_indices, kv_last_page_len = layout.kv_indices, layout.kv_last_page_len
                 kv_segments = layout.segments
                 self.keys_read = (layout.keys_read, layout.keys_total)
+        elif self.target == "fa3" and variant.scans_mask:
+            # a mask that is more than a band: one request per query block over the pages holding the keys it may
+            # keep (fivar.runtime.kv_ranges), unless that reads no fewer keys than the unsplit form
+            split = paged_kv_ranges(variant, bound, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                    page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                    head_dim=head_dim, causal=causal, sm_scale=sm_scale, device=self.device)
+            if split is not None:
+                self.keys_read = (split.layout.keys_read, split.layout.keys_total)
+                fa3_split, plan_indptrs = split, (split.layout.qo_indptr, split.layout.kv_indptr,
+                                                  split.layout.kv_indices, split.layout.kv_last_page_len)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
+                       row_runs=fa3_split is not None and fa3_split.row_runs,
                        kv_segments=kv_segments is not None, kv_dtype=kv_name)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
         window_left = _window_left(variant, self.target, bound) if kv_segments is None else -1
         self._wrapper = take_wrapper("paged", fmod, self.device, _owns_mask(variant, self.target, causal, window_left))
         self._release = ("paged", fmod, self.device)
-        self._wrapper.plan(qo_indptr, kv_indptr, kv_indices.to(self.device), kv_last_page_len.to(self.device),
-                           num_qo_heads, num_kv_heads, head_dim, page_size,
-                           causal=_plan_causal(variant, self.target, causal, window_left),
+        planned = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) if plan_indptrs is None else plan_indptrs
+        self._wrapper.plan(planned[0].to(self.device), planned[1].to(self.device), planned[2].to(self.device),
+                           planned[3].to(self.device), num_qo_heads, num_kv_heads, head_dim, page_size,
+                           # the blocks apply causal themselves: FA3's would align the diagonal to each block
+                           causal=fa3_split is None and _plan_causal(variant, self.target, causal, window_left),
                            window_left=window_left, q_data_type=dtype,
                            kv_data_type=self._kv_dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
         self._args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
@@ -527,7 +549,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                                                        lengths=lengths)
                                            if kv_segments is not None else
                                            _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
-                                                       kv_last_page_len, page_size)), sm_scale)
+                                                       kv_last_page_len, page_size, kv_ranges=fa3_split)), sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
     def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):

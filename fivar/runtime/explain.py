@@ -47,9 +47,11 @@ def _fa3_line(v) -> str:
     if v.ir.mask is None:
         return "fa3 prefill: causal only skips tiles (no mask)"
     if v.scans_mask:
-        return ("fa3 prefill (single, ragged): each 128-row query block (192 at head_dim 64) runs as its own request "
-                "over the keys a mask pre-pass finds it keeps (KV-range form); when every row keeps one run of keys "
-                "the kernel checks each row's run instead of the mask. Paged prefill visits every tile")
+        return ("fa3 prefill (single, ragged, paged): each 128-row query block (192 at head_dim 64) runs as its own "
+                "request over the keys a mask pre-pass finds it keeps (KV-range form; paged: the pages holding them, "
+                "from the page of its first kept key; the plan's keys_read gives keys read and what a request per "
+                "request would read, and a batch whose mask drops no page runs a request per request); when every "
+                "row keeps one run of keys the kernel checks each row's run instead of the mask")
     if fa3.runs_as_window(v):
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")

@@ -20,6 +20,11 @@ per-head window), the struct's row-run form checks the key against its row's run
 instead of evaluating the mask per element: the mask's per-element gathers made FA3's consumer warps spill
 (H200: the mask form ran 4.3x slower per tile than stock FA3 even when the mask was skipped by a branch).
 
+A paged batch gets the same blocks over pages (`paged_kv_ranges`): each block is a request of FA3's paged kernel
+whose page list is the run of its request's pages from the one holding its first kept key (so the block's first
+key is page-aligned, and `fv_blocks` says so) to the one holding its last; pages may be shared by blocks, so no
+KV-starts plan is needed there. A batch whose mask drops no page keeps a request per request.
+
 FlashInfer's own BlockSparseAttentionWrapper maps a block-sparse mask onto batch prefill the same way
 (one request per block row). Planning costs one pre-pass and one device->host copy; `plan_ragged` does it
 once per batch layout, as FlashInfer's wrappers do.
@@ -61,16 +66,24 @@ class KvRangeLayout:
         return torch.cat([torch.zeros(1, dtype=torch.int64), self.kv_lens.long().cumsum(0)]).to(torch.int32)
 
 
-def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
-                    causal: bool, runs_shape: tuple | None = None) -> KvRangeLayout:
-    """From the pre-pass's ranges ([batch, heads, ceil(max_qo_len / 16), 4] of [lo, hi, full_lo, full_hi)
-    relative to each request's keys; host tensors) to one request per `rows` query rows over the keys any of
-    them keeps. With `runs_shape` (the pre-pass's per-row runs, contiguous [batch, heads, max_qo_len, 2]) the
-    blocks point into the runs (the row-run form) instead of carrying a full range."""
+@dataclass
+class _QueryBlocks:
+    """Each request cut into query blocks of `rows` rows, with the keys the blocks' rows may keep: host tensors
+    [R], relative to the block's request."""
+    batch: torch.Tensor  # the block's request
+    row0: torch.Tensor   # its first row (a multiple of `rows`)
+    shift: torch.Tensor  # q_idx - row of the request: kv_len - qo_len (bottom-right aligned)
+    lo: torch.Tensor     # [lo, hi): the keys any of its rows keeps (one key, masked, when none)
+    hi: torch.Tensor
+    tail: tuple          # fivar.codegen.fa3.BLOCKS' last two fields
+
+
+def _query_blocks(ranges: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Tensor, rows: int, causal: bool,
+                  runs_shape: tuple | None) -> _QueryBlocks:
+    """The lowering both the ragged and the paged layouts share: the pre-pass's ranges reduced to query blocks."""
     if rows % _RANGE_ROWS:
         raise ValueError(f"block rows {rows} must be a multiple of {_RANGE_ROWS}")
-    qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
-    qo_lens, kv_lens = qo_indptr.diff(), kv_indptr.diff()
+    qo_lens, kv_lens = qo_lens.long(), kv_lens.long()
     batch = qo_lens.numel()
     lo = ranges[..., 0].long().amin(1)  # the union over heads: the kernel still masks per head
     hi = ranges[..., 1].long().amax(1)
@@ -94,18 +107,77 @@ def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: to
     empty = hi_b <= lo_b  # no row keeps a key: one key, masked in the kernel like any other
     lo_b = torch.where(empty, 0, lo_b)
     hi_b = torch.where(empty, torch.clamp(kv_lens[b], max=1), hi_b)
-    starts = kv_indptr[b] + lo_b
     if runs_shape is None:
         tail = (full_lo[b, t], torch.maximum(full_hi[b, t], full_lo[b, t]))
     else:  # offset of (request b, head 0, row row0) in the runs, and the step to the next query head
         _, run_heads, max_rows, _ = runs_shape
         head_step = 2 * max_rows if run_heads > 1 else 0
         tail = ((b * run_heads * max_rows + row0) * 2, torch.full_like(b, head_step))
+    return _QueryBlocks(b, row0, shift, lo_b, hi_b, tail)
+
+
+def _blocks_table(q: _QueryBlocks, first_key: torch.Tensor) -> torch.Tensor:
+    """fivar.codegen.fa3.BLOCKS: (batch, q_idx of the first row, kv_idx of the first key read, *tail)."""
+    return torch.stack([q.batch, q.row0 + q.shift, first_key, *q.tail], 1).clamp(max=2**31 - 1).to(torch.int32)
+
+
+def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
+                    causal: bool, runs_shape: tuple | None = None) -> KvRangeLayout:
+    """From the pre-pass's ranges ([batch, heads, ceil(max_qo_len / 16), 4] of [lo, hi, full_lo, full_hi)
+    relative to each request's keys; host tensors) to one request per `rows` query rows over the keys any of
+    them keeps. With `runs_shape` (the pre-pass's per-row runs, contiguous [batch, heads, max_qo_len, 2]) the
+    blocks point into the runs (the row-run form) instead of carrying a full range."""
+    qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
+    q = _query_blocks(ranges, qo_indptr.diff(), kv_indptr.diff(), rows, causal, runs_shape)
+    starts = kv_indptr[q.batch] + q.lo
     return KvRangeLayout(
-        qo_indptr=torch.cat([qo_indptr[b] + row0, qo_indptr[-1:]]).to(torch.int32),
+        qo_indptr=torch.cat([qo_indptr[q.batch] + q.row0, qo_indptr[-1:]]).to(torch.int32),
         kv_starts=torch.cat([starts, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
-        kv_lens=(hi_b - lo_b).to(torch.int32),
-        blocks=torch.stack([b, row0 + shift, lo_b, *tail], 1).clamp(max=2**31 - 1).to(torch.int32))
+        kv_lens=(q.hi - q.lo).to(torch.int32),
+        blocks=_blocks_table(q, q.lo))
+
+
+@dataclass
+class PagedRangeLayout:
+    """A paged batch lowered to one request per query block over the pages holding the keys it may keep. Host
+    tensors except `blocks`' copy the kernel reads (made by the caller)."""
+    qo_indptr: torch.Tensor         # int32 [R + 1]: the blocks' rows (a refinement of the batch's qo_indptr)
+    kv_indptr: torch.Tensor         # int32 [R + 1]: pages per block
+    kv_indices: torch.Tensor        # int32: each block's pages, a run of its request's pages in order
+    kv_last_page_len: torch.Tensor  # int32 [R]: its keys end at the block's hi (or the request's end)
+    blocks: torch.Tensor            # int32 [R, 5]: as KvRangeLayout's; kv_idx of the first key is page-aligned
+    keys_read: int                  # keys the blocks read, and what the unsplit form (a request per request,
+    keys_total: int                 # FA3's causal mode skipping right of the diagonal) reads for the same rows
+
+
+def paged_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                       kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int, rows: int,
+                       causal: bool, runs_shape: tuple | None = None) -> PagedRangeLayout:
+    """kv_range_layout's blocks over pages: a block reads its request's pages from the one holding its first kept
+    key (its first key read is that page's first) to the one holding its last. Host tensors in and out."""
+    qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
+    kv_indices, last = kv_indices.long(), kv_last_page_len.long()
+    n_pages = kv_indptr.diff()
+    kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last, 0)
+    qo_lens = qo_indptr.diff()
+    q = _query_blocks(ranges, qo_lens, kv_lens, rows, causal, runs_shape)
+    b = q.batch
+    first = q.lo // page_size
+    to_end = q.hi >= kv_lens[b]  # the request's last page and its own last-page length (any trailing pages too)
+    end = torch.where(to_end, n_pages[b], (q.hi + page_size - 1) // page_size)
+    last_b = torch.where(to_end, last[b], q.hi - (end - 1) * page_size)
+    counts = end - first
+    offsets = torch.repeat_interleave(kv_indptr[b] + first - (counts.cumsum(0) - counts), counts)
+    pages = kv_indices[torch.arange(int(counts.sum())) + offsets]
+    read = (counts - 1).clamp(min=0) * page_size + torch.where(counts > 0, last_b, 0)
+    row1 = torch.minimum(q.row0 + rows, qo_lens[b])
+    unsplit = torch.minimum(kv_lens[b], (row1 + q.shift).clamp(min=0)) if causal else kv_lens[b]
+    return PagedRangeLayout(
+        qo_indptr=torch.cat([qo_indptr[b] + q.row0, qo_indptr[-1:]]).to(torch.int32),
+        kv_indptr=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
+        kv_indices=pages.to(torch.int32), kv_last_page_len=last_b.to(torch.int32),
+        blocks=_blocks_table(q, first * page_size),
+        keys_read=int(read.sum()), keys_total=int(unsplit.sum()))
 
 
 def relative_runs(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
@@ -157,6 +229,15 @@ def _fa3_wrapper(fmod, device):
     return w
 
 
+def _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device):
+    """The mask pre-pass over a batch given by token indptrs: (ranges on the host, the rows' runs on `device`,
+    whether every row keeps one run of keys (or none): the row-run form checks runs, not the mask)."""
+    ranges, runs = load_triton_module(variant).mask_ranges(
+        qo_indptr.to(device), kv_indptr.to(device), max_qo_len, num_qo_heads, num_qo_heads // num_kv_heads,
+        kernel_arg_values(variant, bound, sm_scale), row_runs=True)
+    return ranges.cpu(), runs, not bool((runs[..., 0] < 0).any())
+
+
 class KvRangePrefill:
     """A ragged batch (a single request is a batch of one) planned on FA3 in the KV-range form; `run(q, k, v)`
     per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan)."""
@@ -169,12 +250,9 @@ class KvRangePrefill:
         self.empty = max_qo_len == 0
         if self.empty:
             return
-        ranges, runs = load_triton_module(variant).mask_ranges(
-            qo_indptr.to(device), kv_indptr.to(device), max_qo_len, num_qo_heads, num_qo_heads // num_kv_heads,
-            kernel_arg_values(variant, bound, sm_scale), row_runs=True)
-        # every row keeps one run of keys (or none): the row-run form checks runs, not the mask
-        self.row_runs = not bool((runs[..., 0] < 0).any())
-        layout = kv_range_layout(ranges.cpu(), qo_h, kv_h, block_rows(head_dim), causal,
+        ranges, runs, self.row_runs = _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
+                                            num_kv_heads, sm_scale, device)
+        layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
                                  runs_shape=tuple(runs.shape) if self.row_runs else None)
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, row_runs=self.row_runs)
         w = _fa3_wrapper(fmod, device)
@@ -199,3 +277,39 @@ class KvRangePrefill:
         if not self.empty:
             release_wrapper(*self._release, self._wrapper)
             self._wrapper = None
+
+
+@dataclass
+class PagedKvRanges:
+    """A paged batch lowered to the KV-range form (`paged_kv_ranges`): what FA3's paged wrapper plans and runs."""
+    layout: PagedRangeLayout
+    row_runs: bool  # the row-run form (tables holds ROW_RUNS; causal folded into the runs)
+    tables: dict    # the struct's tables on the device: BLOCKS (and ROW_RUNS)
+
+
+def paged_kv_ranges(variant, bound, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, page_size: int,
+                    num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool, sm_scale: float,
+                    device) -> PagedKvRanges | None:
+    """A paged batch on FA3 for a mask that is more than a band: one request per query block over the pages
+    holding the keys its rows may keep (the ragged form's pre-pass and blocks, paged_range_layout). None when
+    the blocks would read no fewer keys than a request per request (the mask drops no page): the unsplit form
+    runs FA3's own causal mode and plans fewer requests."""
+    qo_h, pages_h, last_h = qo_indptr.long().cpu(), kv_indptr.long().cpu(), kv_last_page_len.long().cpu()
+    bound = position_tables.bind(variant, bound, lambda: position_tables.max_lengths(qo_h, pages_h, last_h, page_size))
+    n_pages = pages_h.diff()
+    kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last_h, 0)
+    kv_h = torch.cat([torch.zeros(1, dtype=torch.long), kv_lens.cumsum(0)])  # the keys as a ragged batch
+    max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
+    if max_qo_len == 0:
+        return None
+    ranges, runs, row_runs = _scan(variant, bound, qo_h, kv_h, max_qo_len, num_qo_heads, num_kv_heads, sm_scale,
+                                   device)
+    rows = block_rows(head_dim)
+    layout = paged_range_layout(ranges, qo_h, pages_h, kv_indices.cpu(), last_h, page_size, rows, causal,
+                                runs_shape=tuple(runs.shape) if row_runs else None)
+    if layout.keys_read >= layout.keys_total:
+        return None
+    tables = {BLOCKS: layout.blocks.to(device)}
+    if row_runs:
+        tables[ROW_RUNS] = relative_runs(runs, layout, qo_h, kv_h, rows, causal)
+    return PagedKvRanges(layout, row_runs, tables)
