@@ -39,12 +39,13 @@ def struct_name(variant) -> str:
 
 
 def window_form(variant) -> bool:
-    """The mask is exactly `kv_idx >= q_idx - left` (a sliding window). Called causally with left >= 0, it runs in
-    FlashInfer's kCausal mode with `window_left = left`: the kernel skips the tiles right of the diagonal and
-    left of the window, and evaluates the mask only on the tiles the window or the diagonal cuts (its
+    """The mask is exactly a sliding window, `kv_idx >= q_idx - left` (and `kv_idx <= q_idx` if it says so: a
+    causal window). Called causally with left >= 0 (a causal window: however called), it runs in FlashInfer's
+    kCausal mode with `window_left = left`: the kernel skips the tiles right of the diagonal and left of the
+    window, and evaluates the mask only on the tiles the window or the diagonal cuts (its
     `window_iteration`/`mask_iteration`), as stock FA2 does with its own window; every other tile is kept whole
     by exactly that mask."""
-    return variant.lowered.mask is not None and variant.kv_band.left_window
+    return variant.lowered.mask is not None and variant.kv_band.window
 
 
 def mask_modes(variant) -> list[str]:
@@ -56,13 +57,16 @@ def mask_modes(variant) -> list[str]:
 
 
 def runs_window_mode(variant, causal: bool, window_left: int) -> bool:
-    """True when this call runs the window form in kCausal mode (window_form): causal, and a window the
-    kernel's unsigned window_left can hold."""
-    return bool(causal) and window_left >= 0 and window_form(variant)
+    """True when this call runs the window form in kCausal mode (window_form): causal (or a causal window), and a
+    window the kernel's unsigned window_left can hold. A decode call (one query per request, at its last key)
+    passes causal=True: no key lies right of its query, so the causal mode drops nothing there."""
+    return (bool(causal) or variant.kv_band.causal_window) and window_left >= 0 and window_form(variant)
 
 
 def runtime_mask_code(variant, causal: bool, window_left: int = -1) -> int:
-    if variant.mask and not runs_window_mode(variant, causal, window_left):
+    if runs_window_mode(variant, causal, window_left):
+        return MASK_CODES[MASK_CAUSAL]
+    if variant.mask:
         return MASK_CODES[MASK_CUSTOM]
     return MASK_CODES[MASK_CAUSAL if causal else MASK_NONE]
 

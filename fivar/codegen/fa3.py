@@ -39,12 +39,12 @@ def uses_kv_ranges(variant, op: str) -> bool:
 
 
 def runs_as_window(variant) -> bool:
-    """True when the mask is exactly `kv_idx >= q_idx - left` (a sliding window, causal or not): FA3's own
+    """True when the mask is exactly `kv_idx >= q_idx - left` (a sliding window, causal or not), or that and
+    `kv_idx <= q_idx` (a causal window, run in FA3's causal mode however called: runtime_mask_code): FA3's own
     sliding-window schedule then masks it, on the window's boundary tiles only, so the struct carries no
     mask (fivar.runtime.attention passes `window_left = left`, negative values included: FA3's kernel
     applies any value it is given once built with the window)."""
-    band = variant.kv_band
-    return variant.lowered.mask is not None and band.exact and band.left is not None and band.right is None
+    return variant.lowered.mask is not None and variant.kv_band.window
 
 
 #: MUFU ops per call of a function in the emitted code (sigmoid: an exp and a reciprocal).
@@ -355,7 +355,12 @@ def mask_modes(variant) -> list[str]:
 
 
 def runtime_mask_code(variant, causal: bool) -> int:
-    return 1 if causal else 0
+    return 1 if causal or kernel_causal(variant) else 0
+
+
+def kernel_causal(variant) -> bool:
+    """The kernel's causal mode computes part of the mask whatever the call's causal flag: a causal window."""
+    return runs_as_window(variant) and variant.kv_band.causal_window
 
 
 def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,

@@ -130,6 +130,14 @@ def _owns_mask(variant, target: str, causal: bool, window_left: int) -> bool:
     return bool(variant.mask) and target == "fa2" and not fa2.runs_window_mode(variant, causal, window_left)
 
 
+def _kernel_causal(variant, causal: bool) -> bool:
+    """The causal flag FlashInfer's kernels run with: the call's, or True where the mask keeps no key right of the
+    diagonal anyway (a band whose right edge is the diagonal or left of it, as a causal window's), so that the
+    kernels' causal mode skips those tiles and a window form runs as the kernels' own window."""
+    right = variant.kv_band.right
+    return bool(causal) or (isinstance(right, ir.Const) and right.value <= 0)
+
+
 def _into(out, result, return_lse: bool):
     """`result` (an output, or (output, lse) with return_lse) with its output copied into `out` if given."""
     if out is None:
@@ -160,6 +168,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         raise FivarError(f"variant '{variant.name}': causal attention with qo_len ({q.shape[0]}) > kv_len "
                          f"({k.shape[0]}) is not supported by FlashInfer's kernels (the first rows would see no "
                          "key); use backend='triton', which returns zeros for those rows like the reference")
+    causal = _kernel_causal(variant, causal)
     given_scale = sm_scale
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     window_left = _window_left(variant, target, bound)
@@ -490,13 +499,18 @@ class PagedAttentionPlan(_OwnsWrapper):
         backend = fp8_backend(variant, backend, kv_name)
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
+        one_query = bool((qo_indptr.diff() == 1).all())
+        if not (self.target == "fa2" and one_query and trims_decode_pages(variant)):  # that form keeps the call's
+            # one query per request sits at its last key (decode): causal drops nothing there, and a window form
+            # then runs as the kernels' own window (kCausal with window_left), as stock decode does
+            causal = _kernel_causal(variant, causal) or (one_query and fa2.window_form(variant))
         self._kv_dtype = kv_dtype or dtype
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
         fa3_split = plan_indptrs = None  # FA3's KV-range blocks: its layout is what the wrapper plans
-        if self.target == "fa2" and trims_decode_pages(variant) and bool((qo_indptr.diff() == 1).all()):
+        if self.target == "fa2" and trims_decode_pages(variant) and one_query:
             # one query per request (decode): read only the pages holding kept keys, in the key-segments form
             trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
                                             kv_last_page_len.to(self.device), page_size, num_qo_heads, num_kv_heads)
@@ -584,6 +598,7 @@ class RaggedAttentionPlan(_OwnsWrapper):
                  causal=False, sm_scale=None, backend="auto", device="cuda", params=None):
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
+        causal = _kernel_causal(variant, causal)
         if kv_indptr.numel() != qo_indptr.numel():
             raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length")
         self._tokens = (int(qo_indptr[-1]), int(kv_indptr[-1]))

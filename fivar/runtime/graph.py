@@ -31,7 +31,8 @@ import torch
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec.inputs import check_lse
-from .attention import _decode_on_tensor_cores, _paged_args, _split_kwargs, _window_left, choose_target
+from ..codegen import fa2
+from .attention import _decode_on_tensor_cores, _owns_mask, _paged_args, _split_kwargs, _window_left, choose_target
 from .launch import _attach, _check_indptr, _module, _paged_kv, _prepare, _workspace
 from . import position_tables
 from .params import kernel_args
@@ -75,6 +76,8 @@ class GraphDecodePlan:
         bound = position_tables.bind(variant, bound, (1, self.max_pages * page_size))
         # a window's left edge skips the pages left of it; other masks read every page (no trimming in a graph)
         self._window_left = _window_left(variant, "fa2", bound) if self.tensor_cores else -1
+        # a decode query sits at its last key: causal drops nothing, and a window form runs as the kernel's window
+        self._causal = self.tensor_cores and self._window_left >= 0 and fa2.window_form(variant)
         i32 = dict(dtype=torch.int32, device=self.device)
         self._kv_indptr = torch.zeros(self.max_batch + 1, **i32)
         self._kv_indices = torch.zeros(self.max_pages + self.max_batch, **i32)  # room for the padding requests
@@ -86,7 +89,7 @@ class GraphDecodePlan:
                 _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self._qo_indptr,
                 paged_kv_indptr_buf=self._kv_indptr, paged_kv_indices_buf=self._kv_indices,
                 paged_kv_last_page_len_buf=self._last_page_len, backend="fa2")
-            self._args = _paged_args(variant, "fa2", bound, sm_scale, False, self._qo_indptr, self._kv_indptr,
+            self._args = _paged_args(variant, "fa2", bound, sm_scale, self._causal, self._qo_indptr, self._kv_indptr,
                                      self._last_page_len, page_size)
         else:
             fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim)
@@ -95,7 +98,8 @@ class GraphDecodePlan:
                 paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._kv_indices,
                 paged_kv_last_page_len_buffer=self._last_page_len, backend="fa2")
             self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)
-        _attach(self._wrapper, fmod.load(), fmod, owns_mask=bool(variant.mask))
+        _attach(self._wrapper, fmod.load(), fmod, owns_mask=_owns_mask(variant, "fa2", self._causal, self._window_left)
+                if self.tensor_cores else bool(variant.mask))
         self.batch = 0
         self.plan(kv_indptr, kv_indices, kv_last_page_len)
 
@@ -125,7 +129,8 @@ class GraphDecodePlan:
         hq, hkv, d, page_size, dtype = self._shape
         if self.tensor_cores:
             self._wrapper.plan(self._qo_indptr.cpu(), indptr, indices, last, hq, hkv, d, page_size,
-                               causal=False, window_left=self._window_left, q_data_type=dtype, kv_data_type=dtype,
+                               causal=self._causal, window_left=self._window_left, q_data_type=dtype,
+                               kv_data_type=dtype,
                                o_data_type=dtype, **_split_kwargs(self.variant, "fa2"))
         else:
             self._wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, q_data_type=dtype, kv_data_type=dtype,

@@ -32,6 +32,18 @@ class KvBand:
         """The mask is exactly `kv_idx >= q_idx - left`: a sliding window, which kernels apply as their own."""
         return self.exact and self.left is not None and self.right is None
 
+    @property
+    def causal_window(self) -> bool:
+        """The mask is exactly `q_idx - left <= kv_idx <= q_idx` (a window that also states causality, as Mistral's
+        is often written): the kernels' causal mode with their window computes it, however the call sets causal."""
+        return (self.exact and self.left is not None and isinstance(self.right, ir.Const)
+                and self.right.value == 0)
+
+    @property
+    def window(self) -> bool:
+        """A sliding window the kernels apply as their own: left_window or causal_window."""
+        return self.left_window or self.causal_window
+
 
 def _inline(program: ir.Program) -> ir.Expr:
     env: dict[str, ir.Expr] = {}
