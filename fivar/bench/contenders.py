@@ -282,7 +282,10 @@ def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:
 
 
 def _replayed(fn):
-    """`fn` captured in a CUDA graph (after a warm-up launch on a side stream): a callable that replays it."""
+    """`fn` captured in a CUDA graph (after warm-up launches, the first on the current stream, as a model's first
+    step runs eagerly): a callable that replays it."""
+    fn()
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -216,9 +216,14 @@ def _plan_causal(variant, target: str, causal: bool, window_left: int = -1) -> b
     return bool(causal) and not _owns_mask(variant, target, causal, window_left)
 
 
-def _split_kwargs(variant, target: str) -> dict:
-    # Split-KV partials are merged through their log-sum-exp, which a no-softmax variant does not have.
-    return {"disable_split_kv": True} if (target == "fa2" and not variant.softmax) else {}
+def _split_kwargs(variant, target: str, causal: bool = True, window_left: int = -1) -> dict:
+    """FA2 plan options. Split-KV partials are merged through their log-sum-exp, which a no-softmax variant does not
+    have. And FlashInfer's FA2 scheduler sizes a window's KV chunks as window_left + one query tile, a causal window's
+    reach: a call keeping keys right of the diagonal (`causal` False; a decode query has none) runs unsplit, each
+    query tile from its window's left edge to its last key."""
+    if target == "fa2" and (not variant.softmax or (window_left >= 0 and not causal)):
+        return {"disable_split_kv": True}
+    return {}
 
 
 def _shapes(*tensors) -> tuple:
@@ -557,7 +562,8 @@ class PagedAttentionPlan(_OwnsWrapper):
                            # the blocks apply causal themselves: FA3's would align the diagonal to each block
                            causal=fa3_split is None and _plan_causal(variant, self.target, causal, window_left),
                            window_left=window_left, q_data_type=dtype,
-                           kv_data_type=self._kv_dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
+                           kv_data_type=self._kv_dtype, o_data_type=dtype,
+                           **_split_kwargs(variant, self.target, causal, window_left))
         self._args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
                                                        tables={fa2.KV_SEGMENTS: kv_segments.to(self.device)},
                                                        lengths=lengths)
@@ -631,7 +637,8 @@ class RaggedAttentionPlan(_OwnsWrapper):
         self._wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
                            causal=_plan_causal(variant, self.target, causal, window_left),
                            window_left=window_left, q_data_type=dtype,
-                           kv_data_type=dtype, o_data_type=dtype, **_split_kwargs(variant, self.target))
+                           kv_data_type=dtype, o_data_type=dtype,
+                           **_split_kwargs(variant, self.target, causal, window_left))
         self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal),
                                  lengths=lambda: max_lengths(qo_indptr, kv_indptr))
 
