@@ -200,7 +200,8 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vs", default="flex,sdpa", help="contenders besides fivar, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--jsonl", default=None, help="append the rows here (one JSON object a line)")
+    ap.add_argument("--jsonl", default=None, help="append the rows to this results file (the runner's row format; "
+                    "python -m fivar.bench --suite train writes the same rows to benchmarks/results/<gpu>.jsonl)")
     args = ap.parse_args(argv)
     hq, hkv = (int(x) for x in args.heads.split("/"))
     wanted = ("fivar",) + tuple(x for x in args.vs.split(",") if x)
@@ -212,8 +213,10 @@ def main(argv=None) -> None:
     for r in rows:
         print(json.dumps(r))
     if args.jsonl:
+        from .runner import environment
+        from .suites.train import result_rows
         with open(args.jsonl, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.writelines(json.dumps(r, default=str) + "\n" for r in result_rows(rows, environment()))
     print(format_rows(rows))
 
 

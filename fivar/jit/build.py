@@ -180,8 +180,9 @@ class FivarModule:
         return True
 
     def _missing_sources(self) -> list[str]:
-        """Generated sources gone from a module built here before (a first build has none yet)."""
-        if not self.build_dir.exists():
+        """Generated sources gone from a module built here before (a first build has none yet: its directory may
+        exist already, made for its lock, so "built before" means a library or a manifest is there)."""
+        if not (self.library_path.exists() or self.manifest_path.exists()):
             return []
         return [n for n in self.sources if not (self.gen_dir / n).exists()]
 

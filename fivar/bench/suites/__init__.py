@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 SUITES = {"attention": "attention", "decode": "decode", "zoo": "zoo", "fusions": "fusions",
-          "triton-ops": "triton_ops", "compile": "compile"}
+          "triton-ops": "triton_ops", "compile": "compile", "train": "train"}
 
 
 def cases_of(suite: str, quick: bool = False) -> list:
