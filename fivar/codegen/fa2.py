@@ -101,13 +101,15 @@ def sink_members_and_body(variant, param_ref, emit: CppEmitter,
     return members, "\n      ".join(sink_emit.sink_lines(sink))
 
 
-#: The key-segments form's per-request table: int32 [requests, 5] = (seg, shift_a, shift_b, q_shift, batch). A request of
+#: The key-segments form's per-request table: int32 [requests, 7] = (seg, shift_a, shift_b, q_shift, batch, full_lo,
+#: full_hi). Local keys in [full_lo, full_hi) are kept by the mask for every row of the request (FULL blocks of
+#: fivar.spec.sparsity), so the struct skips the mask there and checks causal only. A request of
 #: the kernel is a piece of one of the batch: decode over pages trimmed to two runs (fivar.runtime.decode_pages), or
 #: a query block over the pages of the keys its mask may keep (fivar.runtime.fa2_blocks). The kernel's key kv sits
 #: at kv_idx kv + shift_a below local key `seg`, kv + shift_b from it on, and its query qo_idx at q_idx
 #: (kv_len - qo_len + qo_idx) + q_shift; causal compares those positions; `batch` is the request of the batch it is
 #: a piece of.
-KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 5
+KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 7
 
 
 def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",
@@ -132,7 +134,8 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
             if m.name == "fv_q_offset":
                 m.init = q_offset
         members[:0] = [Member("int32_t", "fv_seg", seg(0)), Member("int32_t", "fv_shift_a", seg(1)),
-                       Member("int32_t", "fv_shift_b", seg(2)), Member("int32_t", "fv_piece_batch", seg(4))]
+                       Member("int32_t", "fv_shift_b", seg(2)), Member("int32_t", "fv_piece_batch", seg(4)),
+                       Member("int32_t", "fv_full_lo", seg(5)), Member("int32_t", "fv_full_hi", seg(6))]
         # causal on the positions the keys and queries stand for (a request here is a piece of one)
         guard = f"(!fv_causal || {index_init['kv_idx']} <= int32_t(qo_idx) + fv_q_offset)"
     scale = softmax_scale_log2(variant, emit)
@@ -141,6 +144,9 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
         # Masked variants run in kCustom mode (mask on every tile), so `causal` is a runtime flag here.
         members.append(Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0"))
         mask_body = emit.body(lowered.mask, guard=guard)
+        if kv_segments:  # keys every row keeps: causal only (FlashInfer calls the mask on every element in kCustom)
+            mask_body = (f"if (int32_t(kv_idx) >= fv_full_lo && int32_t(kv_idx) < fv_full_hi) return {guard};\n    "
+                         + mask_body)
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
                     logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body,

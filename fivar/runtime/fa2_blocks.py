@@ -6,7 +6,8 @@ on every tile (causal included: kCustom skips nothing right of the diagonal). Th
 request of its own over the pages that hold the keys fivar.spec.sparsity's block map says it may keep (the hull of
 its non-empty KV blocks). Requests over overlapping keys are just page lists that share pages; ragged K/V is read
 as pages of one key. The key-segments form of the struct (fivar.codegen.fa2.KV_SEGMENTS) maps each block's local
-rows and keys back to their q_idx and kv_idx, applies causal on those, and still applies the mask to every pair.
+rows and keys back to their q_idx and kv_idx, applies causal on those, and applies the mask to every pair outside
+the block's run of FULL KV blocks (inside it the mask keeps every pair: causal is the only check there).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class BlockLayout:
     kv_indptr: torch.Tensor         # int32 [R + 1]: pages per block
     kv_indices: torch.Tensor        # int32: the blocks' page lists
     kv_last_page_len: torch.Tensor  # int32 [R]
-    segments: torch.Tensor          # int32 [R, 5]: fivar.codegen.fa2.KV_SEGMENTS
+    segments: torch.Tensor          # int32 [R, 7]: fivar.codegen.fa2.KV_SEGMENTS
     keys_read: int                  # keys the blocks read, and what every block reading its request's keys would
     keys_total: int
 
@@ -57,7 +58,7 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
                 q_rows.append(int(qo_h[b]) + r0)
                 kv_counts.append(0)
                 lasts.append(0)
-                segs.append((_NO_SECOND_RUN, 0, 0, 0, b))
+                segs.append((_NO_SECOND_RUN, 0, 0, 0, b, 0, 0))
             continue
         ranges = BlockRanges.of(classify(mask, qo_len=qo_len, kv_len=kv_len, q_block=rows, kv_block=kv_block,
                                          scalars=scalars, tensors=tensors, num_qo_heads=num_qo_heads,
@@ -74,8 +75,12 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
             kv_counts.append(hi - lo)
             indices.append(pages[b][lo:hi])
             lasts.append(last)
+            # keys of FULL blocks (the mask keeps them for every row of the block): local, clipped to the read keys
+            f_lo = max(int(ranges.full_lo[i]) * kv_block - lo * page_size, 0)
+            f_hi = min(int(ranges.full_hi[i]) * kv_block - lo * page_size, local_len)
+            full = (f_lo, f_hi) if f_lo < f_hi else (0, 0)
             # row j of the block: q_idx = r0 + j + kv_len - qo_len; the kernel computes j + local_len - r
-            segs.append((_NO_SECOND_RUN, lo * page_size, 0, r0 + kv_len - qo_len - (local_len - r), b))
+            segs.append((_NO_SECOND_RUN, lo * page_size, 0, r0 + kv_len - qo_len - (local_len - r), b) + full)
             read += local_len
             total += kv_len
     q_rows.append(int(qo_h[-1]))
@@ -85,5 +90,5 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
         kv_indptr=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
         kv_indices=(torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)).to(torch.int32),
         kv_last_page_len=torch.tensor(lasts, dtype=torch.int32),
-        segments=torch.tensor(segs, dtype=torch.int64).clamp(max=2**31 - 1).to(torch.int32).view(-1, 5),
+        segments=torch.tensor(segs, dtype=torch.int64).clamp(max=2**31 - 1).to(torch.int32).view(-1, 7),
         keys_read=read, keys_total=total)

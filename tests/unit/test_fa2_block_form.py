@@ -59,6 +59,8 @@ class _FakePagedWrapper:
             params = {n: named[param_ident(n)] for n in v.params}  # the struct's names are mangled
             ev = TorchEvaluator(env, params, torch.float64)
             keep = ev.run(v.ir.mask).bool() & torch.ones_like(score, dtype=torch.bool)
+            if self.fmod.kv_segments:  # the struct's full range: the mask is skipped there (kept)
+                keep |= (local_kv >= seg[5]) & (local_kv < seg[6])
             if named["fv_causal"]:  # the struct's guard: mapped positions in the key-segments form, local else
                 keep &= (kv_idx <= q_idx) if self.fmod.kv_segments else (local_kv <= local_q)
             if p["causal"]:

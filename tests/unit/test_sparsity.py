@@ -384,7 +384,7 @@ def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
     from fivar.runtime.fa2_blocks import block_layout
     v = _variant(mask)
     gen = torch.Generator().manual_seed(9)
-    saved = 0
+    saved = full_keys = 0
     for _ in range(6):
         page = [1, 4, 16][int(torch.randint(0, 3, (), generator=gen))]
         hq, hkv = [(4, 2), (2, 2)][int(torch.randint(0, 2, (), generator=gen))]
@@ -414,6 +414,14 @@ def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
             new_page = lay.kv_indices[lay.kv_indptr[r] + local[0] // page].long()
             assert torch.equal(new_page, pages[b][kv // page]) and torch.equal(local[0] % page, kv % page)
             qo_len, kv_len = int(qo_lens[b]), int(kv_lens[b])
+            f_lo, f_hi = int(seg[0, 5]), int(seg[0, 6])
+            if f_lo < f_hi:  # the struct skips the mask on these keys: every row of the block keeps them, every head
+                assert 0 <= f_lo and f_hi <= local_len
+                keep_all = keep_matrix(v.ir.mask, qo_len=qo_len, kv_len=kv_len, scalars=scalars, tensors=tensors,
+                                       num_qo_heads=hq, num_kv_heads=hkv, batch_idx=b, causal=False).all(0)
+                rows_b = slice(r0 - int(qo_indptr[b]), r1 - int(qo_indptr[b]))
+                assert keep_all[rows_b][:, kv[f_lo:f_hi]].all(), (mask.__name__, r)
+                full_keys += f_hi - f_lo
             for j in range(r1 - r0):  # the struct's q_idx of local row j
                 q_struct = j + local_len - (r1 - r0) + int(seg[0, 3])
                 row = r0 + j - int(qo_indptr[b])
@@ -428,3 +436,5 @@ def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
                 assert need <= covered[int(qo_indptr[b]) + row], (mask.__name__, b, row)
     if mask in (m_document_causal, m_chunk_causal, m_sinks_window, m_prefix_lm):
         assert saved > 0
+    if mask in (m_document_causal, m_chunk_causal, m_prefix_lm):
+        assert full_keys > 0, "FULL blocks reach the struct's fast path"
