@@ -3,6 +3,7 @@ benchmark (`--op train`): fivar's Triton forward+backward against FlexAttention'
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,24 +22,44 @@ def learnable_copy(variant, names=None):
                             softmax=variant.softmax, doc=variant.doc, example=variant.example)
 
 
-def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, params, sm_scale=None):
+def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, params, sm_scale=None, o_used=None):
     """(o, {"q": dq, "k": dk, "v": dv, param: dparam}) by float64 autograd through the torch reference, request by
-    request; gradients of the float tensor params declared learnable=True."""
+    request; gradients of the float tensor params declared learnable=True.
+
+    `o_used`: the forward output a kernel's backward reads (a softmax backward's correction term is rowsum(o * do)
+    of it). A learnable param's gradient sums dS * d(logit)/d(param) over every pair, and a per-row error e in that
+    term shifts each dS by -e * P along its row, which such a sum does not average out (ALiBi's slope: a per-row
+    mean distance times e, against a total that cancels). With `o_used`, those param gradients are float64 autograd's
+    at the correction term the kernel had: dparam - d/dparam sum_i e_i * LSE_i (dLSE_i/dlogit_ij = P_ij)."""
     from ..codegen.torch_ref import reference_attention
     q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     learn = {n: params[n].detach().float().requires_grad_(True) for n, p in variant.tensor_params.items()
              if p.learnable}
     full = {**params, **learn}
-    outs, qo, ko = [], 0, 0
+    corrected = o_used is not None and variant.softmax and bool(learn)
+    outs, lses, qo, ko = [], [], 0, 0
     for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
-        outs.append(reference_attention(variant, q64[qo:qo + lq], k64[ko:ko + lk], v64[ko:ko + lk], causal=causal,
-                                        sm_scale=sm_scale, params=full, batch_idx=b, batch_size=len(qo_lens),
-                                        float_dtype=torch.float64))
+        got = reference_attention(variant, q64[qo:qo + lq], k64[ko:ko + lk], v64[ko:ko + lk], causal=causal,
+                                  sm_scale=sm_scale, params=full, batch_idx=b, batch_size=len(qo_lens),
+                                  float_dtype=torch.float64, return_lse=corrected)
+        outs.append(got[0] if corrected else got)
+        if corrected:
+            lses.append(got[1])
         qo, ko = qo + lq, ko + lk
     o = torch.cat(outs)
-    o.backward(do.double())
+    do64 = do.double()
+    if corrected:
+        e = ((o_used.detach().double() - o.detach()) * do64).sum(-1)  # [tokens, heads]
+        lse = torch.cat(lses) * math.log(2.0)  # natural log
+        shift = torch.autograd.grad((torch.where(torch.isfinite(lse), lse, 0.0) * e).sum(), list(learn.values()),
+                                    retain_graph=True, allow_unused=True)
+    o.backward(do64)
     grads = {"q": q64.grad, "k": k64.grad, "v": v64.grad}
     grads.update({n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in learn.items()})
+    if corrected:
+        for (n, _), s in zip(learn.items(), shift):
+            if s is not None:
+                grads[n] = grads[n] - s
     return o.detach(), grads
 
 
@@ -69,7 +90,7 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
     do = torch.randn_like(o)
     o.backward(do)
     ref_o, ref = reference_gradients(variant, q, k, v, do, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
-                                     params=params, sm_scale=sm_scale)
+                                     params=params, sm_scale=sm_scale, o_used=o.detach())
     got = {"q": qg.grad, "k": kg.grad, "v": vg.grad, **{n: params[n].grad for n in learn}}
     results = [compare(variant.name, "o", o.detach(), ref_o, dtype)]
     for name, want in ref.items():

@@ -188,3 +188,30 @@ def test_a_wrong_select_or_load_rule_is_caught(monkeypatch):
     monkeypatch.setattr(grad._Differentiator, "d", constant_load)
     failures = [f for f in _check_expressions(5, 6, must_contain="p.t[") if "dtable" in f]
     assert failures, "a load rule dropping the table's gradient went unnoticed"
+
+
+def test_param_gradient_reference_at_the_kernels_correction_term():
+    """reference_gradients(o_used=...) gives a learnable param's gradient with the softmax backward's correction term
+    rowsum(o_used * do) in place of the exact one, checked against a hand-written float64 ALiBi backward."""
+    import math
+
+    import fivar
+    from fivar.bench.train import learnable_copy, reference_gradients
+    v = learnable_copy(fivar.load("alibi"))
+    torch.manual_seed(3)
+    n, h, d = 24, 2, 16
+    q, k, vv, do = (torch.randn(n, h, d, dtype=torch.float64) for _ in range(4))
+    slopes = torch.rand(h) * 0.2  # float32, as declared
+    o_ref, exact = reference_gradients(v, q, k, vv, do, qo_lens=[n], kv_lens=[n], causal=False,
+                                       params={"slopes": slopes})
+    o_used = o_ref + 1e-2 * torch.randn_like(o_ref)  # a kernel's rounded forward output
+    _, got = reference_gradients(v, q, k, vv, do, qo_lens=[n], kv_lens=[n], causal=False, params={"slopes": slopes},
+                                 o_used=o_used)
+    dist = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).double()  # kv_idx - q_idx
+    logits = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d) + slopes.double()[:, None, None] * dist
+    p = torch.softmax(logits, -1)
+    dp = torch.einsum("qhd,khd->hqk", do, vv)
+    delta = (o_used * do).sum(-1).T[:, :, None]  # [h, q, 1]: rowsum(o_used * do)
+    want = (p * (dp - delta) * dist).sum((1, 2))
+    torch.testing.assert_close(got["slopes"].double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(exact["slopes"].double(), want, rtol=1e-3, atol=1e-3)  # the shift is really there
