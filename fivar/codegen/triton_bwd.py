@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec import grad, ir
+from ..spec import grad, ir, positions
 from ..spec.ir import I32
 from .fa2 import render
 from .cuda import size_ident
@@ -43,6 +43,9 @@ class LearnableRead:
     #: element reads: whether `fv_grad_tile<index>` tells a tile that reads one element from its index ranges
     #: (else the kernel finds that out by reducing the tile's offsets)
     tile_test: bool = False
+    #: element reads of the head and `kv_idx - q_idx` only (a relative-position table): summed along the tile's
+    #: diagonals, one atomic add per diagonal
+    diagonal: bool = False
 
 
 class _BackwardEmitter(TritonEmitter):
@@ -100,7 +103,9 @@ def render_training(variant) -> str:
         emit.let_exprs = dict(logits.lets)  # read_kind and tile_ranges follow the index through the lets
         kind = emit.read_kind(load)
         tile_test = kind == "element" and emit.tile_ranges(load) is not None
-        reads.append(LearnableRead(i, load.param, kind, ir.format_expr(load), tile_test))
+        by_distance = positions.Analysis(dict(logits.lets))
+        diagonal = kind == "element" and all(by_distance.position_only(i) for i in load.indices)
+        reads.append(LearnableRead(i, load.param, kind, ir.format_expr(load), tile_test, diagonal))
         fns.append(emit.function(_derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
         index_lets = _needed_lets(logits.lets, load.indices)
         # an element read's index may depend on the score (then its offset function takes the tile's q.k)

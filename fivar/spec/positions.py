@@ -40,7 +40,7 @@ def is_distance(e: ir.Expr) -> bool:
             and {e.a.name, e.b.name} == {"kv_idx", "q_idx"})
 
 
-class _Analysis:
+class Analysis:
     """Per-node facts, following Locals into the let they name (memoised per let, so shared lets cost once)."""
 
     def __init__(self, lets: dict[str, ir.Expr]):
@@ -112,7 +112,7 @@ class _Analysis:
         return [n for n in order if n in seen]
 
 
-def tabulable(e: ir.Expr, analysis: _Analysis, mode: str) -> bool:
+def tabulable(e: ir.Expr, analysis: Analysis, mode: str) -> bool:
     """Whether `e` is a term to replace by a table read under `mode` ("costly", "all" or "off")."""
     if mode == "off" or e.type != F32 or isinstance(e, (ir.Const, ir.ScalarParam)):
         return False
@@ -146,7 +146,7 @@ def tabulate(program: ir.Program | None, mode: str, taken=()) -> tuple[ir.Progra
     offset = OFFSET_NAME if OFFSET_NAME not in taken else _fresh(OFFSET_NAME, taken)
     taken.add(offset)
     order = [n for n, _ in program.lets]
-    analysis = _Analysis(dict(program.lets))
+    analysis = Analysis(dict(program.lets))
     tables: dict[ir.Expr, PositionTable] = {}
 
     def replace(e: ir.Expr) -> ir.Expr:
