@@ -207,6 +207,47 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --- results rows: the runner's format (python -m fivar.bench --suite train) ---------------------------------------
+LABELS = {"fivar": "v.attention: Triton forward + generated backward",
+          "flex": "torch.compile flex_attention, forward + backward",
+          "sdpa": "plain attention, flash backend (no variant, its own work)"}
+
+
+def measurements(rows: list[dict]) -> list:
+    """fivar.bench.train.bench_train rows as the runner's measurements (ms and useful TFLOP/s per contender)."""
+    from .runner import Measurement
+    out = []
+    for r in rows:
+        label = LABELS.get(r["contender"], "")
+        if r.get("ms") is None:
+            out.append(Measurement(r["contender"], "ms", None, "error", label, {"error": r.get("error")}))
+            continue
+        detail = {"spread_ms": r.get("ms_spread")}
+        if r.get("vs_fivar") is not None:
+            detail["grad_rel_err_vs_fivar"] = r["vs_fivar"]
+        out.append(Measurement(r["contender"], "ms", r["ms"], label=label, detail=detail))
+        out.append(Measurement(r["contender"], "tflops_useful", r["tflops"], label=label, detail=detail))
+    return out
+
+
+def result_rows(rows: list[dict], env: dict) -> list[dict]:
+    """bench_train rows as results-file rows (the runner's fields, ratios against Flex per variant and causal)."""
+    from .runner import ROW_FIELDS, add_ratios
+    out = []
+    for key in dict.fromkeys((r["variant"], r["causal"], r["seqlen"]) for r in rows):
+        name, causal, seqlen = key
+        group = [r for r in rows if (r["variant"], r["causal"], r["seqlen"]) == key]
+        shape = {"seqlen": seqlen, "heads": group[0]["heads"], "head_dim": group[0]["head_dim"],
+                 "dtype": "bf16" if group[0]["dtype"] == "bfloat16" else group[0]["dtype"], "causal": causal}
+        made = [{"contender": m.contender, "label": m.label, "metric": m.metric, "value": m.value, "check": m.check,
+                 "detail": m.detail} for m in measurements(group)]
+        for r in add_ratios(made, "flex"):
+            r.update(suite="train", case=f"{name} train S={seqlen}{' causal' if causal else ''}", op="train",
+                     shape=shape)
+            out.append({k: {**env, **r}.get(k) for k in ROW_FIELDS})
+    return out
+
+
 def main(argv=None) -> None:
     """python -m fivar.bench.train [NAME ...] [--causal both|yes|no] [--seqlen 8192] [--heads 32/8] [--vs flex,sdpa]"""
     import argparse
@@ -235,7 +276,6 @@ def main(argv=None) -> None:
         print(json.dumps(r))
     if args.jsonl:
         from .runner import environment
-        from .suites.train import result_rows
         with open(args.jsonl, "a") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in result_rows(rows, environment()))
     print(format_rows(rows))
@@ -245,5 +285,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["bench_train", "check_gradients", "learnable_copy", "reference_gradients",
+__all__ = ["bench_train", "check_gradients", "learnable_copy", "measurements", "reference_gradients", "result_rows",
            "train_contenders"]

@@ -320,3 +320,23 @@ def test_compile_time_reads_each_units_seconds_from_ninjas_log(tmp_path):
     assert unit_seconds(tmp_path) == {"single_prefill_sm90_kernel_mask_0.cuda.o": 41.5,
                                       "single_prefill_sm90_jit_binding.cuda.o": 30.0}
     assert unit_seconds(tmp_path / "missing") == {}
+
+
+def test_train_rows_are_results_rows_with_ratios_against_flex():
+    from fivar.bench.runner import validate_row
+    from fivar.bench.suites import cases_of
+    from fivar.bench.train import result_rows
+    common = dict(variant="alibi", op="train", seqlen=8192, heads="32/8", head_dim=128, causal=True, dtype="bfloat16")
+    bench = [dict(common, contender="fivar", ms=8.0, ms_spread=[7.9, 8.1], tflops=240.0, vs_fivar=None),
+             dict(common, contender="flex", ms=12.0, ms_spread=[11.9, 12.2], tflops=160.0, vs_fivar=0.004),
+             dict(common, contender="sdpa", ms=None, tflops=None, error="RuntimeError: no kernel")]
+    env = {"gpu": "NVIDIA H100", "commit": "abc", "date": "2026-01-01T00:00:00Z", "run": "r1"}
+    rows = result_rows(bench, env)
+    for r in rows:
+        validate_row(r)
+    ms = {r["contender"]: r for r in rows if r["metric"] == "ms"}
+    assert ms["fivar"]["ratio"] == pytest.approx(1.5) and ms["flex"]["ratio"] == pytest.approx(1.0)
+    assert ms["sdpa"]["check"] == "error" and ms["sdpa"]["value"] is None
+    assert ms["flex"]["detail"]["grad_rel_err_vs_fivar"] == 0.004
+    assert {r["case"] for r in rows} == {"alibi train S=8192 causal"}
+    assert [c.name for c in cases_of("train")][0] == "softcap train S=8192 causal"
