@@ -308,7 +308,7 @@ def run(cases: list[Case], opts: Options, results_dir: Path | None = None, build
         except Exception as e:
             log(f"ceilings: {type(e).__name__}: {e} (no % of copy / matmul rows)")
     everything = []
-    for case in cases:
+    for i, case in enumerate(cases):
         rows = [{**env, **r} for r in run_case(case, opts, timer=timer, ceilings=ceilings)]
         rows = [{k: r.get(k) for k in ROW_FIELDS} for r in rows]
         with path.open("a") as f:
@@ -318,7 +318,15 @@ def run(cases: list[Case], opts: Options, results_dir: Path | None = None, build
         everything += rows
         if opts.device != "cpu":
             import torch
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except RuntimeError as e:  # a kernel fault is sticky: the process's CUDA context is gone
+                left = [c.name for c in cases[i + 1:]]
+                log(f"CUDA error after [{case.suite}] {case.name} ({str(e).splitlines()[0][:160]}): this process "
+                    f"cannot run more GPU work; {len(left)} case(s) not run: {', '.join(left) or '-'} (run them "
+                    "with --case, each in its own process)")
+                break
     log(f"wrote {len(everything)} row(s) to {path}")
     return everything
 
