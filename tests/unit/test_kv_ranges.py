@@ -163,3 +163,50 @@ def test_a_block_that_keeps_nothing_gets_one_masked_key():
     ranges = torch.tensor([[[[50, 0, 50, 50]] * 8]], dtype=torch.int32)  # lo = kv_len, hi = 0: nothing kept
     lay = kv_range_layout(ranges, torch.tensor([0, 128]), torch.tensor([0, 50]), 128, causal=False)
     assert lay.kv_lens.tolist() == [1] and lay.blocks.tolist()[0][:3] == [0, -78, 0]
+
+
+def test_pre_pass_gaps_hold_no_kept_key():
+    """[gap_lo, gap_hi) of each RANGE_ROWS group: no row of the group keeps a key there (the twin skips its tiles);
+    a mask whose rows keep two runs gets non-empty gaps."""
+    rows = 16
+    for variant, _, bound, ranges, _ in _prescanned():
+        heads = ranges.shape[1]
+        gaps = 0
+        for b, (lq, lk) in enumerate(zip(_QO_LENS, _KV_LENS)):
+            keep = _kept(variant, bound, b, lq, lk, _HEADS, False)
+            for h in range(heads):
+                for g in range((lq + rows - 1) // rows):
+                    lo, hi = (int(x) for x in ranges[b, h, g, 4:6])
+                    if lo >= hi:
+                        continue
+                    gaps += 1
+                    heads_seen = keep[h] if heads > 1 else keep.any(0)
+                    assert not heads_seen[g * rows:(g + 1) * rows, lo:hi].any(), (variant.name, b, h, g, lo, hi)
+                    assert int(ranges[b, h, g, 0]) < lo and hi < int(ranges[b, h, g, 1]), "a gap lies between runs"
+        if variant is HOLED:
+            assert gaps > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_twin_skips_gaps_and_matches_the_reference(causal):
+    """The Triton twin with the pre-pass's gaps (sink tokens and a window; a hole around the diagonal), ragged
+    lengths that are not multiples of the tiles, against the reference."""
+    from fivar.testing import compare
+
+    def sinks_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+        return kv_idx < params.sink or q_idx - kv_idx < params.window
+
+    streaming = AttentionVariant(name="kvr_streaming", mask=sinks_window,
+                                 params={"sink": Scalar(int), "window": Scalar(int)})
+    torch.manual_seed(0)
+    qo, kv = [70, 1, 130], [200, 33, 130]
+    qi = torch.tensor([0] + qo).cumsum(0).to(torch.int32)
+    ki = torch.tensor([0] + kv).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(qo), 4, 32, dtype=torch.float16)
+    k, v = (torch.randn(sum(kv), 2, 32, dtype=torch.float16) for _ in range(2))
+    for variant, params in ((streaming, {"sink": 3, "window": 40}), (HOLED, {"gap": 20})):
+        out = variant.batch_prefill_ragged(q, k, v, qi, ki, causal=causal, backend="triton", **params)
+        ref = torch.cat([variant.reference(q[qi[b]:qi[b + 1]], k[ki[b]:ki[b + 1]], v[ki[b]:ki[b + 1]], causal=causal,
+                                           batch_idx=b, batch_size=3, **params) for b in range(3)])
+        r = compare(variant.name, f"twin causal={causal}", out, ref, torch.float16)
+        assert r.passed, r
