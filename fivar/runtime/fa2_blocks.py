@@ -4,7 +4,7 @@ FlashInfer's FA2 kernels take no per-block KV ranges, and a mask that is more th
 on every tile (causal included: kCustom skips nothing right of the diagonal). The same lowering as FA3's
 (fivar.runtime.kv_ranges), on FA2's paged kernel: each request is cut into query blocks, and each block becomes a
 request of its own over the pages that hold the keys fivar.spec.sparsity's block map says it may keep (the hull of
-its non-empty KV blocks). Requests over overlapping keys are just page lists that share pages; ragged K/V is read
+its non-empty KV blocks, or its two runs of them: a sink and a window). Requests over overlapping keys are just page lists that share pages; ragged K/V is read
 as pages of one key. The key-segments form of the struct (fivar.codegen.fa2.KV_SEGMENTS) maps each block's local
 rows and keys back to their q_idx and kv_idx, applies causal on those, and applies the mask to every pair outside
 the block's run of FULL KV blocks (inside it the mask keeps every pair: causal is the only check there).
@@ -36,6 +36,26 @@ class BlockLayout:
     keys_total: int
 
 
+def _page_runs(ranges: BlockRanges, kinds: torch.Tensor, i: int, per: int, n_pages: int) -> list[tuple[int, int]]:
+    """Query block i's pages to read, [lo, hi) page ranges: its non-empty KV blocks as two runs when they form
+    exactly two with a page or more between them (a sink and a window), else their hull (one page if none)."""
+    lo, hi = int(ranges.kept_lo[i]) * per, min(int(ranges.kept_hi[i]) * per, n_pages)
+    if hi <= lo:  # no key kept: one page, masked in the kernel like any other (zeros out)
+        return [(0, 1)]
+    spans = []
+    for start, end, _ in ranges.segments(kinds, i):  # runs of one kind: merge the adjacent ones
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    if len(spans) == 2:
+        a = (spans[0][0] * per, min(spans[0][1] * per, n_pages))
+        b = (spans[1][0] * per, min(spans[1][1] * per, n_pages))
+        if a[1] < b[0]:
+            return [a, b]
+    return [(lo, hi)]
+
+
 def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: list[torch.Tensor],
                  last_page_len: torch.Tensor, page_size: int, *, scalars: dict, tensors: dict, num_qo_heads: int,
                  num_kv_heads: int, causal: bool, kv_block: int | None = None, rows: int = BLOCK_ROWS) -> BlockLayout:
@@ -60,27 +80,36 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
                 lasts.append(0)
                 segs.append((_NO_SECOND_RUN, 0, 0, 0, b, 0, 0))
             continue
-        ranges = BlockRanges.of(classify(mask, qo_len=qo_len, kv_len=kv_len, q_block=rows, kv_block=kv_block,
-                                         scalars=scalars, tensors=tensors, num_qo_heads=num_qo_heads,
-                                         num_kv_heads=num_kv_heads, batch_idx=b, causal=causal).kinds)
+        kinds = classify(mask, qo_len=qo_len, kv_len=kv_len, q_block=rows, kv_block=kv_block, scalars=scalars,
+                         tensors=tensors, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_idx=b,
+                         causal=causal).kinds
+        ranges = BlockRanges.of(kinds)
         per = kv_block // page_size
         for i, r0 in enumerate(range(0, qo_len, rows)):
             r = min(rows, qo_len - r0)
-            lo, hi = int(ranges.kept_lo[i]) * per, min(int(ranges.kept_hi[i]) * per, n_pages)
-            if hi <= lo:  # no key kept: one page, masked in the kernel like any other (zeros out)
-                lo, hi = 0, 1
-            last = int(last_page_len[b]) if hi == n_pages else page_size
-            local_len = (hi - lo - 1) * page_size + last
+            runs = _page_runs(ranges, kinds, i, per, n_pages)
+            # the struct's key segments: local keys below `seg` are run A's (kv = local + shift_a), the rest run B's
+            seg, shift_a, shift_b = _NO_SECOND_RUN, runs[0][0] * page_size, 0
+            if len(runs) == 2:
+                seg = (runs[0][1] - runs[0][0]) * page_size  # run A ends before the last page: whole pages
+                shift_b = runs[1][0] * page_size - seg
+            last = int(last_page_len[b]) if runs[-1][1] == n_pages else page_size
+            n_read = sum(hi - lo for lo, hi in runs)
+            local_len = (n_read - 1) * page_size + last
             q_rows.append(int(qo_h[b]) + r0)
-            kv_counts.append(hi - lo)
-            indices.append(pages[b][lo:hi])
+            kv_counts.append(n_read)
+            indices.append(torch.cat([pages[b][lo:hi] for lo, hi in runs]))
             lasts.append(last)
-            # keys of FULL blocks (the mask keeps them for every row of the block): local, clipped to the read keys
-            f_lo = max(int(ranges.full_lo[i]) * kv_block - lo * page_size, 0)
-            f_hi = min(int(ranges.full_hi[i]) * kv_block - lo * page_size, local_len)
-            full = (f_lo, f_hi) if f_lo < f_hi else (0, 0)
+            # keys of FULL blocks (the mask keeps them for every row of the block), local, inside the run holding them
+            full = (0, 0)
+            f0, f1 = int(ranges.full_lo[i]) * kv_block, int(ranges.full_hi[i]) * kv_block
+            for j, (lo, hi) in enumerate(runs):
+                shift = shift_a if j == 0 else shift_b
+                if lo * page_size <= f0 < hi * page_size:
+                    f_lo, f_hi = max(f0 - shift, 0), min(f1, hi * page_size) - shift
+                    full = (f_lo, min(f_hi, local_len)) if f_lo < min(f_hi, local_len) else (0, 0)
             # row j of the block: q_idx = r0 + j + kv_len - qo_len; the kernel computes j + local_len - r
-            segs.append((_NO_SECOND_RUN, lo * page_size, 0, r0 + kv_len - qo_len - (local_len - r), b) + full)
+            segs.append((seg, shift_a, shift_b, r0 + kv_len - qo_len - (local_len - r), b) + full)
             read += local_len
             total += kv_len
     q_rows.append(int(qo_h[-1]))

@@ -100,6 +100,8 @@ def cpu_fa2(monkeypatch):
 def _case(mask, gen):
     v = _variant(mask)
     qo_lens, kv_lens = [37, 1, 70], [37, 90, 150]
+    if mask is m_sinks_window:  # keys far enough behind the last rows for a sink and a window to be two runs
+        kv_lens = [37, 90, 400]
     scalars = {"w": 19, "r": 3, "c": 24, "n_sink": 5, "hole": 2}
     width = max(kv_lens)
     tensors = {"doc": torch.randint(0, 4, (3, width), generator=gen).sort(1).values.to(torch.int32),
@@ -128,7 +130,7 @@ def test_paged_block_form_matches_the_reference(cpu_fa2, mask, causal):
     plan = attention.PagedAttentionPlan(v, qo_indptr, indptr, indices, last, num_qo_heads=4, num_kv_heads=2,
                                         head_dim=16, page_size=4, dtype=torch.float16, causal=causal,
                                         backend="fa2", device="cpu", params=params)
-    if mask in (m_document, m_chunk_causal):  # (one block per request here: the others' hulls are every key)
+    if mask in (m_document, m_chunk_causal, m_sinks_window):  # (prefix-LM: every key is some row's)
         assert made[-1].kv_segments and plan.keys_read[0] < plan.keys_read[1]
     out = plan.run(q, (k_cache, v_cache)).double()
     ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, causal, params)

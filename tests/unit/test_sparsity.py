@@ -384,7 +384,7 @@ def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
     from fivar.runtime.fa2_blocks import block_layout
     v = _variant(mask)
     gen = torch.Generator().manual_seed(9)
-    saved = full_keys = 0
+    saved = full_keys = two_runs = 0
     for _ in range(6):
         page = [1, 4, 16][int(torch.randint(0, 3, (), generator=gen))]
         hq, hkv = [(4, 2), (2, 2)][int(torch.randint(0, 2, (), generator=gen))]
@@ -398,6 +398,7 @@ def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
         lay = block_layout(v.ir.mask, qo_indptr, kv_lens, pages, last, page, scalars=scalars, tensors=tensors,
                            num_qo_heads=hq, num_kv_heads=hkv, causal=causal, kv_block=page * 2, rows=rows)
         saved += lay.keys_total - lay.keys_read
+        two_runs += int((lay.segments[:, 0] < 2**30).sum())
         req_of_row = torch.bucketize(torch.arange(int(qo_indptr[-1])), qo_indptr[1:], right=True)
         covered = {}
         for r in range(lay.qo_indptr.numel() - 1):
@@ -438,3 +439,5 @@ def test_fa2_block_layout_reads_every_kept_key_at_its_position(mask):
         assert saved > 0
     if mask in (m_document_causal, m_chunk_causal, m_prefix_lm):
         assert full_keys > 0, "FULL blocks reach the struct's fast path"
+    if mask is m_sinks_window:
+        assert two_runs > 0, "a sink and a window are read as two runs"
