@@ -59,11 +59,23 @@ class KvRangeLayout:
     kv_lens: torch.Tensor    # int32 [R]
     blocks: torch.Tensor     # int32 [R, 5]: (batch, q_idx of the block's first row, kv_idx of its first key, then
     #                          fivar.codegen.fa3.BLOCKS: the full range, or where the block's row runs are)
+    parts: "RunParts | None" = None  # rows read twice, once per run of kept keys (kv_range_layout's split_runs)
 
     @property
     def kv_indptr_for_lengths(self) -> torch.Tensor:
         """An indptr whose differences are the blocks' KV lengths (what a wrapper's plan derives them from)."""
         return torch.cat([torch.zeros(1, dtype=torch.int64), self.kv_lens.long().cumsum(0)]).to(torch.int32)
+
+
+@dataclass
+class RunParts:
+    """A lowered batch whose query blocks with two runs of kept keys (a sink and a window) run as two requests, one
+    per run, over copies of their rows: attention over each run, merged through the LSEs (fivar.runtime.lse). Host
+    int64 tensors."""
+    src: torch.Tensor     # [lowered rows]: the row of q each lowered row is a copy of
+    first: torch.Tensor   # [rows of q]: the lowered row holding its first (or only) part
+    twice: torch.Tensor   # [rows with two parts]: those rows of q
+    second: torch.Tensor  # [rows with two parts]: the lowered row holding the second part
 
 
 @dataclass
@@ -76,6 +88,7 @@ class _QueryBlocks:
     lo: torch.Tensor     # [lo, hi): the keys any of its rows keeps (one key, masked, when none)
     hi: torch.Tensor
     tail: tuple          # fivar.codegen.fa3.BLOCKS' last two fields
+    gap: tuple | None = None  # [gap_lo, gap_hi): keys every row of the block drops between its two runs, if any
 
 
 def _query_blocks(ranges: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Tensor, rows: int, causal: bool,
@@ -93,6 +106,12 @@ def _query_blocks(ranges: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Te
     full_hi = ranges[..., 3].long().amin(1)
     pad_to_blocks = lambda x, fill, reduce: reduce(  # noqa: E731
         torch.nn.functional.pad(x, (0, pad), value=fill).view(batch, -1, per), -1)
+    gap_lo = gap_hi = None
+    if ranges.shape[-1] >= 6:  # the pre-pass's gaps, dropped by every head; a group keeping no key drops everything
+        keeps = (ranges[..., 1].long() > ranges[..., 0].long()).any(1)
+        gap_lo = torch.where(keeps, ranges[..., 4].long().amax(1), -(1 << 40))
+        gap_hi = torch.where(keeps, ranges[..., 5].long().amin(1), 1 << 40)
+        gap_lo, gap_hi = pad_to_blocks(gap_lo, -(1 << 40), torch.amax), pad_to_blocks(gap_hi, 1 << 40, torch.amin)
     lo, hi = pad_to_blocks(lo, 1 << 40, torch.amin), pad_to_blocks(hi, 0, torch.amax)
     full_lo, full_hi = pad_to_blocks(full_lo, 0, torch.amax), pad_to_blocks(full_hi, 1 << 40, torch.amin)
     counts = (qo_lens + rows - 1) // rows
@@ -113,7 +132,8 @@ def _query_blocks(ranges: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Te
         _, run_heads, max_rows, _ = runs_shape
         head_step = 2 * max_rows if run_heads > 1 else 0
         tail = ((b * run_heads * max_rows + row0) * 2, torch.full_like(b, head_step))
-    return _QueryBlocks(b, row0, shift, lo_b, hi_b, tail)
+    gap = None if gap_lo is None else (gap_lo[b, t], gap_hi[b, t])
+    return _QueryBlocks(b, row0, shift, lo_b, hi_b, tail, gap)
 
 
 def _blocks_table(q: _QueryBlocks, first_key: torch.Tensor) -> torch.Tensor:
@@ -122,19 +142,48 @@ def _blocks_table(q: _QueryBlocks, first_key: torch.Tensor) -> torch.Tensor:
 
 
 def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
-                    causal: bool, runs_shape: tuple | None = None) -> KvRangeLayout:
-    """From the pre-pass's ranges ([batch, heads, ceil(max_qo_len / 16), 4] of [lo, hi, full_lo, full_hi)
-    relative to each request's keys; host tensors) to one request per `rows` query rows over the keys any of
+                    causal: bool, runs_shape: tuple | None = None, split_runs: bool = False) -> KvRangeLayout:
+    """From the pre-pass's ranges ([batch, heads, ceil(max_qo_len / 16), 6] of [lo, hi, full_lo, full_hi, gap_lo,
+    gap_hi) relative to each request's keys; host tensors) to one request per `rows` query rows over the keys any of
     them keeps. With `runs_shape` (the pre-pass's per-row runs, contiguous [batch, heads, max_qo_len, 2]) the
-    blocks point into the runs (the row-run form) instead of carrying a full range."""
+    blocks point into the runs (the row-run form) instead of carrying a full range. With `split_runs`, a block whose
+    rows all keep two runs of keys with a gap between them becomes two requests over copies of its rows, one per
+    run (`parts`; the caller merges their outputs through the LSEs)."""
     qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
     q = _query_blocks(ranges, qo_indptr.diff(), kv_indptr.diff(), rows, causal, runs_shape)
-    starts = kv_indptr[q.batch] + q.lo
+    split = torch.zeros_like(q.lo, dtype=torch.bool)
+    if split_runs and q.gap is not None:
+        gap_lo, gap_hi = torch.maximum(q.gap[0], q.lo), torch.minimum(q.gap[1], q.hi)
+        split = (gap_lo > q.lo) & (gap_hi < q.hi) & (gap_lo < gap_hi)
+    if not bool(split.any()):
+        starts = kv_indptr[q.batch] + q.lo
+        return KvRangeLayout(
+            qo_indptr=torch.cat([qo_indptr[q.batch] + q.row0, qo_indptr[-1:]]).to(torch.int32),
+            kv_starts=torch.cat([starts, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
+            kv_lens=(q.hi - q.lo).to(torch.int32),
+            blocks=_blocks_table(q, q.lo))
+    # requests: each block once, a split block twice (its first run [lo, gap_lo), then its last [gap_hi, hi))
+    block = torch.repeat_interleave(torch.arange(q.lo.numel()), 1 + split.long())
+    is_second = torch.zeros_like(block, dtype=torch.bool)
+    is_second[1:] = block[1:] == block[:-1]
+    lo = torch.where(is_second, gap_hi[block], q.lo[block])
+    hi = torch.where(split[block] & ~is_second, gap_lo[block], q.hi[block])
+    first_row = qo_indptr[q.batch] + q.row0  # the block's first row of q
+    n_rows = torch.minimum(torch.full_like(q.row0, rows), qo_indptr[q.batch + 1] - first_row)[block]
+    lowered_start = torch.cat([torch.zeros(1, dtype=torch.long), n_rows.cumsum(0)])
+    lowered = torch.arange(int(lowered_start[-1]))
+    req = torch.repeat_interleave(torch.arange(block.numel()), n_rows)  # the request of each lowered row
+    src = first_row[block][req] + (lowered - lowered_start[:-1][req])
+    second_row = is_second[req]
+    first = torch.empty(int(qo_indptr[-1]), dtype=torch.long)
+    first[src[~second_row]] = lowered[~second_row]
+    sub = _QueryBlocks(q.batch[block], q.row0[block], q.shift[block], lo, hi, tuple(x[block] for x in q.tail))
     return KvRangeLayout(
-        qo_indptr=torch.cat([qo_indptr[q.batch] + q.row0, qo_indptr[-1:]]).to(torch.int32),
-        kv_starts=torch.cat([starts, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
-        kv_lens=(q.hi - q.lo).to(torch.int32),
-        blocks=_blocks_table(q, q.lo))
+        qo_indptr=torch.cat([lowered_start[:-1], lowered_start[-1:]]).to(torch.int32),
+        kv_starts=torch.cat([kv_indptr[sub.batch] + lo, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
+        kv_lens=(hi - lo).to(torch.int32),
+        blocks=_blocks_table(sub, lo),
+        parts=RunParts(src=src, first=first, twice=src[second_row], second=lowered[second_row]))
 
 
 @dataclass
@@ -252,8 +301,10 @@ class KvRangePrefill:
             return
         ranges, runs, self.row_runs = _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
                                             num_kv_heads, sm_scale, device)
+        # rows keeping two runs (a sink and a window) read each run, not the keys between (merged by the LSEs)
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
-                                 runs_shape=tuple(runs.shape) if self.row_runs else None)
+                                 runs_shape=tuple(runs.shape) if self.row_runs else None,
+                                 split_runs=not self.row_runs and variant.softmax and variant.sink is None)
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, row_runs=self.row_runs)
         w = _fa3_wrapper(fmod, device)
         self._release = ("ragged", fmod, device)
@@ -265,12 +316,25 @@ class KvRangePrefill:
         if self.row_runs:
             tables[ROW_RUNS] = relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal)
         self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
+        parts = layout.parts
+        self._parts = None if parts is None else tuple(t.to(device) for t in (parts.src, parts.first, parts.twice,
+                                                                                parts.second))
 
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
             from .lse import empty_lse
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
-        return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
+        if self._parts is None:
+            return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
+        from .lse import merge_states
+        src, first, twice, second = self._parts
+        out, lse = self._wrapper.run(q.index_select(0, src), k, v, *self._args, return_lse=True)
+        o, s = out.index_select(0, first), lse.index_select(0, first)
+        merged, merged_lse = merge_states([o.index_select(0, twice), out.index_select(0, second)],
+                                          [s.index_select(0, twice), lse.index_select(0, second)])
+        o.index_copy_(0, twice, merged)
+        s.index_copy_(0, twice, merged_lse)
+        return (o, s) if return_lse else o
 
     def release(self):
         """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""

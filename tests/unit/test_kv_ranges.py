@@ -2,12 +2,16 @@
 mask pre-pass runs in Triton's interpreter, and the lowered batch is checked against the mask evaluated
 on every (row, key) pair by the torch evaluator. The GPU tests run the FA3 kernels themselves."""
 import functools
+import math
+import types
 
 import pytest
 import torch
 
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
+from fivar.codegen.cuda import additional_params, param_ident
+from fivar.codegen.fa3 import BLOCKS
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
@@ -210,3 +214,116 @@ def test_twin_skips_gaps_and_matches_the_reference(causal):
                                            batch_idx=b, batch_size=3, **params) for b in range(3)])
         r = compare(variant.name, f"twin causal={causal}", out, ref, torch.float16)
         assert r.passed, r
+
+
+# --- rows keeping two runs of keys: a request per run over copies of the rows, merged through the LSEs -----------
+
+def _token_rows(qo_lens):
+    return [(b, i) for b, n in enumerate(qo_lens) for i in range(n)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_runs_read_each_kept_key_exactly_once(causal):
+    """With split_runs each row of q is read by one or two lowered requests whose key ranges are disjoint and hold
+    every key the row keeps; the parts' bookkeeping maps lowered rows back to q. The holed mask splits."""
+    from fivar.runtime.kv_ranges import kv_range_layout
+    for variant, _, bound, ranges, _ in _prescanned():
+        lay = kv_range_layout(ranges, _QO_INDPTR, _KV_INDPTR, 128, causal, split_runs=True)
+        if lay.parts is None:
+            assert variant is not HOLED, "two runs a row: some block splits"
+            continue
+        p = lay.parts
+        reads = {}  # row of q -> its parts' [k0, k1)
+        for r in range(lay.kv_lens.numel()):
+            k0 = int(lay.blocks[r, 2])
+            k1 = k0 + int(lay.kv_lens[r])
+            for lowered in range(int(lay.qo_indptr[r]), int(lay.qo_indptr[r + 1])):
+                reads.setdefault(int(p.src[lowered]), []).append((k0, k1))
+        tokens = _token_rows(_QO_LENS)
+        assert sorted(reads) == list(range(len(tokens)))
+        assert torch.equal(p.src[p.first], torch.arange(len(tokens))) and torch.equal(p.src[p.second], p.twice)
+        kept = {b: _kept(variant, bound, b, _QO_LENS[b], _KV_LENS[b], _HEADS, causal).any(0)
+                for b in range(len(_QO_LENS)) if _QO_LENS[b]}
+        for t, parts in reads.items():
+            b, i = tokens[t]
+            assert len(parts) == (2 if t in set(p.twice.tolist()) else 1)
+            read = torch.zeros(_KV_LENS[b], dtype=torch.int64)
+            for k0, k1 in parts:
+                read[k0:k1] += 1
+            assert int(read.max()) == 1, (variant.name, t, parts)  # no key twice: the merge adds the parts
+            assert bool((read[kept[b][i]] == 1).all()), (variant.name, t, parts)
+
+
+class _FakeFA3RaggedWrapper:
+    """FlashInfer's FA3 ragged prefill with per-request KV starts, as fivar's KV-range struct sees it (mask form):
+    rows, keys from kv_starts, fv_blocks' mapping, the full range and causal guard; out and the log2 LSE."""
+
+    def __init__(self, variant):
+        self.variant, self._jit_module = variant, types.SimpleNamespace(kv_starts=None)
+
+    def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, window_left=-1, **kw):
+        assert not causal and window_left == -1
+        self.qo, self.lens = qo_indptr.long(), kv_indptr.long().diff()
+
+    def run(self, q, k, v, *args, return_lse=False):
+        var = self.variant
+        t_names, _, s_names, _ = additional_params(var, with_causal_flag=True, extra_tensors=[BLOCKS])
+        named = dict(zip(t_names + s_names, args))
+        hq, hkv = q.shape[1], k.shape[1]
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
+        for r in range(self.qo.numel() - 1):
+            rows = q[self.qo[r]:self.qo[r + 1]].double()
+            s0 = int(self._jit_module.kv_starts[r])
+            keys, vals = k[s0:s0 + int(self.lens[r])].double(), v[s0:s0 + int(self.lens[r])].double()
+            b, q0, k0, f3, f4 = named[BLOCKS][r].tolist()
+            head = torch.arange(hq).view(-1, 1, 1)
+            score = torch.einsum("qhd,khd->hqk", rows, keys.repeat_interleave(hq // hkv, 1)) * named["sm_scale"]
+            env = {"score": score, "sm_scale": named["sm_scale"], "batch": torch.tensor(b), "qo_head": head,
+                   "kv_head": head // (hq // hkv), "q_idx": torch.arange(rows.shape[0]).view(1, -1, 1) + q0,
+                   "kv_idx": torch.arange(keys.shape[0]).view(1, 1, -1) + k0}
+            ev = TorchEvaluator(env, {n: named[param_ident(n)] for n in var.params}, torch.float64)
+            keep = ev.run(var.ir.mask).bool() | ((env["kv_idx"] >= f3) & (env["kv_idx"] < f4))
+            if named["fv_causal"]:
+                keep = keep & (env["kv_idx"] <= env["q_idx"])
+            logits = (ev.run(var.ir.logits).expand_as(score) if var.ir.logits else score).masked_fill(~keep, -math.inf)
+            w = torch.softmax(logits, -1).nan_to_num(0.0)
+            out[self.qo[r]:self.qo[r + 1]] = torch.einsum("hqk,khd->qhd", w, vals.repeat_interleave(hq // hkv, 1))
+            lse[self.qo[r]:self.qo[r + 1]] = (torch.logsumexp(logits, -1) / math.log(2)).T
+        return (out.to(q.dtype), lse.float()) if return_lse else out.to(q.dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
+    """KvRangePrefill over a holed mask and sink tokens with a window: the two runs' outputs merged through their
+    LSEs equal attention over every kept key (FlashInfer's FA3 wrapper a stand-in, the pre-pass in Triton)."""
+    from fivar.runtime import kv_ranges
+
+    def sinks_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+        return kv_idx < params.sink or q_idx - kv_idx < params.window
+
+    streaming = AttentionVariant(name="kvr_split_streaming", mask=sinks_window,
+                                 params={"sink": Scalar(int), "window": Scalar(int)})
+    monkeypatch.setattr(kv_ranges, "_module", lambda *a, **kw: types.SimpleNamespace(uri="fake"))
+    monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
+    gen = torch.Generator().manual_seed(5)
+    qo_lens, kv_lens = [300, 7, 260], [420, 9, 260]
+    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(qo_lens), 4, 16, generator=gen).half()
+    k, v = (torch.randn(sum(kv_lens), 2, 16, generator=gen).half() for _ in range(2))
+    for variant, params in ((streaming, {"sink": 5, "window": 30}), (HOLED, {"gap": 70})):
+        monkeypatch.setattr(kv_ranges, "_fa3_wrapper", lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(var))
+        bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
+        plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
+                                        dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
+        assert plan.layout.parts is not None and plan.layout.parts.twice.numel() > 0, variant.name
+        out, lse = plan.run(q, k, v, return_lse=True)
+        for b in range(3):
+            s, e, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
+            ref, ref_lse = variant.reference(q[s:e].float(), k[ks:ke].float(), v[ks:ke].float(), causal=causal,
+                                             sm_scale=0.25, batch_idx=b, batch_size=3, return_lse=True, **params)
+            assert torch.allclose(out[s:e].double(), ref.double(), atol=2e-3), (variant.name, b)
+            finite = torch.isfinite(ref_lse)
+            assert torch.equal(finite, torch.isfinite(lse[s:e]))
+            assert torch.allclose(lse[s:e][finite].double(), ref_lse[finite].double(), atol=2e-3)
