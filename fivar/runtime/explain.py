@@ -51,7 +51,9 @@ def _fa3_line(v) -> str:
                 "request over the keys a mask pre-pass finds it keeps (KV-range form; paged: the pages holding them, "
                 "from the page of its first kept key; the plan's keys_read gives keys read and what a request per "
                 "request would read, and a batch whose mask drops no page runs a request per request); when every "
-                "row keeps one run of keys the kernel checks each row's run instead of the mask")
+                "row keeps one run of keys the kernel checks each row's run instead of the mask; single and ragged: "
+                "a block whose rows all keep two runs (a sink and a window) runs as two requests over copies of its "
+                "rows, one per run, merged through their LSEs")
     if fa3.runs_as_window(v):
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")
@@ -69,10 +71,15 @@ def _fa2_line(v) -> str:
         return ("fa2 prefill (single, ragged, paged): each 128-row query block runs as its own request of FA2's "
                 "paged kernel over the pages holding the keys the block map says it may keep (ragged K/V read as "
                 "pages of one key), in the key-segments form that maps its rows and keys back to q_idx and kv_idx "
-                "(fivar.runtime.fa2_blocks); kCustom mode: the mask, causal included, runs on every tile visited")
-    how = ("; called causally it runs in kCausal mode: the tiles right of the diagonal are skipped too, and only "
-           "the tiles the window or the diagonal cut evaluate the mask" if fa2.window_form(v) else
+                "(fivar.runtime.fa2_blocks), a block's two runs of kept blocks (a sink and a window) as two runs of "
+                "pages; kCustom mode: the mask, causal included, runs on every pair read except the keys of FULL "
+                "blocks")
+    how = ("; called causally (a causal window: however called) it runs in kCausal mode: the tiles right of the "
+           "diagonal are skipped too, and only the tiles the window or the diagonal cut evaluate the mask"
+           if fa2.window_form(v) else
            "; kCustom mode: the mask runs on every tile visited, and the tiles right of the diagonal are visited")
+    if not v.kv_band.causal_window:
+        how += ("; a non-causal call runs unsplit (FlashInfer sizes a window's split-KV chunks for a causal window)")
     return ("fa2 prefill (ragged, paged; single runs as a batch of one): window_left = the band's left edge, so "
             "each query tile starts its KV loop there" + how)
 
@@ -99,7 +106,7 @@ def _triton_line(v) -> str:
         return "triton: causal only bounds the KV loop"
     if band.left is None and band.right is None:
         return ("triton: a pre-pass finds each 16-row block's first and last kept key and the KV loop runs "
-                "between them")
+                "between them, skipping the tiles inside the keys every row drops between two runs")
     return ("triton: the band bounds the KV loop" + ("" if band.exact else
                                                      "; a pre-pass narrows it to the kept keys"))
 
