@@ -10,6 +10,7 @@ import torch
 
 from .codegen.torch_ref import TorchEvaluator
 from .errors import FivarError
+from .spec import ir
 from .runtime.params import bind_params
 
 
@@ -48,11 +49,23 @@ def flex_mods(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: 
     return score_mod, mask_mod
 
 
+def flex_block_mask(variant, mask_mod, qo_len: int, kv_len: int, num_qo_heads: int, device):
+    """Flex's block mask of one request (None without a mask_mod): one per head when the mask reads the head (a
+    window per head), else one broadcast over the heads. A broadcast mask is evaluated at head 0, and compiled Flex
+    skips its empty blocks for every head."""
+    if mask_mod is None:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+    mask = variant.ir.mask
+    heads = num_qo_heads if mask is not None and {"qo_head", "kv_head"} & ir.uses(mask) else None
+    return create_block_mask(mask_mod, None, heads, qo_len, kv_len, device=device)
+
+
 def flex_attention_fn(variant, params, q, k, v, *, causal=False, sm_scale=None, compile=True):
     """A callable running `variant` through FlexAttention on [len, heads, dim] tensors (one request)."""
     import math
 
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -63,9 +76,7 @@ def flex_attention_fn(variant, params, q, k, v, *, causal=False, sm_scale=None, 
     # slower than it is in a benchmark over many variants.
     import torch._dynamo
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    block_mask = None
-    if mask_mod is not None:
-        block_mask = create_block_mask(mask_mod, None, None, qo_len, kv_len, device=q.device)
+    block_mask = flex_block_mask(variant, mask_mod, qo_len, kv_len, hq, q.device)
     fa = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, dim]
 
