@@ -389,6 +389,24 @@ class _OwnsWrapper:
         release_wrapper(*self._release, self._wrapper)
         self._wrapper = None
 
+    def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
+        """A paged plan's run (decode's and paged prefill's; a ragged plan has its own). k_scale/v_scale: the cache
+        holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
+        if torch.compiler.is_compiling():
+            from . import ops
+            _no_scales_compiled(self.variant, k_scale, v_scale)
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
+        return_lse = check_lse(self.variant, return_lse)
+        k_scale, v_scale = _run_scales(self, q, paged_kv_cache, k_scale, v_scale)
+        k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
+        hq, hkv, d, page, dtype = self._shape
+        if q.shape[1:] != (hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype:
+            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [*, {hq}, {d}], "
+                             f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
+                             f"{tuple(k_cache.shape)}, {q.dtype}")
+        return scaled_output(self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse),
+                             v_scale, return_lse)
+
 
 class DecodePlan(_OwnsWrapper):
     """The CUDA-core decode kernel, planned (the one-shot `batch_decode` keeps one per batch layout)."""
@@ -408,17 +426,7 @@ class DecodePlan(_OwnsWrapper):
         self._args = ScaledArgs(lambda s: kernel_args(
             variant, bound, s, False if variant.mask else None,
             lengths=lambda: max_lengths(None, kv_indptr, kv_last_page_len, page_size)), sm_scale)
-
-    def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
-        """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
-        if torch.compiler.is_compiling():
-            from . import ops
-            _no_scales_compiled(self.variant, k_scale, v_scale)
-            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
-        return_lse = check_lse(self.variant, return_lse)
-        k_scale, v_scale = _run_scales(self, q, paged_kv_cache, k_scale, v_scale)
-        return scaled_output(self._wrapper.run(q, _paged_kv(self.variant, paged_kv_cache), *self._args(k_scale),
-                                               return_lse=return_lse), v_scale, return_lse)
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
 
 def _no_scales_compiled(variant, k_scale, v_scale) -> None:
@@ -571,23 +579,6 @@ class PagedAttentionPlan(_OwnsWrapper):
                                            _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
                                                        kv_last_page_len, page_size, kv_ranges=fa3_split)), sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-
-    def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
-        """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
-        if torch.compiler.is_compiling():
-            from . import ops
-            _no_scales_compiled(self.variant, k_scale, v_scale)
-            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
-        return_lse = check_lse(self.variant, return_lse)
-        k_scale, v_scale = _run_scales(self, q, paged_kv_cache, k_scale, v_scale)
-        k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
-        hq, hkv, d, page, dtype = self._shape
-        if q.shape[1:] != (hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype:
-            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [*, {hq}, {d}], "
-                             f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
-                             f"{tuple(k_cache.shape)}, {q.dtype}")
-        return scaled_output(self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse),
-                             v_scale, return_lse)
 
 
 class RaggedAttentionPlan(_OwnsWrapper):

@@ -108,7 +108,8 @@ def _triton_line(v) -> str:
         return ("triton: a pre-pass finds each 16-row block's first and last kept key and the KV loop runs "
                 "between them, skipping the tiles inside the keys every row drops between two runs")
     return ("triton: the band bounds the KV loop" + ("" if band.exact else
-                                                     "; a pre-pass narrows it to the kept keys"))
+                                                     "; a pre-pass narrows it to the kept keys and skips the tiles "
+                                                     "every row drops between two runs"))
 
 
 def mask_skipping(v) -> list[str]:

@@ -40,6 +40,7 @@ from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..jit.triton_module import load_triton_module
 from .launch import _module, release_wrapper, take_wrapper
+from .lse import empty_lse, merge_states
 from . import position_tables
 from .params import kernel_args
 
@@ -322,11 +323,9 @@ class KvRangePrefill:
 
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
-            from .lse import empty_lse
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
         if self._parts is None:
             return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
-        from .lse import merge_states
         src, first, twice, second = self._parts
         out, lse = self._wrapper.run(q.index_select(0, src), k, v, *self._args, return_lse=True)
         o, s = out.index_select(0, first), lse.index_select(0, first)

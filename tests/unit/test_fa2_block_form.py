@@ -3,7 +3,6 @@ RaggedAttentionPlan build their page lists and key-segments tables as on the GPU
 paged wrapper runs them with the kernel's semantics and the struct's (each request's rows and pages, the
 key-segments mapping of positions and batch, the causal guard, the mask and logits evaluated by the torch
 reference's evaluator). The result must be the reference's for the whole batch."""
-import math
 import types
 
 import pytest
@@ -11,11 +10,11 @@ import torch
 
 
 from fivar.codegen import fa2
-from fivar.codegen.cuda import additional_params, param_ident
-from fivar.codegen.torch_ref import TorchEvaluator
+from fivar.codegen.cuda import additional_params
 from fivar.runtime import attention
 from fivar.testing import _ragged_reference, _to_paged
 
+from kernel_standin import attend
 from test_sparsity import _variant, m_chunk_causal, m_document, m_prefix_lm, m_sinks_window
 
 
@@ -52,22 +51,18 @@ class _FakePagedWrapper:
                 seg = named[fa2.KV_SEGMENTS][r].long()
                 kv_idx = torch.where(local_kv < seg[0], local_kv + seg[1], local_kv + seg[2])
                 q_idx, batch = local_q + seg[3], int(seg[4])
-            head = torch.arange(hq).view(-1, 1, 1)
-            score = torch.einsum("qhd,khd->hqk", rows, keys.repeat_interleave(hq // hkv, 1)) * named["sm_scale"]
-            env = {"score": score, "sm_scale": named["sm_scale"], "batch": torch.tensor(batch), "qo_head": head,
-                   "kv_head": head // (hq // hkv), "q_idx": q_idx, "kv_idx": kv_idx}
-            params = {n: named[param_ident(n)] for n in v.params}  # the struct's names are mangled
-            ev = TorchEvaluator(env, params, torch.float64)
-            keep = ev.run(v.ir.mask).bool() & torch.ones_like(score, dtype=torch.bool)
-            if self.fmod.kv_segments:  # the struct's full range: the mask is skipped there (kept)
-                keep |= (local_kv >= seg[5]) & (local_kv < seg[6])
-            if named["fv_causal"]:  # the struct's guard: mapped positions in the key-segments form, local else
-                keep &= (kv_idx <= q_idx) if self.fmod.kv_segments else (local_kv <= local_q)
-            if p["causal"]:
-                keep &= local_kv <= local_q
-            logits = ev.run(v.ir.logits).expand_as(score) if v.ir.logits else score
-            w = torch.softmax(logits.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0)
-            out[p["qo"][r]:p["qo"][r + 1]] = torch.einsum("hqk,khd->qhd", w, vals.repeat_interleave(hq // hkv, 1))
+            seg_full = (seg[5], seg[6]) if self.fmod.kv_segments else None
+
+            def keep(ev, env, local_q=local_q, local_kv=local_kv, full=seg_full):
+                kept = ev.run(v.ir.mask).bool()
+                if full is not None:  # the struct's full range: the mask is skipped there (kept)
+                    kept = kept | ((local_kv >= full[0]) & (local_kv < full[1]))
+                if named["fv_causal"]:  # the struct's guard: mapped positions in the key-segments form, local else
+                    kept = kept & ((env["kv_idx"] <= env["q_idx"]) if full is not None else (local_kv <= local_q))
+                if p["causal"]:
+                    kept = kept & (local_kv <= local_q)
+                return kept
+            out[p["qo"][r]:p["qo"][r + 1]] = attend(v, named, rows, keys, vals, q_idx, kv_idx, batch, keep)[0]
         return out.to(q.dtype)
 
 

@@ -8,7 +8,6 @@ its block, through a page list that is a run of its request's pages in order, an
 corrupted layout must fail that check. Then PagedAttentionPlan end to end with a stand-in for FlashInfer's FA3
 paged wrapper (the kernel's and the struct's semantics), against the reference."""
 import functools
-import math
 import types
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
 from fivar.bench.suites.zoo import load as load_zoo
-from fivar.codegen.cuda import additional_params, param_ident
+from fivar.codegen.cuda import additional_params
 from fivar.codegen.fa3 import BLOCKS, ROW_RUNS
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.codegen.triton import kernel_arg_values
@@ -26,6 +25,8 @@ from fivar.runtime import attention
 from fivar.runtime.kv_ranges import paged_kv_ranges, paged_range_layout, relative_runs
 from fivar.runtime.params import bind_params
 from fivar.testing import _ragged_reference, _to_paged
+
+from kernel_standin import attend
 
 HEADS, KV_HEADS = 4, 2
 
@@ -335,28 +336,23 @@ class _FakeFA3PagedWrapper:
             n_rows = rows.shape[0]
             local_q, local_kv = torch.arange(n_rows).view(1, -1, 1), torch.arange(n_keys).view(1, 1, -1)
             b, q0, k0, f3, f4 = named[BLOCKS][r].tolist()
-            head = torch.arange(hq).view(-1, 1, 1)
-            score = torch.einsum("qhd,khd->hqk", rows, keys.repeat_interleave(hq // hkv, 1)) * named["sm_scale"]
-            env = {"score": score, "sm_scale": named["sm_scale"], "batch": torch.tensor(b), "qo_head": head,
-                   "kv_head": head // (hq // hkv), "q_idx": local_q + q0, "kv_idx": local_kv + k0}
-            params = {n: named[param_ident(n)] for n in v.params}  # the struct's names are mangled
-            ev = TorchEvaluator(env, params, torch.float64)
-            if row_runs:
-                flat = named[ROW_RUNS].reshape(-1).long()
-                at = f3 + f4 * head.view(-1, 1) + 2 * torch.arange(n_rows).view(1, -1)
-                run = flat[at.unsqueeze(-1) + torch.tensor([0, 1])]
-                keep = (local_kv >= run[..., :1]) & (local_kv < run[..., 1:])
-            else:
-                full = (env["kv_idx"] >= f3) & (env["kv_idx"] < f4)
-                keep = ev.run(v.ir.mask).bool() | full
-                if named["fv_causal"]:
-                    keep = keep & (env["kv_idx"] <= env["q_idx"])
-            keep = keep & torch.ones_like(score, dtype=torch.bool)
-            if p["causal"]:
-                keep &= local_kv <= local_q + n_keys - n_rows
-            logits = ev.run(v.ir.logits).expand_as(score) if v.ir.logits else score
-            w = torch.softmax(logits.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0)
-            out[p["qo"][r]:p["qo"][r + 1]] = torch.einsum("hqk,khd->qhd", w, vals.repeat_interleave(hq // hkv, 1))
+
+            def keep(ev, env, local_q=local_q, local_kv=local_kv, n_rows=n_rows, n_keys=n_keys, f3=f3, f4=f4):
+                if row_runs:
+                    flat = named[ROW_RUNS].reshape(-1).long()
+                    head = env["qo_head"]
+                    at = f3 + f4 * head.view(-1, 1) + 2 * torch.arange(n_rows).view(1, -1)
+                    run = flat[at.unsqueeze(-1) + torch.tensor([0, 1])]
+                    kept = (local_kv >= run[..., :1]) & (local_kv < run[..., 1:])
+                else:
+                    kept = ev.run(v.ir.mask).bool() | ((env["kv_idx"] >= f3) & (env["kv_idx"] < f4))
+                    if named["fv_causal"]:
+                        kept = kept & (env["kv_idx"] <= env["q_idx"])
+                if p["causal"]:
+                    kept = kept & (local_kv <= local_q + n_keys - n_rows)
+                return kept
+            out[p["qo"][r]:p["qo"][r + 1]] = attend(v, named, rows, keys, vals, local_q + q0, local_kv + k0, b,
+                                                    keep)[0]
         return out.to(q.dtype)
 
 

@@ -10,13 +10,15 @@ import torch
 
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
-from fivar.codegen.cuda import additional_params, param_ident
+from fivar.codegen.cuda import additional_params
 from fivar.codegen.fa3 import BLOCKS
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
 from fivar.runtime.kv_ranges import block_rows, kv_range_layout, relative_runs
 from fivar.runtime.params import bind_params
+
+from kernel_standin import attend
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -269,27 +271,20 @@ class _FakeFA3RaggedWrapper:
         var = self.variant
         t_names, _, s_names, _ = additional_params(var, with_causal_flag=True, extra_tensors=[BLOCKS])
         named = dict(zip(t_names + s_names, args))
-        hq, hkv = q.shape[1], k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
         for r in range(self.qo.numel() - 1):
-            rows = q[self.qo[r]:self.qo[r + 1]].double()
+            rows = q[self.qo[r]:self.qo[r + 1]]
             s0 = int(self._jit_module.kv_starts[r])
-            keys, vals = k[s0:s0 + int(self.lens[r])].double(), v[s0:s0 + int(self.lens[r])].double()
+            keys, vals = k[s0:s0 + int(self.lens[r])], v[s0:s0 + int(self.lens[r])]
             b, q0, k0, f3, f4 = named[BLOCKS][r].tolist()
-            head = torch.arange(hq).view(-1, 1, 1)
-            score = torch.einsum("qhd,khd->hqk", rows, keys.repeat_interleave(hq // hkv, 1)) * named["sm_scale"]
-            env = {"score": score, "sm_scale": named["sm_scale"], "batch": torch.tensor(b), "qo_head": head,
-                   "kv_head": head // (hq // hkv), "q_idx": torch.arange(rows.shape[0]).view(1, -1, 1) + q0,
-                   "kv_idx": torch.arange(keys.shape[0]).view(1, 1, -1) + k0}
-            ev = TorchEvaluator(env, {n: named[param_ident(n)] for n in var.params}, torch.float64)
-            keep = ev.run(var.ir.mask).bool() | ((env["kv_idx"] >= f3) & (env["kv_idx"] < f4))
-            if named["fv_causal"]:
-                keep = keep & (env["kv_idx"] <= env["q_idx"])
-            logits = (ev.run(var.ir.logits).expand_as(score) if var.ir.logits else score).masked_fill(~keep, -math.inf)
-            w = torch.softmax(logits, -1).nan_to_num(0.0)
-            out[self.qo[r]:self.qo[r + 1]] = torch.einsum("hqk,khd->qhd", w, vals.repeat_interleave(hq // hkv, 1))
-            lse[self.qo[r]:self.qo[r + 1]] = (torch.logsumexp(logits, -1) / math.log(2)).T
+
+            def keep(ev, env, f3=f3, f4=f4):
+                kept = ev.run(var.ir.mask).bool() | ((env["kv_idx"] >= f3) & (env["kv_idx"] < f4))
+                return kept & (env["kv_idx"] <= env["q_idx"]) if named["fv_causal"] else kept
+            out[self.qo[r]:self.qo[r + 1]], lse[self.qo[r]:self.qo[r + 1]] = attend(
+                var, named, rows, keys, vals, torch.arange(rows.shape[0]).view(1, -1, 1) + q0,
+                torch.arange(keys.shape[0]).view(1, 1, -1) + k0, b, keep)
         return (out.to(q.dtype), lse.float()) if return_lse else out.to(q.dtype)
 
 
