@@ -8,8 +8,8 @@ Two torch.library custom ops carry the work, so `torch.compile` sees opaque, sha
   spec (fivar.codegen.triton_bwd), with float32 gradients of the tensor parameters declared `learnable=True`.
 
 The autograd formula of the forward op (`register_autograd`) calls the backward op. Custom ops take tensors and
-numbers only, so the variant travels as a key into `_VARIANTS` and its params as two lists, tensors then scalars
-in declaration order. `lse` is an output for callers that merge states; no gradient flows through it.
+numbers only, so the variant travels as its `key` (fivar.spec.variant.variant_by_key) and its params as two lists,
+tensors then scalars in declaration order. `lse` is an output for callers that merge states; no gradient flows through it.
 """
 from __future__ import annotations
 
@@ -17,17 +17,8 @@ import torch
 
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
+from ..spec.variant import variant_by_key
 from .params import BoundParams
-
-_VARIANTS: dict[str, object] = {}  # op key -> variant (kept alive: the key holds its id)
-
-
-@torch.compiler.disable  # run, not traced: the fake backward looks the variant up while the graph is traced
-def _key(variant) -> str:
-    key = f"{variant.name}@{id(variant):x}"
-    _VARIANTS.setdefault(key, variant)
-    return key
-
 
 def _bound(variant, tensors: list, scalars: list) -> BoundParams:
     tnames, snames = list(variant.tensor_params), list(variant.scalar_params)
@@ -44,7 +35,7 @@ def _module(variant):
 def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
                   kv_indptr: torch.Tensor, max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float,
                   tensors: list[torch.Tensor], scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    var = _VARIANTS[variant]
+    var = variant_by_key(variant)
     with _per_element():
         return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, sm_scale, tensors, scalars)
 
@@ -77,7 +68,7 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
                   scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """dq, dk, dv, and one float32 gradient per learnable tensor parameter (in declaration order)."""
     from ..codegen.triton_bwd import learnable_params
-    var = _VARIANTS[variant]
+    var = variant_by_key(variant)
     bound = _bound(var, tensors, scalars)
     grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
              for n in learnable_params(var)}
@@ -91,7 +82,7 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
 def _(variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
       scalars):
     from ..codegen.triton_bwd import learnable_params
-    var = _VARIANTS[variant]
+    var = variant_by_key(variant)
     tnames = list(var.tensor_params)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             [tensors[tnames.index(n)].new_empty(tensors[tnames.index(n)].shape, dtype=torch.float32)
@@ -109,7 +100,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     from ..codegen.triton_bwd import learnable_params
     q, k, v, o, lse, qo_indptr, kv_indptr, *tensors = ctx.saved_tensors
-    var = _VARIANTS[ctx.variant]
+    var = variant_by_key(ctx.variant)
     dq, dk, dv, dparams = attention_bwd(ctx.variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, ctx.max_qo_len,
                                         ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars)
     by_name = dict(zip(learnable_params(var), dparams))
@@ -146,6 +137,6 @@ def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="triton"
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     tensors = [bound.tensors[n] for n in variant.tensor_params]  # .contiguous() of the caller's: in its graph
     scalars = [float(bound.scalars[n]) for n in variant.scalar_params]
-    o, lse = attention_fwd(_key(variant), q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal),
+    o, lse = attention_fwd(variant.key, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal),
                            sm_scale, tensors, scalars)
     return (o, lse) if return_lse else o

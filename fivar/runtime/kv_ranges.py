@@ -283,7 +283,8 @@ def _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv
     """The mask pre-pass over a batch given by token indptrs: (ranges on the host, the rows' runs on `device`,
     whether every row keeps one run of keys (or none): the row-run form checks runs, not the mask)."""
     ranges, runs = load_triton_module(variant).mask_ranges(
-        qo_indptr.to(device), kv_indptr.to(device), max_qo_len, num_qo_heads, num_qo_heads // num_kv_heads,
+        qo_indptr.to(device, torch.int32), kv_indptr.to(device, torch.int32), max_qo_len, num_qo_heads,
+        num_qo_heads // num_kv_heads,
         kernel_arg_values(variant, bound, sm_scale), row_runs=True)
     return ranges.cpu(), runs, not bool((runs[..., 0] < 0).any())
 

@@ -121,10 +121,17 @@ def namespace_of(variant) -> str:
     return module_name(variant, render_attention(variant)).replace("_triton_", "_", 1)
 
 
-@torch._dynamo.assume_constant_result
 def ops_namespace(variant) -> str:
-    """The variant's op namespace, its ops registered (once per process). Runs eagerly under torch.compile, which
-    keeps the result as a constant."""
+    """The variant's op namespace, its ops registered (once per process)."""
+    return _namespace(variant.key)
+
+
+# Runs eagerly under torch.compile, which keeps the result as a constant: its argument is the variant's key (a
+# string, a constant to Dynamo), not the variant object, which Dynamo cannot pass to such a function.
+@torch._dynamo.assume_constant_result
+def _namespace(key: str) -> str:
+    from ..spec.variant import variant_by_key
+    variant = variant_by_key(key)
     fam = _by_variant.get(variant)
     if fam is None:
         ns = namespace_of(variant)
@@ -185,13 +192,20 @@ _plans: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _plan_ids = itertools.count(1)
 
 
-@torch._dynamo.assume_constant_result
+def register_plan(plan):
+    """Give a plan the int the plan_run op knows it by; the plan_* factories call it when they make a plan, so a
+    compiled graph reads `plan.op_handle` as a constant."""
+    plan.op_handle = next(_plan_ids)
+    _plans[plan.op_handle] = plan
+    return plan
+
+
 def plan_handle(plan) -> int:
-    """The int a plan is known by in the plan_run op (assigned once)."""
-    handle = plan.__dict__.get("_op_handle")
+    handle = getattr(plan, "op_handle", None)
     if handle is None:
-        handle = plan._op_handle = next(_plan_ids)
-        _plans[handle] = plan
+        from ..errors import FivarError
+        raise FivarError(f"variant '{plan.variant.name}': this plan was not made by variant.plan_paged/plan_ragged/"
+                         "plan_decode, so torch.compile cannot call its run")
     return handle
 
 

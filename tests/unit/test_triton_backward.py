@@ -153,11 +153,10 @@ def test_compiled_training_step():
 
 def test_custom_ops_trace_in_one_graph():
     """The forward op and its autograd formula (the backward op) inside one fullgraph-compiled step."""
-    from fivar.runtime.autograd import _key
     v = fivar.load("softcap")
     q, k, vv = (x.requires_grad_(True) for x in _qkv(16, 16, 2, 1, 16))
     indptr = torch.tensor([0, 16], dtype=torch.int32)
-    key = _key(v)
+    key = v.key
 
     def step(q, k, vv):
         o, _ = torch.ops.fivar.attention_fwd(key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0])
