@@ -193,6 +193,29 @@ def test_pre_pass_gaps_hold_no_kept_key():
             assert gaps > 0
 
 
+def test_pre_pass_full_range_is_kept_by_every_row():
+    """[full_lo, full_hi) of each RANGE_ROWS group: every row of the group keeps every key there (the twin and FA3's
+    mask form skip the mask on it); a mask whose rows keep two runs gets it inside the last runs, after the gap."""
+    rows = 16
+    for variant, _, bound, ranges, _ in _prescanned():
+        heads = ranges.shape[1]
+        after_gap = 0
+        for b, (lq, lk) in enumerate(zip(_QO_LENS, _KV_LENS)):
+            keep = _kept(variant, bound, b, lq, lk, _HEADS, False)
+            for h in range(heads):
+                for g in range((lq + rows - 1) // rows):
+                    lo, hi = (int(x) for x in ranges[b, h, g, 2:4])
+                    if lo >= hi:
+                        continue
+                    assert 0 <= lo and hi <= lk, (variant.name, b, h, g, lo, hi)
+                    every_head = keep[h] if heads > 1 else keep.all(0)
+                    assert every_head[g * rows:(g + 1) * rows, lo:hi].all(), (variant.name, b, h, g, lo, hi)
+                    gap_lo, gap_hi = (int(x) for x in ranges[b, h, g, 4:6])
+                    after_gap += gap_lo < gap_hi and gap_hi <= lo
+        if variant is HOLED:
+            assert after_gap > 0
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_twin_skips_gaps_and_matches_the_reference(causal):
     """The Triton twin with the pre-pass's gaps (sink tokens and a window; a hole around the diagonal), ragged
