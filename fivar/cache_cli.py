@@ -171,7 +171,7 @@ def _option_labels(options: dict) -> list[str]:
     if options.get("schedule", "grid") != "grid":
         out.append(f"schedule {options['schedule']}")
     if options.get("row_runs"):
-        out.append("row-runs")
+        out.append("two-row-runs" if options["row_runs"] == 2 else "row-runs")
     if options.get("split_cta_tiles"):
         out.append("cta-split")
     if options.get("nvcc_split_compile") is False:

@@ -38,6 +38,15 @@ def uses_kv_ranges(variant, op: str) -> bool:
     return op == "batch_prefill" and variant.scans_mask
 
 
+def may_keep_two_runs(variant) -> bool:
+    """Whether a row may keep two runs of keys (a disjunction in the mask: sink tokens or a window), so builds
+    include the two-run form of the KV-range struct (a single run needs no `or`: documents, chunks, prefixes)."""
+    mask = variant.ir.mask
+    return mask is not None and any((isinstance(e, ir.Binary) and e.op in ("or", "ne")) or
+                                    (isinstance(e, ir.Unary) and e.op == "not")
+                                    for root in mask.exprs() for e in ir.walk(root))
+
+
 def runs_as_window(variant) -> bool:
     """True when the mask is exactly `kv_idx >= q_idx - left` (a sliding window, causal or not), or that and
     `kv_idx <= q_idx` (a causal window, run in FA3's causal mode however called: runtime_mask_code): FA3's own
@@ -363,13 +372,14 @@ def kernel_causal(variant) -> bool:
     return runs_as_window(variant) and variant.kv_band.causal_window
 
 
-def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
+def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
                  exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None) -> VariantDecl:
     """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form.
-    `row_runs` (with it): the form for a batch whose every row keeps one run of keys (a document mask always
+    `row_runs` (with it): 1, the form for a batch whose every row keeps one run of keys (a document mask always
     does): the mask pre-pass stored each row's run (made relative to its block's first key, causal folded in) and
     the kernel checks it with one 8-byte load per row, instead of evaluating the mask per element (its gathers
-    spill registers in FA3's consumer warps)."""
+    spill registers in FA3's consumer warps); 2, the same for rows keeping up to two runs (sink tokens and a
+    window), one 16-byte load per row."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
     block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731
@@ -399,7 +409,12 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: bool = False,
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
     lines = emit.prologue(lowered.logits, None if row_runs else lowered.mask)
-    if lowered.mask and row_runs:
+    if lowered.mask and row_runs == 2:
+        # the row's two runs [x, y) and [z, w), relative to the request's first key, causal folded in
+        lines += ["const int4 fv_run = __ldg(reinterpret_cast<const int4*>(fv_runs) + int32_t(qo_idx));",
+                  "const int32_t fv_k = int32_t(kv_idx);",
+                  "bool fv_keep = ((fv_k >= fv_run.x) & (fv_k < fv_run.y)) | ((fv_k >= fv_run.z) & (fv_k < fv_run.w));"]
+    elif lowered.mask and row_runs:
         # runs are relative to the block's first key, causal already folded in (fivar.runtime.kv_ranges)
         lines += ["const int2 fv_run = __ldg(reinterpret_cast<const int2*>(fv_runs) + int32_t(qo_idx));",
                   "bool fv_keep = (int32_t(kv_idx) >= fv_run.x) & (int32_t(kv_idx) < fv_run.y);"]

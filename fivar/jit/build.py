@@ -541,11 +541,11 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, row_runs: bool = False, kv_segments: bool = False,
+               head_dim: int = 128, *, row_runs: int = 0, kv_segments: bool = False,
                kv_dtype: str | None = None, config: FA2BuildConfig | FA3KernelConfig | None = None,
                **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
-    form (fivar.codegen.fa3.variant_decl). `kv_segments`: FA2 batch prefill/decode over trimmed pages, each key
+    form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl). `kv_segments`: FA2 batch prefill/decode over trimmed pages, each key
     mapped back to its position (fivar.runtime.decode_pages). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
     FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
@@ -697,14 +697,15 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = ("_runs" if row_runs else "_kvseg" if kv_segments else "") + (f"_kv{kv_dtype}" if kv_dtype else "")
+    form = ({1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else "")
+            + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
     built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
              if target == "fa3" else
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
-    options = {"row_runs": row_runs, **({"kv_segments": True} if kv_segments else {}),
+    options = {"row_runs": int(row_runs), **({"kv_segments": True} if kv_segments else {}),
                **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -729,7 +730,8 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
                 else []) + [
             gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
     op = serving_op(variant, op, target)
-    forms = [False, True] if target == "fa3" and fa3.uses_kv_ranges(variant, op) else [False]
+    forms = [0, 1] + ([2] if fa3.may_keep_two_runs(variant) else []) if target == "fa3" and fa3.uses_kv_ranges(
+        variant, op) else [0]
     mods = [gen_module(variant, op, target, dtype, head_dim, row_runs=r) for r in forms]
     if target == "fa3" and fa3.softmax_range(variant, dtype) is not None:
         # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
@@ -770,7 +772,7 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
     return h.hexdigest()[:12]
 
 
-def module_for(variant, op, target, dtype, head_dim, row_runs: bool = False,
+def module_for(variant, op, target, dtype, head_dim, row_runs: int = 0,
                bounded_softmax: bool | None = None, kv_segments: bool = False,
                kv_dtype: str | None = None) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""

@@ -51,9 +51,10 @@ def _fa3_line(v) -> str:
                 "request over the keys a mask pre-pass finds it keeps (KV-range form; paged: the pages holding them, "
                 "from the page of its first kept key; the plan's keys_read gives keys read and what a request per "
                 "request would read, and a batch whose mask drops no page runs a request per request); when every "
-                "row keeps one run of keys the kernel checks each row's run instead of the mask; single and ragged: "
-                "a block whose rows all keep two runs (a sink and a window) runs as two requests over copies of its "
-                "rows, one per run, merged through their LSEs")
+                "row keeps one run of keys the kernel checks each row's run instead of the mask (single and ragged: "
+                "also when rows keep two runs, a sink and a window: the row's two runs, one 16-byte load per row); "
+                "single and ragged: a block whose rows all keep two runs around a shared gap runs as two requests "
+                "over copies of its rows, one per run, merged through their LSEs")
     if fa3.runs_as_window(v):
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")

@@ -279,14 +279,47 @@ def _fa3_wrapper(fmod, device):
     return w
 
 
+def run_kind(runs: torch.Tensor) -> int:
+    """What the pre-pass's row runs ([..., 4]: [a0, a1, b0, b1) per row) allow: 1 when every row keeps one run of
+    keys or none (the row-run form), 2 when some keep two (the two-run form), 0 when some keep more (the mask
+    form)."""
+    if bool((runs[..., 0] < 0).any()):
+        return 0
+    return 1 if bool((runs[..., 2] == runs[..., 3]).all()) else 2
+
+
 def _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device):
     """The mask pre-pass over a batch given by token indptrs: (ranges on the host, the rows' runs on `device`,
-    whether every row keeps one run of keys (or none): the row-run form checks runs, not the mask)."""
+    their run_kind: the row-run forms check runs, not the mask)."""
     ranges, runs = load_triton_module(variant).mask_ranges(
         qo_indptr.to(device, torch.int32), kv_indptr.to(device, torch.int32), max_qo_len, num_qo_heads,
-        num_qo_heads // num_kv_heads,
-        kernel_arg_values(variant, bound, sm_scale), row_runs=True)
-    return ranges.cpu(), runs, not bool((runs[..., 0] < 0).any())
+        num_qo_heads // num_kv_heads, kernel_arg_values(variant, bound, sm_scale), row_runs=True)
+    return ranges.cpu(), runs, run_kind(runs)
+
+
+def two_run_table(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-run form's ROW_RUNS and the blocks' last two fields: for each lowered row (a copy of a row of q, once
+    per request reading it) its two runs [a0, a1, b0, b1) relative to its request's first key and cut at the
+    diagonal if causal, as [heads, lowered rows, 4]; a request's rows start at field 3 of its block, the next query
+    head's `field 4` further. `runs` is the pre-pass's [batch, heads, max_qo_len, 4] on its device."""
+    qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
+    lowered = layout.qo_indptr.long()
+    n = int(lowered[-1])
+    src = layout.parts.src if layout.parts is not None else torch.arange(n)  # the row of q each lowered row copies
+    b = torch.searchsorted(qo_indptr, src, right=True) - 1
+    row = src - qo_indptr[b]
+    req = torch.repeat_interleave(torch.arange(lowered.numel() - 1), lowered.diff())
+    k0 = layout.blocks[:, 2].long()[req]
+    dev = runs.device
+    out = runs[b.to(dev), :, row.to(dev)].long()  # [lowered rows, heads, 4]
+    if causal:  # q_idx of row r is r + kv_len - qo_len: nothing right of it
+        q_idx = (row + kv_indptr.diff()[b] - qo_indptr.diff()[b]).to(dev)
+        out[..., 1::2] = torch.minimum(out[..., 1::2], (q_idx + 1)[:, None, None])
+    table = (out - k0.to(dev)[:, None, None]).to(torch.int32).permute(1, 0, 2).contiguous()
+    head_step = 4 * n if runs.shape[1] > 1 else 0
+    tail = torch.stack([lowered[:-1] * 4, torch.full_like(lowered[:-1], head_step)], 1).to(torch.int32)
+    return table, tail
 
 
 class KvRangePrefill:
@@ -303,10 +336,13 @@ class KvRangePrefill:
             return
         ranges, runs, self.row_runs = _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
                                             num_kv_heads, sm_scale, device)
+        single_runs = runs[..., :2].contiguous() if self.row_runs == 1 else None
         # rows keeping two runs (a sink and a window) read each run, not the keys between (merged by the LSEs)
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
-                                 runs_shape=tuple(runs.shape) if self.row_runs else None,
-                                 split_runs=not self.row_runs and variant.softmax and variant.sink is None)
+                                 runs_shape=tuple(single_runs.shape) if self.row_runs == 1 else None,
+                                 split_runs=self.row_runs != 1 and variant.softmax and variant.sink is None)
+        if self.row_runs == 2:
+            two_runs, layout.blocks[:, 3:] = two_run_table(runs, layout, qo_h, kv_h, causal)
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, row_runs=self.row_runs)
         w = _fa3_wrapper(fmod, device)
         self._release = ("ragged", fmod, device)
@@ -316,7 +352,8 @@ class KvRangePrefill:
         self.layout, self._wrapper = layout, w
         tables = {BLOCKS: layout.blocks.to(device)}
         if self.row_runs:
-            tables[ROW_RUNS] = relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal)
+            tables[ROW_RUNS] = (two_runs if self.row_runs == 2 else
+                                relative_runs(single_runs, layout, qo_h, kv_h, block_rows(head_dim), causal))
         self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
         parts = layout.parts
         self._parts = None if parts is None else tuple(t.to(device) for t in (parts.src, parts.first, parts.twice,
@@ -366,8 +403,9 @@ def paged_kv_ranges(variant, bound, qo_indptr, kv_indptr, kv_indices, kv_last_pa
     max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
     if max_qo_len == 0:
         return None
-    ranges, runs, row_runs = _scan(variant, bound, qo_h, kv_h, max_qo_len, num_qo_heads, num_kv_heads, sm_scale,
-                                   device)
+    ranges, runs, kind = _scan(variant, bound, qo_h, kv_h, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device)
+    row_runs = kind == 1  # two runs a row: the mask form (the paged blocks do not split)
+    runs = runs[..., :2].contiguous()
     rows = block_rows(head_dim)
     layout = paged_range_layout(ranges, qo_h, pages_h, kv_indices.cpu(), last_h, page_size, rows, causal,
                                 runs_shape=tuple(runs.shape) if row_runs else None)

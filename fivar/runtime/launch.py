@@ -79,7 +79,7 @@ def _check_output_scale(variant, bound, sm_scale):
                          f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
 
 
-def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: bool = False, kv_segments: bool = False,
+def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: int = 0, kv_segments: bool = False,
             kv_dtype: str | None = None):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
     for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""

@@ -22,7 +22,7 @@ from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
 from fivar.runtime import attention
-from fivar.runtime.kv_ranges import paged_kv_ranges, paged_range_layout, relative_runs
+from fivar.runtime.kv_ranges import paged_kv_ranges, run_kind, paged_range_layout, relative_runs
 from fivar.runtime.params import bind_params
 from fivar.testing import _ragged_reference, _to_paged
 
@@ -96,6 +96,8 @@ def _prescanned():
         ranges, runs = load_triton_module(variant).mask_ranges(
             _indptr(QO_LENS), _indptr(KV_LENS), max(QO_LENS), HEADS, HEADS // KV_HEADS,
             kernel_arg_values(variant, bound, 1.0), row_runs=True)
+        # the paged blocks use the one-run form only: the rows' single runs, or -1 where rows keep more
+        runs = runs[..., :2].contiguous() if run_kind(runs) == 1 else torch.full_like(runs[..., :2], -1)
         out.append((name, variant, params, bound, ranges, runs))
     return out
 

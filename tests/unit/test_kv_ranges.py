@@ -11,11 +11,11 @@ import torch
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
 from fivar.codegen.cuda import additional_params
-from fivar.codegen.fa3 import BLOCKS
+from fivar.codegen.fa3 import BLOCKS, ROW_RUNS
 from fivar.codegen.torch_ref import TorchEvaluator
 from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
-from fivar.runtime.kv_ranges import block_rows, kv_range_layout, relative_runs
+from fivar.runtime.kv_ranges import run_kind, block_rows, kv_range_layout, relative_runs
 from fivar.runtime.params import bind_params
 
 from kernel_standin import attend
@@ -101,12 +101,13 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
     qo_len < kv_len all appear."""
     heads, rows = _HEADS, block_rows(head_dim)
     qo_lens, kv_lens, qo_indptr, kv_indptr = _QO_LENS, _KV_LENS, _QO_INDPTR, _KV_INDPTR
-    for variant, params, bound, ranges, runs in _prescanned():
-        _check_row_runs(variant, bound, runs, qo_lens, kv_lens, heads)
+    for variant, params, bound, ranges, runs4 in _prescanned():
+        _check_row_runs(variant, bound, runs4, qo_lens, kv_lens, heads)
+        runs = runs4[..., :2].contiguous()  # the one-run form's table
         lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal)
         run_lay = kv_range_layout(ranges, qo_indptr, kv_indptr, rows, causal, runs_shape=tuple(runs.shape))
-        one_run_rows = bool((runs[..., 0] >= 0).all())
-        assert one_run_rows == (variant is not HOLED)
+        one_run_rows = run_kind(runs4) == 1
+        assert run_kind(runs4) == (2 if variant is HOLED else 1)
         flat_rel = relative_runs(runs, run_lay, qo_indptr, kv_indptr, rows, causal).reshape(-1)
         assert torch.equal(run_lay.blocks[:, :3], lay.blocks[:, :3]) and torch.equal(run_lay.kv_lens, lay.kv_lens)
         covered_rows, kv_work, kept_of = 0, 0, {}
@@ -146,22 +147,25 @@ def test_every_kept_key_is_in_its_blocks_range(causal, head_dim):
 
 
 def _check_row_runs(variant, bound, runs, qo_lens, kv_lens, heads):
-    """Each row's run is exactly the keys it keeps ([-1, -1) when it keeps more than one run)."""
+    """Each row's two runs [a0, a1) and [b0, b1) hold exactly the keys it keeps, the second empty when it keeps one
+    run (all -1 when it keeps more than two)."""
     for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
         keep = _kept(variant, bound, b, lq, lk, heads, False)
         for h in range(runs.shape[1]):
             for i in range(lq):
-                first, end = runs[b, h, i].tolist()
-                kept = keep[h, i]
-                if first < 0:
+                a0, a1, b0, b1 = runs[b, h, i].tolist()
+                kept = keep[h, i] if runs.shape[1] > 1 else keep[0, i]
+                if a0 < 0:
                     idx = kept.nonzero().flatten()
                     assert idx.numel() and idx.numel() != int(idx.max() - idx.min() + 1), (variant.name, b, h, i)
-                else:
-                    want = torch.zeros(lk, dtype=torch.bool)
-                    want[first:end] = True
-                    assert torch.equal(kept, want), (variant.name, b, h, i, first, end)
+                    continue
+                want = torch.zeros(lk, dtype=torch.bool)
+                want[max(a0, 0):max(a1, 0)] = True
+                want[max(b0, 0):max(b1, 0)] = True
+                assert a1 <= b0 or b0 >= b1, (variant.name, b, h, i)  # ordered, disjoint
+                assert torch.equal(kept, want), (variant.name, b, h, i, (a0, a1, b0, b1))
     if variant is HOLED:
-        assert bool((runs[..., 0] < 0).any())  # so it runs in the mask form
+        assert bool((runs[..., 2] < runs[..., 3]).any())  # rows with two runs: the two-run form
 
 
 def test_a_block_that_keeps_nothing_gets_one_masked_key():
@@ -280,11 +284,14 @@ def test_split_runs_read_each_kept_key_exactly_once(causal):
 
 
 class _FakeFA3RaggedWrapper:
-    """FlashInfer's FA3 ragged prefill with per-request KV starts, as fivar's KV-range struct sees it (mask form):
-    rows, keys from kv_starts, fv_blocks' mapping, the full range and causal guard; out and the log2 LSE."""
+    """FlashInfer's FA3 ragged prefill with per-request KV starts, as fivar's KV-range struct sees it: rows, keys
+    from kv_starts, fv_blocks' mapping, then the mask form's full range and causal guard, or the two-run form's
+    runs (`row_runs` 2: a row's [a0, a1, b0, b1) at field 3 + field 4 * head + 4 * row); out and the log2 LSE."""
 
-    def __init__(self, variant):
-        self.variant, self._jit_module = variant, types.SimpleNamespace(kv_starts=None)
+    def __init__(self, variant, row_runs=0):
+        assert row_runs in (0, 2)
+        self.variant, self.row_runs = variant, row_runs
+        self._jit_module = types.SimpleNamespace(kv_starts=None)
 
     def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, window_left=-1, **kw):
         assert not causal and window_left == -1
@@ -292,7 +299,8 @@ class _FakeFA3RaggedWrapper:
 
     def run(self, q, k, v, *args, return_lse=False):
         var = self.variant
-        t_names, _, s_names, _ = additional_params(var, with_causal_flag=True, extra_tensors=[BLOCKS])
+        t_names, _, s_names, _ = additional_params(var, with_causal_flag=not self.row_runs,
+                                                   extra_tensors=[BLOCKS, ROW_RUNS] if self.row_runs else [BLOCKS])
         named = dict(zip(t_names + s_names, args))
         out = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
@@ -302,7 +310,13 @@ class _FakeFA3RaggedWrapper:
             keys, vals = k[s0:s0 + int(self.lens[r])], v[s0:s0 + int(self.lens[r])]
             b, q0, k0, f3, f4 = named[BLOCKS][r].tolist()
 
-            def keep(ev, env, f3=f3, f4=f4):
+            def keep(ev, env, f3=f3, f4=f4, k0=k0, n=rows.shape[0]):
+                if self.row_runs:  # runs relative to the request's first key, causal folded in
+                    flat = named[ROW_RUNS].reshape(-1).long()
+                    runs = torch.stack([flat[f3 + f4 * h: f3 + f4 * h + 4 * n].view(n, 4) for h in range(q.shape[1])])
+                    k = env["kv_idx"] - k0
+                    return (((k >= runs[..., 0:1]) & (k < runs[..., 1:2]))
+                            | ((k >= runs[..., 2:3]) & (k < runs[..., 3:4])))
                 kept = ev.run(var.ir.mask).bool() | ((env["kv_idx"] >= f3) & (env["kv_idx"] < f4))
                 return kept & (env["kv_idx"] <= env["q_idx"]) if named["fv_causal"] else kept
             out[self.qo[r]:self.qo[r + 1]], lse[self.qo[r]:self.qo[r + 1]] = attend(
@@ -322,7 +336,8 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
 
     streaming = AttentionVariant(name="kvr_split_streaming", mask=sinks_window,
                                  params={"sink": Scalar(int), "window": Scalar(int)})
-    monkeypatch.setattr(kv_ranges, "_module", lambda *a, **kw: types.SimpleNamespace(uri="fake"))
+    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, **kw: types.SimpleNamespace(uri="fake",
+                                                                                                 row_runs=row_runs))
     monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
     gen = torch.Generator().manual_seed(5)
     qo_lens, kv_lens = [300, 7, 260], [420, 9, 260]
@@ -331,11 +346,13 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
     q = torch.randn(sum(qo_lens), 4, 16, generator=gen).half()
     k, v = (torch.randn(sum(kv_lens), 2, 16, generator=gen).half() for _ in range(2))
     for variant, params in ((streaming, {"sink": 5, "window": 30}), (HOLED, {"gap": 70})):
-        monkeypatch.setattr(kv_ranges, "_fa3_wrapper", lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(var))
+        monkeypatch.setattr(kv_ranges, "_fa3_wrapper",
+                            lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(var, fmod.row_runs))
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
         plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
                                         dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
         assert plan.layout.parts is not None and plan.layout.parts.twice.numel() > 0, variant.name
+        assert plan.row_runs == 2, variant.name  # each row's two runs checked, not the mask
         out, lse = plan.run(q, k, v, return_lse=True)
         for b in range(3):
             s, e, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
