@@ -609,13 +609,17 @@ class RaggedAttentionPlan(_OwnsWrapper):
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
             return
         if self.target == "fa2" and variant.scans_mask:
-            # FA2's block form (fivar.runtime.fa2_blocks) on the paged kernel, K/V read as pages of one key
+            # FA2's block form (fivar.runtime.fa2_blocks) on the paged kernel, K/V read in place as pages of the
+            # largest size (up to 16 keys) that every request's first key starts: a page of one key costs a page
+            # table lookup per key
             n_keys = int(kv_indptr[-1])
+            self._page = next(p for p in (16, 8, 4, 2, 1) if not bool((kv_indptr % p).any()))
             self._blocks = PagedAttentionPlan(
-                variant, qo_indptr, kv_indptr, torch.arange(n_keys, dtype=torch.int32, device=self.device),
-                (kv_indptr.diff() > 0).to(torch.int32), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                head_dim=head_dim, page_size=1, dtype=dtype, causal=causal, sm_scale=sm_scale, backend="fa2",
-                device=self.device, params=params)
+                variant, qo_indptr, kv_indptr // self._page,
+                torch.arange(n_keys // self._page, dtype=torch.int32, device=self.device),
+                torch.where(kv_indptr.diff() > 0, self._page, 0).to(torch.int32), num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=self._page, dtype=dtype, causal=causal,
+                sm_scale=sm_scale, backend="fa2", device=self.device, params=params)
             if self._blocks.keys_read is not None:
                 return
             self._blocks.release()  # the mask drops no block: FA2's ragged kernel as it is
@@ -648,7 +652,8 @@ class RaggedAttentionPlan(_OwnsWrapper):
         if self._kv_ranges is not None:
             return self._kv_ranges.run(q, k, v, return_lse=return_lse)
         if self._blocks is not None:
-            return self._blocks.run(q, (k.unsqueeze(1), v.unsqueeze(1)), return_lse=return_lse)
+            pages = lambda t: t.reshape(-1, self._page, *t.shape[1:])  # noqa: E731  (a view of contiguous K/V)
+            return self._blocks.run(q, (pages(k), pages(v)), return_lse=return_lse)
         return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
 
     def release(self):

@@ -149,6 +149,28 @@ def test_ragged_block_form_matches_the_reference(cpu_fa2, mask):
     assert plan._blocks is not None and torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
 
 
+@pytest.mark.parametrize("kv_lens,page", [([48, 80, 160], 16), ([40, 88, 152], 8), ([38, 90, 150], 2)])
+@pytest.mark.parametrize("mask", [m_document, m_chunk_causal], ids=lambda f: f.__name__)
+def test_ragged_block_form_reads_keys_as_the_largest_pages_that_align(cpu_fa2, mask, kv_lens, page):
+    """Every request's first key on a multiple of 16 (8, 2): the ragged K/V are read in place as pages of that many
+    keys, and the result is the reference's."""
+    current, made = cpu_fa2
+    gen = torch.Generator().manual_seed(7)
+    v, qo_lens, _, params = _case(mask, gen)
+    params["doc"] = torch.randint(0, 4, (3, max(kv_lens)), generator=gen).sort(1).values.to(torch.int32)
+    current[0] = v
+    q, k, vv = _qkv(qo_lens, kv_lens, gen)
+    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                                         dtype=torch.float16, causal=True, backend="fa2", device="cpu",
+                                         params=params)
+    assert plan._blocks is not None and plan._page == page
+    ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, True, params).double()
+    out = plan.run(q, k, vv).double()
+    assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
+
+
 @pytest.mark.parametrize("mask", [m_document, m_sinks_window, m_chunk_causal], ids=lambda f: f.__name__)
 def test_trimmed_decode_matches_the_reference(cpu_fa2, mask):
     current, made = cpu_fa2
