@@ -1,0 +1,64 @@
+"""The real-model zoo (benchmarks/zoo/*.py) on the GPU: each variant's compiled prefill (FA3, FA2) and paged decode
+against its reference at awkward shapes. Kept apart from tests/unit/test_zoo.py, whose CPU tests run Triton's
+interpreter for the whole module."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivar.bench.suites.zoo import ZOO, zoo_dir
+from fivar.registry import load_file
+from fivar.spec.params import Scalar, Tensor
+from fivar.testing import compare, example_params
+
+FILES = sorted(p.stem for p in Path(zoo_dir()).glob("*.py") if not p.name.startswith("_"))
+
+
+def _gpu_params(v, L, hq, batch):
+    p = example_params(v, num_qo_heads=hq, num_kv_heads=2, batch_size=batch, max_len=L, device="cuda")
+    sizing = {d for t in v.params.values() if isinstance(t, Tensor) for d in t.dims}
+    for name, decl in v.params.items():  # windows, chunks and sinks that cut inside these lengths
+        if isinstance(decl, Scalar) and decl.dtype is int and not any(name in d for d in sizing):
+            p[name] = int(torch.randint(3, L // 3, ()))
+    if "windows" in p:
+        p["windows"] = torch.randint(1, L // 2, (hq,), dtype=torch.int32, device="cuda")
+    return p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+@pytest.mark.parametrize("name", FILES)
+def test_zoo_prefill_on_the_gpu(name, backend):
+    """Each zoo variant's compiled prefill against its reference at an awkward shape (qo 333 rows over 517 keys)."""
+    if backend == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FA3 needs Hopper")
+    torch.manual_seed(1)
+    v = load_file(zoo_dir() / f"{name}.py")
+    lq, lk, hq = 333, 517, 8
+    params = _gpu_params(v, lk, hq, 1)
+    q = torch.randn(lq, hq, 128, dtype=torch.bfloat16, device="cuda")
+    k, vv = (torch.randn(lk, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    out = v.prefill(q, k, vv, causal=ZOO[name].causal, backend=backend, **params)
+    ref = v.reference(q, k, vv, causal=ZOO[name].causal, **params)
+    r = compare(name, f"{backend} qo{lq} kv{lk}", out, ref, torch.bfloat16)
+    assert r.passed, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FILES)
+def test_zoo_decode_on_the_gpu(name):
+    """Paged decode (page 16, ragged lengths) of each zoo variant against its reference, request by request."""
+    from fivar.testing import _to_paged
+    torch.manual_seed(2)
+    v = load_file(zoo_dir() / f"{name}.py")
+    lens, hq = [77, 300, 1], 8
+    params = _gpu_params(v, max(lens), hq, len(lens))
+    k, vv = (torch.randn(sum(lens), 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    q = torch.randn(len(lens), hq, 128, dtype=torch.bfloat16, device="cuda")
+    cache, indptr, indices, last = _to_paged(k, vv, lens, 16)
+    out = v.decode(q, cache, indptr, indices, last, **params)
+    starts = [sum(lens[:b]) for b in range(len(lens))]
+    for b, (s, n) in enumerate(zip(starts, lens)):
+        ref = v.reference(q[b:b + 1], k[s:s + n], vv[s:s + n], batch_idx=b, batch_size=len(lens), **params)
+        r = compare(name, f"decode request {b} of {n} keys", out[b:b + 1], ref, torch.bfloat16)
+        assert r.passed, r
