@@ -26,7 +26,7 @@ from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pag
                      _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
 from .params import kernel_args
 from .position_tables import max_lengths
-from .plan_cache import PlanCache
+from .plan_cache import Hashed, PlanCache
 from .triton_attention import triton_batch_prefill_ragged, triton_decode, triton_prefill
 
 
@@ -226,10 +226,10 @@ def _split_kwargs(variant, target: str, causal: bool = True, window_left: int = 
     return {}
 
 
-def _shapes(*tensors) -> tuple:
+def _shapes(*tensors) -> Hashed:
     """What a cached plan assumes of the data tensors (not their contents): a hit skips the checks of these."""
-    return tuple((tuple(t.shape), t.stride(), t.dtype, str(t.device)) if isinstance(t, torch.Tensor)
-                 else type(t).__name__ for t in tensors)
+    return Hashed((t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
+                  for t in tensors)
 
 
 def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,

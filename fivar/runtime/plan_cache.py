@@ -19,20 +19,30 @@ import torch
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    return ("tensor", id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype, str(t.device))
+    return ("tensor", id(t), t._version, t.data_ptr(), t.shape, t.dtype, t.device)
+
+
+class Hashed(tuple):
+    """A tuple of hashable values that value_key keeps as it is (no walk through its items)."""
+
+
+_AS_THEY_ARE = (Hashed, str, type(None), torch.dtype, torch.device, torch.Size)  # hashable, equal only to their kind
 
 
 def value_key(x) -> tuple | object:
-    """A hashable key of a call argument: a tensor by identity and version, containers item by item."""
+    """A hashable key of a call argument: a tensor by identity and version, containers item by item, numbers with
+    their type (1, 1.0 and True stay apart). Built on every one-shot call, so kept cheap (no string formatting)."""
     if isinstance(x, torch.Tensor):
         return tensor_key(x)
+    if isinstance(x, _AS_THEY_ARE):
+        return x
+    if isinstance(x, tuple):
+        return ("tuple",) + tuple(map(value_key, x))
     if isinstance(x, dict):
-        return ("dict", tuple(sorted((k, value_key(v)) for k, v in x.items())))
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(value_key(v) for v in x))
-    if isinstance(x, (torch.dtype, torch.device, torch.Size)):
-        return str(x)
-    return (type(x).__name__, x)
+        return ("dict",) + tuple(sorted((k, value_key(v)) for k, v in x.items()))
+    if isinstance(x, list):
+        return ("list",) + tuple(map(value_key, x))
+    return (type(x), x)
 
 
 def _tensors(x):

@@ -7,7 +7,7 @@ import torch
 
 import fivar
 from fivar.runtime import attention
-from fivar.runtime.plan_cache import PlanCache
+from fivar.runtime.plan_cache import Hashed, PlanCache, value_key
 
 
 def _make_counter():
@@ -49,6 +49,18 @@ def test_equal_contents_in_a_new_tensor_replan_and_freed_tensors_drop_their_plan
     c = torch.tensor([0, 3], dtype=torch.int32)
     cache.get(("x", c), make)  # whatever id c got, the plan keyed on the dead tensor is never served
     assert len(made) == 3
+
+
+def test_keys_keep_numbers_of_other_types_and_other_shapes_apart():
+    """1, 1.0 and True are different params (a float's plan is not an int's); a data tensor's shape, stride and
+    dtype are part of the key (fivar.runtime.attention._shapes); a dict's order is not."""
+    keys = {value_key(("x", 1)), value_key(("x", 1.0)), value_key(("x", True))}
+    assert len(keys) == 3
+    a, b = torch.zeros(4, 8), torch.zeros(8, 4)
+    shapes = lambda t: Hashed((t.shape, t.stride(), t.dtype, t.device))  # noqa: E731
+    assert value_key(shapes(a)) != value_key(shapes(b)) != value_key(shapes(b.t()))
+    assert value_key(shapes(a)) != value_key(shapes(a.half()))
+    assert value_key({"w": 3, "s": 2.0}) == value_key({"s": 2.0, "w": 3}) != value_key({"s": 2.0, "w": 4})
 
 
 def test_capacity_is_least_recently_used():
