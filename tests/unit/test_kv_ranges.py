@@ -175,49 +175,44 @@ def test_a_block_that_keeps_nothing_gets_one_masked_key():
     assert lay.kv_lens.tolist() == [1] and lay.blocks.tolist()[0][:3] == [0, -78, 0]
 
 
-def test_pre_pass_gaps_hold_no_kept_key():
-    """[gap_lo, gap_hi) of each RANGE_ROWS group: no row of the group keeps a key there (the twin skips its tiles);
-    a mask whose rows keep two runs gets non-empty gaps."""
-    rows = 16
+def _range_groups(rows=16):
+    """Each RANGE_ROWS group of every pre-scanned case: (variant, where, the group's rows as some head keeps them and
+    as every head does, its RANGE_FIELDS, kv_len)."""
     for variant, _, bound, ranges, _ in _prescanned():
         heads = ranges.shape[1]
-        gaps = 0
         for b, (lq, lk) in enumerate(zip(_QO_LENS, _KV_LENS)):
             keep = _kept(variant, bound, b, lq, lk, _HEADS, False)
             for h in range(heads):
+                some, every = (keep[h], keep[h]) if heads > 1 else (keep.any(0), keep.all(0))
                 for g in range((lq + rows - 1) // rows):
-                    lo, hi = (int(x) for x in ranges[b, h, g, 4:6])
-                    if lo >= hi:
-                        continue
-                    gaps += 1
-                    heads_seen = keep[h] if heads > 1 else keep.any(0)
-                    assert not heads_seen[g * rows:(g + 1) * rows, lo:hi].any(), (variant.name, b, h, g, lo, hi)
-                    assert int(ranges[b, h, g, 0]) < lo and hi < int(ranges[b, h, g, 1]), "a gap lies between runs"
-        if variant is HOLED:
-            assert gaps > 0
+                    yield (variant, (variant.name, b, h, g), some[g * rows:(g + 1) * rows],
+                           every[g * rows:(g + 1) * rows], [int(x) for x in ranges[b, h, g]], lk)
+
+
+def test_pre_pass_gaps_hold_no_kept_key():
+    """[gap_lo, gap_hi) of each RANGE_ROWS group: no row of the group keeps a key there (the twin skips its tiles);
+    a mask whose rows keep two runs gets non-empty gaps."""
+    holed_gaps = 0
+    for variant, where, some, _, (lo_all, hi_all, _, _, lo, hi), _ in _range_groups():
+        if lo >= hi:
+            continue
+        holed_gaps += variant is HOLED
+        assert not some[:, lo:hi].any(), (where, lo, hi)
+        assert lo_all < lo and hi < hi_all, ("a gap lies between runs", where)
+    assert holed_gaps > 0
 
 
 def test_pre_pass_full_range_is_kept_by_every_row():
     """[full_lo, full_hi) of each RANGE_ROWS group: every row of the group keeps every key there (the twin and FA3's
     mask form skip the mask on it); a mask whose rows keep two runs gets it inside the last runs, after the gap."""
-    rows = 16
-    for variant, _, bound, ranges, _ in _prescanned():
-        heads = ranges.shape[1]
-        after_gap = 0
-        for b, (lq, lk) in enumerate(zip(_QO_LENS, _KV_LENS)):
-            keep = _kept(variant, bound, b, lq, lk, _HEADS, False)
-            for h in range(heads):
-                for g in range((lq + rows - 1) // rows):
-                    lo, hi = (int(x) for x in ranges[b, h, g, 2:4])
-                    if lo >= hi:
-                        continue
-                    assert 0 <= lo and hi <= lk, (variant.name, b, h, g, lo, hi)
-                    every_head = keep[h] if heads > 1 else keep.all(0)
-                    assert every_head[g * rows:(g + 1) * rows, lo:hi].all(), (variant.name, b, h, g, lo, hi)
-                    gap_lo, gap_hi = (int(x) for x in ranges[b, h, g, 4:6])
-                    after_gap += gap_lo < gap_hi and gap_hi <= lo
-        if variant is HOLED:
-            assert after_gap > 0
+    after_gap = 0
+    for variant, where, _, every, (_, _, lo, hi, gap_lo, gap_hi), kv_len in _range_groups():
+        if lo >= hi:
+            continue
+        assert 0 <= lo and hi <= kv_len, (where, lo, hi)
+        assert every[:, lo:hi].all(), (where, lo, hi)
+        after_gap += variant is HOLED and gap_lo < gap_hi <= lo
+    assert after_gap > 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
