@@ -327,7 +327,7 @@ class _FakeFA3PagedWrapper:
         t_names, _, s_names, _ = additional_params(v, with_causal_flag=not row_runs,
                                                    extra_tensors=[BLOCKS, ROW_RUNS] if row_runs else [BLOCKS])
         named = dict(zip(t_names + s_names, args))
-        hq, hkv = q.shape[1], k_cache.shape[2]
+        hkv = k_cache.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float64)
         for r in range(p["qo"].numel() - 1):
             rows = q[p["qo"][r]:p["qo"][r + 1]].double()
