@@ -15,10 +15,13 @@ FA3's sliding-window schedule; any other mask goes through this lowering:
    KV offsets from that plan. The KV-range form of the variant struct (fivar.codegen.fa3) maps a block's
    local rows and keys back through `fv_blocks` and still applies the mask (and causal) to every pair.
 
-The pre-pass also records each row's run of kept keys. When every row keeps one run (a document mask, a
+The pre-pass also records each row's runs of kept keys. When every row keeps one run (a document mask, a
 per-head window), the struct's row-run form checks the key against its row's run (one load per row)
 instead of evaluating the mask per element: the mask's per-element gathers made FA3's consumer warps spill
 (H200: the mask form ran 4.3x slower per tile than stock FA3 even when the mask was skipped by a branch).
+When rows keep up to two runs (sink tokens and a window), the two-run form checks both (`two_run_table`), and a
+query block whose rows share a gap between their runs runs as two requests over copies of its rows, one per
+run, merged through their LSEs (`kv_range_layout(split_runs=True)`).
 
 A paged batch gets the same blocks over pages (`paged_kv_ranges`): each block is a request of FA3's paged kernel
 whose page list is the run of its request's pages from the one holding its first kept key (so the block's first
