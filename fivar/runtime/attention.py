@@ -19,6 +19,7 @@ from ..spec.sparsity import classify_decode
 from .fp8_kv import (ScaledArgs, check_q_dtype, check_scale, fp8_backend, kv_dtype_of, plan_kv_dtype,
                      scaled_output)
 from . import wave_split
+from .ops import register_plan
 from . import fa2_blocks
 from .decode_pages import trim_pages
 from .kv_ranges import KvRangePrefill, paged_kv_ranges
@@ -413,6 +414,7 @@ class DecodePlan(_OwnsWrapper):
 
     def __init__(self, variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
                  page_size, dtype, sm_scale, device, params, kv_dtype=None):
+        register_plan(self)
         self.variant = variant
         kv_name = plan_kv_dtype(variant, dtype, kv_dtype)
         self._kv_dtype = kv_dtype or dtype
@@ -508,6 +510,7 @@ class PagedAttentionPlan(_OwnsWrapper):
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
                  num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
                  device="cuda", params=None, kv_dtype=None):
+        register_plan(self)
         kv_name = plan_kv_dtype(variant, dtype or torch.bfloat16, kv_dtype)  # an FP8 cache: fivar.runtime.fp8_kv
         backend = fp8_backend(variant, backend, kv_name)
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
@@ -593,6 +596,7 @@ class RaggedAttentionPlan(_OwnsWrapper):
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype=None,
                  causal=False, sm_scale=None, backend="auto", device="cuda", params=None):
+        register_plan(self)
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
         causal = _kernel_causal(variant, causal)

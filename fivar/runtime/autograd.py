@@ -8,7 +8,7 @@ Two torch.library custom ops carry the work, so `torch.compile` sees opaque, sha
   spec (fivar.codegen.triton_bwd), with float32 gradients of the tensor parameters declared `learnable=True`.
 
 The autograd formula of the forward op (`register_autograd`) calls the backward op. Custom ops take tensors and
-numbers only, so the variant travels as its `key` (fivar.spec.variant.variant_by_key) and its params as two lists,
+numbers only, so the variant travels as its `key` (fivar.spec.live.variant_by_key) and its params as two lists,
 tensors then scalars in declaration order. `lse` is an output for callers that merge states; no gradient flows through it.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
-from ..spec.variant import variant_by_key
+from ..spec.live import variant_by_key
 from .params import BoundParams
 
 def _bound(variant, tensors: list, scalars: list) -> BoundParams:

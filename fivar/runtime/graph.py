@@ -35,6 +35,7 @@ from ..codegen import fa2
 from .attention import _decode_on_tensor_cores, _owns_mask, _paged_args, _split_kwargs, _window_left, choose_target
 from .launch import _attach, _check_indptr, _module, _paged_kv, _prepare, _workspace
 from . import position_tables
+from .ops import register_plan
 from .params import kernel_args
 
 
@@ -47,6 +48,7 @@ class GraphDecodePlan:
                  head_dim: int, page_size: int, max_batch: int | None = None, max_pages: int | None = None,
                  dtype=None, sm_scale=None, backend: str = "auto", device="cuda", params=None):
         import flashinfer
+        register_plan(self)
         self.variant, self.device = variant, torch.device(device)
         name = variant.name
         dtype = dtype or torch.bfloat16

@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from ..spec.live import variant_by_key
 from ..spec.params import Scalar
 
 #: Arguments before the params, per op (schema text).
@@ -130,7 +131,6 @@ def ops_namespace(variant) -> str:
 # string, a constant to Dynamo), not the variant object, which Dynamo cannot pass to such a function.
 @torch._dynamo.assume_constant_result
 def _namespace(key: str) -> str:
-    from ..spec.variant import variant_by_key
     variant = variant_by_key(key)
     fam = _by_variant.get(variant)
     if fam is None:
@@ -193,8 +193,8 @@ _plan_ids = itertools.count(1)
 
 
 def register_plan(plan):
-    """Give a plan the int the plan_run op knows it by; the plan_* factories call it when they make a plan, so a
-    compiled graph reads `plan.op_handle` as a constant."""
+    """Give a plan the int the plan_run op knows it by (each plan's constructor calls it first), so a compiled graph
+    reads `plan.op_handle` as a constant."""
     plan.op_handle = next(_plan_ids)
     _plans[plan.op_handle] = plan
     return plan
@@ -204,8 +204,8 @@ def plan_handle(plan) -> int:
     handle = getattr(plan, "op_handle", None)
     if handle is None:
         from ..errors import FivarError
-        raise FivarError(f"variant '{plan.variant.name}': this plan was not made by variant.plan_paged/plan_ragged/"
-                         "plan_decode, so torch.compile cannot call its run")
+        raise FivarError(f"variant '{plan.variant.name}': {type(plan).__name__} has no op handle (its constructor "
+                         "calls fivar.runtime.ops.register_plan), so torch.compile cannot call its run")
     return handle
 
 

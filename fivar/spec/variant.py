@@ -25,28 +25,15 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import itertools
 import numbers
-import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
 from ..errors import FivarError, FivarSpecError
+from . import live
 from .names import why_param_name_is_taken
 from .params import Scalar, Tensor, call_site, out_of_range
-
-
-_serials = itertools.count(1)
-_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def variant_by_key(key: str) -> "AttentionVariant":
-    """The live variant whose `key` this is (custom ops take strings, not objects)."""
-    variant = _live.get(key)
-    if variant is None:
-        raise FivarError(f"no live variant has the key {key!r} (the variant object was freed)")
-    return variant
 
 
 @dataclass(eq=False)
@@ -65,8 +52,7 @@ class AttentionVariant:
 
     def __post_init__(self):
         # a string naming this object: what compiled graphs and custom ops carry instead of the object itself
-        self.key = f"{self.name}@{next(_serials)}"
-        _live[self.key] = self
+        self.key = live.register(self)
         where = self._where(self.logits or self.mask or self.sink)
         if not where:  # no function to point at: the AttentionVariant(...) call (the dataclass __init__'s caller)
             where = call_site(2)
@@ -247,40 +233,36 @@ class AttentionVariant:
         """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split).
         kv_dtype=torch.float8_e4m3fn: an FP8 cache, run with `.run(q, cache, k_scale=, v_scale=)`."""
         from ..runtime.attention import PagedAttentionPlan
-        from ..runtime.ops import register_plan
         self._check_backend_name(backend)
-        return register_plan(PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+        return PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                   num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
-                                  backend=backend, device=device, params=params, kv_dtype=kv_dtype))
+                                  backend=backend, device=device, params=params, kv_dtype=kv_dtype)
 
     def plan_ragged(self, qo_indptr, kv_indptr, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                     dtype=None, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
                     device="cuda", **params):
         """Plan a ragged batch (a single request: indptrs [0, len]) once, then `.run(q, k, v)` per layer."""
         from ..runtime.attention import RaggedAttentionPlan
-        from ..runtime.ops import register_plan
         self._check_backend_name(backend)
-        return register_plan(RaggedAttentionPlan(self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads,
+        return RaggedAttentionPlan(self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads,
                                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
-                                   sm_scale=sm_scale, backend=backend, device=device, params=params))
+                                   sm_scale=sm_scale, backend=backend, device=device, params=params)
 
     def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, *, cuda_graph: bool = False, **kwargs):
         """Plan what `decode` runs (FA2: the tensor-core paged kernel or the decode kernel, as `decode` chooses) once
         per batch, then `.run(q, paged_kv_cache)` per layer. cuda_graph=True
         (with max_batch=, max_pages=): fixed buffers for capture and replay (fivar.runtime.graph)."""
-        from ..runtime.ops import register_plan
         if cuda_graph:
             from ..runtime.graph import GraphDecodePlan
             params = {k: kwargs.pop(k) for k in list(kwargs) if k in self.params}
-            return register_plan(GraphDecodePlan(self, kv_indptr, kv_indices, kv_last_page_len, params=params,
-                                                 **kwargs))
+            return GraphDecodePlan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
         from ..runtime.attention import decode_plan
         self._check_backend_name(kwargs.get("backend", "auto"))
         plan_args = {"num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "sm_scale", "backend", "device",
                      "kv_dtype"}
         params = {k: kwargs.pop(k) for k in list(kwargs) if k not in plan_args}  # checked against the declaration
-        return register_plan(decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs))
+        return decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
 
     def attention(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, backend: str = "triton",
                   qo_indptr=None, kv_indptr=None, return_lse: bool = False, **params):
