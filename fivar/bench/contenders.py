@@ -252,6 +252,10 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
                    kv_data_type=kv_dtype, **kw)
             out.append(Contender("stock", lambda: w.run(q, cache, **sc), label + " (tensor-core decode)" + fp8,
                                  checks_variant=st is not None))
+        if "graph" in wanted:
+            # every plan's copies and the captures settled before a contender runs: the runner's graph cases fault
+            # (docs/limits.md) where a script that synchronized here ran the same contenders
+            torch.cuda.synchronize(p.device)
     return out
 
 
@@ -276,13 +280,9 @@ def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:
         use_tensor_cores=plan.tensor_cores, paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
         paged_kv_last_page_len_buffer=bufs[2], backend="fa2")
     w.plan(ind, idx, last, hq, hkv, d, 16, q_data_type=p.dtype, kv_data_type=p.dtype, **kw)
-    out = [Contender("fivar-graph", _replayed(lambda: plan.run(q, cache)), "plan_decode(cuda_graph=True), replayed"),
-           Contender("stock-graph", _replayed(lambda: w.run(q, cache)), label + " (use_cuda_graph, replayed)",
-                     checks_variant=st is not None)]
-    # settle the plans' copies and the captures before any contender runs: the runner's graph cases fault while
-    # preparing, and a script that synchronized here ran the same contenders without a fault (docs/limits.md)
-    torch.cuda.synchronize(dev)
-    return out
+    return [Contender("fivar-graph", _replayed(lambda: plan.run(q, cache)), "plan_decode(cuda_graph=True), replayed"),
+            Contender("stock-graph", _replayed(lambda: w.run(q, cache)), label + " (use_cuda_graph, replayed)",
+                      checks_variant=st is not None)]
 
 
 def _replayed(fn):
