@@ -98,6 +98,26 @@ def test_scattered_learnable_reads():
     assert r.passed, r
 
 
+def test_rows_of_keys_is_the_transpose_of_the_ranges():
+    """For each 16 keys, the rows of the 16-row groups whose [lo, hi) reaches them, first to last: against a brute
+    force over random ranges (empty ones included), one key group a slice or all at once."""
+    from fivar.jit.triton_module import load_triton_module
+    module = load_triton_module(fivar.load("document_mask"), training=True)
+    gen = torch.Generator().manual_seed(3)
+    lo = torch.randint(0, 300, (2, 3, 11), generator=gen)
+    hi = lo + torch.randint(-40, 120, (2, 3, 11), generator=gen)  # hi <= lo: the group keeps nothing
+    ranges = torch.zeros(2, 3, 11, 6, dtype=torch.int32)
+    ranges[..., 0], ranges[..., 1] = lo.to(torch.int32), hi.to(torch.int32)
+    for pairs in (1, 264, 1 << 22):  # a key group a slice, four (the last one short), all
+        got = module.rows_of_keys(ranges, 400, pairs=pairs)
+        for b in range(2):
+            for h in range(3):
+                for j in range(25):  # ceil(400 / 16)
+                    reach = [g for g in range(11) if lo[b, h, g] < 16 * j + 16 and hi[b, h, g] > 16 * j]
+                    want = [16 * min(reach), 16 * (max(reach) + 1)] if reach else [16 * 11, 0]
+                    assert got[b, h, j].tolist() == want, (pairs, b, h, j)
+
+
 def test_bench_train_rows():
     """The --op train runner's row for fivar alone (timed on the CPU here; the GPU run adds Flex and SDPA)."""
     from fivar.bench.train import bench_train
