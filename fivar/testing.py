@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -209,6 +210,11 @@ def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"),
         if torch.bfloat16 in dtypes:
             raise FivarError(f"variant '{variant.name}': bfloat16 on the CPU: Triton's interpreter has no bfloat16 "
                              "arithmetic; check float16")
+        if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
+            # Triton picks compiled or interpreted kernels when it is imported (torch may import it first)
+            raise FivarError(f"variant '{variant.name}': on the CPU the Triton twin runs under Triton's interpreter, "
+                             "which must be chosen before Triton is imported: run with TRITON_INTERPRET=1 set (e.g. "
+                             "`TRITON_INTERPRET=1 fivar check NAME --backends triton`)")
         os.environ["TRITON_INTERPRET"] = "1"
         single, batch_cases, decode_cases = CPU_SINGLE_CASES, CPU_BATCH_CASES, CPU_DECODE_CASES
     elif not torch.cuda.is_available():

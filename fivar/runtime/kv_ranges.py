@@ -292,12 +292,13 @@ def run_kind(runs: torch.Tensor) -> int:
 
 
 def _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device):
-    """The mask pre-pass over a batch given by token indptrs: (ranges on the host, the rows' runs on `device`,
-    their run_kind: the row-run forms check runs, not the mask)."""
+    """The mask pre-pass over a batch given by token indptrs: (ranges on the host, run_kind, the rows' runs on
+    `device` as that form reads them: [..., 2] for one run a row, [..., 4] for two, None for the mask form)."""
     ranges, runs = load_triton_module(variant).mask_ranges(
-        qo_indptr.to(device, torch.int32), kv_indptr.to(device, torch.int32), max_qo_len, num_qo_heads,
-        num_qo_heads // num_kv_heads, kernel_arg_values(variant, bound, sm_scale), row_runs=True)
-    return ranges.cpu(), runs, run_kind(runs)
+        qo_indptr.to(device), kv_indptr.to(device), max_qo_len, num_qo_heads, num_qo_heads // num_kv_heads,
+        kernel_arg_values(variant, bound, sm_scale), row_runs=True)
+    kind = run_kind(runs)
+    return ranges.cpu(), kind, {0: None, 1: runs[..., :2].contiguous(), 2: runs}[kind]
 
 
 def two_run_table(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
@@ -337,12 +338,11 @@ class KvRangePrefill:
         self.empty = max_qo_len == 0
         if self.empty:
             return
-        ranges, runs, self.row_runs = _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
+        ranges, self.row_runs, runs = _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
                                             num_kv_heads, sm_scale, device)
-        single_runs = runs[..., :2].contiguous() if self.row_runs == 1 else None
         # rows keeping two runs (a sink and a window) read each run, not the keys between (merged by the LSEs)
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
-                                 runs_shape=tuple(single_runs.shape) if self.row_runs == 1 else None,
+                                 runs_shape=tuple(runs.shape) if self.row_runs == 1 else None,
                                  split_runs=self.row_runs != 1 and variant.softmax and variant.sink is None)
         if self.row_runs == 2:
             two_runs, layout.blocks[:, 3:] = two_run_table(runs, layout, qo_h, kv_h, causal)
@@ -356,7 +356,7 @@ class KvRangePrefill:
         tables = {BLOCKS: layout.blocks.to(device)}
         if self.row_runs:
             tables[ROW_RUNS] = (two_runs if self.row_runs == 2 else
-                                relative_runs(single_runs, layout, qo_h, kv_h, block_rows(head_dim), causal))
+                                relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal))
         self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
         parts = layout.parts
         self._parts = None if parts is None else tuple(t.to(device) for t in (parts.src, parts.first, parts.twice,
@@ -406,9 +406,8 @@ def paged_kv_ranges(variant, bound, qo_indptr, kv_indptr, kv_indices, kv_last_pa
     max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
     if max_qo_len == 0:
         return None
-    ranges, runs, kind = _scan(variant, bound, qo_h, kv_h, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device)
+    ranges, kind, runs = _scan(variant, bound, qo_h, kv_h, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device)
     row_runs = kind == 1  # two runs a row: the mask form (the paged blocks do not split)
-    runs = runs[..., :2].contiguous()
     rows = block_rows(head_dim)
     layout = paged_range_layout(ranges, qo_h, pages_h, kv_indices.cpu(), last_h, page_size, rows, causal,
                                 runs_shape=tuple(runs.shape) if row_runs else None)

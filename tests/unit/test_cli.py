@@ -341,3 +341,18 @@ def test_an_arch_nvcc_cannot_compile_is_refused_before_building(runner, monkeypa
 def test_options_that_would_be_ignored_are_refused(runner, args, text):
     r = runner.invoke(main, args)
     assert r.exit_code == 1 and text in " ".join(r.output.split()), r.output
+
+
+def test_check_on_the_cpu_without_the_interpreter_is_one_clear_line():
+    """Triton picks interpreted kernels only if TRITON_INTERPRET=1 is set before it is imported: `fivar check
+    --backends triton` started without it either runs (Triton not yet imported) or says how to start it, never a
+    Triton traceback."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "fivar", "check", "softcap", "--backends", "triton", "--ops",
+                        "single_prefill"], capture_output=True, text=True, timeout=600, env=env)
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out, out[-2000:]
+    assert r.returncode == 0 or "TRITON_INTERPRET=1" in out, out[-2000:]
