@@ -48,10 +48,11 @@ def window_form(variant) -> bool:
     return variant.lowered.mask is not None and variant.kv_band.window
 
 
-def mask_modes(variant) -> list[str]:
+def mask_modes(variant, kv_segments: bool = False) -> list[str]:
     """A variant with a mask owns it on every tile (kCustom) and folds `causal` in itself; a window-form mask
-    also gets kCausal (window_form)."""
-    if window_form(variant):
+    also gets kCausal (window_form), and so does the key-segments form (its kCausal launch:
+    fivar.runtime.fa2_blocks)."""
+    if window_form(variant) or (kv_segments and variant.mask):
         return [MASK_CAUSAL, MASK_CUSTOM]
     return [MASK_CUSTOM] if variant.mask else [MASK_NONE, MASK_CAUSAL]
 
@@ -101,15 +102,17 @@ def sink_members_and_body(variant, param_ref, emit: CppEmitter,
     return members, "\n      ".join(sink_emit.sink_lines(sink))
 
 
-#: The key-segments form's per-request table: int32 [requests, 7] = (seg, shift_a, shift_b, q_shift, batch, full_lo,
-#: full_hi). Local keys in [full_lo, full_hi) are kept by the mask for every row of the request (FULL blocks of
+#: The key-segments form's per-request table: int32 [requests, 9] = (seg, shift_a, shift_b, q_shift, batch, full_lo,
+#: full_hi, skip, window_left). Local keys in [full_lo, full_hi) are kept by the mask for every row of the request (FULL blocks of
 #: fivar.spec.sparsity), so the struct skips the mask there and checks causal only. A request of
 #: the kernel is a piece of one of the batch: decode over pages trimmed to two runs (fivar.runtime.decode_pages), or
 #: a query block over the pages of the keys its mask may keep (fivar.runtime.fa2_blocks). The kernel's key kv sits
 #: at kv_idx kv + shift_a below local key `seg`, kv + shift_b from it on, and its query qo_idx at q_idx
 #: (kv_len - qo_len + qo_idx) + q_shift; causal compares those positions; `batch` is the request of the batch it is
-#: a piece of.
-KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 7
+#: a piece of. `skip` != 0: this launch leaves the request to another one (its qo_len and kv_len read as 0, so the
+#: kernel neither reads nor writes it); `window_left` >= 0: the kernel's window for this request (it masks the KV
+#: tiles left of the rows' diagonal less window_left, skips those left of the first row's).
+KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 9
 
 
 def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",
@@ -139,6 +142,10 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
         # causal on the positions the keys and queries stand for (a request here is a piece of one)
         guard = f"(!fv_causal || {index_init['kv_idx']} <= int32_t(qo_idx) + fv_q_offset)"
     scale = softmax_scale_log2(variant, emit)
+    request_lines = []
+    if kv_segments:
+        request_lines = [f"if ({seg(7)} != 0) {{ qo_len = 0; kv_len = 0; }}",
+                         f"if ({seg(8)} >= 0) window_left = uint32_t({seg(8)});"]
     mask_body = None
     if lowered.mask:
         # Masked variants run in kCustom mode (mask on every tile), so `causal` is a runtime flag here.
@@ -150,6 +157,6 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
     source = render(template, name=variant.name, source=os.path.basename(variant.source_file or "<unknown>"), struct_name=struct_name(variant),
                     softmax=variant.softmax, members=members, sm_scale_log2=scale,
                     logits_body=emit.body(lowered.logits) if lowered.logits else None, mask_body=mask_body,
-                    sink_body=sink_body)
+                    sink_body=sink_body, request_lines=request_lines)
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=bool(variant.mask),
                                                           extra_tensors=[KV_SEGMENTS] if kv_segments else []))

@@ -465,7 +465,7 @@ _single_prefill_split_problem = fa2_launchers.single_prefill_split_problem
 _inst_statements = fa2_launchers.inst_statements
 
 
-def _fa2_tile_split(op: str, variant, kwargs: dict):
+def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
     """FA2 prefill kernel units, one per (mask mode, CTA_TILE_Q), or None to keep FlashInfer's layout.
 
     FlashInfer's FA2 prefill kernel units hold every CTA tile (and, below each, every NUM_MMA_KV) of one mask
@@ -489,7 +489,6 @@ def _fa2_tile_split(op: str, variant, kwargs: dict):
     problem = (_single_prefill_split_problem() if op == "single_prefill" else
                fa2_launchers.batch_prefill_split_problem())
     flashinfer_units: dict[int, str] = {}
-    modes = fa2.mask_modes(variant)
     if op == "single_prefill":
         tiles = list(_dispatch_cta_tiles())
     else:
@@ -598,7 +597,6 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     from flashinfer.jit.attention.utils import generate_additional_params
     from flashinfer.jit.utils import dtype_map, mask_mode_literal
 
-    codegen = fa3 if target == "fa3" else fa2
     tiles: dict[str, tuple[tuple[int, int], ...]] = {}
     chosen_schedules: dict[str, str] = {}
     logits_range = None
@@ -647,10 +645,11 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     config = _render_flashinfer(config_t, **kwargs)
     if tiles:
         config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
-    sources = {config_name: config + _dispatch_override(config, variant, codegen.mask_modes(variant)),
+    modes = fa2.mask_modes(variant, kv_segments=kv_segments) if target == "fa2" else fa3.mask_modes(variant)
+    sources = {config_name: config + _dispatch_override(config, variant, modes),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
-    split = _fa2_tile_split(op, variant, kwargs) if target == "fa2" and build_config.split_cta_tiles else None
+    split = _fa2_tile_split(op, variant, kwargs, modes) if target == "fa2" and build_config.split_cta_tiles else None
     host_includes: tuple[str, ...] = ()
     if split is not None:
         units, headers, host_includes = split
@@ -662,7 +661,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
             if tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
                 sources.update(fa3.single_prefill_kernel_units(stem, tiles, chosen_schedules, head_dim, **kwargs))
             elif has_mask_dispatch:
-                for mode in codegen.mask_modes(variant):
+                for mode in modes:
                     code = fa2.MASK_CODES[mode]
                     sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code],
                                                                            **kwargs)

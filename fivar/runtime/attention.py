@@ -384,11 +384,14 @@ class _OwnsWrapper:
     """A plan running one FlashInfer wrapper, taken with fivar.runtime.launch.take_wrapper."""
 
     kv_form = "paged"  # run(q, paged_kv_cache); fivar.runtime.ops' plan_run passes the caches as one pair
+    _rest = None  # (wrapper, ScaledArgs) of a second launch writing the rows the first skips (fa2_blocks)
 
     def release(self):
         """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
         release_wrapper(*self._release, self._wrapper)
-        self._wrapper = None
+        if self._rest is not None:
+            release_wrapper(*self._release, self._rest[0])
+        self._wrapper = self._rest = None
 
     def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
         """A paged plan's run (decode's and paged prefill's; a ragged plan has its own). k_scale/v_scale: the cache
@@ -405,8 +408,13 @@ class _OwnsWrapper:
             raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [*, {hq}, {d}], "
                              f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
                              f"{tuple(k_cache.shape)}, {q.dtype}")
-        return scaled_output(self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse),
-                             v_scale, return_lse)
+        result = self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse)
+        if self._rest is not None:  # the blocks the first launch skipped, into the same output (and LSE)
+            wrapper, args = self._rest
+            out, lse = result if return_lse else (result, None)
+            wrapper.run(q, (k_cache, v_cache), *args(k_scale), out=out, return_lse=return_lse,
+                        **({"lse": lse} if return_lse else {}))
+        return scaled_output(result, v_scale, return_lse)
 
 
 class DecodePlan(_OwnsWrapper):
@@ -526,6 +534,7 @@ class PagedAttentionPlan(_OwnsWrapper):
         lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
         fa3_split = plan_indptrs = None  # FA3's KV-range blocks: its layout is what the wrapper plans
+        block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest
         if self.target == "fa2" and trims_decode_pages(variant) and one_query:
             # one query per request (decode): read only the pages holding kept keys, in the key-segments form
             trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
@@ -541,14 +550,20 @@ class PagedAttentionPlan(_OwnsWrapper):
             n_pages = kv_h.diff()
             kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last_h, 0)
             pages = kv_indices.long().cpu()
+            rows = fa2_blocks.block_rows(num_qo_heads // num_kv_heads, head_dim)
             layout = fa2_blocks.block_layout(
                 variant.ir.mask, qo_indptr, kv_lens, [pages[kv_h[b]:kv_h[b + 1]] for b in range(self.batch)],
                 last_h, page_size, scalars=bound.scalars, tensors=bound.tensors, num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads, causal=causal, kv_block=-(-fa2_blocks.RAGGED_KV_BLOCK // page_size) * page_size)
-            if layout.keys_read < layout.keys_total:  # else the mask drops no block: the plain form is faster
+                num_kv_heads=num_kv_heads, causal=causal, rows=rows, head_dim=head_dim,
+                # KV blocks no longer than a block's rows: a block's first `rows` keys are masked in its kCausal launch
+                kv_block=page_size * max(1, min(fa2_blocks.RAGGED_KV_BLOCK, rows) // page_size))
+            block_causal = bool(layout.causal_mode.any())
+            if layout.keys_read < layout.keys_total or block_causal:  # else the plain form is faster
                 qo_indptr, kv_indptr = layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device)
                 kv_indices, kv_last_page_len = layout.kv_indices, layout.kv_last_page_len
-                kv_segments = layout.segments
+                kv_segments = layout.launch_table(block_causal)
+                if block_causal and not bool(layout.causal_mode.all()):
+                    rest_segments = layout.launch_table(False)
                 self.keys_read = (layout.keys_read, layout.keys_total)
         elif self.target == "fa3" and variant.scans_mask:
             # a mask that is more than a band: one request per query block over the pages holding the keys it may
@@ -565,22 +580,32 @@ class PagedAttentionPlan(_OwnsWrapper):
                        kv_segments=kv_segments is not None, kv_dtype=kv_name)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
         window_left = _window_left(variant, self.target, bound) if kv_segments is None else -1
-        self._wrapper = take_wrapper("paged", fmod, self.device, _owns_mask(variant, self.target, causal, window_left))
         self._release = ("paged", fmod, self.device)
         planned = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) if plan_indptrs is None else plan_indptrs
-        self._wrapper.plan(planned[0].to(self.device), planned[1].to(self.device), planned[2].to(self.device),
-                           planned[3].to(self.device), num_qo_heads, num_kv_heads, head_dim, page_size,
-                           # the blocks apply causal themselves: FA3's would align the diagonal to each block
-                           causal=fa3_split is None and _plan_causal(variant, self.target, causal, window_left),
-                           window_left=window_left, q_data_type=dtype,
-                           kv_data_type=self._kv_dtype, o_data_type=dtype,
-                           **_split_kwargs(variant, self.target, causal, window_left))
-        self._args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
-                                                       tables={fa2.KV_SEGMENTS: kv_segments.to(self.device)},
-                                                       lengths=lengths)
-                                           if kv_segments is not None else
-                                           _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
-                                                       kv_last_page_len, page_size, kv_ranges=fa3_split)), sm_scale)
+        planned = [t.to(self.device) for t in planned]
+
+        def launch(owns_mask: bool, plan_causal: bool, table, split: dict):
+            wrapper = take_wrapper("paged", fmod, self.device, owns_mask)
+            wrapper.plan(*planned, num_qo_heads, num_kv_heads, head_dim, page_size, causal=plan_causal,
+                         window_left=window_left, q_data_type=dtype, kv_data_type=self._kv_dtype, o_data_type=dtype,
+                         **split)
+            args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
+                                                     tables={fa2.KV_SEGMENTS: table.to(self.device)},
+                                                     lengths=lengths)
+                                         if table is not None else
+                                         _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
+                                                     kv_last_page_len, page_size, kv_ranges=fa3_split)), sm_scale)
+            return wrapper, args
+
+        if block_causal:  # kCausal over the blocks it can run (split-KV merges write every row: it runs first)
+            self._wrapper, self._args = launch(False, True, kv_segments, _split_kwargs(variant, "fa2", True))
+            if rest_segments is not None:  # then kCustom over the others, unsplit, so it writes only its own rows
+                self._rest = launch(True, False, rest_segments, {"disable_split_kv": True})
+        else:  # the blocks apply causal themselves: FA3's would align the diagonal to each block
+            self._wrapper, self._args = launch(
+                _owns_mask(variant, self.target, causal, window_left),
+                fa3_split is None and _plan_causal(variant, self.target, causal, window_left), kv_segments,
+                _split_kwargs(variant, self.target, causal, window_left))
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
 

@@ -28,7 +28,7 @@ class TrimmedPages:
     kv_indptr: torch.Tensor         # int32 [batch + 1]
     kv_indices: torch.Tensor        # int32 [pages kept]
     kv_last_page_len: torch.Tensor  # int32 [batch]
-    segments: torch.Tensor          # int32 [batch, 7]: fivar.codegen.fa2.KV_SEGMENTS
+    segments: torch.Tensor          # int32 [batch, 9]: fivar.codegen.fa2.KV_SEGMENTS
     pages_read: int                 # kept pages, for the record
     pages_total: int
 
@@ -72,9 +72,9 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
     seg = torch.where(has_b, first_len, torch.full_like(first_len, _NO_SECOND_RUN))
     shift_a = torch.where(new_n > 0, a0 * page_size, torch.zeros_like(a0))
     shift_b = torch.where(has_b, b0 * page_size - first_len, torch.zeros_like(b0))
-    none = torch.zeros_like(seg)  # no full range: the mask runs on every key read
-    segments = torch.stack([seg, shift_a, shift_b, kv_len - local_len, torch.arange(batch, device=dev), none, none],
-                           1).to(torch.int32).contiguous()
+    none = torch.zeros_like(seg)  # no full range: the mask runs on every key read; no skip; no window
+    segments = torch.stack([seg, shift_a, shift_b, kv_len - local_len, torch.arange(batch, device=dev), none, none,
+                            none, none - 1], 1).to(torch.int32).contiguous()
     return TrimmedPages(new_indptr.to(torch.int32), new_indices.to(torch.int32), new_last.to(torch.int32),
                         segments, total_new, total)
 

@@ -15,28 +15,62 @@ from fivar.runtime import attention
 from fivar.testing import _ragged_reference, _to_paged
 
 from kernel_standin import attend
-from test_sparsity import _variant, m_chunk_causal, m_document, m_prefix_lm, m_sinks_window
+from test_sparsity import _variant, m_chunk_causal, m_document, m_hole, m_per_head_window, m_prefix_lm, m_sinks_window
+
+
+#: FlashInfer's FA2 KV tile (keys per iteration) the stand-in emulates: 64 at CTA_TILE_Q 128 and head dim 128, 128
+#: at the smaller query tiles; the block form must be right for any.
+CTA_TILE_KV = {"keys": 64}
 
 
 class _FakePagedWrapper:
-    """FlashInfer's FA2 paged prefill as fivar's struct sees it (kCustom, or kCausal's causal rule)."""
+    """FlashInfer's FA2 paged prefill as fivar's struct sees it: kCustom (the mask on every key), or kCausal with the
+    kernel's tile rules (per query tile of packed rows: the keys from the window's start to the diagonal, the mask
+    evaluated only on the tiles at or right of the tile's first row's diagonal or left of its last row's window
+    edge); the struct's per-request qo_len/kv_len (skip) and window_left from the key-segments table."""
 
-    def __init__(self, variant, fmod):
-        self.variant, self.fmod = variant, fmod
+    def __init__(self, variant, fmod, owns_mask):
+        self.variant, self.fmod, self.owns_mask = variant, fmod, owns_mask
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last, hq, hkv, d, page, causal=False, window_left=-1, **kw):
+        from fivar.runtime.fa2_blocks import cta_tile_q
         assert window_left == -1 or not self.fmod.kv_segments
+        assert not (self.owns_mask and causal), "kCustom folds causal into the struct"
         self.p = dict(qo=qo_indptr.long().cpu(), kv=kv_indptr.long().cpu(), idx=kv_indices.long().cpu(),
-                      last=last.long().cpu(), page=page, causal=causal)
+                      last=last.long().cpu(), page=page, causal=causal, window_left=window_left, split=kw)
+        packed = (self.p["qo"].diff() * (hq // hkv)).tolist()
+        self.cta_q = cta_tile_q(packed, d)
 
-    def run(self, q, cache, *args, return_lse=False):
+    def _tile_rule(self, n_rows, n_keys, group, hq, window):
+        """(visited, masked) bool [hq, rows, keys] of one request in kCausal mode (FlashInfer's prefill.cuh)."""
+        cta_q, cta_kv = self.cta_q, CTA_TILE_KV["keys"]
+        ceil = lambda a, b: -(-a // b)  # noqa: E731
+        visited = torch.zeros(hq, n_rows, n_keys, dtype=torch.bool)
+        masked = torch.zeros_like(visited)
+        keys = torch.arange(n_keys)
+        for h in range(hq):
+            for j in range(n_rows):
+                t = (j * group + h % group) // cta_q
+                start = max(0, n_keys + t * cta_q // group - (n_rows + window))
+                size = n_keys - start
+                n_iter = ceil(min(size, max(0, n_keys - n_rows + ceil((t + 1) * cta_q, group) - start)), cta_kv)
+                window_iter = ceil(max(0, n_keys + ceil((t + 1) * cta_q, group) - (n_rows + window + start)), cta_kv)
+                mask_iter = min(size, max(0, n_keys + t * cta_q // group - n_rows - start)) // cta_kv
+                it = torch.div(keys - start, cta_kv, rounding_mode="floor")
+                visited[h, j] = (keys >= start) & (it < n_iter)
+                masked[h, j] = (it >= mask_iter) | (it < window_iter)
+        return visited, masked
+
+    def run(self, q, cache, *args, out=None, lse=None, return_lse=False):
         v, p = self.variant, self.p
         k_cache, v_cache = cache
         extra = [fa2.KV_SEGMENTS] if self.fmod.kv_segments else []
         t_names, _, s_names, _ = additional_params(v, with_causal_flag=True, extra_tensors=extra)
         named = dict(zip(t_names + s_names, args))
         hq, hkv = q.shape[1], k_cache.shape[2]
-        out = torch.zeros(q.shape, dtype=torch.float64)
+        out = torch.zeros(q.shape, dtype=q.dtype) if out is None else out
+        lse = torch.zeros(q.shape[:2]) if return_lse and lse is None else lse
+        kernel_causal = p["causal"] and not self.owns_mask
         for r in range(p["qo"].numel() - 1):
             rows = q[p["qo"][r]:p["qo"][r + 1]].double()
             pages = p["idx"][p["kv"][r]:p["kv"][r + 1]]
@@ -47,13 +81,18 @@ class _FakePagedWrapper:
             local_q = torch.arange(n_rows).view(1, -1, 1) + n_keys - n_rows
             local_kv = torch.arange(n_keys).view(1, 1, -1)
             q_idx, kv_idx, batch = local_q, local_kv, r
+            window = p["window_left"] if p["window_left"] >= 0 else n_keys
             if self.fmod.kv_segments:
                 seg = named[fa2.KV_SEGMENTS][r].long()
+                if int(seg[7]):  # another launch's request: the kernel reads and writes none of it
+                    continue
+                window = int(seg[8]) if int(seg[8]) >= 0 else window
                 kv_idx = torch.where(local_kv < seg[0], local_kv + seg[1], local_kv + seg[2])
                 q_idx, batch = local_q + seg[3], int(seg[4])
             seg_full = (seg[5], seg[6]) if self.fmod.kv_segments else None
+            tiles = self._tile_rule(n_rows, n_keys, hq // hkv, hq, window) if kernel_causal else None
 
-            def keep(ev, env, local_q=local_q, local_kv=local_kv, full=seg_full):
+            def keep(ev, env, local_q=local_q, local_kv=local_kv, full=seg_full, tiles=tiles):
                 kept = ev.run(v.ir.mask).bool()
                 if full is not None:  # the struct's full range: the mask is skipped there (kept)
                     kept = kept | ((local_kv >= full[0]) & (local_kv < full[1]))
@@ -61,9 +100,15 @@ class _FakePagedWrapper:
                     kept = kept & ((env["kv_idx"] <= env["q_idx"]) if full is not None else (local_kv <= local_q))
                 if p["causal"]:
                     kept = kept & (local_kv <= local_q)
+                if tiles is not None:  # unmasked tiles keep every key the kernel visits
+                    visited, masked = tiles
+                    kept = visited & (~masked | kept)
                 return kept
-            out[p["qo"][r]:p["qo"][r + 1]] = attend(v, named, rows, keys, vals, q_idx, kv_idx, batch, keep)[0]
-        return out.to(q.dtype)
+            o, l2 = attend(v, named, rows, keys, vals, q_idx, kv_idx, batch, keep)
+            out[p["qo"][r]:p["qo"][r + 1]] = o.to(out.dtype)
+            if return_lse:
+                lse[p["qo"][r]:p["qo"][r + 1]] = l2.to(lse.dtype)
+        return (out, lse) if return_lse else out
 
 
 @pytest.fixture
@@ -80,9 +125,9 @@ def cpu_fa2(monkeypatch):
         return types.SimpleNamespace(kv_segments=kv_segments, uri=f"fake_{kv_segments}", target=target)
 
     def take(kind, fmod, device, owns_mask):
-        assert kind == "paged" and owns_mask, "the block form and trimmed decode run in kCustom mode"
+        assert kind == "paged"
         made.append(fmod)
-        return _FakePagedWrapper(current[0], fmod)
+        return _FakePagedWrapper(current[0], fmod, owns_mask)
 
     monkeypatch.setattr(attention, "_plan_setup", plan_setup)
     monkeypatch.setattr(attention, "_module", module)
@@ -187,3 +232,54 @@ def test_trimmed_decode_matches_the_reference(cpu_fa2, mask):
     out = dplan.run(dq, (k_cache, v_cache)).double()
     ref = _ragged_reference(v, dq.float(), k.float(), vv.float(), [1, 1, 1], kv_lens, False, params).double()
     assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
+
+
+def _long_case(mask, gen, group):
+    """Requests long enough for query blocks of a whole tile (128 packed rows), documents and chunks wider than a
+    block, so the kCausal launch runs most blocks and the kCustom one those a boundary cuts."""
+    v = _variant(mask)
+    qo_lens, kv_lens = [300, 1, 170], [300, 90, 410]
+    params = {"w": 40, "r": 3, "c": 96, "n_sink": 5, "hole": 2,
+              "doc": torch.randint(0, 3, (3, 410), generator=gen).sort(1).values.to(torch.int32),
+              "prefix": torch.tensor([50, 40, 17], dtype=torch.int32),
+              "hw": torch.randint(0, 80, (2 * group,), generator=gen).to(torch.int32)}
+    return v, qo_lens, kv_lens, params
+
+
+@pytest.mark.parametrize("cta_kv", [16, 64, 128])
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("mask,runs", [(m_document, "both"), (m_chunk_causal, "both"), (m_prefix_lm, "causal"),
+                                       (m_sinks_window, "both"), (m_hole, "both"), (m_per_head_window, None)],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_causal_launch_matches_the_reference(cpu_fa2, monkeypatch, mask, runs, group, cta_kv):
+    """A causal call of a mask beyond a band on FA2: the blocks whose keys the mask keeps whole (but for their
+    first and last `rows` keys) run in kCausal mode, under FlashInfer's tile rules for any KV tile, the others in
+    a second, kCustom launch into the same output and LSE; the whole batch is the reference's."""
+    from fivar.codegen.torch_ref import reference_attention
+    current, made = cpu_fa2
+    monkeypatch.setitem(CTA_TILE_KV, "keys", cta_kv)
+    gen = torch.Generator().manual_seed(11 + group)
+    v, qo_lens, kv_lens, params = _long_case(mask, gen, group)
+    current[0] = v
+    hq, hkv = 2 * group, 2
+    q = torch.randn(sum(qo_lens), hq, 16, generator=gen).half()
+    k = torch.randn(sum(kv_lens), hkv, 16, generator=gen).half()
+    vv = torch.randn(sum(kv_lens), hkv, 16, generator=gen).half()
+    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, 4)
+    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    plan = attention.PagedAttentionPlan(v, qo_indptr, indptr, indices, last, num_qo_heads=hq, num_kv_heads=hkv,
+                                        head_dim=16, page_size=4, dtype=torch.float16, causal=True,
+                                        backend="fa2", device="cpu", params=params)
+    # (sinks + window, a hole: the blocks near a request's start keep all their keys, the others need kCustom)
+    launches = (not plan._wrapper.owns_mask, plan._rest is not None)
+    assert runs is None or launches == {"both": (True, True), "causal": (True, False)}[runs]
+    out, lse = plan.run(q, (k_cache, v_cache), return_lse=True)
+    refs, lses, qo, ko = [], [], 0, 0
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        o, l2 = reference_attention(v, q[qo:qo + lq].float(), k[ko:ko + lk].float(), vv[ko:ko + lk].float(),
+                                    causal=True, params=params, batch_idx=b, batch_size=3, return_lse=True)
+        refs.append(o), lses.append(l2)
+        qo, ko = qo + lq, ko + lk
+    ref, ref_lse = torch.cat(refs).double(), torch.cat(lses).double()
+    assert torch.allclose(out.double(), ref, atol=2e-3), (out.double() - ref).abs().max()
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-3), (lse.double() - ref_lse).abs().max()
