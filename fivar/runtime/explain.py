@@ -69,12 +69,15 @@ def _fa2_line(v) -> str:
     if v.ir.mask is None:
         return "fa2 prefill: causal only skips tiles (no mask)"
     if v.scans_mask:
-        return ("fa2 prefill (single, ragged, paged): each 128-row query block runs as its own request of FA2's "
-                "paged kernel over the pages holding the keys the block map says it may keep (ragged K/V read as "
-                "pages of one key), in the key-segments form that maps its rows and keys back to q_idx and kv_idx "
-                "(fivar.runtime.fa2_blocks), a block's two runs of kept blocks (a sink and a window) as two runs of "
-                "pages; kCustom mode: the mask, causal included, runs on every pair read except the keys of FULL "
-                "blocks")
+        return ("fa2 prefill (single, ragged, paged): each query block of one FA2 query tile (128 rows x GQA "
+                "group) runs as its own request of FA2's paged kernel over the pages holding the keys the block map "
+                "says it may keep (ragged K/V read in place as pages of up to 16 keys), in the key-segments form "
+                "that maps its rows and keys back to q_idx and kv_idx (fivar.runtime.fa2_blocks), a block's two runs "
+                "of kept blocks (a sink and a window) as two runs of pages. Called causally, a block whose mask "
+                "keeps every key but its first and last rows' worth (inside a chunk or a document) runs in kCausal "
+                "mode: its keys end at its diagonal, and only the diagonal tiles and its first keys' tiles "
+                "evaluate the mask (the struct's window_left); the other blocks run in a second, kCustom launch: "
+                "the mask, causal included, on every pair read except the keys of FULL blocks")
     how = ("; called causally (a causal window: however called) it runs in kCausal mode: the tiles right of the "
            "diagonal are skipped too, and only the tiles the window or the diagonal cut evaluate the mask"
            if fa2.window_form(v) else
