@@ -373,13 +373,16 @@ def kernel_causal(variant) -> bool:
 
 
 def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
-                 exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None) -> VariantDecl:
+                 exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,
+                 mask_free: bool = False) -> VariantDecl:
     """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form.
     `row_runs` (with it): 1, the form for a batch whose every row keeps one run of keys (a document mask always
     does): the mask pre-pass stored each row's run (made relative to its block's first key, causal folded in) and
     the kernel checks it with one 8-byte load per row, instead of evaluating the mask per element (its gathers
     spill registers in FA3's consumer warps); 2, the same for rows keeping up to two runs (sink tokens and a
-    window), one 16-byte load per row."""
+    window), one 16-byte load per row. `mask_free` (with kv_ranges): the struct without the mask, for blocks whose
+    rows keep exactly the keys from their block's first key to their own position (fivar.runtime.kv_ranges runs
+    them in FA3's causal mode, which masks only the diagonal tiles)."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
     block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731
@@ -388,7 +391,7 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
         index_init["kv_idx"] = "int32_t(kv_idx) + fv_kv_offset"
     emit = CppEmitter(variant, param_ref, index_init=index_init)
     as_window = not kv_ranges and runs_as_window(variant)
-    if as_window:
+    if as_window or (kv_ranges and mask_free):
         lowered = dataclasses.replace(lowered, mask=None)
     extra = [lowered.output_scale] if lowered.output_scale is not None else []
     sink = variant.ir.sink
@@ -400,10 +403,11 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
     if kv_ranges:
         if not any(m.name == "fv_q_offset" for m in members):
             members.insert(0, Member("int32_t", "fv_q_offset", block(1)))
-        keys = ([Member("const int32_t*", "fv_runs", f"{param_ref(ROW_RUNS)} + {block(3)} + {block(4)} * "
-                                                      "int32_t(qo_head_idx)")] if row_runs else
+        keys = ([] if mask_free else
+                [Member("const int32_t*", "fv_runs", f"{param_ref(ROW_RUNS)} + {block(3)} + {block(4)} * "
+                                                     "int32_t(qo_head_idx)")] if row_runs else
                 [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
-        causal = [] if row_runs else [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
+        causal = [] if row_runs or mask_free else [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
         members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *keys, *causal]
     if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask, sink)):
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
@@ -443,9 +447,9 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
                     # FA3 has no output hook: the sink joins in the updater's finalize (csrc/fivar_sink.cuh); a
                     # CTA serves one query head of one request, so it is read once, in the constructor
                     sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
-    tables = [BLOCKS, ROW_RUNS] if row_runs else [BLOCKS] if kv_ranges else []
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=kv_ranges and not row_runs,
-                                                          extra_tensors=tables))
+    tables = [BLOCKS, ROW_RUNS] if row_runs and not mask_free else [BLOCKS] if kv_ranges else []
+    return VariantDecl(source, lowered, additional_params(
+        variant, with_causal_flag=kv_ranges and not row_runs and not mask_free, extra_tensors=tables))
 
 
 @dataclasses.dataclass(frozen=True)

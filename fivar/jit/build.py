@@ -540,11 +540,12 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, row_runs: int = 0, kv_segments: bool = False,
+               head_dim: int = 128, *, row_runs: int = 0, kv_segments: bool = False, mask_free: bool = False,
                kv_dtype: str | None = None, config: FA2BuildConfig | FA3KernelConfig | None = None,
                **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
-    form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl). `kv_segments`: FA2 batch prefill/decode over trimmed pages, each key
+    form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl); `mask_free`: FA3 batch prefill's KV-range
+    form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode). `kv_segments`: FA2 batch prefill/decode over trimmed pages, each key
     mapped back to its position (fivar.runtime.decode_pages). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
     FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
@@ -616,11 +617,11 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                              "schedule")
         build_config = fivar_config.fa2_build_config(given)
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
-    if row_runs and not kv_ranges:
-        raise FivarError(f"variant '{variant.name}': the row-run form is FA3 batch prefill of a mask that is more "
-                         "than a band")
+    if (row_runs or mask_free) and not kv_ranges:
+        raise FivarError(f"variant '{variant.name}': the row-run and mask-free forms are FA3 batch prefill of a mask "
+                         "that is more than a band")
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
-                             logits_range=logits_range)
+                             logits_range=logits_range, mask_free=mask_free)
             if target == "fa3"
             else fa2.variant_decl(variant, kv_segments=kv_segments))  # FA2 key-segments form (fa2.KV_SEGMENTS)
     t_names, t_types, s_names, s_types = decl.additional
@@ -696,7 +697,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = ({1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else "")
+    form = ("_free" if mask_free else {1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else "")
             + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
@@ -705,6 +706,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
     options = {"row_runs": int(row_runs), **({"kv_segments": True} if kv_segments else {}),
+               **({"mask_free": True} if mask_free else {}),
                **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -729,12 +731,17 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
                 else []) + [
             gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
     op = serving_op(variant, op, target)
-    forms = [0, 1] + ([2] if fa3.may_keep_two_runs(variant) else []) if target == "fa3" and fa3.uses_kv_ranges(
-        variant, op) else [0]
-    mods = [gen_module(variant, op, target, dtype, head_dim, row_runs=r) for r in forms]
+    kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
+    # the KV-range form's mask, row-run, two-run and mask-free modules
+    forms = ([dict(row_runs=0), dict(row_runs=1)] + ([dict(row_runs=2)] if fa3.may_keep_two_runs(variant) else [])
+             + [dict(mask_free=True)] if kv_ranges else [{}])
+    if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
+        forms.append(dict(kv_segments=True))  # its batch prefill runs a mask beyond a band in the block form
+    mods = [gen_module(variant, "batch_prefill" if f.get("kv_segments") else op, target, dtype, head_dim, **f)
+            for f in forms]
     if target == "fa3" and fa3.softmax_range(variant, dtype) is not None:
         # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
-        mods += [gen_module(variant, op, target, dtype, head_dim, row_runs=r, bounded_softmax=False) for r in forms]
+        mods += [gen_module(variant, op, target, dtype, head_dim, bounded_softmax=False, **f) for f in forms]
     return mods
 
 
@@ -773,14 +780,16 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: int = 0,
                bounded_softmax: bool | None = None, kv_segments: bool = False,
-               kv_dtype: str | None = None) -> FivarModule:
+               kv_dtype: str | None = None, mask_free: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
-    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments, kv_dtype)
+    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments, kv_dtype,
+           mask_free)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
-                                 bounded_softmax=bounded_softmax, kv_segments=kv_segments, kv_dtype=kv_dtype))
+                                 bounded_softmax=bounded_softmax, kv_segments=kv_segments, kv_dtype=kv_dtype,
+                                 mask_free=mask_free))
         _memo[key] = m
     return m[1]
 

@@ -42,6 +42,7 @@ from ..codegen.fa3 import BLOCKS, ROW_RUNS
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..jit.triton_module import load_triton_module
+from ..spec.sparsity import FULL, classify_bounds
 from .launch import _module, release_wrapper, take_wrapper
 from .lse import empty_lse, merge_states
 from . import position_tables
@@ -358,13 +359,68 @@ class KvRangePrefill:
             tables[ROW_RUNS] = (two_runs if self.row_runs == 2 else
                                 relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal))
         self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
+        self._tables = tables
         parts = layout.parts
         self._parts = None if parts is None else tuple(t.to(device) for t in (parts.src, parts.first, parts.twice,
                                                                                 parts.second))
+        self._causal_launch = None
+        if causal and parts is None:
+            plain = causal_blocks(variant, bound, layout, num_qo_heads, num_kv_heads)
+            if bool(plain.any()):
+                self._plan_causal_launch(variant, bound, layout, plain, num_qo_heads, num_kv_heads, head_dim, dtype,
+                                         sm_scale, device)
+
+    def _plan_causal_launch(self, variant, bound, layout, plain, num_qo_heads, num_kv_heads, head_dim, dtype,
+                            sm_scale, device):
+        """The blocks whose rows keep exactly their causal keys from the block's first key on run without the mask
+        in FA3's causal mode (it masks only the diagonal tiles), every row of q at once (the others read one key);
+        the other blocks then run in the form planned above, over copies of their rows, written over theirs."""
+        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True)
+        w = _fa3_wrapper(fmod, device)
+        w._jit_module.kv_starts = layout.kv_starts
+        kv_lens = torch.where(plain, layout.kv_lens, torch.clamp(layout.kv_lens, max=1))
+        w.plan(layout.qo_indptr, torch.cat([torch.zeros(1, dtype=torch.long), kv_lens.long().cumsum(0)]).to(
+               torch.int32), num_qo_heads, num_kv_heads, head_dim, causal=True, window_left=-1, q_data_type=dtype,
+               kv_data_type=dtype, o_data_type=dtype)
+        self._causal_launch = (w, kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: layout.blocks.to(device)}),
+                               ("ragged", fmod, device))
+        if bool(plain.all()):  # nothing left for the form planned above
+            release_wrapper(*self._release, self._wrapper)
+            self._wrapper = None
+            return
+        rest = ~plain
+        n_rows = layout.qo_indptr.diff().long()
+        starts = layout.qo_indptr[:-1].long()[rest]
+        counts = n_rows[rest]
+        rows = torch.repeat_interleave(starts - torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]]),
+                                       counts) + torch.arange(int(counts.sum()))
+        sub_kv = layout.kv_starts[:-1][rest]
+        self._wrapper._jit_module.kv_starts = torch.cat([sub_kv, layout.kv_starts[-1:]])
+        self._wrapper.plan(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
+                           torch.cat([torch.zeros(1, dtype=torch.long), layout.kv_lens[rest].long().cumsum(0)]).to(
+                               torch.int32), num_qo_heads, num_kv_heads, head_dim, causal=False, window_left=-1,
+                           q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        # the row-run tables are found through each block's own fields: only the blocks table is cut
+        tables = {**self._tables, BLOCKS: layout.blocks[rest].to(device)}
+        self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else True, tables=tables)
+        self._rest_rows = rows.to(device)
 
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
+        if self._causal_launch is not None:
+            w, args, _ = self._causal_launch
+            out = w.run(q, k, v, *args, return_lse=return_lse)
+            if self._wrapper is None:
+                return out
+            o, s = out if return_lse else (out, None)
+            rows = self._rest_rows
+            rest = self._wrapper.run(q.index_select(0, rows), k, v, *self._args, return_lse=return_lse)
+            ro, rs = rest if return_lse else (rest, None)
+            o.index_copy_(0, rows, ro)
+            if return_lse:
+                s.index_copy_(0, rows, rs)
+            return out
         if self._parts is None:
             return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
         src, first, twice, second = self._parts
@@ -379,8 +435,32 @@ class KvRangePrefill:
     def release(self):
         """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
         if not self.empty:
-            release_wrapper(*self._release, self._wrapper)
-            self._wrapper = None
+            if self._wrapper is not None:
+                release_wrapper(*self._release, self._wrapper)
+            if self._causal_launch is not None:
+                release_wrapper(*self._causal_launch[2], self._causal_launch[0])
+            self._wrapper = self._causal_launch = None
+
+
+def causal_blocks(variant, bound, layout: KvRangeLayout, num_qo_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """bool [R]: the blocks of a causal call whose every row keeps exactly the keys from the block's first key to
+    its own position, every head (so FA3's causal mode computes the mask): the block's keys end at its last row's
+    diagonal, and the mask, without the causal term, keeps every pair of its rows and keys (one interval query per
+    block, fivar.spec.sparsity)."""
+    n_rows = layout.qo_indptr.diff().long()
+    batch, q_first, lo = (layout.blocks[:, i].long() for i in range(3))
+    q_end = q_first + n_rows
+    hi = lo + layout.kv_lens.long()
+    plain = torch.zeros_like(n_rows, dtype=torch.bool)
+    asked = (hi == q_end) & (n_rows > 0) & (hi > lo)
+    tensors = {n: t.cpu() for n, t in bound.tensors.items()}
+    for b in torch.unique(batch[asked]).tolist():
+        sel = torch.nonzero(asked & (batch == b)).view(-1)
+        kinds = classify_bounds(variant.ir.mask, q_first[sel], q_end[sel] - 1, lo[sel], q_end[sel] - 1,
+                                scalars=bound.scalars, tensors=tensors, num_qo_heads=num_qo_heads,
+                                num_kv_heads=num_kv_heads, batch_idx=b, causal=False).diagonal()
+        plain[sel] = kinds == FULL
+    return plain
 
 
 @dataclass

@@ -283,18 +283,17 @@ class _FakeFA3RaggedWrapper:
     from kv_starts, fv_blocks' mapping, then the mask form's full range and causal guard, or the two-run form's
     runs (`row_runs` 2: a row's [a0, a1, b0, b1) at field 3 + field 4 * head + 4 * row); out and the log2 LSE."""
 
-    def __init__(self, variant, row_runs=0):
-        assert row_runs in (0, 2)
-        self.variant, self.row_runs = variant, row_runs
+    def __init__(self, variant, row_runs=0, mask_free=False):
+        self.variant, self.row_runs, self.mask_free = variant, 0 if mask_free else row_runs, mask_free
         self._jit_module = types.SimpleNamespace(kv_starts=None)
 
     def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, window_left=-1, **kw):
-        assert not causal and window_left == -1
+        assert window_left == -1 and causal == self.mask_free, "only the mask-free form runs FA3's causal mode"
         self.qo, self.lens = qo_indptr.long(), kv_indptr.long().diff()
 
     def run(self, q, k, v, *args, return_lse=False):
         var = self.variant
-        t_names, _, s_names, _ = additional_params(var, with_causal_flag=not self.row_runs,
+        t_names, _, s_names, _ = additional_params(var, with_causal_flag=not self.row_runs and not self.mask_free,
                                                    extra_tensors=[BLOCKS, ROW_RUNS] if self.row_runs else [BLOCKS])
         named = dict(zip(t_names + s_names, args))
         out = torch.zeros(q.shape, dtype=torch.float64)
@@ -305,7 +304,14 @@ class _FakeFA3RaggedWrapper:
             keys, vals = k[s0:s0 + int(self.lens[r])], v[s0:s0 + int(self.lens[r])]
             b, q0, k0, f3, f4 = named[BLOCKS][r].tolist()
 
-            def keep(ev, env, f3=f3, f4=f4, k0=k0, n=rows.shape[0]):
+            def keep(ev, env, f3=f3, f4=f4, k0=k0, n=rows.shape[0], n_keys=keys.shape[0]):
+                if self.mask_free:  # FA3's causal mode, bottom-right aligned on the request's own rows and keys
+                    return (torch.arange(n_keys).view(1, 1, -1) <= torch.arange(n).view(1, -1, 1) + n_keys - n)
+                if self.row_runs == 1:  # one run [a, b) a row, relative to the request's first key, causal folded in
+                    flat = named[ROW_RUNS].reshape(-1).long()
+                    runs = torch.stack([flat[f3 + f4 * h: f3 + f4 * h + 2 * n].view(n, 2) for h in range(q.shape[1])])
+                    k = env["kv_idx"] - k0
+                    return (k >= runs[..., 0:1]) & (k < runs[..., 1:2])
                 if self.row_runs:  # runs relative to the request's first key, causal folded in
                     flat = named[ROW_RUNS].reshape(-1).long()
                     runs = torch.stack([flat[f3 + f4 * h: f3 + f4 * h + 4 * n].view(n, 4) for h in range(q.shape[1])])
@@ -348,6 +354,57 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
                                         dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
         assert plan.layout.parts is not None and plan.layout.parts.twice.numel() > 0, variant.name
         assert plan.row_runs == 2, variant.name  # each row's two runs checked, not the mask
+        out, lse = plan.run(q, k, v, return_lse=True)
+        for b in range(3):
+            s, e, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
+            ref, ref_lse = variant.reference(q[s:e].float(), k[ks:ke].float(), v[ks:ke].float(), causal=causal,
+                                             sm_scale=0.25, batch_idx=b, batch_size=3, return_lse=True, **params)
+            assert torch.allclose(out[s:e].double(), ref.double(), atol=2e-3), (variant.name, b)
+            finite = torch.isfinite(ref_lse)
+            assert torch.equal(finite, torch.isfinite(lse[s:e]))
+            assert torch.allclose(lse[s:e][finite].double(), ref_lse[finite].double(), atol=2e-3)
+
+
+def _documents(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return params.docs[batch, q_idx] == params.docs[batch, kv_idx]
+
+
+def _chunks(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx // params.chunk == kv_idx // params.chunk
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_causal_blocks_run_mask_free_in_causal_mode(monkeypatch, causal):
+    """A causal call of a document or chunk mask: the query blocks inside one document (chunk) run without the mask
+    in FA3's causal mode, every row at once, and the blocks a boundary cuts run in the row-run form over copies of
+    their rows, written over theirs; the whole batch, output and LSE, is the reference's."""
+    from fivar.runtime import kv_ranges
+    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, mask_free=False, **kw: types.SimpleNamespace(
+        uri="fake", row_runs=row_runs, mask_free=mask_free))
+    monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
+    gen = torch.Generator().manual_seed(6)
+    qo_lens, kv_lens = [700, 7, 390], [900, 9, 390]
+    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(qo_lens), 4, 16, generator=gen).half()
+    k, v = (torch.randn(sum(kv_lens), 2, 16, generator=gen).half() for _ in range(2))
+    docs = torch.cat([torch.zeros(3, 1, dtype=torch.int32),
+                      (torch.rand(3, 899, generator=gen) < 1 / 300).to(torch.int32)], 1).cumsum(1).to(torch.int32)
+    documents = AttentionVariant(name="kvr_documents", mask=_documents,
+                                 params={"docs": Tensor("int32", ("batch", "position"))})
+    chunks = AttentionVariant(name="kvr_chunks", mask=_chunks, params={"chunk": Scalar(int)})
+    for variant, params in ((documents, {"docs": docs}), (chunks, {"chunk": 300})):
+        made = []
+
+        def wrapper(fmod, device, var=variant):
+            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free))
+            return made[-1]
+        monkeypatch.setattr(kv_ranges, "_fa3_wrapper", wrapper)
+        bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
+        plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
+                                        dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
+        # causal: most blocks lie inside one document (chunk), and some are cut by a boundary
+        assert (plan._causal_launch is not None) == causal and (plan._wrapper is not None), variant.name
         out, lse = plan.run(q, k, v, return_lse=True)
         for b in range(3):
             s, e, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
