@@ -409,11 +409,15 @@ class _OwnsWrapper:
                              f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
                              f"{tuple(k_cache.shape)}, {q.dtype}")
         result = self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse)
-        if self._rest is not None:  # the blocks the first launch skipped, into the same output (and LSE)
+        if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
             wrapper, args = self._rest
             out, lse = result if return_lse else (result, None)
-            wrapper.run(q, (k_cache, v_cache), *args(k_scale), out=out, return_lse=return_lse,
-                        **({"lse": lse} if return_lse else {}))
+            rows = self._rest_rows
+            rest = wrapper.run(q.index_select(0, rows), (k_cache, v_cache), *args(k_scale), return_lse=return_lse)
+            rest_out, rest_lse = rest if return_lse else (rest, None)
+            out.index_copy_(0, rows, rest_out)
+            if return_lse:
+                lse.index_copy_(0, rows, rest_lse)
         return scaled_output(result, v_scale, return_lse)
 
 
@@ -563,7 +567,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                 kv_indices, kv_last_page_len = layout.kv_indices, layout.kv_last_page_len
                 kv_segments = layout.launch_table(block_causal)
                 if block_causal and not bool(layout.causal_mode.all()):
-                    rest_segments = layout.launch_table(False)
+                    rest_segments = layout.subset(~layout.causal_mode)
                 self.keys_read = (layout.keys_read, layout.keys_total)
         elif self.target == "fa3" and variant.scans_mask:
             # a mask that is more than a band: one request per query block over the pages holding the keys it may
@@ -584,9 +588,9 @@ class PagedAttentionPlan(_OwnsWrapper):
         planned = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) if plan_indptrs is None else plan_indptrs
         planned = [t.to(self.device) for t in planned]
 
-        def launch(owns_mask: bool, plan_causal: bool, table, split: dict):
+        def launch(owns_mask: bool, plan_causal: bool, table, split: dict, indptrs=planned):
             wrapper = take_wrapper("paged", fmod, self.device, owns_mask)
-            wrapper.plan(*planned, num_qo_heads, num_kv_heads, head_dim, page_size, causal=plan_causal,
+            wrapper.plan(*indptrs, num_qo_heads, num_kv_heads, head_dim, page_size, causal=plan_causal,
                          window_left=window_left, q_data_type=dtype, kv_data_type=self._kv_dtype, o_data_type=dtype,
                          **split)
             args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
@@ -597,10 +601,13 @@ class PagedAttentionPlan(_OwnsWrapper):
                                                      kv_last_page_len, page_size, kv_ranges=fa3_split)), sm_scale)
             return wrapper, args
 
-        if block_causal:  # kCausal over the blocks it can run (split-KV merges write every row: it runs first)
+        if block_causal:  # kCausal over every row, computing the blocks it can run (fivar.runtime.fa2_blocks)
             self._wrapper, self._args = launch(False, True, kv_segments, _split_kwargs(variant, "fa2", True))
-            if rest_segments is not None:  # then kCustom over the others, unsplit, so it writes only its own rows
-                self._rest = launch(True, False, rest_segments, {"disable_split_kv": True})
+            if rest_segments is not None:  # then kCustom over copies of the other blocks' rows, written over theirs
+                sub, rows = rest_segments
+                self._rest = launch(True, False, sub.segments, _split_kwargs(variant, "fa2", True), indptrs=[
+                    t.to(self.device) for t in (sub.qo_indptr, sub.kv_indptr, sub.kv_indices, sub.kv_last_page_len)])
+                self._rest_rows = rows.to(self.device)
         else:  # the blocks apply causal themselves: FA3's would align the diagonal to each block
             self._wrapper, self._args = launch(
                 _owns_mask(variant, self.target, causal, window_left),

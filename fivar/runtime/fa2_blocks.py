@@ -9,14 +9,16 @@ blocks, or its two runs of them: a sink and a window). Requests over overlapping
 share pages. The key-segments form of the struct (fivar.codegen.fa2.KV_SEGMENTS) maps each block's local rows and
 keys back to their q_idx and kv_idx and applies causal on those.
 
-Two launches share the layout, each skipping the other's blocks (the table's skip field):
+Two launches split the blocks:
 * kCausal, for the blocks of a causal call whose keys end at their last row's diagonal and whose mask keeps every
   key but the first and the last `rows` of them for every row (a chunk or a document seen from inside it).
   FlashInfer evaluates the mask only on the tiles its causal rule (the last keys) and its window rule (the first
   keys, through the struct's per-request window_left) name, and runs every other tile as it is, as stock FA2 does
   with its own causal mask: no per-pair work there.
 * kCustom, for the rest (a block cut by a chunk or document boundary, two runs, a non-causal call): the mask on
-  every pair outside the block's run of FULL KV blocks.
+  every pair outside the block's run of FULL KV blocks. When both run, the kCausal launch covers every row (the
+  others' requests read and write nothing: the table's skip field) and the kCustom one runs over copies of its
+  blocks' rows, written over theirs: each may split its KV (FlashInfer's merge writes every row of a launch).
 """
 from __future__ import annotations
 
@@ -62,6 +64,25 @@ class BlockLayout:
         table = self.segments.clone()
         table[:, 7] = (self.causal_mode != causal_mode).to(torch.int32)
         return table
+
+    def subset(self, keep: torch.Tensor) -> tuple["BlockLayout", torch.Tensor]:
+        """The layout of the blocks `keep` selects, over their rows packed together, and those rows' indices in the
+        batch (the rows to gather from q and write back)."""
+        n_rows, n_pages = self.qo_indptr.diff().long(), self.kv_indptr.diff().long()
+        starts, counts = self.qo_indptr[:-1].long()[keep], n_rows[keep]
+        zero = torch.zeros(1, dtype=torch.long)
+        before = torch.cat([zero, counts.cumsum(0)[:-1]])
+        rows = torch.repeat_interleave(starts - before, counts) + torch.arange(int(counts.sum()))
+        p_starts, p_counts = self.kv_indptr[:-1].long()[keep], n_pages[keep]
+        p_before = torch.cat([zero, p_counts.cumsum(0)[:-1]])
+        pages = torch.repeat_interleave(p_starts - p_before, p_counts) + torch.arange(int(p_counts.sum()))
+        sub = BlockLayout(
+            qo_indptr=torch.cat([zero, counts.cumsum(0)]).to(torch.int32),
+            kv_indptr=torch.cat([zero, p_counts.cumsum(0)]).to(torch.int32),
+            kv_indices=self.kv_indices[pages], kv_last_page_len=self.kv_last_page_len[keep],
+            segments=self.segments[keep], keys_read=self.keys_read, keys_total=self.keys_total,
+            causal_mode=self.causal_mode[keep])
+        return sub, rows
 
 
 def _page_runs(ranges: BlockRanges, kinds: torch.Tensor, i: int, per: int, n_pages: int) -> list[tuple[int, int]]:
