@@ -270,25 +270,15 @@ def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:
     kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
     i32 = dict(dtype=torch.int32, device=dev)
     bufs = (torch.empty(p.batch + 1, **i32), torch.empty(idx.numel(), **i32), torch.empty(p.batch, **i32))
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    # the kernel fivar's plan runs (tensor cores once a KV head serves >= 4 query heads): stock runs the same one.
-    # Tensor-core decode is FlashInfer's paged prefill kernel over one query a request (what its decode wrapper runs
-    # with use_tensor_cores=True), planned here through that wrapper: the decode wrapper's own graph mode with tensor
-    # cores references memory it frees (its replays fault once the allocator's cache is emptied; docs/limits.md).
-    if plan.tensor_cores:
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.arange(p.batch + 1, **i32),
-            paged_kv_indptr_buf=bufs[0], paged_kv_indices_buf=bufs[1], paged_kv_last_page_len_buf=bufs[2],
-            backend="fa2")
-        w.plan(torch.arange(p.batch + 1, dtype=torch.int32), ind, idx, last, hq, hkv, d, 16, q_data_type=p.dtype,
-               kv_data_type=p.dtype, **kw)
-        label += " (tensor-core paged kernel"
-    else:
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=False, paged_kv_indptr_buffer=bufs[0],
-            paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2], backend="fa2")
-        w.plan(ind, idx, last, hq, hkv, d, 16, q_data_type=p.dtype, kv_data_type=p.dtype, **kw)
-        label += " (CUDA-core decode"
+    # FlashInfer's decode wrapper in graph mode, its default CUDA-core kernel: its tensor-core graph mode, and its
+    # paged prefill wrapper's graph mode with FlashInfer's own module, replay memory they no longer hold (the replays
+    # fault; docs/limits.md), where fivar's module through the same prefill wrapper does not
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=False,
+        paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2],
+        backend="fa2")
+    w.plan(ind, idx, last, hq, hkv, d, 16, q_data_type=p.dtype, kv_data_type=p.dtype, **kw)
+    label += " (CUDA-core decode"
     return [Contender("fivar-graph", _replayed(lambda: plan.run(q, cache)), "plan_decode(cuda_graph=True), replayed"),
             Contender("stock-graph", _replayed(lambda: w.run(q, cache)), label + ", use_cuda_graph, replayed)",
                       checks_variant=st is not None)]
