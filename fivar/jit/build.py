@@ -545,8 +545,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
     form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl); `mask_free`: FA3 batch prefill's KV-range
-    form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode). `kv_segments`: FA2 batch prefill/decode over trimmed pages, each key
-    mapped back to its position (fivar.runtime.decode_pages). `kv_dtype`: a KV cache of another dtype than q's
+    form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode). `kv_segments`: FA2 batch
+    prefill/decode over trimmed pages or query blocks, each key mapped back to its position (fivar.runtime.decode_pages,
+    fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
     FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
     `options`: the same fields as keywords (what a manifest records), over `config`'s:

@@ -382,8 +382,8 @@ class KvRangePrefill:
         w.plan(layout.qo_indptr, torch.cat([torch.zeros(1, dtype=torch.long), kv_lens.long().cumsum(0)]).to(
                torch.int32), num_qo_heads, num_kv_heads, head_dim, causal=True, window_left=-1, q_data_type=dtype,
                kv_data_type=dtype, o_data_type=dtype)
-        self._causal_launch = (w, kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: layout.blocks.to(device)}),
-                               ("ragged", fmod, device))
+        args = kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: layout.blocks.to(device)})
+        self._causal_launch = (w, args, ("ragged", fmod, device))
         if bool(plain.all()):  # nothing left for the form planned above
             release_wrapper(*self._release, self._wrapper)
             self._wrapper = None

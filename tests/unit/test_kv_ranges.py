@@ -326,6 +326,34 @@ class _FakeFA3RaggedWrapper:
         return (out.to(q.dtype), lse.float()) if return_lse else out.to(q.dtype)
 
 
+def _fake_fa3_batch(monkeypatch, seed, qo_lens, kv_lens):
+    """KvRangePrefill on the CPU (fivar's modules stand-ins) and a random fp16 batch of 4/2 heads:
+    (generator, qo_indptr, kv_indptr, q, k, v)."""
+    from fivar.runtime import kv_ranges
+    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, mask_free=False, **kw: types.SimpleNamespace(
+        uri="fake", row_runs=row_runs, mask_free=mask_free))
+    monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
+    gen = torch.Generator().manual_seed(seed)
+    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(qo_lens), 4, 16, generator=gen).half()
+    k, v = (torch.randn(sum(kv_lens), 2, 16, generator=gen).half() for _ in range(2))
+    return gen, qo_indptr, kv_indptr, q, k, v
+
+
+def _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse):
+    """Every request's output and LSE (sm_scale 0.25) against the torch reference."""
+    for b in range(qo_indptr.numel() - 1):
+        s, e, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
+        ref, ref_lse = variant.reference(q[s:e].float(), k[ks:ke].float(), v[ks:ke].float(), causal=causal,
+                                         sm_scale=0.25, batch_idx=b, batch_size=qo_indptr.numel() - 1,
+                                         return_lse=True, **params)
+        assert torch.allclose(out[s:e].double(), ref.double(), atol=2e-3), (variant.name, b)
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(finite, torch.isfinite(lse[s:e]))
+        assert torch.allclose(lse[s:e][finite].double(), ref_lse[finite].double(), atol=2e-3)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
     """KvRangePrefill over a holed mask and sink tokens with a window: the two runs' outputs merged through their
@@ -337,15 +365,7 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
 
     streaming = AttentionVariant(name="kvr_split_streaming", mask=sinks_window,
                                  params={"sink": Scalar(int), "window": Scalar(int)})
-    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, **kw: types.SimpleNamespace(uri="fake",
-                                                                                                 row_runs=row_runs))
-    monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
-    gen = torch.Generator().manual_seed(5)
-    qo_lens, kv_lens = [300, 7, 260], [420, 9, 260]
-    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    q = torch.randn(sum(qo_lens), 4, 16, generator=gen).half()
-    k, v = (torch.randn(sum(kv_lens), 2, 16, generator=gen).half() for _ in range(2))
+    gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 5, [300, 7, 260], [420, 9, 260])
     for variant, params in ((streaming, {"sink": 5, "window": 30}), (HOLED, {"gap": 70})):
         monkeypatch.setattr(kv_ranges, "_fa3_wrapper",
                             lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(var, fmod.row_runs))
@@ -355,14 +375,7 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
         assert plan.layout.parts is not None and plan.layout.parts.twice.numel() > 0, variant.name
         assert plan.row_runs == 2, variant.name  # each row's two runs checked, not the mask
         out, lse = plan.run(q, k, v, return_lse=True)
-        for b in range(3):
-            s, e, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
-            ref, ref_lse = variant.reference(q[s:e].float(), k[ks:ke].float(), v[ks:ke].float(), causal=causal,
-                                             sm_scale=0.25, batch_idx=b, batch_size=3, return_lse=True, **params)
-            assert torch.allclose(out[s:e].double(), ref.double(), atol=2e-3), (variant.name, b)
-            finite = torch.isfinite(ref_lse)
-            assert torch.equal(finite, torch.isfinite(lse[s:e]))
-            assert torch.allclose(lse[s:e][finite].double(), ref_lse[finite].double(), atol=2e-3)
+        _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
 
 
 def _documents(batch, qo_head, kv_head, q_idx, kv_idx, params):
@@ -379,15 +392,7 @@ def test_causal_blocks_run_mask_free_in_causal_mode(monkeypatch, causal):
     in FA3's causal mode, every row at once, and the blocks a boundary cuts run in the row-run form over copies of
     their rows, written over theirs; the whole batch, output and LSE, is the reference's."""
     from fivar.runtime import kv_ranges
-    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, mask_free=False, **kw: types.SimpleNamespace(
-        uri="fake", row_runs=row_runs, mask_free=mask_free))
-    monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
-    gen = torch.Generator().manual_seed(6)
-    qo_lens, kv_lens = [700, 7, 390], [900, 9, 390]
-    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv_indptr = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    q = torch.randn(sum(qo_lens), 4, 16, generator=gen).half()
-    k, v = (torch.randn(sum(kv_lens), 2, 16, generator=gen).half() for _ in range(2))
+    gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 6, [700, 7, 390], [900, 9, 390])
     docs = torch.cat([torch.zeros(3, 1, dtype=torch.int32),
                       (torch.rand(3, 899, generator=gen) < 1 / 300).to(torch.int32)], 1).cumsum(1).to(torch.int32)
     documents = AttentionVariant(name="kvr_documents", mask=_documents,
@@ -406,11 +411,4 @@ def test_causal_blocks_run_mask_free_in_causal_mode(monkeypatch, causal):
         # causal: most blocks lie inside one document (chunk), and some are cut by a boundary
         assert (plan._causal_launch is not None) == causal and (plan._wrapper is not None), variant.name
         out, lse = plan.run(q, k, v, return_lse=True)
-        for b in range(3):
-            s, e, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
-            ref, ref_lse = variant.reference(q[s:e].float(), k[ks:ke].float(), v[ks:ke].float(), causal=causal,
-                                             sm_scale=0.25, batch_idx=b, batch_size=3, return_lse=True, **params)
-            assert torch.allclose(out[s:e].double(), ref.double(), atol=2e-3), (variant.name, b)
-            finite = torch.isfinite(ref_lse)
-            assert torch.equal(finite, torch.isfinite(lse[s:e]))
-            assert torch.allclose(lse[s:e][finite].double(), ref_lse[finite].double(), atol=2e-3)
+        _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
