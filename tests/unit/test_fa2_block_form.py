@@ -246,12 +246,12 @@ def _long_case(mask, gen, group):
     return v, qo_lens, kv_lens, params
 
 
-@pytest.mark.parametrize("cta_kv", [16, 64, 128])
-@pytest.mark.parametrize("group", [2, 4])
-@pytest.mark.parametrize("mask,runs", [(m_document, "both"), (m_chunk_causal, "both"), (m_prefix_lm, "causal"),
+@pytest.mark.parametrize("cta_kv,page", [(16, 4), (64, 4), (128, 4), (64, 16)])
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("mask,runs", [(m_document, "both"), (m_chunk_causal, "causal+"), (m_prefix_lm, "causal"),
                                        (m_sinks_window, "both"), (m_hole, "both"), (m_per_head_window, None)],
                          ids=lambda x: getattr(x, "__name__", x))
-def test_causal_launch_matches_the_reference(cpu_fa2, monkeypatch, mask, runs, group, cta_kv):
+def test_causal_launch_matches_the_reference(cpu_fa2, monkeypatch, mask, runs, group, cta_kv, page):
     """A causal call of a mask beyond a band on FA2: the blocks whose keys the mask keeps whole (but for their
     first and last `rows` keys) run in kCausal mode, under FlashInfer's tile rules for any KV tile, the others in
     a second, kCustom launch into the same output and LSE; the whole batch is the reference's."""
@@ -265,14 +265,18 @@ def test_causal_launch_matches_the_reference(cpu_fa2, monkeypatch, mask, runs, g
     q = torch.randn(sum(qo_lens), hq, 16, generator=gen).half()
     k = torch.randn(sum(kv_lens), hkv, 16, generator=gen).half()
     vv = torch.randn(sum(kv_lens), hkv, 16, generator=gen).half()
-    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, 4)
+    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, page)
     qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
     plan = attention.PagedAttentionPlan(v, qo_indptr, indptr, indices, last, num_qo_heads=hq, num_kv_heads=hkv,
-                                        head_dim=16, page_size=4, dtype=torch.float16, causal=True,
+                                        head_dim=16, page_size=page, dtype=torch.float16, causal=True,
                                         backend="fa2", device="cpu", params=params)
-    # (sinks + window, a hole: the blocks near a request's start keep all their keys, the others need kCustom)
+    # (sinks + window, a hole: the blocks near a request's start keep all their keys, the others need kCustom;
+    # chunks: a kCustom launch only where blocks of 128 / group rows straddle a chunk boundary)
     launches = (not plan._wrapper.owns_mask, plan._rest is not None)
-    assert runs is None or launches == {"both": (True, True), "causal": (True, False)}[runs]
+    if runs == "causal+":
+        assert launches[0]
+    else:
+        assert runs is None or launches == {"both": (True, True), "causal": (True, False)}[runs]
     out, lse = plan.run(q, (k_cache, v_cache), return_lse=True)
     refs, lses, qo, ko = [], [], 0, 0
     for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
