@@ -54,9 +54,10 @@ def _fa3_line(v) -> str:
                 "row keeps one run of keys the kernel checks each row's run instead of the mask (single and ragged: "
                 "also when rows keep two runs, a sink and a window: the row's two runs, one 16-byte load per row); "
                 "single and ragged: a block whose rows all keep two runs around a shared gap runs as two requests "
-                "over copies of its rows, one per run, merged through their LSEs; called causally, the blocks "
-                "whose rows keep exactly their causal keys from the block's first key (inside a chunk or a "
-                "document) run without the mask in FA3's causal mode, which masks only the diagonal tiles")
+                "over copies of its rows, one per run, merged through their LSEs; the blocks whose rows keep "
+                "exactly the block's keys (inside a chunk or a document; called causally, up to each row's own "
+                "position) run without the mask, in FA3's causal mode if causal, which masks only the diagonal "
+                "tiles")
     if fa3.runs_as_window(v):
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")

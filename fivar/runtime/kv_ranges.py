@@ -363,27 +363,28 @@ class KvRangePrefill:
         parts = layout.parts
         self._parts = None if parts is None else tuple(t.to(device) for t in (parts.src, parts.first, parts.twice,
                                                                                 parts.second))
-        self._causal_launch = None
-        if causal and parts is None:
-            plain = causal_blocks(variant, bound, layout, num_qo_heads, num_kv_heads)
+        self._plain_launch = None
+        if parts is None:
+            plain = plain_blocks(variant, bound, layout, causal, num_qo_heads, num_kv_heads)
             if bool(plain.any()):
-                self._plan_causal_launch(variant, bound, layout, plain, num_qo_heads, num_kv_heads, head_dim, dtype,
-                                         sm_scale, device)
+                self._plan_plain_launch(variant, bound, layout, plain, causal, num_qo_heads, num_kv_heads, head_dim,
+                                        dtype, sm_scale, device)
 
-    def _plan_causal_launch(self, variant, bound, layout, plain, num_qo_heads, num_kv_heads, head_dim, dtype,
-                            sm_scale, device):
-        """The blocks whose rows keep exactly their causal keys from the block's first key on run without the mask
-        in FA3's causal mode (it masks only the diagonal tiles), every row of q at once (the others read one key);
-        the other blocks then run in the form planned above, over copies of their rows, written over theirs."""
+    def _plan_plain_launch(self, variant, bound, layout, plain, causal, num_qo_heads, num_kv_heads, head_dim, dtype,
+                           sm_scale, device):
+        """The blocks whose rows keep exactly their block's keys (up to their own position if causal) run without
+        the mask, in FA3's causal mode if causal (it masks only the diagonal tiles), every row of q at once (the
+        others read one key); the other blocks then run in the form planned above, over copies of their rows,
+        written over theirs."""
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True)
         w = _fa3_wrapper(fmod, device)
         w._jit_module.kv_starts = layout.kv_starts
         kv_lens = torch.where(plain, layout.kv_lens, torch.clamp(layout.kv_lens, max=1))
         w.plan(layout.qo_indptr, torch.cat([torch.zeros(1, dtype=torch.long), kv_lens.long().cumsum(0)]).to(
-               torch.int32), num_qo_heads, num_kv_heads, head_dim, causal=True, window_left=-1, q_data_type=dtype,
+               torch.int32), num_qo_heads, num_kv_heads, head_dim, causal=causal, window_left=-1, q_data_type=dtype,
                kv_data_type=dtype, o_data_type=dtype)
         args = kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: layout.blocks.to(device)})
-        self._causal_launch = (w, args, ("ragged", fmod, device))
+        self._plain_launch = (w, args, ("ragged", fmod, device))
         if bool(plain.all()):  # nothing left for the form planned above
             release_wrapper(*self._release, self._wrapper)
             self._wrapper = None
@@ -408,8 +409,8 @@ class KvRangePrefill:
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
-        if self._causal_launch is not None:
-            w, args, _ = self._causal_launch
+        if self._plain_launch is not None:
+            w, args, _ = self._plain_launch
             out = w.run(q, k, v, *args, return_lse=return_lse)
             if self._wrapper is None:
                 return out
@@ -437,26 +438,26 @@ class KvRangePrefill:
         if not self.empty:
             if self._wrapper is not None:
                 release_wrapper(*self._release, self._wrapper)
-            if self._causal_launch is not None:
-                release_wrapper(*self._causal_launch[2], self._causal_launch[0])
-            self._wrapper = self._causal_launch = None
+            if self._plain_launch is not None:
+                release_wrapper(*self._plain_launch[2], self._plain_launch[0])
+            self._wrapper = self._plain_launch = None
 
 
-def causal_blocks(variant, bound, layout: KvRangeLayout, num_qo_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """bool [R]: the blocks of a causal call whose every row keeps exactly the keys from the block's first key to
-    its own position, every head (so FA3's causal mode computes the mask): the block's keys end at its last row's
-    diagonal, and the mask, without the causal term, keeps every pair of its rows and keys (one interval query per
-    block, fivar.spec.sparsity)."""
+def plain_blocks(variant, bound, layout: KvRangeLayout, causal: bool, num_qo_heads: int,
+                 num_kv_heads: int) -> torch.Tensor:
+    """bool [R]: the blocks whose every row, every head, keeps exactly the block's keys [lo, hi), causally if causal
+    (then the keys end at the block's last row's diagonal), so FA3 computes the mask by its causal mode or needs
+    none: the mask, without the causal term, keeps every pair of the block's rows and keys (one interval query per
+    block, fivar.spec.sparsity); the pre-pass's hull holds every key any row keeps."""
     n_rows = layout.qo_indptr.diff().long()
     batch, q_first, lo = (layout.blocks[:, i].long() for i in range(3))
-    q_end = q_first + n_rows
     hi = lo + layout.kv_lens.long()
     plain = torch.zeros_like(n_rows, dtype=torch.bool)
-    asked = (hi == q_end) & (n_rows > 0) & (hi > lo)
+    asked = (n_rows > 0) & (hi > lo) & ((hi == q_first + n_rows) if causal else True)
     tensors = {n: t.cpu() for n, t in bound.tensors.items()}
     for b in torch.unique(batch[asked]).tolist():
         sel = torch.nonzero(asked & (batch == b)).view(-1)
-        kinds = classify_bounds(variant.ir.mask, q_first[sel], q_end[sel] - 1, lo[sel], q_end[sel] - 1,
+        kinds = classify_bounds(variant.ir.mask, q_first[sel], q_first[sel] + n_rows[sel] - 1, lo[sel], hi[sel] - 1,
                                 scalars=bound.scalars, tensors=tensors, num_qo_heads=num_qo_heads,
                                 num_kv_heads=num_kv_heads, batch_idx=b, causal=False).diagonal()
         plain[sel] = kinds == FULL

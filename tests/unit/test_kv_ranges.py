@@ -288,8 +288,8 @@ class _FakeFA3RaggedWrapper:
         self._jit_module = types.SimpleNamespace(kv_starts=None)
 
     def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, window_left=-1, **kw):
-        assert window_left == -1 and causal == self.mask_free, "only the mask-free form runs FA3's causal mode"
-        self.qo, self.lens = qo_indptr.long(), kv_indptr.long().diff()
+        assert window_left == -1 and (self.mask_free or not causal), "only the mask-free form runs FA3's causal mode"
+        self.qo, self.lens, self.causal = qo_indptr.long(), kv_indptr.long().diff(), causal
 
     def run(self, q, k, v, *args, return_lse=False):
         var = self.variant
@@ -306,7 +306,8 @@ class _FakeFA3RaggedWrapper:
 
             def keep(ev, env, f3=f3, f4=f4, k0=k0, n=rows.shape[0], n_keys=keys.shape[0]):
                 if self.mask_free:  # FA3's causal mode, bottom-right aligned on the request's own rows and keys
-                    return (torch.arange(n_keys).view(1, 1, -1) <= torch.arange(n).view(1, -1, 1) + n_keys - n)
+                    return (torch.arange(n_keys).view(1, 1, -1) <= torch.arange(n).view(1, -1, 1) + n_keys - n
+                            if self.causal else torch.ones(1, n, n_keys, dtype=torch.bool))
                 if self.row_runs == 1:  # one run [a, b) a row, relative to the request's first key, causal folded in
                     flat = named[ROW_RUNS].reshape(-1).long()
                     runs = torch.stack([flat[f3 + f4 * h: f3 + f4 * h + 2 * n].view(n, 2) for h in range(q.shape[1])])
@@ -387,10 +388,10 @@ def _chunks(batch, qo_head, kv_head, q_idx, kv_idx, params):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_causal_blocks_run_mask_free_in_causal_mode(monkeypatch, causal):
-    """A causal call of a document or chunk mask: the query blocks inside one document (chunk) run without the mask
-    in FA3's causal mode, every row at once, and the blocks a boundary cuts run in the row-run form over copies of
-    their rows, written over theirs; the whole batch, output and LSE, is the reference's."""
+def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
+    """A document or chunk mask: the query blocks inside one document (chunk) run without the mask (in FA3's causal
+    mode if causal), every row at once, and the blocks a boundary cuts run in the row-run form over copies of their
+    rows, written over theirs; the whole batch, output and LSE, is the reference's."""
     from fivar.runtime import kv_ranges
     gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 6, [700, 7, 390], [900, 9, 390])
     docs = torch.cat([torch.zeros(3, 1, dtype=torch.int32),
@@ -408,7 +409,7 @@ def test_causal_blocks_run_mask_free_in_causal_mode(monkeypatch, causal):
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
         plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
                                         dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
-        # causal: most blocks lie inside one document (chunk), and some are cut by a boundary
-        assert (plan._causal_launch is not None) == causal and (plan._wrapper is not None), variant.name
+        # most blocks lie inside one document (chunk), and some are cut by a boundary
+        assert plan._plain_launch is not None and plan._wrapper is not None, variant.name
         out, lse = plan.run(q, k, v, return_lse=True)
         _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
