@@ -270,15 +270,13 @@ def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:
     kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
     i32 = dict(dtype=torch.int32, device=dev)
     bufs = (torch.empty(p.batch + 1, **i32), torch.empty(idx.numel(), **i32), torch.empty(p.batch, **i32))
-    # FlashInfer's decode wrapper in graph mode, its default CUDA-core kernel: its tensor-core graph mode, and its
-    # paged prefill wrapper's graph mode with FlashInfer's own module, replay memory they no longer hold (the replays
-    # fault; docs/limits.md), where fivar's module through the same prefill wrapper does not
+    # the kernel fivar's plan runs (tensor cores once a KV head serves >= 4 query heads): stock runs the same one
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=False,
-        paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2],
-        backend="fa2")
+        torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True,
+        use_tensor_cores=plan.tensor_cores, paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
+        paged_kv_last_page_len_buffer=bufs[2], backend="fa2")
     w.plan(ind, idx, last, hq, hkv, d, 16, q_data_type=p.dtype, kv_data_type=p.dtype, **kw)
-    label += " (CUDA-core decode"
+    label += " (tensor-core decode" if plan.tensor_cores else " (CUDA-core decode"
     return [Contender("fivar-graph", _replayed(lambda: plan.run(q, cache)), "plan_decode(cuda_graph=True), replayed"),
             Contender("stock-graph", _replayed(lambda: w.run(q, cache)), label + ", use_cuda_graph, replayed)",
                       checks_variant=st is not None)]
@@ -286,7 +284,9 @@ def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:
 
 def _replayed(fn):
     """`fn` captured in a CUDA graph (after warm-up launches, the first on the current stream, as a model's first
-    step runs eagerly): a callable that replays it."""
+    step runs eagerly): a callable that replays it. The callable holds `fn`, and so the plan or wrapper whose
+    buffers the graph reads: a graph holds only raw addresses, and freed buffers are handed to other tensors (then
+    released by the allocator) while the graph still reads and writes them."""
     fn()
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
@@ -301,6 +301,7 @@ def _replayed(fn):
     def replay():
         graph.replay()
         return out
+    replay.captured = fn  # keeps fn's closure (the plan, the wrapper and their buffers) alive with the graph
     return replay
 
 

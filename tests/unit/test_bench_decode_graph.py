@@ -46,3 +46,40 @@ def test_graph_and_fp8_cases_shape_and_modules():
     assert {m.op for m in mods} == {"batch_decode", "batch_prefill"} and all("_kvfp8e4m3_" in m.uri for m in mods)
     assert cases["softcap decode graph 64x4096"].shape["batch"] == 64
     assert "kv_dtype" not in cases["softcap decode graph 1x4096"].shape
+
+
+def test_a_replayed_contender_keeps_what_its_graph_reads_alive(monkeypatch):
+    """A CUDA graph holds raw addresses only: the replaying callable must keep the captured callable (and so the
+    plan or wrapper owning the buffers the graph reads) alive, or those buffers are freed and handed on while the
+    graph still uses them. Checked with CUDA's graph API stood in for on the CPU."""
+    import contextlib
+    import gc
+    import types
+    import weakref
+
+    import torch
+
+    from fivar.bench import contenders
+    fake_stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: fake_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: None))
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+
+    class Plan:  # the owner of the buffers a captured run reads
+        def run(self):
+            return torch.ones(2)
+
+    def make():
+        plan = Plan()
+        return contenders._replayed(lambda: plan.run()), weakref.ref(plan)
+
+    replay, plan_ref = make()
+    gc.collect()
+    assert plan_ref() is not None, "the captured plan was freed while its graph can still be replayed"
+    assert torch.equal(replay(), torch.ones(2))
+    del replay
+    gc.collect()
+    assert plan_ref() is None  # and it goes with the graph
