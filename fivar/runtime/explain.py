@@ -72,8 +72,8 @@ def _fa2_line(v) -> str:
     if v.ir.mask is None:
         return "fa2 prefill: causal only skips tiles (no mask)"
     if v.scans_mask:
-        return ("fa2 prefill (single, ragged, paged): each query block of one FA2 query tile (128 rows x GQA "
-                "group) runs as its own request of FA2's paged kernel over the pages holding the keys the block map "
+        return ("fa2 prefill (single, ragged, paged): each query block of one FA2 query tile (128 / GQA group "
+                "rows) runs as its own request of FA2's paged kernel over the pages holding the keys the block map "
                 "says it may keep (ragged K/V read in place as pages of up to 16 keys), in the key-segments form "
                 "that maps its rows and keys back to q_idx and kv_idx (fivar.runtime.fa2_blocks), a block's two runs "
                 "of kept blocks (a sink and a window) as two runs of pages. Called causally, a block whose mask "
