@@ -171,8 +171,10 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
                     full = (f_lo, min(f_hi, local_len)) if f_lo < min(f_hi, local_len) else (0, 0)
             # row j of the block: q_idx = r0 + j + kv_len - qo_len; the kernel computes j + local_len - r
             # kCausal: the kernel masks the first keys of a block through the window rule (window_left = its keys
-            # less its rows: FlashInfer then masks the KV tiles left of the rows' diagonal less window_left)
-            window = local_len - r if end is not None and local_len > r else -1
+            # less its rows: FlashInfer then masks the KV tiles left of the rows' diagonal less window_left). Fewer
+            # keys than rows: 0, so that every tile is masked (the kernel's causal rule subtracts qo_len from kv_len
+            # in unsigned arithmetic, and its wrapped result would leave the tiles unmasked)
+            window = max(0, local_len - r) if end is not None else -1
             segs.append((seg, shift_a, shift_b, r0 + kv_len - qo_len - (local_len - r), b) + full + (0, window))
             causal_mode.append(end is not None)
             read += local_len
@@ -214,7 +216,7 @@ def _diagonal_ends(mask, block_runs, starts, rows: int, qo_len: int, kv_len: int
             asked.append((i, r0 + offset, q_end - 1, lo + r, q_end - r - 1))
     if asked:
         i, q_lo, q_hi, kv_lo, kv_hi = (torch.tensor(c, dtype=torch.int64) for c in zip(*asked))
-        kinds = classify_bounds(mask, q_lo, q_hi, kv_lo, kv_hi, causal=False, **analysis).diagonal()
+        kinds = classify_bounds(mask, q_lo, q_hi, kv_lo, kv_hi, causal=False, pairs=True, **analysis)
         for block in i[kinds != FULL].tolist():
             ends[block] = None
     return ends

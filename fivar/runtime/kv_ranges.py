@@ -403,7 +403,7 @@ class KvRangePrefill:
                            q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         # the row-run tables are found through each block's own fields: only the blocks table is cut
         tables = {**self._tables, BLOCKS: layout.blocks[rest].to(device)}
-        self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else True, tables=tables)
+        self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
         self._rest_rows = rows.to(device)
 
     def run(self, q, k, v, return_lse: bool = False):
@@ -459,7 +459,7 @@ def plain_blocks(variant, bound, layout: KvRangeLayout, causal: bool, num_qo_hea
         sel = torch.nonzero(asked & (batch == b)).view(-1)
         kinds = classify_bounds(variant.ir.mask, q_first[sel], q_first[sel] + n_rows[sel] - 1, lo[sel], hi[sel] - 1,
                                 scalars=bound.scalars, tensors=tensors, num_qo_heads=num_qo_heads,
-                                num_kv_heads=num_kv_heads, batch_idx=b, causal=False).diagonal()
+                                num_kv_heads=num_kv_heads, batch_idx=b, causal=False, pairs=True)
         plain[sel] = kinds == FULL
     return plain
 

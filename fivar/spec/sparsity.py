@@ -350,13 +350,15 @@ def _blocks(n: int, size: int, offset: int = 0):
 
 def classify_bounds(program: ir.Program, q_lo, q_hi, kv_lo, kv_hi, *, scalars: dict, tensors: dict,
                     num_qo_heads: int = 1, num_kv_heads: int = 1, batch_idx: int = 0,
-                    causal: bool = False) -> torch.Tensor:
+                    causal: bool = False, pairs: bool = False) -> torch.Tensor:
     """kinds [len(q_lo), len(kv_lo)] for query blocks [q_lo[i], q_hi[i]] (q_idx, inclusive) and KV blocks
-    [kv_lo[j], kv_hi[j]]: the interval analysis itself, on explicit block bounds."""
+    [kv_lo[j], kv_hi[j]]: the interval analysis itself, on explicit block bounds. `pairs`: kinds [n] of the n
+    pairs (query block i, KV block i) only (linear, where the matrix's diagonal would be quadratic)."""
     heads = torch.arange(num_qo_heads, dtype=torch.int64).view(-1, 1, 1)
     group = max(1, num_qo_heads // max(1, num_kv_heads))
     q = _Iv(q_lo.view(1, -1, 1), q_hi.view(1, -1, 1), I32)
-    kv = _Iv(kv_lo.view(1, 1, -1), kv_hi.view(1, 1, -1), I32)
+    kv = (_Iv(kv_lo.view(1, -1, 1), kv_hi.view(1, -1, 1), I32) if pairs else
+          _Iv(kv_lo.view(1, 1, -1), kv_hi.view(1, 1, -1), I32))
     b = torch.tensor(batch_idx, dtype=torch.int64)
     env = {"q_idx": q, "kv_idx": kv, "qo_head": _Iv(heads, heads, I32),
            "kv_head": _Iv(heads // group, heads // group, I32), "batch": _Iv(b, b, I32)}
@@ -365,12 +367,12 @@ def classify_bounds(program: ir.Program, q_lo, q_hi, kv_lo, kv_hi, *, scalars: d
         program = ir.Program(program.lets, ir.Binary(BOOL, "and", program.result, causal_term))
     keep = _Interpreter(env, scalars, tensors).run(program)
     must, may = keep.lo, keep.hi
-    shape = (num_qo_heads, q_lo.numel(), kv_lo.numel())
+    shape = (num_qo_heads, q_lo.numel(), 1 if pairs else kv_lo.numel())
     must, may = must.expand(shape).all(0), may.expand(shape).any(0)
     kinds = torch.full(shape[1:], PARTIAL, dtype=torch.int8)
     kinds[must] = FULL
     kinds[~may] = EMPTY
-    return kinds
+    return kinds[:, 0] if pairs else kinds
 
 
 def classify_decode(program: ir.Program | None, kv_lens: torch.Tensor, *, page_size: int, scalars: dict | None = None,

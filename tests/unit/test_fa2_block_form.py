@@ -55,7 +55,10 @@ class _FakePagedWrapper:
                 size = n_keys - start
                 n_iter = ceil(min(size, max(0, n_keys - n_rows + ceil((t + 1) * cta_q, group) - start)), cta_kv)
                 window_iter = ceil(max(0, n_keys + ceil((t + 1) * cta_q, group) - (n_rows + window + start)), cta_kv)
-                mask_iter = min(size, max(0, n_keys + t * cta_q // group - n_rows - start)) // cta_kv
+                # uint32 in the kernel: kv_len + tile start - qo_len wraps when negative, and the causal rule then
+                # masks only the last, partial tile
+                diag = n_keys + t * cta_q // group - n_rows
+                mask_iter = (size if diag < 0 else min(size, max(0, diag - start))) // cta_kv
                 it = torch.div(keys - start, cta_kv, rounding_mode="floor")
                 visited[h, j] = (keys >= start) & (it < n_iter)
                 masked[h, j] = (it >= mask_iter) | (it < window_iter)
@@ -234,6 +237,10 @@ def test_trimmed_decode_matches_the_reference(cpu_fa2, mask):
     assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
 
 
+def m_left_pad(b, h, kh, q, kv, p):
+    return kv >= p.prefix[b]  # left padding: a block's first rows keep no key, its hull starts after them
+
+
 def _long_case(mask, gen, group):
     """Requests long enough for query blocks of a whole tile (128 packed rows), documents and chunks wider than a
     block, so the kCausal launch runs most blocks and the kCustom one those a boundary cuts."""
@@ -241,15 +248,16 @@ def _long_case(mask, gen, group):
     qo_lens, kv_lens = [300, 1, 170], [300, 90, 410]
     params = {"w": 40, "r": 3, "c": 96, "n_sink": 5, "hole": 2,
               "doc": torch.randint(0, 3, (3, 410), generator=gen).sort(1).values.to(torch.int32),
-              "prefix": torch.tensor([50, 40, 17], dtype=torch.int32),
+              "prefix": torch.tensor([70, 40, 17], dtype=torch.int32),
               "hw": torch.randint(0, 80, (2 * group,), generator=gen).to(torch.int32)}
     return v, qo_lens, kv_lens, params
 
 
 @pytest.mark.parametrize("cta_kv,page", [(16, 4), (64, 4), (128, 4), (64, 16)])
-@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("mask,runs", [(m_document, "both"), (m_chunk_causal, "causal+"), (m_prefix_lm, "causal"),
-                                       (m_sinks_window, "both"), (m_hole, "both"), (m_per_head_window, None)],
+                                       (m_sinks_window, "both"), (m_hole, "both"), (m_per_head_window, None),
+                                       (m_left_pad, "causal+")],
                          ids=lambda x: getattr(x, "__name__", x))
 def test_causal_launch_matches_the_reference(cpu_fa2, monkeypatch, mask, runs, group, cta_kv, page):
     """A causal call of a mask beyond a band on FA2: the blocks whose keys the mask keeps whole (but for their

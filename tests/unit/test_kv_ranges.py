@@ -399,7 +399,12 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
     documents = AttentionVariant(name="kvr_documents", mask=_documents,
                                  params={"docs": Tensor("int32", ("batch", "position"))})
     chunks = AttentionVariant(name="kvr_chunks", mask=_chunks, params={"chunk": Scalar(int)})
-    for variant, params in ((documents, {"docs": docs}), (chunks, {"chunk": 300})):
+    # request 0 of these alternates two documents every 50 tokens: its rows keep many runs (the mask form), while
+    # the other requests are one document each
+    interleaved = torch.cat([((torch.arange(900) // 50) % 2).view(1, -1).to(torch.int32),
+                             torch.zeros(2, 900, dtype=torch.int32)])
+    for variant, params in ((documents, {"docs": docs}), (chunks, {"chunk": 300}),
+                            (documents, {"docs": interleaved})):
         made = []
 
         def wrapper(fmod, device, var=variant):

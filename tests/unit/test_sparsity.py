@@ -152,6 +152,25 @@ def test_block_map_is_sound_and_exact_where_claimed(mask):
         assert loose > 0, "float comparisons are not analysed: some block must be left partial"
 
 
+@pytest.mark.parametrize("mask", EXACT + SOUND_ONLY, ids=lambda f: f.__name__)
+def test_pairs_are_the_matrix_diagonal(mask):
+    """classify_bounds(pairs=True), the linear form the FA2 and FA3 plans ask one block of keys per query block
+    with, is the diagonal of the full (query block x KV block) matrix over the same bounds."""
+    from fivar.spec.sparsity import classify_bounds
+    v = _variant(mask)
+    gen = torch.Generator().manual_seed(zlib.crc32(b"pairs" + mask.__name__.encode()))
+    for _ in range(6):
+        case, _, _ = _draw(gen)
+        n = int(torch.randint(1, 9, (), generator=gen))
+        q_lo = torch.randint(0, case["kv_len"], (n,), generator=gen)
+        q_hi = torch.minimum(q_lo + torch.randint(0, 20, (n,), generator=gen), torch.tensor(case["kv_len"] - 1))
+        kv_lo = torch.randint(0, case["kv_len"], (n,), generator=gen)
+        kv_hi = torch.minimum(kv_lo + torch.randint(0, 40, (n,), generator=gen), torch.tensor(case["kv_len"] - 1))
+        kw = {k: case[k] for k in ("scalars", "tensors", "num_qo_heads", "num_kv_heads", "batch_idx", "causal")}
+        full = classify_bounds(v.ir.mask, q_lo, q_hi, kv_lo, kv_hi, **kw)
+        assert torch.equal(classify_bounds(v.ir.mask, q_lo, q_hi, kv_lo, kv_hi, pairs=True, **kw), full.diagonal())
+
+
 def test_brute_force_kinds_by_hand():
     keep = torch.tensor([[[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]], dtype=torch.bool)
     assert brute_force(keep, 2, 2).tolist() == [[FULL, PARTIAL], [EMPTY, EMPTY]]
