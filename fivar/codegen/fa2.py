@@ -103,8 +103,8 @@ def sink_members_and_body(variant, param_ref, emit: CppEmitter,
 
 
 #: The key-segments form's per-request table: int32 [requests, 9] = (seg, shift_a, shift_b, q_shift, batch, full_lo,
-#: full_hi, skip, window_left). Local keys in [full_lo, full_hi) are kept by the mask for every row of the request (FULL blocks of
-#: fivar.spec.sparsity), so the struct skips the mask there and checks causal only. A request of
+#: full_hi, skip, window_left). Local keys in [full_lo, full_hi) are kept by the mask for every row of the request
+#: (FULL blocks of fivar.spec.sparsity), so the struct skips the mask there and checks causal only. A request of
 #: the kernel is a piece of one of the batch: decode over pages trimmed to two runs (fivar.runtime.decode_pages), or
 #: a query block over the pages of the keys its mask may keep (fivar.runtime.fa2_blocks). The kernel's key kv sits
 #: at kv_idx kv + shift_a below local key `seg`, kv + shift_b from it on, and its query qo_idx at q_idx

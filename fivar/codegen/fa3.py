@@ -381,8 +381,8 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
     the kernel checks it with one 8-byte load per row, instead of evaluating the mask per element (its gathers
     spill registers in FA3's consumer warps); 2, the same for rows keeping up to two runs (sink tokens and a
     window), one 16-byte load per row. `mask_free` (with kv_ranges): the struct without the mask, for blocks whose
-    rows keep exactly the keys from their block's first key to their own position (fivar.runtime.kv_ranges runs
-    them in FA3's causal mode, which masks only the diagonal tiles)."""
+    rows keep exactly the block's keys, up to their own position if causal (fivar.runtime.kv_ranges runs them in
+    FA3's causal mode then, which masks only the diagonal tiles)."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
     block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731

@@ -27,6 +27,7 @@ from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pag
                      _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
 from .params import kernel_args
 from .position_tables import max_lengths
+from .rows import write_rows
 from .plan_cache import Hashed, PlanCache
 from .triton_attention import triton_batch_prefill_ragged, triton_decode, triton_prefill
 
@@ -411,13 +412,9 @@ class _OwnsWrapper:
         result = self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse)
         if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
             wrapper, args = self._rest
-            out, lse = result if return_lse else (result, None)
             rows = self._rest_rows
-            rest = wrapper.run(q.index_select(0, rows), (k_cache, v_cache), *args(k_scale), return_lse=return_lse)
-            rest_out, rest_lse = rest if return_lse else (rest, None)
-            out.index_copy_(0, rows, rest_out)
-            if return_lse:
-                lse.index_copy_(0, rows, rest_lse)
+            write_rows(result, rows, wrapper.run(q.index_select(0, rows), (k_cache, v_cache), *args(k_scale),
+                                                 return_lse=return_lse), return_lse)
         return scaled_output(result, v_scale, return_lse)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec.sparsity import FULL, BlockRanges, classify, classify_bounds
+from .rows import concat_ranges, indptr
 
 #: KV block of the analysis for ragged K/V (read as pages): finer finds more empty keys, costs more planning.
 RAGGED_KV_BLOCK = 64
@@ -68,17 +69,11 @@ class BlockLayout:
     def subset(self, keep: torch.Tensor) -> tuple["BlockLayout", torch.Tensor]:
         """The layout of the blocks `keep` selects, over their rows packed together, and those rows' indices in the
         batch (the rows to gather from q and write back)."""
-        n_rows, n_pages = self.qo_indptr.diff().long(), self.kv_indptr.diff().long()
-        starts, counts = self.qo_indptr[:-1].long()[keep], n_rows[keep]
-        zero = torch.zeros(1, dtype=torch.long)
-        before = torch.cat([zero, counts.cumsum(0)[:-1]])
-        rows = torch.repeat_interleave(starts - before, counts) + torch.arange(int(counts.sum()))
-        p_starts, p_counts = self.kv_indptr[:-1].long()[keep], n_pages[keep]
-        p_before = torch.cat([zero, p_counts.cumsum(0)[:-1]])
-        pages = torch.repeat_interleave(p_starts - p_before, p_counts) + torch.arange(int(p_counts.sum()))
+        counts, p_counts = self.qo_indptr.diff()[keep], self.kv_indptr.diff()[keep]
+        rows = concat_ranges(self.qo_indptr[:-1][keep], counts)
+        pages = concat_ranges(self.kv_indptr[:-1][keep], p_counts)
         sub = BlockLayout(
-            qo_indptr=torch.cat([zero, counts.cumsum(0)]).to(torch.int32),
-            kv_indptr=torch.cat([zero, p_counts.cumsum(0)]).to(torch.int32),
+            qo_indptr=indptr(counts), kv_indptr=indptr(p_counts),
             kv_indices=self.kv_indices[pages], kv_last_page_len=self.kv_last_page_len[keep],
             segments=self.segments[keep], keys_read=self.keys_read, keys_total=self.keys_total,
             causal_mode=self.causal_mode[keep])
@@ -188,7 +183,7 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
         segs = [s_[:8] + (-1,) for s_ in segs]
     return BlockLayout(
         qo_indptr=torch.tensor(q_rows, dtype=torch.int32),
-        kv_indptr=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
+        kv_indptr=indptr(counts),
         kv_indices=(torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)).to(torch.int32),
         kv_last_page_len=torch.tensor(lasts, dtype=torch.int32),
         segments=torch.tensor(segs, dtype=torch.int64).clamp(max=2**31 - 1).to(torch.int32).view(-1, 9),

@@ -45,6 +45,7 @@ from ..jit.triton_module import load_triton_module
 from ..spec.sparsity import FULL, classify_bounds
 from .launch import _module, release_wrapper, take_wrapper
 from .lse import empty_lse, merge_states
+from .rows import concat_ranges, indptr, write_rows
 from . import position_tables
 from .params import kernel_args
 
@@ -69,7 +70,7 @@ class KvRangeLayout:
     @property
     def kv_indptr_for_lengths(self) -> torch.Tensor:
         """An indptr whose differences are the blocks' KV lengths (what a wrapper's plan derives them from)."""
-        return torch.cat([torch.zeros(1, dtype=torch.int64), self.kv_lens.long().cumsum(0)]).to(torch.int32)
+        return indptr(self.kv_lens)
 
 
 @dataclass
@@ -380,9 +381,8 @@ class KvRangePrefill:
         w = _fa3_wrapper(fmod, device)
         w._jit_module.kv_starts = layout.kv_starts
         kv_lens = torch.where(plain, layout.kv_lens, torch.clamp(layout.kv_lens, max=1))
-        w.plan(layout.qo_indptr, torch.cat([torch.zeros(1, dtype=torch.long), kv_lens.long().cumsum(0)]).to(
-               torch.int32), num_qo_heads, num_kv_heads, head_dim, causal=causal, window_left=-1, q_data_type=dtype,
-               kv_data_type=dtype, o_data_type=dtype)
+        w.plan(layout.qo_indptr, indptr(kv_lens), num_qo_heads, num_kv_heads, head_dim, causal=causal,
+               window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         args = kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: layout.blocks.to(device)})
         self._plain_launch = (w, args, ("ragged", fmod, device))
         if bool(plain.all()):  # nothing left for the form planned above
@@ -390,21 +390,14 @@ class KvRangePrefill:
             self._wrapper = None
             return
         rest = ~plain
-        n_rows = layout.qo_indptr.diff().long()
-        starts = layout.qo_indptr[:-1].long()[rest]
-        counts = n_rows[rest]
-        rows = torch.repeat_interleave(starts - torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]]),
-                                       counts) + torch.arange(int(counts.sum()))
-        sub_kv = layout.kv_starts[:-1][rest]
-        self._wrapper._jit_module.kv_starts = torch.cat([sub_kv, layout.kv_starts[-1:]])
-        self._wrapper.plan(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
-                           torch.cat([torch.zeros(1, dtype=torch.long), layout.kv_lens[rest].long().cumsum(0)]).to(
-                               torch.int32), num_qo_heads, num_kv_heads, head_dim, causal=False, window_left=-1,
-                           q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        counts = layout.qo_indptr.diff()[rest]
+        self._wrapper._jit_module.kv_starts = torch.cat([layout.kv_starts[:-1][rest], layout.kv_starts[-1:]])
+        self._wrapper.plan(indptr(counts), indptr(layout.kv_lens[rest]), num_qo_heads, num_kv_heads, head_dim,
+                           causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         # the row-run tables are found through each block's own fields: only the blocks table is cut
         tables = {**self._tables, BLOCKS: layout.blocks[rest].to(device)}
         self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
-        self._rest_rows = rows.to(device)
+        self._rest_rows = concat_ranges(layout.qo_indptr[:-1][rest], counts).to(device)
 
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
@@ -414,14 +407,9 @@ class KvRangePrefill:
             out = w.run(q, k, v, *args, return_lse=return_lse)
             if self._wrapper is None:
                 return out
-            o, s = out if return_lse else (out, None)
             rows = self._rest_rows
-            rest = self._wrapper.run(q.index_select(0, rows), k, v, *self._args, return_lse=return_lse)
-            ro, rs = rest if return_lse else (rest, None)
-            o.index_copy_(0, rows, ro)
-            if return_lse:
-                s.index_copy_(0, rows, rs)
-            return out
+            return write_rows(out, rows, self._wrapper.run(q.index_select(0, rows), k, v, *self._args,
+                                                           return_lse=return_lse), return_lse)
         if self._parts is None:
             return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
         src, first, twice, second = self._parts
