@@ -23,6 +23,7 @@ from .. import config
 from ..errors import FivarError
 from ..flashinfer_compat import active as coupling_active, fa3_launchers
 from ..spec import ir
+from ..spec.bounds import has_left_band_term
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
@@ -45,6 +46,12 @@ def may_keep_two_runs(variant) -> bool:
     return mask is not None and any((isinstance(e, ir.Binary) and e.op in ("or", "ne")) or
                                     (isinstance(e, ir.Unary) and e.op == "not")
                                     for root in mask.exprs() for e in ir.walk(root))
+
+
+def may_keep_windows(variant) -> bool:
+    """Whether query blocks of this KV-range variant may keep exactly a causal window of keys (the mask has a window
+    term, fivar.spec.bounds.has_left_band_term), so builds include the mask-free module with FA3's sliding window."""
+    return has_left_band_term(variant.ir.mask)
 
 
 def runs_as_window(variant) -> bool:

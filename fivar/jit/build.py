@@ -541,11 +541,12 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, row_runs: int = 0, kv_segments: bool = False, mask_free: bool = False,
-               kv_dtype: str | None = None, config: FA2BuildConfig | FA3KernelConfig | None = None,
-               **options) -> FivarModule:
+               sliding_window: bool = False, kv_dtype: str | None = None,
+               config: FA2BuildConfig | FA3KernelConfig | None = None, **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
     form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl); `mask_free`: FA3 batch prefill's KV-range
-    form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode). `kv_segments`: FA2 batch
+    form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode); with `sliding_window`, built with
+    FA3's sliding window (the blocks whose rows keep exactly a causal window of keys). `kv_segments`: FA2 batch
     prefill/decode over trimmed pages or query blocks, each key mapped back to its position (fivar.runtime.decode_pages,
     fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
@@ -621,6 +622,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if (row_runs or mask_free) and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': the row-run and mask-free forms are FA3 batch prefill of a mask "
                          "that is more than a band")
+    if sliding_window and not mask_free:
+        raise FivarError(f"variant '{variant.name}': sliding_window is an option of the mask-free form only")
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
                              logits_range=logits_range, mask_free=mask_free)
             if target == "fa3"
@@ -636,8 +639,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         head_dim_qk=head_dim, head_dim_vo=head_dim, pos_encoding_mode="PosEncodingMode::kNone",
         # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it (the KV-range
         # form skips them through its ranges; the window would be measured from the block, not the request)
-        use_sliding_window="true" if target == "fa3" and variant.kv_band.left is not None and not kv_ranges
-        else "false",
+        use_sliding_window="true" if (target == "fa3" and variant.kv_band.left is not None and not kv_ranges
+                                      or sliding_window) else "false",
         use_logits_soft_cap="false", use_fp16_qk_reduction="false",
         additional_params_decl=params_decl, additional_func_params=func_params,
         additional_params_setter=params_setter, require_fp4_kv_cache=False,
@@ -698,7 +701,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = ("_free" if mask_free else {1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else "")
+    form = ((("_freewin" if sliding_window else "_free") if mask_free else
+             {1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else ""))
             + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
@@ -707,7 +711,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
     options = {"row_runs": int(row_runs), **({"kv_segments": True} if kv_segments else {}),
-               **({"mask_free": True} if mask_free else {}),
+               **({"mask_free": True} if mask_free else {}), **({"sliding_window": True} if sliding_window else {}),
                **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -735,7 +739,8 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     # the KV-range form's mask, row-run, two-run and mask-free modules
     forms = ([dict(row_runs=0), dict(row_runs=1)] + ([dict(row_runs=2)] if fa3.may_keep_two_runs(variant) else [])
-             + [dict(mask_free=True)] if kv_ranges else [{}])
+             + [dict(mask_free=True)] + ([dict(mask_free=True, sliding_window=True)] if fa3.may_keep_windows(variant)
+                                         else []) if kv_ranges else [{}])
     if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
         forms.append(dict(kv_segments=True))  # its batch prefill runs a mask beyond a band in the block form
     mods = [gen_module(variant, "batch_prefill" if f.get("kv_segments") else op, target, dtype, head_dim, **f)
@@ -781,16 +786,16 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: int = 0,
                bounded_softmax: bool | None = None, kv_segments: bool = False,
-               kv_dtype: str | None = None, mask_free: bool = False) -> FivarModule:
+               kv_dtype: str | None = None, mask_free: bool = False, sliding_window: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments, kv_dtype,
-           mask_free)
+           mask_free, sliding_window)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
                                  bounded_softmax=bounded_softmax, kv_segments=kv_segments, kv_dtype=kv_dtype,
-                                 mask_free=mask_free))
+                                 mask_free=mask_free, sliding_window=sliding_window))
         _memo[key] = m
     return m[1]
 

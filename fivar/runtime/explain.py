@@ -54,10 +54,13 @@ def _fa3_line(v) -> str:
                 "row keeps one run of keys the kernel checks each row's run instead of the mask (single and ragged: "
                 "also when rows keep two runs, a sink and a window: the row's two runs, one 16-byte load per row); "
                 "single and ragged: a block whose rows all keep two runs around a shared gap runs as two requests "
-                "over copies of its rows, one per run, merged through their LSEs; the blocks whose rows keep "
-                "exactly the block's keys (inside a chunk or a document; called causally, up to each row's own "
-                "position) run without the mask, in FA3's causal mode if causal, which masks only the diagonal "
-                "tiles")
+                "over copies of its rows, one per run, merged through their LSEs; the requests whose rows keep "
+                "exactly their keys (inside a chunk or a document; called causally, up to each row's own position) "
+                "run without the mask, in FA3's causal mode if causal, which masks only the diagonal tiles"
+                + ("; called causally, so do the requests whose rows keep exactly a window of keys ending at their "
+                   "own position (the window part of sinks + a window, a window inside documents), in FA3's sliding "
+                   "window (window_left = the width the most rows need, read off the pre-pass's runs)"
+                   if fa3.may_keep_windows(v) else ""))
     if fa3.runs_as_window(v):
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")

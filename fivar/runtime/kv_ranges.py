@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codegen import fa3
 from ..codegen.fa3 import BLOCKS, ROW_RUNS
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
@@ -328,9 +329,93 @@ def two_run_table(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Te
     return table, tail
 
 
+#: what a lowered request needs (mask_free_requests): the planned form, FA3's causal mode with no mask (and its
+#: sliding window if one is set), or no mask at all
+NEEDS_MASK, CAUSAL_WINDOW, ALL_KEYS = 0, 1, 2
+
+
+@dataclass
+class MaskFreeRequests:
+    """Which lowered requests run without the mask (host tensors)."""
+    kind: torch.Tensor  # int64 [R]: NEEDS_MASK, CAUSAL_WINDOW or ALL_KEYS
+    window: int | None  # CAUSAL_WINDOW requests' rows keep the keys q_idx - window < kv_idx <= q_idx of the request's
+    #                     (None: every key up to q_idx): FA3's causal mode with window_left = window - 1
+
+
+def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                       causal: bool, windows: bool) -> MaskFreeRequests:
+    """From the pre-pass's row runs ([batch, heads, max_qo_len, 2 or 4]: one or two runs [first, end) a row, in
+    request kv_idx, on their device), what each lowered request's rows keep of its keys [lo, hi), every head:
+    all of them (ALL_KEYS; causal calls: none right of a row's diagonal), or exactly a causal window ending at each
+    row's diagonal (CAUSAL_WINDOW: q_idx - W < kv_idx <= q_idx; a row whose window reaches left of lo keeps
+    [lo, q_idx], which fits any W that wide), else NEEDS_MASK. The window W is one per launch: the one the most rows need (with
+    `windows` False, only windows reaching left of every request's keys, i.e. plain causal blocks)."""
+    qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
+    lowered = layout.qo_indptr.long()
+    n_req, n = lowered.numel() - 1, int(lowered[-1])
+    src = layout.parts.src if layout.parts is not None else torch.arange(n)
+    b = torch.searchsorted(qo_indptr, src, right=True) - 1
+    row = src - qo_indptr[b]
+    req = torch.repeat_interleave(torch.arange(n_req), lowered.diff())
+    dev = runs.device
+    lo = layout.blocks[:, 2].long()[req]
+    big = 1 << 40
+    q_idx = row + kv_indptr.diff()[b] - qo_indptr.diff()[b]
+    cut = (q_idx + 1) if causal else torch.full_like(q_idx, big)
+    lo, hi, q_idx, cut = (x.to(dev)[:, None] for x in (lo, lo + layout.kv_lens.long()[req], q_idx, cut))
+    r = runs[b.to(dev), :, row.to(dev)].long()  # [lowered rows, heads, 2 or 4]
+    end = torch.minimum(hi, cut)
+    s1, e1 = torch.maximum(r[..., 0], lo), torch.minimum(r[..., 1], end)
+    s2, e2 = ((torch.maximum(r[..., 2], lo), torch.minimum(r[..., 3], end)) if r.shape[-1] == 4
+              else (torch.zeros_like(s1), torch.zeros_like(e1)))
+    has1, has2 = e1 > s1, e2 > s2
+    # the keys kept as one interval [s, e) (two runs that touch are one), else not mask-free
+    single = (has1 | has2) & ~(has1 & has2 & (s2 > e1))
+    s = torch.where(has1, s1, s2)
+    e = torch.where(has2, torch.maximum(e2, torch.where(has1, e1, e2)), e1)
+    full = single & (s == lo) & (e == hi)
+    band = single & (e == q_idx + 1) if causal else torch.zeros_like(single)
+    exact = band & (s > lo)  # the window's left edge inside the request: W = q_idx - s + 1
+    width = q_idx - s + 1
+    w_min = torch.where(exact, width, big).amin(1)
+    w_max = torch.where(exact, width, -1).amax(1)
+    w_low = torch.where(band & ~exact, q_idx - lo + 1, 0).amax(1)  # W must reach lo from these rows
+    reduce = lambda x, how, init: torch.full((n_req,), init, dtype=x.dtype, device=dev).scatter_reduce(  # noqa: E731
+        0, req.to(dev), x, how, include_self=True)
+    all_full = reduce(full.all(1).long(), "amin", 1).bool()
+    all_band = reduce(band.all(1).long(), "amin", 1).bool()
+    w_min, w_max, w_low = reduce(w_min, "amin", big), reduce(w_max, "amax", -1), reduce(w_low, "amax", 0)
+    all_full, all_band, w_min, w_max, w_low = (x.cpu() for x in (all_full, all_band, w_min, w_max, w_low))
+    one_width = all_band & (w_min == w_max)  # every exact row of the request needs the same W
+    window = None
+    if windows and bool(one_width.any()):
+        widths, weight = w_min[one_width], layout.qo_indptr.diff().long()[one_width]
+        values = torch.unique(widths)
+        window = int(values[torch.stack([weight[widths == x].sum() for x in values]).argmax()])
+    plain = all_band & (w_max < 0)  # no exact row: the window only has to reach lo
+    fits = plain if window is None else (plain & (w_low <= window)) | (one_width & (w_min == window) &
+                                                                        (w_low <= window))
+    kind = torch.where(fits, CAUSAL_WINDOW, torch.where(all_full, ALL_KEYS, NEEDS_MASK))
+    return MaskFreeRequests(kind, window)
+
+
+@dataclass
+class _Launch:
+    """One FA3 launch of a planned batch: its wrapper and run arguments, and the lowered rows it computes (None:
+    every row, the first launch; the rows of requests it does not compute read one key and are written over)."""
+    wrapper: object
+    args: list
+    release: tuple
+    rows: torch.Tensor | None
+
+
 class KvRangePrefill:
     """A ragged batch (a single request is a batch of one) planned on FA3 in the KV-range form; `run(q, k, v)`
-    per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan)."""
+    per layer. Checks of q/k/v against the plan are the caller's (RaggedAttentionPlan).
+
+    Requests whose rows keep exactly their keys, or a causal window of them (mask_free_requests; plain_blocks
+    for a mask the pre-pass gives no runs for), run with no mask in the struct: FA3's causal mode (with its
+    sliding window) or no mask, each such kind in one launch; the rest in the planned form."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal,
                  bound, sm_scale, device):
@@ -338,6 +423,7 @@ class KvRangePrefill:
         bound = position_tables.bind(variant, bound, lambda: position_tables.max_lengths(qo_h, kv_h))
         max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
         self.empty = max_qo_len == 0
+        self._launches: list[_Launch] = []
         if self.empty:
             return
         ranges, self.row_runs, runs = _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
@@ -346,75 +432,83 @@ class KvRangePrefill:
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
                                  runs_shape=tuple(runs.shape) if self.row_runs == 1 else None,
                                  split_runs=self.row_runs != 1 and variant.softmax and variant.sink is None)
+        two_runs = None
         if self.row_runs == 2:
             two_runs, layout.blocks[:, 3:] = two_run_table(runs, layout, qo_h, kv_h, causal)
-        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, row_runs=self.row_runs)
-        w = _fa3_wrapper(fmod, device)
-        self._release = ("ragged", fmod, device)
-        w._jit_module.kv_starts = layout.kv_starts
-        w.plan(layout.qo_indptr, layout.kv_indptr_for_lengths, num_qo_heads, num_kv_heads, head_dim,
-               causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        self.layout, self._wrapper = layout, w
+        self.layout = layout
+        if runs is not None:
+            self.mask_free = mask_free_requests(runs, layout, qo_h, kv_h, causal, fa3.may_keep_windows(variant))
+        else:  # the mask form: the analytic check of the blocks (their rows keep every key)
+            plain = plain_blocks(variant, bound, layout, causal, num_qo_heads, num_kv_heads)
+            self.mask_free = MaskFreeRequests(torch.where(plain, CAUSAL_WINDOW if causal else ALL_KEYS, NEEDS_MASK),
+                                              None)
+        kind = self.mask_free.kind
         tables = {BLOCKS: layout.blocks.to(device)}
         if self.row_runs:
             tables[ROW_RUNS] = (two_runs if self.row_runs == 2 else
                                 relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal))
-        self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
-        self._tables = tables
+        plan = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                    device=device)
+        window = self.mask_free.window
+        for form in (CAUSAL_WINDOW, ALL_KEYS, NEEDS_MASK):
+            sel = kind == form
+            if not bool(sel.any()):
+                continue
+            if form == NEEDS_MASK:
+                fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale,
+                               row_runs=self.row_runs)
+                args_causal = None if self.row_runs else causal
+                form_tables, launch_causal, window_left = tables, False, -1
+            else:
+                fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True,
+                               sliding_window=form == CAUSAL_WINDOW and window is not None)
+                args_causal, form_tables = None, {BLOCKS: tables[BLOCKS]}
+                launch_causal = form == CAUSAL_WINDOW
+                window_left = window - 1 if form == CAUSAL_WINDOW and window is not None else -1
+            self._launches.append(self._plan_launch(variant, bound, sm_scale, fmod, sel, form_tables, args_causal,
+                                                    launch_causal, window_left, first=not self._launches, **plan))
         parts = layout.parts
         self._parts = None if parts is None else tuple(t.to(device) for t in (parts.src, parts.first, parts.twice,
                                                                                 parts.second))
-        self._plain_launch = None
-        if parts is None:
-            plain = plain_blocks(variant, bound, layout, causal, num_qo_heads, num_kv_heads)
-            if bool(plain.any()):
-                self._plan_plain_launch(variant, bound, layout, plain, causal, num_qo_heads, num_kv_heads, head_dim,
-                                        dtype, sm_scale, device)
 
-    def _plan_plain_launch(self, variant, bound, layout, plain, causal, num_qo_heads, num_kv_heads, head_dim, dtype,
-                           sm_scale, device):
-        """The blocks whose rows keep exactly their block's keys (up to their own position if causal) run without
-        the mask, in FA3's causal mode if causal (it masks only the diagonal tiles), every row of q at once (the
-        others read one key); the other blocks then run in the form planned above, over copies of their rows,
-        written over theirs."""
-        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True)
+    def _plan_launch(self, variant, bound, sm_scale, fmod, sel, tables, args_causal, causal, window_left, first,
+                     num_qo_heads, num_kv_heads, head_dim, dtype, device) -> _Launch:
+        """A launch of the selected requests: the first over every lowered row (the others read one key), a later
+        one over copies of its requests' rows, written over theirs."""
+        layout = self.layout
         w = _fa3_wrapper(fmod, device)
-        w._jit_module.kv_starts = layout.kv_starts
-        kv_lens = torch.where(plain, layout.kv_lens, torch.clamp(layout.kv_lens, max=1))
-        w.plan(layout.qo_indptr, indptr(kv_lens), num_qo_heads, num_kv_heads, head_dim, causal=causal,
-               window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        args = kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: layout.blocks.to(device)})
-        self._plain_launch = (w, args, ("ragged", fmod, device))
-        if bool(plain.all()):  # nothing left for the form planned above
-            release_wrapper(*self._release, self._wrapper)
-            self._wrapper = None
-            return
-        rest = ~plain
-        counts = layout.qo_indptr.diff()[rest]
-        self._wrapper._jit_module.kv_starts = torch.cat([layout.kv_starts[:-1][rest], layout.kv_starts[-1:]])
-        self._wrapper.plan(indptr(counts), indptr(layout.kv_lens[rest]), num_qo_heads, num_kv_heads, head_dim,
-                           causal=False, window_left=-1, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        # the row-run tables are found through each block's own fields: only the blocks table is cut
-        tables = {**self._tables, BLOCKS: layout.blocks[rest].to(device)}
-        self._args = kernel_args(variant, bound, sm_scale, None if self.row_runs else causal, tables=tables)
-        self._rest_rows = concat_ranges(layout.qo_indptr[:-1][rest], counts).to(device)
+        if first:
+            starts, counts = layout.kv_starts, layout.qo_indptr.diff()
+            kv_lens = torch.where(sel, layout.kv_lens, torch.clamp(layout.kv_lens, max=1))
+            rows, blocks = None, tables[BLOCKS]
+        else:
+            starts = torch.cat([layout.kv_starts[:-1][sel], layout.kv_starts[-1:]])
+            counts, kv_lens = layout.qo_indptr.diff()[sel], layout.kv_lens[sel]
+            rows = concat_ranges(layout.qo_indptr[:-1][sel], counts).to(device)
+            # the row-run tables are found through each block's own fields: only the blocks table is cut
+            blocks = tables[BLOCKS][sel.to(tables[BLOCKS].device)]
+        w._jit_module.kv_starts = starts
+        w.plan(indptr(counts), indptr(kv_lens), num_qo_heads, num_kv_heads, head_dim, causal=causal,
+               window_left=window_left, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        args = kernel_args(variant, bound, sm_scale, args_causal, tables={**tables, BLOCKS: blocks})
+        return _Launch(w, args, ("ragged", fmod, device), rows)
 
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
-        if self._plain_launch is not None:
-            w, args, _ = self._plain_launch
-            out = w.run(q, k, v, *args, return_lse=return_lse)
-            if self._wrapper is None:
-                return out
-            rows = self._rest_rows
-            return write_rows(out, rows, self._wrapper.run(q.index_select(0, rows), k, v, *self._args,
-                                                           return_lse=return_lse), return_lse)
-        if self._parts is None:
-            return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
-        src, first, twice, second = self._parts
-        out, lse = self._wrapper.run(q.index_select(0, src), k, v, *self._args, return_lse=True)
-        o, s = out.index_select(0, first), lse.index_select(0, first)
+        parts = self._parts
+        lowered = q if parts is None else q.index_select(0, parts[0])
+        lse_too = return_lse or parts is not None
+        first, *rest = self._launches
+        out = first.wrapper.run(lowered, k, v, *first.args, return_lse=lse_too)
+        for launch in rest:
+            write_rows(out, launch.rows, launch.wrapper.run(lowered.index_select(0, launch.rows), k, v, *launch.args,
+                                                            return_lse=lse_too), lse_too)
+        if parts is None:
+            return out
+        src, first_row, twice, second = parts
+        out, lse = out
+        o, s = out.index_select(0, first_row), lse.index_select(0, first_row)
         merged, merged_lse = merge_states([o.index_select(0, twice), out.index_select(0, second)],
                                           [s.index_select(0, twice), lse.index_select(0, second)])
         o.index_copy_(0, twice, merged)
@@ -422,13 +516,10 @@ class KvRangePrefill:
         return (o, s) if return_lse else o
 
     def release(self):
-        """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
-        if not self.empty:
-            if self._wrapper is not None:
-                release_wrapper(*self._release, self._wrapper)
-            if self._plain_launch is not None:
-                release_wrapper(*self._plain_launch[2], self._plain_launch[0])
-            self._wrapper = self._plain_launch = None
+        """Hand the wrappers on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        for launch in self._launches:
+            release_wrapper(*launch.release, launch.wrapper)
+        self._launches = []
 
 
 def plain_blocks(variant, bound, layout: KvRangeLayout, causal: bool, num_qo_heads: int,

@@ -168,6 +168,64 @@ def _check_row_runs(variant, bound, runs, qo_lens, kv_lens, heads):
         assert bool((runs[..., 2] < runs[..., 3]).any())  # rows with two runs: the two-run form
 
 
+def _streaming(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx < params.sink or q_idx - kv_idx < params.window
+
+
+def _one_hole(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx != q_idx - params.hole  # two runs a row, one key apart
+
+
+STREAMING = AttentionVariant(name="kvr_streaming", mask=_streaming, params={"sink": Scalar(int), "window": Scalar(int)})
+ONE_HOLE = AttentionVariant(name="kvr_one_hole", mask=_one_hole, params={"hole": Scalar(int)})
+
+
+@pytest.mark.parametrize("rows", [128, 32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_free_requests_keep_exactly_their_form(causal, rows):
+    """mask_free_requests against the mask on every (row, key, head): a CAUSAL_WINDOW request's rows keep exactly
+    the keys FA3's causal mode with window_left = W - 1 keeps of the request (bottom-right aligned on its own rows
+    and keys), an ALL_KEYS request's rows keep every key of it; sinks with a window, a window inside documents,
+    per-head windows (no one W), holes and documents; split and unsplit layouts."""
+    from fivar.runtime.kv_ranges import ALL_KEYS, CAUSAL_WINDOW, mask_free_requests
+    cases = [(v, b, rg, rn) for v, _, b, rg, rn in _prescanned()]
+    # sinks wider than a block: rows up to sink + window keep [0, q_idx], wider than the window
+    for variant, params in ((STREAMING, {"sink": 40, "window": 60}), (ONE_HOLE, {"hole": 3})):
+        bound = bind_params(variant, params, num_qo_heads=_HEADS, num_kv_heads=2, batch_size=3, device="cpu")
+        cases.append((variant, bound, *load_triton_module(variant).mask_ranges(
+            _QO_INDPTR, _KV_INDPTR, max(_QO_LENS), _HEADS, 2, kernel_arg_values(variant, bound, 1.0), row_runs=True)))
+    seen = set()
+    for variant, bound, ranges, runs in cases:
+        for split in (False, True):
+            lay = kv_range_layout(ranges, _QO_INDPTR, _KV_INDPTR, rows, causal, split_runs=split)
+            src = lay.parts.src if lay.parts is not None else torch.arange(int(lay.qo_indptr[-1]))
+            for two in (runs, runs[..., :2].contiguous()) if run_kind(runs) == 1 else (runs,):
+                got = mask_free_requests(two, lay, _QO_INDPTR, _KV_INDPTR, causal, windows=True)
+                window = got.window
+                for r, kind in enumerate(got.kind.tolist()):
+                    if kind not in (ALL_KEYS, CAUSAL_WINDOW):
+                        continue
+                    seen.add((variant.name, kind, window))
+                    b, _, k0 = lay.blocks[r, :3].tolist()
+                    k1 = k0 + int(lay.kv_lens[r])
+                    t = src[int(lay.qo_indptr[r]):int(lay.qo_indptr[r + 1])] - int(_QO_INDPTR[b])
+                    keep = _kept(variant, bound, b, _QO_LENS[b], _KV_LENS[b], _HEADS, causal)[:, t, k0:k1]
+                    n, n_keys = keep.shape[1:]
+                    if kind == ALL_KEYS:
+                        assert bool(keep.all()), (variant.name, causal, r)
+                        continue
+                    assert causal
+                    key, local_q = torch.arange(n_keys).view(1, -1), torch.arange(n).view(-1, 1) + n_keys - n
+                    fa3 = (key <= local_q) & ((key >= local_q - (window - 1)) if window is not None else True)
+                    assert torch.equal(keep, fa3.expand_as(keep)), (variant.name, r, window)
+    if causal:  # the forms are found where they should be
+        assert ("kvr_streaming", CAUSAL_WINDOW, 60) in seen and ("kvr_streaming", ALL_KEYS, 60) in seen, seen
+        assert ("kvr_band_and_doc", CAUSAL_WINDOW, 91) in seen, seen
+        assert ("document_mask", CAUSAL_WINDOW, None) in seen, seen
+    else:
+        assert ("document_mask", ALL_KEYS, None) in seen, seen
+
+
 def test_a_block_that_keeps_nothing_gets_one_masked_key():
     """A query block whose rows keep no key at all still runs (the kernel masks its one key: zeros out)."""
     ranges = torch.tensor([[[[50, 0, 50, 50]] * 8]], dtype=torch.int32)  # lo = kv_len, hi = 0: nothing kept
@@ -283,13 +341,15 @@ class _FakeFA3RaggedWrapper:
     from kv_starts, fv_blocks' mapping, then the mask form's full range and causal guard, or the two-run form's
     runs (`row_runs` 2: a row's [a0, a1, b0, b1) at field 3 + field 4 * head + 4 * row); out and the log2 LSE."""
 
-    def __init__(self, variant, row_runs=0, mask_free=False):
+    def __init__(self, variant, row_runs=0, mask_free=False, sliding_window=False):
         self.variant, self.row_runs, self.mask_free = variant, 0 if mask_free else row_runs, mask_free
+        self.sliding_window = sliding_window
         self._jit_module = types.SimpleNamespace(kv_starts=None)
 
     def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, window_left=-1, **kw):
-        assert window_left == -1 and (self.mask_free or not causal), "only the mask-free form runs FA3's causal mode"
-        self.qo, self.lens, self.causal = qo_indptr.long(), kv_indptr.long().diff(), causal
+        assert self.mask_free or not causal, "only the mask-free form runs FA3's causal mode"
+        assert (window_left >= 0) == self.sliding_window, "a window needs the module built with FA3's sliding window"
+        self.qo, self.lens, self.causal, self.window_left = qo_indptr.long(), kv_indptr.long().diff(), causal, window_left
 
     def run(self, q, k, v, *args, return_lse=False):
         var = self.variant
@@ -305,9 +365,10 @@ class _FakeFA3RaggedWrapper:
             b, q0, k0, f3, f4 = named[BLOCKS][r].tolist()
 
             def keep(ev, env, f3=f3, f4=f4, k0=k0, n=rows.shape[0], n_keys=keys.shape[0]):
-                if self.mask_free:  # FA3's causal mode, bottom-right aligned on the request's own rows and keys
-                    return (torch.arange(n_keys).view(1, 1, -1) <= torch.arange(n).view(1, -1, 1) + n_keys - n
-                            if self.causal else torch.ones(1, n, n_keys, dtype=torch.bool))
+                if self.mask_free:  # FA3's causal mode (and window), bottom-right aligned on the request's rows and keys
+                    key, local_q = torch.arange(n_keys).view(1, 1, -1), torch.arange(n).view(1, -1, 1) + n_keys - n
+                    kept = (key <= local_q) if self.causal else torch.ones(1, n, n_keys, dtype=torch.bool)
+                    return kept & (key >= local_q - self.window_left) if self.window_left >= 0 else kept
                 if self.row_runs == 1:  # one run [a, b) a row, relative to the request's first key, causal folded in
                     flat = named[ROW_RUNS].reshape(-1).long()
                     runs = torch.stack([flat[f3 + f4 * h: f3 + f4 * h + 2 * n].view(n, 2) for h in range(q.shape[1])])
@@ -331,8 +392,9 @@ def _fake_fa3_batch(monkeypatch, seed, qo_lens, kv_lens):
     """KvRangePrefill on the CPU (fivar's modules stand-ins) and a random fp16 batch of 4/2 heads:
     (generator, qo_indptr, kv_indptr, q, k, v)."""
     from fivar.runtime import kv_ranges
-    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, mask_free=False, **kw: types.SimpleNamespace(
-        uri="fake", row_runs=row_runs, mask_free=mask_free))
+    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, mask_free=False, sliding_window=False, **kw:
+                        types.SimpleNamespace(uri="fake", row_runs=row_runs, mask_free=mask_free,
+                                              sliding_window=sliding_window))
     monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
     gen = torch.Generator().manual_seed(seed)
     qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
@@ -368,13 +430,16 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
                                  params={"sink": Scalar(int), "window": Scalar(int)})
     gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 5, [300, 7, 260], [420, 9, 260])
     for variant, params in ((streaming, {"sink": 5, "window": 30}), (HOLED, {"gap": 70})):
-        monkeypatch.setattr(kv_ranges, "_fa3_wrapper",
-                            lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(var, fmod.row_runs))
+        monkeypatch.setattr(kv_ranges, "_fa3_wrapper", lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(
+            var, fmod.row_runs, fmod.mask_free, fmod.sliding_window))
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
         plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
                                         dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
         assert plan.layout.parts is not None and plan.layout.parts.twice.numel() > 0, variant.name
         assert plan.row_runs == 2, variant.name  # each row's two runs checked, not the mask
+        if variant is streaming and causal:  # the window parts in FA3's sliding window, the sink parts unmasked
+            assert plan.mask_free.window == 30
+            assert {kv_ranges.CAUSAL_WINDOW, kv_ranges.ALL_KEYS} <= set(plan.mask_free.kind.tolist())
         out, lse = plan.run(q, k, v, return_lse=True)
         _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
 
@@ -408,13 +473,14 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
         made = []
 
         def wrapper(fmod, device, var=variant):
-            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free))
+            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free, fmod.sliding_window))
             return made[-1]
         monkeypatch.setattr(kv_ranges, "_fa3_wrapper", wrapper)
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
         plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
                                         dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
         # most blocks lie inside one document (chunk), and some are cut by a boundary
-        assert plan._plain_launch is not None and plan._wrapper is not None, variant.name
+        kinds = set(plan.mask_free.kind.tolist())
+        assert len(plan._launches) > 1 and kv_ranges.NEEDS_MASK in kinds, (variant.name, kinds)
         out, lse = plan.run(q, k, v, return_lse=True)
         _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
