@@ -77,12 +77,12 @@ class KvRangeLayout:
 @dataclass
 class RunParts:
     """A lowered batch whose query blocks with two runs of kept keys (a sink and a window) run as two requests, one
-    per run, over copies of their rows: attention over each run, merged through the LSEs (fivar.runtime.lse). Host
-    int64 tensors."""
-    src: torch.Tensor     # [lowered rows]: the row of q each lowered row is a copy of
-    first: torch.Tensor   # [rows of q]: the lowered row holding its first (or only) part
-    twice: torch.Tensor   # [rows with two parts]: those rows of q
-    second: torch.Tensor  # [rows with two parts]: the lowered row holding the second part
+    per run: attention over each run, merged through the LSEs (fivar.runtime.lse). The first `blocks` requests are
+    the blocks in order (a split one over its last run), so lowered rows [0, len(q)) are q's rows; the requests
+    after them are the split blocks' first runs, over copies of their rows. Host int64 tensors."""
+    src: torch.Tensor    # [lowered rows]: the row of q each lowered row is (a copy of)
+    twice: torch.Tensor  # src of the rows after q's: the rows of q with two parts, the second's order
+    blocks: int          # the requests over q's own rows
 
 
 @dataclass
@@ -169,28 +169,26 @@ def kv_range_layout(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: to
             kv_starts=torch.cat([starts, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
             kv_lens=(q.hi - q.lo).to(torch.int32),
             blocks=_blocks_table(q, q.lo))
-    # requests: each block once, a split block twice (its first run [lo, gap_lo), then its last [gap_hi, hi))
-    block = torch.repeat_interleave(torch.arange(q.lo.numel()), 1 + split.long())
-    is_second = torch.zeros_like(block, dtype=torch.bool)
-    is_second[1:] = block[1:] == block[:-1]
-    lo = torch.where(is_second, gap_hi[block], q.lo[block])
-    hi = torch.where(split[block] & ~is_second, gap_lo[block], q.hi[block])
+    # requests: each block once over its last run [gap_hi, hi) if split, else all of [lo, hi), in order (so their
+    # rows are q's); then each split block again over its first run [lo, gap_lo)
+    n_blocks = q.lo.numel()
+    block = torch.cat([torch.arange(n_blocks), torch.nonzero(split).view(-1)])
+    again = torch.arange(block.numel()) >= n_blocks
+    lo = torch.where(again, q.lo[block], torch.where(split[block], gap_hi[block], q.lo[block]))
+    hi = torch.where(again, gap_lo[block], q.hi[block])
     first_row = qo_indptr[q.batch] + q.row0  # the block's first row of q
     n_rows = torch.minimum(torch.full_like(q.row0, rows), qo_indptr[q.batch + 1] - first_row)[block]
     lowered_start = torch.cat([torch.zeros(1, dtype=torch.long), n_rows.cumsum(0)])
     lowered = torch.arange(int(lowered_start[-1]))
     req = torch.repeat_interleave(torch.arange(block.numel()), n_rows)  # the request of each lowered row
     src = first_row[block][req] + (lowered - lowered_start[:-1][req])
-    second_row = is_second[req]
-    first = torch.empty(int(qo_indptr[-1]), dtype=torch.long)
-    first[src[~second_row]] = lowered[~second_row]
     sub = _QueryBlocks(q.batch[block], q.row0[block], q.shift[block], lo, hi, tuple(x[block] for x in q.tail))
     return KvRangeLayout(
-        qo_indptr=torch.cat([lowered_start[:-1], lowered_start[-1:]]).to(torch.int32),
+        qo_indptr=lowered_start.to(torch.int32),
         kv_starts=torch.cat([kv_indptr[sub.batch] + lo, torch.zeros(1, dtype=torch.long)]).to(torch.int32),
         kv_lens=(hi - lo).to(torch.int32),
         blocks=_blocks_table(sub, lo),
-        parts=RunParts(src=src, first=first, twice=src[second_row], second=lowered[second_row]))
+        parts=RunParts(src=src, twice=src[int(qo_indptr[-1]):], blocks=n_blocks))
 
 
 @dataclass
@@ -401,12 +399,22 @@ def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: tor
 
 @dataclass
 class _Launch:
-    """One FA3 launch of a planned batch: its wrapper and run arguments, and the lowered rows it computes (None:
-    every row, the first launch; the rows of requests it does not compute read one key and are written over)."""
+    """One FA3 launch of a planned batch: its wrapper and run arguments, the rows of q it reads (None: q itself,
+    the first launch, whose requests are the blocks over q's own rows; those it does not compute read one key and
+    are written over), and where its output rows go: (positions in its output or None for all, rows of the
+    output) and (the same, rows of the split blocks' first-run output)."""
     wrapper: object
     args: list
     release: tuple
-    rows: torch.Tensor | None
+    gather: torch.Tensor | None = None
+    to_out: tuple | None = None
+    to_first_runs: tuple | None = None
+
+
+def _rows_of(result, pos, lse_too: bool):
+    if pos is None:
+        return result
+    return tuple(x.index_select(0, pos) for x in result) if lse_too else result.index_select(0, pos)
 
 
 class KvRangePrefill:
@@ -415,7 +423,8 @@ class KvRangePrefill:
 
     Requests whose rows keep exactly their keys, or a causal window of them (mask_free_requests; plain_blocks
     for a mask the pre-pass gives no runs for), run with no mask in the struct: FA3's causal mode (with its
-    sliding window) or no mask, each such kind in one launch; the rest in the planned form."""
+    sliding window) or no mask. The first launch runs the form most of q's rows take over q itself; each form
+    then runs its other requests in one launch over copies of their rows."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal,
                  bound, sm_scale, device):
@@ -447,11 +456,15 @@ class KvRangePrefill:
         if self.row_runs:
             tables[ROW_RUNS] = (two_runs if self.row_runs == 2 else
                                 relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal))
-        plan = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                    device=device)
+        parts = layout.parts
+        own = torch.arange(kind.numel()) < (parts.blocks if parts is not None else kind.numel())  # over q's rows
+        counts = layout.qo_indptr.diff().long()
+        forms = [f for f in (CAUSAL_WINDOW, ALL_KEYS, NEEDS_MASK) if bool((kind == f).any())]
+        lead = max(forms, key=lambda f: int(counts[own & (kind == f)].sum()))
+        launches = [(lead, own & (kind == lead), True)] + [
+            (f, (kind == f) & ~(own & (f == lead)), False) for f in [lead] + [f for f in forms if f != lead]]
         window = self.mask_free.window
-        for form in (CAUSAL_WINDOW, ALL_KEYS, NEEDS_MASK):
-            sel = kind == form
+        for form, sel, first in launches:
             if not bool(sel.any()):
                 continue
             if form == NEEDS_MASK:
@@ -465,52 +478,64 @@ class KvRangePrefill:
                 args_causal, form_tables = None, {BLOCKS: tables[BLOCKS]}
                 launch_causal = form == CAUSAL_WINDOW
                 window_left = window - 1 if form == CAUSAL_WINDOW and window is not None else -1
-            self._launches.append(self._plan_launch(variant, bound, sm_scale, fmod, sel, form_tables, args_causal,
-                                                    launch_causal, window_left, first=not self._launches, **plan))
-        parts = layout.parts
-        self._parts = None if parts is None else tuple(t.to(device) for t in (parts.src, parts.first, parts.twice,
-                                                                                parts.second))
+            launch = self._plan_launch(variant, bound, sm_scale, fmod, sel, own if first else None, form_tables,
+                                       args_causal, launch_causal, window_left, num_qo_heads, num_kv_heads, head_dim,
+                                       dtype, device)
+            self._launches.append(launch)
+        self._twice = None if parts is None else parts.twice.to(device)
 
-    def _plan_launch(self, variant, bound, sm_scale, fmod, sel, tables, args_causal, causal, window_left, first,
+    def _plan_launch(self, variant, bound, sm_scale, fmod, sel, own, tables, args_causal, causal, window_left,
                      num_qo_heads, num_kv_heads, head_dim, dtype, device) -> _Launch:
-        """A launch of the selected requests: the first over every lowered row (the others read one key), a later
-        one over copies of its requests' rows, written over theirs."""
+        """A launch of the selected requests: the first (`own`: the requests over q's own rows) over q, a later
+        one over copies of its requests' rows."""
         layout = self.layout
         w = _fa3_wrapper(fmod, device)
-        if first:
-            starts, counts = layout.kv_starts, layout.qo_indptr.diff()
-            kv_lens = torch.where(sel, layout.kv_lens, torch.clamp(layout.kv_lens, max=1))
-            rows, blocks = None, tables[BLOCKS]
+        blocks = tables[BLOCKS]
+        if own is not None:
+            n = int(own.sum())
+            starts, counts = torch.cat([layout.kv_starts[:n], layout.kv_starts[-1:]]), layout.qo_indptr.diff()[:n]
+            kv_lens = torch.where(sel[:n], layout.kv_lens[:n], torch.clamp(layout.kv_lens[:n], max=1))
+            launch = _Launch(w, [], ("ragged", fmod, device))
+            blocks = blocks[:n]
         else:
             starts = torch.cat([layout.kv_starts[:-1][sel], layout.kv_starts[-1:]])
             counts, kv_lens = layout.qo_indptr.diff()[sel], layout.kv_lens[sel]
-            rows = concat_ranges(layout.qo_indptr[:-1][sel], counts).to(device)
+            rows = concat_ranges(layout.qo_indptr[:-1][sel], counts)
+            n_q = int(layout.qo_indptr[layout.parts.blocks if layout.parts is not None else -1])  # rows of q
+            src = layout.parts.src[rows] if layout.parts is not None else rows
+            in_q = rows < n_q
+            place = lambda m, dst: (None if bool(m.all()) else torch.nonzero(m).view(-1).to(device),  # noqa: E731
+                                    dst.to(device))
+            launch = _Launch(w, [], ("ragged", fmod, device), gather=src.to(device),
+                             to_out=place(in_q, rows[in_q]) if bool(in_q.any()) else None,
+                             to_first_runs=place(~in_q, rows[~in_q] - n_q) if bool((~in_q).any()) else None)
             # the row-run tables are found through each block's own fields: only the blocks table is cut
-            blocks = tables[BLOCKS][sel.to(tables[BLOCKS].device)]
+            blocks = blocks[sel.to(blocks.device)]
         w._jit_module.kv_starts = starts
         w.plan(indptr(counts), indptr(kv_lens), num_qo_heads, num_kv_heads, head_dim, causal=causal,
                window_left=window_left, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        args = kernel_args(variant, bound, sm_scale, args_causal, tables={**tables, BLOCKS: blocks})
-        return _Launch(w, args, ("ragged", fmod, device), rows)
+        launch.args = kernel_args(variant, bound, sm_scale, args_causal, tables={**tables, BLOCKS: blocks})
+        return launch
 
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
-        parts = self._parts
-        lowered = q if parts is None else q.index_select(0, parts[0])
-        lse_too = return_lse or parts is not None
+        twice = self._twice
+        lse_too = return_lse or twice is not None
         first, *rest = self._launches
-        out = first.wrapper.run(lowered, k, v, *first.args, return_lse=lse_too)
+        out = first.wrapper.run(q, k, v, *first.args, return_lse=lse_too)
+        first_runs = None
+        if twice is not None:  # the split blocks' first runs
+            first_runs = tuple(x.new_empty((twice.numel(),) + x.shape[1:]) for x in out)
         for launch in rest:
-            write_rows(out, launch.rows, launch.wrapper.run(lowered.index_select(0, launch.rows), k, v, *launch.args,
-                                                            return_lse=lse_too), lse_too)
-        if parts is None:
+            result = launch.wrapper.run(q.index_select(0, launch.gather), k, v, *launch.args, return_lse=lse_too)
+            for target, place in ((out, launch.to_out), (first_runs, launch.to_first_runs)):
+                if place is not None:
+                    write_rows(target, place[1], _rows_of(result, place[0], lse_too), lse_too)
+        if twice is None:
             return out
-        src, first_row, twice, second = parts
-        out, lse = out
-        o, s = out.index_select(0, first_row), lse.index_select(0, first_row)
-        merged, merged_lse = merge_states([o.index_select(0, twice), out.index_select(0, second)],
-                                          [s.index_select(0, twice), lse.index_select(0, second)])
+        (o, s), (o1, s1) = out, first_runs
+        merged, merged_lse = merge_states([o.index_select(0, twice), o1], [s.index_select(0, twice), s1])
         o.index_copy_(0, twice, merged)
         s.index_copy_(0, twice, merged_lse)
         return (o, s) if return_lse else o

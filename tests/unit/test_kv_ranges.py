@@ -323,7 +323,9 @@ def test_split_runs_read_each_kept_key_exactly_once(causal):
                 reads.setdefault(int(p.src[lowered]), []).append((k0, k1))
         tokens = _token_rows(_QO_LENS)
         assert sorted(reads) == list(range(len(tokens)))
-        assert torch.equal(p.src[p.first], torch.arange(len(tokens))) and torch.equal(p.src[p.second], p.twice)
+        n = len(tokens)  # the blocks over q's own rows first (a split one over its last run), then the first runs
+        assert torch.equal(p.src[:n], torch.arange(n)) and torch.equal(p.src[n:], p.twice)
+        assert int(lay.qo_indptr[p.blocks]) == n
         kept = {b: _kept(variant, bound, b, _QO_LENS[b], _KV_LENS[b], _HEADS, causal).any(0)
                 for b in range(len(_QO_LENS)) if _QO_LENS[b]}
         for t, parts in reads.items():
@@ -426,10 +428,18 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
     def sinks_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
         return kv_idx < params.sink or q_idx - kv_idx < params.window
 
+    def head_sinks_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+        return kv_idx < params.sinks[qo_head] or q_idx - kv_idx < params.window
+
     streaming = AttentionVariant(name="kvr_split_streaming", mask=sinks_window,
                                  params={"sink": Scalar(int), "window": Scalar(int)})
+    # sinks per head: the sink parts need the mask, as does the block where the window leaves the sinks
+    head_sinks = AttentionVariant(name="kvr_split_head_sinks", mask=head_sinks_window,
+                                  params={"sinks": Tensor("int32", ("qo_head",)), "window": Scalar(int)})
     gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 5, [300, 7, 260], [420, 9, 260])
-    for variant, params in ((streaming, {"sink": 5, "window": 30}), (HOLED, {"gap": 70})):
+    mixed = False
+    for variant, params in ((streaming, {"sink": 5, "window": 30}), (HOLED, {"gap": 70}),
+                            (head_sinks, {"sinks": torch.tensor([3, 9, 1, 5], dtype=torch.int32), "window": 40})):
         monkeypatch.setattr(kv_ranges, "_fa3_wrapper", lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(
             var, fmod.row_runs, fmod.mask_free, fmod.sliding_window))
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
@@ -440,8 +450,10 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
         if variant is streaming and causal:  # the window parts in FA3's sliding window, the sink parts unmasked
             assert plan.mask_free.window == 30
             assert {kv_ranges.CAUSAL_WINDOW, kv_ranges.ALL_KEYS} <= set(plan.mask_free.kind.tolist())
+        mixed |= any(x.to_out is not None and x.to_first_runs is not None for x in plan._launches)
         out, lse = plan.run(q, k, v, return_lse=True)
         _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
+    assert mixed or not causal, "a launch over rows of q and first runs both"
 
 
 def _documents(batch, qo_head, kv_head, q_idx, kv_idx, params):
