@@ -30,14 +30,22 @@ PER_REQUEST = AttentionVariant(name="gpu_sink_per_request", logits=_softcap, sin
 
 def _params(v, batch, max_len, large=False):
     p = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=batch, max_len=max_len, device="cuda")
-    if large:  # a sink far above every logit: outputs shrink by ~e^-10
-        p["sinks"] = torch.full((HQ,), 10.0, device="cuda") + torch.rand(HQ, device="cuda")
+    if large:
+        _large_sinks(p)
     return p
+
+
+def _large_sinks(p):
+    """A sink far above every logit (soft-capped at 5, or random scores): outputs shrink by ~e^-5 or more. The
+    per-request part, if any, is zeroed: a random one could pull the sink back down."""
+    p["sinks"] = torch.full((HQ,), 10.0, device="cuda") + torch.rand(HQ, device="cuda")
+    if "per_request" in p:
+        p["per_request"] = torch.zeros_like(p["per_request"])
 
 
 def _assert_out(v, case, out, ref, large):
     if large:
-        assert float(ref.abs().max()) < 0.05, case
+        assert float(ref.abs().max()) < 0.1, case  # the sink dominates (outputs are O(1) without it)
         # one bf16 ulp of the largest output: the output's own rounding is half an ulp of each element
         torch.testing.assert_close(out.float(), ref.float(), atol=2 ** -7 * float(ref.abs().max()) + 1e-6, rtol=0)
     else:
@@ -112,7 +120,7 @@ def test_decode(v, hkv, large):
     p = example_params(v, num_qo_heads=HQ, num_kv_heads=hkv, batch_size=len(kv_lens), max_len=max(kv_lens),
                        device="cuda")
     if large:
-        p["sinks"] = torch.full((HQ,), 10.0, device="cuda") + torch.rand(HQ, device="cuda")
+        _large_sinks(p)
     cache, indptr, indices, last = _to_paged(k, vv, kv_lens, page_size=16)
     out, lse = v.decode(q, cache, indptr, indices, last, backend="fa2", return_lse=True, **p)
     ones = [1] * len(kv_lens)
