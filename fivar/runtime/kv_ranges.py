@@ -338,6 +338,7 @@ class MaskFreeRequests:
     kind: torch.Tensor  # int64 [R]: NEEDS_MASK, CAUSAL_WINDOW or ALL_KEYS
     window: int | None  # CAUSAL_WINDOW requests' rows keep the keys q_idx - window < kv_idx <= q_idx of the request's
     #                     (None: every key up to q_idx): FA3's causal mode with window_left = window - 1
+    inside: torch.Tensor | None = None  # bool [R]: every row keeps its whole window (not cut at the first key)
 
 
 def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
@@ -377,13 +378,17 @@ def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: tor
     width = q_idx - s + 1
     w_min = torch.where(exact, width, big).amin(1)
     w_max = torch.where(exact, width, -1).amax(1)
-    w_low = torch.where(band & ~exact, q_idx - lo + 1, 0).amax(1)  # W must reach lo from these rows
+    reach = q_idx - lo + 1  # W must reach lo from the rows keeping [lo, q_idx]
+    w_low = torch.where(band & ~exact, reach, 0).amax(1)
+    w_low_min = torch.where(band & ~exact, reach, big).amin(1)
     reduce = lambda x, how, init: torch.full((n_req,), init, dtype=x.dtype, device=dev).scatter_reduce(  # noqa: E731
         0, req.to(dev), x, how, include_self=True)
     all_full = reduce(full.all(1).long(), "amin", 1).bool()
     all_band = reduce(band.all(1).long(), "amin", 1).bool()
     w_min, w_max, w_low = reduce(w_min, "amin", big), reduce(w_max, "amax", -1), reduce(w_low, "amax", 0)
-    all_full, all_band, w_min, w_max, w_low = (x.cpu() for x in (all_full, all_band, w_min, w_max, w_low))
+    w_low_min = reduce(w_low_min, "amin", big)
+    all_full, all_band, w_min, w_max, w_low, w_low_min = (x.cpu() for x in (all_full, all_band, w_min, w_max, w_low,
+                                                                            w_low_min))
     one_width = all_band & (w_min == w_max)  # every exact row of the request needs the same W
     window = None
     if windows and bool(one_width.any()):
@@ -394,7 +399,9 @@ def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: tor
     fits = plain if window is None else (plain & (w_low <= window)) | (one_width & (w_min == window) &
                                                                         (w_low <= window))
     kind = torch.where(fits, CAUSAL_WINDOW, torch.where(all_full, ALL_KEYS, NEEDS_MASK))
-    return MaskFreeRequests(kind, window)
+    # every row keeps exactly [q_idx - W + 1, q_idx], so the request's keys may start further left
+    inside = None if window is None else (w_low == 0) | ((w_low == window) & (w_low_min == window))
+    return MaskFreeRequests(kind, window, inside)
 
 
 @dataclass
@@ -480,27 +487,47 @@ class KvRangePrefill:
                 window_left = window - 1 if form == CAUSAL_WINDOW and window is not None else -1
             launch = self._plan_launch(variant, bound, sm_scale, fmod, sel, own if first else None, form_tables,
                                        args_causal, launch_causal, window_left, num_qo_heads, num_kv_heads, head_dim,
-                                       dtype, device)
+                                       dtype, device, form)
             self._launches.append(launch)
         self._twice = None if parts is None else parts.twice.to(device)
 
+    def _requests(self, req: torch.Tensor, sel: torch.Tensor, form: int):
+        """A launch's FA3 requests from the lowered requests `req` (in order): runs of adjacent mask-free ones that
+        one request computes alike are merged (a chunk's or a document's blocks, keyed from one first key, become
+        one causal request, as stock FlashInfer's request per document; windows whose every row starts right of
+        its block's first key, one windowed request); `sel`'s others read one key. Returns each request's first
+        lowered request, rows and keys."""
+        layout = self.layout
+        batch, q_first, lo = (layout.blocks[req, i].long() for i in range(3))
+        n_rows, kv_lens = layout.qo_indptr.diff().long()[req], layout.kv_lens.long()[req]
+        member = sel[req]
+        joins = torch.zeros_like(member)
+        if form != NEEDS_MASK and req.numel() > 1:
+            hi = lo + kv_lens
+            same = (lo[1:] == lo[:-1]) & ((hi[1:] == hi[:-1]) if form == ALL_KEYS else True)
+            if form == CAUSAL_WINDOW and self.mask_free.window is not None:
+                same = same | (self.mask_free.inside[req[1:]] & (lo[1:] >= lo[:-1]))
+            joins[1:] = (member[1:] & member[:-1] & (batch[1:] == batch[:-1])
+                         & (q_first[1:] == q_first[:-1] + n_rows[:-1]) & same)
+        group = torch.cumsum(~joins, 0) - 1
+        first = torch.nonzero(~joins).view(-1)
+        rows = torch.zeros(first.numel(), dtype=torch.long).index_add_(0, group, n_rows)
+        last = torch.cat([first[1:] - 1, torch.tensor([req.numel() - 1])])
+        keys = torch.where(member[first], lo[last] + kv_lens[last] - lo[first], kv_lens[first].clamp(max=1))
+        return req[first], rows, keys
+
     def _plan_launch(self, variant, bound, sm_scale, fmod, sel, own, tables, args_causal, causal, window_left,
-                     num_qo_heads, num_kv_heads, head_dim, dtype, device) -> _Launch:
+                     num_qo_heads, num_kv_heads, head_dim, dtype, device, form) -> _Launch:
         """A launch of the selected requests: the first (`own`: the requests over q's own rows) over q, a later
         one over copies of its requests' rows."""
         layout = self.layout
         w = _fa3_wrapper(fmod, device)
-        blocks = tables[BLOCKS]
         if own is not None:
-            n = int(own.sum())
-            starts, counts = torch.cat([layout.kv_starts[:n], layout.kv_starts[-1:]]), layout.qo_indptr.diff()[:n]
-            kv_lens = torch.where(sel[:n], layout.kv_lens[:n], torch.clamp(layout.kv_lens[:n], max=1))
+            req = torch.arange(int(own.sum()))
             launch = _Launch(w, [], ("ragged", fmod, device))
-            blocks = blocks[:n]
         else:
-            starts = torch.cat([layout.kv_starts[:-1][sel], layout.kv_starts[-1:]])
-            counts, kv_lens = layout.qo_indptr.diff()[sel], layout.kv_lens[sel]
-            rows = concat_ranges(layout.qo_indptr[:-1][sel], counts)
+            req = torch.nonzero(sel).view(-1)
+            rows = concat_ranges(layout.qo_indptr[:-1][sel], layout.qo_indptr.diff()[sel])
             n_q = int(layout.qo_indptr[layout.parts.blocks if layout.parts is not None else -1])  # rows of q
             src = layout.parts.src[rows] if layout.parts is not None else rows
             in_q = rows < n_q
@@ -509,8 +536,10 @@ class KvRangePrefill:
             launch = _Launch(w, [], ("ragged", fmod, device), gather=src.to(device),
                              to_out=place(in_q, rows[in_q]) if bool(in_q.any()) else None,
                              to_first_runs=place(~in_q, rows[~in_q] - n_q) if bool((~in_q).any()) else None)
-            # the row-run tables are found through each block's own fields: only the blocks table is cut
-            blocks = blocks[sel.to(blocks.device)]
+        leader, counts, kv_lens = self._requests(req, sel, form)
+        starts = torch.cat([layout.kv_starts[:-1][leader], layout.kv_starts[-1:]])
+        # the row-run tables are found through each block's own fields: only the blocks table is cut
+        blocks = tables[BLOCKS][leader.to(tables[BLOCKS].device)]
         w._jit_module.kv_starts = starts
         w.plan(indptr(counts), indptr(kv_lens), num_qo_heads, num_kv_heads, head_dim, causal=causal,
                window_left=window_left, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)

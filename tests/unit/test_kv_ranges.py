@@ -190,7 +190,9 @@ def test_mask_free_requests_keep_exactly_their_form(causal, rows):
     from fivar.runtime.kv_ranges import ALL_KEYS, CAUSAL_WINDOW, mask_free_requests
     cases = [(v, b, rg, rn) for v, _, b, rg, rn in _prescanned()]
     # sinks wider than a block: rows up to sink + window keep [0, q_idx], wider than the window
-    for variant, params in ((STREAMING, {"sink": 40, "window": 60}), (ONE_HOLE, {"hole": 3})):
+    aligned = _docs([128, 256, 3, 125, 600]).to(torch.int32)  # documents starting on block edges
+    for variant, params in ((STREAMING, {"sink": 40, "window": 60}), (ONE_HOLE, {"hole": 3}),
+                            (BAND_AND_DOC, {"left": 127, "doc": aligned})):
         bound = bind_params(variant, params, num_qo_heads=_HEADS, num_kv_heads=2, batch_size=3, device="cpu")
         cases.append((variant, bound, *load_triton_module(variant).mask_ranges(
             _QO_INDPTR, _KV_INDPTR, max(_QO_LENS), _HEADS, 2, kernel_arg_values(variant, bound, 1.0), row_runs=True)))
@@ -218,12 +220,59 @@ def test_mask_free_requests_keep_exactly_their_form(causal, rows):
                     key, local_q = torch.arange(n_keys).view(1, -1), torch.arange(n).view(-1, 1) + n_keys - n
                     fa3 = (key <= local_q) & ((key >= local_q - (window - 1)) if window is not None else True)
                     assert torch.equal(keep, fa3.expand_as(keep)), (variant.name, r, window)
+                    if window is not None and bool(got.inside[r]):  # whole windows: none cut at the first key
+                        assert bool((local_q - (window - 1) >= 0).all()), (variant.name, r, window)
     if causal:  # the forms are found where they should be
         assert ("kvr_streaming", CAUSAL_WINDOW, 60) in seen and ("kvr_streaming", ALL_KEYS, 60) in seen, seen
         assert ("kvr_band_and_doc", CAUSAL_WINDOW, 91) in seen, seen
         assert ("document_mask", CAUSAL_WINDOW, None) in seen, seen
     else:
         assert ("document_mask", ALL_KEYS, None) in seen, seen
+
+
+def test_adjacent_mask_free_requests_merge_only_when_one_request_computes_them():
+    """KvRangePrefill._requests on a made-up layout: adjacent requests of one batch merge when keyed from one first
+    key (causal, any window), when each keeps whole windows and starts no further left (a window), or when they
+    share their keys exactly (every key); never across requests, rows that are not adjacent, or a request left
+    out; the merged request spans the first one's first key to the last one's last."""
+    from fivar.runtime import kv_ranges
+    from fivar.runtime.kv_ranges import ALL_KEYS, CAUSAL_WINDOW, NEEDS_MASK, KvRangeLayout, MaskFreeRequests
+    # (batch, q_first, lo, rows, keys): rows and keys as FA3's causal mode needs them (keys end at the diagonal)
+    spec = [(0, 0, 0, 128, 128), (0, 128, 0, 128, 256), (0, 256, 100, 128, 284), (0, 384, 150, 128, 362),
+            (0, 512, 140, 128, 500), (1, 0, 0, 128, 128), (1, 128, 0, 128, 256), (1, 256, 0, 128, 384),
+            (1, 640, 5, 128, 3), (1, 768, 5, 128, 3), (1, 896, 5, 128, 3)]
+    b, q0, lo, n, keys = (torch.tensor(x) for x in zip(*spec))
+    layout = KvRangeLayout(qo_indptr=torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]).int(),
+                           kv_starts=torch.cat([lo, torch.zeros(1, dtype=torch.long)]).int(), kv_lens=keys.int(),
+                           blocks=torch.stack([b, q0, lo, lo * 0, lo * 0], 1).int())
+    plan = kv_ranges.KvRangePrefill.__new__(kv_ranges.KvRangePrefill)
+    plan.layout = layout
+
+    def groups(kind, window=None, inside=None, member=None, form=CAUSAL_WINDOW):
+        """The first launch over every request (`member` None: those of `form`), else a later one of `member`."""
+        plan.mask_free = MaskFreeRequests(torch.tensor(kind), window, None if inside is None else torch.tensor(inside))
+        sel = torch.tensor(kind) == form if member is None else torch.tensor(member)
+        req = torch.arange(len(kind)) if member is None else torch.nonzero(sel).view(-1)
+        first, rows, kv = plan._requests(req, sel, form)
+        return first.tolist(), rows.tolist(), kv.tolist()
+
+    W = CAUSAL_WINDOW
+    # no window: one first key per merged request; 2..4 have other first keys; batches stay apart
+    assert groups([W] * 11) == ([0, 2, 3, 4, 5, 8], [256, 128, 128, 128, 384, 384], [256, 284, 362, 500, 384, 3])
+    # a window: 2 and 3 keep whole windows and start no further left (merged into 0's), 4 starts left of 3 (not)
+    inside = [False, False, True, True, True, False, False, False, True, True, True]
+    assert groups([W] * 11, 100, inside)[0] == [0, 4, 5, 8]
+    inside[3] = False  # 3's first rows' windows are cut at its first key: it keeps its own
+    assert groups([W] * 11, 100, inside)[0] == [0, 3, 4, 5, 8]
+    # request 1 needs the mask: 0 and 2 are not adjacent as one launch's members, and the others read one key
+    assert groups([W, NEEDS_MASK] + [W] * 9) == ([0, 1, 2, 3, 4, 5, 8], [128] * 4 + [128, 384, 384],
+                                                 [128, 1, 284, 362, 500, 384, 3])
+    # every key of [5, 8): 8..10 share their keys and are adjacent rows; a later launch of 5 and 8..10 (not adjacent)
+    assert groups([NEEDS_MASK] * 8 + [ALL_KEYS] * 3, form=ALL_KEYS)[0] == list(range(9))
+    member = [False] * 5 + [True] + [False] * 2 + [True] * 3
+    kind = [NEEDS_MASK] * 5 + [ALL_KEYS] + [NEEDS_MASK] * 2 + [ALL_KEYS] * 3
+    assert groups(kind, member=member, form=ALL_KEYS)[0] == [5, 8]
+    assert groups(kind, member=member, form=NEEDS_MASK)[0] == [5, 8, 9, 10]  # the mask form never merges
 
 
 def test_a_block_that_keeps_nothing_gets_one_masked_key():
@@ -450,6 +499,9 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
         if variant is streaming and causal:  # the window parts in FA3's sliding window, the sink parts unmasked
             assert plan.mask_free.window == 30
             assert {kv_ranges.CAUSAL_WINDOW, kv_ranges.ALL_KEYS} <= set(plan.mask_free.kind.tolist())
+            # each request's window parts run as one windowed request
+            windowed = plan._launches[0].wrapper
+            assert windowed.window_left == 29 and windowed.qo.numel() - 1 < plan.layout.parts.blocks
         mixed |= any(x.to_out is not None and x.to_first_runs is not None for x in plan._launches)
         out, lse = plan.run(q, k, v, return_lse=True)
         _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
@@ -480,6 +532,7 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
     # the other requests are one document each
     interleaved = torch.cat([((torch.arange(900) // 50) % 2).view(1, -1).to(torch.int32),
                              torch.zeros(2, 900, dtype=torch.int32)])
+    merged = False
     for variant, params in ((documents, {"docs": docs}), (chunks, {"chunk": 300}),
                             (documents, {"docs": interleaved})):
         made = []
@@ -494,5 +547,9 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
         # most blocks lie inside one document (chunk), and some are cut by a boundary
         kinds = set(plan.mask_free.kind.tolist())
         assert len(plan._launches) > 1 and kv_ranges.NEEDS_MASK in kinds, (variant.name, kinds)
+        for form in (kv_ranges.CAUSAL_WINDOW, kv_ranges.ALL_KEYS):  # a chunk's blocks run as one request
+            sel = plan.mask_free.kind == form
+            merged |= bool(sel.any()) and plan._requests(torch.nonzero(sel).view(-1), sel, form)[0].numel() < sel.sum()
         out, lse = plan.run(q, k, v, return_lse=True)
         _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
+    assert merged
