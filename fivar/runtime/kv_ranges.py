@@ -467,9 +467,10 @@ class KvRangePrefill:
         own = torch.arange(kind.numel()) < (parts.blocks if parts is not None else kind.numel())  # over q's rows
         counts = layout.qo_indptr.diff().long()
         forms = [f for f in (CAUSAL_WINDOW, ALL_KEYS, NEEDS_MASK) if bool((kind == f).any())]
+        # the first launch runs the form most of q's own rows take, over q itself; then each form its other requests
         lead = max(forms, key=lambda f: int(counts[own & (kind == f)].sum()))
-        launches = [(lead, own & (kind == lead), True)] + [
-            (f, (kind == f) & ~(own & (f == lead)), False) for f in [lead] + [f for f in forms if f != lead]]
+        first_sel = own & (kind == lead)
+        launches = [(lead, first_sel, True)] + [(f, (kind == f) & ~first_sel, False) for f in forms]
         window = self.mask_free.window
         for form, sel, first in launches:
             if not bool(sel.any()):
