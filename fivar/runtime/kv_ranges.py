@@ -565,9 +565,13 @@ class KvRangePrefill:
         if twice is None:
             return out
         (o, s), (o1, s1) = out, first_runs
-        merged, merged_lse = merge_states([o.index_select(0, twice), o1], [s.index_select(0, twice), s1])
-        o.index_copy_(0, twice, merged)
-        s.index_copy_(0, twice, merged_lse)
+        if o.is_cuda:  # in place, one pass over the rows merged
+            from ..triton_ops.merge_states import merge_into_rows
+            merge_into_rows(o, s, twice, o1, s1)
+        else:
+            merged, merged_lse = merge_states([o.index_select(0, twice), o1], [s.index_select(0, twice), s1])
+            o.index_copy_(0, twice, merged)
+            s.index_copy_(0, twice, merged_lse)
         return (o, s) if return_lse else o
 
     def release(self):

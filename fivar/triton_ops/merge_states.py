@@ -66,3 +66,44 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
         *o_parts.stride()[:3], *lse_parts.stride(), out.stride(0), out.stride(1),
         h, d, CHUNKS=chunks, BLOCK_D=block, num_warps=max(1, min(4, block // 64)))
     return out
+
+
+@triton.jit
+def _merge_into_rows_kernel(OUT, LSE, ROWS, O_OTHER, LSE_OTHER, stride_on, stride_oh, stride_ln, stride_lh,
+                            stride_pn, stride_ph, stride_qn, stride_qh, H, D, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    i = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    row = tl.load(ROWS + i).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    lse_a = tl.load(LSE + row * stride_ln + h * stride_lh)
+    lse_b = tl.load(LSE_OTHER + i * stride_qn + h * stride_qh)
+    top = tl.maximum(lse_a, lse_b)
+    top = tl.where(top == float("-inf"), 0.0, top)  # both empty: weights 0, output 0, lse -inf
+    w_a, w_b = tl.exp2(lse_a - top), tl.exp2(lse_b - top)
+    total = w_a + w_b
+    o_a = tl.load(OUT + row * stride_on + h * stride_oh + cols, mask=mask, other=0.0).to(tl.float32)
+    o_b = tl.load(O_OTHER + i * stride_pn + h * stride_ph + cols, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.where(total > 0, (w_a * o_a + w_b * o_b) / total, 0.0)
+    tl.store(OUT + row * stride_on + h * stride_oh + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE + row * stride_ln + h * stride_lh, tl.where(total > 0, top + tl.log2(total), float("-inf")))
+
+
+def merge_into_rows(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, o_other: torch.Tensor,
+                    lse_other: torch.Tensor) -> None:
+    """In place: rows `rows` of (`out` [N, H, D], `lse` [N, H] float32, base 2) become the merge of themselves with
+    (`o_other` [R, H, D], `lse_other` [R, H]), row i of the other with row rows[i]. One pass over the rows merged:
+    no gather of `out`'s rows, no scatter back (fivar.runtime.kv_ranges merges a split block's two runs so)."""
+    r, h, d = o_other.shape
+    if rows.shape != (r,) or lse_other.shape != (r, h) or out.shape[1:] != (h, d) or lse.shape != out.shape[:2]:
+        raise ValueError(f"merge_into_rows: out {list(out.shape)}, lse {list(lse.shape)}, rows {list(rows.shape)}, "
+                         f"o_other {list(o_other.shape)}, lse_other {list(lse_other.shape)} do not match")
+    if out.stride(-1) != 1 or o_other.stride(-1) != 1:
+        raise ValueError("merge_into_rows: the last dim of out and o_other must be contiguous")
+    if r * h == 0:
+        return
+    block = triton.next_power_of_2(d)
+    _merge_into_rows_kernel[(r * h,)](
+        out, lse, rows, o_other, lse_other, out.stride(0), out.stride(1), *lse.stride(), *o_other.stride()[:2],
+        *lse_other.stride(), h, d, BLOCK_D=block, num_warps=max(1, min(4, block // 64)))
