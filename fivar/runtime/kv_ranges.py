@@ -347,8 +347,8 @@ def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: tor
     request kv_idx, on their device), what each lowered request's rows keep of its keys [lo, hi), every head:
     all of them (ALL_KEYS; causal calls: none right of a row's diagonal), or exactly a causal window ending at each
     row's diagonal (CAUSAL_WINDOW: q_idx - W < kv_idx <= q_idx; a row whose window reaches left of lo keeps
-    [lo, q_idx], which fits any W that wide), else NEEDS_MASK. The window W is one per launch: the one the most rows need (with
-    `windows` False, only windows reaching left of every request's keys, i.e. plain causal blocks)."""
+    [lo, q_idx], which fits any W that wide), else NEEDS_MASK. The window W is one per launch: the one the most
+    rows need (with `windows` False, only windows reaching left of every request's keys: plain causal blocks)."""
     qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
     lowered = layout.qo_indptr.long()
     n_req, n = lowered.numel() - 1, int(lowered[-1])
