@@ -19,10 +19,10 @@ wrapper running the variant's module:
         g.replay()                                           # out[:batch] holds this step's attention
 
 Keep the plan alive as long as the graph may replay: the graph holds only the raw addresses of the plan's
-buffers and workspaces. The graph's batch is `max_batch` rows: a step with fewer requests is padded with requests of one key (page 0,
-whose output rows are ignored), as serving engines pad to a captured batch size. Params are bound at plan
-creation: scalars are baked into the captured launch, tensor params are read through their pointers (update
-them in place). Which kernel runs follows `decode`: the tensor-core paged kernel when a KV head serves >= 4
+buffers and workspaces. The graph's batch is `max_batch` rows: a step with fewer requests is padded with requests
+of one key (page 0, whose output rows are ignored), as serving engines pad to a captured batch size. Params are
+bound at plan creation: scalars are baked into the captured launch, tensor params are read through their pointers
+(update them in place). Which kernel runs follows `decode`: the tensor-core paged kernel when a KV head serves >= 4
 query heads (or without softmax), else FlashInfer's CUDA-core decode kernel.
 """
 from __future__ import annotations

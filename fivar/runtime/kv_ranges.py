@@ -68,11 +68,6 @@ class KvRangeLayout:
     #                          fivar.codegen.fa3.BLOCKS: the full range, or where the block's row runs are)
     parts: "RunParts | None" = None  # rows read twice, once per run of kept keys (kv_range_layout's split_runs)
 
-    @property
-    def kv_indptr_for_lengths(self) -> torch.Tensor:
-        """An indptr whose differences are the blocks' KV lengths (what a wrapper's plan derives them from)."""
-        return indptr(self.kv_lens)
-
 
 @dataclass
 class RunParts:
@@ -383,18 +378,18 @@ def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: tor
     w_low_min = torch.where(band & ~exact, reach, big).amin(1)
     reduce = lambda x, how, init: torch.full((n_req,), init, dtype=x.dtype, device=dev).scatter_reduce(  # noqa: E731
         0, req.to(dev), x, how, include_self=True)
-    all_full = reduce(full.all(1).long(), "amin", 1).bool()
-    all_band = reduce(band.all(1).long(), "amin", 1).bool()
-    w_min, w_max, w_low = reduce(w_min, "amin", big), reduce(w_max, "amax", -1), reduce(w_low, "amax", 0)
-    w_low_min = reduce(w_low_min, "amin", big)
-    all_full, all_band, w_min, w_max, w_low, w_low_min = (x.cpu() for x in (all_full, all_band, w_min, w_max, w_low,
-                                                                            w_low_min))
+    per_request = torch.stack([  # one device->host copy
+        reduce(full.all(1).long(), "amin", 1), reduce(band.all(1).long(), "amin", 1), reduce(w_min, "amin", big),
+        reduce(w_max, "amax", -1), reduce(w_low, "amax", 0), reduce(w_low_min, "amin", big)]).cpu()
+    all_full, all_band = per_request[0].bool(), per_request[1].bool()
+    w_min, w_max, w_low, w_low_min = per_request[2:]
     one_width = all_band & (w_min == w_max)  # every exact row of the request needs the same W
     window = None
     if windows and bool(one_width.any()):
-        widths, weight = w_min[one_width], layout.qo_indptr.diff().long()[one_width]
-        values = torch.unique(widths)
-        window = int(values[torch.stack([weight[widths == x].sum() for x in values]).argmax()])
+        values, which = torch.unique(w_min[one_width], return_inverse=True)
+        rows = torch.zeros(values.numel(), dtype=torch.long).index_add_(
+            0, which, layout.qo_indptr.diff().long()[one_width])
+        window = int(values[rows.argmax()])
     plain = all_band & (w_max < 0)  # no exact row: the window only has to reach lo
     fits = plain if window is None else (plain & (w_low <= window)) | (one_width & (w_min == window) &
                                                                         (w_low <= window))
