@@ -163,8 +163,8 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
 
 
 def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO) -> list[Contender]:
-    """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa; decode: call, the one-shot
-    `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for the bundled mapping
+    """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa, plain: stock FlashInfer with no variant;
+    decode: call, the one-shot `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for the bundled mapping
     (else plain attention, checked as plain attention: a speed yardstick only)."""
     t, prm = p.tensors, p.params
     out: list[Contender] = []
@@ -198,6 +198,10 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
                                  ({}, f"stock plain attention (no built-in for {variant.name})"))
                     out.append(Contender(cname, lambda kw=kw, b=backend: flashinfer.single_prefill_with_kv_cache(
                         q, k, v, causal=p.causal, backend=b, **kw), label + suffix, checks_variant=st is not None))
+        if "plain" in wanted:  # the same shape with no variant at all: what a position-only term costs over it
+            import flashinfer
+            out.append(Contender("plain", lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=p.causal),
+                                 "plain attention, stock FlashInfer (no variant: a yardstick)", checks_variant=False))
         if "flex" in wanted and variant.softmax and variant.sink is None:
             from ..flex import flex_attention_fn
             out.append(Contender("flex", flex_attention_fn(variant, prm, q, k, v, causal=p.causal), "torch.compile"))

@@ -22,7 +22,7 @@ from . import wave_split
 from .ops import register_plan
 from . import fa2_blocks
 from .decode_pages import trim_pages
-from .kv_ranges import KvRangePrefill, paged_kv_ranges
+from .kv_ranges import KvRangePrefill, mask_scan, paged_kv_ranges
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
 from .params import kernel_args
@@ -636,10 +636,14 @@ class RaggedAttentionPlan(_OwnsWrapper):
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
         self._kv_ranges = self._blocks = None
+        self.segments = None  # FA2's segments form: how many requests it runs
         if self.target == "fa3" and variant.scans_mask:
             self._kv_ranges = KvRangePrefill(
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
+            return
+        if self.target == "fa2" and variant.scans_mask and causal and self._plan_segments(
+                variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype):
             return
         if self.target == "fa2" and variant.scans_mask:
             # FA2's block form (fivar.runtime.fa2_blocks) on the paged kernel, K/V read in place as pages of the
@@ -669,6 +673,30 @@ class RaggedAttentionPlan(_OwnsWrapper):
                            **_split_kwargs(variant, self.target, causal, window_left))
         self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal),
                                  lengths=lambda: max_lengths(qo_indptr, kv_indptr))
+
+    def _plan_segments(self, variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
+                       dtype) -> bool:
+        """FA2, causal: when the mask cuts the batch into segments (documents, chunks), a request of FlashInfer's
+        ragged kernel per segment in kCausal mode, the struct's key segments mapping each back to its positions
+        (fivar.runtime.fa2_blocks.segment_layout): stock FA2's request per document, no mask evaluated. False
+        when the mask is more than segments on this batch."""
+        max_qo_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
+        _, kind, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads,
+                                  sm_scale, self.device)
+        layout = fa2_blocks.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
+        if layout is None:
+            return False
+        fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale, kv_segments=True)
+        self._wrapper = take_wrapper("ragged", fmod, self.device, False)
+        self._release = ("ragged", fmod, self.device)
+        self._wrapper.plan(layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device), num_qo_heads,
+                           num_kv_heads, head_dim, causal=True, q_data_type=dtype, kv_data_type=dtype,
+                           o_data_type=dtype, **_split_kwargs(variant, "fa2", True))
+        self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, "fa2", True),
+                                 tables={fa2.KV_SEGMENTS: layout.segments.to(self.device)},
+                                 lengths=lambda: max_lengths(qo_indptr, kv_indptr))
+        self.segments = layout.qo_indptr.numel() - 1
+        return True
 
     def run(self, q, k, v, *, return_lse=False):
         if torch.compiler.is_compiling():

@@ -75,7 +75,11 @@ def _fa2_line(v) -> str:
     if v.ir.mask is None:
         return "fa2 prefill: causal only skips tiles (no mask)"
     if v.scans_mask:
-        return ("fa2 prefill (single, ragged, paged): each query block of one FA2 query tile (128 / GQA group "
+        return ("fa2 prefill (single, ragged; called causally): when the mask pre-pass finds that every row keeps "
+                "exactly the keys from its segment's first key to itself (documents, chunks), a request of FA2's "
+                "ragged kernel per segment in kCausal mode, as stock FA2 runs documents: no mask evaluated, the "
+                "struct's key segments map each request back to q_idx and kv_idx. "
+                "Otherwise (and paged): each query block of one FA2 query tile (128 / GQA group "
                 "rows) runs as its own request of FA2's paged kernel over the pages holding the keys the block map "
                 "says it may keep (ragged K/V read in place as pages of up to 16 keys), in the key-segments form "
                 "that maps its rows and keys back to q_idx and kv_idx (fivar.runtime.fa2_blocks), a block's two runs "

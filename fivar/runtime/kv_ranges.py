@@ -287,7 +287,7 @@ def run_kind(runs: torch.Tensor) -> int:
     return 1 if bool((runs[..., 2] == runs[..., 3]).all()) else 2
 
 
-def _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device):
+def mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device):
     """The mask pre-pass over a batch given by token indptrs: (ranges on the host, run_kind, the rows' runs on
     `device` as that form reads them: [..., 2] for one run a row, [..., 4] for two, None for the mask form)."""
     ranges, runs = load_triton_module(variant).mask_ranges(
@@ -437,7 +437,7 @@ class KvRangePrefill:
         self._launches: list[_Launch] = []
         if self.empty:
             return
-        ranges, self.row_runs, runs = _scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
+        ranges, self.row_runs, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
                                             num_kv_heads, sm_scale, device)
         # rows keeping two runs (a sink and a window) read each run, not the keys between (merged by the LSEs)
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
@@ -620,7 +620,7 @@ def paged_kv_ranges(variant, bound, qo_indptr, kv_indptr, kv_indices, kv_last_pa
     max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
     if max_qo_len == 0:
         return None
-    ranges, kind, runs = _scan(variant, bound, qo_h, kv_h, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device)
+    ranges, kind, runs = mask_scan(variant, bound, qo_h, kv_h, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device)
     row_runs = kind == 1  # two runs a row: the mask form (the paged blocks do not split)
     rows = block_rows(head_dim)
     layout = paged_range_layout(ranges, qo_h, pages_h, kv_indices.cpu(), last_h, page_size, rows, causal,

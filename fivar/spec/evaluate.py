@@ -38,7 +38,9 @@ class TorchEvaluator:
 
     def tensor(self, value, t: str):
         dt = {F32: self.fdt, I32: INT, BOOL: torch.bool}[t]
-        return torch.tensor(value, dtype=dt, device=self.device)
+        # torch.full, not torch.tensor: traced into a FlexAttention score_mod, a torch.tensor constant becomes a
+        # lifted constant that Inductor's Flex lowering cannot take
+        return torch.full((), value, dtype=dt, device=self.device)
 
     def run(self, program: ir.Program) -> torch.Tensor:
         self.locals = {}

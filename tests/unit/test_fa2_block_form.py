@@ -15,7 +15,8 @@ from fivar.runtime import attention
 from fivar.testing import _ragged_reference, _to_paged
 
 from kernel_standin import attend
-from test_sparsity import _variant, m_chunk_causal, m_document, m_hole, m_per_head_window, m_prefix_lm, m_sinks_window
+from test_sparsity import (_variant, m_causal, m_causal_window, m_chunk_causal, m_document, m_document_causal, m_hole,
+                           m_per_head_window, m_prefix_lm, m_sinks_window)
 
 
 #: FlashInfer's FA2 KV tile (keys per iteration) the stand-in emulates: 64 at CTA_TILE_Q 128 and head dim 128, 128
@@ -114,6 +115,27 @@ class _FakePagedWrapper:
         return (out, lse) if return_lse else out
 
 
+class _FakeRaggedWrapper(_FakePagedWrapper):
+    """FlashInfer's FA2 ragged prefill: the paged stand-in over pages of one key (request r reads tokens
+    [kv_indptr[r], kv_indptr[r + 1]) of k/v)."""
+
+    def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, window_left=-1, **kw):
+        kv = kv_indptr.long().cpu()
+        super().plan(qo_indptr, kv - kv[0], torch.arange(int(kv[0]), int(kv[-1])), (kv.diff() > 0).long(), hq, hkv,
+                     d, 1, causal=causal, window_left=window_left, **kw)
+
+    def run(self, q, k, v, *args, return_lse=False):
+        return super().run(q, (k.unsqueeze(1), v.unsqueeze(1)), *args, return_lse=return_lse)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    """The mask pre-pass (FA2's segments form reads its row runs) in Triton's interpreter."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
 @pytest.fixture
 def cpu_fa2(monkeypatch):
     """The plans on the CPU: no CUDA checks, fivar's module a stand-in, FlashInfer's wrapper the fake above."""
@@ -128,9 +150,8 @@ def cpu_fa2(monkeypatch):
         return types.SimpleNamespace(kv_segments=kv_segments, uri=f"fake_{kv_segments}", target=target)
 
     def take(kind, fmod, device, owns_mask):
-        assert kind == "paged"
         made.append(fmod)
-        return _FakePagedWrapper(current[0], fmod, owns_mask)
+        return (_FakePagedWrapper if kind == "paged" else _FakeRaggedWrapper)(current[0], fmod, owns_mask)
 
     monkeypatch.setattr(attention, "_plan_setup", plan_setup)
     monkeypatch.setattr(attention, "_module", module)
@@ -180,32 +201,16 @@ def test_paged_block_form_matches_the_reference(cpu_fa2, mask, causal):
     assert torch.allclose(out, ref.double(), atol=2e-3), (out - ref.double()).abs().max()
 
 
-@pytest.mark.parametrize("mask", [m_document, m_chunk_causal], ids=lambda f: f.__name__)
-def test_ragged_block_form_matches_the_reference(cpu_fa2, mask):
+@pytest.mark.parametrize("mask,segments", [(m_document, True), (m_chunk_causal, True), (m_prefix_lm, True),
+                                           (m_sinks_window, False), (m_hole, False)],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_ragged_causal_forms_match_the_reference(cpu_fa2, mask, segments):
+    """Called causally, documents and chunks run as segments (a ragged request each, kCausal, no mask), and so
+    does a prefix-LM mask (causal leaves it plain causal); masks that are more than segments on the batch (sinks +
+    a window, a hole) run in another form."""
     current, made = cpu_fa2
     gen = torch.Generator().manual_seed(5)
     v, qo_lens, kv_lens, params = _case(mask, gen)
-    current[0] = v
-    q, k, vv = _qkv(qo_lens, kv_lens, gen)
-    qo = torch.tensor([0, 37, 38, 108], dtype=torch.int32)
-    kv = torch.tensor([0, 37, 127, 277], dtype=torch.int32)
-    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
-                                         dtype=torch.float16, causal=True, backend="fa2", device="cpu",
-                                         params=params)
-    ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, True, params).double()
-    out = plan.run(q, k, vv).double()
-    assert plan._blocks is not None and torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
-
-
-@pytest.mark.parametrize("kv_lens,page", [([48, 80, 160], 16), ([40, 88, 152], 8), ([38, 90, 150], 2)])
-@pytest.mark.parametrize("mask", [m_document, m_chunk_causal], ids=lambda f: f.__name__)
-def test_ragged_block_form_reads_keys_as_the_largest_pages_that_align(cpu_fa2, mask, kv_lens, page):
-    """Every request's first key on a multiple of 16 (8, 2): the ragged K/V are read in place as pages of that many
-    keys, and the result is the reference's."""
-    current, made = cpu_fa2
-    gen = torch.Generator().manual_seed(7)
-    v, qo_lens, _, params = _case(mask, gen)
-    params["doc"] = torch.randint(0, 4, (3, max(kv_lens)), generator=gen).sort(1).values.to(torch.int32)
     current[0] = v
     q, k, vv = _qkv(qo_lens, kv_lens, gen)
     qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
@@ -213,8 +218,136 @@ def test_ragged_block_form_reads_keys_as_the_largest_pages_that_align(cpu_fa2, m
     plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
                                          dtype=torch.float16, causal=True, backend="fa2", device="cpu",
                                          params=params)
+    assert (plan.segments is not None) == segments
+    if segments:
+        assert made[-1].kv_segments and not plan._wrapper.owns_mask and plan._wrapper.p["causal"]
+    from fivar.codegen.torch_ref import reference_attention
+    refs, lses, qo_at, kv_at = [], [], 0, 0
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        o, l2 = reference_attention(v, q[qo_at:qo_at + lq].float(), k[kv_at:kv_at + lk].float(),
+                                    vv[kv_at:kv_at + lk].float(), causal=True, params=params, batch_idx=b,
+                                    batch_size=3, return_lse=True)
+        refs.append(o), lses.append(l2)
+        qo_at, kv_at = qo_at + lq, kv_at + lk
+    ref, ref_lse = torch.cat(refs), torch.cat(lses)
+    out, lse = plan.run(q, k, vv, return_lse=True)
+    assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
+    assert torch.allclose(lse.double(), ref_lse.double(), atol=1e-3)
+
+
+def _brute_runs(v, params, qo_lens, kv_lens, heads):
+    """The pre-pass's row runs from the mask evaluated on every (row, key, head): [batch, heads, max_qo_len, 4],
+    [a0, a1, b0, b1) per row, a0 = -1 for rows keeping more than two runs."""
+    from fivar.runtime.params import bind_params
+    bound = bind_params(v, params, num_qo_heads=heads, num_kv_heads=heads, batch_size=len(qo_lens), device="cpu")
+    runs = torch.zeros(len(qo_lens), heads, max(qo_lens), 4, dtype=torch.int32)
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        kept = _kept(v, bound, b, lq, lk, heads, causal=False)
+        for h in range(heads):
+            for r in range(lq):
+                keys = torch.nonzero(kept[h, r]).flatten().tolist()
+                spans = []
+                for j in keys:
+                    if spans and spans[-1][1] == j:
+                        spans[-1][1] = j + 1
+                    else:
+                        spans.append([j, j + 1])
+                spans = (spans + [[0, 0], [0, 0]])[:2] if len(spans) <= 2 else [[-1, -1], [0, 0]]
+                runs[b, h, r] = torch.tensor(spans[0] + spans[1])
+    return runs
+
+
+def _kept(v, bound, b, lq, lk, heads, causal):
+    """bool [heads, rows, keys]: what the mask (and causal) keeps for request b, evaluated by the reference's
+    evaluator."""
+    from fivar.codegen.torch_ref import TorchEvaluator
+    head = torch.arange(heads).view(-1, 1, 1)
+    q_idx = (torch.arange(lq) + lk - lq).view(1, -1, 1)
+    kv_idx = torch.arange(lk).view(1, 1, -1)
+    env = {"batch": torch.tensor(b), "qo_head": head, "kv_head": head, "q_idx": q_idx, "kv_idx": kv_idx,
+           "sm_scale": 1.0}
+    kept = TorchEvaluator(env, {**bound.scalars, **bound.tensors}).run(v.ir.mask).bool()
+    kept = kept & torch.ones(heads, lq, lk, dtype=torch.bool)
+    return kept & (kv_idx <= q_idx) if causal else kept
+
+
+def m_strictly_before(b, h, kh, q, kv, p):
+    return kv < q  # no row keeps its own key: causal leaves no segment
+
+
+def m_chunks_per_head(b, h, kh, q, kv, p):
+    return q // p.hw[h] == kv // p.hw[h]  # segments, but each head its own
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mask", [m_document, m_document_causal, m_chunk_causal, m_causal, m_sinks_window, m_hole,
+                                  m_prefix_lm, m_per_head_window, m_causal_window, m_strictly_before,
+                                  m_chunks_per_head], ids=lambda f: f.__name__)
+def test_segments_attend_exactly_the_kept_keys(mask, seed):
+    """segment_layout against the mask on every (row, key, head): when it gives segments, every row of the batch is
+    in exactly one request, the struct maps that request's local keys to the very tokens the kernel reads, and
+    causal over the mapped positions keeps exactly what the mask and causal keep; documents and chunks always
+    give segments (a window, sinks, a prefix or a hole only where the batch happens to be plain causal)."""
+    from fivar.runtime.fa2_blocks import segment_layout
+    from fivar.runtime.params import bind_params
+    gen = torch.Generator().manual_seed(seed)
+    v = _variant(mask)
+    qo_lens = [int(x) for x in torch.randint(1, 60, (3,), generator=gen)]
+    kv_lens = [lq + int(torch.randint(0, 40, (), generator=gen)) for lq in qo_lens]
+    qo_lens[1] = 0 if seed % 2 else qo_lens[1]  # a request with no rows
+    heads = 2
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
+    params = {"w": draw(2, 20), "r": 3, "c": draw(3, 30), "n_sink": 3, "hole": 2,
+              "doc": torch.randint(0, 5, (3, max(kv_lens)), generator=gen).sort(1).values.to(torch.int32),
+              "prefix": torch.tensor([9, 5, 12], dtype=torch.int32),
+              "hw": torch.randint(1, 20, (heads,), generator=gen).to(torch.int32)}
+    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    layout = segment_layout(_brute_runs(v, params, qo_lens, kv_lens, heads), qo, kv)
+    if mask in (m_document, m_document_causal, m_chunk_causal, m_causal):
+        assert layout is not None
+    bound = bind_params(v, params, num_qo_heads=heads, num_kv_heads=heads, batch_size=3, device="cpu")
+    kept = [_kept(v, bound, b, lq, lk, heads, causal=True) for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens))]
+    if layout is None:
+        return
+    seen = torch.zeros(int(qo[-1]), dtype=torch.int32)
+    sq, skv, table = layout.qo_indptr.long(), layout.kv_indptr.long(), layout.segments.long()
+    assert int(skv[0]) == int(kv[0]) and int(skv[-1]) == int(kv[-1]) and bool((skv.diff() >= 0).all())
+    for s in range(table.shape[0]):
+        rows, n_keys = int(sq[s + 1] - sq[s]), int(skv[s + 1] - skv[s])
+        if table[s, 7] or not rows:
+            continue
+        b = int(table[s, 4])
+        seen[sq[s]:sq[s + 1]] += 1
+        local_kv = torch.arange(n_keys)
+        kv_idx = torch.where(local_kv < table[s, 0], local_kv + table[s, 1], local_kv + table[s, 2])
+        assert bool((skv[s] + local_kv == kv[b] + kv_idx).all())  # the struct's key is the token read
+        q_idx = torch.arange(rows) + n_keys - rows + table[s, 3]
+        first_row = int(sq[s] - qo[b])
+        want = kept[b][:, first_row:first_row + rows]  # [heads, rows, keys of request b]
+        got = torch.zeros_like(want)
+        got[:, :, kv_idx] = (kv_idx.view(1, -1) <= q_idx.view(-1, 1)).expand(heads, -1, -1)
+        assert torch.equal(got, want), (s, b)
+    assert bool((seen == 1).all())
+
+
+@pytest.mark.parametrize("kv_lens,page", [([48, 80, 160], 16), ([40, 88, 152], 8), ([38, 90, 150], 2)])
+@pytest.mark.parametrize("mask", [m_document, m_chunk_causal], ids=lambda f: f.__name__)
+def test_ragged_block_form_reads_keys_as_the_largest_pages_that_align(cpu_fa2, mask, kv_lens, page):
+    """Every request's first key on a multiple of 16 (8, 2): the ragged K/V are read in place as pages of that many
+    keys, and the result is the reference's (called non-causally: causally, these masks run as segments)."""
+    current, made = cpu_fa2
+    gen = torch.Generator().manual_seed(7)
+    v, qo_lens, _, params = _case(mask, gen)
+    current[0] = v
+    q, k, vv = _qkv(qo_lens, kv_lens, gen)
+    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                                         dtype=torch.float16, causal=False, backend="fa2", device="cpu",
+                                         params=params)
     assert plan._blocks is not None and plan._page == page
-    ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, True, params).double()
+    ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, False, params).double()
     out = plan.run(q, k, vv).double()
     assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
 

@@ -65,6 +65,8 @@ class Entry:
     causal: bool
     prefill_stock: Callable | None = None
     decode_stock: Callable | None = None
+    #: a position-only logits term: time plain attention (no variant) on the same shape as a yardstick
+    yardstick: bool = False
 
 
 #: ALiBi + soft-cap has no stock equivalent: FlashInfer's ALiBi with a soft-cap scales the biased logit by
@@ -78,10 +80,10 @@ ZOO = {
     "prefix_lm": Entry(False, None, _plain_decode),
     "packed_documents": Entry(True, _documents, None),
     "streaming_llm": Entry(True),
-    "t5_buckets": Entry(False),
-    "alibi_softcap": Entry(True),
+    "t5_buckets": Entry(False, yardstick=True),
+    "alibi_softcap": Entry(True, yardstick=True),
     "sigmoid_head_bias": Entry(False),
-    "learned_relative_table": Entry(True),
+    "learned_relative_table": Entry(True, yardstick=True),
     "per_head_window": Entry(True),
 }
 
@@ -91,8 +93,9 @@ def cases(quick: bool = False) -> list:
     for name, e in ZOO.items():
         softmax = name != "sigmoid_head_bias"
         pre_base = "stock" if e.prefill_stock else "flex" if softmax else "triton"
+        wanted = ("stock", "stock-fa2", "triton", "flex") + (("plain",) if e.yardstick else ())
         out.append(case("zoo", f"{name} prefill S={PREFILL_S}", lambda n=name: load(n), "prefill", PREFILL_S,
-                        e.causal, stock=e.prefill_stock or (lambda p, s: None), baseline=pre_base))
+                        e.causal, wanted=wanted, stock=e.prefill_stock or (lambda p, s: None), baseline=pre_base))
         batch, kv = (DECODE[0], 8192) if quick else DECODE
         out.append(case("zoo", f"{name} decode {batch}x{kv}", lambda n=name: load(n), "decode", kv, batch=batch,
                         wanted=("stock", "triton", "call"), stock=e.decode_stock or (lambda p, s: None),
