@@ -545,6 +545,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                     trimmed.kv_last_page_len
                 kv_segments = trimmed.segments
                 self.pages_read = (trimmed.pages_read, trimmed.pages_total)
+                block_causal = trimmed.causal  # one run of pages a request: kCausal (fivar.runtime.decode_pages)
         elif self.target == "fa2" and variant.scans_mask:
             # a mask that is more than a band: one request per query block over the keys it may keep
             kv_h, last_h = kv_indptr.long().cpu(), kv_last_page_len.long().cpu()
@@ -598,7 +599,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                                                      kv_last_page_len, page_size, kv_ranges=fa3_split)), sm_scale)
             return wrapper, args
 
-        if block_causal:  # kCausal over every row, computing the blocks it can run (fivar.runtime.fa2_blocks)
+        if block_causal:  # kCausal over every row: the blocks it can run (fa2_blocks), or trimmed decode pages
             self._wrapper, self._args = launch(False, True, kv_segments, _split_kwargs(variant, "fa2", True))
             if rest_segments is not None:  # then kCustom over copies of the other blocks' rows, written over theirs
                 sub, rows = rest_segments

@@ -9,8 +9,11 @@ for them on the device.
 
 The kernel then sees shorter requests: the key-segments form of fivar's FA2 struct (fivar.codegen.fa2,
 KV_SEGMENTS) maps each local key back to its kv_idx (one shift below the second run, another from it on) and the
-query to its q_idx, so the mask and the logits see the positions they would have seen untrimmed, and still apply
-to every key read.
+query to its q_idx, so the mask and the logits see the positions they would have seen untrimmed. When every
+request keeps one run of pages (a chunk, a document), the batch runs in kCausal mode, as stock decode runs a
+window: the struct's full range (the keys from the run's first FULL page on, to the end) skips the mask, and its
+per-request window_left makes the kernel evaluate the mask on the first KV tile, which must hold the keys before
+that range (a partial first page), and on the last. Otherwise the mask applies to every key read (kCustom).
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.sparsity import EMPTY
+from ..spec.sparsity import EMPTY, FULL
 
 _NO_SECOND_RUN = 1 << 30  # seg past every local key: all of them in the first run
+MIN_CTA_TILE_KV = 16  # FlashInfer's FA2 KV tile: NUM_MMA_KV x 16 keys
 
 
 @dataclass
@@ -31,6 +35,7 @@ class TrimmedPages:
     segments: torch.Tensor          # int32 [batch, 9]: fivar.codegen.fa2.KV_SEGMENTS
     pages_read: int                 # kept pages, for the record
     pages_total: int
+    causal: bool = False            # one run of pages a request: the kCausal launch (module docstring)
 
 
 def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -72,11 +77,22 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
     seg = torch.where(has_b, first_len, torch.full_like(first_len, _NO_SECOND_RUN))
     shift_a = torch.where(new_n > 0, a0 * page_size, torch.zeros_like(a0))
     shift_b = torch.where(has_b, b0 * page_size - first_len, torch.zeros_like(b0))
-    none = torch.zeros_like(seg)  # no full range: the mask runs on every key read; no skip; no window
-    segments = torch.stack([seg, shift_a, shift_b, kv_len - local_len, torch.arange(batch, device=dev), none, none,
-                            none, none - 1], 1).to(torch.int32).contiguous()
+    zero = torch.zeros_like(seg)
+    # the full range: local keys from the page after the run's last page that is not FULL, to the end
+    not_full = sel & (kinds != FULL)
+    f_lo = ((torch.where(not_full, col + 1, a0.view(-1, 1)).amax(1) - a0) * page_size).clamp(min=0)
+    f_lo = torch.minimum(f_lo, local_len)
+    # kCausal: with window_left = keys - 1 the kernel visits every key and evaluates the mask on its first KV tile
+    # (at least MIN_CTA_TILE_KV keys) and its last; the keys before the full range must lie in that first tile
+    causal = not bool(has_b.any()) and not bool((f_lo > MIN_CTA_TILE_KV).any())
+    if causal:
+        tail = [f_lo, local_len, zero, (local_len - 1).clamp(min=0)]
+    else:  # no full range: the mask runs on every key read (kCustom); no skip; no window
+        tail = [zero, zero, zero, zero - 1]
+    segments = torch.stack([seg, shift_a, shift_b, kv_len - local_len, torch.arange(batch, device=dev), *tail],
+                           1).to(torch.int32).contiguous()
     return TrimmedPages(new_indptr.to(torch.int32), new_indices.to(torch.int32), new_last.to(torch.int32),
-                        segments, total_new, total)
+                        segments, total_new, total, causal)
 
 
 def local_to_kv_idx(segments: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

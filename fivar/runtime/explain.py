@@ -107,10 +107,13 @@ def _decode_line(v) -> str:
                 "pages from q_idx - window_left on (FlashInfer's scheduler sizes each request's work by the window), "
                 "like stock decode with window_left")
     if trims_decode_pages(v):
-        return ("decode (v.decode, and FA2 plans of one query per request): each request's pages are trimmed to those that may hold kept keys (the "
-                "block map per page, on the device): the first run of such pages and the hull of the rest, read on "
-                "the tensor-core paged kernel in the key-segments form (fivar.runtime.decode_pages), which maps each "
-                "key back to its kv_idx; a mask keeping more than two runs reads the gaps after the first")
+        return ("decode (v.decode, and FA2 plans of one query per request): each request's pages are trimmed to "
+                "those that may hold kept keys (the block map per page, on the device): the first run of such pages "
+                "and the hull of the rest, read on the tensor-core paged kernel in the key-segments form "
+                "(fivar.runtime.decode_pages), which maps each key back to its kv_idx; a mask keeping more than two "
+                "runs reads the gaps after the first. A batch keeping one run a request (a chunk, a document) runs "
+                "in kCausal mode, as stock decode runs a window: the mask is evaluated only on the first KV tile "
+                "(a partial first page) and the last; two runs (sinks and a window) evaluate it on every key read")
     return "decode: reads every page of each request (the mask does not depend on the key position)"
 
 

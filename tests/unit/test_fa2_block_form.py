@@ -352,19 +352,26 @@ def test_ragged_block_form_reads_keys_as_the_largest_pages_that_align(cpu_fa2, m
     assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
 
 
+@pytest.mark.parametrize("cta_kv,page", [(16, 4), (64, 4), (16, 16), (128, 16), (16, 32)])
 @pytest.mark.parametrize("mask", [m_document, m_sinks_window, m_chunk_causal], ids=lambda f: f.__name__)
-def test_trimmed_decode_matches_the_reference(cpu_fa2, mask):
+def test_trimmed_decode_matches_the_reference(cpu_fa2, monkeypatch, mask, cta_kv, page):
+    """Decode over the pages holding kept keys: one run of pages a request (a document, a chunk) in kCausal mode,
+    the mask evaluated only on the tiles the struct's window and the last key name (under FlashInfer's tile rules
+    for any KV tile); two runs (sinks and a window) in kCustom mode."""
     current, made = cpu_fa2
-    gen = torch.Generator().manual_seed(6)
+    monkeypatch.setitem(CTA_TILE_KV, "keys", cta_kv)
+    gen = torch.Generator().manual_seed(6 + page)
     v, _, kv_lens, params = _case(mask, gen)
     current[0] = v
     _, k, vv = _qkv([1], kv_lens, gen)
     dq = torch.randn(3, 4, 16, generator=gen).half()
-    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, 4)
+    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, page)
     dplan = attention.PagedAttentionPlan(v, torch.arange(4, dtype=torch.int32), indptr, indices, last,
-                                         num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                                         num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=page,
                                          dtype=torch.float16, backend="fa2", device="cpu", params=params)
     assert dplan.pages_read is not None and dplan.pages_read[0] < dplan.pages_read[1]
+    if page <= 16:  # (a partial first page of 32 keys may outgrow the kernel's first KV tile: kCustom then)
+        assert (not dplan._wrapper.owns_mask) == (mask is not m_sinks_window)
     out = dplan.run(dq, (k_cache, v_cache)).double()
     ref = _ragged_reference(v, dq.float(), k.float(), vv.float(), [1, 1, 1], kv_lens, False, params).double()
     assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
