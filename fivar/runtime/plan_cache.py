@@ -19,7 +19,9 @@ import torch
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    return ("tensor", id(t), t._version, t.data_ptr(), t.shape, t.dtype, t.device)
+    # a tensor's dtype and device never change, and an entry whose tensor died is dropped (its weak reference):
+    # identity, version, storage and shape say all the rest
+    return ("tensor", id(t), t._version, t.data_ptr(), t.shape)
 
 
 class Hashed(tuple):
@@ -27,15 +29,21 @@ class Hashed(tuple):
 
 
 _AS_THEY_ARE = (Hashed, str, type(None), torch.dtype, torch.device, torch.Size)  # hashable, equal only to their kind
+_SCALARS = frozenset((int, float, bool))  # exactly these types: kept with their type (1, 1.0 and True stay apart)
 
 
 def value_key(x) -> tuple | object:
     """A hashable key of a call argument: a tensor by identity and version, containers item by item, numbers with
     their type (1, 1.0 and True stay apart). Built on every one-shot call, so kept cheap (no string formatting)."""
-    if isinstance(x, torch.Tensor):
+    kind = type(x)
+    if kind in _SCALARS:
+        return (kind, x)
+    if kind is torch.Tensor or isinstance(x, torch.Tensor):
         return tensor_key(x)
     if isinstance(x, _AS_THEY_ARE):
         return x
+    if kind is dict and not x:
+        return ("dict",)
     if isinstance(x, tuple):
         return ("tuple",) + tuple(map(value_key, x))
     if isinstance(x, dict):
@@ -73,7 +81,10 @@ class PlanCache:
         entry = self._entries.get(key)
         if entry is not None:
             plan, refs = entry
-            if all(r() is not None for r in refs):
+            for r in refs:
+                if r() is None:
+                    break
+            else:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return plan
