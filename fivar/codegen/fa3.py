@@ -71,11 +71,12 @@ EXP2_EMULATED_OF_8 = 2
 EXP2_EMULATION_ENV = config.ENV["exp2_emulated_of_8"]
 
 
-def mufu_ops_per_score(variant) -> int:
+def mufu_ops_per_score(variant, mask: bool = True) -> int:
     """MUFU (special function unit) ops the logits transform and mask cost per score, hoisted values aside:
-    transcendental calls and divisions by a non-constant (a mask FA3 runs as its own window costs none)."""
+    transcendental calls and divisions by a non-constant (a mask FA3 runs as its own window costs none, and so does
+    one the module never evaluates per score: `mask` False, the KV-range form's row-run and mask-free modules)."""
     lowered, count = variant.lowered, 0
-    for prog in (lowered.logits, None if runs_as_window(variant) else lowered.mask):
+    for prog in (lowered.logits, None if runs_as_window(variant) or not mask else lowered.mask):
         if prog is None:
             continue
         for expr in [e for _, e in prog.lets] + [prog.result]:
@@ -88,7 +89,7 @@ def mufu_ops_per_score(variant) -> int:
     return count
 
 
-def exp2_emulated_of_8(variant) -> int:
+def exp2_emulated_of_8(variant, mask: bool = True) -> int:
     """How many of every 8 score columns take fivar::exp2_fma instead of the MUFU exp2 (csrc/fivar_fa3_softmax.cuh):
     0 for a variant without softmax or whose logits transform needs no MUFU op (the softmax's exp2 alone does not
     keep the MUFU pipe longer than the wgmmas), else EXP2_EMULATED_OF_8. fivar.config's override or
@@ -101,13 +102,14 @@ def exp2_emulated_of_8(variant) -> int:
             raise FivarError(f"variant '{variant.name}': {where}={override!r}: expected an integer from 0 "
                              "to 8 (how many of every 8 score columns compute exp2 on the FMA pipe)")
         return int(override)
-    return EXP2_EMULATED_OF_8 if mufu_ops_per_score(variant) else 0
+    return EXP2_EMULATED_OF_8 if mufu_ops_per_score(variant, mask) else 0
 
 
-def exp2_split_for(variant, requested: int | None) -> int:
-    """The split a module is rendered with: `requested`, else the variant's default (exp2_emulated_of_8)."""
+def exp2_split_for(variant, requested: int | None, mask: bool = True) -> int:
+    """The split a module is rendered with: `requested`, else the variant's default (exp2_emulated_of_8; `mask`
+    False for a module that evaluates no mask per score)."""
     if requested is None:
-        return exp2_emulated_of_8(variant)
+        return exp2_emulated_of_8(variant, mask)
     if not 0 <= requested <= 8:
         raise FivarError(f"variant '{variant.name}': exp2_emulated_of_8={requested}: expected 0 to 8")
     return requested if variant.softmax else 0
@@ -473,15 +475,17 @@ class KernelChoice:
 
 
 def kernel_config(variant, op: str, head_dim: int, dtype: str,
-                  requested: config.FA3KernelConfig | None = None) -> KernelChoice:
+                  requested: config.FA3KernelConfig | None = None, mask_per_score: bool = True) -> KernelChoice:
     """The heuristic: every field `requested` leaves None is fivar.config's override or environment setting, else the
     choice for this variant (its MUFU cost, window and bound), op and head dim (exp2_emulated_of_8, default_cta_tile,
-    default_schedule, softmax_range's defaults)."""
+    default_schedule, softmax_range's defaults). `mask_per_score` False: the module evaluates no mask per score (the
+    KV-range form's row-run and mask-free modules), so the mask's MUFU ops do not count."""
     requested = requested or config.FA3KernelConfig()
     tiles = cta_tiles(variant, op, head_dim, requested.cta_tile)
     chosen = schedules(variant, op, requested.schedule, head_dim)
     logits_range = softmax_range(variant, dtype, requested.bounded_softmax)
-    resolved = config.FA3KernelConfig(exp2_emulated_of_8=exp2_split_for(variant, requested.exp2_emulated_of_8),
+    resolved = config.FA3KernelConfig(exp2_emulated_of_8=exp2_split_for(variant, requested.exp2_emulated_of_8,
+                                                                        mask_per_score),
                                       cta_tile=tile_text(tiles), schedule=schedule_text(chosen),
                                       bounded_softmax=logits_range is not None,
                                       nvcc_parallel_passes=requested.nvcc_parallel_passes)

@@ -604,7 +604,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     chosen_schedules: dict[str, str] = {}
     logits_range = None
     if target == "fa3":
-        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given)
+        # the row-run and mask-free forms never evaluate the mask per score: its MUFU ops do not count
+        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not (row_runs or mask_free))
         exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
         tiles, chosen_schedules = kernel.tiles, kernel.schedules
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
