@@ -41,7 +41,8 @@ class TrimmedPages:
 def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                kv_last_page_len: torch.Tensor, page_size: int) -> TrimmedPages | None:
     """The trimmed page lists of a decode batch from its page map (kinds [batch, max pages]), or None when no
-    page can be dropped. One device-to-host copy (the kept page count, which sizes the new kv_indices)."""
+    page can be dropped and some page needs the mask (every page FULL, a prefix-LM's last query: the lists as they
+    are, in kCausal mode with no mask evaluated). One device-to-host copy (the page counts)."""
     dev = kinds.device
     batch, width = kinds.shape
     indptr = kv_indptr.long()
@@ -61,9 +62,11 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
     sel = ((col >= a0.view(-1, 1)) & (col < a1.view(-1, 1))) | \
         (has_b.view(-1, 1) & (col >= b0.view(-1, 1)) & (col < b1.view(-1, 1)))
     new_n = sel.sum(1)
-    total_new, total = (int(x) for x in torch.stack([new_n.sum(), n_pages.sum()]).tolist())
-    if total_new == total:
-        return None
+    not_full = sel & (kinds != FULL)
+    total_new, total, n_not_full = (int(x) for x in torch.stack([new_n.sum(), n_pages.sum(),
+                                                                  not_full.sum()]).tolist())
+    if total_new == total and n_not_full:
+        return None  # nothing to drop, and the mask is needed on every page: the plain form
     new_indptr = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), new_n.cumsum(0)])
     pos = (indptr[:-1].view(-1, 1) + col)[sel]  # row-major: each request's pages in order
     new_indices = kv_indices.long()[pos]
@@ -79,7 +82,6 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
     shift_b = torch.where(has_b, b0 * page_size - first_len, torch.zeros_like(b0))
     zero = torch.zeros_like(seg)
     # the full range: local keys from the page after the run's last page that is not FULL, to the end
-    not_full = sel & (kinds != FULL)
     f_lo = ((torch.where(not_full, col + 1, a0.view(-1, 1)).amax(1) - a0) * page_size).clamp(min=0)
     f_lo = torch.minimum(f_lo, local_len)
     # kCausal: with window_left = keys - 1 the kernel visits every key and evaluates the mask on its first KV tile

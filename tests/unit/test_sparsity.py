@@ -327,7 +327,7 @@ def test_decode_page_map_and_trimmed_pages(mask):
     from fivar.runtime.decode_pages import local_to_kv_idx, trim_pages
     v = _variant(mask)
     gen = torch.Generator().manual_seed(3)
-    dropped = 0
+    dropped = causal_runs = 0
     for _ in range(12):
         page = [1, 4, 16][int(torch.randint(0, 3, (), generator=gen))]
         hq, hkv = [(4, 2), (2, 2), (8, 1)][int(torch.randint(0, 3, (), generator=gen))]
@@ -346,6 +346,7 @@ def test_decode_page_map_and_trimmed_pages(mask):
         if t is None:
             continue
         dropped += t.pages_total - t.pages_read
+        causal_runs += t.causal
         for b in range(len(kv_lens)):
             n, n_local = int(kv_lens[b]), int((t.kv_indptr[b + 1] - t.kv_indptr[b] - 1) * page + t.kv_last_page_len[b])
             local = torch.arange(n_local).view(1, -1)
@@ -359,10 +360,16 @@ def test_decode_page_map_and_trimmed_pages(mask):
             assert int(t.segments[b, 4]) == b  # the request the mask's `batch` reads
             kept = _decode_truth(v, kv_lens, scalars, tensors, b, hq, hkv).nonzero().flatten()
             assert torch.isin(kept, kv).all(), (mask.__name__, b, kept, kv)
+            if t.causal:  # kCausal: the mask runs only on the first KV tile (16 keys or more): every key after is kept
+                f_lo, f_hi = int(t.segments[b, 5]), int(t.segments[b, 6])
+                assert f_hi == n_local and f_lo <= 16 and int(t.segments[b, 8]) == max(0, n_local - 1)
+                every_head = keep_matrix(v.ir.mask, qo_len=1, kv_len=n, scalars=scalars, tensors=tensors,
+                                         num_qo_heads=hq, num_kv_heads=hkv, batch_idx=b).all(0)[0]
+                assert bool(every_head[kv[f_lo:]].all()), (mask.__name__, b, f_lo)
     if mask in (m_document, m_sinks_window, m_chunk_causal, m_per_head_window):
         assert dropped > 0, "a mask that drops whole pages must trim some"
     if mask is m_prefix_lm:
-        assert dropped == 0  # decode keeps every key of a prefix-LM mask
+        assert dropped == 0 and causal_runs  # decode keeps every key of a prefix-LM mask: kCausal, no mask
 
 
 def test_trimmed_pages_mutations_are_caught():
