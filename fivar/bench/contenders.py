@@ -164,8 +164,8 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
 
 def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO) -> list[Contender]:
     """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa, plain: stock FlashInfer with no variant;
-    decode: call, the one-shot `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for the bundled mapping
-    (else plain attention, checked as plain attention: a speed yardstick only)."""
+    decode: call, the one-shot `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for
+    the bundled mapping (else plain attention, checked as plain attention: a speed yardstick only)."""
     t, prm = p.tensors, p.params
     out: list[Contender] = []
     if p.op == "prefill":

@@ -59,14 +59,16 @@ def test_sigmoid_has_no_flex_equivalent():
 def _bucketed(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     n = abs(kv_idx - q_idx)
     far = 4 + int(fivar.log(float(fivar.maximum(n, 1)) / 4.0) / fivar.log(32.0 / 4.0) * 4.0)
-    return score + params.table[qo_head, fivar.where(kv_idx > q_idx, 8, 0) + fivar.where(n < 4, n, fivar.minimum(far, 7))]
+    bucket = fivar.where(kv_idx > q_idx, 8, 0) + fivar.where(n < 4, n, fivar.minimum(far, 7))
+    return score + params.table[qo_head, bucket]
 
 
 def test_compiled_flex_takes_constants_of_the_logits():
     """Compiled Flex (Inductor lowers the score_mod) on a logits function full of constants (T5-style buckets):
     the evaluator's constants must be ops Inductor can lower inside Flex's kernel, not lifted tensor constants."""
     from fivar import AttentionVariant, Tensor
-    v = AttentionVariant(name="flex_buckets", logits=_bucketed, params={"table": Tensor("float32", ("qo_head", "buckets"))})
+    v = AttentionVariant(name="flex_buckets", logits=_bucketed,
+                         params={"table": Tensor("float32", ("qo_head", "buckets"))})
     gen = torch.Generator().manual_seed(0)
     q, k, vv = (torch.randn(128, h, 16, generator=gen) for h in (4, 2, 2))
     params = {"table": torch.randn(4, 16, generator=gen)}
