@@ -34,7 +34,11 @@ def fa3_softmax(v) -> str:
                f"{fa3.BOUNDED_SOFTMAX_SPAN:g} powers of two, {'on' if _fa3_single_prefill(v).logits_range else 'off'} here")
     if not k:
         return f"fa3 softmax: FlashInfer's OnlineSoftmax, every exp2 on the MUFU pipe ({cost}{bounded})"
-    return (f"fa3 softmax: {k} of every 8 score columns compute exp2 on the FMA pipe ({cost}; "
+    unmasked = ""
+    if fa3.uses_kv_ranges(v, "batch_prefill") and not fa3.exp2_emulated_of_8(v, mask=False):
+        unmasked = ("; the KV-range form's row-run and mask-free modules evaluate no mask per score and keep "
+                    "FlashInfer's OnlineSoftmax")
+    return (f"fa3 softmax: {k} of every 8 score columns compute exp2 on the FMA pipe ({cost}{unmasked}; "
             f"{fa3.EXP2_EMULATION_ENV}=0..8 overrides{bounded})")
 
 
