@@ -162,18 +162,20 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
     return p
 
 
-def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO) -> list[Contender]:
+def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO,
+               fivar: bool = True) -> list[Contender]:
     """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa, plain: stock FlashInfer with no variant;
     decode: call, the one-shot `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for
-    the bundled mapping (else plain attention, checked as plain attention: a speed yardstick only)."""
+    the bundled mapping (else plain attention, checked as plain attention: a speed yardstick only). `fivar` False:
+    the others only (the stock warm-up of fivar.bench.runner)."""
     t, prm = p.tensors, p.params
     out: list[Contender] = []
     if p.op == "prefill":
         q, k, v = t["q"], t["k"], t["v"]
-        for backend in ("fa3", "fa2") if torch.cuda.get_device_capability() == (9, 0) else ("fa2",):
+        for backend in (("fa3", "fa2") if torch.cuda.get_device_capability() == (9, 0) else ("fa2",)) if fivar else ():
             out.append(Contender(f"fivar-{backend}",
                                  lambda b=backend: variant.prefill(q, k, v, causal=p.causal, backend=b, **prm)))
-        if variant.scans_mask and torch.cuda.get_device_capability() == (9, 0):
+        if fivar and variant.scans_mask and torch.cuda.get_device_capability() == (9, 0):
             # FA3's KV-range form plans per call; planned once here, as Flex's block mask is built once
             ind = torch.tensor([0, p.seqlen], dtype=torch.int32, device=p.device)
             plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
@@ -233,10 +235,11 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
         # planned once like the stock wrapper below, so both time only the kernel launch
         sc, kv_dtype = p.scales, p.kv_dtype or p.dtype
         fp8 = " fp8 KV" if p.kv_dtype is not None else ""
-        plan = variant.plan_decode(ind, idx, last, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
-                                   head_dim=p.head_dim, page_size=16, dtype=p.dtype, device=p.device,
-                                   **({"kv_dtype": p.kv_dtype} if p.kv_dtype is not None else {}), **prm)
-        out.append(Contender("fivar", lambda: plan.run(q, cache, **sc), "planned" + fp8))
+        if fivar:
+            plan = variant.plan_decode(ind, idx, last, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
+                                       head_dim=p.head_dim, page_size=16, dtype=p.dtype, device=p.device,
+                                       **({"kv_dtype": p.kv_dtype} if p.kv_dtype is not None else {}), **prm)
+            out.append(Contender("fivar", lambda: plan.run(q, cache, **sc), "planned" + fp8))
         if "call" in wanted:
             out.append(Contender("fivar-call", lambda: variant.decode(q, cache, ind, idx, last, **sc, **prm),
                                  "one call, planned inside" + fp8))

@@ -72,6 +72,9 @@ class Case:
     prepare: Callable[[], Prepared]
     baseline: str | None = None
     modules: Callable[[], list] = list  # fivar modules to build before the run (one parallel ninja)
+    #: runs the case's stock FlashInfer contenders once at a tiny shape, so that FlashInfer JIT-builds their modules
+    #: in the prebuild (in threads, side by side) rather than one after another inside the timed run
+    warm_stock: Callable[[], None] | None = None
 
 
 @dataclass
@@ -263,8 +266,9 @@ def select(cases: list[Case], filters: list[str] | None) -> list[Case]:
 
 
 def prebuild(cases: list[Case], log=print) -> None:
-    """Every fivar module the cases need, cold ones in one parallel ninja (as `fivar build --prewarm`). A module
-    that fails here fails again, named, in the contender that calls it: that contender's row says error."""
+    """Every fivar module the cases need, cold ones in one parallel ninja (as `fivar build --prewarm`), then their
+    stock FlashInfer modules (warm_stock). A module that fails here fails again, named, in the contender that calls
+    it: that contender's row says error."""
     from ..jit.build import build_many
     from ..jit.prewarm import configure_jobs
     modules = {}
@@ -277,15 +281,36 @@ def prebuild(cases: list[Case], log=print) -> None:
     t0 = time.perf_counter()
     try:
         todo = [m for m in modules.values() if not m.manifest_ok()]
-        if not todo:
-            log(f"build: all {len(modules)} module(s) up to date")
-            return
         jobs, why = configure_jobs(None)
-        log(f"build: {len(todo)} of {len(modules)} module(s), {jobs} nvcc job(s) ({why})")
-        build_many(todo, parallel=True)
+        if todo:
+            log(f"build: {len(todo)} of {len(modules)} module(s), {jobs} nvcc job(s) ({why})")
+            build_many(todo, parallel=True)
+        else:
+            log(f"build: all {len(modules)} module(s) up to date")
     except Exception as e:
         log(f"build: {type(e).__name__}: {str(e)[:300]}; the contenders that need it report the error")
+    warm_stock(cases, log)
     log(f"build: {time.perf_counter() - t0:.0f} s")
+
+
+def warm_stock(cases: list[Case], log=print) -> None:
+    """The cases' stock FlashInfer modules, built side by side: each case's `warm_stock` in a thread of its own
+    (FlashInfer's JIT builds a module under its own file lock, so different modules build at once). A case whose
+    warm-up fails is logged; its contender then builds, or reports the error, in the run."""
+    from concurrent.futures import ThreadPoolExecutor
+    warm = [c for c in cases if c.warm_stock is not None]
+    if not warm:
+        return
+    t0 = time.perf_counter()
+
+    def one(c: Case):
+        try:
+            c.warm_stock()
+        except Exception as e:  # noqa: BLE001 - reported, and again by the contender in the run
+            log(f"[{c.suite}] {c.name}: stock warm-up: {type(e).__name__}: {str(e)[:200]}")
+    with ThreadPoolExecutor(min(16, len(warm))) as pool:
+        list(pool.map(one, warm))
+    log(f"build: stock FlashInfer modules of {len(warm)} case(s) warm, {time.perf_counter() - t0:.0f} s")
 
 
 def run(cases: list[Case], opts: Options, results_dir: Path | None = None, build: bool = True, log=print,

@@ -256,6 +256,30 @@ def test_prebuild_builds_every_cases_modules_once_in_one_batch(monkeypatch):
     assert any("z: cannot list its modules" in s for s in said) and any("nvcc died" in s for s in said)
 
 
+def test_prebuild_warms_every_cases_stock_modules_side_by_side(monkeypatch):
+    """After the fivar modules, each case's stock warm-up runs once, in threads that overlap (FlashInfer builds
+    different modules at once); one that raises is logged and the others still run."""
+    import threading
+    from fivar.bench import runner
+    monkeypatch.setattr("fivar.jit.prewarm.configure_jobs", lambda jobs: (3, "test"))
+    barrier, ran = threading.Barrier(3, timeout=10), []
+
+    def warm(name, fail=False):
+        def run():
+            barrier.wait()  # all three at once, or the barrier breaks and the test fails
+            ran.append(name)
+            if fail:
+                raise RuntimeError("ninja failed")
+        return run
+    cases = [Case("s", n, "prefill", {}, None, warm_stock=warm(n, fail=n == "y")) for n in ("x", "y", "z")]
+    cases.append(Case("s", "plain", "prefill", {}, None))  # no stock contender
+    said = []
+    runner.prebuild(cases, log=said.append)
+    assert sorted(ran) == ["x", "y", "z"]
+    assert any("y: stock warm-up: RuntimeError: ninja failed" in s for s in said)
+    assert any("stock FlashInfer modules of 3 case(s) warm" in s for s in said)
+
+
 @pytest.mark.parametrize("memory_bound,expect", [(None, "pct_of_matmul"), (True, "pct_of_copy")])
 def test_a_case_is_judged_against_one_ceiling(memory_bound, expect):
     from fivar.bench.harness import Row
@@ -340,3 +364,26 @@ def test_train_rows_are_results_rows_with_ratios_against_flex():
     assert ms["flex"]["detail"]["grad_rel_err_vs_fivar"] == 0.004
     assert {r["case"] for r in rows} == {"alibi train S=8192 causal"}
     assert [c.name for c in cases_of("train")][0] == "softcap train S=8192 causal"
+
+
+def test_zoo_cases_warm_their_stock_contenders_only(monkeypatch):
+    """A case's stock warm-up builds the stock contenders it times (FlashInfer's modules), with the case's own stock
+    mapping at a small shape, and none of fivar's."""
+    import types
+
+    import torch
+    from fivar.bench.suites import _attention, zoo
+    calls = []
+    params = {"window": 4096, "softcap": 50.0, "chunk": 8192, "doc_ids": torch.zeros(1, 256, dtype=torch.int32)}
+    monkeypatch.setattr(_attention, "make_problem", lambda v, op, n, *a, **kw: types.SimpleNamespace(params=params))
+    monkeypatch.setattr(_attention, "contenders",
+                        lambda v, p, wanted, stock, fivar: calls.append((v.name, wanted, stock, fivar)) or [])
+    cases = {c.name: c for c in zoo.cases()}
+    cases["gemma2_local prefill S=8192"].warm_stock()
+    name, wanted, stock, fivar = calls[-1]
+    assert (name, wanted, fivar) == ("gemma2_local", ["stock", "stock-fa2"], False)
+    assert stock.kwargs == {"window_left": 4095, "logits_soft_cap": 50.0}
+    cases["t5_buckets prefill S=8192"].warm_stock()  # no stock equivalent: plain attention, the yardstick
+    assert calls[-1][1:] == (["stock", "stock-fa2", "plain"], None, False)
+    cases["llama4_chunked decode 32x32768"].warm_stock()
+    assert calls[-1][1] == ["stock"] and calls[-1][2].kwargs == {"window_left": 255}  # (256 - 1) % 8192

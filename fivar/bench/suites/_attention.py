@@ -10,6 +10,8 @@ from ..runner import Case, Prepared
 DTYPE = torch.bfloat16
 HEADS = (32, 8)  # GQA 32/8
 HEAD_DIM = 128
+STOCK_CONTENDERS = ("stock", "stock-fa2", "plain")  # stock FlashInfer: modules built by the runner's warm-up
+WARM_LEN = 256  # the warm-up's sequence length: module choice depends on dtypes and flags, not lengths
 
 
 def _sm90() -> bool:
@@ -54,6 +56,15 @@ def case(suite: str, name: str, load, op: str, seqlen: int, causal: bool = False
         return Prepared(contenders(v, p, list(wanted), stock=st), _checker(v, p), flops=flops, nbytes=nbytes,
                         memory_bound=op == "decode")
 
+    def warm_stock():  # the stock contenders once at a small shape: FlashInfer builds their modules then
+        v = load()
+        p = make_problem(v, op, WARM_LEN, min(batch, 2), HEADS, HEAD_DIM, DTYPE, causal, "cuda",
+                         params=params(v, WARM_LEN) if params else None, kv_dtype=kv_dtype)
+        st = stock if stock is AUTO else stock(p.params, WARM_LEN)
+        for c in contenders(v, p, [w for w in wanted if w in STOCK_CONTENDERS], stock=st, fivar=False):
+            c.fn()
+
     mods = (lambda: prefill_modules(load())) if op == "prefill" else (lambda: decode_modules(load(), kv_dtype))
     sh = {**shape(op, seqlen, batch, causal), **({"kv_dtype": "fp8_e4m3"} if kv_dtype is not None else {})}
-    return Case(suite, name, op, sh, prepare, baseline=baseline, modules=mods)
+    return Case(suite, name, op, sh, prepare, baseline=baseline, modules=mods,
+                warm_stock=warm_stock if set(wanted) & set(STOCK_CONTENDERS) else None)
