@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from ..spec.positions import has_position_term
+
 
 @dataclass
 class Contender:
@@ -164,15 +166,16 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
 
 def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO,
                fivar: bool = True) -> list[Contender]:
-    """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa, plain: stock FlashInfer with no variant;
-    decode: call, the one-shot `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for
+    """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa, plain: stock FlashInfer with no variant,
+    for a variant with a position-only logits term; decode: call, the one-shot `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for
     the bundled mapping (else plain attention, checked as plain attention: a speed yardstick only). `fivar` False:
     the others only (the stock warm-up of fivar.bench.runner)."""
     t, prm = p.tensors, p.params
     out: list[Contender] = []
     if p.op == "prefill":
         q, k, v = t["q"], t["k"], t["v"]
-        for backend in (("fa3", "fa2") if torch.cuda.get_device_capability() == (9, 0) else ("fa2",)) if fivar else ():
+        fivar_backends = ("fa3", "fa2") if torch.cuda.get_device_capability() == (9, 0) else ("fa2",)
+        for backend in fivar_backends if fivar else ():
             out.append(Contender(f"fivar-{backend}",
                                  lambda b=backend: variant.prefill(q, k, v, causal=p.causal, backend=b, **prm)))
         if fivar and variant.scans_mask and torch.cuda.get_device_capability() == (9, 0):
@@ -200,7 +203,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
                                  ({}, f"stock plain attention (no built-in for {variant.name})"))
                     out.append(Contender(cname, lambda kw=kw, b=backend: flashinfer.single_prefill_with_kv_cache(
                         q, k, v, causal=p.causal, backend=b, **kw), label + suffix, checks_variant=st is not None))
-        if "plain" in wanted:  # the same shape with no variant at all: what a position-only term costs over it
+        if "plain" in wanted and has_position_term(variant.ir.logits):  # what a position-only term costs
             import flashinfer
             out.append(Contender("plain", lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=p.causal),
                                  "plain attention, stock FlashInfer (no variant: a yardstick)", checks_variant=False))

@@ -230,9 +230,6 @@ def _split_kwargs(variant, target: str, causal: bool = True, window_left: int = 
 
 def _shapes(q, k, v) -> Hashed:
     """What a cached plan assumes of the data tensors (not their contents): a hit skips the checks of these."""
-    if type(q) is type(k) is type(v) is torch.Tensor:  # built on every one-shot call: one flat tuple
-        return Hashed((q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
-                       v.stride(), v.dtype, v.device))
     return Hashed((t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
                   for t in (q, k, v))
 

@@ -176,6 +176,12 @@ def tabulate(program: ir.Program | None, mode: str, taken=()) -> tuple[ir.Progra
     return ir.Program(lets[::-1], result), tuple(tables.values()), offset
 
 
+def has_position_term(program: ir.Program | None) -> bool:
+    """Whether a term of `program` reads only the head and `kv_idx - q_idx` (one `tabulate` would table in "all"
+    mode: ALiBi's slope times the distance, a learned table at the distance, T5's buckets)."""
+    return bool(tabulate(program, "all")[1])
+
+
 def _locals(e: ir.Expr) -> set[str]:
     return {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
 

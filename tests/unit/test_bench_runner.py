@@ -381,7 +381,7 @@ def test_zoo_cases_warm_their_stock_contenders_only(monkeypatch):
     cases = {c.name: c for c in zoo.cases()}
     cases["gemma2_local prefill S=8192"].warm_stock()
     name, wanted, stock, fivar = calls[-1]
-    assert (name, wanted, fivar) == ("gemma2_local", ["stock", "stock-fa2"], False)
+    assert (name, wanted, fivar) == ("gemma2_local", ["stock", "stock-fa2", "plain"], False)
     assert stock.kwargs == {"window_left": 4095, "logits_soft_cap": 50.0}
     cases["t5_buckets prefill S=8192"].warm_stock()  # no stock equivalent: plain attention, the yardstick
     assert calls[-1][1:] == (["stock", "stock-fa2", "plain"], None, False)

@@ -305,3 +305,17 @@ def test_fa2_module_with_a_table_compiles_for_sm90a():
     m = gen_module(v, op="single_prefill", target="fa2", dtype="bf16", head_dim=128)
     build_many([m])
     assert m.library_path.exists()
+
+
+@pytest.mark.parametrize("name,has", [("t5_buckets", True), ("alibi_softcap", True), ("learned_relative_table", True),
+                                      ("gemma2_local", False), ("sigmoid_head_bias", False),
+                                      ("packed_documents", False)])
+def test_position_terms_are_found_whatever_they_cost(name, has):
+    """has_position_term (the benchmark's cue to time plain attention as a yardstick) finds a term of the head and
+    the distance in any form, cheap ones included (ALiBi's slope times the distance), and nothing in a soft-cap, a
+    per-head bias or a mask-only variant."""
+    from fivar.registry import load_file
+    from fivar.spec.positions import has_position_term
+    zoo = Path(__file__).resolve().parents[2] / "benchmarks" / "zoo"
+    v = load_file(zoo / f"{name}.py")
+    assert has_position_term(v.ir.logits) is has
