@@ -20,7 +20,7 @@ from .fp8_kv import (ScaledArgs, check_q_dtype, check_scale, fp8_backend, kv_dty
                      scaled_output)
 from . import wave_split
 from .ops import register_plan
-from . import fa2_blocks
+from . import fa2_blocks, segments
 from .decode_pages import trim_pages
 from .kv_ranges import KvRangePrefill, mask_scan, paged_kv_ranges
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
@@ -679,12 +679,12 @@ class RaggedAttentionPlan(_OwnsWrapper):
                        dtype) -> bool:
         """FA2, causal: when the mask cuts the batch into segments (documents, chunks), a request of FlashInfer's
         ragged kernel per segment in kCausal mode, the struct's key segments mapping each back to its positions
-        (fivar.runtime.fa2_blocks.segment_layout): stock FA2's request per document, no mask evaluated. False
+        (fivar.runtime.segments): stock FA2's request per document, no mask evaluated. False
         when the mask is more than segments on this batch."""
         max_qo_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
         _, kind, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads,
                                   sm_scale, self.device)
-        layout = fa2_blocks.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
+        layout = segments.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
         if layout is None:
             return False
         fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale, kv_segments=True)

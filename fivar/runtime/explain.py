@@ -47,7 +47,10 @@ def _fa3_line(v) -> str:
     if v.ir.mask is None:
         return "fa3 prefill: causal only skips tiles (no mask)"
     if v.scans_mask:
-        return ("fa3 prefill (single, ragged, paged): each 128-row query block (192 at head_dim 64) runs as its own "
+        return ("fa3 prefill (single, ragged; called causally): when the mask pre-pass finds that every row keeps "
+                "exactly the keys from its segment's first key to itself (documents, chunks), a request of FA3's "
+                "causal mode per segment over its own keys, as stock FlashInfer runs packed documents: no mask "
+                "evaluated. Otherwise (and paged): each 128-row query block (192 at head_dim 64) runs as its own "
                 "request over the keys a mask pre-pass finds it keeps (KV-range form; paged: the pages holding them, "
                 "from the page of its first kept key; the plan's keys_read gives keys read and what a request per "
                 "request would read, and a batch whose mask drops no page runs a request per request); when every "

@@ -22,8 +22,8 @@ Two launches split the blocks:
 
 Before any of that, a causal call whose mask cuts the batch into segments (documents, chunks: every row keeps
 exactly the keys from its segment's first key to itself) runs as stock FlashInfer runs documents: one request of
-FA2's ragged kernel per segment, in kCausal mode, no mask evaluated (`segment_layout`, from the mask pre-pass's row
-runs).
+FA2's ragged kernel per segment, in kCausal mode, no mask evaluated (fivar.runtime.segments, from the mask
+pre-pass's row runs).
 """
 from __future__ import annotations
 
@@ -83,57 +83,6 @@ class BlockLayout:
             segments=self.segments[keep], keys_read=self.keys_read, keys_total=self.keys_total,
             causal_mode=self.causal_mode[keep])
         return sub, rows
-
-
-@dataclass
-class SegmentLayout:
-    """A causal batch as segments: requests of FA2's ragged kernel whose KV ranges tile each request's keys (rows
-    [qo_indptr[s], qo_indptr[s+1]) of q attend keys [kv_indptr[s], kv_indptr[s+1]) of k/v, causally); a request of
-    no rows covers keys that no row keeps. `segments` is the key-segments table (fivar.codegen.fa2.KV_SEGMENTS),
-    mapping each request's local rows and keys back to q_idx and kv_idx of its batch request."""
-    qo_indptr: torch.Tensor  # int32 [S + 1], rows of q
-    kv_indptr: torch.Tensor  # int32 [S + 1], tokens of k/v
-    segments: torch.Tensor   # int32 [S, 9]
-
-
-def segment_layout(runs: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor) -> SegmentLayout | None:
-    """The segments of a causal batch, or None when the mask is not segments on it. `runs`: the mask pre-pass's
-    row runs ([batch, heads, max_qo_len, 2 or 4], relative to each request's keys, causal not applied). Row r of a
-    request sits at p = r + kv_len - qo_len; it is in a segment when every head keeps one run of keys [a0, a1) with
-    a0 <= p < a1, so that causal leaves it [a0, p]. Consecutive rows with the same a0 form one segment; a new
-    segment must start at its first row's own position (a0 = p), so that the segments' keys do not overlap."""
-    runs = runs.cpu().long()
-    if runs.shape[-1] >= 4 and not bool((runs[..., 2] == runs[..., 3]).all()):
-        return None  # a row keeps two runs
-    if not bool((runs[:, :1, :, :2] == runs[..., :2]).all()):
-        return None  # heads keep different keys
-    qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
-    q_rows, kv_keys, table = [0], [int(kv_h[0])], []
-    for b in range(qo_h.numel() - 1):
-        qo_len, kv_len = int(qo_h[b + 1] - qo_h[b]), int(kv_h[b + 1] - kv_h[b])
-        a0, a1 = runs[b, 0, :qo_len, 0], runs[b, 0, :qo_len, 1]
-        p = torch.arange(qo_len) + (kv_len - qo_len)
-        if not bool(((a0 <= p) & (p < a1)).all()):
-            return None
-        start = torch.ones(qo_len, dtype=torch.bool)
-        start[1:] = a0[1:] != a0[:-1]
-        if qo_len and not bool((a0[1:][start[1:]] == p[1:][start[1:]]).all()):
-            return None  # a segment starting left of its first row: its keys overlap the one before
-        first = torch.nonzero(start).flatten().tolist()
-        lead = int(a0[0]) if qo_len else kv_len
-        if lead:  # keys no row keeps, left of the first segment: a request of no rows
-            q_rows.append(q_rows[-1])
-            kv_keys.append(kv_keys[-1] + lead)
-            table.append((_NO_SECOND_RUN, 0, 0, 0, b, 0, 0, 1, -1))
-        for i, r0 in enumerate(first):
-            r1 = first[i + 1] if i + 1 < len(first) else qo_len
-            lo, hi = int(a0[r0]), int(p[r1 - 1]) + 1
-            q_rows.append(int(qo_h[b]) + r1)
-            kv_keys.append(int(kv_h[b]) + hi)
-            # local key j is kv_idx lo + j; local row i sits at q_idx (kv_len_s - qo_len_s + i) + lo
-            table.append((_NO_SECOND_RUN, lo, 0, lo, b, 0, hi - lo, 0, -1))
-    return SegmentLayout(torch.tensor(q_rows, dtype=torch.int32), torch.tensor(kv_keys, dtype=torch.int32),
-                         torch.tensor(table, dtype=torch.int32).view(-1, 9))
 
 
 def _page_runs(ranges: BlockRanges, kinds: torch.Tensor, i: int, per: int, n_pages: int) -> list[tuple[int, int]]:

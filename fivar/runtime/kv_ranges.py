@@ -47,7 +47,7 @@ from ..spec.sparsity import FULL, classify_bounds
 from .launch import _module, release_wrapper, take_wrapper
 from .lse import empty_lse, merge_states
 from .rows import concat_ranges, indptr, write_rows
-from . import position_tables
+from . import position_tables, segments
 from .params import kernel_args
 
 _RANGE_ROWS = 16  # the pre-pass granularity (RANGE_ROWS in templates/triton/attention.py.jinja)
@@ -439,6 +439,13 @@ class KvRangePrefill:
             return
         ranges, self.row_runs, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
                                             num_kv_heads, sm_scale, device)
+        self.segments = None  # the segments form: how many requests it runs
+        if causal and self.row_runs == 1:
+            found = segments.segment_layout(runs, qo_h, kv_h)
+            if found is not None:
+                self._plan_segments(variant, bound, sm_scale, found, num_qo_heads, num_kv_heads, head_dim, dtype,
+                                    device)
+                return
         # rows keeping two runs (a sink and a window) read each run, not the keys between (merged by the LSEs)
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
                                  runs_shape=tuple(runs.shape) if self.row_runs == 1 else None,
@@ -486,6 +493,22 @@ class KvRangePrefill:
                                        dtype, device, form)
             self._launches.append(launch)
         self._twice = None if parts is None else parts.twice.to(device)
+
+    def _plan_segments(self, variant, bound, sm_scale, layout: "segments.SegmentLayout", num_qo_heads,
+                       num_kv_heads, head_dim, dtype, device):
+        """Documents and chunks called causally (fivar.runtime.segments): one request of FA3's causal mode per
+        segment over its own keys, as stock FlashInfer runs packed documents, the mask-free struct mapping each
+        back to its positions. Every row of q is in exactly one, in order, so one launch writes q's output."""
+        rows, keys, starts, blocks = layout.with_rows()
+        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True)
+        w = _fa3_wrapper(fmod, device)
+        w._jit_module.kv_starts = torch.cat([starts, starts.new_zeros(1)]).to(torch.int32)
+        w.plan(indptr(rows), indptr(keys), num_qo_heads, num_kv_heads, head_dim, causal=True, q_data_type=dtype,
+               kv_data_type=dtype, o_data_type=dtype)
+        self._launches = [_Launch(w, kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: blocks.to(device)}),
+                                  ("ragged", fmod, device))]
+        self._twice = None
+        self.segments = int(rows.numel())
 
     def _requests(self, req: torch.Tensor, sel: torch.Tensor, form: int):
         """A launch's FA3 requests from the lowered requests `req` (in order): runs of adjacent mask-free ones that

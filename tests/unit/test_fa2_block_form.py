@@ -288,7 +288,7 @@ def test_segments_attend_exactly_the_kept_keys(mask, seed):
     in exactly one request, the struct maps that request's local keys to the very tokens the kernel reads, and
     causal over the mapped positions keeps exactly what the mask and causal keep; documents and chunks always
     give segments (a window, sinks, a prefix or a hole only where the batch happens to be plain causal)."""
-    from fivar.runtime.fa2_blocks import segment_layout
+    from fivar.runtime.segments import segment_layout
     from fivar.runtime.params import bind_params
     gen = torch.Generator().manual_seed(seed)
     v = _variant(mask)

@@ -516,11 +516,17 @@ def _chunks(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return q_idx // params.chunk == kv_idx // params.chunk
 
 
+def _distance_bias(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + params.slope * (kv_idx - q_idx) + batch
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
-    """A document or chunk mask: the query blocks inside one document (chunk) run without the mask (in FA3's causal
-    mode if causal), every row at once, and the blocks a boundary cuts run in the row-run form over copies of their
-    rows, written over theirs; the whole batch, output and LSE, is the reference's."""
+    """A document or chunk mask called non-causally: the query blocks inside one document (chunk) run without the
+    mask, every row at once, and the blocks a boundary cuts run in the row-run form over copies of their rows,
+    written over theirs. Called causally, a request of FA3's causal mode per document (chunk), one launch, no
+    mask; where rows keep many runs (interleaved documents), the blocks again, in FA3's causal mode where they
+    can. The whole batch, output and LSE, is the reference's."""
     from fivar.runtime import kv_ranges
     gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 6, [700, 7, 390], [900, 9, 390])
     docs = torch.cat([torch.zeros(3, 1, dtype=torch.int32),
@@ -532,9 +538,12 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
     # the other requests are one document each
     interleaved = torch.cat([((torch.arange(900) // 50) % 2).view(1, -1).to(torch.int32),
                              torch.zeros(2, 900, dtype=torch.int32)])
+    # a position bias: the struct must map each request's rows and keys back to their q_idx and kv_idx
+    biased = AttentionVariant(name="kvr_documents_biased", mask=_documents, logits=_distance_bias,
+                              params={"docs": Tensor("int32", ("batch", "position")), "slope": Scalar(float)})
     merged = False
     for variant, params in ((documents, {"docs": docs}), (chunks, {"chunk": 300}),
-                            (documents, {"docs": interleaved})):
+                            (documents, {"docs": interleaved}), (biased, {"docs": docs, "slope": 0.03})):
         made = []
 
         def wrapper(fmod, device, var=variant):
@@ -544,6 +553,14 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
         plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
                                         dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
+        segments = causal and params.get("docs") is not interleaved
+        assert (plan.segments is not None) == segments, variant.name
+        if segments:  # a request per document (chunk) that has rows, in FA3's causal mode with no mask
+            assert len(plan._launches) == 1 and made[-1].mask_free and made[-1].causal
+            assert plan.segments == made[-1].qo.numel() - 1 > 3
+            out, lse = plan.run(q, k, v, return_lse=True)
+            _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
+            continue
         # most blocks lie inside one document (chunk), and some are cut by a boundary
         kinds = set(plan.mask_free.kind.tolist())
         assert len(plan._launches) > 1 and kv_ranges.NEEDS_MASK in kinds, (variant.name, kinds)
