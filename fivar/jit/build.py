@@ -620,15 +620,15 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                              "schedule")
         build_config = fivar_config.fa2_build_config(given)
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
-    if (row_runs or mask_free) and not kv_ranges:
+    if (row_runs or mask_free) and not (kv_ranges or (mask_free and kv_segments and target == "fa2")):
         raise FivarError(f"variant '{variant.name}': the row-run and mask-free forms are FA3 batch prefill of a mask "
-                         "that is more than a band")
+                         "that is more than a band (and FA2's mask-free form is a key-segments form)")
     if sliding_window and not mask_free:
         raise FivarError(f"variant '{variant.name}': sliding_window is an option of the mask-free form only")
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
                              logits_range=logits_range, mask_free=mask_free)
             if target == "fa3"
-            else fa2.variant_decl(variant, kv_segments=kv_segments))  # FA2 key-segments form (fa2.KV_SEGMENTS)
+            else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free))  # fa2.KV_SEGMENTS
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
@@ -651,7 +651,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     config = _render_flashinfer(config_t, **kwargs)
     if tiles:
         config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
-    modes = fa2.mask_modes(variant, kv_segments=kv_segments) if target == "fa2" else fa3.mask_modes(variant)
+    modes = (fa2.mask_modes(variant, kv_segments=kv_segments, mask_free=mask_free) if target == "fa2"
+             else fa3.mask_modes(variant))
     sources = {config_name: config + _dispatch_override(config, variant, modes),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
@@ -702,7 +703,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = ((("_freewin" if sliding_window else "_free") if mask_free else
+    form = ((("_freewin" if sliding_window else "_kvsegfree" if kv_segments else "_free") if mask_free else
              {1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else ""))
             + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
@@ -743,7 +744,8 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
              + [dict(mask_free=True)] + ([dict(mask_free=True, sliding_window=True)] if fa3.may_keep_windows(variant)
                                          else []) if kv_ranges else [{}])
     if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
-        forms.append(dict(kv_segments=True))  # its batch prefill runs a mask beyond a band in the block form
+        # its batch prefill runs a mask beyond a band in the block form, and segments (documents) mask-free
+        forms += [dict(kv_segments=True), dict(kv_segments=True, mask_free=True)]
     mods = [gen_module(variant, "batch_prefill" if f.get("kv_segments") else op, target, dtype, head_dim, **f)
             for f in forms]
     if target == "fa3" and fa3.softmax_range(variant, dtype) is not None:

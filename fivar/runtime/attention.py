@@ -687,13 +687,14 @@ class RaggedAttentionPlan(_OwnsWrapper):
         layout = segments.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
         if layout is None:
             return False
-        fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale, kv_segments=True)
+        fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale, kv_segments=True,
+                       mask_free=True)
         self._wrapper = take_wrapper("ragged", fmod, self.device, False)
         self._release = ("ragged", fmod, self.device)
         self._wrapper.plan(layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device), num_qo_heads,
                            num_kv_heads, head_dim, causal=True, q_data_type=dtype, kv_data_type=dtype,
                            o_data_type=dtype, **_split_kwargs(variant, "fa2", True))
-        self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, "fa2", True),
+        self._args = kernel_args(variant, bound, sm_scale, None,  # kCausal is the whole mask: the struct has none
                                  tables={fa2.KV_SEGMENTS: layout.segments.to(self.device)},
                                  lengths=lambda: max_lengths(qo_indptr, kv_indptr))
         self.segments = layout.qo_indptr.numel() - 1

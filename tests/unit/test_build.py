@@ -92,6 +92,26 @@ def test_only_needed_mask_modes_are_instantiated(monkeypatch):
     assert gen_module(fivar.load("softcap")).uri == plain.uri
 
 
+def test_fa2_mask_free_segments_module_has_no_mask():
+    """FA2's mask-free key-segments module (documents and chunks as segments: kCausal is the whole mask) renders
+    the struct without the mask and its causal flag, instantiates kCausal only, and is a module of its own;
+    the key-segments module it stands beside keeps the mask in both modes."""
+    from fivar.codegen import fa2
+    v = fivar.load("document_mask")
+    free = gen_module(v, op="batch_prefill", kv_segments=True, mask_free=True)
+    masked = gen_module(v, op="batch_prefill", kv_segments=True)
+    config = free.sources["batch_prefill_config.inc"]
+    assert "REGISTER_LOGITS_MASK" not in config and "fv_causal" not in config and "fv_kv_segments" in config
+    assert "REGISTER_LOGITS_MASK" in masked.sources["batch_prefill_config.inc"]
+    assert sorted(n for n in free.sources if "kernel_mask" in n) == [
+        "batch_prefill_paged_kernel_mask_1.cu", "batch_prefill_ragged_kernel_mask_1.cu"]
+    assert free.uri != masked.uri and "_kvsegfree_" in free.uri
+    assert "fv_causal" not in free.additional[2] and "fv_causal" in masked.additional[2]
+    assert fa2.mask_modes(v, kv_segments=True, mask_free=True) == [fa2.MASK_CAUSAL]
+    with pytest.raises(Exception, match="mask-free"):
+        gen_module(v, op="batch_prefill", mask_free=True)
+
+
 def _units(m):
     """kernel unit -> (mask codes, CTA tiles) it instantiates; plus the unit that instantiates the merge."""
     units, merge_units = {}, []

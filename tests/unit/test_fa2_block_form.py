@@ -69,7 +69,8 @@ class _FakePagedWrapper:
         v, p = self.variant, self.p
         k_cache, v_cache = cache
         extra = [fa2.KV_SEGMENTS] if self.fmod.kv_segments else []
-        t_names, _, s_names, _ = additional_params(v, with_causal_flag=True, extra_tensors=extra)
+        mask_free = getattr(self.fmod, "mask_free", False)  # the struct has no mask: kCausal is all there is
+        t_names, _, s_names, _ = additional_params(v, with_causal_flag=not mask_free, extra_tensors=extra)
         named = dict(zip(t_names + s_names, args))
         hq, hkv = q.shape[1], k_cache.shape[2]
         out = torch.zeros(q.shape, dtype=q.dtype) if out is None else out
@@ -97,6 +98,8 @@ class _FakePagedWrapper:
             tiles = self._tile_rule(n_rows, n_keys, hq // hkv, hq, window) if kernel_causal else None
 
             def keep(ev, env, local_q=local_q, local_kv=local_kv, full=seg_full, tiles=tiles):
+                if mask_free:
+                    return (local_kv <= local_q) if p["causal"] else torch.ones(1, 1, 1, dtype=torch.bool)
                 kept = ev.run(v.ir.mask).bool()
                 if full is not None:  # the struct's full range: the mask is skipped there (kept)
                     kept = kept | ((local_kv >= full[0]) & (local_kv < full[1]))
@@ -146,8 +149,9 @@ def cpu_fa2(monkeypatch):
         return dtype, qo_indptr, kv_indptr
 
     def module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs=False, kv_segments=False,
-               kv_dtype=None):
-        return types.SimpleNamespace(kv_segments=kv_segments, uri=f"fake_{kv_segments}", target=target)
+               kv_dtype=None, mask_free=False):
+        return types.SimpleNamespace(kv_segments=kv_segments, mask_free=mask_free,
+                                     uri=f"fake_{kv_segments}_{mask_free}", target=target)
 
     def take(kind, fmod, device, owns_mask):
         made.append(fmod)
@@ -219,8 +223,9 @@ def test_ragged_causal_forms_match_the_reference(cpu_fa2, mask, segments):
                                          dtype=torch.float16, causal=True, backend="fa2", device="cpu",
                                          params=params)
     assert (plan.segments is not None) == segments
-    if segments:
-        assert made[-1].kv_segments and not plan._wrapper.owns_mask and plan._wrapper.p["causal"]
+    if segments:  # the mask-free struct: FlashInfer's causal mode is the whole mask
+        assert made[-1].kv_segments and made[-1].mask_free and not plan._wrapper.owns_mask
+        assert plan._wrapper.p["causal"]
     from fivar.codegen.torch_ref import reference_attention
     refs, lses, qo_at, kv_at = [], [], 0, 0
     for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
