@@ -31,6 +31,17 @@ from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softma
 #: key 0, then for the mask form [full_lo, full_hi): the keys every row of the block keeps (request kv_idx);
 #: for the row-run form the offset of the block's first row in ROW_RUNS and the stride of a query head there).
 BLOCKS, BLOCK_FIELDS, ROW_RUNS = "fv_blocks", 5, "fv_row_runs"
+#: The head-requests form (a mask whose kept keys differ per head, fivar.runtime.kv_ranges): q, k and v laid out
+#: head-major, each request one head's rows, one query and one KV head a launch; two more fields give the request's
+#: query head and KV head.
+HEAD_BLOCK_FIELDS = BLOCK_FIELDS + 2
+
+
+def mask_reads_head(variant) -> bool:
+    """The mask may keep different keys per head (a window per head): fivar.runtime.kv_ranges may then run a
+    request per head (the head-requests form)."""
+    mask = variant.ir.mask
+    return mask is not None and bool({"qo_head", "kv_head"} & ir.uses(mask))
 
 
 def uses_kv_ranges(variant, op: str) -> bool:
@@ -383,7 +394,7 @@ def kernel_causal(variant) -> bool:
 
 def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
                  exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,
-                 mask_free: bool = False) -> VariantDecl:
+                 mask_free: bool = False, head_requests: bool = False) -> VariantDecl:
     """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form.
     `row_runs` (with it): 1, the form for a batch whose every row keeps one run of keys (a document mask always
     does): the mask pre-pass stored each row's run (made relative to its block's first key, causal folded in) and
@@ -391,13 +402,19 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
     spill registers in FA3's consumer warps); 2, the same for rows keeping up to two runs (sink tokens and a
     window), one 16-byte load per row. `mask_free` (with kv_ranges): the struct without the mask, for blocks whose
     rows keep exactly the block's keys, up to their own position if causal (fivar.runtime.kv_ranges runs them in
-    FA3's causal mode then, which masks only the diagonal tiles)."""
+    FA3's causal mode then, which masks only the diagonal tiles). `head_requests` (with kv_ranges): each request
+    is one head's (HEAD_BLOCK_FIELDS), the heads the variant sees read from the table."""
+    if head_requests and not kv_ranges:
+        raise ValueError("the head-requests form is a KV-range form")
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
-    block = lambda i: f"{param_ref(BLOCKS)}[{BLOCK_FIELDS} * batch_idx + {i}]"  # noqa: E731
+    fields = HEAD_BLOCK_FIELDS if head_requests else BLOCK_FIELDS
+    block = lambda i: f"{param_ref(BLOCKS)}[{fields} * batch_idx + {i}]"  # noqa: E731
     index_init = {"batch": "fv_batch_idx"}
     if kv_ranges:
         index_init["kv_idx"] = "int32_t(kv_idx) + fv_kv_offset"
+    if head_requests:  # members: the hook's batch_idx is 0, the block's index is the constructor's
+        index_init.update(qo_head="fv_head_q", kv_head="fv_head_kv")
     emit = CppEmitter(variant, param_ref, index_init=index_init)
     as_window = not kv_ranges and runs_as_window(variant)
     if as_window or (kv_ranges and mask_free):
@@ -417,7 +434,9 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
                                                      "int32_t(qo_head_idx)")] if row_runs else
                 [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
         causal = [] if row_runs or mask_free else [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
-        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *keys, *causal]
+        heads = ([Member("int32_t", "fv_head_q", block(BLOCK_FIELDS)),
+                  Member("int32_t", "fv_head_kv", block(BLOCK_FIELDS + 1))] if head_requests else [])
+        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *keys, *causal, *heads]
     if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask, sink)):
         members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)

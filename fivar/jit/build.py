@@ -541,12 +541,13 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, row_runs: int = 0, kv_segments: bool = False, mask_free: bool = False,
-               sliding_window: bool = False, kv_dtype: str | None = None,
+               sliding_window: bool = False, head_requests: bool = False, kv_dtype: str | None = None,
                config: FA2BuildConfig | FA3KernelConfig | None = None, **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
     form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl); `mask_free`: FA3 batch prefill's KV-range
     form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode); with `sliding_window`, built with
-    FA3's sliding window (the blocks whose rows keep exactly a causal window of keys). `kv_segments`: FA2 batch
+    FA3's sliding window (the blocks whose rows keep exactly a causal window of keys); `head_requests`, any of
+    these with each request one head's (a mask keeping different keys per head). `kv_segments`: FA2 batch
     prefill/decode over trimmed pages or query blocks, each key mapped back to its position (fivar.runtime.decode_pages,
     fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
@@ -625,8 +626,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                          "that is more than a band (and FA2's mask-free form is a key-segments form)")
     if sliding_window and not mask_free:
         raise FivarError(f"variant '{variant.name}': sliding_window is an option of the mask-free form only")
+    if head_requests and not kv_ranges:
+        raise FivarError(f"variant '{variant.name}': head_requests is an option of FA3's KV-range forms only")
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
-                             logits_range=logits_range, mask_free=mask_free)
+                             logits_range=logits_range, mask_free=mask_free, head_requests=head_requests)
             if target == "fa3"
             else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free))  # fa2.KV_SEGMENTS
     t_names, t_types, s_names, s_types = decl.additional
@@ -705,7 +708,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = ((("_freewin" if sliding_window else "_kvsegfree" if kv_segments else "_free") if mask_free else
              {1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else ""))
-            + (f"_kv{kv_dtype}" if kv_dtype else ""))
+            + ("_heads" if head_requests else "") + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
     built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
@@ -714,6 +717,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
     options = {"row_runs": int(row_runs), **({"kv_segments": True} if kv_segments else {}),
                **({"mask_free": True} if mask_free else {}), **({"sliding_window": True} if sliding_window else {}),
+               **({"head_requests": True} if head_requests else {}),
                **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -740,9 +744,13 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
     op = serving_op(variant, op, target)
     kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
     # the KV-range form's mask, row-run, two-run and mask-free modules
-    forms = ([dict(row_runs=0), dict(row_runs=1)] + ([dict(row_runs=2)] if fa3.may_keep_two_runs(variant) else [])
-             + [dict(mask_free=True)] + ([dict(mask_free=True, sliding_window=True)] if fa3.may_keep_windows(variant)
-                                         else []) if kv_ranges else [{}])
+    run_forms = ([dict(row_runs=1)] + ([dict(row_runs=2)] if fa3.may_keep_two_runs(variant) else [])
+                 + [dict(mask_free=True)] + ([dict(mask_free=True, sliding_window=True)]
+                                             if fa3.may_keep_windows(variant) else []))
+    # a mask reading the head may keep different keys per head: the same forms with a request per head
+    forms = ([dict(row_runs=0)] + run_forms + ([dict(f, head_requests=True) for f in run_forms]
+                                              if fa3.mask_reads_head(variant) else [])
+             if kv_ranges else [{}])
     if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
         # its batch prefill runs a mask beyond a band in the block form, and segments (documents) mask-free
         forms += [dict(kv_segments=True), dict(kv_segments=True, mask_free=True)]
@@ -789,16 +797,17 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 def module_for(variant, op, target, dtype, head_dim, row_runs: int = 0,
                bounded_softmax: bool | None = None, kv_segments: bool = False,
-               kv_dtype: str | None = None, mask_free: bool = False, sliding_window: bool = False) -> FivarModule:
+               kv_dtype: str | None = None, mask_free: bool = False, sliding_window: bool = False,
+               head_requests: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments, kv_dtype,
-           mask_free, sliding_window)
+           mask_free, sliding_window, head_requests)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
                                  bounded_softmax=bounded_softmax, kv_segments=kv_segments, kv_dtype=kv_dtype,
-                                 mask_free=mask_free, sliding_window=sliding_window))
+                                 mask_free=mask_free, sliding_window=sliding_window, head_requests=head_requests))
         _memo[key] = m
     return m[1]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..codegen import fa2, fa3
 from .attention import trims_decode_pages
+from .kv_ranges import HEAD_REQUESTS_GAIN
 from ..spec import sparsity
 from ..spec.ir import format_expr
 from ..spec.params import Scalar
@@ -63,7 +64,12 @@ def _fa3_line(v) -> str:
                 + ("; called causally, so do the requests whose rows keep exactly a window of keys ending at their "
                    "own position (the window part of sinks + a window, a window inside documents), in FA3's sliding "
                    "window (window_left = the width the most rows need, read off the pre-pass's runs)"
-                   if fa3.may_keep_windows(v) else ""))
+                   if fa3.may_keep_windows(v) else "")
+                + ("; the mask reads the head, so where the heads keep different keys (a window per head) and the "
+                   f"blocks of each head read at most {HEAD_REQUESTS_GAIN:.0%} of their union's keys, single and ragged "
+                   "prefill run a "
+                   "request per (head, request) over head-major copies of q, k and v, each head over its own keys"
+                   if fa3.mask_reads_head(v) else ""))
     if fa3.runs_as_window(v):
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")

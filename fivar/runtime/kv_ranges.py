@@ -399,6 +399,56 @@ def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: tor
     return MaskFreeRequests(kind, window, inside)
 
 
+#: The head-requests form runs when its blocks read at most this share of the keys the blocks of all heads together
+#: read: it pays head-major copies of q, k, v and the output (about 80 us at S=8192, 32/8 heads, on an H200).
+HEAD_REQUESTS_GAIN = 0.75
+
+
+@dataclass
+class HeadRequests:
+    """A batch as one request per (query head, request), for a mask keeping different keys per head (a window per
+    head): q, k and v head-major (query head h's rows of request b are rows h * T + qo_indptr[b] onwards, one head
+    a row), so each head's query blocks read its own keys, not their union over heads. Host int64 tensors over the
+    H * B requests, request h * B + b."""
+    qo_indptr: torch.Tensor  # [H * B + 1]: rows of the head-major q
+    kv_indptr: torch.Tensor  # [H * B + 1]: each request's keys in a key space of their own (what the lowering reads)
+    kv_shift: torch.Tensor   # [H * B]: added to a key of that space, its token in the head-major k/v
+    batch: torch.Tensor      # [H * B]: the request of the batch
+    qo_head: torch.Tensor    # [H * B]
+    kv_head: torch.Tensor    # [H * B]
+
+    def blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """fivar.codegen.fa3.HEAD_BLOCK_FIELDS from a lowering's blocks over these requests: the batch's request
+        in field 0, and the heads."""
+        r = blocks[:, 0].long()
+        return torch.cat([self.batch[r, None], blocks[:, 1:].long(), self.qo_head[r, None], self.kv_head[r, None]],
+                         1).to(torch.int32)
+
+
+def head_requests(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int,
+                  num_kv_heads: int, rows: int, causal: bool) -> HeadRequests | None:
+    """The head-requests form of a batch whose pre-pass ranges ([batch, heads, groups, 6], host) differ per head,
+    or None when its query blocks would not read fewer than HEAD_REQUESTS_GAIN of the keys of the blocks of all
+    heads over their union."""
+    batch, heads = qo_indptr.numel() - 1, ranges.shape[1]
+    if heads == 1 or batch == 0:
+        return None
+    qo_h, kv_h = qo_indptr.long(), kv_indptr.long()
+    h, b = torch.arange(heads).repeat_interleave(batch), torch.arange(batch).repeat(heads)
+    kv_lens = kv_h.diff()[b]
+    kv_v = indptr(kv_lens).long()
+    per_head = _query_blocks(ranges.permute(1, 0, 2, 3).reshape(heads * batch, 1, *ranges.shape[2:]),
+                             qo_h.diff()[b], kv_lens, rows, causal, None)
+    union = _query_blocks(ranges, qo_h.diff(), kv_h.diff(), rows, causal, None)
+    if int((per_head.hi - per_head.lo).sum()) > HEAD_REQUESTS_GAIN * heads * int((union.hi - union.lo).sum()):
+        return None
+    n_q, n_kv = int(qo_h[-1]), int(kv_h[-1])
+    kv_head = h // (num_qo_heads // num_kv_heads)
+    return HeadRequests(qo_indptr=torch.cat([qo_h[:-1][b] + h * n_q, torch.tensor([heads * n_q])]),
+                        kv_indptr=kv_v, kv_shift=kv_head * n_kv + kv_h[:-1][b] - kv_v[:-1], batch=b, qo_head=h,
+                        kv_head=kv_head)
+
+
 @dataclass
 class _Launch:
     """One FA3 launch of a planned batch: its wrapper and run arguments, the rows of q it reads (None: q itself,
@@ -439,6 +489,16 @@ class KvRangePrefill:
             return
         ranges, self.row_runs, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
                                             num_kv_heads, sm_scale, device)
+        # a mask keeping different keys per head: a request per head, so each reads its own keys (row runs needed:
+        # the mask form's analytic check takes one head for all)
+        self.heads = None
+        if runs is not None and fa3.mask_reads_head(variant):
+            self.heads = head_requests(ranges, qo_h, kv_h, num_qo_heads, num_kv_heads, block_rows(head_dim), causal)
+        if self.heads is not None:
+            to_requests = lambda x: x.transpose(0, 1).reshape(-1, 1, *x.shape[2:])  # noqa: E731  [H*B, 1, ...]
+            ranges, runs = to_requests(ranges), to_requests(runs).contiguous()
+            qo_h, kv_h = self.heads.qo_indptr, self.heads.kv_indptr
+            num_qo_heads = num_kv_heads = 1
         self.segments = None  # the segments form: how many requests it runs
         if causal and self.row_runs == 1:
             found = segments.segment_layout(runs, qo_h, kv_h)
@@ -450,6 +510,8 @@ class KvRangePrefill:
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
                                  runs_shape=tuple(runs.shape) if self.row_runs == 1 else None,
                                  split_runs=self.row_runs != 1 and variant.softmax and variant.sink is None)
+        if self.heads is not None:  # from each request's key space to its head's keys in the head-major k/v
+            layout.kv_starts[:-1] += self.heads.kv_shift[layout.blocks[:, 0].long()].to(torch.int32)
         two_runs = None
         if self.row_runs == 2:
             two_runs, layout.blocks[:, 3:] = two_run_table(runs, layout, qo_h, kv_h, causal)
@@ -461,7 +523,7 @@ class KvRangePrefill:
             self.mask_free = MaskFreeRequests(torch.where(plain, CAUSAL_WINDOW if causal else ALL_KEYS, NEEDS_MASK),
                                               None)
         kind = self.mask_free.kind
-        tables = {BLOCKS: layout.blocks.to(device)}
+        tables = {BLOCKS: self._blocks_table(layout.blocks).to(device)}
         if self.row_runs:
             tables[ROW_RUNS] = (two_runs if self.row_runs == 2 else
                                 relative_runs(runs, layout, qo_h, kv_h, block_rows(head_dim), causal))
@@ -479,12 +541,13 @@ class KvRangePrefill:
                 continue
             if form == NEEDS_MASK:
                 fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale,
-                               row_runs=self.row_runs)
+                               row_runs=self.row_runs, head_requests=self.heads is not None)
                 args_causal = None if self.row_runs else causal
                 form_tables, launch_causal, window_left = tables, False, -1
             else:
                 fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True,
-                               sliding_window=form == CAUSAL_WINDOW and window is not None)
+                               sliding_window=form == CAUSAL_WINDOW and window is not None,
+                               head_requests=self.heads is not None)
                 args_causal, form_tables = None, {BLOCKS: tables[BLOCKS]}
                 launch_causal = form == CAUSAL_WINDOW
                 window_left = window - 1 if form == CAUSAL_WINDOW and window is not None else -1
@@ -500,7 +563,11 @@ class KvRangePrefill:
         segment over its own keys, as stock FlashInfer runs packed documents, the mask-free struct mapping each
         back to its positions. Every row of q is in exactly one, in order, so one launch writes q's output."""
         rows, keys, starts, blocks = layout.with_rows()
-        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True)
+        if self.heads is not None:
+            starts = starts + self.heads.kv_shift[blocks[:, 0].long()]
+        blocks = self._blocks_table(blocks)
+        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, mask_free=True,
+                       head_requests=self.heads is not None)
         w = _fa3_wrapper(fmod, device)
         w._jit_module.kv_starts = torch.cat([starts, starts.new_zeros(1)]).to(torch.int32)
         w.plan(indptr(rows), indptr(keys), num_qo_heads, num_kv_heads, head_dim, causal=True, q_data_type=dtype,
@@ -509,6 +576,10 @@ class KvRangePrefill:
                                   ("ragged", fmod, device))]
         self._twice = None
         self.segments = int(rows.numel())
+
+    def _blocks_table(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The struct's BLOCKS table from a lowering's (host): the head-requests form's has the heads."""
+        return blocks if self.heads is None else self.heads.blocks(blocks)
 
     def _requests(self, req: torch.Tensor, sel: torch.Tensor, form: int):
         """A launch's FA3 requests from the lowered requests `req` (in order): runs of adjacent mask-free ones that
@@ -568,6 +639,16 @@ class KvRangePrefill:
     def run(self, q, k, v, return_lse: bool = False):
         if self.empty:
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
+        if self.heads is None:
+            return self._run_rows(q, k, v, return_lse)
+        # the head-requests form: q, k and v head-major, a head a row, and the output back
+        major = lambda x: x.transpose(0, 1).reshape(-1, 1, x.shape[-1])  # noqa: E731
+        result = self._run_rows(major(q), major(k), major(v), return_lse)
+        out, lse = result if return_lse else (result, None)
+        out = out.view(q.shape[1], q.shape[0], -1).transpose(0, 1).contiguous()
+        return (out, lse.view(q.shape[1], q.shape[0]).t().contiguous()) if return_lse else out
+
+    def _run_rows(self, q, k, v, return_lse: bool):
         twice = self._twice
         lse_too = return_lse or twice is not None
         first, *rest = self._launches

@@ -392,9 +392,9 @@ class _FakeFA3RaggedWrapper:
     from kv_starts, fv_blocks' mapping, then the mask form's full range and causal guard, or the two-run form's
     runs (`row_runs` 2: a row's [a0, a1, b0, b1) at field 3 + field 4 * head + 4 * row); out and the log2 LSE."""
 
-    def __init__(self, variant, row_runs=0, mask_free=False, sliding_window=False):
+    def __init__(self, variant, row_runs=0, mask_free=False, sliding_window=False, head_requests=False):
         self.variant, self.row_runs, self.mask_free = variant, 0 if mask_free else row_runs, mask_free
-        self.sliding_window = sliding_window
+        self.sliding_window, self.head_requests = sliding_window, head_requests
         self._jit_module = types.SimpleNamespace(kv_starts=None)
 
     def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, window_left=-1, **kw):
@@ -413,7 +413,10 @@ class _FakeFA3RaggedWrapper:
             rows = q[self.qo[r]:self.qo[r + 1]]
             s0 = int(self._jit_module.kv_starts[r])
             keys, vals = k[s0:s0 + int(self.lens[r])], v[s0:s0 + int(self.lens[r])]
-            b, q0, k0, f3, f4 = named[BLOCKS][r].tolist()
+            fields = named[BLOCKS][r].tolist()
+            assert len(fields) == (7 if self.head_requests else 5)
+            b, q0, k0, f3, f4 = fields[:5]
+            heads = fields[5:] if self.head_requests else None  # the struct's heads: one head a request
 
             def keep(ev, env, f3=f3, f4=f4, k0=k0, n=rows.shape[0], n_keys=keys.shape[0]):
                 if self.mask_free:  # FA3's causal mode (and window), bottom-right aligned on the request's rows and keys
@@ -435,7 +438,7 @@ class _FakeFA3RaggedWrapper:
                 return kept & (env["kv_idx"] <= env["q_idx"]) if named["fv_causal"] else kept
             out[self.qo[r]:self.qo[r + 1]], lse[self.qo[r]:self.qo[r + 1]] = attend(
                 var, named, rows, keys, vals, torch.arange(rows.shape[0]).view(1, -1, 1) + q0,
-                torch.arange(keys.shape[0]).view(1, 1, -1) + k0, b, keep)
+                torch.arange(keys.shape[0]).view(1, 1, -1) + k0, b, keep, heads=heads)
         return (out.to(q.dtype), lse.float()) if return_lse else out.to(q.dtype)
 
 
@@ -443,9 +446,10 @@ def _fake_fa3_batch(monkeypatch, seed, qo_lens, kv_lens):
     """KvRangePrefill on the CPU (fivar's modules stand-ins) and a random fp16 batch of 4/2 heads:
     (generator, qo_indptr, kv_indptr, q, k, v)."""
     from fivar.runtime import kv_ranges
-    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, mask_free=False, sliding_window=False, **kw:
-                        types.SimpleNamespace(uri="fake", row_runs=row_runs, mask_free=mask_free,
-                                              sliding_window=sliding_window))
+    monkeypatch.setattr(kv_ranges, "_module", lambda *a, row_runs=0, mask_free=False, sliding_window=False,
+                        head_requests=False, **kw: types.SimpleNamespace(
+                            uri="fake", row_runs=row_runs, mask_free=mask_free, sliding_window=sliding_window,
+                            head_requests=head_requests))
     monkeypatch.setattr(kv_ranges, "release_wrapper", lambda *a: None)
     gen = torch.Generator().manual_seed(seed)
     qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
@@ -490,7 +494,7 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
     for variant, params in ((streaming, {"sink": 5, "window": 30}), (HOLED, {"gap": 70}),
                             (head_sinks, {"sinks": torch.tensor([3, 9, 1, 5], dtype=torch.int32), "window": 40})):
         monkeypatch.setattr(kv_ranges, "_fa3_wrapper", lambda fmod, device, var=variant: _FakeFA3RaggedWrapper(
-            var, fmod.row_runs, fmod.mask_free, fmod.sliding_window))
+            var, fmod.row_runs, fmod.mask_free, fmod.sliding_window, fmod.head_requests))
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
         plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
                                         dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
@@ -547,7 +551,8 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
         made = []
 
         def wrapper(fmod, device, var=variant):
-            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free, fmod.sliding_window))
+            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free, fmod.sliding_window,
+                                              fmod.head_requests))
             return made[-1]
         monkeypatch.setattr(kv_ranges, "_fa3_wrapper", wrapper)
         bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
@@ -570,3 +575,78 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
         out, lse = plan.run(q, k, v, return_lse=True)
         _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
     assert merged
+
+
+def _head_window_biased(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + params.slope[qo_head] * (kv_idx - q_idx) + kv_head
+
+
+def _head_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.windows[qo_head] and kv_idx <= q_idx
+
+
+def _head_chunks(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx // params.chunks[qo_head] == kv_idx // params.chunks[qo_head]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_requests_read_each_heads_own_keys(monkeypatch, causal):
+    """A mask keeping different keys per head (a window per head, one head global; chunks per head): a request
+    per (head, request) over head-major q/k/v, each reading its own head's keys, the struct given the heads and the
+    request of the batch; output and LSE are the reference's. A window per head with a per-head logits term checks
+    that the struct sees the right heads."""
+    from fivar.runtime import kv_ranges
+    gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 9, [300, 5, 200], [420, 5, 260])
+    windowed = AttentionVariant(name="kvr_head_window", mask=_head_window, logits=_head_window_biased,
+                                params={"windows": Tensor("int32", ("qo_head",)),
+                                        "slope": Tensor("float32", ("qo_head",))})
+    chunked = AttentionVariant(name="kvr_head_chunks", mask=_head_chunks,
+                               params={"chunks": Tensor("int32", ("qo_head",))})
+    cases = [(windowed, {"windows": torch.tensor([17, 1 << 20, 40, 5], dtype=torch.int32),
+                         "slope": torch.tensor([0.02, -0.01, 0.05, 0.0])}),
+             (chunked, {"chunks": torch.tensor([64, 1 << 20, 100, 48], dtype=torch.int32)})]
+    for variant, params in cases:
+        made = []
+
+        def wrapper(fmod, device, var=variant):
+            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free, fmod.sliding_window,
+                                              fmod.head_requests))
+            return made[-1]
+        monkeypatch.setattr(kv_ranges, "_fa3_wrapper", wrapper)
+        bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
+        plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
+                                        dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
+        assert plan.heads is not None and made and all(w.head_requests for w in made), variant.name
+        assert (plan.segments is not None) == (causal and variant is chunked), variant.name
+        out, lse = plan.run(q, k, v, return_lse=True)
+        _assert_reference(variant, params, q, k, v, qo_indptr, kv_indptr, causal, out, lse)
+
+
+def test_head_requests_only_where_heads_keep_different_keys():
+    """The head-requests form is chosen by the keys its blocks read: not when every head keeps the same keys, nor
+    when the union over heads reads little more; and its requests map to the head-major k/v rows of their KV
+    head."""
+    from fivar.runtime.kv_ranges import HEAD_REQUESTS_GAIN, head_requests
+    qo = torch.tensor([0, 512, 600], dtype=torch.long)
+    kv = torch.tensor([0, 700, 800], dtype=torch.long)
+
+    def ranges(widths):  # a causal window per head: row groups of 16 keep [q - w + 1, q + 1)
+        out = torch.zeros(2, len(widths), 512 // 16, 6, dtype=torch.int32)
+        for b in range(2):
+            n_q, n_kv = int(qo[b + 1] - qo[b]), int(kv[b + 1] - kv[b])
+            for g in range((n_q + 15) // 16):
+                q_hi = min(16 * g + 15, n_q - 1) + n_kv - n_q
+                for h, w in enumerate(widths):
+                    out[b, h, g, 0], out[b, h, g, 1] = max(0, 16 * g + n_kv - n_q - w + 1), q_hi + 1
+        return out
+    assert head_requests(ranges([64, 64, 64, 64]), qo, kv, 4, 2, 128, True) is None
+    assert head_requests(ranges([600, 64, 700, 650]), qo, kv, 4, 2, 128, True) is None
+    hr = head_requests(ranges([16, 1 << 20, 32, 64]), qo, kv, 4, 2, 128, True)
+    assert hr is not None and HEAD_REQUESTS_GAIN < 1
+    assert hr.qo_indptr.tolist() == [0, 512, 600, 1112, 1200, 1712, 1800, 2312, 2400]
+    for r in range(8):
+        h, b = divmod(r, 2)
+        assert (int(hr.batch[r]), int(hr.qo_head[r]), int(hr.kv_head[r])) == (b, h, h // 2)
+        # key j of request r is token kv[b] + j of KV head h // 2: row (h // 2) * 800 + kv[b] + j of head-major k
+        assert int(hr.kv_indptr[r] + hr.kv_shift[r]) == (h // 2) * 800 + int(kv[b])
+        assert int(hr.kv_indptr[r + 1] - hr.kv_indptr[r]) == int(kv[b + 1] - kv[b])
