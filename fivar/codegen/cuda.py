@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..spec import ir
+from ..spec import ir, positions
 from ..spec.ir import BOOL, F32, I32
 from ..spec.names import LOCAL, PARAM, check_rendered, comment_text, size_tag, stride_tag, user_ident
 from ..spec.optimize import Lowered
@@ -104,8 +104,12 @@ class CppEmitter:
             return self.ident(local_name(e.name))
         if isinstance(e, ir.Load):
             p = self.variant.compiled_params[e.param]
+            # a position table holds every distance a kernel reads (positions.TABLE_PAD): unclamped, its read is
+            # one load at an immediate offset from a per-tile base, not two min/max and an address per score
+            unchecked = positions.is_table(e.param)
             offset = " + ".join(
-                f"fivar::clamp_index({self.expr(i)}, {self.param_ref(self.ident(size_ident(e.param, d)))})"
+                (self.expr(i) if unchecked else
+                 f"fivar::clamp_index({self.expr(i)}, {self.param_ref(self.ident(size_ident(e.param, d)))})")
                 + (f" * {self.param_ref(self.ident(stride_ident(e.param, d)))}" if d < p.ndim - 1 else "")
                 for d, i in enumerate(e.indices))
             return f"{CTYPE[e.type]}({self.param_ref(self.ident(param_ident(e.param)))}[{offset}])"

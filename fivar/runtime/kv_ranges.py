@@ -416,6 +416,12 @@ class HeadRequests:
     batch: torch.Tensor      # [H * B]: the request of the batch
     qo_head: torch.Tensor    # [H * B]
     kv_head: torch.Tensor    # [H * B]
+    num_heads: int           # H
+
+    def token_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the head-major q -> the same rows of q viewed a head a row ([tokens * heads, 1, head_dim])."""
+        tokens = int(self.qo_indptr[-1]) // self.num_heads
+        return (rows % tokens) * self.num_heads + rows // tokens
 
     def blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """fivar.codegen.fa3.HEAD_BLOCK_FIELDS from a lowering's blocks over these requests: the batch's request
@@ -446,7 +452,7 @@ def head_requests(ranges: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torc
     kv_head = h // (num_qo_heads // num_kv_heads)
     return HeadRequests(qo_indptr=torch.cat([qo_h[:-1][b] + h * n_q, torch.tensor([heads * n_q])]),
                         kv_indptr=kv_v, kv_shift=kv_head * n_kv + kv_h[:-1][b] - kv_v[:-1], batch=b, qo_head=h,
-                        kv_head=kv_head)
+                        kv_head=kv_head, num_heads=heads)
 
 
 @dataclass
@@ -485,13 +491,13 @@ class KvRangePrefill:
         max_qo_len = int(qo_h.diff().max()) if qo_h.numel() > 1 else 0
         self.empty = max_qo_len == 0
         self._launches: list[_Launch] = []
+        self.heads = self._kv_rows = None
         if self.empty:
             return
         ranges, self.row_runs, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads,
                                             num_kv_heads, sm_scale, device)
         # a mask keeping different keys per head: a request per head, so each reads its own keys (row runs needed:
         # the mask form's analytic check takes one head for all)
-        self.heads = None
         if runs is not None and fa3.mask_reads_head(variant):
             self.heads = head_requests(ranges, qo_h, kv_h, num_qo_heads, num_kv_heads, block_rows(head_dim), causal)
         if self.heads is not None:
@@ -509,7 +515,8 @@ class KvRangePrefill:
         # rows keeping two runs (a sink and a window) read each run, not the keys between (merged by the LSEs)
         layout = kv_range_layout(ranges, qo_h, kv_h, block_rows(head_dim), causal,
                                  runs_shape=tuple(runs.shape) if self.row_runs == 1 else None,
-                                 split_runs=self.row_runs != 1 and variant.softmax and variant.sink is None)
+                                 split_runs=self.row_runs != 1 and variant.softmax and variant.sink is None
+                                 and self.heads is None)
         if self.heads is not None:  # from each request's key space to its head's keys in the head-major k/v
             layout.kv_starts[:-1] += self.heads.kv_shift[layout.blocks[:, 0].long()].to(torch.int32)
         two_runs = None
@@ -535,6 +542,8 @@ class KvRangePrefill:
         lead = max(forms, key=lambda f: int(counts[own & (kind == f)].sum()))
         first_sel = own & (kind == lead)
         launches = [(lead, first_sel, True)] + [(f, (kind == f) & ~first_sel, False) for f in forms]
+        if self.heads is not None:  # every launch gathers its rows from q as it is (fivar.runtime.kv_ranges.run)
+            launches = [(f, kind == f, False) for f in forms]
         window = self.mask_free.window
         for form, sel, first in launches:
             if not bool(sel.any()):
@@ -572,8 +581,12 @@ class KvRangePrefill:
         w._jit_module.kv_starts = torch.cat([starts, starts.new_zeros(1)]).to(torch.int32)
         w.plan(indptr(rows), indptr(keys), num_qo_heads, num_kv_heads, head_dim, causal=True, q_data_type=dtype,
                kv_data_type=dtype, o_data_type=dtype)
-        self._launches = [_Launch(w, kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: blocks.to(device)}),
-                                  ("ragged", fmod, device))]
+        launch = _Launch(w, kernel_args(variant, bound, sm_scale, None, tables={BLOCKS: blocks.to(device)}),
+                         ("ragged", fmod, device))
+        if self.heads is not None:  # every row of head-major q, in order, gathered from q viewed a head a row
+            launch.gather = self.heads.token_rows(torch.arange(int(layout.qo_indptr[-1]), device=device))
+            launch.to_out = (None, launch.gather)
+        self._launches = [launch]
         self._twice = None
         self.segments = int(rows.numel())
 
@@ -626,6 +639,9 @@ class KvRangePrefill:
             launch = _Launch(w, [], ("ragged", fmod, device), gather=src.to(device),
                              to_out=place(in_q, rows[in_q]) if bool(in_q.any()) else None,
                              to_first_runs=place(~in_q, rows[~in_q] - n_q) if bool((~in_q).any()) else None)
+        if self.heads is not None:  # rows of head-major q -> rows of q viewed a head a row
+            launch.gather = self.heads.token_rows(launch.gather)
+            launch.to_out = (None, launch.gather)
         leader, counts, kv_lens = self._requests(req, sel, form)
         starts = torch.cat([layout.kv_starts[:-1][leader], layout.kv_starts[-1:]])
         # the row-run tables are found through each block's own fields: only the blocks table is cut
@@ -641,12 +657,22 @@ class KvRangePrefill:
             return (torch.empty_like(q), empty_lse(q)) if return_lse else torch.empty_like(q)
         if self.heads is None:
             return self._run_rows(q, k, v, return_lse)
-        # the head-requests form: q, k and v head-major, a head a row, and the output back
-        major = lambda x: x.transpose(0, 1).reshape(-1, 1, x.shape[-1])  # noqa: E731
-        result = self._run_rows(major(q), major(k), major(v), return_lse)
-        out, lse = result if return_lse else (result, None)
-        out = out.view(q.shape[1], q.shape[0], -1).transpose(0, 1).contiguous()
-        return (out, lse.view(q.shape[1], q.shape[0]).t().contiguous()) if return_lse else out
+        # the head-requests form: each launch gathers its rows (a token of a head each) from q viewed a head a row
+        # and writes them back there; k and v head-major
+        if self._kv_rows is None or self._kv_rows.numel() != k.shape[0] * k.shape[1]:
+            n_kv, heads = k.shape[:2]  # head-major row r is token r % n_kv of head r // n_kv
+            r = torch.arange(n_kv * heads, device=k.device)
+            self._kv_rows = (r % n_kv) * heads + r // n_kv
+        k, v = (x.reshape(-1, 1, x.shape[-1]).index_select(0, self._kv_rows) for x in (k, v))
+        rows = q.reshape(-1, 1, q.shape[-1])
+        out = torch.empty_like(rows)
+        lse = torch.empty(rows.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        for launch in self._launches:
+            result = launch.wrapper.run(rows.index_select(0, launch.gather), k, v, *launch.args,
+                                        return_lse=return_lse)
+            write_rows((out, lse) if return_lse else out, launch.to_out[1], result, return_lse)
+        out = out.view(q.shape)
+        return (out, lse.view(q.shape[:2])) if return_lse else out
 
     def _run_rows(self, q, k, v, return_lse: bool):
         twice = self._twice

@@ -4,7 +4,7 @@ A term that reads only the head and the distance `kv_idx - q_idx` (T5's log buck
 function of the distance) has at most heads x (2 * max_len - 1) distinct values, while the kernels evaluate it for
 every (query, key) pair. `tabulate` replaces each maximal such term that is costly enough (LoweringConfig's
 `position_tables`) by a read of a float32 table fivar synthesizes, `TABLE[qo_head, (kv_idx - q_idx) + OFFSET]`
-(clamped like every table read); the runtime evaluates the original term once per call, or per plan, over every
+(padded by TABLE_PAD distances, so the CUDA structs read it unclamped); the runtime evaluates the original term once per call, or per plan, over every
 head and distance with the torch evaluator (fivar.runtime.position_tables) and passes the table like any tensor
 param. The reference never runs this pass: it evaluates the user's expression, which is what checks the tables.
 
@@ -21,6 +21,19 @@ from .ir import F32, I32
 from .params import Scalar, Tensor
 
 TABLE_PREFIX, OFFSET_NAME = "fv_pos_table", "fv_pos_offset"
+#: Distances each table holds past the call's own on either side: the kernels evaluate the term on their tiles'
+#: padding rows and keys too (at most one tile past a run), and the CUDA structs read the table unclamped.
+TABLE_PAD = 512
+
+
+def is_table(param: str) -> bool:
+    """A param `tabulate` synthesized: a table sized so that every distance a kernel reads is inside it."""
+    return param.startswith(TABLE_PREFIX)
+
+
+def table_offset(length: int) -> int:
+    """The column of distance 0 in a table for runs of up to `length` (fivar.runtime.position_tables)."""
+    return length - 1 + TABLE_PAD
 HEADS = ("qo_head", "kv_head")
 COSTLY_FUNCS = ("tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "floor")
 

@@ -20,6 +20,7 @@ from fivar.errors import FivarError
 from fivar.runtime.explain import mask_skipping
 from fivar.runtime.params import BoundParams
 from fivar.runtime.position_tables import table_values
+from fivar.spec.positions import TABLE_PAD, table_offset
 from fivar.spec import ir
 from fivar.spec.ir import F32, I32
 from fivar.spec.positions import tabulate
@@ -164,7 +165,7 @@ def _per_element_vs_table(program, params, hq=3, hkv=1, qo_len=7, kv_len=11, mod
     want = TorchEvaluator(env, params, torch.float32, "cpu").run(program)
     extra = {t.name: table_values(None, t, bound, length) for t in tables}
     if offset is not None:
-        extra[offset] = length - 1
+        extra[offset] = table_offset(length)
     got = TorchEvaluator(env, {**params, **extra}, torch.float32, "cpu").run(new)
     return want, got, tables
 
@@ -196,7 +197,8 @@ def test_a_wrong_offset_is_caught():
     env["kv_head"] = env["qo_head"] // 3
     want = TorchEvaluator(env, params, torch.float32, "cpu").run(_variant(t5).ir.logits)
     table = table_values(None, tables[0], bound, 20)
-    got = TorchEvaluator(env, {**params, tables[0].name: table, offset: 20}, torch.float32, "cpu").run(new)
+    got = TorchEvaluator(env, {**params, tables[0].name: table, offset: table_offset(20) + 1}, torch.float32,
+                         "cpu").run(new)
     assert not torch.allclose(got, want)
 
 
@@ -291,6 +293,30 @@ def test_fa2_and_fa3_structs_gather_the_table(name):
         assert "fivar::log" not in text  # the buckets' log is in the table, not per element
     with override(position_tables="off"):
         assert "fivar::log" in fa2.variant_decl(v).source
+    # the table holds every distance a kernel reads: no clamp on its read, while a user's table keeps its clamp
+    for text in (fa2_text, fa3_text):
+        read = text[text.index("fvp_fv_pos_table0["):].split(";")[0]
+        assert "clamp_index" not in read, read
+    learned = fa3.variant_decl(_zoo("learned_relative_table")).source
+    assert "clamp_index" in learned[learned.index("fvp_bias["):].split(";")[0]
+
+
+def test_tables_reach_past_the_call_by_the_pad():
+    """Every distance a kernel's tile padding can read (up to TABLE_PAD past the call's runs, either side) is a
+    column of the table holding the term there: the structs read it unclamped."""
+    new, tables, offset = tabulate(_variant(t5).ir.logits, "costly")
+    params = _random_params(2)
+    bound = BoundParams({"r": 4, "c": 0.3}, {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}, 3, 1,
+                        "cpu")
+    length = 9
+    table = table_values(None, tables[0], bound, length)
+    d = torch.arange(-(length - 1 + TABLE_PAD), length + TABLE_PAD)
+    assert table.shape[1] == d.numel() and TABLE_PAD >= 256  # the widest FA3 tile, with room
+    env = {"qo_head": torch.arange(3, dtype=torch.int32)[:, None], "q_idx": torch.zeros(1, 1, dtype=torch.int32),
+           "kv_idx": d.to(torch.int32)[None, :], "sm_scale": 1.0}
+    env["kv_head"] = env["qo_head"] // 3
+    want = TorchEvaluator(env, params, torch.float32, "cpu").run(tables[0].term).expand_as(table)
+    torch.testing.assert_close(table[:, table_offset(length) + d], want)
 
 
 NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
