@@ -15,6 +15,7 @@ from ..spec.inputs import check_lse
 from .launch import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
                      _prepare)
 from . import position_tables
+from .plan_cache import PlanCache
 
 #: tl.arange and tl.dot want a power of two of at least 16.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -26,6 +27,19 @@ def _check_inputs(variant, q, k, v, **kw):
 
 
 _single_indptrs: dict = {}
+
+#: The mask pre-pass's ranges of the one-shot prefill calls, kept like their FlashInfer plans
+#: (fivar.runtime.plan_cache: keyed by shapes, params and the indptrs by identity and version): a layer after the
+#: first with the same batch layout and params only launches (a window per head at S=8192, 32 heads: the pre-pass
+#: took as long as the attention, H200).
+_ranges = PlanCache(capacity=8)
+
+
+def _kept_ranges(module, parts: tuple, qo_indptr, kv_indptr, max_qo_len: int, num_qo_heads: int, group: int,
+                 args: dict):
+    if not hasattr(module, "mask_ranges"):  # no pre-pass: the mask has a band shape, or there is no mask
+        return None
+    return _ranges.get(parts, lambda: module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args))
 
 
 def _single_indptr(length: int, device) -> torch.Tensor:
@@ -46,9 +60,11 @@ def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, p
     _check_out(variant, out, q)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     bound = position_tables.bind(variant, bound, (q.shape[0], k.shape[0]))
-    o = load_triton_module(variant).prefill(
-        q, k, v, _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device), q.shape[0], causal,
-        kernel_arg_values(variant, bound, sm_scale), return_lse)
+    module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
+    qo_indptr, kv_indptr = _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device)
+    ranges = _kept_ranges(module, ("single", variant, sm_scale, params or {}, q.shape, k.shape, q.device), qo_indptr,
+                          kv_indptr, q.shape[0], q.shape[1], q.shape[1] // k.shape[1], args)
+    o = module.prefill(q, k, v, qo_indptr, kv_indptr, q.shape[0], causal, args, return_lse, ranges=ranges)
     if out is not None:
         out.copy_(o[0] if return_lse else o)
         return (out, o[1]) if return_lse else out
@@ -64,8 +80,11 @@ def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causa
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     bound = position_tables.bind(variant, bound, lambda: position_tables.max_lengths(qo_indptr, kv_indptr))
-    return load_triton_module(variant).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal,
-                                               kernel_arg_values(variant, bound, sm_scale), return_lse)
+    module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
+    ranges = _kept_ranges(module, ("ragged", variant, sm_scale, params or {}, qo_indptr, kv_indptr, q.shape[1:],
+                                   k.shape[1:], q.device), qo_indptr, kv_indptr, max_qo_len, q.shape[1],
+                          q.shape[1] // k.shape[1], args)
+    return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse, ranges=ranges)
 
 
 def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,

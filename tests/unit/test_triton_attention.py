@@ -504,3 +504,38 @@ def _identity_logits(score, b, h, kh, qi, ki, p):
 
 def _scalar_window(b, h, kh, qi, ki, p):
     return qi - ki < p.w
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_one_shot_calls_keep_the_mask_ranges(monkeypatch, ragged):
+    """A masked variant's one-shot Triton prefill runs the mask pre-pass once per batch layout and params: a repeat
+    call reuses its ranges, and a params tensor changed in place runs it again (the result is the reference's with
+    the new contents, not the old ranges')."""
+    from fivar.jit.triton_module import load_triton_module
+    from fivar.runtime import triton_attention
+    v = fivar.load("document_mask")
+    module = load_triton_module(v)
+    calls = []
+    real = module.mask_ranges
+    monkeypatch.setattr(module, "mask_ranges", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(triton_attention, "_ranges", triton_attention.PlanCache(capacity=8))
+    torch.manual_seed(5)
+    lq = 70
+    q, k, vv = _qkv(lq, lq, 4, 2, 32)
+    doc_ids = torch.zeros(1, lq, dtype=torch.int32)
+    doc_ids[0, 30:] = 1
+
+    ind = torch.tensor([0, lq], dtype=torch.int32)  # one batch layout, as the layers of a model step share
+
+    def call():
+        if ragged:
+            return v.batch_prefill_ragged(q, k, vv, ind, ind, causal=True, backend="triton", doc_ids=doc_ids)
+        return v.prefill(q, k, vv, causal=True, backend="triton", doc_ids=doc_ids)
+    first = call()
+    again = call()
+    assert len(calls) == 1 and torch.equal(first, again)
+    doc_ids[0, 50:] = 2  # in place: a new document from row 50
+    out = call()
+    assert len(calls) == 2
+    _check("document_mask", "after an in-place change", out,
+           v.reference(q.float(), k.float(), vv.float(), causal=True, doc_ids=doc_ids))
