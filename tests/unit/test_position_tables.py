@@ -298,7 +298,32 @@ def test_fa2_and_fa3_structs_gather_the_table(name):
         read = text[text.index("fvp_fv_pos_table0["):].split(";")[0]
         assert "clamp_index" not in read, read
     learned = fa3.variant_decl(_zoo("learned_relative_table")).source
-    assert "clamp_index" in learned[learned.index("fvp_bias["):].split(";")[0]
+    read = learned[learned.index("fvp_bias["):].split(";")[0]
+    # the user's clamp(q - kv, 0, max_distance) and the bounds clamp as one: the head clamped, the distance once
+    assert read.count("clamp_index") == 1 and "fvsize1_bias - 1 < fvp_max_distance" in read, read
+
+
+def test_one_clamp_equals_the_users_then_the_bounds():
+    """min(max(x, 0), max(min(hi, size - 1), 0)), the emitted single clamp, equals the bounds clamp of the user's
+    clamp to [0, hi] for every x, hi and size (hi below 0 or past the table included)."""
+    from fivar.codegen.cuda import _clamped_from_zero
+    from fivar.spec import ir
+    x, hi = ir.Index(ir.I32, "kv_idx"), ir.ScalarParam(ir.I32, "r")
+    zero = ir.Const(ir.I32, 0)
+    for inner in (ir.Call(ir.I32, "maximum", (x, zero)), ir.Call(ir.I32, "maximum", (zero, x))):
+        for outer in (ir.Call(ir.I32, "minimum", (inner, hi)), ir.Call(ir.I32, "minimum", (hi, inner))):
+            assert _clamped_from_zero(outer) == (x, hi)
+    assert _clamped_from_zero(ir.Call(ir.I32, "minimum", (ir.Call(ir.I32, "maximum", (x, ir.Const(ir.I32, 1))),
+                                                            hi))) is None  # from 1: not this rule
+    assert _clamped_from_zero(ir.Call(ir.I32, "minimum", (ir.Call(ir.I32, "maximum", (x, zero)), x))) is None
+    g = torch.Generator().manual_seed(3)
+    xs, his = torch.randint(-50, 50, (4000,), generator=g), torch.randint(-10, 60, (4000,), generator=g)
+    sizes = torch.randint(1, 40, (4000,), generator=g)
+    want = torch.minimum(torch.maximum(xs, torch.zeros_like(xs)), his).clamp(min=0)
+    want = torch.minimum(want, sizes - 1)
+    bound = torch.where(sizes - 1 < his, sizes - 1, his).clamp(min=0)
+    got = torch.minimum(xs.clamp(min=0), bound)
+    assert torch.equal(got, want)
 
 
 def test_tables_reach_past_the_call_by_the_pad():
