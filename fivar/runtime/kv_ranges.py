@@ -663,14 +663,19 @@ class KvRangePrefill:
             n_kv, heads = k.shape[:2]  # head-major row r is token r % n_kv of head r // n_kv
             r = torch.arange(n_kv * heads, device=k.device)
             self._kv_rows = (r % n_kv) * heads + r // n_kv
-        k, v = (x.reshape(-1, 1, x.shape[-1]).index_select(0, self._kv_rows) for x in (k, v))
-        rows = q.reshape(-1, 1, q.shape[-1])
+        from ..triton_ops.rows import gather_rows, scatter_rows
+        d = q.shape[-1]
+        k, v = (gather_rows(x.reshape(-1, d), self._kv_rows).view(-1, 1, d) for x in (k, v))
+        rows = q.reshape(-1, d)
         out = torch.empty_like(rows)
-        lse = torch.empty(rows.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        lse = torch.empty(rows.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
         for launch in self._launches:
-            result = launch.wrapper.run(rows.index_select(0, launch.gather), k, v, *launch.args,
+            result = launch.wrapper.run(gather_rows(rows, launch.gather).view(-1, 1, d), k, v, *launch.args,
                                         return_lse=return_lse)
-            write_rows((out, lse) if return_lse else out, launch.to_out[1], result, return_lse)
+            o, s = result if return_lse else (result, None)
+            scatter_rows(out, launch.to_out[1], o.view(-1, d))
+            if return_lse:
+                lse.index_copy_(0, launch.to_out[1], s.view(-1))
         out = out.view(q.shape)
         return (out, lse.view(q.shape[:2])) if return_lse else out
 
