@@ -80,7 +80,6 @@ def _fa3_line(v) -> str:
 
 
 def _fa2_line(v) -> str:
-    band = v.kv_band
     if v.ir.mask is None:
         return "fa2 prefill: causal only skips tiles (no mask)"
     if v.scans_mask:

@@ -512,6 +512,23 @@ def test_split_runs_merged_equal_the_reference(monkeypatch, causal):
     assert mixed or not causal, "a launch over rows of q and first runs both"
 
 
+def _planned_on_fakes(monkeypatch, variant, params, qo_indptr, kv_indptr, causal):
+    """KvRangePrefill of a batch of 3 (4/2 heads, sm_scale 0.25) on the FA3 stand-in: the plan and the stand-in
+    wrappers it made, in order."""
+    from fivar.runtime import kv_ranges
+    made = []
+
+    def wrapper(fmod, device):
+        made.append(_FakeFA3RaggedWrapper(variant, fmod.row_runs, fmod.mask_free, fmod.sliding_window,
+                                          fmod.head_requests))
+        return made[-1]
+    monkeypatch.setattr(kv_ranges, "_fa3_wrapper", wrapper)
+    bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
+    plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
+                                    dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
+    return plan, made
+
+
 def _documents(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return params.docs[batch, q_idx] == params.docs[batch, kv_idx]
 
@@ -548,16 +565,7 @@ def test_blocks_inside_a_document_run_mask_free(monkeypatch, causal):
     merged = False
     for variant, params in ((documents, {"docs": docs}), (chunks, {"chunk": 300}),
                             (documents, {"docs": interleaved}), (biased, {"docs": docs, "slope": 0.03})):
-        made = []
-
-        def wrapper(fmod, device, var=variant):
-            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free, fmod.sliding_window,
-                                              fmod.head_requests))
-            return made[-1]
-        monkeypatch.setattr(kv_ranges, "_fa3_wrapper", wrapper)
-        bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
-        plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
-                                        dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
+        plan, made = _planned_on_fakes(monkeypatch, variant, params, qo_indptr, kv_indptr, causal)
         segments = causal and params.get("docs") is not interleaved
         assert (plan.segments is not None) == segments, variant.name
         if segments:  # a request per document (chunk) that has rows, in FA3's causal mode with no mask
@@ -595,7 +603,6 @@ def test_head_requests_read_each_heads_own_keys(monkeypatch, causal):
     per (head, request) over head-major q/k/v, each reading its own head's keys, the struct given the heads and the
     request of the batch; output and LSE are the reference's. A window per head with a per-head logits term checks
     that the struct sees the right heads."""
-    from fivar.runtime import kv_ranges
     gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 9, [300, 5, 200], [420, 5, 260])
     windowed = AttentionVariant(name="kvr_head_window", mask=_head_window, logits=_head_window_biased,
                                 params={"windows": Tensor("int32", ("qo_head",)),
@@ -606,16 +613,7 @@ def test_head_requests_read_each_heads_own_keys(monkeypatch, causal):
                          "slope": torch.tensor([0.02, -0.01, 0.05, 0.0])}),
              (chunked, {"chunks": torch.tensor([64, 1 << 20, 100, 48], dtype=torch.int32)})]
     for variant, params in cases:
-        made = []
-
-        def wrapper(fmod, device, var=variant):
-            made.append(_FakeFA3RaggedWrapper(var, fmod.row_runs, fmod.mask_free, fmod.sliding_window,
-                                              fmod.head_requests))
-            return made[-1]
-        monkeypatch.setattr(kv_ranges, "_fa3_wrapper", wrapper)
-        bound = bind_params(variant, params, num_qo_heads=4, num_kv_heads=2, batch_size=3, device="cpu")
-        plan = kv_ranges.KvRangePrefill(variant, qo_indptr, kv_indptr, num_qo_heads=4, num_kv_heads=2, head_dim=128,
-                                        dtype=torch.float16, causal=causal, bound=bound, sm_scale=0.25, device="cpu")
+        plan, made = _planned_on_fakes(monkeypatch, variant, params, qo_indptr, kv_indptr, causal)
         assert plan.heads is not None and made and all(w.head_requests for w in made), variant.name
         assert (plan.segments is not None) == (causal and variant is chunked), variant.name
         out, lse = plan.run(q, k, v, return_lse=True)

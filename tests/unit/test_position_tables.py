@@ -2,7 +2,6 @@
 the pass takes, that a table read equals the term it replaces, and the Triton twin with tables against the
 reference (which never uses them)."""
 import importlib.util
-import math
 import os
 import shutil
 from pathlib import Path
