@@ -503,6 +503,9 @@ class KvRangePrefill:
         if self.heads is not None:
             to_requests = lambda x: x.transpose(0, 1).reshape(-1, 1, *x.shape[2:])  # noqa: E731  [H*B, 1, ...]
             ranges, runs = to_requests(ranges), to_requests(runs).contiguous()
+            # head-major row r of k/v is token r % n_kv of KV head r // n_kv (made here: a CUDA graph may capture run)
+            n_kv, r = int(kv_h[-1]), torch.arange(int(kv_h[-1]) * num_kv_heads, device=device)
+            self._kv_rows = (r % max(n_kv, 1)) * num_kv_heads + r // max(n_kv, 1)
             qo_h, kv_h = self.heads.qo_indptr, self.heads.kv_indptr
             num_qo_heads = num_kv_heads = 1
         self.segments = None  # the segments form: how many requests it runs
@@ -659,10 +662,6 @@ class KvRangePrefill:
             return self._run_rows(q, k, v, return_lse)
         # the head-requests form: each launch gathers its rows (a token of a head each) from q viewed a head a row
         # and writes them back there; k and v head-major
-        if self._kv_rows is None or self._kv_rows.numel() != k.shape[0] * k.shape[1]:
-            n_kv, heads = k.shape[:2]  # head-major row r is token r % n_kv of head r // n_kv
-            r = torch.arange(n_kv * heads, device=k.device)
-            self._kv_rows = (r % n_kv) * heads + r // n_kv
         from ..triton_ops.rows import gather_rows, scatter_rows
         d = q.shape[-1]
         k, v = (gather_rows(x.reshape(-1, d), self._kv_rows).view(-1, 1, d) for x in (k, v))

@@ -597,13 +597,15 @@ def _head_chunks(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return q_idx // params.chunks[qo_head] == kv_idx // params.chunks[qo_head]
 
 
+@pytest.mark.parametrize("lens", [([300, 5, 200], [420, 5, 260]), ([250, 0, 190], [250, 40, 300])],
+                         ids=["ragged", "a request of no rows"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_head_requests_read_each_heads_own_keys(monkeypatch, causal):
+def test_head_requests_read_each_heads_own_keys(monkeypatch, causal, lens):
     """A mask keeping different keys per head (a window per head, one head global; chunks per head): a request
     per (head, request) over head-major q/k/v, each reading its own head's keys, the struct given the heads and the
     request of the batch; output and LSE are the reference's. A window per head with a per-head logits term checks
     that the struct sees the right heads."""
-    gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 9, [300, 5, 200], [420, 5, 260])
+    gen, qo_indptr, kv_indptr, q, k, v = _fake_fa3_batch(monkeypatch, 9, *lens)
     windowed = AttentionVariant(name="kvr_head_window", mask=_head_window, logits=_head_window_biased,
                                 params={"windows": Tensor("int32", ("qo_head",)),
                                         "slope": Tensor("float32", ("qo_head",))})
