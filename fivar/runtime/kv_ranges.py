@@ -28,6 +28,13 @@ whose page list is the run of its request's pages from the one holding its first
 key is page-aligned, and `fv_blocks` says so) to the one holding its last; pages may be shared by blocks, so no
 KV-starts plan is needed there. A batch whose mask drops no page keeps a request per request.
 
+Two shapes of mask skip most of that. Called causally, a batch the mask cuts into segments (documents, chunks:
+every row keeps exactly the keys from its segment's first key to itself) runs a request of FA3's causal mode per
+segment with the mask-free struct (fivar.runtime.segments), as stock FlashInfer runs packed documents. And a mask
+keeping different keys per head (a window per head) would make every block read the union of its heads' keys, so
+where the heads' own ranges read far fewer keys the batch becomes a request per (head, request) over head-major
+rows (`head_requests`), and the whole lowering above runs on those.
+
 FlashInfer's own BlockSparseAttentionWrapper maps a block-sparse mask onto batch prefill the same way
 (one request per block row). Planning costs one pre-pass and one device->host copy; `plan_ragged` does it
 once per batch layout, as FlashInfer's wrappers do.
