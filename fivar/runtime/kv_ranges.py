@@ -407,7 +407,7 @@ def mask_free_requests(runs: torch.Tensor, layout: KvRangeLayout, qo_indptr: tor
 
 
 #: The head-requests form runs when its blocks read at most this share of the keys the blocks of all heads together
-#: read: it pays head-major copies of q, k, v and the output (about 80 us at S=8192, 32/8 heads, on an H200).
+#: read: it pays moves of q's rows, the output's and k/v's (about 90 us at S=8192, 32/8 heads, on an H200).
 HEAD_REQUESTS_GAIN = 0.75
 
 
