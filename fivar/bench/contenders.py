@@ -167,9 +167,9 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
 def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO,
                fivar: bool = True) -> list[Contender]:
     """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa, plain: stock FlashInfer with no variant,
-    for a variant with a position-only logits term; decode: call, the one-shot `variant.decode`). `stock`: the stock equivalent (a Stock), None for none, AUTO for
-    the bundled mapping (else plain attention, checked as plain attention: a speed yardstick only). `fivar` False:
-    the others only (the stock warm-up of fivar.bench.runner)."""
+    for a variant with a position-only logits term; decode: call, the one-shot `variant.decode`). `stock`: the stock
+    equivalent (a Stock), None for none, AUTO for the bundled mapping (else plain attention, checked as plain
+    attention: a speed yardstick only). `fivar` False: the others only (the stock warm-up of fivar.bench.runner)."""
     t, prm = p.tensors, p.params
     out: list[Contender] = []
     if p.op == "prefill":

@@ -121,8 +121,9 @@ class CppEmitter:
             # a position table holds every distance a kernel reads (positions.TABLE_PAD): unclamped, its read is
             # one load at an immediate offset from a per-tile base, not two min/max and an address per score
             unchecked = positions.is_table(e.param)
+            size = lambda d: self.param_ref(self.ident(size_ident(e.param, d)))  # noqa: E731
             offset = " + ".join(
-                (self.expr(i) if unchecked else self.clamped_index(i, self.param_ref(self.ident(size_ident(e.param, d)))))
+                (self.expr(i) if unchecked else self.clamped_index(i, size(d)))
                 + (f" * {self.param_ref(self.ident(stride_ident(e.param, d)))}" if d < p.ndim - 1 else "")
                 for d, i in enumerate(e.indices))
             return f"{CTYPE[e.type]}({self.param_ref(self.ident(param_ident(e.param)))}[{offset}])"

@@ -116,6 +116,8 @@ def sink_members_and_body(variant, param_ref, emit: CppEmitter,
 #: kernel neither reads nor writes it); `window_left` >= 0: the kernel's window for this request (it masks the KV
 #: tiles left of the rows' diagonal less window_left, skips those left of the first row's).
 KV_SEGMENTS, KV_SEGMENT_FIELDS = "fv_kv_segments", 9
+#: KV_SEGMENTS' `seg` past every local key: all of them in the first run (one shift for every key).
+NO_SECOND_RUN = 1 << 30
 
 
 def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",

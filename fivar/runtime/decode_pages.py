@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codegen.fa2 import NO_SECOND_RUN
 from ..spec.sparsity import EMPTY, FULL
 
-_NO_SECOND_RUN = 1 << 30  # seg past every local key: all of them in the first run
 MIN_CTA_TILE_KV = 16  # FlashInfer's FA2 KV tile: NUM_MMA_KV x 16 keys
 
 
@@ -77,7 +77,7 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
     kv_len = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last, torch.zeros_like(last))
     local_len = (new_n - 1).clamp(min=0) * page_size + new_last
     first_len = (a1 - a0).clamp(min=0) * page_size
-    seg = torch.where(has_b, first_len, torch.full_like(first_len, _NO_SECOND_RUN))
+    seg = torch.where(has_b, first_len, torch.full_like(first_len, NO_SECOND_RUN))
     shift_a = torch.where(new_n > 0, a0 * page_size, torch.zeros_like(a0))
     shift_b = torch.where(has_b, b0 * page_size - first_len, torch.zeros_like(b0))
     zero = torch.zeros_like(seg)

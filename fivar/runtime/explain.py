@@ -66,10 +66,9 @@ def _fa3_line(v) -> str:
                    "window (window_left = the width the most rows need, read off the pre-pass's runs)"
                    if fa3.may_keep_windows(v) else "")
                 + ("; the mask reads the head, so where the heads keep different keys (a window per head) and the "
-                   f"blocks of each head read at most {HEAD_REQUESTS_GAIN:.0%} of their union's keys, single and ragged "
-                   "prefill run a "
-                   "request per (head, request) over head-major copies of q, k and v, each head over its own keys"
-                   if fa3.mask_reads_head(v) else ""))
+                   f"blocks of each head read at most {HEAD_REQUESTS_GAIN:.0%} of their union's keys, single and "
+                   "ragged prefill run a request per (head, request) over q, k and v read a head a row, each head "
+                   "over its own keys" if fa3.mask_reads_head(v) else ""))
     if fa3.runs_as_window(v):
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codegen.fa2 import NO_SECOND_RUN
 from ..spec.sparsity import FULL, BlockRanges, classify, classify_bounds
 from .rows import concat_ranges, indptr
 
 #: KV block of the analysis for ragged K/V (read as pages): finer finds more empty keys, costs more planning.
 RAGGED_KV_BLOCK = 64
-_NO_SECOND_RUN = 1 << 30
 
 
 def block_rows(group: int, head_dim: int) -> int:
@@ -130,7 +130,7 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
                 q_rows.append(int(qo_h[b]) + r0)
                 kv_counts.append(0)
                 lasts.append(0)
-                segs.append((_NO_SECOND_RUN, 0, 0, 0, b, 0, 0, 0, -1))
+                segs.append((NO_SECOND_RUN, 0, 0, 0, b, 0, 0, 0, -1))
                 causal_mode.append(False)
             continue
         kinds = classify(mask, qo_len=qo_len, kv_len=kv_len, q_block=rows, kv_block=kv_block, scalars=scalars,
@@ -148,7 +148,7 @@ def block_layout(mask, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, pages: li
             if end is not None:  # the kCausal launch: the block's keys end at its last row's diagonal
                 runs = [(runs[0][0], -(-end // page_size))]
             # the struct's key segments: local keys below `seg` are run A's (kv = local + shift_a), the rest run B's
-            seg, shift_a, shift_b = _NO_SECOND_RUN, runs[0][0] * page_size, 0
+            seg, shift_a, shift_b = NO_SECOND_RUN, runs[0][0] * page_size, 0
             if len(runs) == 2:
                 seg = (runs[0][1] - runs[0][0]) * page_size  # run A ends before the last page: whole pages
                 shift_b = runs[1][0] * page_size - seg

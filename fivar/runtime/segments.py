@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-_NO_SECOND_RUN = 1 << 30  # KV_SEGMENTS' seg past every local key: all of them in the first run
+from ..codegen.fa2 import NO_SECOND_RUN
+
 
 
 @dataclass
@@ -30,7 +31,7 @@ class SegmentLayout:
         n = self.batch.numel()
         no_rows = self.qo_indptr.diff() == 0
         lo, zero = self.first_key, torch.zeros(n, dtype=torch.long)
-        return torch.stack([torch.full((n,), _NO_SECOND_RUN), lo, zero, lo, self.batch, zero,
+        return torch.stack([torch.full((n,), NO_SECOND_RUN), lo, zero, lo, self.batch, zero,
                             self.kv_indptr.diff().long(), no_rows.long(), torch.full((n,), -1)], 1).to(torch.int32)
 
     def with_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
