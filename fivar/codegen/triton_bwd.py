@@ -122,7 +122,8 @@ def render_training(variant) -> str:
                       functions=fns, prologue=prologue, row_prologue=row_prologue,
                       kernel_args=[a.name for a in emit.args], variant_args=emit.variant_args(),
                       unspecialized=emit.unspecialized(), reads=reads,
-                      band_left=band.left is not None, band_right=band.right is not None, prescan=variant.scans_mask,
+                      band_left=band.left is not None, band_right=band.right is not None, band_exact=band.exact,
+                      prescan=variant.scans_mask,
                       has_mask=emit.lowered.mask is not None)
     return forward + "\n\n" + backward
 

@@ -19,6 +19,8 @@ from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..spec.live import variant_by_key
 from .params import BoundParams
+from .plan_cache import PlanCache
+
 
 def _bound(variant, tensors: list, scalars: list) -> BoundParams:
     tnames, snames = list(variant.tensor_params), list(variant.scalar_params)
@@ -37,7 +39,8 @@ def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                   tensors: list[torch.Tensor], scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     var = variant_by_key(variant)
     with _per_element():
-        return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, sm_scale, tensors, scalars)
+        return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
+                        scalars)
 
 
 def _per_element():
@@ -47,13 +50,47 @@ def _per_element():
     return override(position_tables="off")
 
 
-def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, sm_scale, tensors, scalars):
+class _KeptRanges:
+    """The mask pre-pass's ranges of one batch layout and params (mask_ranges), and their transpose for the dK/dV
+    programs (rows_of_keys), made when first needed."""
+
+    def __init__(self, module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, num_qo_heads, group, args):
+        self.ranges = module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args)
+        self._module, self._max_kv_len, self._key_rows = module, max_kv_len, None
+
+    @property
+    def key_rows(self):
+        if self._key_rows is None:
+            self._key_rows = self._module.rows_of_keys(self.ranges, self._max_kv_len)
+        return self._key_rows
+
+
+#: The pre-pass's ranges, kept between the forward and the backward of a step and across steps with the same batch
+#: layout and params (fivar.runtime.plan_cache: tensors by identity and version, so a document-id table written in
+#: place is scanned again): the mask pre-pass and its transpose otherwise ran twice a step.
+_kept = PlanCache(capacity=8)
+
+
+def _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars, args):
+    """_KeptRanges for this call, or None when the variant's mask needs no pre-pass."""
+    if not hasattr(module, "mask_ranges"):
+        return None
+    parts = (var.key, sm_scale, tensors, scalars, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
+             k.shape[1], q.device)
+    return _kept.get(parts, lambda: _KeptRanges(module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
+                                                q.shape[1] // k.shape[1], args))
+
+
+def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars):
     args = kernel_arg_values(var, _bound(var, tensors, scalars), sm_scale)
+    module = _module(var)
+    kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars, args)
+    ranges = kept.ranges if kept is not None else None
     # every row belongs to a request (the indptrs were checked), so softmax's kernel writes each one
     if not var.softmax:  # no softmax, no log-sum-exp: the backward reads nothing of it
-        o = _module(var).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args)
+        o = module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, ranges=ranges)
         return o, torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    return _module(var).prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse=True)
+    return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse=True, ranges=ranges)
 
 
 @attention_fwd.register_fake
@@ -73,8 +110,12 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
     grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
              for n in learnable_params(var)}
     with _per_element():
-        dq, dk, dv = _module(var).backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal,
-                                           kernel_arg_values(var, bound, sm_scale), grads)
+        module, args = _module(var), kernel_arg_values(var, bound, sm_scale)
+        kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars,
+                       args)
+        dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
+                                     grads, **({} if kept is None else {"ranges": kept.ranges,
+                                                                          "key_rows": kept.key_rows}))
     return dq, dk, dv, list(grads.values())
 
 

@@ -28,29 +28,50 @@ class Hashed(tuple):
     """A tuple of hashable values that value_key keeps as it is (no walk through its items)."""
 
 
-_AS_THEY_ARE = (Hashed, str, type(None), torch.dtype, torch.device, torch.Size)  # hashable, equal only to their kind
-_SCALARS = frozenset((int, float, bool))  # exactly these types: kept with their type (1, 1.0 and True stay apart)
+def _same(x):
+    return x
+
+
+def _typed(x):
+    return (type(x), x)
+
+
+def _tuple(x):
+    return ("tuple",) + tuple(map(value_key, x))
+
+
+def _list(x):
+    return ("list",) + tuple(map(value_key, x))
+
+
+def _dict(x):
+    return ("dict",) + tuple(sorted((k, value_key(v)) for k, v in x.items())) if x else ("dict",)
+
+
+#: How each type is keyed, found by one dict lookup of the exact type: value_key runs on every one-shot call, where
+#: a chain of isinstance tests over a call's dozen arguments cost as much as the rest of the call's checks.
+#: Hashed, str, None, dtype, device, Size: hashable and equal only to their kind, kept as they are; int, float and
+#: bool with their type (1, 1.0 and True stay apart).
+_KEY_OF = {torch.Tensor: tensor_key, Hashed: _same, str: _same, type(None): _same, torch.dtype: _same, torch.device: _same, torch.Size: _same,
+           int: _typed, float: _typed, bool: _typed, tuple: _tuple, list: _list, dict: _dict}
+
+
+def _key_of_type(kind: type):
+    """The keyer of a type not in _KEY_OF (a subclass, a variant object): found once, then kept there."""
+    if issubclass(kind, torch.Tensor):
+        f = tensor_key
+    else:
+        f = next((_KEY_OF[base] for base in kind.__mro__[1:] if base in _KEY_OF and base not in (int, float, bool)),
+                 _typed)
+    _KEY_OF[kind] = f
+    return f
 
 
 def value_key(x) -> tuple | object:
     """A hashable key of a call argument: a tensor by identity and version, containers item by item, numbers with
-    their type (1, 1.0 and True stay apart). Built on every one-shot call, so kept cheap (no string formatting)."""
-    kind = type(x)
-    if kind in _SCALARS:
-        return (kind, x)
-    if kind is torch.Tensor or isinstance(x, torch.Tensor):
-        return tensor_key(x)
-    if isinstance(x, _AS_THEY_ARE):
-        return x
-    if kind is dict and not x:
-        return ("dict",)
-    if isinstance(x, tuple):
-        return ("tuple",) + tuple(map(value_key, x))
-    if isinstance(x, dict):
-        return ("dict",) + tuple(sorted((k, value_key(v)) for k, v in x.items()))
-    if isinstance(x, list):
-        return ("list",) + tuple(map(value_key, x))
-    return (type(x), x)
+    their type (1, 1.0 and True stay apart); anything else as (its type, itself)."""
+    f = _KEY_OF.get(type(x))
+    return (f or _key_of_type(type(x)))(x)
 
 
 def _tensors(x):

@@ -58,6 +58,63 @@ def test_bundled_ragged(name):
     _check(learnable_copy(fivar.load(name)), [5, 1, 20], [19, 7, 17], 4, 2, 16, True)
 
 
+def _documents(lengths):
+    return {"doc_ids": torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                               torch.tensor(lengths))[None]}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["document_mask", "sliding_window", "softcap"])
+def test_full_and_edge_tiles(name, causal):
+    """Lengths of several 16-wide tiles, documents and a window off the tile edges: each program runs full tiles
+    (no bounds, causal or mask test) and edge tiles on both sides of them, in dQ and in dK/dV."""
+    v = learnable_copy(fivar.load(name))
+    qo_len, kv_len = 83, 101
+    q, k, vv = _qkv(qo_len, kv_len, 4, 2, 16)
+    params = _params(v, 4, 2, 1, kv_len)
+    if name == "document_mask":
+        params = _documents([37, 5, 50, 9])
+    elif name == "sliding_window":
+        params["window"] = 41
+    r = check_gradients(v, q, k, vv, qo_lens=[qo_len], kv_lens=[kv_len], causal=causal, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
+def _head_band_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    # a band per head, known only from the data: the pre-pass finds it, and each 16 rows keep a different full range
+    return q_idx - kv_idx < params.left[qo_head] and kv_idx - q_idx < params.right
+
+
+HEAD_BAND = AttentionVariant(name="head_band", mask=_head_band_mask, params={
+    "left": Tensor("int32", ("qo_head",)), "right": Scalar(int, default=8)})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_tiles_from_the_pre_pass(causal):
+    """A mask the pre-pass reads (a band per head): a block's full keys are where every one of its row groups keeps
+    all of them, and a key block's full rows where every one of its key groups is kept whole."""
+    assert HEAD_BAND.scans_mask
+    q, k, vv = _qkv(90, 97, 4, 2, 16)
+    params = {"left": torch.tensor([70, 45, 33, 100], dtype=torch.int32), "right": 29}
+    r = check_gradients(HEAD_BAND, q, k, vv, qo_lens=[90], kv_lens=[97], causal=causal, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
+def test_pre_pass_kept_for_the_backward_and_redone_after_an_in_place_write():
+    """One mask pre-pass a step: the backward reuses the forward's ranges. Document ids rewritten in place are
+    scanned again (stale ranges would drop or keep the wrong keys: the gradients would not match)."""
+    from fivar.runtime import autograd
+    v = fivar.load("document_mask")
+    q, k, vv = _qkv(70, 70, 2, 1, 16)
+    params = _documents([30, 22, 18])
+    for lengths in ([30, 22, 18], [9, 50, 11]):
+        params["doc_ids"].copy_(_documents(lengths)["doc_ids"])
+        misses, hits = autograd._kept.misses, autograd._kept.hits
+        r = check_gradients(v, q, k, vv, qo_lens=[70], kv_lens=[70], causal=True, params=params, dtype=DTYPE)
+        assert r.passed, (lengths, r)
+        assert (autograd._kept.misses - misses, autograd._kept.hits - hits) == (1, 1)
+
+
 # --- a variant with every kind of learnable read: per program, per query row, per element ----------------------
 def _reads_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     r = params.radius
@@ -99,23 +156,39 @@ def test_scattered_learnable_reads():
 
 
 def test_rows_of_keys_is_the_transpose_of_the_ranges():
-    """For each 16 keys, the rows of the 16-row groups whose [lo, hi) reaches them, first to last: against a brute
-    force over random ranges (empty ones included), one key group a slice or all at once."""
+    """For each 16 keys, the rows of the 16-row groups whose [lo, hi) reaches them, first to last, and the rows of
+    the groups whose [full_lo, full_hi) covers all 16 when those groups are one run: against a brute force over
+    random ranges (empty ones included), one key group a slice or all at once."""
     from fivar.jit.triton_module import load_triton_module
     module = load_triton_module(fivar.load("document_mask"), training=True)
     gen = torch.Generator().manual_seed(3)
-    lo = torch.randint(0, 300, (2, 3, 11), generator=gen)
-    hi = lo + torch.randint(-40, 120, (2, 3, 11), generator=gen)  # hi <= lo: the group keeps nothing
-    ranges = torch.zeros(2, 3, 11, 6, dtype=torch.int32)
-    ranges[..., 0], ranges[..., 1] = lo.to(torch.int32), hi.to(torch.int32)
-    for pairs in (1, 264, 1 << 22):  # a key group a slice, four (the last one short), all
-        got = module.rows_of_keys(ranges, 400, pairs=pairs)
-        for b in range(2):
-            for h in range(3):
-                for j in range(25):  # ceil(400 / 16)
-                    reach = [g for g in range(11) if lo[b, h, g] < 16 * j + 16 and hi[b, h, g] > 16 * j]
-                    want = [16 * min(reach), 16 * (max(reach) + 1)] if reach else [16 * 11, 0]
-                    assert got[b, h, j].tolist() == want, (pairs, b, h, j)
+    runs = 0
+    for trial in range(4):
+        lo = torch.randint(0, 300, (2, 3, 11), generator=gen)
+        hi = lo + torch.randint(-40, 120, (2, 3, 11), generator=gen)  # hi <= lo: the group keeps nothing
+        # full ranges inside [lo, hi), some empty; nested runs so that covering groups are often, not always, one run
+        full_lo = lo + torch.randint(0, 30, (2, 3, 11), generator=gen)
+        full_hi = torch.minimum(hi, full_lo + torch.randint(-10, 90, (2, 3, 11), generator=gen))
+        if trial % 2:  # a shared full range, as documents give: long runs of covering groups
+            full_hi[..., 1:9] = full_lo[..., 1:9]  # and, around it, groups covering no key
+            full_lo[..., 2:8], full_hi[..., 2:8], lo[..., 2:8], hi[..., 2:8] = 100, 260, 90, 270
+        ranges = torch.zeros(2, 3, 11, 6, dtype=torch.int32)
+        for i, x in enumerate((lo, hi, full_lo, full_hi)):
+            ranges[..., i] = x.to(torch.int32)
+        for pairs in (1, 264, 1 << 22):  # a key group a slice, four (the last one short), all
+            got = module.rows_of_keys(ranges, 400, pairs=pairs)
+            for b in range(2):
+                for h in range(3):
+                    for j in range(25):  # ceil(400 / 16)
+                        keys = (16 * j, 16 * j + 16)
+                        reach = [g for g in range(11) if lo[b, h, g] < keys[1] and hi[b, h, g] > keys[0]]
+                        want = [16 * min(reach), 16 * (max(reach) + 1)] if reach else [16 * 11, 0]
+                        full = [g for g in reach if full_lo[b, h, g] <= keys[0] and full_hi[b, h, g] >= keys[1]]
+                        one_run = bool(full) and full == list(range(full[0], full[-1] + 1))
+                        runs += one_run and len(full) > 1
+                        want += [16 * full[0], 16 * (full[-1] + 1)] if one_run else [0, 0]
+                        assert got[b, h, j].tolist() == want, (trial, pairs, b, h, j)
+    assert runs, "no key group had a run of covering groups: the draw tests nothing"
 
 
 def test_bench_train_rows():
