@@ -56,13 +56,15 @@ class _KeptRanges:
 
     def __init__(self, module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, num_qo_heads, group, args):
         self.ranges = module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args)
-        self._module, self._max_kv_len, self._key_rows = module, max_kv_len, None
+        self._module, self._key_rows, self._orders = module, None, None
+        self._shape = (qo_indptr.numel() - 1, num_qo_heads, num_qo_heads // group, max_qo_len, max_kv_len)
 
-    @property
-    def key_rows(self):
+    def backward_args(self) -> dict:
+        """The backward's ranges, their transpose and the programs' order buffers (written once per block shape)."""
         if self._key_rows is None:
-            self._key_rows = self._module.rows_of_keys(self.ranges, self._max_kv_len)
-        return self._key_rows
+            self._key_rows = self._module.rows_of_keys(self.ranges, self._shape[-1])
+            self._orders = self._module.order_buffers(*self._shape, self.ranges.device)
+        return {"ranges": self.ranges, "key_rows": self._key_rows, "orders": self._orders}
 
 
 #: The pre-pass's ranges, kept between the forward and the backward of a step and across steps with the same batch
@@ -114,8 +116,7 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
         kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars,
                        args)
         dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
-                                     grads, **({} if kept is None else {"ranges": kept.ranges,
-                                                                          "key_rows": kept.key_rows}))
+                                     grads, **({} if kept is None else kept.backward_args()))
     return dq, dk, dv, list(grads.values())
 
 
