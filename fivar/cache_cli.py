@@ -732,9 +732,12 @@ def clear(wipe_records, yes, as_json):
 @arch_option
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--variant", "variants", multiple=True, help="only these variants (repeatable)")
+@click.option("--include-stale", is_flag=True, help="also pack modules whose variant now renders another URI")
 @click.option("--json", "as_json", is_flag=True)
-def export_cmd(file, variants, as_json):
-    """Pack this toolchain's modules (.so, manifest, generated sources) into one .tar.gz."""
+def export_cmd(file, variants, include_stale, as_json):
+    """Pack this toolchain's current modules (.so, manifest, generated sources) into one .tar.gz. A module whose
+    variant was edited since it was built (it now renders another URI, so nothing loads it) stays out unless
+    --include-stale."""
     if not Path(file).parent.is_dir() or not os.access(Path(file).parent, os.W_OK):
         raise FivarError(f"cannot export to {file}: {Path(file).parent} is not a writable directory")
     tc = current_toolchain()
@@ -742,7 +745,7 @@ def export_cmd(file, variants, as_json):
         raise FivarError(f"cannot tell the current arch/nvcc: {ARCH_HINT}, and CUDA_HOME")
     from flashinfer.jit import env as jit_env
     jit_dir = jit_env.FLASHINFER_JIT_DIR
-    packed, skipped = [], []
+    packed, skipped, stale, rendered = [], [], [], {}
     for e in scan_entries():
         man = e.manifest or {}
         if e.build_dir.parent != jit_dir or any(man.get(k) != tc[k] for k in ("arch", "flashinfer", "nvcc")):
@@ -755,11 +758,17 @@ def export_cmd(file, variants, as_json):
         if problems:
             skipped.append({"uri": e.uri, "problems": problems})
             continue
+        if not include_stale:
+            is_stale, reasons = staleness(e, tc, rendered)
+            if is_stale:  # None (its variant file cannot be found): undecided, packed
+                stale.append({"uri": e.uri, "reasons": reasons})
+                continue
         packed.append(e)
     if not packed:
         which = f" of variant(s) {', '.join(sorted(variants))}" if variants else ""
-        raise FivarError(f"nothing to export: no valid fivar module{which} for arch {tc['arch']}, flashinfer "
-                         f"{tc['flashinfer']}, nvcc {tc['nvcc']} in {jit_dir}")
+        raise FivarError(f"nothing to export: no valid{'' if include_stale else ', current'} fivar module{which} for "
+                         f"arch {tc['arch']}, flashinfer {tc['flashinfer']}, nvcc {tc['nvcc']} in {jit_dir}"
+                         + (f" ({len(stale)} stale: --include-stale packs them)" if stale else ""))
     import torch
     meta = {"format": EXPORT_FORMAT, **tc, "torch": torch.__version__, "host": socket.gethostname(),
             "created": time.time(),
@@ -781,11 +790,13 @@ def export_cmd(file, variants, as_json):
     replaced = Path(file).exists()
     os.replace(tmp, file)
     data = {"file": str(file), "replaced": replaced, "modules": [e.uri for e in packed], "skipped": skipped,
+            "stale": stale,
             "bytes": os.path.getsize(file), **{k: tc[k] for k in ("arch", "flashinfer", "nvcc")}}
     _out(as_json, data, lambda: console.print(
         f"exported {len(packed)} module(s) to {file}{' (replacing the file that was there)' if replaced else ''} "
         f"({human_size(data['bytes'])}; arch {tc['arch']}, flashinfer {tc['flashinfer']}, nvcc {tc['nvcc']})"
-        + (f"; skipped {len(skipped)} invalid" if skipped else ""), highlight=False))
+        + (f"; skipped {len(skipped)} invalid" if skipped else "")
+        + (f"; left out {len(stale)} stale (--include-stale packs them)" if stale else ""), highlight=False))
 
 
 def read_export_meta(tar: tarfile.TarFile, file) -> dict:

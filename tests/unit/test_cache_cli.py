@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -428,6 +429,24 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch)
         assert m.build() == "disk"  # the imported module is a hit: no compile
         assert all((m.gen_dir / n).read_text() == t for n, t in m.sources.items())
     assert sorted(as_json("cache", "import", str(out))["already_present"]) == sorted(shas)
+
+    # edit the variant: both modules are stale (nothing loads them), so they stay out unless asked for
+    vfile.write_text(VARIANT.replace("20.0", "25.0"))
+    r = invoke("cache", "export", str(tmp_path / "none.tar.gz"))
+    assert r.exit_code != 0 and "2 stale: --include-stale packs them" in r.output
+    assert not (tmp_path / "none.tar.gz").exists()
+    ex = as_json("cache", "export", str(tmp_path / "all.tar.gz"), "--include-stale")
+    assert sorted(ex["modules"]) == sorted(shas) and ex["stale"] == []
+    from fivar import registry
+    registry._loaded.pop(vfile.resolve(), None)  # this process loaded the file before the edit
+    fresh = fake_built(module(vfile, "bf16", 128))  # the edited variant's own module
+    ex = as_json("cache", "export", str(tmp_path / "fresh.tar.gz"))
+    assert ex["modules"] == [fresh.uri] and sorted(s["uri"] for s in ex["stale"]) == sorted(shas)
+    assert all("was edited" in s["reasons"][0] for s in ex["stale"])
+    vfile.write_text(VARIANT)
+    registry._loaded.pop(vfile.resolve(), None)
+    for d in (fresh.library_path.parent, fresh.gen_dir):  # out of the round trip below
+        shutil.rmtree(d)
 
     # another toolchain's export is refused, naming both sides
     bad = tmp_path / "other.tar.gz"
