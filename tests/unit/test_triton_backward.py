@@ -119,6 +119,33 @@ def test_pre_pass_kept_for_the_backward_and_redone_after_an_in_place_write():
         assert (autograd._kept.misses - misses, autograd._kept.hits - hits) == ((1, 1) if written else (0, 2))
 
 
+@pytest.mark.parametrize("block", [32, 64, 128])
+def test_programs_order_is_a_permutation_longest_first(block):
+    """The pre-hooks' order, for the block shapes the GPU tunes over (the interpreter runs one): every program once,
+    and first the one with the most work: the key block holding the longest document's first key (dK/dV), the
+    query block holding its last row (dQ)."""
+    from fivar.codegen.triton import kernel_arg_values
+    from fivar.jit.triton_module import load_triton_module
+    from fivar.runtime.params import BoundParams
+    v = fivar.load("document_mask")
+    module = load_triton_module(v, training=True)
+    lengths = [70, 220, 30, 90]  # the longest document: rows and keys [70, 290)
+    total = sum(lengths)
+    indptr = torch.tensor([0, total], dtype=torch.int32)
+    args = kernel_arg_values(v, BoundParams({}, _documents(lengths)), 0.125)
+    ranges = module.mask_ranges(indptr, indptr, total, 4, 2, args)
+    dkdv_order, dq_order = module.order_buffers(1, 4, 2, total, total, "cpu")
+    common = {"qo_indptr": indptr, "kv_indptr": indptr, "CAUSAL": True}
+    module._dkdv_order({**common, "KeyRows": module.rows_of_keys(ranges, total), "Order": dkdv_order,
+                        "BLOCK_N": block, "fv_heads": 2})
+    module._dq_order({**common, "Ranges": ranges, "Order": dq_order, "BLOCK_M": block, "fv_heads": 4})
+    for order, heads in ((dkdv_order, 2), (dq_order, 4)):
+        n = heads * -(-total // block)
+        assert sorted(order[:n].tolist()) == list(range(n))
+    # program ids are (block, head) with the heads varying fastest
+    assert dkdv_order[0] // 2 == 70 // block and dq_order[0] // 4 == 289 // block
+
+
 # --- a variant with every kind of learnable read: per program, per query row, per element ----------------------
 def _reads_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     r = params.radius
