@@ -63,12 +63,28 @@ def _documents(lengths):
                                                torch.tensor(lengths))[None]}
 
 
+def _two_sided_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.left and kv_idx - q_idx <= params.right
+
+
+def _lookahead_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx - q_idx <= params.right
+
+
+BANDS = {"two_sided": AttentionVariant(name="two_sided", mask=_two_sided_mask, params={
+             "left": Scalar(int, default=30), "right": Scalar(int, default=21)}),
+         "lookahead": AttentionVariant(name="lookahead", mask=_lookahead_mask, params={
+             "right": Scalar(int, default=21)})}
+
+
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["document_mask", "sliding_window", "softcap"])
+@pytest.mark.parametrize("name", ["document_mask", "sliding_window", "softcap", "two_sided", "lookahead"])
 def test_full_and_edge_tiles(name, causal):
-    """Lengths of several 16-wide tiles, documents and a window off the tile edges: each program runs full tiles
-    (no bounds, causal or mask test) and edge tiles on both sides of them, in dQ and in dK/dV."""
-    v = learnable_copy(fivar.load(name))
+    """Lengths of several 16-wide tiles, documents and bands off the tile edges (a window, a band on both sides of
+    the diagonal, one on its right only: exact bands fivar reads off the mask): each program runs full tiles (no
+    bounds, causal or mask test) and edge tiles on both sides of them, in dQ and in dK/dV."""
+    v = BANDS[name] if name in BANDS else learnable_copy(fivar.load(name))
+    assert name == "softcap" or v.kv_band.exact or v.scans_mask
     qo_len, kv_len = 83, 101
     q, k, vv = _qkv(qo_len, kv_len, 4, 2, 16)
     params = _params(v, 4, 2, 1, kv_len)
