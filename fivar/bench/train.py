@@ -102,7 +102,7 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
 
 
 # --- `--op train`: forward + backward, fivar vs Flex vs SDPA's flash backend -------------------------------------
-TRAIN_CONTENDERS = ("fivar", "flex", "sdpa")
+TRAIN_CONTENDERS = ("fivar", "flex", "flex-frozen", "sdpa")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,7 +112,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDERS):
     """name -> zero-argument callable running forward + backward once and returning the gradients (q, k, v, then
-    the learnable tensor params); each starts from the same leaves and the same upstream gradient."""
+    the learnable tensor params; "flex-frozen": q, k, v only); each starts from the same leaves and the same upstream
+    gradient."""
     import torch.nn.functional as F
 
     from ..flex import flex_attention_fn
@@ -133,6 +134,16 @@ def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDER
         def flex_step():
             return torch.autograd.grad(run(), inputs, do)
         fns["flex"] = flex_step
+    if "flex-frozen" in wanted and variant.softmax and learn:
+        # Flex with the learnable tensors captured as constants: gradients of q, k, v only (less work than the
+        # others do), for variants whose captured-tensor gradient Flex cannot compile (ALiBi's slopes, a learned
+        # table on torch 2.11); absent when nothing is learnable, where it is "flex"
+        frozen = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in params.items()}
+        run_frozen = flex_attention_fn(variant, frozen, *leaves, causal=causal)
+
+        def flex_frozen_step():
+            return torch.autograd.grad(run_frozen(), leaves, do)
+        fns["flex-frozen"] = flex_frozen_step
     if "sdpa" in wanted:  # plain attention (no variant), heads expanded outside the timed step
         from torch.nn.attention import SDPBackend, sdpa_kernel
         group = q.shape[1] // k.shape[1]
@@ -173,8 +184,9 @@ def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 1
             errors[name] = f"{type(e).__name__}: {e}"[:300]
             del fns[name]
     agree = {}
-    if "fivar" in grads and "flex" in grads:
-        agree["flex"] = max(_rel(a, b) for a, b in zip(grads["flex"], grads["fivar"]))
+    for name in ("flex", "flex-frozen"):  # the gradients both computed (flex-frozen: q, k, v)
+        if "fivar" in grads and name in grads:
+            agree[name] = max(_rel(a, b) for a, b in zip(grads[name], grads["fivar"]))
     timings = time_interleaved(fns, rounds=rounds, device=device)
     useful = 3.5 * attention_flops(seqlen, seqlen, hq, head_dim, causal) * kept_fraction(
         variant, params, qo_len=seqlen, kv_len=seqlen, num_qo_heads=hq, num_kv_heads=hkv, causal=causal,
@@ -210,6 +222,7 @@ def format_rows(rows: list[dict]) -> str:
 # --- results rows: the runner's format (python -m fivar.bench --suite train) ---------------------------------------
 LABELS = {"fivar": "v.attention: Triton forward + generated backward",
           "flex": "torch.compile flex_attention, forward + backward",
+          "flex-frozen": "flex_attention, learnable tensors held constant (dq, dk, dv only)",
           "sdpa": "plain attention, flash backend (no variant, its own work)"}
 
 
@@ -249,7 +262,8 @@ def result_rows(rows: list[dict], env: dict) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    """python -m fivar.bench.train [NAME ...] [--causal both|yes|no] [--seqlen 8192] [--heads 32/8] [--vs flex,sdpa]"""
+    """python -m fivar.bench.train [NAME ...] [--causal both|yes|no] [--seqlen 8192] [--heads 32/8]
+    [--vs flex,flex-frozen,sdpa]"""
     import argparse
     import json
 
@@ -260,7 +274,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--heads", default="32/8")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--vs", default="flex,sdpa", help="contenders besides fivar, comma-separated")
+    ap.add_argument("--vs", default="flex,flex-frozen,sdpa", help="contenders besides fivar, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jsonl", default=None, help="append the rows to this results file (the runner's row format; "
                     "python -m fivar.bench --suite train writes the same rows to benchmarks/results/<gpu>.jsonl)")

@@ -97,6 +97,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     if op == "train":
         from ..bench.train import bench_train, format_rows
         wanted = ("fivar",) + tuple(x for x in (vs or ("flex", "sdpa")) if x in ("flex", "sdpa"))
+        wanted += ("flex-frozen",) if "flex" in wanted else ()  # made only for a variant with learnable tensors
         rows = [r for S in _split(seqlens, int) for r in bench_train(
             v, seqlen=S, heads=(hq, hkv), head_dim=head_dim, causal=causal, dtype=dt, params=params, wanted=wanted,
             rounds=rounds)]

@@ -247,6 +247,18 @@ def test_bench_train_rows():
     assert row["contender"] == "fivar" and row["op"] == "train" and row["ms"] > 0 and row["tflops"] > 0
 
 
+def test_flex_frozen_contender_only_where_tensors_are_learnable():
+    """Flex's own step differentiates the captured tensors; "flex-frozen" holds them constant (for variants whose
+    captured-tensor gradient Flex cannot compile), so it exists only for a variant with learnable tensors."""
+    from fivar.bench.train import train_contenders
+    q, k, vv = _qkv(8, 8, 2, 2, 16)
+    for v, params, want in ((learnable_copy(fivar.load("relative_bias")), {"bias": torch.randn(2, 13),
+                                                                          "max_distance": 6}, True),
+                            (fivar.load("softcap"), {"softcap": 2.0}, False)):
+        fns = train_contenders(v, q, k, vv, causal=True, params=params, wanted=("fivar", "flex", "flex-frozen"))
+        assert ("flex-frozen" in fns) == want and {"fivar", "flex"} <= set(fns)
+
+
 def test_gradients_reach_only_learnable_tensors():
     """A table not declared learnable gets no gradient (and needs no requires_grad)."""
     v = fivar.load("relative_bias")
