@@ -116,6 +116,23 @@ def test_full_tiles_from_the_pre_pass(causal):
     assert r.passed, r
 
 
+@pytest.mark.parametrize("name", ["document_mask", "head_band", "two_sided"])
+def test_full_tiles_in_a_ragged_batch(name):
+    """Requests of different lengths (one with more queries than keys, one of a single query): full tiles, edges and
+    (for the pre-pass) the programs' order, each program finding its request, block and head from its id."""
+    v = {"head_band": HEAD_BAND, **BANDS}.get(name) or fivar.load(name)
+    qo_lens, kv_lens = [83, 40, 1], [101, 29, 17]
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 4, 2, 16)
+    if name == "document_mask":
+        params = {"doc_ids": torch.cat([_documents(x)["doc_ids"] for x in ([37, 5, 50, 9], [20, 81], [60, 41])])}
+    elif name == "head_band":
+        params = {"left": torch.tensor([70, 45, 33, 100], dtype=torch.int32), "right": 29}
+    else:
+        params = {"left": 30, "right": 21}
+    r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
 def test_pre_pass_kept_for_the_backward_and_redone_after_an_in_place_write():
     """One mask pre-pass for steps with one batch layout and params: the backward reuses the forward's ranges, the
     next step both. Document ids rewritten in place are scanned again (stale ranges, or a stale order of the
