@@ -14,7 +14,6 @@ is the URI's.
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
