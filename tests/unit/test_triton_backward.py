@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import fivar
-from fivar import AttentionVariant, Scalar, Tensor, clamp, tanh
-from fivar.bench.train import check_gradients, learnable_copy
-from fivar.testing import example_params
+from fivar import AttentionVariant, Scalar, Tensor, clamp, log, tanh
+from fivar.bench.train import check_gradients, learnable_copy, reference_gradients
+from fivar.testing import compare, example_params
 
 DTYPE = torch.float16  # the interpreter has no bfloat16 arithmetic
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
@@ -131,6 +131,32 @@ def test_full_tiles_in_a_ragged_batch(name):
         params = {"left": 30, "right": 21}
     r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params, dtype=DTYPE)
     assert r.passed, r
+
+
+def _gated_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + log(params.gate[q_idx])  # a gate of 0: the row's logits are all -inf, its output 0
+
+
+GATED = AttentionVariant(name="gated_rows", logits=_gated_logits, params={"gate": Tensor("float32", ("n",))})
+
+
+def test_rows_whose_logits_are_all_minus_infinity():
+    """A row with every logit -inf (no mask: its tiles are full ones) has lse -inf; its weights are 0 in every
+    tile, full or edge, so the gradients stay finite and the other rows' match the reference with it left out."""
+    q, k, vv = _qkv(64, 64, 2, 1, 16)
+    gate = torch.ones(64)
+    gate[40:] = 0.0
+    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, vv))
+    o = GATED.attention(qg, kg, vg, causal=False, gate=gate)
+    do = torch.randn_like(o)
+    do[40:] = 0.0  # rows 40.. are 0 whatever their upstream gradient: the reference's are NaN (softmax of all -inf)
+    o.backward(do)
+    assert bool((o[40:] == 0).all())
+    assert all(bool(torch.isfinite(g).all()) for g in (qg.grad, kg.grad, vg.grad))
+    sub = {"gate": gate[:40]}
+    _, ref = reference_gradients(GATED, q[:40], k, vv, do[:40], qo_lens=[40], kv_lens=[64], causal=False, params=sub)
+    for name, got in (("q", qg.grad[:40]), ("k", kg.grad), ("v", vg.grad)):
+        assert compare("gated_rows", f"d{name}", got.detach(), ref[name], DTYPE).passed, name
 
 
 def test_pre_pass_kept_for_the_backward_and_redone_after_an_in_place_write():
