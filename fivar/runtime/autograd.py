@@ -19,6 +19,7 @@ from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..spec.live import variant_by_key
 from .params import BoundParams
+from . import plan_cache
 from .plan_cache import PlanCache
 
 
@@ -77,10 +78,13 @@ def _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_
     """_KeptRanges for this call, or None when the variant's mask needs no pre-pass."""
     if not hasattr(module, "mask_ranges"):
         return None
+    make = lambda: _KeptRanges(module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],  # noqa: E731
+                               q.shape[1] // k.shape[1], args)
+    if plan_cache.capturing():  # recorded into the graph, so that a replay scans the contents it then has
+        return make()
     parts = (var.key, sm_scale, tensors, scalars, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
              k.shape[1], q.device)
-    return _kept.get(parts, lambda: _KeptRanges(module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
-                                                q.shape[1] // k.shape[1], args))
+    return _kept.get(parts, make)
 
 
 def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars):

@@ -75,6 +75,13 @@ def value_key(x) -> tuple | object:
     return (f or _key_of_type(type(x)))(x)
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream. A result served from a cache then is not
+    recorded, so a replay would not recompute it from the tensors' contents at replay time: work whose result
+    depends on tensor contents (a mask pre-pass) runs uncached while capturing."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _tensors(x):
     if isinstance(x, torch.Tensor):
         yield x

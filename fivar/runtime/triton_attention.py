@@ -15,6 +15,7 @@ from ..spec.inputs import check_lse
 from .launch import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
                      _prepare)
 from . import position_tables
+from . import plan_cache
 from .plan_cache import PlanCache
 
 #: tl.arange and tl.dot want a power of two of at least 16.
@@ -39,7 +40,8 @@ def _kept_ranges(module, parts: tuple, qo_indptr, kv_indptr, max_qo_len: int, nu
                  args: dict):
     if not hasattr(module, "mask_ranges"):  # no pre-pass: the mask has a band shape, or there is no mask
         return None
-    return _ranges.get(parts, lambda: module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args))
+    make = lambda: module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args)  # noqa: E731
+    return make() if plan_cache.capturing() else _ranges.get(parts, make)  # capturing: see plan_cache.capturing
 
 
 def _single_indptr(length: int, device) -> torch.Tensor:

@@ -539,3 +539,9 @@ def test_one_shot_calls_keep_the_mask_ranges(monkeypatch, ragged):
     assert len(calls) == 2
     _check("document_mask", "after an in-place change", out,
            v.reference(q.float(), k.float(), vv.float(), causal=True, doc_ids=doc_ids))
+    # while a CUDA graph is captured, no cached ranges: the pre-pass is recorded, so a replay scans new contents
+    from fivar.runtime import plan_cache
+    monkeypatch.setattr(plan_cache, "capturing", lambda: True)
+    call()
+    call()
+    assert len(calls) == 4

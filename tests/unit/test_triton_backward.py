@@ -133,6 +133,24 @@ def test_full_tiles_in_a_ragged_batch(name):
     assert r.passed, r
 
 
+def test_no_kept_pre_pass_while_a_cuda_graph_is_captured(monkeypatch):
+    """Under capture a cached pre-pass would not be recorded, and a replay after new document ids were copied in
+    would attend with the old ones: each step scans afresh then (recorded into the graph)."""
+    from fivar.runtime import autograd, plan_cache
+    monkeypatch.setattr(plan_cache, "capturing", lambda: True)
+    v = fivar.load("document_mask")
+    q, k, vv = _qkv(70, 70, 2, 1, 16)
+    params = _documents([30, 22, 18])
+    scans = []
+    module = autograd._module(v)
+    monkeypatch.setattr(module, "mask_ranges", lambda *a, _f=module.mask_ranges, **kw: scans.append(1) or _f(*a, **kw))
+    before = (autograd._kept.misses, autograd._kept.hits)
+    for _ in range(2):
+        r = check_gradients(v, q, k, vv, qo_lens=[70], kv_lens=[70], causal=True, params=params, dtype=DTYPE)
+        assert r.passed, r
+    assert (autograd._kept.misses, autograd._kept.hits) == before and len(scans) == 4  # forward + backward, twice
+
+
 def _gated_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score + log(params.gate[q_idx])  # a gate of 0: the row's logits are all -inf, its output 0
 
