@@ -19,9 +19,7 @@ from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..spec.live import variant_by_key
 from .params import BoundParams
-from . import plan_cache
 from .plan_cache import PlanCache
-
 
 def _bound(variant, tensors: list, scalars: list) -> BoundParams:
     tnames, snames = list(variant.tensor_params), list(variant.scalar_params)
@@ -70,21 +68,19 @@ class _KeptRanges:
 
 #: The pre-pass's ranges, kept between the forward and the backward of a step and across steps with the same batch
 #: layout and params (fivar.runtime.plan_cache: tensors by identity and version, so a document-id table written in
-#: place is scanned again): the mask pre-pass and its transpose otherwise ran twice a step.
-_kept = PlanCache(capacity=8)
+#: place is scanned again): the mask pre-pass and its transpose otherwise ran twice a step. Not while a CUDA graph is
+#: captured (`recorded`): a replay after new document ids were copied in then scans them.
+_kept = PlanCache(capacity=8, recorded=True)
 
 
 def _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars, args):
     """_KeptRanges for this call, or None when the variant's mask needs no pre-pass."""
     if not hasattr(module, "mask_ranges"):
         return None
-    make = lambda: _KeptRanges(module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],  # noqa: E731
-                               q.shape[1] // k.shape[1], args)
-    if plan_cache.capturing():  # recorded into the graph, so that a replay scans the contents it then has
-        return make()
     parts = (var.key, sm_scale, tensors, scalars, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
              k.shape[1], q.device)
-    return _kept.get(parts, make)
+    return _kept.get(parts, lambda: _KeptRanges(module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
+                                                q.shape[1] // k.shape[1], args))
 
 
 def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars):

@@ -77,8 +77,7 @@ def value_key(x) -> tuple | object:
 
 def capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream. A result served from a cache then is not
-    recorded, so a replay would not recompute it from the tensors' contents at replay time: work whose result
-    depends on tensor contents (a mask pre-pass) runs uncached while capturing."""
+    recorded, so a replay would not recompute it from the tensors' contents at replay time."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -95,10 +94,12 @@ def _tensors(x):
 
 class PlanCache:
     """A small LRU of plans. `get(parts, make)`: the plan for `parts` (a tuple of call arguments), made by
-    `make()` on a miss. Plans own device memory (a FlashInfer wrapper's workspace), hence the small capacity."""
+    `make()` on a miss. Plans own device memory (a FlashInfer wrapper's workspace), hence the small capacity.
+    `recorded`: the values are device work on tensor contents (a mask pre-pass's ranges), which a CUDA graph must
+    record: while one is captured, `get` makes them afresh and keeps nothing (see `capturing`)."""
 
-    def __init__(self, capacity: int = 8, on_evict=None):
-        self.capacity, self.on_evict = capacity, on_evict
+    def __init__(self, capacity: int = 8, on_evict=None, recorded: bool = False):
+        self.capacity, self.on_evict, self.recorded = capacity, on_evict, recorded
         self._entries: OrderedDict = OrderedDict()  # key -> (plan, weakrefs of the key's tensors)
         self.hits = self.misses = 0
 
@@ -121,6 +122,8 @@ class PlanCache:
         return None
 
     def get(self, parts: tuple, make):
+        if self.recorded and capturing():
+            return make()
         key = self.key(parts)  # before make(): the versions the plan is made from
         plan = self.lookup(parts, key)
         if plan is not None:

@@ -13,7 +13,6 @@ import torch
 from ..codegen.fa2 import NO_SECOND_RUN
 
 
-
 @dataclass
 class SegmentLayout:
     """Rows [qo_indptr[s], qo_indptr[s+1]) of q attend keys [kv_indptr[s], kv_indptr[s+1]) of k/v, causally

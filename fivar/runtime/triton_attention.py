@@ -15,7 +15,6 @@ from ..spec.inputs import check_lse
 from .launch import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
                      _prepare)
 from . import position_tables
-from . import plan_cache
 from .plan_cache import PlanCache
 
 #: tl.arange and tl.dot want a power of two of at least 16.
@@ -32,16 +31,15 @@ _single_indptrs: dict = {}
 #: The mask pre-pass's ranges of the one-shot prefill calls, kept like their FlashInfer plans
 #: (fivar.runtime.plan_cache: keyed by shapes, params and the indptrs by identity and version): a layer after the
 #: first with the same batch layout and params only launches (a window per head at S=8192, 32 heads: the pre-pass
-#: took as long as the attention, H200).
-_ranges = PlanCache(capacity=8)
+#: took as long as the attention, H200). Not while a CUDA graph is captured (`recorded`).
+_ranges = PlanCache(capacity=8, recorded=True)
 
 
 def _kept_ranges(module, parts: tuple, qo_indptr, kv_indptr, max_qo_len: int, num_qo_heads: int, group: int,
                  args: dict):
     if not hasattr(module, "mask_ranges"):  # no pre-pass: the mask has a band shape, or there is no mask
         return None
-    make = lambda: module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args)  # noqa: E731
-    return make() if plan_cache.capturing() else _ranges.get(parts, make)  # capturing: see plan_cache.capturing
+    return _ranges.get(parts, lambda: module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args))
 
 
 def _single_indptr(length: int, device) -> torch.Tensor:

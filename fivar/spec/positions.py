@@ -4,9 +4,10 @@ A term that reads only the head and the distance `kv_idx - q_idx` (T5's log buck
 function of the distance) has at most heads x (2 * max_len - 1) distinct values, while the kernels evaluate it for
 every (query, key) pair. `tabulate` replaces each maximal such term that is costly enough (LoweringConfig's
 `position_tables`) by a read of a float32 table fivar synthesizes, `TABLE[qo_head, (kv_idx - q_idx) + OFFSET]`
-(padded by TABLE_PAD distances, so the CUDA structs read it unclamped); the runtime evaluates the original term once per call, or per plan, over every
-head and distance with the torch evaluator (fivar.runtime.position_tables) and passes the table like any tensor
-param. The reference never runs this pass: it evaluates the user's expression, which is what checks the tables.
+(padded by TABLE_PAD distances, so the CUDA structs read it unclamped); the runtime evaluates the original term once
+per call, or per plan, over every head and distance with the torch evaluator (fivar.runtime.position_tables) and
+passes the table like any tensor param. The reference never runs this pass: it evaluates the user's expression,
+which is what checks the tables.
 
 The distance is recognised syntactically, after the lets it goes through are followed: every read of `q_idx` and
 `kv_idx` in the term must be one side of `kv_idx - q_idx` or `q_idx - kv_idx` (so `clamp(q_idx - kv_idx, 0, r)` and
@@ -34,6 +35,8 @@ def is_table(param: str) -> bool:
 def table_offset(length: int) -> int:
     """The column of distance 0 in a table for runs of up to `length` (fivar.runtime.position_tables)."""
     return length - 1 + TABLE_PAD
+
+
 HEADS = ("qo_head", "kv_head")
 COSTLY_FUNCS = ("tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "floor")
 

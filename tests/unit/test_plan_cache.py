@@ -135,3 +135,18 @@ def test_dropped_plans_are_released_once():
     assert released == [made[0]]
     cache.clear()
     assert sorted(map(id, released)) == sorted(map(id, made)) and len(cache) == 0
+
+
+def test_recorded_values_are_made_afresh_while_a_cuda_graph_is_captured(monkeypatch):
+    """A cache of device work on tensor contents (`recorded`) serves nothing during capture, so the graph records
+    the work; a plan cache (FlashInfer's plans cannot be made inside a capture) still serves its plans."""
+    from fivar.runtime import plan_cache
+    t = torch.zeros(3)
+    made = []
+    recorded, plans = PlanCache(recorded=True), PlanCache()
+    for cache in (recorded, plans):
+        cache.get(("x", t), lambda: made.append(1) or len(made))
+    monkeypatch.setattr(plan_cache, "capturing", lambda: True)
+    assert [recorded.get(("x", t), lambda: made.append(1) or len(made)) for _ in range(2)] == [3, 4]
+    assert plans.get(("x", t), lambda: made.append(1) or len(made)) == 2
+    assert len(recorded) == 1 and recorded.hits == 0

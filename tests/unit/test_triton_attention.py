@@ -518,7 +518,7 @@ def test_one_shot_calls_keep_the_mask_ranges(monkeypatch, ragged):
     calls = []
     real = module.mask_ranges
     monkeypatch.setattr(module, "mask_ranges", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    monkeypatch.setattr(triton_attention, "_ranges", triton_attention.PlanCache(capacity=8))
+    monkeypatch.setattr(triton_attention, "_ranges", triton_attention.PlanCache(capacity=8, recorded=True))
     torch.manual_seed(5)
     lq = 70
     q, k, vv = _qkv(lq, lq, 4, 2, 32)
