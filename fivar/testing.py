@@ -56,6 +56,12 @@ class CheckResult:
                 f"max {self.max_err:.2e}")
 
 
+def document_ids(lengths) -> torch.Tensor:
+    """int32 [sum(lengths)]: document i's id for each of its positions, documents packed back to back in order (a
+    document mask's `doc_ids` row)."""
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+
+
 def compare(variant_name: str, case: str, out: torch.Tensor, ref: torch.Tensor, dtype) -> CheckResult:
     rel_tol, abs_tol = TOLERANCE[dtype]
     out, ref = out.double(), ref.double().to(out.device)

@@ -17,6 +17,7 @@ from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
 from fivar.runtime.kv_ranges import run_kind, block_rows, kv_range_layout, relative_runs
 from fivar.runtime.params import bind_params
+from fivar.testing import document_ids
 
 from kernel_standin import attend
 
@@ -47,14 +48,10 @@ BAND_AND_DOC = AttentionVariant(name="kvr_band_and_doc", mask=_band_and_doc,
 HOLED = AttentionVariant(name="kvr_holed", mask=_holed, params={"gap": Scalar(int)})
 
 
-def _docs(lengths):
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
-
-
 def _cases(total):
     """(variant, params) pairs over sequences of up to `total` positions, batch of 3 requests."""
-    doc_ids = torch.stack([_docs([1, 130, 3, 200, total - 334]), _docs([total // 2, total - total // 2]),
-                           _docs([total])])
+    doc_ids = torch.stack([document_ids([1, 130, 3, 200, total - 334]),
+                           document_ids([total // 2, total - total // 2]), document_ids([total])])
     return [(fivar.load("document_mask"), {"doc_ids": doc_ids}),
             (PER_HEAD_WINDOW, {"windows": torch.tensor([3, 150, 1, 40], dtype=torch.int32)}),
             (BAND_AND_DOC, {"left": 90, "doc": doc_ids[0]}),
@@ -190,7 +187,7 @@ def test_mask_free_requests_keep_exactly_their_form(causal, rows):
     from fivar.runtime.kv_ranges import ALL_KEYS, CAUSAL_WINDOW, mask_free_requests
     cases = [(v, b, rg, rn) for v, _, b, rg, rn in _prescanned()]
     # sinks wider than a block: rows up to sink + window keep [0, q_idx], wider than the window
-    aligned = _docs([128, 256, 3, 125, 600]).to(torch.int32)  # documents starting on block edges
+    aligned = document_ids([128, 256, 3, 125, 600])  # documents starting on block edges
     for variant, params in ((STREAMING, {"sink": 40, "window": 60}), (ONE_HOLE, {"hole": 3}),
                             (BAND_AND_DOC, {"left": 127, "doc": aligned})):
         bound = bind_params(variant, params, num_qo_heads=_HEADS, num_kv_heads=2, batch_size=3, device="cpu")

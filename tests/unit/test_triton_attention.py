@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor
-from fivar.testing import _ragged_reference, _to_paged, compare, example_params
+from fivar.testing import _ragged_reference, _to_paged, compare, document_ids, example_params
 from logit_factors import FACTORS
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
@@ -321,7 +321,7 @@ def test_prescanned_masks_keep_every_tile_they_need(lq, causal):
     the mask keeps for every row run unmasked, so a mask with a hole in each row must still be applied."""
     q, k, vv = _qkv(lq, 90, 2, 2, 16)
     lengths = [1, 17, 3, 40, 29]
-    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+    doc_ids = document_ids(lengths)
     dm = fivar.load("document_mask")
     p = {"doc_ids": doc_ids[None]}
     _check("document_mask", "5 docs", dm.prefill(q, k, vv, causal=causal, backend="triton", **p),
@@ -366,7 +366,7 @@ def test_many_query_blocks_with_documents(causal):
     computed exactly once, with the pre-pass ranges of its own rows."""
     q, k, vv = _qkv(290, 330, 2, 1, 16)
     lengths = [200, 7, 60, 63]
-    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+    doc_ids = document_ids(lengths)
     dm = fivar.load("document_mask")
     p = {"doc_ids": doc_ids[None]}
     _check("document_mask", f"causal={causal}", dm.prefill(q, k, vv, causal=causal, backend="triton", **p),

@@ -7,7 +7,7 @@ import torch
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor, clamp, log, tanh
 from fivar.bench.train import check_gradients, learnable_copy, reference_gradients
-from fivar.testing import compare, example_params
+from fivar.testing import compare, document_ids, example_params
 
 DTYPE = torch.float16  # the interpreter has no bfloat16 arithmetic
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
@@ -59,8 +59,7 @@ def test_bundled_ragged(name):
 
 
 def _documents(lengths):
-    return {"doc_ids": torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
-                                               torch.tensor(lengths))[None]}
+    return {"doc_ids": document_ids(lengths)[None]}
 
 
 def _two_sided_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
