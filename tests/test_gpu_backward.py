@@ -1,6 +1,6 @@
-"""Training through the Triton twin on the GPU (bf16, hd128, 32/8 heads): dq, dk, dv and learnable tensor
-params against float64 autograd of the torch reference, within bf16 tolerance; and a compiled training step
-(marked `gpu`)."""
+"""Training on the GPU (bf16, hd128, 32/8 heads), the default forward (FA3 on sm90) and the Triton twin's, each with
+the generated backward: dq, dk, dv and learnable tensor params against float64 autograd of the torch reference,
+within bf16 tolerance; and a compiled training step (marked `gpu`)."""
 import pytest
 import torch
 
@@ -29,22 +29,24 @@ def _params(v, batch, max_len):
 @pytest.mark.parametrize("lq,lk,causal", [(37, 129, False), (300, 300, True), (1000, 1000, False),
                                           (1000, 1000, True)])
 @pytest.mark.parametrize("name", BUNDLED)
-def test_single(name, lq, lk, causal):
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_single(backend, name, lq, lk, causal):
     v = learnable_copy(fivar.load(name))
     q, k, vv = _qkv(lq, lk)
     r = check_gradients(v, q, k, vv, qo_lens=[lq], kv_lens=[lk], causal=causal, params=_params(v, 1, lk),
-                        dtype=DTYPE)
+                        dtype=DTYPE, backend=backend)
     assert r.passed, r
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", BUNDLED)
-def test_ragged(name, causal):
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_ragged(backend, name, causal):
     v = learnable_copy(fivar.load(name))
     qo_lens, kv_lens = [17, 300, 1, 257], [40, 300, 129, 257]
     q, k, vv = _qkv(sum(qo_lens), sum(kv_lens))
     r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
-                        params=_params(v, len(qo_lens), max(kv_lens)), dtype=DTYPE)
+                        params=_params(v, len(qo_lens), max(kv_lens)), dtype=DTYPE, backend=backend)
     assert r.passed, r
 
 

@@ -76,7 +76,8 @@ class GradCheck:
                          for r in self.results)
 
 
-def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype, sm_scale=None) -> GradCheck:
+def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype, sm_scale=None,
+                    backend="auto") -> GradCheck:
     """Forward + backward through `variant.attention` against `reference_gradients` (fresh random `do`)."""
     dev = q.device
     learn = [n for n, p in variant.tensor_params.items() if p.learnable]
@@ -86,7 +87,7 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
     if len(qo_lens) > 1:
         kw = dict(qo_indptr=torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=dev),
                   kv_indptr=torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=dev))
-    o = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, **kw, **params)
+    o = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, backend=backend, **kw, **params)
     do = torch.randn_like(o)
     o.backward(do)
     ref_o, ref = reference_gradients(variant, q, k, v, do, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
@@ -102,7 +103,7 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
 
 
 # --- `--op train`: forward + backward, fivar vs Flex vs SDPA's flash backend -------------------------------------
-TRAIN_CONTENDERS = ("fivar", "flex", "flex-frozen", "sdpa")
+TRAIN_CONTENDERS = ("fivar", "fivar-triton", "flex", "flex-frozen", "sdpa")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -123,11 +124,12 @@ def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDER
     inputs = leaves + [params[n] for n in learn]
     do = torch.randn_like(q)
     fns = {}
-    if "fivar" in wanted:
-        def fivar_step():
-            o = variant.attention(*leaves, causal=causal, **params)
-            return torch.autograd.grad(o, inputs, do)
-        fns["fivar"] = fivar_step
+    for name, backend in (("fivar", "auto"), ("fivar-triton", "triton")):  # the default forward, and the twin's
+        if name in wanted:
+            def fivar_step(backend=backend):
+                o = variant.attention(*leaves, causal=causal, backend=backend, **params)
+                return torch.autograd.grad(o, inputs, do)
+            fns[name] = fivar_step
     if "flex" in wanted and variant.softmax:
         run = flex_attention_fn(variant, params, *leaves, causal=causal)
 
@@ -184,7 +186,7 @@ def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 1
             errors[name] = f"{type(e).__name__}: {e}"[:300]
             del fns[name]
     agree = {}
-    for name in ("flex", "flex-frozen"):  # the gradients both computed (flex-frozen: q, k, v)
+    for name in ("fivar-triton", "flex", "flex-frozen"):  # the gradients both computed (flex-frozen: q, k, v)
         if "fivar" in grads and name in grads:
             agree[name] = max(_rel(a, b) for a, b in zip(grads[name], grads["fivar"]))
     timings = time_interleaved(fns, rounds=rounds, device=device)
@@ -220,7 +222,8 @@ def format_rows(rows: list[dict]) -> str:
 
 
 # --- results rows: the runner's format (python -m fivar.bench --suite train) ---------------------------------------
-LABELS = {"fivar": "v.attention: Triton forward + generated backward",
+LABELS = {"fivar": "v.attention: the default forward (FA3 on sm90, else Triton) + generated backward",
+          "fivar-triton": "v.attention(backend='triton'): Triton forward + generated backward",
           "flex": "torch.compile flex_attention, forward + backward",
           "flex-frozen": "flex_attention, learnable tensors held constant (dq, dk, dv only)",
           "sdpa": "plain attention, flash backend (no variant, its own work)"}
@@ -263,7 +266,7 @@ def result_rows(rows: list[dict], env: dict) -> list[dict]:
 
 def main(argv=None) -> None:
     """python -m fivar.bench.train [NAME ...] [--causal both|yes|no] [--seqlen 8192] [--heads 32/8]
-    [--vs flex,flex-frozen,sdpa]"""
+    [--vs fivar-triton,flex,flex-frozen,sdpa]"""
     import argparse
     import json
 
@@ -274,7 +277,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--heads", default="32/8")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--vs", default="flex,flex-frozen,sdpa", help="contenders besides fivar, comma-separated")
+    ap.add_argument("--vs", default="fivar-triton,flex,flex-frozen,sdpa", help="contenders besides fivar, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jsonl", default=None, help="append the rows to this results file (the runner's row format; "
                     "python -m fivar.bench --suite train writes the same rows to benchmarks/results/<gpu>.jsonl)")

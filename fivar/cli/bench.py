@@ -17,7 +17,7 @@ from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilit
 @click.option("--vs", "vs", multiple=True, type=click.Choice(["stock", "triton", "flex", "sdpa"]),
               help="contenders besides fivar's own kernels (repeatable); default: stock, triton, flex")
 @click.option("--op", type=click.Choice(["prefill", "batch-prefill", "decode", "train"]), default="prefill",
-              show_default=True, help="train: forward + backward (the Triton training twin) against Flex and SDPA")
+              show_default=True, help="train: forward + backward (v.attention) against Flex and SDPA")
 @click.option("--seqlens", default="1024,4096,8192", show_default=True)
 @click.option("--batch", default=1, show_default=True, help="requests (batch-prefill, decode)")
 @click.option("--heads", default="32/32", show_default=True, help="Hq/Hkv")
@@ -96,7 +96,9 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     if op == "train":
         from ..bench.train import bench_train, format_rows
-        wanted = ("fivar",) + tuple(x for x in (vs or ("flex", "sdpa")) if x in ("flex", "sdpa"))
+        # "triton": v.attention with the Triton twin's forward (fivar's default takes FA3's on sm90)
+        wanted = ("fivar",) + tuple({"triton": "fivar-triton"}.get(x, x) for x in (vs or ("triton", "flex", "sdpa"))
+                                    if x in ("triton", "flex", "sdpa"))
         wanted += ("flex-frozen",) if "flex" in wanted else ()  # made only for a variant with learnable tensors
         rows = [r for S in _split(seqlens, int) for r in bench_train(
             v, seqlen=S, heads=(hq, hkv), head_dim=head_dim, causal=causal, dtype=dt, params=params, wanted=wanted,

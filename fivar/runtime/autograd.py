@@ -2,8 +2,8 @@
 
 Two torch.library custom ops carry the work, so `torch.compile` sees opaque, shape-described calls:
 
-* `fivar::attention_fwd` -> (o, lse): the Triton forward, also writing each row's log2-sum-exp (softmax variants;
-  zeros without softmax);
+* `fivar::attention_fwd` -> (o, lse): the forward, also writing each row's log2-sum-exp (softmax variants; zeros
+  without softmax): the variant's FA3 kernel on an sm90 GPU (`backend="auto"`), else the Triton twin;
 * `fivar::attention_bwd` -> (dq, dk, dv, [d param]): FlashAttention-2 backward kernels generated from the same
   spec (fivar.codegen.triton_bwd), with float32 gradients of the tensor parameters declared `learnable=True`.
 
@@ -32,14 +32,37 @@ def _module(variant):
     return load_triton_module(variant, training=True)
 
 
+#: `attention(backend=...)`: which kernel runs the forward; the backward is always the generated Triton one.
+TRAINING_BACKENDS = ("auto", "triton", "fa3", "fa2")
+_FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
 @torch.library.custom_op("fivar::attention_fwd", mutates_args=())
 def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
                   kv_indptr: torch.Tensor, max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float,
-                  tensors: list[torch.Tensor], scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                  tensors: list[torch.Tensor], scalars: list[float], target: str) -> tuple[torch.Tensor, torch.Tensor]:
     var = variant_by_key(variant)
+    if target != "triton":
+        return _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars)
     with _per_element():
         return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
                         scalars)
+
+
+def _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars):
+    """The forward on the variant's FlashInfer kernel (FA3 or FA2: the inference entry points, plans cached), whose
+    log2-sum-exp is the Triton forward's (fivar.runtime.lse), so the generated backward recomputes the same P."""
+    from .attention import batch_prefill_ragged, single_prefill
+    bound = _bound(var, tensors, scalars)
+    params = {**bound.scalars, **bound.tensors}
+    kw = dict(causal=causal, sm_scale=sm_scale, backend=target, params=params, return_lse=var.softmax)
+    if qo_indptr.numel() == 2:  # one request: the single-prefill kernel (no plan for a plain causal variant)
+        result = single_prefill(var, q, k, v, **kw)
+    else:
+        result = batch_prefill_ragged(var, q, k, v, qo_indptr, kv_indptr, **kw)
+    if not var.softmax:
+        return result, torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    return result
 
 
 def _per_element():
@@ -96,7 +119,7 @@ def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal,
 
 
 @attention_fwd.register_fake
-def _(variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars):
+def _(variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars, target):
     return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
@@ -132,7 +155,7 @@ def _(variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, max_qo_len, max_kv_len
 
 
 def _setup(ctx, inputs, output):
-    variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars = inputs
+    variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars, _ = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, qo_indptr, kv_indptr, *tensors)
     ctx.variant, ctx.causal, ctx.sm_scale, ctx.scalars = variant, causal, sm_scale, scalars
@@ -148,23 +171,56 @@ def _backward(ctx, do, dlse):
     by_name = dict(zip(learnable_params(var), dparams))
     dtensors = [by_name[n].to(t.dtype) if n in by_name else None for n, t in zip(var.tensor_params, tensors)]
     # a list of numbers is one leaf of the inputs' structure, an empty list is a list (torch's pytree)
-    return None, dq, dk, dv, None, None, None, None, None, None, dtensors, (None if ctx.scalars else [])
+    return None, dq, dk, dv, None, None, None, None, None, None, dtensors, (None if ctx.scalars else []), None
 
 
 torch.library.register_autograd("fivar::attention_fwd", _backward, setup_context=_setup)
 
 
-def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="triton", qo_indptr=None, kv_indptr=None,
+def forward_target(variant, backend: str, q, k, causal: bool, late_rows: bool) -> tuple[str, str]:
+    """(target, reason): the kernel that runs the training forward. `auto` takes the variant's FA3 kernel where it
+    can run this call (an sm90 GPU, fp16/bf16, head dim 64/128/256, not while a CUDA graph is captured: its plans
+    are made on the host) and the Triton twin otherwise; `late_rows`: a request's causal rows start before its
+    first key (qo_len > kv_len), which only the Triton forward takes (those rows are zeros)."""
+    if backend not in TRAINING_BACKENDS:
+        raise FivarError(f"variant '{variant.name}': attention() backend {backend!r} is not available (choose from "
+                         f"{', '.join(TRAINING_BACKENDS)})")
+    if backend == "triton":
+        return "triton", "backend='triton' was requested"
+    why_not = None
+    if q.device.type != "cuda":
+        why_not = f"the inputs are on {q.device.type}, FlashInfer's kernels run on a CUDA GPU"
+    elif q.dtype not in (torch.float16, torch.bfloat16):
+        why_not = f"FlashInfer's kernels take float16/bfloat16, got {str(q.dtype).removeprefix('torch.')}"
+    elif q.shape[-1] not in _FLASHINFER_HEAD_DIMS:
+        why_not = f"FlashInfer's kernels are built for head dims {_FLASHINFER_HEAD_DIMS}, got {q.shape[-1]}"
+    elif torch.cuda.is_current_stream_capturing():
+        why_not = "a CUDA graph is being captured and FlashInfer plans on the host"
+    elif causal and late_rows:
+        why_not = "causal with a request's qo_len > kv_len (rows before the first key)"
+    if backend == "auto":
+        if why_not is None:
+            from .attention import choose_target
+            target, reason = choose_target(variant, "auto", "single_prefill", q.device)
+            if target == "fa3":
+                return "fa3", f"FA3 forward: {reason}"
+            why_not = reason
+        return "triton", f"Triton forward: {why_not}"
+    if why_not is not None:
+        raise FivarError(f"variant '{variant.name}': attention(backend={backend!r}) cannot run this call: {why_not}; "
+                         "use backend='triton' or 'auto'")
+    return backend, f"backend={backend!r} was requested"
+
+
+def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="auto", qo_indptr=None, kv_indptr=None,
               return_lse=False, params=None):
     """Differentiable attention. q [qo_tokens, Hq, D], k/v [kv_tokens, Hkv, D]: one request, or a ragged batch
     given `qo_indptr`/`kv_indptr` (int32, request b owns rows [indptr[b], indptr[b+1])). Returns o, or (o, lse)
     with `return_lse` (lse: float32 [qo_tokens, Hq], log2 of each row's softmax denominator in the units of
-    `logits * log2(e)`; zeros without softmax)."""
+    `logits * log2(e)`; zeros without softmax). `backend`: the forward's kernel (forward_target); the backward is
+    the generated Triton one."""
     from .attention import _check_ragged_indptr, _prepare
     from .triton_attention import _check_inputs, _single_indptr
-    if backend != "triton":
-        raise FivarError(f"variant '{variant.name}': attention() (training) runs on backend='triton' only, got "
-                         f"{backend!r}")
     _check_inputs(variant, q, k, v)
     if (qo_indptr is None) != (kv_indptr is None):
         raise FivarError(f"variant '{variant.name}': pass both qo_indptr and kv_indptr, or neither")
@@ -172,13 +228,16 @@ def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="triton"
         batch = 1
         qo_indptr, kv_indptr = _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device)
         max_qo_len, max_kv_len = q.shape[0], k.shape[0]
+        late_rows = q.shape[0] > k.shape[0]
     else:
         qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
-        max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+        lens = torch.stack([qo_indptr[1:] - qo_indptr[:-1], kv_indptr[1:] - kv_indptr[:-1]]).cpu()  # one sync
+        max_qo_len, max_kv_len = int(lens[0].max()), int(lens[1].max())
+        late_rows = bool((lens[0] > lens[1]).any())
+    target, _ = forward_target(variant, backend, q, k, bool(causal), late_rows)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     tensors = [bound.tensors[n] for n in variant.tensor_params]  # .contiguous() of the caller's: in its graph
     scalars = [float(bound.scalars[n]) for n in variant.scalar_params]
     o, lse = attention_fwd(variant.key, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal),
-                           sm_scale, tensors, scalars)
+                           sm_scale, tensors, scalars, target)
     return (o, lse) if return_lse else o

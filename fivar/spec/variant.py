@@ -264,7 +264,7 @@ class AttentionVariant:
         params = {k: kwargs.pop(k) for k in list(kwargs) if k not in plan_args}  # checked against the declaration
         return decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
 
-    def attention(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, backend: str = "triton",
+    def attention(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
                   qo_indptr=None, kv_indptr=None, return_lse: bool = False, **params):
         """Differentiable attention for training (fivar.runtime.autograd): q [qo_len, Hq, D], k/v [kv_len, Hkv, D],
         or a ragged batch with `qo_indptr`/`kv_indptr`. Gradients reach q, k, v and the tensor params declared

@@ -118,6 +118,20 @@ def test_measured_cases_get_ratios_too(tmp_path):
     assert by[("fivar", "s")]["ratio"] == 2.0 and by[("fivar", "hit_us")]["ratio"] is None
 
 
+def test_a_case_draws_the_same_inputs_on_every_run(tmp_path):
+    """A case's random inputs (document lengths, tables) are the same from run to run, and differ between cases."""
+    import torch
+
+    def case(name):
+        return Case("compile", name, "build", {}, lambda: Prepared(measure=lambda: [
+            Measurement("fivar", "s", float(torch.rand(())))]))
+    got = []
+    for n in ("a", "a", "b"):
+        torch.rand(3)  # whatever ran before moves the global generator
+        got.append(run([case(n)], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)[0]["value"])
+    assert got[0] == got[1] != got[2]
+
+
 @pytest.mark.parametrize("name,slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                        ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
                                        ("cpu", "cpu")])

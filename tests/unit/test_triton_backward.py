@@ -365,13 +365,15 @@ def test_compiled_training_step():
 
 def test_custom_ops_trace_in_one_graph():
     """The forward op and its autograd formula (the backward op) inside one fullgraph-compiled step."""
+    import fivar.runtime.autograd  # noqa: F401 - registers the ops
     v = fivar.load("softcap")
     q, k, vv = (x.requires_grad_(True) for x in _qkv(16, 16, 2, 1, 16))
     indptr = torch.tensor([0, 16], dtype=torch.int32)
     key = v.key
 
     def step(q, k, vv):
-        o, _ = torch.ops.fivar.attention_fwd(key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0])
+        o, _ = torch.ops.fivar.attention_fwd(key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0],
+                                             "triton")
         return o.float().sum()
 
     torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, vv).backward()
@@ -379,3 +381,63 @@ def test_custom_ops_trace_in_one_graph():
     v.attention(*want, causal=True, sm_scale=0.25, softcap=30.0).float().sum().backward()
     for a, b in zip((q, k, vv), want):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_forward_backend_choice():
+    """`auto` takes the FA3 forward only where it can run the call; asking for it where it cannot is a one-line
+    error naming the variant."""
+    from fivar.runtime.autograd import forward_target
+    v = fivar.load("softcap")
+    q, k, _ = _qkv(8, 8, 2, 1, 16)
+    assert forward_target(v, "auto", q, k, True, False)[0] == "triton"
+    assert forward_target(v, "triton", q, k, True, False)[0] == "triton"
+    with pytest.raises(fivar.FivarError, match="variant 'softcap'.*backend='fa3'.*cpu"):
+        forward_target(v, "fa3", q, k, True, False)
+    with pytest.raises(fivar.FivarError, match="variant 'softcap'.*'fa4' is not available"):
+        v.attention(q, k, k, backend="fa4", softcap=2.0)
+
+
+@pytest.mark.parametrize("name,ragged", [("relative_bias", False), ("document_mask", True), ("sigmoid", True),
+                                         ("softcap", False)])
+def test_flashinfer_forward_feeds_the_backward(monkeypatch, name, ragged):
+    """The FA3/FA2 forward path: the variant's params reach the inference entry point by name, its (o, lse) go
+    to the generated backward (zeros for lse without softmax), and the gradients are those of the Triton forward.
+    FlashInfer's kernels need a GPU, so the entry points are stood in for by the Triton twin's own."""
+    import fivar.runtime.attention as rt
+    import fivar.runtime.autograd  # noqa: F401 - registers the ops
+    calls = []
+
+    def stand_in(kind):
+        def run(variant, q, k, vv, *indptrs, backend, params, return_lse, **kw):
+            calls.append((kind, backend, sorted(params), return_lse))
+            fn = rt.triton_prefill if kind == "single" else rt.triton_batch_prefill_ragged
+            return fn(variant, q, k, vv, *indptrs, params=params, return_lse=return_lse, **kw)
+        return run
+    monkeypatch.setattr(rt, "single_prefill", stand_in("single"))
+    monkeypatch.setattr(rt, "batch_prefill_ragged", stand_in("ragged"))
+    v = learnable_copy(fivar.load(name))
+    qo_lens, kv_lens = ([5, 19, 12], [5, 23, 12]) if ragged else ([21], [21])
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 4, 2, 16)
+    params = _params(v, 4, 2, len(qo_lens), max(kv_lens))
+    learn = [n for n, p in v.tensor_params.items() if p.learnable]
+    kw = {}
+    if ragged:
+        kw = dict(qo_indptr=torch.tensor([0, *torch.tensor(qo_lens).cumsum(0)], dtype=torch.int32),
+                  kv_indptr=torch.tensor([0, *torch.tensor(kv_lens).cumsum(0)], dtype=torch.int32))
+    do = torch.randn_like(q)
+    grads = []
+    for target in ("fa3", "triton"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, vv)]
+        p = {n: (t.clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
+        tensors = [p[n] for n in v.tensor_params]
+        scalars = [float(p[n]) for n in v.scalar_params]
+        indptrs = (kw["qo_indptr"], kw["kv_indptr"]) if ragged else (torch.tensor([0, 21], dtype=torch.int32),) * 2
+        o, lse = torch.ops.fivar.attention_fwd(v.key, *leaves, *indptrs, max(qo_lens), max(kv_lens), True, 0.25,
+                                               tensors, scalars, target)
+        o.backward(do)
+        grads.append([x.grad for x in leaves] + [p[n].grad for n in learn] + [lse])
+    assert calls == [("ragged" if ragged else "single", "fa3", sorted(v.params), v.softmax)]
+    if not v.softmax:
+        assert torch.equal(grads[0][-1], torch.zeros_like(grads[0][-1]))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
