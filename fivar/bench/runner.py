@@ -71,7 +71,9 @@ class Case:
     op: str
     shape: dict
     prepare: Callable[[], Prepared]
-    baseline: str | None = None
+    #: the contender ratios are taken against; a tuple: the first of them that ran (a fallback for a baseline that
+    #: cannot run some cases)
+    baseline: str | tuple[str, ...] | None = None
     modules: Callable[[], list] = list  # fivar modules to build before the run (one parallel ninja)
     #: runs the case's stock FlashInfer contenders once at a tiny shape, so that FlashInfer JIT-builds their modules
     #: in the prebuild (in threads, side by side) rather than one after another inside the timed run
@@ -103,8 +105,12 @@ def ratio(metric: str, value: float | None, baseline_value: float | None) -> flo
     return baseline_value / value if metric in LOWER_IS_BETTER else value / baseline_value
 
 
-def add_ratios(rows: list[dict], baseline: str | None) -> list[dict]:
-    """Set each row's ratio against the `baseline` contender's row of the same metric (same case, same run)."""
+def add_ratios(rows: list[dict], baseline: str | tuple[str, ...] | None) -> list[dict]:
+    """Set each row's ratio against the `baseline` contender's row of the same metric (same case, same run); a
+    tuple of contenders: the first with a passing row."""
+    if isinstance(baseline, tuple):
+        ran = {r["contender"] for r in rows if r["check"] == "pass"}
+        baseline = next((b for b in baseline if b in ran), baseline[0] if baseline else None)
     base = {r["metric"]: r["value"] for r in rows if r["contender"] == baseline and r["check"] == "pass"}
     for r in rows:
         r["baseline"] = baseline
@@ -191,7 +197,7 @@ def summary(case: Case, rows: list[dict]) -> str:
             why = r["detail"].get("error") or f"rel err {r['detail'].get('rel_err')}"
             parts.append(f"{r['contender']} {r['check'].upper()} ({str(why)[:80]})")
         else:
-            x = f" {r['ratio']:.2f}x" if r["ratio"] is not None and r["contender"] != case.baseline else ""
+            x = f" {r['ratio']:.2f}x" if r["ratio"] is not None and r["contender"] != r["baseline"] else ""
             parts.append(f"{r['contender']} {r['value']:.4g} {r['metric']}{x}")
     return f"[{case.suite}] {case.name}: " + ", ".join(parts)
 

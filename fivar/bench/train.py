@@ -104,6 +104,8 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
 
 # --- `--op train`: forward + backward, fivar vs Flex vs SDPA's flash backend -------------------------------------
 TRAIN_CONTENDERS = ("fivar", "fivar-triton", "flex", "flex-frozen", "sdpa")
+#: ratios are against Flex, or against Flex with the learnable tensors frozen where Flex cannot compile their gradient
+BASELINES = ("flex", "flex-frozen")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -247,7 +249,7 @@ def measurements(rows: list[dict]) -> list:
 
 
 def result_rows(rows: list[dict], env: dict) -> list[dict]:
-    """bench_train rows as results-file rows (the runner's fields, ratios against Flex per variant and causal)."""
+    """bench_train rows as results-file rows (the runner's fields, ratios against BASELINES per variant and causal)."""
     from .runner import ROW_FIELDS, add_ratios
     out = []
     for key in dict.fromkeys((r["variant"], r["causal"], r["seqlen"]) for r in rows):
@@ -257,7 +259,7 @@ def result_rows(rows: list[dict], env: dict) -> list[dict]:
                  "dtype": "bf16" if group[0]["dtype"] == "bfloat16" else group[0]["dtype"], "causal": causal}
         made = [{"contender": m.contender, "label": m.label, "metric": m.metric, "value": m.value, "check": m.check,
                  "detail": m.detail} for m in measurements(group)]
-        for r in add_ratios(made, "flex"):
+        for r in add_ratios(made, BASELINES):
             r.update(suite="train", case=f"{name} train S={seqlen}{' causal' if causal else ''}", op="train",
                      shape=shape)
             out.append({k: {**env, **r}.get(k) for k in ROW_FIELDS})

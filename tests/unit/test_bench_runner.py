@@ -378,6 +378,11 @@ def test_train_rows_are_results_rows_with_ratios_against_flex():
     assert ms["flex"]["detail"]["grad_rel_err_vs_fivar"] == 0.004
     assert {r["case"] for r in rows} == {"alibi train S=8192 causal"}
     assert [c.name for c in cases_of("train")][0] == "softcap train S=8192 causal"
+    # Flex could not compile the learnable tensor's gradient: the ratio is against Flex with it frozen
+    bench[1] = dict(common, contender="flex", ms=None, tflops=None, error="InductorError: ...")
+    bench.append(dict(common, contender="flex-frozen", ms=6.0, ms_spread=[5.9, 6.1], tflops=320.0, vs_fivar=0.003))
+    ms = {r["contender"]: r for r in result_rows(bench, env) if r["metric"] == "ms"}
+    assert ms["fivar"]["ratio"] == pytest.approx(0.75) and ms["fivar"]["baseline"] == "flex-frozen"
 
 
 def test_zoo_cases_warm_their_stock_contenders_only(monkeypatch):
