@@ -1,8 +1,8 @@
 """Training steps: forward + backward of a variant at S = 8192 (bf16, head dim 128, GQA 32/8, causal), fivar's
 `v.attention` (its default forward, FA3 on sm90, and the generated Triton backward; `fivar-triton`: the Triton
-twin's forward) against FlexAttention (torch.compile, forward
-+ backward of the same score_mod/mask_mod; the baseline, or `flex-frozen` where Flex cannot compile the gradient of a
-captured tensor: Flex with the learnable tensors held constant, less work than fivar does) and plain SDPA (flash backend, no variant: its own work).
+twin's forward) against FlexAttention (torch.compile, forward + backward of the same score_mod/mask_mod; the
+baseline, or `flex-frozen` where Flex cannot compile the gradient of a captured tensor: Flex with the learnable
+tensors held constant, less work than fivar does) and plain SDPA (flash backend, no variant: its own work).
 Flex's gradients are compared with fivar's before timing (`grad_rel_err_vs_fivar`); gradients against float64
 autograd are the GPU tests' (tests/test_gpu_backward.py). Useful TFLOP/s count the pairs the mask keeps."""
 from __future__ import annotations
