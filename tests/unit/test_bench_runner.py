@@ -411,3 +411,16 @@ def test_zoo_cases_warm_their_stock_contenders_only(monkeypatch):
     assert calls[-1][1:] == (["stock", "stock-fa2", "plain"], None, False)
     cases["llama4_chunked decode 32x32768"].warm_stock()
     assert calls[-1][1] == ["stock"] and calls[-1][2].kwargs == {"window_left": 255}  # (256 - 1) % 8192
+
+
+def test_train_cases_prebuild_the_fa3_forward_on_sm90_only(monkeypatch):
+    """The runner's parallel prebuild covers the FA3 modules v.attention's default forward runs on sm90 (the
+    KV-range form's batch prefill for a scanned mask), and nothing where the forward is Triton's."""
+    from fivar.bench.suites import _attention, cases_of
+    by = {c.name.split()[0]: c for c in cases_of("train")}
+    monkeypatch.setattr(_attention, "_sm90", lambda: False)
+    assert all(c.modules() == [] for c in by.values())
+    monkeypatch.setattr(_attention, "_sm90", lambda: True)
+    soft, doc = by["softcap"].modules(), by["document_mask"].modules()
+    assert soft and all("_fa3_single_prefill_" in m.uri for m in soft)
+    assert doc and all("_fa3_batch_prefill" in m.uri for m in doc)
