@@ -7,6 +7,8 @@ import torch
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor, clamp, log, tanh
 from fivar.bench.train import check_gradients, learnable_copy, reference_gradients
+from fivar.codegen.triton import kernel_arg_values
+from fivar.runtime.params import bind_params
 from fivar.testing import compare, document_ids, example_params
 
 DTYPE = torch.float16  # the interpreter has no bfloat16 arithmetic
@@ -264,12 +266,13 @@ def test_scattered_learnable_reads():
 
 def test_rows_of_keys_is_the_transpose_of_the_ranges():
     """For each 16 keys, the rows of the 16-row groups whose [lo, hi) reaches them, first to last, and the rows of
-    the groups whose [full_lo, full_hi) covers all 16 when those groups are one run: against a brute force over
-    random ranges (empty ones included), one key group a slice or all at once."""
+    the groups whose [full_lo, full_hi) covers all 16 when those groups are one run, a group whose gap holds all 16
+    not reaching them: against a brute force over random ranges (empty ones included), one key group a slice or all
+    at once."""
     from fivar.jit.triton_module import load_triton_module
     module = load_triton_module(fivar.load("document_mask"), training=True)
     gen = torch.Generator().manual_seed(3)
-    runs = 0
+    runs = gaps = 0
     for trial in range(4):
         lo = torch.randint(0, 300, (2, 3, 11), generator=gen)
         hi = lo + torch.randint(-40, 120, (2, 3, 11), generator=gen)  # hi <= lo: the group keeps nothing
@@ -279,8 +282,13 @@ def test_rows_of_keys_is_the_transpose_of_the_ranges():
         if trial % 2:  # a shared full range, as documents give: long runs of covering groups
             full_hi[..., 1:9] = full_lo[..., 1:9]  # and, around it, groups covering no key
             full_lo[..., 2:8], full_hi[..., 2:8], lo[..., 2:8], hi[..., 2:8] = 100, 260, 90, 270
+        # some groups drop a gap of keys between two runs (a sink and a window); the others none ([0, 0))
+        gap_lo = lo + torch.randint(0, 60, (2, 3, 11), generator=gen)
+        gap_hi = gap_lo + torch.randint(0, 100, (2, 3, 11), generator=gen)
+        no_gap = torch.rand(2, 3, 11, generator=gen) < 0.5
+        gap_lo[no_gap], gap_hi[no_gap] = 0, 0
         ranges = torch.zeros(2, 3, 11, 6, dtype=torch.int32)
-        for i, x in enumerate((lo, hi, full_lo, full_hi)):
+        for i, x in enumerate((lo, hi, full_lo, full_hi, gap_lo, gap_hi)):
             ranges[..., i] = x.to(torch.int32)
         for pairs in (1, 264, 1 << 22):  # a key group a slice, four (the last one short), all
             got = module.rows_of_keys(ranges, 400, pairs=pairs)
@@ -288,7 +296,9 @@ def test_rows_of_keys_is_the_transpose_of_the_ranges():
                 for h in range(3):
                     for j in range(25):  # ceil(400 / 16)
                         keys = (16 * j, 16 * j + 16)
-                        reach = [g for g in range(11) if lo[b, h, g] < keys[1] and hi[b, h, g] > keys[0]]
+                        reach = [g for g in range(11) if lo[b, h, g] < keys[1] and hi[b, h, g] > keys[0]
+                                 and not gap_lo[b, h, g] <= keys[0] < keys[1] <= gap_hi[b, h, g]]
+                        gaps += len(reach) < sum(1 for g in range(11) if lo[b, h, g] < keys[1] and hi[b, h, g] > keys[0])
                         want = [16 * min(reach), 16 * (max(reach) + 1)] if reach else [16 * 11, 0]
                         full = [g for g in reach if full_lo[b, h, g] <= keys[0] and full_hi[b, h, g] >= keys[1]]
                         one_run = bool(full) and full == list(range(full[0], full[-1] + 1))
@@ -296,6 +306,7 @@ def test_rows_of_keys_is_the_transpose_of_the_ranges():
                         want += [16 * full[0], 16 * (full[-1] + 1)] if one_run else [0, 0]
                         assert got[b, h, j].tolist() == want, (trial, pairs, b, h, j)
     assert runs, "no key group had a run of covering groups: the draw tests nothing"
+    assert gaps, "no group's gap held a key group: the draw tests nothing"
 
 
 def test_bench_train_rows():
@@ -441,3 +452,28 @@ def test_flashinfer_forward_feeds_the_backward(monkeypatch, name, ragged):
         assert torch.equal(grads[0][-1], torch.zeros_like(grads[0][-1]))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_sink_and_window_gradients_skip_the_gap():
+    """A mask of two runs per row (attention sinks and a causal window, StreamingLLM's): the backward skips the key
+    tiles every row of a block drops between them (dQ as the forward does, dK/dV through rows_of_keys), and the
+    gradients still match float64 autograd; single and ragged."""
+    def sink_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+        return kv_idx < params.sinks or q_idx - kv_idx < params.window
+    v = AttentionVariant(name="sink_window_train", mask=sink_window,
+                         params={"sinks": Scalar(int, default=4), "window": Scalar(int, default=24)})
+    for qo_lens in ([130], [70, 130]):
+        q, k, vv = _qkv(sum(qo_lens), sum(qo_lens), 4, 2, 16)
+        r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=qo_lens, causal=True,
+                            params={"sinks": 4, "window": 24}, dtype=DTYPE)
+        assert r.passed, r
+    from fivar.jit.triton_module import load_triton_module
+    module = load_triton_module(v, training=True)
+    indptr = torch.tensor([0, 130], dtype=torch.int32)
+    bound = bind_params(v, {"sinks": 4, "window": 24}, num_qo_heads=4, num_kv_heads=2, batch_size=1, device="cpu")
+    args = kernel_arg_values(v, bound, 0.25)
+    ranges = module.mask_ranges(indptr, indptr, 130, 4, 2, args)
+    key_rows = module.rows_of_keys(ranges, 130)
+    # keys 48..63: the rows up to 86 keep them (the window; rows before 48 too, the mask alone being two-sided),
+    # the rows from 87 on drop them, and from 96 on (a whole row group) they lie in the group's gap: not visited
+    assert key_rows[0, 0, 3, 1] == 96
