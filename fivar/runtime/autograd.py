@@ -19,7 +19,7 @@ from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
 from ..spec.live import variant_by_key
 from .params import BoundParams
-from .plan_cache import PlanCache
+from .plan_cache import PlanCache, capturing
 
 def _bound(variant, tensors: list, scalars: list) -> BoundParams:
     tnames, snames = list(variant.tensor_params), list(variant.scalar_params)
@@ -42,7 +42,10 @@ def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                   kv_indptr: torch.Tensor, max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float,
                   tensors: list[torch.Tensor], scalars: list[float], target: str) -> tuple[torch.Tensor, torch.Tensor]:
     var = variant_by_key(variant)
-    if target != "triton":
+    # FlashInfer's plans are made on the host and kept by the contents they saw: a CUDA graph replaying a kept plan
+    # after new document ids were copied in would attend with the old ones. The target was chosen when the call
+    # was traced (torch.compile), so the capture is noticed here: the Triton forward records its pre-pass.
+    if target != "triton" and not capturing():
         return _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars)
     with _per_element():
         return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
@@ -194,7 +197,7 @@ def forward_target(variant, backend: str, q, k, causal: bool, late_rows: bool) -
         why_not = f"FlashInfer's kernels take float16/bfloat16, got {str(q.dtype).removeprefix('torch.')}"
     elif q.shape[-1] not in _FLASHINFER_HEAD_DIMS:
         why_not = f"FlashInfer's kernels are built for head dims {_FLASHINFER_HEAD_DIMS}, got {q.shape[-1]}"
-    elif torch.cuda.is_current_stream_capturing():
+    elif capturing():
         why_not = "a CUDA graph is being captured and FlashInfer plans on the host"
     elif causal and late_rows:
         why_not = "causal with a request's qo_len > kv_len (rows before the first key)"

@@ -477,3 +477,22 @@ def test_sink_and_window_gradients_skip_the_gap():
     # keys 48..63: the rows up to 86 keep them (the window; rows before 48 too, the mask alone being two-sided),
     # the rows from 87 on drop them, and from 96 on (a whole row group) they lie in the group's gap: not visited
     assert key_rows[0, 0, 3, 1] == 96
+
+
+def test_flashinfer_forward_not_while_a_cuda_graph_is_captured(monkeypatch):
+    """A compiled step chose the FA3 forward when it was traced; captured into a CUDA graph (reduce-overhead), the
+    op runs the Triton forward instead, whose mask pre-pass the graph records (a kept FlashInfer plan would replay
+    the document ids it was made with)."""
+    import fivar.runtime.attention as rt
+    import fivar.runtime.autograd  # noqa: F401 - registers the ops
+
+    def refuse(*a, **kw):
+        raise AssertionError("the FlashInfer forward ran while a CUDA graph was captured")
+    monkeypatch.setattr(rt, "single_prefill", refuse)
+    monkeypatch.setattr(fivar.runtime.autograd, "capturing", lambda: True)
+    v = fivar.load("softcap")
+    q, k, vv = _qkv(16, 16, 2, 1, 16)
+    indptr = torch.tensor([0, 16], dtype=torch.int32)
+    got = torch.ops.fivar.attention_fwd(v.key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0], "fa3")
+    want = torch.ops.fivar.attention_fwd(v.key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0], "triton")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
