@@ -1,4 +1,5 @@
-"""Training with a variant: `variant.attention(q, k, v, ...)`, differentiable through the Triton twin.
+"""Training with a variant: `variant.attention(q, k, v, ...)`, differentiable through a backward generated from the
+spec (the Triton twin's); the forward is the variant's FA3 kernel on sm90, the Triton twin's elsewhere.
 
 Two torch.library custom ops carry the work, so `torch.compile` sees opaque, shape-described calls:
 
@@ -201,6 +202,8 @@ def forward_target(variant, backend: str, q, k, causal: bool, late_rows: bool) -
         why_not = "a CUDA graph is being captured and FlashInfer plans on the host"
     elif causal and late_rows:
         why_not = "causal with a request's qo_len > kv_len (rows before the first key)"
+    elif backend == "fa3" and (arch := torch.cuda.get_device_capability(q.device)) != (9, 0):
+        why_not = f"FA3 kernels are built for sm90a, this GPU is sm{arch[0]}{arch[1]}"
     if backend == "auto":
         if why_not is None:
             from .attention import choose_target

@@ -165,6 +165,9 @@ def _synthetic(path, gpu="NVIDIA H200"):
         rows.append({**ENV, "gpu": gpu, "run": "new", "date": "2026-02-01T00:00:00Z", "suite": "zoo",
                      "case": "chunked prefill", "op": "prefill", "shape": {}, "contender": contender, "label": "",
                      "metric": "ms", "value": ms, "check": check, "detail": {"rel_err": 0.5} if ms is None else {}})
+    rows.append({**ENV, "gpu": gpu, "run": "new", "date": "2026-02-01T00:00:00Z", "suite": "zoo",  # could not prepare
+                 "case": "window prefill", "op": "prefill", "shape": {}, "contender": "*", "label": "",
+                 "metric": "ms", "value": None, "check": "error", "detail": {"error": "illegal memory access"}})
     rows.append({**ENV, "gpu": gpu, "run": "new", "date": "2026-02-01T00:00:00Z", "suite": "fusions", "case": "rms",
                  "op": "add_rmsnorm", "shape": {}, "contender": "fivar", "label": "", "metric": "tbps_useful",
                  "value": 3.1, "check": "pass", "detail": {}})
@@ -192,7 +195,7 @@ def test_render_latest_run_per_case_and_readme_markers(tmp_path):
     out = readme.read_text()
     assert out.startswith("intro\n<!-- results:begin -->\n") and out.endswith("<!-- results:end -->\noutro\n")
     # the cases fivar does not pass (a baseline's failure is in the full tables only)
-    assert "stale table" not in out and "| NVIDIA H200 | zoo | 2 | 1 | 2.00x | 2.00x |" in out
+    assert "stale table" not in out and "| NVIDIA H200 | zoo | 3 | 2 | 2.00x | 2.00x |" in out
 
 
 def test_render_leaves_a_readme_without_markers_alone(tmp_path):
@@ -388,6 +391,14 @@ def test_train_rows_are_results_rows_with_ratios_against_flex():
     bench.append(dict(common, contender="flex-frozen", ms=6.0, ms_spread=[5.9, 6.1], tflops=320.0, vs_fivar=0.003))
     ms = {r["contender"]: r for r in result_rows(bench, env) if r["metric"] == "ms"}
     assert ms["fivar"]["ratio"] == pytest.approx(0.75) and ms["fivar"]["baseline"] == "flex-frozen"
+    # gradients that disagree beyond bf16 noise: fivar's rows fail and carry no number (NaN disagrees too)
+    for err in (0.08, float("nan")):
+        bench[-1]["vs_fivar"] = err
+        rows = result_rows(bench, env)
+        for r in rows:
+            validate_row(r)
+        fivar_rows = [r for r in rows if r["contender"] == "fivar"]
+        assert fivar_rows and all(r["check"] == "fail" and r["value"] is None for r in fivar_rows)
 
 
 def test_zoo_cases_warm_their_stock_contenders_only(monkeypatch):

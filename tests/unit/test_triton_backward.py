@@ -408,6 +408,34 @@ def test_forward_backend_choice():
         v.attention(q, k, k, backend="fa4", softcap=2.0)
 
 
+def test_forward_backend_choice_on_a_gpu(monkeypatch):
+    """The FA3 forward where it can run the call, the Triton one (auto) or a one-line error (fa3) otherwise: the
+    GPU's arch, dtype, head dim, a CUDA graph being captured, causal rows before the first key."""
+    from types import SimpleNamespace
+
+    import fivar.runtime.autograd as ag
+    from fivar.runtime.autograd import forward_target
+    v = fivar.load("softcap")
+    arch, capture = [(9, 0)], [False]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: arch[0])
+    monkeypatch.setattr(ag, "capturing", lambda: capture[0])
+
+    def q(dtype=torch.bfloat16, head_dim=128):
+        return SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(8, 4, head_dim))
+    assert forward_target(v, "auto", q(), q(), True, False)[0] == "fa3"
+    assert forward_target(v, "auto", q(), q(), False, True)[0] == "fa3"  # rows before the first key: only causal
+    for why, call in (("float16/bfloat16", dict(q=q(torch.float32))), ("head dims", dict(q=q(head_dim=96))),
+                      ("qo_len > kv_len", dict(late_rows=True)), ("captured", dict(capture=True)),
+                      ("sm80", dict(arch=(8, 0)))):
+        capture[0], arch[0] = call.get("capture", False), call.get("arch", (9, 0))
+        args = (call.get("q", q()), q(), True, call.get("late_rows", False))
+        assert forward_target(v, "auto", *args)[0] == "triton", why
+        with pytest.raises(fivar.FivarError, match=f"variant 'softcap'.*backend='fa3'.*{why}"):
+            forward_target(v, "fa3", *args)
+    capture[0], arch[0] = False, (8, 0)
+    assert forward_target(v, "fa2", q(), q(), True, False)[0] == "fa2"
+
+
 @pytest.mark.parametrize("name,ragged", [("relative_bias", False), ("document_mask", True), ("sigmoid", True),
                                          ("softcap", False)])
 def test_flashinfer_forward_feeds_the_backward(monkeypatch, name, ragged):
