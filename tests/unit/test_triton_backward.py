@@ -524,3 +524,18 @@ def test_flashinfer_forward_not_while_a_cuda_graph_is_captured(monkeypatch):
     got = torch.ops.fivar.attention_fwd(v.key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0], "fa3")
     want = torch.ops.fivar.attention_fwd(v.key, q, k, vv, indptr, indptr, 16, 16, True, 0.25, [], [30.0], "triton")
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_autotune_timings_kept_on_disk_where_triton_can(monkeypatch):
+    """Triton >= 3.4 keeps autotuning timings in its cache: every tuned kernel of the module asks for it (the
+    compiled module; the interpreter tunes nothing)."""
+    import inspect
+
+    import triton
+    from fivar.jit.triton_module import load_triton_module
+    if "cache_results" not in inspect.signature(triton.autotune).parameters:
+        pytest.skip("this Triton has no autotune cache")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    module = load_triton_module(fivar.load("alibi"), training=True)
+    for name in ("prefill_kernel", "decode_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
+        assert getattr(module, name).cache_results, name
