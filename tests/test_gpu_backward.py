@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fivar
+from fivar import AttentionVariant, Scalar
 from fivar.bench.train import check_gradients, learnable_copy
 from fivar.testing import example_params
 
@@ -66,3 +67,21 @@ def test_compiled_training_step_with_a_learned_bias():
         runs.append([x.grad for x in leaves])
     for a, b in zip(*runs):
         assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+
+
+def _sink_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx < params.sinks or q_idx - kv_idx < params.window
+
+
+SINK_WINDOW = AttentionVariant(name="sink_window_grad", mask=_sink_window,
+                               params={"sinks": Scalar(int, default=4), "window": Scalar(int, default=200)})
+
+
+@pytest.mark.parametrize("qo_lens", [[1000], [300, 1000, 17]])
+def test_sink_and_window_skips_the_gap(qo_lens):
+    """Attention sinks + a causal window (two runs of keys a row): the backward skips the tiles in every row's gap
+    (dQ's edge loop, dK/dV's rows); gradients against float64 autograd, through the Triton forward."""
+    q, k, vv = _qkv(sum(qo_lens), sum(qo_lens))
+    r = check_gradients(SINK_WINDOW, q, k, vv, qo_lens=qo_lens, kv_lens=qo_lens, causal=True,
+                        params={"sinks": 4, "window": 200}, dtype=DTYPE, backend="triton")
+    assert r.passed, r
