@@ -291,7 +291,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--heads", default="32/8")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--vs", default="fivar-triton,flex,flex-frozen,sdpa", help="contenders besides fivar, comma-separated")
+    ap.add_argument("--vs", default="fivar-triton,flex,flex-frozen,sdpa",
+                    help="contenders besides fivar, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jsonl", default=None, help="append the rows to this results file (the runner's row format; "
                     "python -m fivar.bench --suite train writes the same rows to benchmarks/results/<gpu>.jsonl)")

@@ -22,6 +22,7 @@ from ..spec.live import variant_by_key
 from .params import BoundParams
 from .plan_cache import PlanCache, capturing
 
+
 def _bound(variant, tensors: list, scalars: list) -> BoundParams:
     tnames, snames = list(variant.tensor_params), list(variant.scalar_params)
     values = {n: (int(x) if variant.params[n].dtype is int else float(x)) for n, x in zip(snames, scalars)}
@@ -35,7 +36,6 @@ def _module(variant):
 
 #: `attention(backend=...)`: which kernel runs the forward; the backward is always the generated Triton one.
 TRAINING_BACKENDS = ("auto", "triton", "fa3", "fa2")
-_FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 @torch.library.custom_op("fivar::attention_fwd", mutates_args=())
@@ -64,9 +64,12 @@ def _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_s
         result = single_prefill(var, q, k, v, **kw)
     else:
         result = batch_prefill_ragged(var, q, k, v, qo_indptr, kv_indptr, **kw)
-    if not var.softmax:
-        return result, torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    return result
+    return result if var.softmax else (result, _no_lse(q))
+
+
+def _no_lse(q):
+    """The lse output of a variant without softmax: zeros (the backward reads nothing of it)."""
+    return torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
 
 
 def _per_element():
@@ -116,9 +119,8 @@ def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal,
     kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars, args)
     ranges = kept.ranges if kept is not None else None
     # every row belongs to a request (the indptrs were checked), so softmax's kernel writes each one
-    if not var.softmax:  # no softmax, no log-sum-exp: the backward reads nothing of it
-        o = module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, ranges=ranges)
-        return o, torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    if not var.softmax:
+        return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, ranges=ranges), _no_lse(q)
     return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse=True, ranges=ranges)
 
 
@@ -191,27 +193,24 @@ def forward_target(variant, backend: str, q, k, causal: bool, late_rows: bool) -
                          f"{', '.join(TRAINING_BACKENDS)})")
     if backend == "triton":
         return "triton", "backend='triton' was requested"
+    from ..jit.build import DTYPES, HEAD_DIMS
+    from .attention import choose_target
     why_not = None
     if q.device.type != "cuda":
         why_not = f"the inputs are on {q.device.type}, FlashInfer's kernels run on a CUDA GPU"
-    elif q.dtype not in (torch.float16, torch.bfloat16):
+    elif q.dtype not in DTYPES.values():
         why_not = f"FlashInfer's kernels take float16/bfloat16, got {str(q.dtype).removeprefix('torch.')}"
-    elif q.shape[-1] not in _FLASHINFER_HEAD_DIMS:
-        why_not = f"FlashInfer's kernels are built for head dims {_FLASHINFER_HEAD_DIMS}, got {q.shape[-1]}"
+    elif q.shape[-1] not in HEAD_DIMS:
+        why_not = f"FlashInfer's kernels are built for head dims {HEAD_DIMS}, got {q.shape[-1]}"
     elif capturing():
         why_not = "a CUDA graph is being captured and FlashInfer plans on the host"
     elif causal and late_rows:
         why_not = "causal with a request's qo_len > kv_len (rows before the first key)"
-    elif backend == "fa3" and (arch := torch.cuda.get_device_capability(q.device)) != (9, 0):
-        why_not = f"FA3 kernels are built for sm90a, this GPU is sm{arch[0]}{arch[1]}"
+    elif backend != "fa2":  # auto and fa3 need what backend="auto" of inference takes FA3 for (an sm90 GPU)
+        target, reason = choose_target(variant, "auto", "single_prefill", q.device)
+        why_not = None if target == "fa3" else reason
     if backend == "auto":
-        if why_not is None:
-            from .attention import choose_target
-            target, reason = choose_target(variant, "auto", "single_prefill", q.device)
-            if target == "fa3":
-                return "fa3", f"FA3 forward: {reason}"
-            why_not = reason
-        return "triton", f"Triton forward: {why_not}"
+        return ("fa3", "FA3 forward") if why_not is None else ("triton", f"Triton forward: {why_not}")
     if why_not is not None:
         raise FivarError(f"variant '{variant.name}': attention(backend={backend!r}) cannot run this call: {why_not}; "
                          "use backend='triton' or 'auto'")
