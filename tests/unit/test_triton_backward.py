@@ -539,3 +539,46 @@ def test_autotune_timings_kept_on_disk_where_triton_can(monkeypatch):
     module = load_triton_module(fivar.load("alibi"), training=True)
     for name in ("prefill_kernel", "decode_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
         assert getattr(module, name).cache_results, name
+
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor [tokens, heads, head_dim] of bf16: only what tma_loads reads."""
+    is_cuda = True
+    device = "cuda:0"
+
+    def __init__(self, shape, strides, ptr=1 << 20):
+        self.shape, self._strides, self._ptr = shape, strides, ptr
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def element_size(self):
+        return 2
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def test_tma_loads_only_where_a_descriptor_can_read_the_tiles(monkeypatch):
+    """The backward's full tiles go through TMA on sm90+ only for heads-contiguous, 16-byte-aligned rows; else (and
+    before Hopper, and interpreted) through pointers."""
+    from fivar.jit.triton_module import load_triton_module
+    module = load_triton_module(fivar.load("alibi"), training=True)
+    assert module.tma_loads(torch.zeros(4, 2, 16), torch.zeros(4, 2, 16)) is False  # CPU / interpreted
+    monkeypatch.setattr(module, "INTERPRETING", False)
+    monkeypatch.setattr(module, "TMA", True)
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(module, "_scratch_allocator", lambda: True)
+    good = _FakeCuda((64, 8, 128), (8 * 128, 128, 1))
+    assert module.tma_loads(good, good) is True
+    assert module.tma_loads(good, _FakeCuda((64, 3, 128), (3 * 3 * 128, 128, 1))) is True  # a slice of fused qkv
+    assert module.tma_loads(good, _FakeCuda((64, 8, 128), (128, 64 * 128, 1))) is False  # heads not contiguous
+    assert module.tma_loads(good, _FakeCuda((64, 8, 128), (8 * 128, 128, 2))) is False  # strided head_dim
+    assert module.tma_loads(good, _FakeCuda((64, 1, 4), (4 + 1, 4, 1))) is False  # a row not a multiple of 16 B
+    assert module.tma_loads(good, _FakeCuda((64, 8, 128), (8 * 128, 128, 1), ptr=(1 << 20) + 8)) is False
+    assert module.tma_loads(good, _FakeCuda((0, 8, 128), (8 * 128, 128, 1))) is False  # no rows
+    monkeypatch.setattr(module, "_capability", lambda device: (8, 9))
+    assert module.tma_loads(good, good) is False  # Ada: no TMA
+    monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(module, "TMA", False)
+    assert module.tma_loads(good, good) is False  # FIVAR_TRITON_TMA=0
