@@ -30,7 +30,28 @@ INT_ARGS = ("fv_heads", "fv_max_len", "fv_tokens", "LEN_BUCKET")
 INDEX_ARGS = ("qo_indptr", "kv_indptr", "Ranges", "KeyRows", "Order")
 
 
-def _signature(jit, constexprs: dict) -> tuple[dict, dict, dict]:
+POINTER = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int32": "*i32", "int64": "*i64",
+           "bool": "*i1"}
+
+
+def _variant_types(variant) -> dict:
+    """The variant's kernel arguments (fivar.codegen.triton's KernelArg) -> Triton types."""
+    from fivar.codegen.triton import TritonEmitter
+    from fivar.spec.params import Tensor
+    types = {}
+    for arg in TritonEmitter(variant).args:
+        param = variant.compiled_params.get(arg.param)
+        if arg.source == "tensor":
+            types[arg.name] = POINTER[param.dtype]
+        elif arg.source == "scalar":
+            types[arg.name] = "fp32" if param.dtype is float else "i32"
+        elif arg.source in ("size", "stride"):
+            types[arg.name] = "i32"
+        assert arg.source == "sm_scale" or isinstance(param, Tensor) or arg.source == "scalar"
+    return types
+
+
+def _signature(jit, constexprs: dict, variant_types: dict) -> tuple[dict, dict, dict]:
     """Types for the kernel's arguments as fivar launches it on bf16 tensors: (signature, constexprs, attrs)."""
     sig, attrs, const = {}, {}, dict(constexprs)
     for i, (name, param) in enumerate(zip(jit.arg_names, jit.params)):
@@ -47,7 +68,9 @@ def _signature(jit, constexprs: dict) -> tuple[dict, dict, dict]:
             sig[name] = "i32"
         elif name == "sm_scale":
             sig[name] = "fp32"
-        else:  # Lse, Delta, gradient buffers and the variant's float tensors
+        elif name in variant_types:
+            sig[name] = variant_types[name]
+        else:  # Lse, Delta and the learnable parameters' float32 gradient buffers
             sig[name] = "*fp32"
         if sig[name].startswith("*") or (sig[name] == "i32" and name.startswith("stride")):
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -81,18 +104,20 @@ def loop_mix(sass: str) -> list[dict]:
 
 def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, group: int, causal: bool) -> dict:
     block_short, block_long, warps, stages = config
-    module_src = render_training(load_file(Path(variant_file)))
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(module_src)
-    namespace: dict = {"__name__": "fivar_backward_sass", "__file__": f.name}
-    exec(compile(module_src, f.name, "exec"), namespace)  # noqa: S102 - fivar's own rendering
-    tuner = namespace["bwd_dkdv_kernel" if kernel == "dkdv" else "bwd_dq_kernel"]
-    jit = tuner.fn
-    blocks = {"BLOCK_M": block_long, "BLOCK_N": block_short} if kernel == "dq" else \
-        {"BLOCK_M": block_short, "BLOCK_N": block_long}
-    sig, const, attrs = _signature(jit, {"GROUP": group, "HEAD_DIM": 128, "CAUSAL": causal, "USE_TMA": tma, **blocks})
-    compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    variant = load_file(Path(variant_file))
+    module_src = render_training(variant)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "module.py")  # Triton reads a kernel's source through its file
+        Path(source).write_text(module_src)
+        namespace: dict = {"__name__": "fivar_backward_sass", "__file__": source}
+        exec(compile(module_src, source, "exec"), namespace)  # noqa: S102 - fivar's own rendering
+        jit = namespace["bwd_dkdv_kernel" if kernel == "dkdv" else "bwd_dq_kernel"].fn
+        blocks = {"BLOCK_M": block_long, "BLOCK_N": block_short} if kernel == "dq" else \
+            {"BLOCK_M": block_short, "BLOCK_N": block_long}
+        sig, const, attrs = _signature(jit, {"GROUP": group, "HEAD_DIM": 128, "CAUSAL": causal, "USE_TMA": tma,
+                                             **blocks}, _variant_types(variant))
+        compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(compiled.asm["ptx"])

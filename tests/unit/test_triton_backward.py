@@ -577,6 +577,7 @@ def test_tma_loads_only_where_a_descriptor_can_read_the_tiles(monkeypatch):
     assert module.tma_loads(good, _FakeCuda((64, 1, 4), (4 + 1, 4, 1))) is False  # a row not a multiple of 16 B
     assert module.tma_loads(good, _FakeCuda((64, 8, 128), (8 * 128, 128, 1), ptr=(1 << 20) + 8)) is False
     assert module.tma_loads(good, _FakeCuda((0, 8, 128), (8 * 128, 128, 1))) is False  # no rows
+    assert module.tma_loads(_FakeCuda((64, 8, 128), (128, 64 * 128, 1)), good) is False  # either tensor decides
     monkeypatch.setattr(module, "_capability", lambda device: (8, 9))
     assert module.tma_loads(good, good) is False  # Ada: no TMA
     monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
