@@ -36,16 +36,20 @@ def _typed(x):
     return (type(x), x)
 
 
+# The containers key their items with value_key's dispatch inlined (one call an item, not two): a one-shot call's
+# parts are a tuple of about ten items, keyed on every call.
 def _tuple(x):
-    return ("tuple",) + tuple(map(value_key, x))
+    return ("tuple",) + tuple([(_KEY_OF.get(type(i)) or _key_of_type(type(i)))(i) for i in x])
 
 
 def _list(x):
-    return ("list",) + tuple(map(value_key, x))
+    return ("list",) + tuple([(_KEY_OF.get(type(i)) or _key_of_type(type(i)))(i) for i in x])
 
 
 def _dict(x):
-    return ("dict",) + tuple(sorted((k, value_key(v)) for k, v in x.items())) if x else ("dict",)
+    if not x:
+        return ("dict",)
+    return ("dict",) + tuple(sorted([(k, (_KEY_OF.get(type(v)) or _key_of_type(type(v)))(v)) for k, v in x.items()]))
 
 
 #: How each type is keyed, found by one dict lookup of the exact type: value_key runs on every one-shot call, and a

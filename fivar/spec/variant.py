@@ -183,71 +183,64 @@ class AttentionVariant:
     # --- runtime entry points (thin: the work lives in fivar.runtime) ---------------------------
     def _check_backend_name(self, backend: str) -> None:
         """A typo in `backend` is named first, before checks of the inputs could hide it."""
-        from ..runtime.attention import ALL_BACKENDS
-        if backend not in ALL_BACKENDS:
+        if backend not in _runtime().ALL_BACKENDS:
             raise FivarError(f"variant '{self.name}': backend {backend!r} is not available (choose from "
-                             f"{', '.join(ALL_BACKENDS)})")
+                             f"{', '.join(_runtime().ALL_BACKENDS)})")
 
     def prefill(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None,
                 backend: str = "auto", out=None, return_lse: bool = False, **params):
         """Single-request prefill. q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D] (NHD). return_lse: (out, lse), lse
         float32 [qo_len, Hq] in base 2 (fivar.runtime.lse), for `fivar.merge_states`."""
-        from ..runtime.attention import single_prefill
         self._check_backend_name(backend)
-        return single_prefill(self, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
-                              out=out, params=params, return_lse=return_lse)
+        return _runtime().single_prefill(self, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
+                                         out=out, params=params, return_lse=return_lse)
 
     def batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, *, causal: bool = False,
                              sm_scale: float | None = None, backend: str = "auto", return_lse: bool = False,
                              **params):
-        from ..runtime.attention import batch_prefill_ragged
         self._check_backend_name(backend)
-        return batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, causal=causal,
-                                    sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse)
+        return _runtime().batch_prefill_ragged(self, q, k, v, qo_indptr, kv_indptr, causal=causal,
+                                               sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse)
 
     def batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                             kv_last_page_len, *, causal: bool = False, sm_scale: float | None = None,
                             backend: str = "auto", return_lse: bool = False, k_scale: float | None = None,
                             v_scale: float | None = None, **params):
         """k_scale/v_scale: the cache holds k / k_scale, v / v_scale (a float8_e4m3fn cache: fivar.runtime.fp8_kv)."""
-        from ..runtime.attention import batch_prefill_paged
         self._check_backend_name(backend)
-        return batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
-                                   kv_last_page_len, causal=causal, sm_scale=sm_scale,
-                                   backend=backend, params=params, return_lse=return_lse, k_scale=k_scale,
-                                   v_scale=v_scale)
+        return _runtime().batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
+                                              kv_last_page_len, causal=causal, sm_scale=sm_scale,
+                                              backend=backend, params=params, return_lse=return_lse, k_scale=k_scale,
+                                              v_scale=v_scale)
 
     def decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *,
                sm_scale: float | None = None, backend: str = "auto", return_lse: bool = False,
                k_scale: float | None = None, v_scale: float | None = None, **params):
         """k_scale/v_scale: the cache holds k / k_scale, v / v_scale (a float8_e4m3fn cache: fivar.runtime.fp8_kv)."""
-        from ..runtime.attention import batch_decode
         self._check_backend_name(backend)
-        return batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
-                            sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse,
-                            k_scale=k_scale, v_scale=v_scale)
+        return _runtime().batch_decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
+                                       sm_scale=sm_scale, backend=backend, params=params, return_lse=return_lse,
+                                       k_scale=k_scale, v_scale=v_scale)
 
     def plan_paged(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
                    num_kv_heads: int, head_dim: int, page_size: int, dtype=None, causal: bool = False,
                    sm_scale: float | None = None, backend: str = "auto", device="cuda", kv_dtype=None, **params):
         """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split).
         kv_dtype=torch.float8_e4m3fn: an FP8 cache, run with `.run(q, cache, k_scale=, v_scale=)`."""
-        from ..runtime.attention import PagedAttentionPlan
         self._check_backend_name(backend)
-        return PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                  page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
-                                  backend=backend, device=device, params=params, kv_dtype=kv_dtype)
+        return _runtime().PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                             page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
+                                             backend=backend, device=device, params=params, kv_dtype=kv_dtype)
 
     def plan_ragged(self, qo_indptr, kv_indptr, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                     dtype=None, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
                     device="cuda", **params):
         """Plan a ragged batch (a single request: indptrs [0, len]) once, then `.run(q, k, v)` per layer."""
-        from ..runtime.attention import RaggedAttentionPlan
         self._check_backend_name(backend)
-        return RaggedAttentionPlan(self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads,
-                                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
-                                   sm_scale=sm_scale, backend=backend, device=device, params=params)
+        return _runtime().RaggedAttentionPlan(self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads,
+                                              num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
+                                              sm_scale=sm_scale, backend=backend, device=device, params=params)
 
     def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, *, cuda_graph: bool = False, **kwargs):
         """Plan what `decode` runs (FA2: the tensor-core paged kernel or the decode kernel, as `decode` chooses) once
@@ -257,12 +250,11 @@ class AttentionVariant:
             from ..runtime.graph import GraphDecodePlan
             params = {k: kwargs.pop(k) for k in list(kwargs) if k in self.params}
             return GraphDecodePlan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
-        from ..runtime.attention import decode_plan
         self._check_backend_name(kwargs.get("backend", "auto"))
         plan_args = {"num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "sm_scale", "backend", "device",
                      "kv_dtype"}
         params = {k: kwargs.pop(k) for k in list(kwargs) if k not in plan_args}  # checked against the declaration
-        return decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
+        return _runtime().decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
 
     def attention(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
                   qo_indptr=None, kv_indptr=None, return_lse: bool = False, **params):
@@ -299,3 +291,16 @@ def _call_kwargs() -> frozenset[str]:
 
 #: Keyword arguments fivar's own entry points take (prefill's `causal`, plan_paged's `dtype` ...).
 CALL_KWARGS = _call_kwargs()
+
+
+_RUNTIME = None
+
+
+def _runtime():
+    """fivar.runtime.attention, imported on the first call of an entry point (the runtime imports the spec, not the
+    other way round) and kept: an import statement per call cost about 0.7 us of a decode step's host time."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        from ..runtime import attention
+        _RUNTIME = attention
+    return _RUNTIME

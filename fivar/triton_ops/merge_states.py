@@ -25,6 +25,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _reference_lse(top):
+    """The largest lse of a row's states, the exponent every weight 2^(lse_j - top) is taken from (so none
+    overflows); 0 when every state is empty (lse -inf): weights 0, output 0."""
+    return tl.where(top == float("-inf"), 0.0, top)
+
+
+@triton.jit
 def _merge_states_kernel(O_PARTS, LSE_PARTS, OUT,
                          stride_pc, stride_pn, stride_ph, stride_lc, stride_ln, stride_lh, stride_on, stride_oh,
                          H, D, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -36,8 +43,7 @@ def _merge_states_kernel(O_PARTS, LSE_PARTS, OUT,
 
     chunks = tl.arange(0, CHUNKS)
     lse = tl.load(LSE_PARTS + chunks * stride_lc + n * stride_ln + h * stride_lh)
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # every chunk empty: weights 0, output 0
+    top = _reference_lse(tl.max(lse, axis=0))
     total = tl.sum(tl.exp2(lse - top), axis=0)
 
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -79,8 +85,7 @@ def _merge_into_rows_kernel(OUT, LSE, ROWS, O_OTHER, LSE_OTHER, stride_on, strid
     mask = cols < D
     lse_a = tl.load(LSE + row * stride_ln + h * stride_lh)
     lse_b = tl.load(LSE_OTHER + i * stride_qn + h * stride_qh)
-    top = tl.maximum(lse_a, lse_b)
-    top = tl.where(top == float("-inf"), 0.0, top)  # both empty: weights 0, output 0, lse -inf
+    top = _reference_lse(tl.maximum(lse_a, lse_b))  # both empty: weights 0, output 0, lse -inf
     w_a, w_b = tl.exp2(lse_a - top), tl.exp2(lse_b - top)
     total = w_a + w_b
     o_a = tl.load(OUT + row * stride_on + h * stride_oh + cols, mask=mask, other=0.0).to(tl.float32)
