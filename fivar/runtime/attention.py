@@ -229,13 +229,9 @@ def _split_kwargs(variant, target: str, causal: bool = True, window_left: int = 
 
 
 def _shapes(q, k, v) -> Hashed:
-    """What a cached plan assumes of the data tensors (not their contents): a hit skips the checks of these. Flat
-    for three plain tensors (every one-shot call builds it), item by item otherwise."""
-    if type(q) is type(k) is type(v) is torch.Tensor:
-        return Hashed((q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
-                       v.stride(), v.dtype, v.device))
-    return Hashed(tuple((t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
-                        for t in (q, k, v)))
+    """What a cached plan assumes of the data tensors (not their contents): a hit skips the checks of these."""
+    return Hashed((t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
+                  for t in (q, k, v))
 
 
 def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False, sm_scale=None,

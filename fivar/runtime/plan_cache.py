@@ -36,20 +36,22 @@ def _typed(x):
     return (type(x), x)
 
 
-# The containers key their items with value_key's dispatch inlined (one call an item, not two): a one-shot call's
-# parts are a tuple of about ten items, keyed on every call.
+def _items(x) -> tuple:
+    # value_key of each item with its dispatch inlined (one call an item, not two): a one-shot call's parts are a
+    # tuple of about ten items, keyed on every call
+    return tuple([(_KEY_OF.get(type(i)) or _key_of_type(type(i)))(i) for i in x])
+
+
 def _tuple(x):
-    return ("tuple",) + tuple([(_KEY_OF.get(type(i)) or _key_of_type(type(i)))(i) for i in x])
+    return ("tuple",) + _items(x)
 
 
 def _list(x):
-    return ("list",) + tuple([(_KEY_OF.get(type(i)) or _key_of_type(type(i)))(i) for i in x])
+    return ("list",) + _items(x)
 
 
 def _dict(x):
-    if not x:
-        return ("dict",)
-    return ("dict",) + tuple(sorted([(k, (_KEY_OF.get(type(v)) or _key_of_type(type(v)))(v)) for k, v in x.items()]))
+    return ("dict",) + tuple(sorted(zip(x.keys(), _items(x.values())))) if x else ("dict",)
 
 
 #: How each type is keyed, found by one dict lookup of the exact type: value_key runs on every one-shot call, and a
