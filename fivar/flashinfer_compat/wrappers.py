@@ -1,7 +1,8 @@
 """fivar runs its modules through FlashInfer's own Python wrappers (fivar.runtime.attention._attach): it sets the
 private attributes FlashInfer's `jit_args` path sets, hands FA3's ragged plan the KV starts by position
-(fivar.runtime.kv_ranges), and launches a single-prefill module's `run` with FlashInfer's argument order (the FA3
-last-wave split). These checks read the installed wrappers' Python source."""
+(fivar.runtime.kv_ranges), launches a single-prefill module's `run` with FlashInfer's argument order (the FA3
+last-wave split), and a planned paged wrapper's module `paged_run` the way its `run` does (the direct paged run).
+These checks read the installed wrappers' Python source."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,16 @@ FA3_PLAN_HEAD = ("self._float_workspace_buffer", "self._int_workspace_buffer",
 KV_STARTS_POSITION = 4
 #: A single-prefill module's run(...) as FlashInfer calls it.
 RUN_ARGS = "q, k, v, tmp, o, lse, mask_mode, TensorLayout[kv_layout].value, window_left, *args,"
+#: BatchPrefillWithPagedKVCacheWrapper.run's arguments to its module's paged_run on FA2/FA3, then the variant's.
+PAGED_RUN_ARGS = ("run_args = [ self._float_workspace_buffer, self._int_workspace_buffer, self._plan_info, q, k_cache, "
+                  "v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf, self._paged_kv_indices_buf, "
+                  "self._paged_kv_last_page_len_buf, out, lse, mask_mode, TensorLayout[self._kv_layout].value, "
+                  "window_left, enable_pdl, ]")
+#: The rest of that run as the direct paged run mirrors it: a zero-filled output, a log2 LSE [tokens, heads] as the
+#: kernel writes it, the variant's arguments after the known buffers, one module call.
+PAGED_RUN_STEPS = ("out = torch.zeros(", 'lse_base: str = "log2"', 'lse_layout: str = "NH"',
+                   "prepare_jit_additional_args(", "run_args.extend(additional_args)",
+                   "self._cached_module.paged_run(*run_args)")
 
 
 def _source(obj) -> str:
@@ -73,6 +84,23 @@ def single_prefill_run_problem() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+@safe
+def paged_run_problem() -> str | None:
+    """Why fivar cannot launch a planned paged wrapper's module the way the wrapper's run does, or None."""
+    import flashinfer
+    from flashinfer import prefill
+    text = norm(_source(flashinfer.BatchPrefillWithPagedKVCacheWrapper.run))
+    if PAGED_RUN_ARGS not in text:
+        return "BatchPrefillWithPagedKVCacheWrapper.run passes its module's paged_run other arguments"
+    missing = [step for step in PAGED_RUN_STEPS if step not in text]
+    if missing:
+        return f"BatchPrefillWithPagedKVCacheWrapper.run no longer does {missing[0]!r}"
+    if 'if lse_layout == "NH": if lse_base == "ln": lse.mul_(ln2) return lse' not in norm(_source(prefill._finish_lse)):
+        return "flashinfer.prefill._finish_lse no longer hands a log2 [tokens, heads] LSE back as the kernel wrote it"
+    return None
+
+
 COUPLINGS = [
     Coupling("wrapper_jit_module", "the private attributes of FlashInfer's batch wrappers (_jit_module, "
              "_jit_additional_tensor_names, ...) that its jit_args path sets",
@@ -83,4 +111,8 @@ COUPLINGS = [
              fa3_plan_problem, required=True),
     Coupling("fa3_wave_split_launch", "a single-prefill module's run(...) argument order",
              "the FA3 single-prefill last-wave split", "the last wave runs unsplit", single_prefill_run_problem),
+    Coupling("paged_run_direct", "BatchPrefillWithPagedKVCacheWrapper.run's call of its module's paged_run "
+             "(argument order, zero-filled output, log2 LSE)",
+             "planned paged runs and one-shot decode without the wrapper's per-call Python",
+             "runs go through the wrapper's run", paged_run_problem),
 ]

@@ -24,7 +24,7 @@ from . import fa2_blocks, segments
 from .decode_pages import trim_pages
 from .kv_ranges import KvRangePrefill, mask_scan, paged_kv_ranges
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
-                     _invariant, _module, _paged_kv, _prepare, release_wrapper, take_wrapper)
+                     _invariant, _module, _paged_kv, _prepare, direct_paged_run, release_wrapper, take_wrapper)
 from .params import kernel_args
 from .position_tables import max_lengths
 from .rows import write_rows
@@ -300,7 +300,8 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
                                                     k_cache.shape[0], k_cache.shape[1], q.device)
         plan = _one_shot.get(parts, lambda: _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices,
                                                         kv_last_page_len, causal, sm_scale, params))
-    return scaled_output(plan.run(q, (k_cache, v_cache), return_lse=return_lse), v_scale, return_lse)
+    # the key holds the shapes and dtypes the plan was made for, and the scales are folded into sm_scale
+    return scaled_output(plan._launch(q, k_cache, v_cache, 1.0, return_lse), v_scale, return_lse)
 
 
 def _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale,
@@ -378,7 +379,8 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
                                       page_size=k_cache.shape[1], dtype=q.dtype, kv_dtype=k_cache.dtype,
                                       sm_scale=sm_scale, device=q.device, params=params or {})
         plan = _one_shot.get(parts, make)
-    return scaled_output(plan.run(q, (k_cache, v_cache), return_lse=return_lse), v_scale, return_lse)
+    # the key holds the shapes and dtypes the plan was made for, and the scales are folded into sm_scale
+    return scaled_output(plan._launch(q, k_cache, v_cache, 1.0, return_lse), v_scale, return_lse)
 
 
 class _OwnsWrapper:
@@ -386,6 +388,7 @@ class _OwnsWrapper:
 
     kv_form = "paged"  # run(q, paged_kv_cache); fivar.runtime.ops' plan_run passes the caches as one pair
     _rest = None  # (wrapper, ScaledArgs) of a second launch writing the rows the first skips (fa2_blocks)
+    _direct = (None, None)  # DirectPagedRun of the wrapper and of _rest's (a paged plan's; None: wrapper.run)
 
     def release(self):
         """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
@@ -393,6 +396,7 @@ class _OwnsWrapper:
         if self._rest is not None:
             release_wrapper(*self._release, self._rest[0])
         self._wrapper = self._rest = None
+        self._direct = (None, None)
 
     def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
         """A paged plan's run (decode's and paged prefill's; a ragged plan has its own). k_scale/v_scale: the cache
@@ -409,13 +413,22 @@ class _OwnsWrapper:
             raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [*, {hq}, {d}], "
                              f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
                              f"{tuple(k_cache.shape)}, {q.dtype}")
-        result = self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse)
+        return scaled_output(self._launch(q, k_cache, v_cache, k_scale, return_lse), v_scale, return_lse)
+
+    def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
+        """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key)."""
+        direct, rest_direct = self._direct
+        if direct is not None:
+            result = direct(q, k_cache, v_cache, self._args(k_scale), return_lse)
+        else:
+            result = self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse)
         if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
             wrapper, args = self._rest
-            rows = self._rest_rows
-            write_rows(result, rows, wrapper.run(q.index_select(0, rows), (k_cache, v_cache), *args(k_scale),
-                                                 return_lse=return_lse), return_lse)
-        return scaled_output(result, v_scale, return_lse)
+            rows_q = q.index_select(0, self._rest_rows)
+            part = (rest_direct(rows_q, k_cache, v_cache, args(k_scale), return_lse) if rest_direct is not None else
+                    wrapper.run(rows_q, (k_cache, v_cache), *args(k_scale), return_lse=return_lse))
+            write_rows(result, self._rest_rows, part, return_lse)
+        return result
 
 
 class DecodePlan(_OwnsWrapper):
@@ -611,6 +624,9 @@ class PagedAttentionPlan(_OwnsWrapper):
                 _owns_mask(variant, self.target, causal, window_left),
                 fa3_split is None and _plan_causal(variant, self.target, causal, window_left), kv_segments,
                 _split_kwargs(variant, self.target, causal, window_left))
+        self._direct = tuple(None if launched is None else direct_paged_run(*launched, variant.name, self.device)
+                             for launched in ((self._wrapper, self._args(1.0)),
+                                              self._rest and (self._rest[0], self._rest[1](1.0))))
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
 

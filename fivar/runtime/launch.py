@@ -181,6 +181,63 @@ def take_wrapper(kind: str, fmod, device, owns_mask: bool):
     return _attach(w, fmod.load(), fmod, owns_mask)
 
 
+#: Module arguments FlashInfer's paged run fills from its own buffers (prepare_jit_additional_args); a module that
+#: declares one keeps the wrapper's run.
+_WRAPPER_FILLED = frozenset({"maybe_custom_mask", "maybe_mask_indptr", "maybe_alibi_slopes", "maybe_prefix_len_ptr",
+                             "maybe_token_pos_in_items_ptr", "maybe_max_item_len_ptr", "maybe_k_cache_sf",
+                             "maybe_v_cache_sf"})
+
+
+class DirectPagedRun:
+    """`wrapper.run(q, (k_cache, v_cache), *args, return_lse=...)` of a planned FA2/FA3 paged wrapper, as one call of
+    its module's paged_run with the planned buffers bound once. FlashInfer's run re-derives them and checks options
+    fivar never passes on every call: about half the host time of a one-shot decode, which at batch 32 x 32768 is
+    longer than the kernel. Made by `direct_paged_run`; valid until the wrapper is planned again."""
+
+    def __init__(self, wrapper, variant_name: str, device):
+        from flashinfer.prefill import MaskMode, TensorLayout
+        from flashinfer.utils import device_support_pdl
+        w = wrapper
+        owns_mask = w._custom_mask_buf is not None or getattr(w, "_variant_owns_mask", False)
+        mask_mode = (MaskMode.CUSTOM if owns_mask else MaskMode.CAUSAL if w._causal else MaskMode.NON_CAUSAL).value
+        self._name, self._rows = variant_name, w._qo_indptr_last
+        self._out_dtype = w._cached_o_data_type
+        self._paged_run = w._cached_module.paged_run
+        self._head = (w._float_workspace_buffer, w._int_workspace_buffer, w._plan_info)
+        self._buffers = (w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf,
+                         w._paged_kv_last_page_len_buf)
+        self._flags = (mask_mode, TensorLayout[w._kv_layout].value, w._window_left,
+                       device_support_pdl(torch.device(device)))
+
+    def __call__(self, q, k_cache, v_cache, args, return_lse: bool):
+        if q.shape[0] != self._rows:
+            raise FivarError(f"variant '{self._name}': q has {q.shape[0]} rows, the plan's qo_indptr[-1] is "
+                             f"{self._rows}")
+        # zero-filled as FlashInfer's run fills it; the kernel writes a log2 LSE [tokens, heads], fivar's convention
+        out = torch.zeros(q.shape, dtype=self._out_dtype, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        self._paged_run(*self._head, q, k_cache, v_cache, *self._buffers, out, lse, *self._flags, *args)
+        return (out, lse) if return_lse else out
+
+
+def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun | None:
+    """A DirectPagedRun of a planned paged wrapper, or None where the wrapper's own run must do the work: the installed
+    FlashInfer's run is not the one it mirrors (fivar.flashinfer_compat: paged_run_direct), a backend other than
+    FA2/FA3, options fivar does not set, or a module taking arguments the wrapper fills in (`args`: the variant's
+    arguments as a run passes them; the wrapper appends derived scalars where fewer are given)."""
+    from ..flashinfer_compat import active
+    w = wrapper
+    if not active("paged_run_direct") or getattr(w, "_backend", None) not in ("fa2", "fa3"):
+        return None
+    if w._jit_module is None or getattr(w, "_prefix_len_ptr", None) is not None or \
+            getattr(w, "_eagle_verify_fp8kv_sm90_state", None) is not None or w._kv_layout != "NHD":
+        return None
+    tensors, scalars = list(w._jit_additional_tensor_names), list(getattr(w, "_jit_additional_scalar_names", []))
+    if _WRAPPER_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
+        return None
+    return DirectPagedRun(w, variant_name, device)
+
+
 def release_wrapper(kind: str, fmod, device, wrapper) -> None:
     """Give a wrapper whose plan is no longer used back for take_wrapper (its next plan re-plans it)."""
     free = _free_wrappers.setdefault((kind, fmod.uri, str(device)), [])

@@ -1,0 +1,106 @@
+"""A planned paged run calls its module's paged_run directly (fivar.runtime.launch.DirectPagedRun): it must hand the
+module exactly what FlashInfer's own wrapper.run hands it, and step aside wherever the wrapper would do more.
+
+The wrapper here is the installed FlashInfer's class with its planned state set by hand and a module that records
+its calls, so both runs execute on the CPU with no kernel."""
+import random
+
+import pytest
+import torch
+
+from fivar.errors import FivarError
+from fivar.flashinfer_compat import wrappers
+from fivar.runtime.launch import direct_paged_run
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def paged_run(self, *args):
+        self.calls.append(args)
+
+
+def _planned_wrapper(rng, *, owns_mask, causal, window_left, tensor_names, scalar_names, backend="fa2"):
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+    w = BatchPrefillWithPagedKVCacheWrapper.__new__(BatchPrefillWithPagedKVCacheWrapper)
+    batch = rng.randint(1, 5)
+    pages = [rng.randint(1, 4) for _ in range(batch)]
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    state = dict(
+        _float_workspace_buffer=torch.empty(16, dtype=torch.uint8), _int_workspace_buffer=torch.empty(16, dtype=torch.uint8),
+        _plan_info=[rng.randint(0, 99) for _ in range(5)], _qo_indptr_buf=i32(list(range(batch + 1))),
+        _paged_kv_indptr_buf=i32([sum(pages[:b]) for b in range(batch + 1)]),
+        _paged_kv_indices_buf=i32(rng.sample(range(64), sum(pages))),
+        _paged_kv_last_page_len_buf=i32([rng.randint(1, 16) for _ in range(batch)]),
+        _kv_layout="NHD", _backend=backend, _jit_module=object(), _cached_module=_Recorder(),
+        _jit_additional_tensor_names=list(tensor_names), _jit_additional_scalar_names=list(scalar_names),
+        _custom_mask_buf=None, _variant_owns_mask=owns_mask, _causal=causal, _window_left=window_left,
+        _qo_indptr_last=batch, _cached_o_data_type=torch.bfloat16, _cached_q_data_type=torch.bfloat16,
+        _cached_kv_data_type=torch.bfloat16, _prefix_len_ptr=None, _eagle_verify_fp8kv_sm90_state=None,
+        _logits_soft_cap=None, _sm_scale=None, _rope_scale=None, _rope_theta=None, _token_pos_in_items_ptr=None,
+        _max_item_len_ptr=None, _mask_indptr_buf=None, _token_pos_in_items_len=0)
+    for name, value in state.items():
+        setattr(w, name, value)
+    return w
+
+
+def _same_call(direct, theirs):
+    assert len(direct) == len(theirs)
+    for i, (a, b) in enumerate(zip(direct, theirs)):
+        if isinstance(b, torch.Tensor) and i in (10, 11):  # out and lse: fresh per call, alike in kind
+            assert a is not b and a.shape == b.shape and a.dtype == b.dtype, i
+            if i == 10:
+                assert bool((a == 0).all()), "out must be zero-filled as the wrapper fills it"
+        elif isinstance(b, torch.Tensor):
+            assert a is b, i
+        else:
+            assert type(a) is type(b) and a == b, (i, a, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_direct_run_hands_the_module_what_the_wrappers_run_does(seed):
+    rng = random.Random(seed)
+    owns_mask, causal = rng.random() < 0.5, rng.random() < 0.5
+    names = [f"t{i}" for i in range(rng.randint(0, 2))]
+    scalars = [f"s{i}" for i in range(rng.randint(1, 3))]
+    w = _planned_wrapper(rng, owns_mask=owns_mask, causal=causal, window_left=rng.choice([-1, 7, 4096]),
+                         tensor_names=names, scalar_names=scalars)
+    args = [torch.randn(4) for _ in names] + [rng.choice([0.5, 3, 1e-3]) for _ in scalars]
+    direct = direct_paged_run(w, "v", "cpu", args)
+    assert direct is not None
+    q = torch.randn(w._qo_indptr_last, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(64, 16, 2, 64, dtype=torch.bfloat16)
+    for return_lse in (False, True):
+        theirs = w.run(q, (cache, cache), *args, return_lse=return_lse)
+        mine = direct(q, cache, cache, args, return_lse)
+        _same_call(w._cached_module.calls[-1], w._cached_module.calls[-2])
+        if return_lse:
+            assert mine[1].shape == theirs[1].shape == (q.shape[0], 4) and mine[1].dtype == torch.float32
+        else:
+            assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+    with pytest.raises(FivarError, match="variant 'v'.*rows"):
+        direct(q[:-1] if q.shape[0] > 1 else torch.cat([q, q]), cache, cache, args, False)
+
+
+def test_the_wrappers_run_is_kept_where_it_does_more(monkeypatch):
+    rng = random.Random(0)
+    make = lambda **kw: _planned_wrapper(rng, owns_mask=True, causal=False, window_left=-1, **kw)  # noqa: E731
+    plain = dict(tensor_names=["t"], scalar_names=["s"])
+    assert direct_paged_run(make(**plain), "v", "cpu", [torch.ones(1), 1.0]) is not None
+    # the wrapper would fill a known buffer in, or derive the scalars it was not given
+    assert direct_paged_run(make(tensor_names=["maybe_alibi_slopes"], scalar_names=["s"]), "v", "cpu", [1.0]) is None
+    assert direct_paged_run(make(**plain), "v", "cpu", [torch.ones(1)]) is None
+    assert direct_paged_run(make(**plain, backend="cudnn"), "v", "cpu", [torch.ones(1), 1.0]) is None
+    w = make(**plain)
+    w._prefix_len_ptr = torch.zeros(1)
+    assert direct_paged_run(w, "v", "cpu", [torch.ones(1), 1.0]) is None
+    # a FlashInfer whose run calls the module otherwise turns the direct run off
+    monkeypatch.setattr(wrappers, "PAGED_RUN_ARGS", wrappers.PAGED_RUN_ARGS.replace("out, lse", "lse, out"))
+    wrappers.paged_run_problem.cache_clear()
+    try:
+        assert "other arguments" in wrappers.paged_run_problem()
+        assert direct_paged_run(make(**plain), "v", "cpu", [torch.ones(1), 1.0]) is None
+    finally:
+        monkeypatch.undo()
+        wrappers.paged_run_problem.cache_clear()
