@@ -25,9 +25,10 @@ PAGED_RUN_ARGS = ("run_args = [ self._float_workspace_buffer, self._int_workspac
                   "v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf, self._paged_kv_indices_buf, "
                   "self._paged_kv_last_page_len_buf, out, lse, mask_mode, TensorLayout[self._kv_layout].value, "
                   "window_left, enable_pdl, ]")
-#: The rest of that run as the direct paged run mirrors it: a zero-filled output, a log2 LSE [tokens, heads] as the
-#: kernel writes it, the variant's arguments after the known buffers, one module call.
-PAGED_RUN_STEPS = ("out = torch.zeros(", 'lse_base: str = "log2"', 'lse_layout: str = "NH"',
+#: The rest of that run as the direct paged run mirrors it: a log2 LSE [tokens, heads] as the kernel writes it, the
+#: variant's arguments after the known buffers, one module call. (Its zero-filled output the direct run leaves out:
+#: the kernels write every row, fivar.runtime.launch.DirectPagedRun.)
+PAGED_RUN_STEPS = ('lse_base: str = "log2"', 'lse_layout: str = "NH"',
                    "prepare_jit_additional_args(", "run_args.extend(additional_args)",
                    "self._cached_module.paged_run(*run_args)")
 
@@ -112,7 +113,7 @@ COUPLINGS = [
     Coupling("fa3_wave_split_launch", "a single-prefill module's run(...) argument order",
              "the FA3 single-prefill last-wave split", "the last wave runs unsplit", single_prefill_run_problem),
     Coupling("paged_run_direct", "BatchPrefillWithPagedKVCacheWrapper.run's call of its module's paged_run "
-             "(argument order, zero-filled output, log2 LSE)",
+             "(argument order, log2 LSE)",
              "planned paged runs and one-shot decode without the wrapper's per-call Python",
              "runs go through the wrapper's run", paged_run_problem),
 ]

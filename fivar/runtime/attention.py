@@ -624,9 +624,9 @@ class PagedAttentionPlan(_OwnsWrapper):
                 _owns_mask(variant, self.target, causal, window_left),
                 fa3_split is None and _plan_causal(variant, self.target, causal, window_left), kv_segments,
                 _split_kwargs(variant, self.target, causal, window_left))
-        self._direct = tuple(None if launched is None else direct_paged_run(*launched, variant.name, self.device)
-                             for launched in ((self._wrapper, self._args(1.0)),
-                                              self._rest and (self._rest[0], self._rest[1](1.0))))
+        self._direct = tuple(None if launched is None else
+                             direct_paged_run(launched[0], variant.name, self.device, args=launched[1](1.0))
+                             for launched in ((self._wrapper, self._args), self._rest))
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
 
 

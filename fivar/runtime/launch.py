@@ -213,8 +213,10 @@ class DirectPagedRun:
         if q.shape[0] != self._rows:
             raise FivarError(f"variant '{self._name}': q has {q.shape[0]} rows, the plan's qo_indptr[-1] is "
                              f"{self._rows}")
-        # zero-filled as FlashInfer's run fills it; the kernel writes a log2 LSE [tokens, heads], fivar's convention
-        out = torch.zeros(q.shape, dtype=self._out_dtype, device=q.device)
+        # not zero-filled (FlashInfer's run fills it: a kernel launch more, on the host and the GPU): FA2's scheduler
+        # gives every request a work tile (its KV length clamped to >= 1) and FA3 stores zeros for a tile with no
+        # keys, so the kernels write every row. The LSE comes out log2 [tokens, heads], fivar's convention.
+        out = torch.empty(q.shape, dtype=self._out_dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         self._paged_run(*self._head, q, k_cache, v_cache, *self._buffers, out, lse, *self._flags, *args)
         return (out, lse) if return_lse else out
