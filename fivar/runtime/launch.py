@@ -213,9 +213,11 @@ class DirectPagedRun:
         if q.shape[0] != self._rows:
             raise FivarError(f"variant '{self._name}': q has {q.shape[0]} rows, the plan's qo_indptr[-1] is "
                              f"{self._rows}")
-        # not zero-filled (FlashInfer's run fills it: a kernel launch more, on the host and the GPU): FA2's scheduler
-        # gives every request a work tile (its KV length clamped to >= 1) and FA3 stores zeros for a tile with no
-        # keys, so the kernels write every row. The LSE comes out log2 [tokens, heads], fivar's convention.
+        # not zero-filled (FlashInfer's run fills it: a kernel launch more, on the host and the GPU): every row lies in
+        # a query tile, each tile gets at least one KV chunk (FA2's scheduler clamps a KV length to >= 1; its merge
+        # writes rows of no chunk) and FA3 stores zeros for a tile with no keys. One exception, covered by its caller:
+        # the FA2 block form's kCausal launch skips the rows of its second launch's blocks, which write_rows then
+        # fills (fivar.runtime.attention). The LSE comes out log2 [tokens, heads], fivar's convention.
         out = torch.empty(q.shape, dtype=self._out_dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         self._paged_run(*self._head, q, k_cache, v_cache, *self._buffers, out, lse, *self._flags, *args)

@@ -21,7 +21,8 @@ class _Recorder:
         self.calls.append(args)
 
 
-def _planned_wrapper(rng, *, owns_mask, causal, window_left, tensor_names, scalar_names, backend="fa2"):
+def _planned_wrapper(rng, *, owns_mask, causal, window_left, tensor_names, scalar_names, backend="fa2",
+                     custom_mask=False, o_dtype=torch.bfloat16):
     from flashinfer import BatchPrefillWithPagedKVCacheWrapper
     w = BatchPrefillWithPagedKVCacheWrapper.__new__(BatchPrefillWithPagedKVCacheWrapper)
     batch = rng.randint(1, 5)
@@ -35,8 +36,8 @@ def _planned_wrapper(rng, *, owns_mask, causal, window_left, tensor_names, scala
         _paged_kv_last_page_len_buf=i32([rng.randint(1, 16) for _ in range(batch)]),
         _kv_layout="NHD", _backend=backend, _jit_module=object(), _cached_module=_Recorder(),
         _jit_additional_tensor_names=list(tensor_names), _jit_additional_scalar_names=list(scalar_names),
-        _custom_mask_buf=None, _variant_owns_mask=owns_mask, _causal=causal, _window_left=window_left,
-        _qo_indptr_last=batch, _cached_o_data_type=torch.bfloat16, _cached_q_data_type=torch.bfloat16,
+        _custom_mask_buf=torch.ones(4, dtype=torch.uint8) if custom_mask else None, _variant_owns_mask=owns_mask, _causal=causal, _window_left=window_left,
+        _qo_indptr_last=batch, _cached_o_data_type=o_dtype, _cached_q_data_type=torch.bfloat16,
         _cached_kv_data_type=torch.bfloat16, _prefix_len_ptr=None, _eagle_verify_fp8kv_sm90_state=None,
         _logits_soft_cap=None, _sm_scale=None, _rope_scale=None, _rope_theta=None, _token_pos_in_items_ptr=None,
         _max_item_len_ptr=None, _mask_indptr_buf=None, _token_pos_in_items_len=0)
@@ -56,14 +57,20 @@ def _same_call(direct, theirs):
             assert type(a) is type(b) and a == b, (i, a, b)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_direct_run_hands_the_module_what_the_wrappers_run_does(seed):
-    rng = random.Random(seed)
-    owns_mask, causal = rng.random() < 0.5, rng.random() < 0.5
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("mask", ["owned", "custom buffer", "causal", "none"])
+def test_direct_run_hands_the_module_what_the_wrappers_run_does(mask, backend, pdl, monkeypatch):
+    import flashinfer.prefill
+    import flashinfer.utils
+    for module in (flashinfer.prefill, flashinfer.utils):  # both sides ask the device; the CPU would say False
+        monkeypatch.setattr(module, "device_support_pdl", lambda device: pdl)
+    rng = random.Random(f"{mask} {backend} {pdl}")
     names = [f"t{i}" for i in range(rng.randint(0, 2))]
     scalars = [f"s{i}" for i in range(rng.randint(1, 3))]
-    w = _planned_wrapper(rng, owns_mask=owns_mask, causal=causal, window_left=rng.choice([-1, 7, 4096]),
-                         tensor_names=names, scalar_names=scalars)
+    w = _planned_wrapper(rng, owns_mask=mask == "owned", causal=mask == "causal", custom_mask=mask == "custom buffer",
+                         window_left=rng.choice([-1, 7, 4096]), tensor_names=names, scalar_names=scalars,
+                         backend=backend, o_dtype=rng.choice([torch.bfloat16, torch.float16]))
     args = [torch.randn(4) for _ in names] + [rng.choice([0.5, 3, 1e-3]) for _ in scalars]
     direct = direct_paged_run(w, "v", "cpu", args)
     assert direct is not None
@@ -76,7 +83,7 @@ def test_direct_run_hands_the_module_what_the_wrappers_run_does(seed):
         if return_lse:
             assert mine[1].shape == theirs[1].shape == (q.shape[0], 4) and mine[1].dtype == torch.float32
         else:
-            assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+            assert mine.shape == theirs.shape and mine.dtype == theirs.dtype == w._cached_o_data_type
     with pytest.raises(FivarError, match="variant 'v'.*rows"):
         direct(q[:-1] if q.shape[0] > 1 else torch.cat([q, q]), cache, cache, args, False)
 
