@@ -418,17 +418,20 @@ class _OwnsWrapper:
     def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
         """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key)."""
         direct, rest_direct = self._direct
-        if direct is not None:
-            result = direct(q, k_cache, v_cache, self._args(k_scale), return_lse)
-        else:
-            result = self._wrapper.run(q, (k_cache, v_cache), *self._args(k_scale), return_lse=return_lse)
+        result = _launch_one(direct, self._wrapper, self._args, q, k_cache, v_cache, k_scale, return_lse)
         if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
             wrapper, args = self._rest
-            rows_q = q.index_select(0, self._rest_rows)
-            part = (rest_direct(rows_q, k_cache, v_cache, args(k_scale), return_lse) if rest_direct is not None else
-                    wrapper.run(rows_q, (k_cache, v_cache), *args(k_scale), return_lse=return_lse))
+            part = _launch_one(rest_direct, wrapper, args, q.index_select(0, self._rest_rows), k_cache, v_cache,
+                               k_scale, return_lse)
             write_rows(result, self._rest_rows, part, return_lse)
         return result
+
+
+def _launch_one(direct, wrapper, args, q, k_cache, v_cache, k_scale: float, return_lse: bool):
+    """One wrapper's launch: its direct run where it has one (fivar.runtime.launch.DirectPagedRun), else its run."""
+    if direct is not None:
+        return direct(q, k_cache, v_cache, args(k_scale), return_lse)
+    return wrapper.run(q, (k_cache, v_cache), *args(k_scale), return_lse=return_lse)
 
 
 class DecodePlan(_OwnsWrapper):
