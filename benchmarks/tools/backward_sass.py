@@ -97,7 +97,8 @@ def loop_mix(sass: str) -> list[dict]:
         body = lines[a:b]
         if "HGMMA" not in "".join(body) or any(a < a2 and b2 < b for a2, b2 in spans):
             continue
-        count = {k: sum(k in x for x in body) for k in ("HGMMA", "BAR.SYNC", "LDL", "STL", "LDS", "MUFU", "I2F", "FFMA", "FMUL", "FADD", "IADD3")}
+        count = {k: sum(k in x for x in body) for k in ("HGMMA", "BAR.SYNC", "LDL", "STL", "LDS", "MUFU", "I2F", "FFMA",
+                                                         "FMUL", "FADD", "IADD3")}
         loops.append({"instructions": len(body), **count})
     return loops
 

@@ -29,14 +29,16 @@ def _planned_wrapper(rng, *, owns_mask, causal, window_left, tensor_names, scala
     pages = [rng.randint(1, 4) for _ in range(batch)]
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     state = dict(
-        _float_workspace_buffer=torch.empty(16, dtype=torch.uint8), _int_workspace_buffer=torch.empty(16, dtype=torch.uint8),
+        _float_workspace_buffer=torch.empty(16, dtype=torch.uint8),
+        _int_workspace_buffer=torch.empty(16, dtype=torch.uint8),
         _plan_info=[rng.randint(0, 99) for _ in range(5)], _qo_indptr_buf=i32(list(range(batch + 1))),
         _paged_kv_indptr_buf=i32([sum(pages[:b]) for b in range(batch + 1)]),
         _paged_kv_indices_buf=i32(rng.sample(range(64), sum(pages))),
         _paged_kv_last_page_len_buf=i32([rng.randint(1, 16) for _ in range(batch)]),
         _kv_layout="NHD", _backend=backend, _jit_module=object(), _cached_module=_Recorder(),
         _jit_additional_tensor_names=list(tensor_names), _jit_additional_scalar_names=list(scalar_names),
-        _custom_mask_buf=torch.ones(4, dtype=torch.uint8) if custom_mask else None, _variant_owns_mask=owns_mask, _causal=causal, _window_left=window_left,
+        _custom_mask_buf=torch.ones(4, dtype=torch.uint8) if custom_mask else None, _variant_owns_mask=owns_mask,
+        _causal=causal, _window_left=window_left,
         _qo_indptr_last=batch, _cached_o_data_type=o_dtype, _cached_q_data_type=torch.bfloat16,
         _cached_kv_data_type=torch.bfloat16, _prefix_len_ptr=None, _eagle_verify_fp8kv_sm90_state=None,
         _logits_soft_cap=None, _sm_scale=None, _rope_scale=None, _rope_theta=None, _token_pos_in_items_ptr=None,
