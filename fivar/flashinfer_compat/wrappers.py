@@ -28,6 +28,11 @@ PAGED_RUN_ARGS = ("run_args = [ self._float_workspace_buffer, self._int_workspac
 #: The rest of that run as the direct paged run mirrors it: a log2 LSE [tokens, heads] as the kernel writes it, the
 #: variant's arguments after the known buffers, one module call. (Its zero-filled output the direct run leaves out:
 #: the kernels write every row, fivar.runtime.launch.DirectPagedRun.)
+#: The module arguments that run fills from its own buffers (prepare_jit_additional_args' known names): a module
+#: declaring one keeps the wrapper's run (fivar.runtime.launch.direct_paged_run).
+PAGED_RUN_FILLED = frozenset({"maybe_custom_mask", "maybe_mask_indptr", "maybe_alibi_slopes", "maybe_prefix_len_ptr",
+                              "maybe_token_pos_in_items_ptr", "maybe_max_item_len_ptr", "maybe_k_cache_sf",
+                              "maybe_v_cache_sf"})
 PAGED_RUN_STEPS = ('lse_base: str = "log2"', 'lse_layout: str = "NH"',
                    "prepare_jit_additional_args(", "run_args.extend(additional_args)",
                    "self._cached_module.paged_run(*run_args)")
@@ -97,6 +102,9 @@ def paged_run_problem() -> str | None:
     missing = [step for step in PAGED_RUN_STEPS if step not in text]
     if missing:
         return f"BatchPrefillWithPagedKVCacheWrapper.run no longer does {missing[0]!r}"
+    filled = set(re.findall(r'"(maybe_\w+)":', text))
+    if filled != PAGED_RUN_FILLED:
+        return f"BatchPrefillWithPagedKVCacheWrapper.run fills other module arguments ({', '.join(sorted(filled))})"
     if 'if lse_layout == "NH": if lse_base == "ln": lse.mul_(ln2) return lse' not in norm(_source(prefill._finish_lse)):
         return "flashinfer.prefill._finish_lse no longer hands a log2 [tokens, heads] LSE back as the kernel wrote it"
     return None

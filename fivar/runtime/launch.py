@@ -181,13 +181,6 @@ def take_wrapper(kind: str, fmod, device, owns_mask: bool):
     return _attach(w, fmod.load(), fmod, owns_mask)
 
 
-#: Module arguments FlashInfer's paged run fills from its own buffers (prepare_jit_additional_args); a module that
-#: declares one keeps the wrapper's run.
-_WRAPPER_FILLED = frozenset({"maybe_custom_mask", "maybe_mask_indptr", "maybe_alibi_slopes", "maybe_prefix_len_ptr",
-                             "maybe_token_pos_in_items_ptr", "maybe_max_item_len_ptr", "maybe_k_cache_sf",
-                             "maybe_v_cache_sf"})
-
-
 class DirectPagedRun:
     """`wrapper.run(q, (k_cache, v_cache), *args, return_lse=...)` of a planned FA2/FA3 paged wrapper, as one call of
     its module's paged_run with the planned buffers bound once. FlashInfer's run re-derives them and checks options
@@ -230,6 +223,7 @@ def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun
     FA2/FA3, options fivar does not set, or a module taking arguments the wrapper fills in (`args`: the variant's
     arguments as a run passes them; the wrapper appends derived scalars where fewer are given)."""
     from ..flashinfer_compat import active
+    from ..flashinfer_compat.wrappers import PAGED_RUN_FILLED
     w = wrapper
     if not active("paged_run_direct") or getattr(w, "_backend", None) not in ("fa2", "fa3"):
         return None
@@ -237,7 +231,7 @@ def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun
             getattr(w, "_eagle_verify_fp8kv_sm90_state", None) is not None or w._kv_layout != "NHD":
         return None
     tensors, scalars = list(w._jit_additional_tensor_names), list(getattr(w, "_jit_additional_scalar_names", []))
-    if _WRAPPER_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
+    if PAGED_RUN_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
         return None
     return DirectPagedRun(w, variant_name, device)
 

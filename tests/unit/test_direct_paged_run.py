@@ -111,3 +111,11 @@ def test_the_wrappers_run_is_kept_where_it_does_more(monkeypatch):
     finally:
         monkeypatch.undo()
         wrappers.paged_run_problem.cache_clear()
+    # so does one that fills a module argument fivar does not know of
+    monkeypatch.setattr(wrappers, "PAGED_RUN_FILLED", wrappers.PAGED_RUN_FILLED - {"maybe_k_cache_sf"})
+    wrappers.paged_run_problem.cache_clear()
+    try:
+        assert "fills other module arguments" in wrappers.paged_run_problem()
+    finally:
+        monkeypatch.undo()
+        wrappers.paged_run_problem.cache_clear()
