@@ -42,9 +42,6 @@ class TritonConfig:
     """What the Triton twin (templates/triton/attention.py.jinja) reads when it is imported."""
     autotune: bool = True  # False: one launch config per kernel instead of autotuning (much less compile time)
     tma: bool = True  # False: every K/V tile through pointers, also on Hopper (for comparison)
-    #: the backward's dK/dV kernel also adds each tile's dQ into a float32 buffer (TMA reductions on Hopper) and no dQ
-    #: kernel runs; off: slower on an H200 (docs/training.md). Read by each training forward: triton_fused_dq
-    fused_dq: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,14 +77,13 @@ ENV = {
     "wave_split": "FIVAR_FA3_WAVE_SPLIT",
     "triton_autotune": "FIVAR_TRITON_AUTOTUNE",
     "triton_tma": "FIVAR_TRITON_TMA",
-    "triton_fused_dq": "FIVAR_TRITON_FUSED_DQ",
     "position_tables": "FIVAR_POSITION_TABLES",
 }
 #: Where fivar finds variants and keeps its own cache (not tuning, but read here like every FIVAR_* variable).
 VARIANT_PATH_ENV, CACHE_DIR_ENV = "FIVAR_VARIANT_PATH", "FIVAR_CACHE_DIR"
 
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("fivar_config_overrides", default={})
-_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig, LoweringConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma", "triton_fused_dq"}
+_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig, LoweringConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma"}
 
 
 @contextlib.contextmanager
@@ -170,18 +166,7 @@ def fa2_build_config(given: FA2BuildConfig | None = None) -> FA2BuildConfig:
 
 def triton_config() -> TritonConfig:
     """FIVAR_TRITON_AUTOTUNE=0 and FIVAR_TRITON_TMA=0 turn those off (read when a twin is imported)."""
-    return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0",
-                        fused_dq=triton_fused_dq())
-
-
-def triton_fused_dq() -> bool:
-    """TritonConfig.fused_dq in force: an override(triton_fused_dq=True) or FIVAR_TRITON_FUSED_DQ=1, else off. Read
-    by each training forward for its backward, so a test or benchmark compares both on one module; a variant whose
-    learnable reads vary per key keeps its dQ kernel either way."""
-    text, where = setting("triton_fused_dq")
-    if text not in ("", "0", "1"):
-        raise FivarError(f"{where}={text!r}: expected 0 (a dQ kernel, the default) or 1 (dQ added by the dK/dV kernel)")
-    return text == "1"
+    return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0")
 
 
 def lowering_config() -> LoweringConfig:

@@ -2,7 +2,7 @@
 its instruction mix (HGMMA, barriers, local-memory spill traffic, shared loads, MUFU), from Triton's own ptxas.
 
     CUDA_HOME=/usr/local/cuda python3 benchmarks/tools/backward_sass.py variants/alibi.py [--kernel dkdv|dq]
-        [--config 64,128,8,2] [--no-tma] [--group 4] [--causal] [--fused-dq]
+        [--config 64,128,8,2] [--no-tma] [--group 4] [--causal]
 
 A static view, for comparing two versions of a kernel before spending GPU time on them (times come from
 benchmarks/tools/profile_backward.py on the GPU). The signature marks every pointer and stride 16-divisible and the
@@ -62,8 +62,6 @@ def _signature(jit, constexprs: dict, variant_types: dict) -> tuple[dict, dict, 
             sig[name], const[name] = "constexpr", 1
         elif name in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "O"):
             sig[name] = "*bf16"
-        elif name == "DQA":  # the float32 dQ a fused dK/dV kernel adds into
-            sig[name] = "*fp32"
         elif name in INDEX_ARGS:
             sig[name] = "*i32"
         elif name.startswith(("stride", "fvsize", "fvstride")) or name in INT_ARGS:
@@ -105,8 +103,7 @@ def loop_mix(sass: str) -> list[dict]:
     return loops
 
 
-def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, group: int, causal: bool,
-                   fused_dq: bool = False) -> dict:
+def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, group: int, causal: bool) -> dict:
     block_short, block_long, warps, stages = config
     variant = load_file(Path(variant_file))
     module_src = render_training(variant)
@@ -118,9 +115,8 @@ def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, gro
         jit = namespace["bwd_dkdv_kernel" if kernel == "dkdv" else "bwd_dq_kernel"].fn
         blocks = {"BLOCK_M": block_long, "BLOCK_N": block_short} if kernel == "dq" else \
             {"BLOCK_M": block_short, "BLOCK_N": block_long}
-        fused = {"FUSED_DQ": fused_dq} if "FUSED_DQ" in jit.arg_names else {}
         sig, const, attrs = _signature(jit, {"GROUP": group, "HEAD_DIM": 128, "CAUSAL": causal, "USE_TMA": tma,
-                                             **fused, **blocks}, _variant_types(variant))
+                                             **blocks}, _variant_types(variant))
         compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,7 +128,7 @@ def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, gro
         sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
     regs = re.search(r"Used (\d+) registers", info)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    return {"kernel": kernel, "config": config, "tma": tma, **fused, "registers": int(regs.group(1)) if regs else None,
+    return {"kernel": kernel, "config": config, "tma": tma, "registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spill.group(1)) if spill else None,
             "spill_load_bytes": int(spill.group(2)) if spill else None, "loops": loop_mix(sass)}
 
@@ -145,12 +141,10 @@ def main(argv=None) -> None:
     ap.add_argument("--no-tma", action="store_true")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--fused-dq", action="store_true", help="the dK/dV kernel adding dQ (FUSED_DQ)")
     args = ap.parse_args(argv)
     config = tuple(int(x) for x in args.config.split(","))
     for kernel in args.kernel or ("dkdv", "dq"):
-        print(compile_kernel(args.variant_file, kernel, config, not args.no_tma, args.group, args.causal,
-                             args.fused_dq))
+        print(compile_kernel(args.variant_file, kernel, config, not args.no_tma, args.group, args.causal))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,13 @@
 
     python3 benchmarks/tools/profile_backward.py alibi document_mask [--seqlen 8192] [--configs all|suite]
     FIVAR_TRITON_TMA=0 python3 benchmarks/tools/profile_backward.py alibi      # full tiles through pointers
-    python3 benchmarks/tools/profile_backward.py alibi --dq fused,kernel        # dQ added by dK/dV, or its kernel
 
 Not a benchmark (`python -m fivar.bench --suite train` is, with Flex and SDPA in the same run and the gradients
 checked): for each variant, the train suite's inputs (the same seeded draw, so a document mask gets the same
 documents), one step to autotune, then every config's autotuning time per kernel, the per-kernel GPU time of five
 steps under torch.profiler and a do_bench of the step (Triton forward + generated backward). With `--configs all`
 the kernels tune over a wider list than the template's (block shapes, warps, stages), to see what the grid misses.
-`--dq`: profile with dQ added by the dK/dV kernel ("fused"), by its own kernel ("kernel"), or as the heuristic picks
-("auto", the default: fivar.config.triton_fused_dq, from the environment). Prints one JSON object per variant and dQ choice.
+Prints one JSON object per variant.
 """
 from __future__ import annotations
 
@@ -52,10 +50,9 @@ def _widen(module) -> None:
                                  num_warps=w, num_stages=s, pre_hook=hook) for short, long, w, s in WIDE]
 
 
-def profile(name: str, seqlen: int, wide: bool, dq: str = "auto") -> dict:
+def profile(name: str, seqlen: int, wide: bool) -> dict:
     import triton
 
-    from fivar.config import override, triton_fused_dq
     from fivar.jit.triton_module import load_triton_module
     var, q, k, v, params = _inputs(name, seqlen)
     learn = [n for n, p in var.tensor_params.items() if p.learnable]
@@ -66,22 +63,17 @@ def profile(name: str, seqlen: int, wide: bool, dq: str = "auto") -> dict:
     if wide:
         _widen(module)
 
-    choice = {} if dq == "auto" else {"triton_fused_dq": dq == "fused"}
-    with override(**choice):  # the module has FUSED_DQ where no learnable read varies per key
-        fused = "FUSED_DQ" in module.bwd_dkdv_kernel.arg_names and triton_fused_dq()
-
     def step():
-        with override(**choice):
-            o = var.attention(*leaves, causal=True, backend="triton", **params)
-            return torch.autograd.grad(o, leaves + [params[n] for n in learn], do)
+        o = var.attention(*leaves, causal=True, backend="triton", **params)
+        return torch.autograd.grad(o, leaves + [params[n] for n in learn], do)
 
-    out = {"variant": name, "seqlen": seqlen, "gpu": torch.cuda.get_device_name(), "dq": dq, "fused_dq": fused,
+    out = {"variant": name, "seqlen": seqlen, "gpu": torch.cuda.get_device_name(),
            "tma_dkdv": module.tma_loads(q, do), "tma_dq": module.tma_loads(k, v)}
     t0 = time.perf_counter()
     step()
     torch.cuda.synchronize()
     out["first_step_s"] = round(time.perf_counter() - t0, 1)  # compiles and autotunes
-    for kernel in ("bwd_dkdv_kernel",) + (() if fused else ("bwd_dq_kernel",)):
+    for kernel in ("bwd_dkdv_kernel", "bwd_dq_kernel"):
         tuner = getattr(module, kernel)
         timings = getattr(tuner, "configs_timings", None) or {}  # Triton's autotuning timings, where it keeps them
         out[kernel] = {"best": str(tuner.best_config),  # median ms: Triton's benchmark gives (p50, p20, p80)
@@ -109,11 +101,9 @@ def main(argv=None) -> None:
     ap.add_argument("names", nargs="+")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--configs", choices=("suite", "all"), default="suite")
-    ap.add_argument("--dq", default="auto", help="comma-separated: auto, fused, kernel")
     args = ap.parse_args(argv)
     for name in args.names:
-        for dq in args.dq.split(","):
-            print(json.dumps(profile(name, args.seqlen, args.configs == "all", dq)), flush=True)
+        print(json.dumps(profile(name, args.seqlen, args.configs == "all")), flush=True)
 
 
 if __name__ == "__main__":

@@ -124,10 +124,7 @@ def render_training(variant) -> str:
                       unspecialized=emit.unspecialized(), reads=reads,
                       band_left=band.left is not None, band_right=band.right is not None, band_exact=band.exact,
                       prescan=variant.scans_mask,
-                      has_mask=emit.lowered.mask is not None,
-                      # dQ in the dK/dV programs: their reads' gradients go along (a per-program sum or one atomic
-                      # add per row a tile); a read varying per key stays in the dQ kernel's tiles
-                      fusable=all(r.kind != "element" for r in reads))
+                      has_mask=emit.lowered.mask is not None)
     return forward + "\n\n" + backward
 
 

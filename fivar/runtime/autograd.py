@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..codegen.triton import kernel_arg_values
-from ..config import triton_fused_dq
 from ..errors import FivarError
 from ..spec.live import variant_by_key
 from .params import BoundParams
@@ -134,11 +133,8 @@ def _(variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm
 def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, lse: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                   max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float, tensors: list[torch.Tensor],
-                  scalars: list[float], fused_dq: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                 list[torch.Tensor]]:
-    """dq, dk, dv, and one float32 gradient per learnable tensor parameter (in declaration order). `fused_dq`:
-    fivar.config.triton_fused_dq as the forward saw it (the backward runs on autograd's thread, which an override()
-    around the forward does not reach)."""
+                  scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """dq, dk, dv, and one float32 gradient per learnable tensor parameter (in declaration order)."""
     from ..codegen.triton_bwd import learnable_params
     var = variant_by_key(variant)
     bound = _bound(var, tensors, scalars)
@@ -149,13 +145,13 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
         kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars,
                        args)
         dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
-                                     grads, fused_dq=fused_dq, **({} if kept is None else kept.backward_args()))
+                                     grads, **({} if kept is None else kept.backward_args()))
     return dq, dk, dv, list(grads.values())
 
 
 @attention_bwd.register_fake
 def _(variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
-      scalars, fused_dq):
+      scalars):
     from ..codegen.triton_bwd import learnable_params
     var = variant_by_key(variant)
     tnames = list(var.tensor_params)
@@ -170,7 +166,6 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, qo_indptr, kv_indptr, *tensors)
     ctx.variant, ctx.causal, ctx.sm_scale, ctx.scalars = variant, causal, sm_scale, scalars
     ctx.max_qo_len, ctx.max_kv_len = max_qo_len, max_kv_len
-    ctx.fused_dq = triton_fused_dq()
 
 
 def _backward(ctx, do, dlse):
@@ -178,8 +173,7 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, qo_indptr, kv_indptr, *tensors = ctx.saved_tensors
     var = variant_by_key(ctx.variant)
     dq, dk, dv, dparams = attention_bwd(ctx.variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, ctx.max_qo_len,
-                                        ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars,
-                                        ctx.fused_dq)
+                                        ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars)
     by_name = dict(zip(learnable_params(var), dparams))
     dtensors = [by_name[n].to(t.dtype) if n in by_name else None for n, t in zip(var.tensor_params, tensors)]
     # a list of numbers is one leaf of the inputs' structure, an empty list is a list (torch's pytree)

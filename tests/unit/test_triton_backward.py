@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import fivar
-import fivar.config
 from fivar import AttentionVariant, Scalar, Tensor, clamp, log, tanh
 from fivar.bench.train import check_gradients, learnable_copy, reference_gradients
 from fivar.codegen.triton import kernel_arg_values
@@ -263,65 +262,6 @@ def test_scattered_learnable_reads():
     params = {"t": torch.randn(2, 7), "u": torch.randn(7)}
     r = check_gradients(SCATTERED, q, k, vv, qo_lens=[19], kv_lens=[40], causal=True, params=params, dtype=DTYPE)
     assert r.passed, r
-
-
-# --- dQ added by the dK/dV kernel (TritonConfig.fused_dq) --------------------------------------------------------
-def _program_and_row_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    capped = params.cap[qo_head] * tanh(score / params.cap[qo_head])  # a read per program
-    return capped + params.row[q_idx % 5] * 0.5  # a read per query row
-
-
-PROGRAM_AND_ROW = AttentionVariant(name="learnable_program_and_row", logits=_program_and_row_logits, params={
-    "cap": Tensor("float32", ("qo_head",), learnable=True), "row": Tensor("float32", ("n",), learnable=True)})
-
-
-def _training_module(v):
-    """The module the backward launches (fivar.runtime.autograd loads it with position tables off)."""
-    from fivar.runtime import autograd
-    with autograd._per_element():
-        return autograd._module(v)
-
-
-def _no_dq_kernel(*args, **kwargs):
-    raise AssertionError("the dQ kernel ran")
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["alibi", "document_mask", "sliding_window", "sigmoid", "program_and_row"])
-def test_dq_added_by_the_dkdv_kernel(name, causal, monkeypatch):
-    """With fused_dq the dK/dV programs add each tile's dQ (and the gradients of per-program and per-row learnable
-    reads) and no dQ kernel is launched: ragged, GQA, a request with more queries than keys."""
-    v = PROGRAM_AND_ROW if name == "program_and_row" else learnable_copy(fivar.load(name))
-    monkeypatch.setattr(_training_module(v), "bwd_dq_kernel", _no_dq_kernel)
-    qo_lens, kv_lens = [5, 1, 20], [19, 7, 17]
-    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 4, 2, 16)
-    params = ({"cap": torch.rand(4) * 2 + 1.0, "row": torch.randn(5)} if name == "program_and_row"
-              else _params(v, 4, 2, len(qo_lens), max(kv_lens)))
-    with fivar.config.override(triton_fused_dq=True):
-        r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal, params=params, dtype=DTYPE)
-    assert r.passed, r
-
-
-def test_a_per_key_learnable_read_keeps_its_dq_kernel():
-    """relative_bias's table is read per (query, key): its gradient stays in the dQ kernel's tiles, asked or not."""
-    v = learnable_copy(fivar.load("relative_bias"))
-    assert "FUSED_DQ" not in _training_module(v).bwd_dkdv_kernel.arg_names
-    with fivar.config.override(triton_fused_dq=True):
-        _check(v, [5, 1, 20], [19, 7, 17], 4, 2, 16, True)
-
-
-def test_fused_dq_setting(monkeypatch):
-    from fivar.config import triton_config, triton_fused_dq
-    from fivar.errors import FivarError
-    monkeypatch.delenv("FIVAR_TRITON_FUSED_DQ", raising=False)
-    assert triton_fused_dq() is False and triton_config().fused_dq is False
-    monkeypatch.setenv("FIVAR_TRITON_FUSED_DQ", "1")
-    assert triton_fused_dq() is True
-    with fivar.config.override(triton_fused_dq=False):
-        assert triton_fused_dq() is False
-    monkeypatch.setenv("FIVAR_TRITON_FUSED_DQ", "yes")
-    with pytest.raises(FivarError, match="FIVAR_TRITON_FUSED_DQ='yes'"):
-        triton_fused_dq()
 
 
 def test_rows_of_keys_is_the_transpose_of_the_ranges():
