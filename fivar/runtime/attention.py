@@ -356,18 +356,22 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
                                         kv_last_page_len, sm_scale=sm_scale, backend=backend, params=params or {},
                                         return_lse=return_lse), v_scale, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
+    tensors = isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+    if backend == "triton":
+        if tensors:
+            fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))  # refuses an FP8 cache
+        return scaled_output(triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
+                                           sm_scale=sm_scale, params=params, return_lse=return_lse),
+                             v_scale, return_lse)
+    return_lse = check_lse(variant, return_lse)
     # the key holds the backend asked for and the caches' dtypes: a hit skips choosing the backend again (decode is
     # the call whose host time shows: its kernels take tens of microseconds)
     parts = ("decode", variant, backend, sm_scale, params or {}, kv_indptr, kv_indices, kv_last_page_len,
              _shapes(q, k_cache, v_cache))
-    plan = _one_shot.lookup(parts) if backend != "triton" else None
+    plan = _one_shot.lookup(parts)
     if plan is None:
-        if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+        if tensors:
             backend = fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))
-        if backend == "triton":
-            return scaled_output(triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
-                                               sm_scale=sm_scale, params=params, return_lse=return_lse),
-                                 v_scale, return_lse)
         _check_qkv(variant, q, k_cache, v_cache, paged=True)
         _check_backend(variant, backend, "batch_decode", q.device)
         kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
@@ -383,7 +387,6 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
                                       page_size=k_cache.shape[1], dtype=q.dtype, kv_dtype=k_cache.dtype,
                                       sm_scale=sm_scale, device=q.device, params=params or {})
         plan = _one_shot.get(parts, make)
-    return_lse = check_lse(variant, return_lse)
     # the key holds the shapes and dtypes the plan was made for, and the scales are folded into sm_scale
     return scaled_output(plan._launch(q, k_cache, v_cache, 1.0, return_lse), v_scale, return_lse)
 
