@@ -228,6 +228,14 @@ def _split_kwargs(variant, target: str, causal: bool = True, window_left: int = 
     return {}
 
 
+def _cache_backend(variant, backend: str, q, k_cache, v_cache) -> str:
+    """The backend that reads this paged cache (fivar.runtime.fp8_kv.fp8_backend: FA2 for an FP8 one, which other
+    backends refuse); inputs that are not tensors are left for the checks to name."""
+    if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+        return fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))
+    return backend
+
+
 def _shapes(q, k, v) -> Hashed:
     """What a cached plan assumes of the data tensors (not their contents): a hit skips the checks of these."""
     if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:  # no generator: every call
@@ -281,8 +289,7 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
                                        kv_indices, kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend,
                                        params=params or {}, return_lse=return_lse), v_scale, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
-        backend = fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))
+    backend = _cache_backend(variant, backend, q, k_cache, v_cache)
     if backend == "triton":
         raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is "
                          "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
@@ -356,10 +363,8 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
                                         kv_last_page_len, sm_scale=sm_scale, backend=backend, params=params or {},
                                         return_lse=return_lse), v_scale, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    tensors = isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
     if backend == "triton":
-        if tensors:
-            fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))  # refuses an FP8 cache
+        _cache_backend(variant, backend, q, k_cache, v_cache)  # refuses an FP8 cache
         return scaled_output(triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                            sm_scale=sm_scale, params=params, return_lse=return_lse),
                              v_scale, return_lse)
@@ -370,8 +375,7 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
              _shapes(q, k_cache, v_cache))
     plan = _one_shot.lookup(parts)
     if plan is None:
-        if tensors:
-            backend = fp8_backend(variant, backend, kv_dtype_of(variant, q.dtype, k_cache, v_cache))
+        backend = _cache_backend(variant, backend, q, k_cache, v_cache)
         _check_qkv(variant, q, k_cache, v_cache, paged=True)
         _check_backend(variant, backend, "batch_decode", q.device)
         kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
