@@ -42,6 +42,7 @@ class TritonConfig:
     """What the Triton twin (templates/triton/attention.py.jinja) reads when it is imported."""
     autotune: bool = True  # False: one launch config per kernel instead of autotuning (much less compile time)
     tma: bool = True  # False: every K/V tile through pointers, also on Hopper (for comparison)
+    gluon: bool = True  # False: the backward's dK/dV in the Triton kernel also on Hopper (for comparison)
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,14 @@ ENV = {
     "wave_split": "FIVAR_FA3_WAVE_SPLIT",
     "triton_autotune": "FIVAR_TRITON_AUTOTUNE",
     "triton_tma": "FIVAR_TRITON_TMA",
+    "triton_gluon": "FIVAR_TRITON_GLUON",
     "position_tables": "FIVAR_POSITION_TABLES",
 }
 #: Where fivar finds variants and keeps its own cache (not tuning, but read here like every FIVAR_* variable).
 VARIANT_PATH_ENV, CACHE_DIR_ENV = "FIVAR_VARIANT_PATH", "FIVAR_CACHE_DIR"
 
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("fivar_config_overrides", default={})
-_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig, LoweringConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma"}
+_FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig, LoweringConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma", "triton_gluon"}
 
 
 @contextlib.contextmanager
@@ -165,8 +167,10 @@ def fa2_build_config(given: FA2BuildConfig | None = None) -> FA2BuildConfig:
 
 
 def triton_config() -> TritonConfig:
-    """FIVAR_TRITON_AUTOTUNE=0 and FIVAR_TRITON_TMA=0 turn those off (read when a twin is imported)."""
-    return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0")
+    """FIVAR_TRITON_AUTOTUNE=0, FIVAR_TRITON_TMA=0 and FIVAR_TRITON_GLUON=0 turn those off (read when a twin is
+    imported)."""
+    return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0",
+                        gluon=setting("triton_gluon")[0] != "0")
 
 
 def lowering_config() -> LoweringConfig:

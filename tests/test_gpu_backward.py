@@ -51,6 +51,24 @@ def test_ragged(backend, name, causal):
     assert r.passed, r
 
 
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16)])
+@pytest.mark.parametrize("name", ["alibi", "document_mask", "sigmoid"])
+def test_hopper_dkdv_kernel_other_shapes(name, head_dim, dtype):
+    """The Gluon dK/dV kernel's other head dim and dtype (ragged, GQA 4/2, causal), against float64 autograd; on
+    sm90 it is the kernel that runs (gluon_dkdv), so this is not the Triton kernel passing in its place."""
+    from fivar.jit.triton_module import load_triton_module
+    v = learnable_copy(fivar.load(name))
+    qo_lens, kv_lens = [100, 700, 64], [100, 700, 99]
+    q = torch.randn(sum(qo_lens), 4, head_dim, dtype=dtype, device="cuda")
+    k, vv = (torch.randn(sum(kv_lens), 2, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert load_triton_module(v, training=True).gluon_dkdv(q, k, vv, q)
+    params = example_params(v, num_qo_heads=4, num_kv_heads=2, batch_size=3, max_len=max(kv_lens), device="cuda")
+    r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params, dtype=dtype,
+                        backend="triton")
+    assert r.passed, r
+
+
 def test_compiled_training_step_with_a_learned_bias():
     """torch.compile (inductor) of a loss through the attention: the same gradients as eager."""
     v = learnable_copy(fivar.load("relative_bias"))

@@ -56,6 +56,9 @@ class KernelArg:
 
 
 class TritonEmitter:
+    #: a zero tile shaped like another (Gluon's needs the other's layout, which gl.zeros_like takes from it)
+    zeros_like = "tl.zeros_like"
+
     def __init__(self, variant):
         self.variant = variant
         self.lowered = variant.lowered
@@ -195,7 +198,7 @@ class TritonEmitter:
         at_lo = offset([ranges[d][0] if d in ranges else self.expr(i) for d, i in enumerate(e.indices)])
         self.statements += [f"fv_offset{n} = {full}",
                             f"if {uniform}:",
-                            f"    fv_gather{n} = tl.zeros_like(fv_offset{n}).to({name}.dtype.element_ty) + "
+                            f"    fv_gather{n} = {self.zeros_like}(fv_offset{n}).to({name}.dtype.element_ty) + "
                             f"tl.load({name} + {at_lo})",
                             "else:",
                             f"    fv_gather{n} = tl.load({name} + fv_offset{n})"]
@@ -308,7 +311,7 @@ class TritonEmitter:
             result = self.expr(weight)
         self.statements = None
         if first_args[0] == "qk" and "score" not in ir.uses(program):
-            result = f"tl.zeros_like(qk) + {result}"  # logits that ignore the score: still a full tile
+            result = f"{self.zeros_like}(qk) + {result}"  # logits that ignore the score: still a full tile
         lines.append(f"return {result}")
         args = ", ".join(list(first_args) + list(TILE_RANGE_ARGS) + self.variant_args())
         body = "\n".join("    " + line for line in lines)

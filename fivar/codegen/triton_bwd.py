@@ -69,6 +69,22 @@ class _BackwardEmitter(TritonEmitter):
         return "element" if "kv_idx" in used else "row" if "q_idx" in used else "program"
 
 
+class _GluonEmitter(_BackwardEmitter):
+    """The variant functions as the Gluon dK/dV kernel calls them (Triton's functions compile inside a Gluon kernel,
+    all but a zeros_like, which there needs a layout)."""
+    zeros_like = "gl.zeros_like"
+
+
+def _gluon_functions(variant, derivative: ir.Program) -> list[str]:
+    """gl_variant_logits, gl_variant_mask (if the variant has a mask) and gl_fv_dlogits_dqk, for the Gluon kernel."""
+    emit = _GluonEmitter(variant)
+    fns = [emit.function(emit.lowered.logits, "gl_variant_logits", ("qk",) + ir.INDEX_VARS)]
+    if emit.lowered.mask:
+        fns.append(emit.function(emit.lowered.mask, "gl_variant_mask", ir.INDEX_VARS))
+    fns.append(emit.function(derivative, "gl_fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS))
+    return fns
+
+
 def _needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.Expr]]:
     """The lets `roots` use, directly or through other lets (an index's lets never need the score)."""
     need = {n.name for r in roots for n in ir.walk(r) if isinstance(n, ir.Local)}
@@ -96,7 +112,8 @@ def render_training(variant) -> str:
     forward = render_attention(variant)
     emit = _BackwardEmitter(variant)
     logits = emit.lowered.logits
-    fns = [emit.function(_derivative(logits, grad.WRT_QK), "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
+    dqk = _derivative(logits, grad.WRT_QK)
+    fns = [emit.function(dqk, "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
     reads = []
     for i, load in enumerate(grad.learnable_loads(logits, variant.params, names=set(learnable_params(variant)))):
@@ -124,7 +141,7 @@ def render_training(variant) -> str:
                       unspecialized=emit.unspecialized(), reads=reads,
                       band_left=band.left is not None, band_right=band.right is not None, band_exact=band.exact,
                       prescan=variant.scans_mask,
-                      has_mask=emit.lowered.mask is not None)
+                      has_mask=emit.lowered.mask is not None, gluon_functions=_gluon_functions(variant, dqk))
     return forward + "\n\n" + backward
 
 
