@@ -2,6 +2,7 @@
 
     python3 benchmarks/tools/profile_backward.py alibi document_mask [--seqlen 8192] [--configs all|suite]
     FIVAR_TRITON_TMA=0 python3 benchmarks/tools/profile_backward.py alibi      # full tiles through pointers
+    FIVAR_TRITON_GLUON=0 python3 benchmarks/tools/profile_backward.py alibi    # dK/dV in the Triton kernel on sm90
 
 Not a benchmark (`python -m fivar.bench --suite train` is, with Flex and SDPA in the same run and the gradients
 checked): for each variant, the train suite's inputs (the same seeded draw, so a document mask gets the same
@@ -68,13 +69,16 @@ def profile(name: str, seqlen: int, wide: bool) -> dict:
         return torch.autograd.grad(o, leaves + [params[n] for n in learn], do)
 
     out = {"variant": name, "seqlen": seqlen, "gpu": torch.cuda.get_device_name(),
-           "tma_dkdv": module.tma_loads(q, do), "tma_dq": module.tma_loads(k, v)}
+           "tma_dkdv": module.tma_loads(q, do), "tma_dq": module.tma_loads(k, v),
+           "gluon_dkdv": module.gluon_dkdv(q, k, v, do)}
     t0 = time.perf_counter()
     step()
     torch.cuda.synchronize()
     out["first_step_s"] = round(time.perf_counter() - t0, 1)  # compiles and autotunes
     for kernel in ("bwd_dkdv_kernel", "bwd_dq_kernel"):
         tuner = getattr(module, kernel)
+        if not hasattr(tuner, "best_config"):  # not launched: dK/dV ran in the Gluon kernel (gluon_dkdv)
+            continue
         timings = getattr(tuner, "configs_timings", None) or {}  # Triton's autotuning timings, where it keeps them
         out[kernel] = {"best": str(tuner.best_config),  # median ms: Triton's benchmark gives (p50, p20, p80)
                        "ms_by_config": {str(c): round(t[0] if isinstance(t, (list, tuple)) else t, 4)
