@@ -75,13 +75,16 @@ class _GluonEmitter(_BackwardEmitter):
     zeros_like = "gl.zeros_like"
 
 
-def _gluon_functions(variant, derivative: ir.Program) -> list[str]:
-    """gl_variant_logits, gl_variant_mask (if the variant has a mask) and gl_fv_dlogits_dqk, for the Gluon kernel."""
+def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]]) -> list[str]:
+    """The functions the Gluon kernels call, prefixed gl_: the logits, the mask (if any) and `derivatives` (name,
+    program, arguments: the backward's own functions)."""
     emit = _GluonEmitter(variant)
     fns = [emit.function(emit.lowered.logits, "gl_variant_logits", ("qk",) + ir.INDEX_VARS)]
     if emit.lowered.mask:
         fns.append(emit.function(emit.lowered.mask, "gl_variant_mask", ir.INDEX_VARS))
-    fns.append(emit.function(derivative, "gl_fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS))
+    for name, program, args in derivatives:
+        emit.let_exprs = dict(emit.lowered.logits.lets)
+        fns.append(emit.function(program, "gl_" + name, args))
     return fns
 
 
@@ -112,10 +115,9 @@ def render_training(variant) -> str:
     forward = render_attention(variant)
     emit = _BackwardEmitter(variant)
     logits = emit.lowered.logits
-    dqk = _derivative(logits, grad.WRT_QK)
-    fns = [emit.function(dqk, "fv_dlogits_dqk", ("qk",) + ir.INDEX_VARS)]
+    derivatives = [("fv_dlogits_dqk", _derivative(logits, grad.WRT_QK), ("qk",) + ir.INDEX_VARS)]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
-    reads = []
+    fns, reads = [], []
     for i, load in enumerate(grad.learnable_loads(logits, variant.params, names=set(learnable_params(variant)))):
         emit.let_exprs = dict(logits.lets)  # read_kind and tile_ranges follow the index through the lets
         kind = emit.read_kind(load)
@@ -123,14 +125,17 @@ def render_training(variant) -> str:
         by_distance = positions.Analysis(dict(logits.lets))
         diagonal = kind == "element" and all(by_distance.position_only(i) for i in load.indices)
         reads.append(LearnableRead(i, load.param, kind, ir.format_expr(load), tile_test, diagonal))
-        fns.append(emit.function(_derivative(logits, load), f"fv_dlogits_dload{i}", ("qk",) + ir.INDEX_VARS))
         index_lets = _needed_lets(logits.lets, load.indices)
         # an element read's index may depend on the score (then its offset function takes the tile's q.k)
         offset_args = ir.INDEX_VARS + (("qk",) if kind == "element" else ())  # not first: no tile broadcast
-        fns.append(emit.function(ir.Program(index_lets, _GradOffset(I32, load)), f"fv_grad_offset{i}", offset_args))
+        derivatives += [(f"fv_dlogits_dload{i}", _derivative(logits, load), ("qk",) + ir.INDEX_VARS),
+                        (f"fv_grad_offset{i}", ir.Program(index_lets, _GradOffset(I32, load)), offset_args)]
         if tile_test:
             fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
                                      ir.INDEX_VARS))
+    for name, program, args in derivatives:
+        emit.let_exprs = dict(logits.lets)
+        fns.insert(len(fns) if name != "fv_dlogits_dqk" else 0, emit.function(program, name, args))
     # the derivatives only use functions the logits use, so the forward module defines every helper they need
     if not emit.helpers <= _forward_helpers(variant):
         raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
@@ -141,7 +146,7 @@ def render_training(variant) -> str:
                       unspecialized=emit.unspecialized(), reads=reads,
                       band_left=band.left is not None, band_right=band.right is not None, band_exact=band.exact,
                       prescan=variant.scans_mask,
-                      has_mask=emit.lowered.mask is not None, gluon_functions=_gluon_functions(variant, dqk))
+                      has_mask=emit.lowered.mask is not None, gluon_functions=_gluon_functions(variant, derivatives))
     return forward + "\n\n" + backward
 
 
