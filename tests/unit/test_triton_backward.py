@@ -583,3 +583,25 @@ def test_tma_loads_only_where_a_descriptor_can_read_the_tiles(monkeypatch):
     monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(module, "TMA", False)
     assert module.tma_loads(good, good) is False  # FIVAR_TRITON_TMA=0
+
+
+def test_a_gluon_kernel_that_does_not_compile_falls_back_to_the_triton_kernels(monkeypatch):
+    """Gluon's API moves between Triton releases: a Gluon launch that fails to compile warns once, names the Triton
+    version, turns the Gluon kernels off for the module (gluon_dkdv says no from then on) and reports False, so the
+    backward runs the Triton kernels; a launch that compiles reports True."""
+    import triton
+
+    from fivar.jit.triton_module import load_triton_module
+    module = load_triton_module(fivar.load("alibi"), training=True)
+    monkeypatch.setattr(module, "GLUON", True)
+    ran = []
+    assert module._gluon_launch(lambda: ran.append(1)) is True and ran == [1] and module.GLUON
+
+    def broken():
+        raise triton.CompilationError("kernel.py", None, "module 'gluon.language' has no attribute 'x'")
+
+    with pytest.warns(UserWarning, match=f"Triton {triton.__version__}.*Triton kernels run instead"):
+        assert module._gluon_launch(broken) is False
+    assert module.GLUON is False
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    assert not module.gluon_dkdv(q, q, q, q)
