@@ -1,6 +1,6 @@
 """Where a training step's time goes: the generated backward's kernels (dK/dV, dQ, the o.do rows) per launch config.
 
-    python3 benchmarks/tools/profile_backward.py alibi document_mask [--seqlen 8192] [--configs all|suite]
+    python3 benchmarks/tools/profile_backward.py alibi document_mask [--seqlen 8192] [--configs all|suite] [--backend auto]
     FIVAR_TRITON_TMA=0 python3 benchmarks/tools/profile_backward.py alibi      # full tiles through pointers
     FIVAR_TRITON_GLUON=0 python3 benchmarks/tools/profile_backward.py alibi    # dK/dV in the Triton kernel on sm90
 
@@ -51,7 +51,7 @@ def _widen(module) -> None:
                                  num_warps=w, num_stages=s, pre_hook=hook) for short, long, w, s in WIDE]
 
 
-def profile(name: str, seqlen: int, wide: bool) -> dict:
+def profile(name: str, seqlen: int, wide: bool, backend: str = "triton") -> dict:
     import triton
 
     from fivar.jit.triton_module import load_triton_module
@@ -65,10 +65,10 @@ def profile(name: str, seqlen: int, wide: bool) -> dict:
         _widen(module)
 
     def step():
-        o = var.attention(*leaves, causal=True, backend="triton", **params)
+        o = var.attention(*leaves, causal=True, backend=backend, **params)
         return torch.autograd.grad(o, leaves + [params[n] for n in learn], do)
 
-    out = {"variant": name, "seqlen": seqlen, "gpu": torch.cuda.get_device_name(),
+    out = {"variant": name, "seqlen": seqlen, "backend": backend, "gpu": torch.cuda.get_device_name(),
            "tma_dkdv": module.tma_loads(q, do), "tma_dq": module.tma_loads(k, v),
            "gluon_dkdv": module.gluon_dkdv(q, k, v, do)}
     t0 = time.perf_counter()
@@ -94,8 +94,8 @@ def profile(name: str, seqlen: int, wide: bool) -> dict:
     for e in prof.key_averages():
         total = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if total > 0:
-            kernels[e.key[:60]] = round(total / 5 / 1000, 4)
-    out["kernel_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:8])
+            kernels[e.key[:60]] = round(total / 5 / 1000, 4)  # per step
+    out["kernel_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
     out["step_ms"] = round(triton.testing.do_bench(step, warmup=5, rep=50), 4)
     return out
 
@@ -105,9 +105,10 @@ def main(argv=None) -> None:
     ap.add_argument("names", nargs="+")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--configs", choices=("suite", "all"), default="suite")
+    ap.add_argument("--backend", default="triton", help="the forward: triton (default) or auto (FA3 on sm90)")
     args = ap.parse_args(argv)
     for name in args.names:
-        print(json.dumps(profile(name, args.seqlen, args.configs == "all")), flush=True)
+        print(json.dumps(profile(name, args.seqlen, args.configs == "all", args.backend)), flush=True)
 
 
 if __name__ == "__main__":
