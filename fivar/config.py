@@ -42,7 +42,7 @@ class TritonConfig:
     """What the Triton twin (templates/triton/attention.py.jinja) reads when it is imported."""
     autotune: bool = True  # False: one launch config per kernel instead of autotuning (much less compile time)
     tma: bool = True  # False: every K/V tile through pointers, also on Hopper (for comparison)
-    gluon: bool = True  # False: the backward's dK/dV in the Triton kernel also on Hopper (for comparison)
+    gluon: bool = True  # False: the backward's dK/dV and dQ in the Triton kernels also on Hopper (for comparison)
 
 
 @dataclass(frozen=True)

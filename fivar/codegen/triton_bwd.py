@@ -70,8 +70,8 @@ class _BackwardEmitter(TritonEmitter):
 
 
 class _GluonEmitter(_BackwardEmitter):
-    """The variant functions as the Gluon dK/dV kernel calls them (Triton's functions compile inside a Gluon kernel,
-    all but a zeros_like, which there needs a layout)."""
+    """The variant functions as the Gluon dK/dV and dQ kernels call them (Triton's functions compile inside a Gluon
+    kernel, all but a zeros_like, which there needs a layout)."""
     zeros_like = "gl.zeros_like"
 
 
@@ -117,7 +117,7 @@ def render_training(variant) -> str:
     logits = emit.lowered.logits
     derivatives = [("fv_dlogits_dqk", _derivative(logits, grad.WRT_QK), ("qk",) + ir.INDEX_VARS)]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
-    fns, reads = [], []
+    tile_fns, reads = [], []
     for i, load in enumerate(grad.learnable_loads(logits, variant.params, names=set(learnable_params(variant)))):
         emit.let_exprs = dict(logits.lets)  # read_kind and tile_ranges follow the index through the lets
         kind = emit.read_kind(load)
@@ -131,11 +131,13 @@ def render_training(variant) -> str:
         derivatives += [(f"fv_dlogits_dload{i}", _derivative(logits, load), ("qk",) + ir.INDEX_VARS),
                         (f"fv_grad_offset{i}", ir.Program(index_lets, _GradOffset(I32, load)), offset_args)]
         if tile_test:
-            fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
-                                     ir.INDEX_VARS))
-    for name, program, args in derivatives:
+            tile_fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
+                                          ir.INDEX_VARS))
+    fns = []
+    for name, program, args in derivatives:  # then the Gluon kernels' copies of the same (_gluon_functions)
         emit.let_exprs = dict(logits.lets)
-        fns.insert(len(fns) if name != "fv_dlogits_dqk" else 0, emit.function(program, name, args))
+        fns.append(emit.function(program, name, args))
+    fns += tile_fns
     # the derivatives only use functions the logits use, so the forward module defines every helper they need
     if not emit.helpers <= _forward_helpers(variant):
         raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")

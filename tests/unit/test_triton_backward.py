@@ -605,3 +605,17 @@ def test_a_gluon_kernel_that_does_not_compile_falls_back_to_the_triton_kernels(m
     assert module.GLUON is False
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     assert not module.gluon_dkdv(q, q, q, q)
+
+
+def test_gluon_launch_out_of_memory_is_not_a_compile_failure(monkeypatch):
+    """Running out of GPU memory is raised as it is, with the Gluon kernels left on (it is no compiler's error)."""
+    from fivar.jit.triton_module import load_triton_module
+    module = load_triton_module(fivar.load("alibi"), training=True)
+    monkeypatch.setattr(module, "GLUON", True)
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        module._gluon_launch(oom)
+    assert module.GLUON is True
