@@ -22,6 +22,17 @@ def learnable_copy(variant, names=None):
                             softmax=variant.softmax, doc=variant.doc, example=variant.example)
 
 
+def frozen_copy(variant):
+    """The variant with no tensor param learnable: what it costs to train through it with the tensors held."""
+    from dataclasses import replace
+
+    from ..spec import AttentionVariant, Tensor
+    params = {n: (replace(p, learnable=False, where=p.where) if isinstance(p, Tensor) else p)
+              for n, p in variant.params.items()}
+    return AttentionVariant(name=variant.name, logits=variant.logits, mask=variant.mask, params=params,
+                            softmax=variant.softmax, doc=variant.doc, example=variant.example)
+
+
 def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, params, sm_scale=None, o_used=None):
     """(o, {"q": dq, "k": dk, "v": dv, param: dparam}) by float64 autograd through the torch reference, request by
     request; gradients of the float tensor params declared learnable=True.
@@ -103,7 +114,7 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
 
 
 # --- `--op train`: forward + backward, fivar vs Flex vs SDPA's flash backend -------------------------------------
-TRAIN_CONTENDERS = ("fivar", "fivar-triton", "flex", "flex-frozen", "sdpa")
+TRAIN_CONTENDERS = ("fivar", "fivar-triton", "fivar-frozen", "flex", "flex-frozen", "sdpa")
 #: ratios are against Flex, or against Flex with the learnable tensors frozen where Flex cannot compile their gradient
 BASELINES = ("flex", "flex-frozen")
 
@@ -132,6 +143,15 @@ def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDER
                 o = variant.attention(*leaves, causal=causal, backend=backend, **params)
                 return torch.autograd.grad(o, inputs, do)
             fns[name] = fivar_step
+    if "fivar-frozen" in wanted and learn:
+        # the same work as flex-frozen: the learnable tensors held constant (a variant declaring none learnable,
+        # whose backward computes no gradient for them), gradients of q, k, v only
+        held, held_params = frozen_copy(variant), {n: t.detach() if isinstance(t, torch.Tensor) else t
+                                                    for n, t in params.items()}
+
+        def fivar_frozen_step():
+            return torch.autograd.grad(held.attention(*leaves, causal=causal, **held_params), leaves, do)
+        fns["fivar-frozen"] = fivar_frozen_step
     if "flex" in wanted and variant.softmax:
         run = flex_attention_fn(variant, params, *leaves, causal=causal)
 
@@ -188,7 +208,7 @@ def bench_train(variant, *, seqlen: int = 8192, heads=(32, 8), head_dim: int = 1
             errors[name] = f"{type(e).__name__}: {e}"[:300]
             del fns[name]
     agree = {}
-    for name in ("fivar-triton", "flex", "flex-frozen"):  # the gradients both computed (flex-frozen: q, k, v)
+    for name in ("fivar-triton", "fivar-frozen", "flex", "flex-frozen"):  # the gradients both computed (frozen: q, k, v)
         if "fivar" in grads and name in grads:
             agree[name] = max(_rel(a, b) for a, b in zip(grads[name], grads["fivar"]))
     timings = time_interleaved(fns, rounds=rounds, device=device)
@@ -226,6 +246,7 @@ def format_rows(rows: list[dict]) -> str:
 # --- results rows: the runner's format (python -m fivar.bench --suite train) ---------------------------------------
 LABELS = {"fivar": "v.attention: the default forward (FA3 on sm90, else Triton) + generated backward",
           "fivar-triton": "v.attention(backend='triton'): Triton forward + generated backward",
+          "fivar-frozen": "v.attention, learnable tensors held constant (dq, dk, dv only: flex-frozen's work)",
           "flex": "torch.compile flex_attention, forward + backward",
           "flex-frozen": "flex_attention, learnable tensors held constant (dq, dk, dv only)",
           "sdpa": "plain attention, flash backend (no variant, its own work)"}
@@ -280,7 +301,7 @@ def result_rows(rows: list[dict], env: dict) -> list[dict]:
 
 def main(argv=None) -> None:
     """python -m fivar.bench.train [NAME ...] [--causal both|yes|no] [--seqlen 8192] [--heads 32/8]
-    [--vs fivar-triton,flex,flex-frozen,sdpa]"""
+    [--vs fivar-triton,fivar-frozen,flex,flex-frozen,sdpa]"""
     import argparse
     import json
 
@@ -291,7 +312,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--heads", default="32/8")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--vs", default="fivar-triton,flex,flex-frozen,sdpa",
+    ap.add_argument("--vs", default="fivar-triton,fivar-frozen,flex,flex-frozen,sdpa",
                     help="contenders besides fivar, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jsonl", default=None, help="append the rows to this results file (the runner's row format; "
@@ -317,5 +338,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["bench_train", "check_gradients", "learnable_copy", "measurements", "reference_gradients", "result_rows",
+__all__ = ["bench_train", "check_gradients", "frozen_copy", "learnable_copy", "measurements", "reference_gradients", "result_rows",
            "train_contenders"]

@@ -313,9 +313,13 @@ class TritonEmitter:
         if first_args[0] == "qk" and "score" not in ir.uses(program):
             result = f"{self.zeros_like}(qk) + {result}"  # logits that ignore the score: still a full tile
         lines.append(f"return {result}")
-        args = ", ".join(list(first_args) + list(TILE_RANGE_ARGS) + self.variant_args())
+        args = ", ".join(list(first_args) + list(TILE_RANGE_ARGS) + self.variant_args() + self.function_args())
         body = "\n".join("    " + line for line in lines)
         return f"@triton.jit\ndef {name}({args}):\n{body}\n"
+
+    def function_args(self) -> list[str]:
+        """Arguments of the function just emitted beyond variant_args (none here)."""
+        return []
 
     def sink_function(self, program: ir.Program) -> str:
         """`variant_sink(batch, qo_head, <kernel args>)`: the sink logit of one (request, query head), from the
@@ -376,10 +380,14 @@ class TritonEmitter:
 
     def row_prologue(self) -> list[str]:
         """Kernel statements reading the per-row values (`row_loads`), once the index variables exist."""
+        return self.read_lines(self.row_loads)
+
+    def read_lines(self, loads: dict[ir.Load, str]) -> list[str]:
+        """`name = <the read>` for each of `loads`, read in full (not by the name it stands for)."""
         self.local_names, self.const_locals = {}, {}
         self.in_prologue = True
         try:
-            return [f"{name} = {self.expr(e)}" for e, name in self.row_loads.items()]
+            return [f"{name} = {self.expr(e)}" for e, name in loads.items()]
         finally:
             self.in_prologue = False
 

@@ -71,13 +71,58 @@ class _BackwardEmitter(TritonEmitter):
 
 class _GluonEmitter(_BackwardEmitter):
     """The variant functions as the Gluon dK/dV and dQ kernels call them (Triton's functions compile inside a Gluon
-    kernel, all but a zeros_like, which there needs a layout)."""
+    kernel, all but a zeros_like, which there needs a layout).
+
+    Reads of the key alone (`doc_ids[batch, kv_idx]`: `col_loads`) are passed in as `fv_col<i>`, each function
+    taking those it uses (`function_cols`): the dK/dV kernel, whose program owns one key block, reads them once
+    before its loop (the same key columns for every query tile); the dQ kernel per tile. Read inside the functions,
+    ptxas kept a 64-bit address per key column live across dK/dV's loop and spilled them (sm_90a, a document mask:
+    308 bytes a thread)."""
     zeros_like = "gl.zeros_like"
 
+    def __init__(self, variant):
+        super().__init__(variant)
+        self.col_loads = self._col_loads()
+        self.function_cols: dict[str, list[str]] = {}
+        self._used_cols: dict[str, None] = {}
 
-def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]]) -> list[str]:
+    def _col_loads(self) -> dict[ir.Load, str]:
+        """Tensor-param reads of the key alone (not the query, its head, the score or a let), as the functions use
+        them: a read inside another such read is one only where it also stands alone."""
+        found: dict[ir.Load, str] = {}
+
+        def visit(e: ir.Expr) -> None:
+            if isinstance(e, ir.Load) and e not in self.row_loads and not any(
+                    isinstance(n, (ir.Score, ir.RawScore, ir.Local)) or
+                    (isinstance(n, ir.Index) and n.name in ("q_idx", "qo_head")) for n in ir.walk(e)):
+                found.setdefault(e, f"fv_col{len(found)}")
+                return
+            for c in e.children():
+                visit(c)
+        for program in (self.lowered.logits, self.lowered.mask):
+            for root in (program.exprs() if program else ()):
+                visit(root)
+        return found
+
+    def expr(self, e: ir.Expr) -> str:
+        if isinstance(e, ir.Load) and e in self.col_loads and not self.in_prologue:
+            self._used_cols[self.col_loads[e]] = None
+            return self.col_loads[e]
+        return super().expr(e)
+
+    def function(self, program: ir.Program, name: str, first_args: tuple[str, ...]) -> str:
+        self._used_cols = {}
+        text = super().function(program, name, first_args)
+        self.function_cols[name] = list(self._used_cols)
+        return text
+
+    def function_args(self) -> list[str]:
+        return list(self._used_cols)
+
+
+def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]]) -> tuple[list[str], _GluonEmitter]:
     """The functions the Gluon kernels call, prefixed gl_: the logits, the mask (if any) and `derivatives` (name,
-    program, arguments: the backward's own functions)."""
+    program, arguments: the backward's own functions); and their emitter (col_loads, function_cols)."""
     emit = _GluonEmitter(variant)
     fns = [emit.function(emit.lowered.logits, "gl_variant_logits", ("qk",) + ir.INDEX_VARS)]
     if emit.lowered.mask:
@@ -85,7 +130,7 @@ def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]]) 
     for name, program, args in derivatives:
         emit.let_exprs = dict(emit.lowered.logits.lets)
         fns.append(emit.function(program, "gl_" + name, args))
-    return fns
+    return fns, emit
 
 
 def _needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.Expr]]:
@@ -141,6 +186,7 @@ def render_training(variant) -> str:
     # the derivatives only use functions the logits use, so the forward module defines every helper they need
     if not emit.helpers <= _forward_helpers(variant):
         raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
+    gluon_fns, gluon = _gluon_functions(variant, derivatives)
     band = variant.kv_band
     backward = render("triton/attention_bwd.py.jinja", name=variant.name, softmax=variant.softmax,
                       functions=fns, prologue=prologue, row_prologue=row_prologue,
@@ -148,7 +194,8 @@ def render_training(variant) -> str:
                       unspecialized=emit.unspecialized(), reads=reads,
                       band_left=band.left is not None, band_right=band.right is not None, band_exact=band.exact,
                       prescan=variant.scans_mask,
-                      has_mask=emit.lowered.mask is not None, gluon_functions=_gluon_functions(variant, derivatives))
+                      has_mask=emit.lowered.mask is not None, gluon_functions=gluon_fns,
+                      col_prologue=gluon.read_lines(gluon.col_loads), gl_cols=gluon.function_cols)
     return forward + "\n\n" + backward
 
 

@@ -330,6 +330,24 @@ def test_flex_frozen_contender_only_where_tensors_are_learnable():
         assert ("flex-frozen" in fns) == want and {"fivar", "flex"} <= set(fns)
 
 
+def test_fivar_frozen_contender_does_flex_frozens_work():
+    """"fivar-frozen" (next to flex-frozen) holds the learnable tensors constant: the same dq, dk, dv as fivar's own
+    step, no parameter gradient, through a module whose backward computes none."""
+    from fivar.bench.train import frozen_copy, train_contenders
+    from fivar.codegen.triton_bwd import learnable_params
+    v = learnable_copy(fivar.load("alibi"))
+    assert learnable_params(v) == ["slopes"] and learnable_params(frozen_copy(v)) == []
+    q, k, vv = _qkv(24, 24, 4, 2, 16)
+    params = _params(v, 4, 2, 1, 24)
+    fns = train_contenders(v, q, k, vv, causal=True, params=params, wanted=("fivar", "fivar-frozen"))
+    full, held = fns["fivar"](), fns["fivar-frozen"]()
+    assert len(full) == 4 and len(held) == 3
+    for a, b in zip(held, full):
+        torch.testing.assert_close(a, b)
+    assert "fivar-frozen" not in train_contenders(fivar.load("softcap"), q, k, vv, causal=True, params={"softcap": 2.0},
+                                                  wanted=("fivar", "fivar-frozen"))
+
+
 def test_gradients_reach_only_learnable_tensors():
     """A table not declared learnable gets no gradient (and needs no requires_grad)."""
     v = fivar.load("relative_bias")
@@ -619,3 +637,37 @@ def test_gluon_launch_out_of_memory_is_not_a_compile_failure(monkeypatch):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         module._gluon_launch(oom)
     assert module.GLUON is True
+
+
+def test_gluon_functions_take_the_key_reads_as_arguments():
+    """Reads of the key alone (not the query, its head or the score) reach the Gluon functions as arguments, each
+    function taking those it uses, read once before the dK/dV kernel's tile loop; the outermost read only, and
+    never a read that also depends on the query."""
+    import re
+
+    from fivar.codegen.triton_bwd import _gluon_functions, render_training
+
+    def per_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
+        return params.doc_ids[batch, q_idx] == params.doc_ids[batch, kv_idx]
+
+    def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+        return score + params.key_bias[params.doc_ids[batch, kv_idx]] + params.pair[qo_head, q_idx - kv_idx]
+
+    v = AttentionVariant(name="key_reads", logits=logits, mask=per_key,
+                         params={"doc_ids": Tensor("int32", ("batch", "position")), "key_bias": Tensor("float32", ("doc",)),
+                                 "pair": Tensor("float32", ("qo_head", "distance"))})
+    fns, emit = _gluon_functions(v, [])
+    reads = {n: str(e) for e, n in emit.col_loads.items()}
+    assert len(reads) == 2, reads  # key_bias[doc_ids[kv]] (not its inner read) and doc_ids[kv]; never pair[...]
+    assert all("pair" not in r for r in reads.values()) and sum("key_bias" in r for r in reads.values()) == 1
+    by_name = {re.search(r"def (\w+)\(", f).group(1): f for f in fns}
+    for name, cols in emit.function_cols.items():
+        signature = by_name[name].splitlines()[1]
+        assert all(c in signature for c in cols) and not any(c in signature for c in set(reads) - set(cols))
+    assert emit.function_cols["gl_variant_mask"] == [n for n, r in reads.items() if "key_bias" not in r]
+    assert set(emit.function_cols["gl_variant_logits"]) == {n for n, r in reads.items() if "key_bias" in r}
+    assert "tl.load" not in by_name["gl_variant_mask"]  # both of its reads come in: the query's as a row read
+    source = render_training(v)
+    dkdv = source[source.index("def gl_bwd_dkdv_kernel"):source.index("def gl_bwd_dq_kernel")]
+    for name in reads:
+        assert dkdv.index(f"{name} = tl.load(") < dkdv.index("for fv_tile in range(")
