@@ -99,7 +99,8 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         # "triton": v.attention with the Triton twin's forward (fivar's default takes FA3's on sm90)
         wanted = ("fivar",) + tuple({"triton": "fivar-triton"}.get(x, x) for x in (vs or ("triton", "flex", "sdpa"))
                                     if x in ("triton", "flex", "sdpa"))
-        wanted += ("flex-frozen",) if "flex" in wanted else ()  # made only for a variant with learnable tensors
+        # made only for a variant with learnable tensors: Flex with them held, and fivar doing the same work
+        wanted += ("fivar-frozen", "flex-frozen") if "flex" in wanted else ()
         rows = [r for S in _split(seqlens, int) for r in bench_train(
             v, seqlen=S, heads=(hq, hkv), head_dim=head_dim, causal=causal, dtype=dt, params=params, wanted=wanted,
             rounds=rounds)]
