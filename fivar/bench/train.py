@@ -11,24 +11,14 @@ import torch
 from ..testing import CheckResult, compare
 
 
-def learnable_copy(variant, names=None):
-    """The variant with its float tensor params (or those in `names`) declared learnable=True."""
+def learnable_copy(variant, names=None, learnable: bool = True):
+    """The variant with its float tensor params (or those in `names`) declared learnable=True; with `learnable`
+    False, none of them learnable (what training through it costs with the tensors held)."""
     from dataclasses import replace
 
     from ..spec import AttentionVariant, Tensor
-    params = {n: (replace(p, learnable=True, where=p.where) if isinstance(p, Tensor) and p.ir_type == "f32"
+    params = {n: (replace(p, learnable=learnable, where=p.where) if isinstance(p, Tensor) and p.ir_type == "f32"
                   and (names is None or n in names) else p) for n, p in variant.params.items()}
-    return AttentionVariant(name=variant.name, logits=variant.logits, mask=variant.mask, params=params,
-                            softmax=variant.softmax, doc=variant.doc, example=variant.example)
-
-
-def frozen_copy(variant):
-    """The variant with no tensor param learnable: what it costs to train through it with the tensors held."""
-    from dataclasses import replace
-
-    from ..spec import AttentionVariant, Tensor
-    params = {n: (replace(p, learnable=False, where=p.where) if isinstance(p, Tensor) else p)
-              for n, p in variant.params.items()}
     return AttentionVariant(name=variant.name, logits=variant.logits, mask=variant.mask, params=params,
                             softmax=variant.softmax, doc=variant.doc, example=variant.example)
 
@@ -146,8 +136,8 @@ def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDER
     if "fivar-frozen" in wanted and learn:
         # the same work as flex-frozen: the learnable tensors held constant (a variant declaring none learnable,
         # whose backward computes no gradient for them), gradients of q, k, v only
-        held, held_params = frozen_copy(variant), {n: t.detach() if isinstance(t, torch.Tensor) else t
-                                                    for n, t in params.items()}
+        held = learnable_copy(variant, learnable=False)
+        held_params = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in params.items()}
 
         def fivar_frozen_step():
             return torch.autograd.grad(held.attention(*leaves, causal=causal, **held_params), leaves, do)
@@ -338,5 +328,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["bench_train", "check_gradients", "frozen_copy", "learnable_copy", "measurements", "reference_gradients", "result_rows",
+__all__ = ["bench_train", "check_gradients", "learnable_copy", "measurements", "reference_gradients", "result_rows",
            "train_contenders"]

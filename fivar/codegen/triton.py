@@ -55,6 +55,13 @@ class KernelArg:
     specialize: bool = False  # ints only: let Triton specialise on the value (strides)
 
 
+def read_without(e: ir.Expr, indices: tuple[str, ...]) -> bool:
+    """Whether `e` reads none of `indices`, the score or a let (which may hold either): the same for every value of
+    those indices, so a kernel can read it once outside a loop over them."""
+    return not any(isinstance(n, (ir.Score, ir.RawScore, ir.Local)) or (isinstance(n, ir.Index) and n.name in indices)
+                   for n in ir.walk(e))
+
+
 class TritonEmitter:
     #: a zero tile shaped like another (Gluon's needs the other's layout, which gl.zeros_like takes from it)
     zeros_like = "tl.zeros_like"
@@ -99,9 +106,7 @@ class TritonEmitter:
         for program in (self.lowered.logits, self.lowered.mask):
             for root in (program.exprs() if program else ()):
                 for e in ir.walk(root):
-                    if isinstance(e, ir.Load) and e not in loads and not any(
-                            isinstance(n, (ir.Score, ir.RawScore, ir.Local)) or
-                            (isinstance(n, ir.Index) and n.name == "kv_idx") for n in ir.walk(e)):
+                    if isinstance(e, ir.Load) and e not in loads and read_without(e, ("kv_idx",)):
                         loads[e] = f"fv_row{len(loads)}"
         return loads
 

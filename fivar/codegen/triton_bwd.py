@@ -14,7 +14,7 @@ from ..spec import grad, ir, positions
 from ..spec.ir import I32
 from .fa2 import render
 from .cuda import size_ident
-from .triton import TritonEmitter, render_attention
+from .triton import TritonEmitter, read_without, render_attention
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,7 @@ class _GluonEmitter(_BackwardEmitter):
         found: dict[ir.Load, str] = {}
 
         def visit(e: ir.Expr) -> None:
-            if isinstance(e, ir.Load) and e not in self.row_loads and not any(
-                    isinstance(n, (ir.Score, ir.RawScore, ir.Local)) or
-                    (isinstance(n, ir.Index) and n.name in ("q_idx", "qo_head")) for n in ir.walk(e)):
+            if isinstance(e, ir.Load) and e not in self.row_loads and read_without(e, ("q_idx", "qo_head")):
                 found.setdefault(e, f"fv_col{len(found)}")
                 return
             for c in e.children():
