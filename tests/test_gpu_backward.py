@@ -10,7 +10,7 @@ from fivar.bench.train import check_gradients, learnable_copy
 from fivar.testing import example_params
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
-           "softcap_sliding_window"]
+           "softcap_sliding_window", "gpt_oss"]
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
 pytestmark = pytest.mark.gpu
 
@@ -66,6 +66,18 @@ def test_hopper_dkdv_kernel_other_shapes(name, head_dim, dtype):
     params = example_params(v, num_qo_heads=4, num_kv_heads=2, batch_size=3, max_len=max(kv_lens), device="cuda")
     r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params, dtype=dtype,
                         backend="triton")
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_learned_sinks_and_a_loss_that_reads_the_lse(backend):
+    """gpt-oss's learned sinks (one logit per query head in each row's denominator) get their gradient, and so does a
+    loss that reads the lse (as a merge of attention states does): ragged, causal."""
+    v = learnable_copy(fivar.load("gpt_oss"))
+    qo_lens, kv_lens = [17, 300, 1, 257], [40, 300, 129, 257]
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens))
+    r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True,
+                        params=_params(v, len(qo_lens), max(kv_lens)), dtype=DTYPE, backend=backend, lse_in_loss=True)
     assert r.passed, r
 
 

@@ -16,16 +16,17 @@ def learnable_copy(variant, names=None, learnable: bool = True):
     False, none of them learnable (what training through it costs with the tensors held)."""
     from dataclasses import replace
 
-    from ..spec import AttentionVariant, Tensor
+    from ..spec import Tensor
     params = {n: (replace(p, learnable=learnable, where=p.where) if isinstance(p, Tensor) and p.ir_type == "f32"
                   and (names is None or n in names) else p) for n, p in variant.params.items()}
-    return AttentionVariant(name=variant.name, logits=variant.logits, mask=variant.mask, params=params,
-                            softmax=variant.softmax, doc=variant.doc, example=variant.example)
+    return replace(variant, params=params)
 
 
-def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, params, sm_scale=None, o_used=None):
+def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, params, sm_scale=None, o_used=None,
+                        dlse=None):
     """(o, {"q": dq, "k": dk, "v": dv, param: dparam}) by float64 autograd through the torch reference, request by
-    request; gradients of the float tensor params declared learnable=True.
+    request; gradients of the float tensor params declared learnable=True. `dlse`: the loss also reads the lse
+    (its gradient; every row must keep a key or have a sink, where the lse is finite).
 
     `o_used`: the forward output a kernel's backward reads (a softmax backward's correction term is rowsum(o * do)
     of it). A learnable param's gradient sums dS * d(logit)/d(param) over every pair, and a per-row error e in that
@@ -38,13 +39,14 @@ def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, param
              if p.learnable}
     full = {**params, **learn}
     corrected = o_used is not None and variant.softmax and bool(learn)
+    want_lse = corrected or dlse is not None
     outs, lses, qo, ko = [], [], 0, 0
     for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
         got = reference_attention(variant, q64[qo:qo + lq], k64[ko:ko + lk], v64[ko:ko + lk], causal=causal,
                                   sm_scale=sm_scale, params=full, batch_idx=b, batch_size=len(qo_lens),
-                                  float_dtype=torch.float64, return_lse=corrected)
-        outs.append(got[0] if corrected else got)
-        if corrected:
+                                  float_dtype=torch.float64, return_lse=want_lse)
+        outs.append(got[0] if want_lse else got)
+        if want_lse:
             lses.append(got[1])
         qo, ko = qo + lq, ko + lk
     o = torch.cat(outs)
@@ -54,7 +56,10 @@ def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, param
         lse = torch.cat(lses) * math.log(2.0)  # natural log
         shift = torch.autograd.grad((torch.where(torch.isfinite(lse), lse, 0.0) * e).sum(), list(learn.values()),
                                     retain_graph=True, allow_unused=True)
-    o.backward(do64)
+    if dlse is None:
+        o.backward(do64)
+    else:
+        torch.autograd.backward([o, torch.cat(lses)], [do64, dlse.double()])
     grads = {"q": q64.grad, "k": k64.grad, "v": v64.grad}
     grads.update({n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in learn.items()})
     if corrected:
@@ -78,8 +83,9 @@ class GradCheck:
 
 
 def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype, sm_scale=None,
-                    backend="auto") -> GradCheck:
-    """Forward + backward through `variant.attention` against `reference_gradients` (fresh random `do`)."""
+                    backend="auto", lse_in_loss=False) -> GradCheck:
+    """Forward + backward through `variant.attention` against `reference_gradients` (fresh random `do`);
+    `lse_in_loss`: the loss reads the lse too (a fresh random gradient of it)."""
     dev = q.device
     learn = [n for n, p in variant.tensor_params.items() if p.learnable]
     params = {n: (t.detach().clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
@@ -88,11 +94,18 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
     if len(qo_lens) > 1:
         kw = dict(qo_indptr=torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=dev),
                   kv_indptr=torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=dev))
-    o = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, backend=backend, **kw, **params)
-    do = torch.randn_like(o)
-    o.backward(do)
+    o = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, backend=backend, return_lse=lse_in_loss,
+                          **kw, **params)
+    dlse = None
+    if lse_in_loss:
+        o, lse = o
+        dlse = torch.randn_like(lse)
+        torch.autograd.backward([o, lse], [do := torch.randn_like(o), dlse])
+    else:
+        do = torch.randn_like(o)
+        o.backward(do)
     ref_o, ref = reference_gradients(variant, q, k, v, do, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
-                                     params=params, sm_scale=sm_scale, o_used=o.detach())
+                                     params=params, sm_scale=sm_scale, o_used=o.detach(), dlse=dlse)
     got = {"q": qg.grad, "k": kg.grad, "v": vg.grad, **{n: params[n].grad for n in learn}}
     results = [compare(variant.name, "o", o.detach(), ref_o, dtype)]
     for name, want in ref.items():

@@ -380,8 +380,17 @@ def _write_if_different(path: Path, text: str) -> None:
 
 
 def _render_flashinfer(name: str, **kwargs) -> str:
+    """One of FlashInfer's JIT templates, rendered; a variable fivar does not pass (a FlashInfer other than the one
+    fivar is written against) is a one-line error, not a blank that nvcc reports as a fivar bug."""
+    import flashinfer
     from flashinfer.jit import env as jit_env
-    return jinja2.Template((jit_env.FLASHINFER_CSRC_DIR / name).read_text()).render(**kwargs)
+    template = jinja2.Template((jit_env.FLASHINFER_CSRC_DIR / name).read_text(), undefined=jinja2.StrictUndefined)
+    try:
+        return template.render(**kwargs)
+    except jinja2.UndefinedError as e:
+        raise FivarError(f"FlashInfer {flashinfer.__version__}'s template {name} needs a value fivar does not pass "
+                         f"({e.message}): fivar is written against FlashInfer 0.7.2 (pip install "
+                         "'flashinfer-python==0.7.2.post1')") from None
 
 
 def _dispatch_override(config: str, variant, mask_modes: list[str]) -> str:

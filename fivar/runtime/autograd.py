@@ -10,9 +10,13 @@ Two torch.library custom ops carry the work, so `torch.compile` sees opaque, sha
 
 The autograd formula of the forward op (`register_autograd`) calls the backward op. Custom ops take tensors and
 numbers only, so the variant travels as its `key` (fivar.spec.live.variant_by_key) and its params as two lists,
-tensors then scalars in declaration order. `lse` is an output for callers that merge states; no gradient flows through it.
+tensors then scalars in declaration order. `lse` is an output for callers that merge states (ring or context-parallel
+attention); a loss that reads it gets its gradient too (folded into the softmax backward's correction term).
 """
 from __future__ import annotations
+
+import math
+from typing import Optional
 
 import torch
 
@@ -133,8 +137,10 @@ def _(variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm
 def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, lse: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                   max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float, tensors: list[torch.Tensor],
-                  scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """dq, dk, dv, and one float32 gradient per learnable tensor parameter (in declaration order)."""
+                  scalars: list[float], dlse: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """dq, dk, dv, and one float32 gradient per learnable tensor parameter (in declaration order); `dlse`: the
+    loss's gradient of the forward's lse, None where the loss does not read it."""
     from ..codegen.triton_bwd import learnable_params
     var = variant_by_key(variant)
     bound = _bound(var, tensors, scalars)
@@ -145,13 +151,46 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
         kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars,
                        args)
         dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
-                                     grads, **({} if kept is None else kept.backward_args()))
+                                     grads, dlse=dlse if var.softmax else None,
+                                     **({} if kept is None else kept.backward_args()))
+    if var.ir.sink is not None and grads:
+        _add_sink_grads(var, bound, o, do, lse, dlse, qo_indptr, grads)
     return dq, dk, dv, list(grads.values())
+
+
+def _add_sink_grads(var, bound, o, do, lse, dlse, qo_indptr, grads):
+    """Adds the gradients of learnable tensors the sink reads into `grads`. The sink is one logit per (request, query
+    head) that joins each row's denominator with no value row: its gradient is a sum over the request's rows of
+    -P_sink * delta (delta = rowsum(o * do), less dlse * log2(e) where the loss reads the lse), carried to each
+    element it reads by the sink program's symbolic derivative (fivar.spec.grad; a few values a step, evaluated in
+    torch: autograd does not run inside a custom op)."""
+    from ..spec import grad
+    from ..spec.evaluate import TorchEvaluator
+    loads = grad.learnable_loads(var.ir.sink, var.params, names=set(grads))
+    if not loads:
+        return
+    log2e = 1.0 / math.log(2.0)
+    delta = (o.float() * do.float()).sum(-1)  # [tokens, heads]
+    if dlse is not None:
+        delta = delta - dlse.float() * log2e
+    batch, heads, dev = qo_indptr.numel() - 1, o.shape[1], o.device
+    env = {"batch": torch.arange(batch, device=dev).view(batch, 1), "qo_head": torch.arange(heads, device=dev)[None]}
+    ev = TorchEvaluator(env, {**bound.scalars, **bound.tensors}, torch.float32, dev)
+    sink = ev.run(var.ir.sink).float().expand(batch, heads)  # in the logits' units
+    request = torch.searchsorted(qo_indptr[1:].long(), torch.arange(o.shape[0], device=dev), right=True)
+    p_sink = torch.exp2(sink[request] * log2e - lse)
+    d_sink = torch.zeros(batch, heads, dtype=torch.float32, device=dev).index_add_(0, request, -p_sink * delta)
+    for load in loads:
+        d_load = ev.run(grad.derivative(var.ir.sink, load)).float()  # d sink / d the element read; locals stay set
+        table = grads[load.param]
+        index = [ev.eval(i).clamp(0, table.shape[d] - 1) for d, i in enumerate(load.indices)]
+        index = torch.broadcast_tensors(*index, d_sink)[:-1]
+        table.index_put_(index, (d_sink * d_load).expand(batch, heads), accumulate=True)
 
 
 @attention_bwd.register_fake
 def _(variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
-      scalars):
+      scalars, dlse=None):
     from ..codegen.triton_bwd import learnable_params
     var = variant_by_key(variant)
     tnames = list(var.tensor_params)
@@ -163,6 +202,7 @@ def _(variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, max_qo_len, max_kv_len
 def _setup(ctx, inputs, output):
     variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars, _ = inputs
     o, lse = output
+    ctx.set_materialize_grads(False)  # an unread lse's gradient stays None (no zeros written per step)
     ctx.save_for_backward(q, k, v, o, lse, qo_indptr, kv_indptr, *tensors)
     ctx.variant, ctx.causal, ctx.sm_scale, ctx.scalars = variant, causal, sm_scale, scalars
     ctx.max_qo_len, ctx.max_kv_len = max_qo_len, max_kv_len
@@ -172,8 +212,10 @@ def _backward(ctx, do, dlse):
     from ..codegen.triton_bwd import learnable_params
     q, k, v, o, lse, qo_indptr, kv_indptr, *tensors = ctx.saved_tensors
     var = variant_by_key(ctx.variant)
+    if do is None:  # a loss that reads only the lse
+        do = torch.zeros_like(o)
     dq, dk, dv, dparams = attention_bwd(ctx.variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, ctx.max_qo_len,
-                                        ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars)
+                                        ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars, dlse)
     by_name = dict(zip(learnable_params(var), dparams))
     dtensors = [by_name[n].to(t.dtype) if n in by_name else None for n, t in zip(var.tensor_params, tensors)]
     # a list of numbers is one leaf of the inputs' structure, an empty list is a list (torch's pytree)

@@ -12,7 +12,8 @@ from fivar.runtime.params import bind_params
 from fivar.testing import compare, document_ids, example_params
 
 DTYPE = torch.float16  # the interpreter has no bfloat16 arithmetic
-BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window"]
+BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window",
+           "gpt_oss"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,7 +55,7 @@ def test_bundled_single(name, causal):
     _check(learnable_copy(fivar.load(name)), [21], [37], 4, 2, 16, causal)
 
 
-@pytest.mark.parametrize("name", ["softcap", "document_mask", "relative_bias", "sigmoid"])
+@pytest.mark.parametrize("name", ["softcap", "document_mask", "relative_bias", "sigmoid", "gpt_oss"])
 def test_bundled_ragged(name):
     """Three requests, one shorter than a tile and one with more queries than keys; causal."""
     _check(learnable_copy(fivar.load(name)), [5, 1, 20], [19, 7, 17], 4, 2, 16, True)
@@ -372,6 +373,42 @@ def test_lse_is_the_log2_sum_exp():
     s = s.masked_fill(torch.arange(21)[None, None, :] > torch.arange(9)[None, :, None] + 12, float("-inf"))
     want = torch.logsumexp(s, -1).T / torch.log(torch.tensor(2.0, dtype=torch.float64))
     assert torch.allclose(lse.double(), want, atol=2e-3)
+
+
+def _request_sink(batch, qo_head, params):
+    return params.sinks[batch, qo_head] * params.gain[qo_head]
+
+
+def _gained(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score * params.gain[qo_head]
+
+
+#: a learnable sink per (request, query head), scaled by a learnable per-head factor read by the logits too
+REQUEST_SINK = AttentionVariant(
+    name="request_sink_train", sink=_request_sink,
+    logits=_gained,
+    params={"sinks": Tensor("float32", ("batch", "qo_head"), learnable=True),
+            "gain": Tensor("float32", ("qo_head",), learnable=True)})
+
+
+@pytest.mark.parametrize("lse_in_loss", [False, True])
+def test_learnable_sink_and_lse_gradients(lse_in_loss):
+    """A sink's learnable tensors get their gradient (a sum over each request's rows of -P_sink * delta), and a loss
+    that reads the lse gets its gradient too (ring attention merges states by it): ragged, GQA, causal."""
+    qo_lens, kv_lens = [7, 1, 18], [19, 6, 18]
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 4, 2, 16)
+    params = {"sinks": torch.randn(3, 4) * 2, "gain": 0.5 + torch.rand(4)}
+    r = check_gradients(REQUEST_SINK, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params,
+                        dtype=DTYPE, lse_in_loss=lse_in_loss)
+    assert r.passed, r
+
+
+def test_lse_gradient_without_a_sink():
+    """The lse's gradient on a softmax variant without sink (soft-cap), one request whose rows all keep a key."""
+    q, k, vv = _qkv(13, 29, 4, 2, 16)
+    r = check_gradients(learnable_copy(fivar.load("alibi")), q, k, vv, qo_lens=[13], kv_lens=[29], causal=True,
+                        params=_params(fivar.load("alibi"), 4, 2, 1, 29), dtype=DTYPE, lse_in_loss=True)
+    assert r.passed, r
 
 
 def test_compiled_training_step():
