@@ -77,7 +77,7 @@ def test_learned_sinks_and_a_loss_that_reads_the_lse(backend):
     qo_lens, kv_lens = [17, 300, 1, 257], [40, 300, 129, 257]
     q, k, vv = _qkv(sum(qo_lens), sum(kv_lens))
     r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True,
-                        params=_params(v, len(qo_lens), max(kv_lens)), dtype=DTYPE, backend=backend, lse_in_loss=True)
+                        params=_params(v, len(qo_lens), max(kv_lens)), dtype=DTYPE, backend=backend, loss="o+lse")
     assert r.passed, r
 
 

@@ -83,9 +83,9 @@ class GradCheck:
 
 
 def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype, sm_scale=None,
-                    backend="auto", lse_in_loss=False) -> GradCheck:
-    """Forward + backward through `variant.attention` against `reference_gradients` (fresh random `do`);
-    `lse_in_loss`: the loss reads the lse too (a fresh random gradient of it)."""
+                    backend="auto", loss="o") -> GradCheck:
+    """Forward + backward through `variant.attention` against `reference_gradients`; `loss`: what it reads, "o",
+    "o+lse" or "lse" (fresh random gradients of each; every row must keep a key or have a sink to read the lse)."""
     dev = q.device
     learn = [n for n, p in variant.tensor_params.items() if p.learnable]
     params = {n: (t.detach().clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
@@ -94,16 +94,14 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
     if len(qo_lens) > 1:
         kw = dict(qo_indptr=torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=dev),
                   kv_indptr=torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=dev))
-    o = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, backend=backend, return_lse=lse_in_loss,
-                          **kw, **params)
-    dlse = None
-    if lse_in_loss:
-        o, lse = o
-        dlse = torch.randn_like(lse)
-        torch.autograd.backward([o, lse], [do := torch.randn_like(o), dlse])
-    else:
-        do = torch.randn_like(o)
-        o.backward(do)
+    if loss not in ("o", "o+lse", "lse"):
+        raise ValueError(f"loss must be 'o', 'o+lse' or 'lse', got {loss!r}")
+    o, lse = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, backend=backend, return_lse=True, **kw,
+                               **params)
+    do = torch.randn_like(o) if "o" in loss else torch.zeros_like(o)
+    dlse = torch.randn_like(lse) if "lse" in loss else None
+    outputs = ([o] if "o" in loss else []) + ([lse] if dlse is not None else [])
+    torch.autograd.backward(outputs, ([do] if "o" in loss else []) + ([dlse] if dlse is not None else []))
     ref_o, ref = reference_gradients(variant, q, k, v, do, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
                                      params=params, sm_scale=sm_scale, o_used=o.detach(), dlse=dlse)
     got = {"q": qg.grad, "k": kg.grad, "v": vg.grad, **{n: params[n].grad for n in learn}}

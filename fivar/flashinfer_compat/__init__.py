@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from . import fa2_headers, fa2_launchers, fa3_launchers, wrappers
 from ._base import Coupling, warn_once
 
+#: The FlashInfer release fivar's couplings and the JIT template variables it passes are written against (the range
+#: pyproject.toml accepts).
+WRITTEN_AGAINST = "0.7.2"
+
 COUPLINGS: dict[str, Coupling] = {c.name: c for m in (fa2_launchers, fa2_headers, fa3_launchers, wrappers)
                                   for c in m.COUPLINGS}
 

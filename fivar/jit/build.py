@@ -388,9 +388,10 @@ def _render_flashinfer(name: str, **kwargs) -> str:
     try:
         return template.render(**kwargs)
     except jinja2.UndefinedError as e:
+        from ..flashinfer_compat import WRITTEN_AGAINST
         raise FivarError(f"FlashInfer {flashinfer.__version__}'s template {name} needs a value fivar does not pass "
-                         f"({e.message}): fivar is written against FlashInfer 0.7.2 (pip install "
-                         "'flashinfer-python==0.7.2.post1')") from None
+                         f"({e.message}): fivar is written against FlashInfer {WRITTEN_AGAINST} (pip install "
+                         f"'flashinfer-python~={WRITTEN_AGAINST}.0')") from None
 
 
 def _dispatch_override(config: str, variant, mask_modes: list[str]) -> str:

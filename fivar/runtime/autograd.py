@@ -15,13 +15,13 @@ attention); a loss that reads it gets its gradient too (folded into the softmax 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
+from ..spec.inputs import LOG2E
 from ..spec.live import variant_by_key
 from .params import BoundParams
 from .plan_cache import PlanCache, capturing
@@ -150,42 +150,37 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
         module, args = _module(var), kernel_arg_values(var, bound, sm_scale)
         kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars,
                        args)
+        # without softmax the lse is zeros, a constant: a loss reading it adds nothing
+        delta = module.softmax_delta(o, do, dlse) if var.softmax else None
         dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
-                                     grads, dlse=dlse if var.softmax else None,
-                                     **({} if kept is None else kept.backward_args()))
+                                     grads, delta=delta, **({} if kept is None else kept.backward_args()))
     if var.ir.sink is not None and grads:
-        _add_sink_grads(var, bound, o, do, lse, dlse, qo_indptr, grads)
+        _add_sink_grads(var, bound, lse, delta, qo_indptr, grads)
     return dq, dk, dv, list(grads.values())
 
 
-def _add_sink_grads(var, bound, o, do, lse, dlse, qo_indptr, grads):
+def _add_sink_grads(var, bound, lse, delta, qo_indptr, grads):
     """Adds the gradients of learnable tensors the sink reads into `grads`. The sink is one logit per (request, query
     head) that joins each row's denominator with no value row: its gradient is a sum over the request's rows of
-    -P_sink * delta (delta = rowsum(o * do), less dlse * log2(e) where the loss reads the lse), carried to each
-    element it reads by the sink program's symbolic derivative (fivar.spec.grad; a few values a step, evaluated in
-    torch: autograd does not run inside a custom op)."""
+    -P_sink * delta (softmax_delta's, the lse's gradient in it), carried to each element it reads by the sink
+    program's symbolic derivative (fivar.spec.grad; batch x heads values, evaluated in torch: autograd does not run
+    inside a custom op)."""
     from ..spec import grad
     from ..spec.evaluate import TorchEvaluator
     loads = grad.learnable_loads(var.ir.sink, var.params, names=set(grads))
     if not loads:
         return
-    log2e = 1.0 / math.log(2.0)
-    delta = (o.float() * do.float()).sum(-1)  # [tokens, heads]
-    if dlse is not None:
-        delta = delta - dlse.float() * log2e
-    batch, heads, dev = qo_indptr.numel() - 1, o.shape[1], o.device
+    (tokens, heads), batch, dev = lse.shape, qo_indptr.numel() - 1, lse.device
     env = {"batch": torch.arange(batch, device=dev).view(batch, 1), "qo_head": torch.arange(heads, device=dev)[None]}
     ev = TorchEvaluator(env, {**bound.scalars, **bound.tensors}, torch.float32, dev)
     sink = ev.run(var.ir.sink).float().expand(batch, heads)  # in the logits' units
-    request = torch.searchsorted(qo_indptr[1:].long(), torch.arange(o.shape[0], device=dev), right=True)
-    p_sink = torch.exp2(sink[request] * log2e - lse)
+    request = torch.searchsorted(qo_indptr[1:].long(), torch.arange(tokens, device=dev), right=True)
+    p_sink = torch.exp2(sink[request] * LOG2E - lse)
     d_sink = torch.zeros(batch, heads, dtype=torch.float32, device=dev).index_add_(0, request, -p_sink * delta)
     for load in loads:
-        d_load = ev.run(grad.derivative(var.ir.sink, load)).float()  # d sink / d the element read; locals stay set
-        table = grads[load.param]
-        index = [ev.eval(i).clamp(0, table.shape[d] - 1) for d, i in enumerate(load.indices)]
-        index = torch.broadcast_tensors(*index, d_sink)[:-1]
-        table.index_put_(index, (d_sink * d_load).expand(batch, heads), accumulate=True)
+        d_load = ev.run(grad.derivative(var.ir.sink, load)).float()  # d sink / d the element read; sets the lets
+        index = torch.broadcast_tensors(*ev.load_index(load, grads[load.param].shape), d_sink)[:-1]
+        grads[load.param].index_put_(index, (d_sink * d_load).expand(batch, heads), accumulate=True)
 
 
 @attention_bwd.register_fake
@@ -212,7 +207,7 @@ def _backward(ctx, do, dlse):
     from ..codegen.triton_bwd import learnable_params
     q, k, v, o, lse, qo_indptr, kv_indptr, *tensors = ctx.saved_tensors
     var = variant_by_key(ctx.variant)
-    if do is None:  # a loss that reads only the lse
+    if do is None:  # a loss that reads only the lse; the op's schema takes a tensor (and delta is then -dlse log2(e))
         do = torch.zeros_like(o)
     dq, dk, dv, dparams = attention_bwd(ctx.variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, ctx.max_qo_len,
                                         ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars, dlse)

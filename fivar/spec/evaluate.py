@@ -48,6 +48,12 @@ class TorchEvaluator:
             self.locals[name] = self.eval(e)
         return self.eval(program.result)
 
+    def load_index(self, load: ir.Load, shape, values=None) -> list[torch.Tensor]:
+        """A read's indices clamped to the table's dimensions, as the kernels clamp them (`values`: the indices
+        already evaluated)."""
+        values = [self.eval(i) for i in load.indices] if values is None else values
+        return [x.clamp(0, shape[d] - 1) for d, x in enumerate(values)]
+
     def poison_of(self, value: torch.Tensor) -> torch.Tensor | None:
         hit = self._poison.get(id(value))
         return hit[1] if hit is not None and hit[0] is value else None
@@ -92,15 +98,10 @@ class TorchEvaluator:
             return self.locals[e.name]
         if isinstance(e, ir.Load):
             table = self.params[e.param]
-            idx, masks = [], []
-            for d, i in enumerate(e.indices):
-                x = self.eval(i)
-                masks.append(P(x))
-                idx.append(x.clamp(0, table.shape[d] - 1))
-            idx = torch.broadcast_tensors(*idx)
-            out = table[tuple(idx)]
+            raw = [self.eval(i) for i in e.indices]
+            out = table[tuple(torch.broadcast_tensors(*self.load_index(e, table.shape, raw)))]
             out = out.to({F32: self.fdt, I32: INT, BOOL: torch.bool}[e.type])
-            return self._with_poison(out, *masks)
+            return self._with_poison(out, *[P(x) for x in raw])
         if isinstance(e, ir.Unary):
             x = self.eval(e.x)
             return self._with_poison(-x if e.op == "neg" else ~x, P(x))

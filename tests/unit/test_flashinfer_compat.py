@@ -2,6 +2,8 @@
 so once, naming it (or, for a required coupling, refuses to run)."""
 import logging
 
+import pytest
+
 import fivar
 from fivar import flashinfer_compat as compat
 from fivar.flashinfer_compat import _base, fa2_launchers, fa3_launchers, wrappers
@@ -71,3 +73,15 @@ def test_doctor_lists_the_toolchain_and_every_coupling():
     for name in ("nvcc", "CUDA_HOME", "torch", "triton", "flashinfer", *compat.COUPLINGS):
         assert name in r.output, name
     assert f"{len(compat.COUPLINGS)} active, 0 disabled" in r.output
+
+
+def test_a_template_variable_fivar_does_not_pass_is_a_one_line_error():
+    """FlashInfer's JIT templates render with every variable defined: one missing (a later FlashInfer's template)
+    names the template, the variable and the version fivar is written against, instead of a blank nvcc rejects."""
+    from fivar.errors import FivarError
+    from fivar.flashinfer_compat import WRITTEN_AGAINST
+    from fivar.jit.build import _render_flashinfer
+    with pytest.raises(FivarError, match=f"single_prefill_customize_config.jinja needs a value fivar does not pass "
+                       f".*is undefined.*{WRITTEN_AGAINST}") as e:
+        _render_flashinfer("single_prefill_customize_config.jinja", variant_decl="")
+    assert "\n" not in str(e.value)

@@ -376,14 +376,16 @@ def test_lse_is_the_log2_sum_exp():
 
 
 def _request_sink(batch, qo_head, params):
-    return params.sinks[batch, qo_head] * params.gain[qo_head]
+    head = qo_head % 4  # an index through a let
+    return params.sinks[batch, head] * params.gain[qo_head] + params.sinks[batch, 0]
 
 
 def _gained(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score * params.gain[qo_head]
 
 
-#: a learnable sink per (request, query head), scaled by a learnable per-head factor read by the logits too
+#: a learnable sink per (request, query head), scaled by a learnable per-head factor the logits read too, plus a
+#: second read of the same table
 REQUEST_SINK = AttentionVariant(
     name="request_sink_train", sink=_request_sink,
     logits=_gained,
@@ -391,34 +393,39 @@ REQUEST_SINK = AttentionVariant(
             "gain": Tensor("float32", ("qo_head",), learnable=True)})
 
 
-@pytest.mark.parametrize("lse_in_loss", [False, True])
-def test_learnable_sink_and_lse_gradients(lse_in_loss):
+@pytest.mark.parametrize("loss", ["o", "o+lse", "lse"])
+def test_learnable_sink_and_lse_gradients(loss):
     """A sink's learnable tensors get their gradient (a sum over each request's rows of -P_sink * delta), and a loss
-    that reads the lse gets its gradient too (ring attention merges states by it): ragged, GQA, causal."""
-    qo_lens, kv_lens = [7, 1, 18], [19, 6, 18]
+    that reads the lse gets its gradient too (ring attention merges states by it): ragged with a request of no
+    queries, GQA, causal."""
+    qo_lens, kv_lens = [7, 0, 1, 18], [19, 5, 6, 18]
     q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 4, 2, 16)
-    params = {"sinks": torch.randn(3, 4) * 2, "gain": 0.5 + torch.rand(4)}
+    params = {"sinks": torch.randn(4, 4) * 2, "gain": 0.5 + torch.rand(4)}
     r = check_gradients(REQUEST_SINK, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params,
-                        dtype=DTYPE, lse_in_loss=lse_in_loss)
+                        dtype=DTYPE, loss=loss)
     assert r.passed, r
 
 
 def test_lse_gradient_without_a_sink():
-    """The lse's gradient on a softmax variant without sink (soft-cap), one request whose rows all keep a key."""
+    """The lse's gradient on a softmax variant without a sink (ALiBi, learnable slopes), one request whose rows all
+    keep a key."""
     q, k, vv = _qkv(13, 29, 4, 2, 16)
     r = check_gradients(learnable_copy(fivar.load("alibi")), q, k, vv, qo_lens=[13], kv_lens=[29], causal=True,
-                        params=_params(fivar.load("alibi"), 4, 2, 1, 29), dtype=DTYPE, lse_in_loss=True)
+                        params=_params(fivar.load("alibi"), 4, 2, 1, 29), dtype=DTYPE, loss="o+lse")
     assert r.passed, r
 
 
-def test_compiled_training_step():
-    """torch.compile traces through the custom ops (fake implementations give the shapes)."""
+@pytest.mark.parametrize("reads_lse", [False, True])
+def test_compiled_training_step(reads_lse):
+    """torch.compile traces through the custom ops (fake implementations give the shapes), with and without a loss
+    that reads the lse (the optional gradient through AOTAutograd)."""
     v = learnable_copy(fivar.load("relative_bias"))
     q, k, vv = _qkv(16, 16, 2, 2, 16)
     bias = torch.randn(2, 13, requires_grad=True)
 
     def step(q, k, vv, bias):
-        return (v.attention(q, k, vv, causal=True, bias=bias, max_distance=6).float() ** 2).sum()
+        o, lse = v.attention(q, k, vv, causal=True, bias=bias, max_distance=6, return_lse=True)
+        return (o.float() ** 2).sum() + (lse.sin().sum() if reads_lse else 0.0)
 
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, vv)]
     torch.compile(step, backend="aot_eager")(*leaves, bias).backward()
