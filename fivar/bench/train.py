@@ -98,10 +98,10 @@ def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype
         raise ValueError(f"loss must be 'o', 'o+lse' or 'lse', got {loss!r}")
     o, lse = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, backend=backend, return_lse=True, **kw,
                                **params)
-    do = torch.randn_like(o) if "o" in loss else torch.zeros_like(o)
+    do = torch.randn_like(o) if "o" in loss else torch.zeros_like(o)  # zeros: the reference's do for an lse-only loss
     dlse = torch.randn_like(lse) if "lse" in loss else None
-    outputs = ([o] if "o" in loss else []) + ([lse] if dlse is not None else [])
-    torch.autograd.backward(outputs, ([do] if "o" in loss else []) + ([dlse] if dlse is not None else []))
+    read = [(o, do)] * ("o" in loss) + [(lse, dlse)] * (dlse is not None)  # what the loss reads, with its gradient
+    torch.autograd.backward([t for t, _ in read], [g for _, g in read])
     ref_o, ref = reference_gradients(variant, q, k, v, do, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
                                      params=params, sm_scale=sm_scale, o_used=o.detach(), dlse=dlse)
     got = {"q": qg.grad, "k": kg.grad, "v": vg.grad, **{n: params[n].grad for n in learn}}
