@@ -383,6 +383,25 @@ class TritonEmitter:
                                "a gather per element")
         return [(ir.format_expr(e), how) for e, how in plan.items()]
 
+    def mask_element_cost(self) -> int:
+        """About how many instructions the lowered mask costs per (row, key) pair on a tile: a read of the key alone
+        1 (a row of values, broadcast), a gather by both indices 4, an integer // or % 4, any other operation 1;
+        per-row reads and per-launch invariants nothing."""
+        mask = self.lowered.mask
+        if mask is None:
+            return 0
+        self.let_exprs = dict(mask.lets)
+        cost = 0
+        for root in [e for _, e in mask.lets] + [mask.result]:
+            for e in ir.walk(root):
+                if isinstance(e, ir.Load):
+                    cost += 0 if e in self.row_loads else 4 if "q_idx" in self.index_vars(e) else 1
+                elif isinstance(e, ir.Binary):
+                    cost += 4 if e.op in ("floordiv", "mod") else 1
+                elif isinstance(e, (ir.Unary, ir.Select, ir.Call, ir.Cast)):
+                    cost += 1
+        return cost
+
     def row_prologue(self) -> list[str]:
         """Kernel statements reading the per-row values (`row_loads`), once the index variables exist."""
         return self.read_lines(self.row_loads)
@@ -395,6 +414,16 @@ class TritonEmitter:
             return [f"{name} = {self.expr(e)}" for e, name in loads.items()]
         finally:
             self.in_prologue = False
+
+
+#: A cut tile's precomputed bits cost about this much per pair (a shift, an and, a compare; one load a row): a mask
+#: costing more (fivar.codegen.triton.TritonEmitter.mask_element_cost) reads bits on cut tiles instead.
+MASK_BITS_COST = 4
+
+
+def reads_mask_bits(variant) -> bool:
+    """Whether the Triton twin reads the block map's bits on cut tiles rather than evaluating the mask there."""
+    return variant.scans_mask and TritonEmitter(variant).mask_element_cost() > MASK_BITS_COST
 
 
 def render_attention(variant) -> str:
@@ -416,6 +445,8 @@ def render_attention(variant) -> str:
                   band_right=band.right and ir.format_expr(band.right),
                   band_exact=band.exact,
                   prescan=variant.scans_mask,
+                  block_map=variant.scans_mask,
+                  map_bits=reads_mask_bits(variant),
                   range_per_head=bool({"qo_head", "kv_head"} & ir.uses(emit.lowered.mask)) if emit.lowered.mask
                   else False,
                   variant_args=emit.variant_args(), unspecialized=emit.unspecialized(),

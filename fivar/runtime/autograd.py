@@ -25,6 +25,7 @@ from ..spec.inputs import LOG2E
 from ..spec.live import variant_by_key
 from .params import BoundParams
 from .plan_cache import PlanCache, capturing
+from .triton_attention import kept_block_map
 
 
 def _bound(variant, tensors: list, scalars: list) -> BoundParams:
@@ -120,12 +121,13 @@ def _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_
 def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars):
     args = kernel_arg_values(var, _bound(var, tensors, scalars), sm_scale)
     module = _module(var)
-    kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars, args)
-    ranges = kept.ranges if kept is not None else None
+    plan = kept_block_map(module, (var.key, sm_scale, tensors, scalars, qo_indptr, kv_indptr, q.shape[1], k.shape[1],
+                                   q.device), qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
+                          q.shape[1] // k.shape[1], causal, args)
     # every row belongs to a request (the indptrs were checked), so softmax's kernel writes each one
     if not var.softmax:
-        return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, ranges=ranges), _no_lse(q)
-    return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse=True, ranges=ranges)
+        return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, plan=plan), _no_lse(q)
+    return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse=True, plan=plan)
 
 
 @attention_fwd.register_fake

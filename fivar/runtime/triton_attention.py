@@ -28,18 +28,20 @@ def _check_inputs(variant, q, k, v, **kw):
 
 _single_indptrs: dict = {}
 
-#: The mask pre-pass's ranges of the one-shot prefill calls, kept like their FlashInfer plans
-#: (fivar.runtime.plan_cache: keyed by shapes, params and the indptrs by identity and version): a layer after the
-#: first with the same batch layout and params only launches (a window per head at S=8192, 32 heads: the pre-pass
-#: took as long as the attention, H200). Not while a CUDA graph is captured (`recorded`).
-_ranges = PlanCache(capacity=8, recorded=True)
+#: The block maps of the prefill calls (the module's `block_map`), kept like their FlashInfer plans
+#: (fivar.runtime.plan_cache: keyed by shapes, params, causal and the indptrs): a layer after the first with the same
+#: batch layout and params only launches. Not while a CUDA graph is captured (`recorded`).
+_maps = PlanCache(capacity=8, recorded=True)
 
 
-def _kept_ranges(module, parts: tuple, qo_indptr, kv_indptr, max_qo_len: int, num_qo_heads: int, group: int,
-                 args: dict):
-    if not hasattr(module, "mask_ranges"):  # no pre-pass: the mask has a band shape, or there is no mask
+def kept_block_map(module, parts: tuple, qo_indptr, kv_indptr, max_qo_len: int, max_kv_len: int, num_qo_heads: int,
+                   group: int, causal: bool, args: dict):
+    """The module's block map for this call, made once per call signature (None: the mask has a band shape, or there
+    is no mask, and the prefill needs none)."""
+    if not hasattr(module, "block_map"):
         return None
-    return _ranges.get(parts, lambda: module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args))
+    return _maps.get(parts + (bool(causal), module.MAP_BLOCK), lambda: module.block_map(
+        qo_indptr, kv_indptr, max_qo_len, max_kv_len, num_qo_heads, group, causal, args))
 
 
 def _single_indptr(length: int, device) -> torch.Tensor:
@@ -62,9 +64,9 @@ def triton_prefill(variant, q, k, v, *, causal=False, sm_scale=None, out=None, p
     bound = position_tables.bind(variant, bound, (q.shape[0], k.shape[0]))
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
     qo_indptr, kv_indptr = _single_indptr(q.shape[0], q.device), _single_indptr(k.shape[0], q.device)
-    ranges = _kept_ranges(module, ("single", variant, sm_scale, params or {}, q.shape, k.shape, q.device), qo_indptr,
-                          kv_indptr, q.shape[0], q.shape[1], q.shape[1] // k.shape[1], args)
-    o = module.prefill(q, k, v, qo_indptr, kv_indptr, q.shape[0], causal, args, return_lse, ranges=ranges)
+    plan = kept_block_map(module, ("single", variant, sm_scale, params or {}, q.shape, k.shape, q.device), qo_indptr,
+                          kv_indptr, q.shape[0], k.shape[0], q.shape[1], q.shape[1] // k.shape[1], causal, args)
+    o = module.prefill(q, k, v, qo_indptr, kv_indptr, q.shape[0], causal, args, return_lse, plan=plan)
     if out is not None:
         out.copy_(o[0] if return_lse else o)
         return (out, o[1]) if return_lse else out
@@ -78,13 +80,13 @@ def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causa
     _check_inputs(variant, q, k, v)
     qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
-    max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-    bound = position_tables.bind(variant, bound, lambda: position_tables.max_lengths(qo_indptr, kv_indptr))
+    max_qo_len, max_kv_len = position_tables.max_lengths(qo_indptr, kv_indptr)
+    bound = position_tables.bind(variant, bound, (max_qo_len, max_kv_len))
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
-    ranges = _kept_ranges(module, ("ragged", variant, sm_scale, params or {}, qo_indptr, kv_indptr, q.shape[1:],
-                                   k.shape[1:], q.device), qo_indptr, kv_indptr, max_qo_len, q.shape[1],
-                          q.shape[1] // k.shape[1], args)
-    return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse, ranges=ranges)
+    plan = kept_block_map(module, ("ragged", variant, sm_scale, params or {}, qo_indptr, kv_indptr, q.shape[1:],
+                                   k.shape[1:], q.device), qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
+                          q.shape[1] // k.shape[1], causal, args)
+    return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse, plan=plan)
 
 
 def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,

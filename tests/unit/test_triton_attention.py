@@ -389,8 +389,8 @@ def test_sigmoid_inside_the_logits_stays_exact():
 
 @pytest.mark.parametrize("block_m,block_n", [(64, 32), (32, 64)])
 def test_other_tile_shapes(block_m, block_n):
-    """Query blocks spanning several 16-row pre-pass ranges, and BLOCK_M != BLOCK_N (the interpreter's own
-    config is 16 x 16): ranges, full ranges and band edges combine across the block."""
+    """BLOCK_M != BLOCK_N and tiles larger than the interpreter's own 16 x 16: band edges and full ranges, and a
+    block map (the document mask's) made at that tile, combine across the tile."""
     from fivar.jit.triton_module import load_triton_module
     cases = [("document_mask", {"doc_ids": torch.repeat_interleave(torch.arange(4), torch.tensor([70, 3, 50, 77]))
                                 .to(torch.int32)[None]}),
@@ -398,15 +398,21 @@ def test_other_tile_shapes(block_m, block_n):
     q, k, vv = _qkv(150, 200, 2, 1, 16)
     for name, p in cases:
         v = fivar.load(name)
-        kernel = load_triton_module(v).prefill_kernel
-        saved = kernel.configs
-        kernel.configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4, num_stages=1)]
+        module = load_triton_module(v)
+        kernel = module.prefill_kernel
+        saved = kernel.configs, getattr(module, "MAP_BLOCK", None)
+        if hasattr(module, "block_map"):  # the block map sets the tile
+            module.MAP_BLOCK = (block_m, block_n)
+        else:
+            kernel.configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4, num_stages=1)]
         try:
             for causal in (False, True):
                 _check(name, f"{block_m}x{block_n} causal={causal}", v.prefill(q, k, vv, causal=causal, backend="triton", **p),
                        v.reference(q, k, vv, causal=causal, **p))
         finally:
-            kernel.configs = saved
+            kernel.configs = saved[0]
+            if saved[1] is not None:
+                module.MAP_BLOCK = saved[1]
 
 
 def test_a_backend_typo_is_named_before_the_inputs_are_checked():
@@ -507,18 +513,18 @@ def _scalar_window(b, h, kh, qi, ki, p):
 
 
 @pytest.mark.parametrize("ragged", [False, True])
-def test_one_shot_calls_keep_the_mask_ranges(monkeypatch, ragged):
-    """A masked variant's one-shot Triton prefill runs the mask pre-pass once per batch layout and params: a repeat
-    call reuses its ranges, and a params tensor changed in place runs it again (the result is the reference's with
-    the new contents, not the old ranges')."""
+def test_one_shot_calls_keep_the_block_map(monkeypatch, ragged):
+    """A masked variant's one-shot Triton prefill makes its block map once per batch layout and params: a repeat
+    call reuses it, and a params tensor changed in place makes it again (the result is the reference's with the new
+    contents, not the old map's)."""
     from fivar.jit.triton_module import load_triton_module
     from fivar.runtime import triton_attention
     v = fivar.load("document_mask")
     module = load_triton_module(v)
     calls = []
-    real = module.mask_ranges
-    monkeypatch.setattr(module, "mask_ranges", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    monkeypatch.setattr(triton_attention, "_ranges", triton_attention.PlanCache(capacity=8, recorded=True))
+    real = module.block_map
+    monkeypatch.setattr(module, "block_map", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(triton_attention, "_maps", triton_attention.PlanCache(capacity=8, recorded=True))
     torch.manual_seed(5)
     lq = 70
     q, k, vv = _qkv(lq, lq, 4, 2, 32)
