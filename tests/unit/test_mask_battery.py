@@ -164,6 +164,14 @@ def test_generation_is_deterministic_per_seed_and_rewrites_only_what_changed(tmp
     assert path.read_text() == again[0].source and not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("args", [dict(seed=1.5), dict(n=-1), dict(size=8), dict(size="8192")])
+def test_bad_generator_arguments_are_one_line_errors(args):
+    from fivar.errors import FivarError
+    with pytest.raises(FivarError, match="random masks: seed must be an int") as e:
+        RM.generate(**args)
+    assert "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------------------------------- the suite
 
 def test_the_masks_suite_lists_every_mask_without_a_gpu():
@@ -176,6 +184,22 @@ def test_the_masks_suite_lists_every_mask_without_a_gpu():
     assert sum(n.startswith("rmask0_") for n in names) == 30
     assert [c.name for c in runner.select(cases, ["bigbird*"])] == ["bigbird prefill S=8192"]
     assert len(cases_of("masks", quick=True)) == len(M.BATTERY) + len(decode) + M.QUICK_RANDOM
+
+
+def test_every_mask_renders_for_each_target_and_lists_its_sm90_modules(monkeypatch, tmp_path):
+    """The generated FA2, FA3 and Triton sources of every battery and seed-0 random mask render (the analyses
+    behind them, bands, KV ranges, head reads, accept each mask), and a few cases list the modules an sm90 prebuild
+    compiles: FA3's KV-range forms and FA2."""
+    from fivar.codegen import fa2, fa3
+    from fivar.codegen.triton import render_attention
+    variants = [M.load(n) for n in M.BATTERY] + [RM.load(m, tmp_path) for m in RM.generate(*M.RANDOM)]
+    for v in variants:
+        assert fa2.variant_decl(v).source and fa3.variant_decl(v, exp2_emulated_of_8=0).source and render_attention(v)
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setattr(_attention, "_sm90", lambda: True)
+    for c in runner.select(cases_of("masks"), ["bigbird prefill*", "longnet_heads prefill*", "rmask0_02 *"]):
+        targets = {m.target for m in c.modules()}
+        assert targets == {"fa2", "fa3"}, c.name
 
 
 @pytest.mark.parametrize("name,causal", [("longnet_heads", True), ("bigbird", False), ("speculative_tree", True)])

@@ -113,12 +113,12 @@ def mask_tiles(variant, params: dict, *, seqlen: int, num_qo_heads: int, num_kv_
 def _yardsticks(variant, p) -> tuple[list[Contender], dict]:
     """The stock FlashInfer yardsticks of a prefill case and the mask's kept and non-empty-tile shares."""
     import flashinfer
+    if p.seqlen % TILE:  # FlashInfer's block-sparse wrapper takes whole key blocks
+        raise ValueError(f"the tile yardstick needs a sequence length divisible by {TILE}, got {p.seqlen}")
     t = p.tensors
     q, k, v = t["q"], t["k"], t["v"]
     tiles, kept = mask_tiles(variant, p.params, seqlen=p.seqlen, num_qo_heads=p.num_qo_heads,
                              num_kv_heads=p.num_kv_heads, causal=p.causal, device=p.device)
-    if p.seqlen % TILE:
-        raise ValueError(f"the tile yardstick needs a sequence length divisible by {TILE}, got {p.seqlen}")
     rows = tiles.sum(1)
     indptr = torch.cat([rows.new_zeros(1), rows.cumsum(0)]).to(torch.int32)
     indices = tiles.nonzero()[:, 1].to(torch.int32)

@@ -22,9 +22,12 @@ from typing import Callable
 
 import torch
 
+from ...errors import FivarError
+
 SIZE = 8192  # the benchmark's sequence length: widths are drawn for it, and the kept share judged at it
 MIN_KEPT, MAX_KEPT = 0.005, 0.90
 SAMPLE_ROWS = 64  # enough to tell 0.5% from 90%; listing the suite draws every mask
+MIN_SIZE = 32  # the narrowest widths drawn (4 to 16 keys) still cut inside the sequence
 MAX_DRAWS = 50  # candidates per accepted mask before giving up (a grammar that cannot meet the bounds)
 
 
@@ -234,8 +237,8 @@ def _generate(seed: int, n: int, size: int) -> tuple:
     while len(out) < n:
         draws += 1
         if draws > MAX_DRAWS * n:
-            raise RuntimeError(f"random masks (seed {seed}, S={size}): {draws - 1} draws gave only {len(out)} masks "
-                               f"keeping {MIN_KEPT:.1%}..{MAX_KEPT:.0%} of their pairs")
+            raise FivarError(f"random masks (seed {seed}, S={size}): {draws - 1} draws gave only {len(out)} masks "
+                             f"keeping {MIN_KEPT:.1%}..{MAX_KEPT:.0%} of their pairs")
         d = _Drawer(r, size)
         body, anchor = d.expr(3), d.anchor()
         causal = r.random() < 0.5
@@ -253,6 +256,9 @@ def _generate(seed: int, n: int, size: int) -> tuple:
 
 def generate(seed: int = 0, n: int = 30, size: int = SIZE) -> list[RandomMask]:
     """`n` random masks for `seed`, drawn for sequences of `size` tokens; the same list for the same arguments."""
+    if not isinstance(seed, int) or not isinstance(n, int) or n < 0 or not isinstance(size, int) or size < MIN_SIZE:
+        raise FivarError(f"random masks: seed must be an int, n an int >= 0 and size an int >= {MIN_SIZE}; got "
+                         f"seed={seed!r}, n={n!r}, size={size!r}")
     return list(_generate(seed, n, size))
 
 
