@@ -4,7 +4,6 @@ keeps (written out below for the battery, the generator's own for random masks) 
 deterministic, the `masks` suite lists its cases without a GPU, its tile yardstick is built and checked right, and a
 few masks' Triton twins match the reference under Triton's interpreter."""
 import random
-import types
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,8 @@ from fivar.bench.suites import _attention, cases_of
 from fivar.bench.suites import masks as M
 from fivar.bench.suites import random_masks as RM
 from fivar.bench.work import kept_fraction
-from fivar.registry import load_file
 from fivar.spec.inputs import bind_params
-from fivar.spec.params import Scalar, Tensor
+from fivar.spec.params import Scalar
 from fivar.spec.sparsity import EMPTY, brute_force, keep_matrix
 from fivar.testing import compare, example_params
 

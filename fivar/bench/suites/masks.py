@@ -74,7 +74,8 @@ def tiles_variant():
     """Attention restricted to a table of (TILE x TILE) tiles: the function the block-sparse yardstick computes."""
     from ...spec import AttentionVariant
     from ...spec.params import Tensor
-    return AttentionVariant(name="mask_tiles", mask=_tile_mask, params={"tiles": Tensor("int32", ("q_tile", "kv_tile"))})
+    return AttentionVariant(name="mask_tiles", mask=_tile_mask,
+                            params={"tiles": Tensor("int32", ("q_tile", "kv_tile"))})
 
 
 def mask_tiles(variant, params: dict, *, seqlen: int, num_qo_heads: int, num_kv_heads: int, causal: bool,
