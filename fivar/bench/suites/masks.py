@@ -137,7 +137,7 @@ def _yardsticks(variant, p) -> tuple[list[Contender], dict]:
 
 # -------------------------------------------------------------------------------------------- the cases
 
-def _prefill(name: str, loader, causal: bool) -> object:
+def _prefill(name: str, loader, causal: bool):
     return case("masks", f"{name} prefill S={PREFILL_S}", loader, "prefill", PREFILL_S, causal,
                 wanted=("triton", "flex"), stock=lambda p, s: None, baseline=("flex", "triton"), extra=_yardsticks)
 
