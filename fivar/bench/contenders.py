@@ -24,6 +24,9 @@ class Contender:
     label: str = ""
     #: output rows to check and the variant whose reference they must match (None: plain attention)
     checks_variant: bool = True
+    #: (variant, params, causal): checked against that variant's reference instead (a yardstick computing another
+    #: function, e.g. plain attention over a mask's non-empty tiles)
+    reference: tuple | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 from .runner import default_results_dir, repo_root
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-SUITE_ORDER = ("attention", "zoo", "decode", "train", "fusions", "triton-ops", "compile")
+SUITE_ORDER = ("attention", "zoo", "masks", "decode", "train", "fusions", "triton-ops", "compile")
 #: per suite, the metrics shown next to time (the first present is shown)
 RATE = ("tflops_useful", "tbps_useful")
 

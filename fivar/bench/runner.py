@@ -58,6 +58,7 @@ class Prepared:
     nbytes: float = 0.0  # minimal bytes moved: tbps_useful = nbytes / time
     measure: Callable[[], list[Measurement]] | None = None
     memory_bound: bool | None = None  # judged by % of copy (else % of matmul); default: when there is no flops count
+    detail: dict = field(default_factory=dict)  # facts of the case every row's detail carries (a mask's kept share)
 
     @property
     def judged_by_copy(self) -> bool:
@@ -172,6 +173,8 @@ def run_case(case: Case, opts: Options, timer=None, ceilings: dict | None = None
                            seqlen=case.shape.get("seqlen", 0), rounds=opts.rounds, device=opts.device,
                            ceilings=None, timer=timer)
             rows = timed_rows(got, prepared, ceilings)
+        for r in rows:
+            r["detail"] = {**prepared.detail, **r["detail"]}
     except Exception as e:  # the case itself (inputs, plans, a wrapper) failed: say so and go on
         rows = [{"contender": "*", "label": "", "metric": "ms", "value": None, "check": "error",
                  "detail": {"error": f"{type(e).__name__}: {e}"[:400],

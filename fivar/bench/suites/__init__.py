@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-SUITES = {"attention": "attention", "decode": "decode", "zoo": "zoo", "fusions": "fusions",
+SUITES = {"attention": "attention", "decode": "decode", "zoo": "zoo", "masks": "masks", "fusions": "fusions",
           "triton-ops": "triton_ops", "compile": "compile", "train": "train"}
 
 

@@ -42,19 +42,22 @@ def shape(op: str, seqlen: int, batch: int, causal: bool) -> dict:
 
 
 def case(suite: str, name: str, load, op: str, seqlen: int, causal: bool = False, batch: int = 1,
-         wanted=("stock", "stock-fa2", "triton", "flex"), stock=AUTO, baseline: str | None = "stock", params=None,
-         kv_dtype=None) -> Case:
+         wanted=("stock", "stock-fa2", "triton", "flex"), stock=AUTO, baseline: str | tuple | None = "stock",
+         params=None, kv_dtype=None, extra=None) -> Case:
     """A prefill or decode case of the variant `load()` returns. `stock(params, seqlen)` gives the stock
     equivalent (a contenders.Stock or None), or AUTO for the bundled mapping; `params(variant, seqlen)` sets
-    scalar params over the variant's example. `kv_dtype`: decode over an FP8 cache (contenders.make_problem)."""
+    scalar params over the variant's example. `kv_dtype`: decode over an FP8 cache (contenders.make_problem).
+    `extra(variant, problem)` -> (contenders, detail): more stock FlashInfer contenders (warmed up with the others)
+    and facts of the case for every row's detail."""
     def prepare() -> Prepared:
         v = load()
         p = make_problem(v, op, seqlen, batch, HEADS, HEAD_DIM, DTYPE, causal, "cuda",
                          params=params(v, seqlen) if params else None, kv_dtype=kv_dtype)
         st = stock if stock is AUTO else stock(p.params, seqlen)
         flops, nbytes = work(v, p)
-        return Prepared(contenders(v, p, list(wanted), stock=st), _checker(v, p), flops=flops, nbytes=nbytes,
-                        memory_bound=op == "decode")
+        more, detail = extra(v, p) if extra else ([], {})
+        return Prepared(contenders(v, p, list(wanted), stock=st) + more, _checker(v, p), flops=flops, nbytes=nbytes,
+                        memory_bound=op == "decode", detail=detail)
 
     def warm_stock():  # the stock contenders once at a small shape: FlashInfer builds their modules then
         v = load()
@@ -63,8 +66,10 @@ def case(suite: str, name: str, load, op: str, seqlen: int, causal: bool = False
         st = stock if stock is AUTO else stock(p.params, WARM_LEN)
         for c in contenders(v, p, [w for w in wanted if w in STOCK_CONTENDERS], stock=st, fivar=False):
             c.fn()
+        for c in extra(v, p)[0] if extra else ():
+            c.fn()
 
     mods = (lambda: prefill_modules(load())) if op == "prefill" else (lambda: decode_modules(load(), kv_dtype))
     sh = {**shape(op, seqlen, batch, causal), **({"kv_dtype": "fp8_e4m3"} if kv_dtype is not None else {})}
     return Case(suite, name, op, sh, prepare, baseline=baseline, modules=mods,
-                warm_stock=warm_stock if set(wanted) & set(STOCK_CONTENDERS) else None)
+                warm_stock=warm_stock if set(wanted) & set(STOCK_CONTENDERS) or extra else None)
