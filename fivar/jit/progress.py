@@ -217,7 +217,7 @@ class BatchProgress:
             self.done += 1
             self.compiled += kind == "cold"
             if announce:
-                what = (f"built {m.uri} in {seconds:.1f} s" if kind == "cold" and seconds is not None else
+                what = (f"built {m.uri}, {seconds:.1f} s of compile" if kind == "cold" and seconds is not None else
                         f"{m.uri}: built by another process" if kind == "disk" else f"{m.uri}: {kind}")
                 self._say(f"{what} ({self.done}/{self.total}, {self.clock() - self.t0:.0f} s elapsed)")
         self._changed()

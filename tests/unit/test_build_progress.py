@@ -172,8 +172,8 @@ def test_a_batch_reports_each_module_as_it_is_linked_with_its_own_seconds_and_a_
     own_a, own_b = sum(t_a) / 1000, sum(t_b) / 1000
     assert results[0][1] == pytest.approx(own_a) and results[1][1] == pytest.approx(own_b)
     built = [ln for ln in lines if not ln.startswith("... ")]  # heartbeats may also come before the first edge
-    assert len(built) == 2 and built[0].startswith(f"built {a.uri} in {own_a:.1f} s (1/2, ")
-    assert built[1].startswith(f"built {b.uri} in {own_b:.1f} s (2/2, ")
+    assert len(built) == 2 and built[0].startswith(f"built {a.uri}, {own_a:.1f} s of compile (1/2, ")
+    assert built[1].startswith(f"built {b.uri}, {own_b:.1f} s of compile (2/2, ")
     beat = next(i for i, ln in enumerate(lines) if ln.startswith("... 1/2"))
     assert lines.index(built[0]) < beat < lines.index(built[1])
     assert lines[beat].startswith(f"... 1/2 modules done, {len(units[a.uri])}/{len(units[a.uri]) + len(units[b.uri])} "
@@ -249,7 +249,7 @@ def test_heartbeat_only_after_a_quiet_interval_and_never_with_a_live_bar():
     r.module_done(mods[1], "cold", 12.34)
     r.module_done(mods[1], "cold", 12.34)  # once per module
     r.module_done(types.SimpleNamespace(uri="up-to-date"), "disk", 0.0)  # not one of the modules to build
-    assert lines[1:] == ["built u1 in 12.3 s (1/3, 31 s elapsed)"]
+    assert lines[1:] == ["built u1, 12.3 s of compile (1/3, 31 s elapsed)"]
     now[0] += 29
     r.tick()
     assert len(lines) == 2  # the module line reset the quiet interval
@@ -273,7 +273,8 @@ def test_build_progress_in_a_log_has_no_cursor_movement_and_ends_with_a_summary(
     text = out.getvalue()
     assert "\x1b" not in text and "\r" not in text
     got = text.strip().splitlines()
-    assert got[0].startswith("built fivar_m0 in 3.0 s (1/2, ") and got[1].startswith("built fivar_m1 in 3.0 s (2/2, ")
+    assert got[0].startswith("built fivar_m0, 3.0 s of compile (1/2, ")
+    assert got[1].startswith("built fivar_m1, 3.0 s of compile (2/2, ")
     assert got[2].startswith("2/2 module(s) ready, 2 compiled, in ") and "wall" in got[2]
     with live_progress([types.SimpleNamespace(uri="x", manifest_ok=lambda: True)], console) as reporter:
         assert reporter is None  # nothing to build: nothing to report
