@@ -83,8 +83,8 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
                       + (f", launcher {launcher}" if launcher else ""), highlight=False)
     elif prewarm or len(modules) > 1:
         console.print(f"all {len(modules)} module(s) up to date", highlight=False)
-    with live_progress(modules, console, enabled=prewarm or len(modules) > 1):
-        results = build_many(modules, parallel=prewarm or len(modules) > 1)
+    with live_progress(modules, console, enabled=prewarm or len(modules) > 1) as progress:
+        results = build_many(modules, parallel=prewarm or len(modules) > 1, progress=progress)
     table = Table(Column("module", overflow="fold"), "result", "seconds", title=f"fivar build: {len(modules)} module(s)")
     for m, (kind, secs) in zip(modules, results):
         table.add_row(m.uri, {"cold": "[yellow]compiled[/]", "disk": "[green]hit (disk)[/]",

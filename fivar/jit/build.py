@@ -31,7 +31,7 @@ from ..errors import FivarBuildError, FivarError
 from ..flashinfer_compat import fa2_launchers
 from ..flashinfer_layout import FA2_LAYOUT, FA3_LAYOUT
 from ..paths import csrc_dir, templates_dir
-from . import locks, pinned_kv_tiles, records, toolchain, unused_headers
+from . import locks, pinned_kv_tiles, progress, records, toolchain, unused_headers
 from . import manifest as manifests
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
@@ -103,6 +103,8 @@ class FivarModule:
     #: gen_module's rendering options beyond (variant, op, target, dtype, head_dim), resolved: recorded in the
     #: manifest, so `fivar cache` re-renders a module the way it was built to decide whether it is stale.
     options: dict = field(default_factory=dict)
+    #: the last cold build's own compile seconds in this process (fivar.jit.progress: its ninja edges' sum)
+    compile_seconds: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def gen_dir(self) -> Path:
@@ -211,7 +213,7 @@ class FivarModule:
         Every call is recorded (fivar.jit.records): cold/disk at once, memory hits counted in process."""
         t0 = time.perf_counter()
         kind = self._build()
-        records.record(self, kind, time.perf_counter() - t0)
+        records.record(self, kind, self.compile_seconds if kind == "cold" else time.perf_counter() - t0)
         return kind
 
     def _build(self) -> str:
@@ -219,7 +221,6 @@ class FivarModule:
             return "memory"
         if self.manifest_ok():
             return "disk"
-        t0 = time.perf_counter()
         try:
             check_buildable_paths(self)
             missing = self._missing_sources()
@@ -227,9 +228,13 @@ class FivarModule:
             with locks.build_lock(self.build_dir):
                 if self.manifest_ok():  # another process finished it while we waited
                     return "disk"
+                first = not (self.library_path.exists() or self.manifest_path.exists())
                 self._prepare(missing)
+                lone = progress.SingleBuild(self, "first use of this module" if first else
+                                            "its library was missing or did not match its manifest")
                 spec.build()
-                self.write_manifest(time.perf_counter() - t0)
+                self.compile_seconds = lone.finished()  # its units' and link's own seconds (fivar.jit.progress)
+                self.write_manifest(self.compile_seconds)
         except FivarError:
             raise
         except OSError as e:
@@ -281,7 +286,8 @@ class FivarModule:
                 raise FivarError(f"variant '{self.variant.name}': loading {self.library_path} failed: "
                                  f"{e}") from None
             _loaded[self.uri] = mod
-            records.record(self, kind, time.perf_counter() - t0, action="load", holder=True, background=True)
+            records.record(self, kind, self.compile_seconds if kind == "cold" else time.perf_counter() - t0,
+                           action="load", holder=True, background=True)
         else:
             records.memory_hit(self)  # a counter bump, no I/O (see fivar.jit.records)
         return mod
@@ -825,55 +831,27 @@ def module_for(variant, op, target, dtype, head_dim, row_runs: int = 0,
 _memo: dict[tuple, tuple] = {}
 
 
-def ninja_spans(modules: list[FivarModule], log_text: str | None = None, since_ns: int = 0,
-                linked_only: bool = False) -> dict[str, float]:
-    """Per module of one shared ninja run, the seconds from its first unit's start to its last step's end, read
-    from ninja's log (FlashInfer runs ninja in its JIT directory): what that module's compile took inside the
-    batch, rather than the batch's wall time on every module. Only outputs written since `since_ns` count (the
-    log's times are relative to each ninja run; an object left by an earlier, interrupted run is not this one's).
-    `linked_only`: only modules whose library ninja has finished linking (ninja logs a step once it is done)."""
-    if log_text is None:
-        from flashinfer.jit import env as jit_env
-        try:
-            log_text = (jit_env.FLASHINFER_JIT_DIR / ".ninja_log").read_text()
-        except OSError:
-            return {}
-    latest: dict[str, tuple[int, int, int]] = {}  # output -> (start ms, end ms, mtime ns) of its last build
-    for line in log_text.splitlines():
-        parts = line.split("\t")
-        if len(parts) >= 4 and parts[0].isdigit() and parts[1].isdigit() and parts[2].isdigit():
-            latest[parts[3]] = (int(parts[0]), int(parts[1]), int(parts[2]))
-    spans = {}
-    for m in modules:
-        prefixes = tuple({str(m.build_dir) + os.sep, os.path.realpath(m.build_dir) + os.sep})
-        times = [t[:2] for out, t in latest.items() if out.startswith(prefixes) and t[2] >= since_ns]
-        if linked_only and not any(out == p + f"{m.uri}.so" and t[2] >= since_ns
-                                   for out, t in latest.items() for p in prefixes):
-            continue
-        if times:
-            spans[m.uri] = (max(e for _, e in times) - min(s for s, _ in times)) / 1000.0
-    return spans
-
-
 def build_many(modules: list[FivarModule], parallel: bool = True,
-               on_done=None) -> list[tuple[str, float]]:
+               on_done=None, progress: "progress.BatchProgress | None" = None) -> list[tuple[str, float]]:
     """Build modules, all cold compiles in one parallel ninja. Returns (cold|disk|memory, seconds) each: a cold
-    module's seconds are its own span inside the shared build (ninja_spans), else the batch's wall time.
+    module's seconds are its own compile seconds (its ninja edges' sum, fivar.jit.progress), not the batch's.
 
     The ninja run takes only the modules whose build lock (fivar.jit.locks) this process got at once, and holds
     each lock until that module's manifest is written, which happens as soon as ninja has linked it (a watcher
     reads ninja's log), not after the whole run: a concurrent prewarm, build, clear or prune never touches a
     module in flight. Modules another process is building are waited for afterwards, one lock at a time.
-    `on_done(module, kind, seconds)` is called as each module is ready."""
+    `on_done(module, kind, seconds)` is called as each module is ready; `progress` (fivar.jit.progress) prints a
+    line per module of the ninja run as it is ready and a heartbeat while none is (a module built on its own
+    prints its own lines on stderr); with it, one module to build also goes through the ninja run."""
     import contextlib
-    import threading
 
-    from flashinfer.jit.core import build_jit_specs
     results: dict[str, tuple[str, float]] = {}
     unique = list({m.uri: m for m in modules}.values())
 
-    def done(m, kind, secs):
+    def done(m, kind, secs, batch=False):
         results[m.uri] = (kind, secs)
+        if progress is not None:
+            progress.module_done(m, kind, secs, announce=batch or kind == "disk")
         if on_done is not None:
             on_done(m, kind, secs)
     for m in unique:
@@ -882,7 +860,7 @@ def build_many(modules: list[FivarModule], parallel: bool = True,
         elif m.manifest_ok():
             done(m, "disk", 0.0)
     todo = [m for m in unique if m.uri not in results]
-    if parallel and len(todo) > 1:
+    if parallel and len(todo) > (0 if progress is not None else 1):
         with contextlib.ExitStack() as held:
             mine = []
             for m in todo:
@@ -892,54 +870,79 @@ def build_many(modules: list[FivarModule], parallel: bool = True,
                         done(m, "disk", 0.0)
                     else:
                         mine.append(m)
-            if len(mine) > 1:
-                _ninja_batch(mine, build_jit_specs, done, threading)
+            if len(mine) > (0 if progress is not None else 1):
+                _ninja_batch(mine, done, progress)
             # the rest (one module, another process's, a failed one) below: the per-module path names a failure
     for m in unique:
         if m.uri not in results:
             t0 = time.perf_counter()
             kind = m._build()
-            done(m, kind, time.perf_counter() - t0)
+            done(m, kind, m.compile_seconds if kind == "cold" else time.perf_counter() - t0)
     records.record_many([(m, *results[m.uri]) for m in unique])
     return [results[m.uri] for m in modules]
 
 
-def _ninja_batch(mine: list[FivarModule], build_jit_specs, done, threading) -> None:
-    """One ninja run over `mine` (whose build locks the caller holds); each module's manifest is written the
-    moment ninja's log shows its library linked in this run."""
-    t0, t0_ns = time.perf_counter(), time.time_ns()
+def _ninja_batch(mine: list[FivarModule], done, reporter=None, ninja: str = "ninja") -> None:
+    """One ninja run over `mine` (whose build locks the caller holds; fivar.jit.progress.run_ninja_batch); each
+    module's manifest is written the moment ninja's log shows its library linked in this run, with its own
+    compile seconds from that log."""
+    import threading
+
+    from filelock import FileLock
+    from flashinfer.jit import env as jit_env
+    from flashinfer.jit.core import get_tmpdir
+    t0 = time.perf_counter()
     for m in mine:
         m._prepare()
+    specs = [m.jit_spec() for m in mine]
+    for spec in specs:  # as FlashInfer's build_jit_specs writes them
+        with FileLock(spec.lock_path, thread_local=False):
+            spec.write_ninja()
+    workdir = jit_env.FLASHINFER_JIT_DIR
+    watch = progress.LogWatch(workdir / progress.LOG_NAME, {m.uri: m.build_dir for m in mine})
     pending = {m.uri: m for m in mine}
+    running: list = [None]
     stop = threading.Event()
+    if reporter is not None:
+        reporter.batch_started(sum(len(s.sources) for s in specs))
 
     def finish(final: bool):
-        spans = ninja_spans(list(pending.values()), since_ns=t0_ns, linked_only=not final)
+        times = watch.poll()
+        if reporter is not None:
+            reporter.units(sum(t.units for t in times.values()), running[0])
         for uri in list(pending):
-            m = pending[uri]
-            if uri in spans or (final and m.library_path.exists()):
-                secs = spans.get(uri, time.perf_counter() - t0)
+            m, t = pending[uri], times.get(uri)
+            # after a run that failed, only what ninja's log says it linked: a library left by a failed link is
+            # not trusted
+            if (t is not None and t.linked) or (final and m.library_path.exists()):
+                # the batch's wall time only where ninja's log is unreadable (it logs every edge it runs)
+                secs = t.seconds if t is not None and t.seconds > 0 else time.perf_counter() - t0
                 try:
                     m.write_manifest(secs)
                 except OSError:
                     continue
                 del pending[uri]
-                done(m, "cold", secs)
+                done(m, "cold", secs, batch=True)
+        if reporter is not None:
+            reporter.tick()
 
-    def watch():
-        while not stop.wait(0.2):
+    def watch_loop():
+        while not stop.wait(progress.POLL_S):
             finish(final=False)
-    watcher = threading.Thread(target=watch, name="fivar-manifests", daemon=True)
+    jobs = os.environ.get("FLASHINFER_JIT_PREBUILD_MAX_JOBS", "") or os.environ.get("MAX_JOBS", "")
+    watcher = threading.Thread(target=watch_loop, name="fivar-manifests", daemon=True)
     watcher.start()
+    ok = False
     try:
-        build_jit_specs([m.jit_spec() for m in mine], skip_prebuilt=False)
+        # under FlashInfer's lock for its parallel builds: one such ninja at a time in its JIT directory
+        with FileLock(get_tmpdir() / "flashinfer_jit.lock", thread_local=False):
+            progress.run_ninja_batch([s.ninja_path for s in specs], [m.library_path for m in mine], workdir,
+                                     get_tmpdir() / "fivar_batch.ninja", int(jobs) if jobs.isdigit() else None,
+                                     ninja=ninja, on_status=lambda f, t, r: running.__setitem__(0, r))
         ok = True
     except Exception:  # noqa: BLE001 - the per-module builds after this name the module that failed
-        ok = False
+        pass
     finally:
         stop.set()
         watcher.join()
-    if ok:
-        finish(final=True)
-    else:
-        finish(final=False)  # only what ninja's log says it linked: a library left by a failed link is not trusted
+    finish(final=ok)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import threading
-import time
 
 from ..errors import FivarError
 
@@ -87,91 +85,37 @@ def configure_launcher(launcher: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def live_progress(modules, console, enabled: bool = True, interval: float = 0.5):
-    """A rich progress display while `build_many` runs: modules done/total, compile units, elapsed.
-
-    It polls the build directories (new .so files and object files) instead of hooking ninja, so it works
-    with FlashInfer's single parallel ninja run unchanged. Where the console is not a terminal (a log, CI),
-    it prints one line per module instead, as its manifest is written (`build_many` writes each as soon as
-    ninja has linked it), enabled or not: a cold build is never silent for minutes.
-    """
-    if not console.is_terminal:
-        with _line_progress(modules, console, interval):
-            yield
-        return
-    if not enabled:
-        yield
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    t0 = time.time()
-    todo = [m for m in {m.uri: m for m in modules}.values() if not m.manifest_ok()]
-    n_units = sum(1 for m in todo for n in m.sources if n.endswith(".cu"))
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=False)
-    t_mod = progress.add_task("modules", total=len(modules), completed=len(modules) - len(todo))
-    t_obj = progress.add_task("nvcc units", total=max(n_units, 1) if todo else 1, completed=0 if todo else 1)
-    stop = threading.Event()
-
-    def poll():
-        while not stop.wait(interval):
-            done = objs = 0
-            for m in todo:
-                try:
-                    if m.library_path.stat().st_mtime >= t0:
-                        done += 1
-                except OSError:
-                    pass
-                try:
-                    objs += sum(1 for p in m.build_dir.glob("*.o") if p.stat().st_mtime >= t0)
-                except OSError:
-                    pass
-            progress.update(t_mod, completed=len(modules) - len(todo) + done)
-            progress.update(t_obj, completed=min(objs, n_units))
-
-    th = threading.Thread(target=poll, daemon=True)
-    with progress:
-        th.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            th.join()
-        progress.update(t_mod, completed=len(modules))
-        progress.update(t_obj, completed=progress.tasks[t_obj].total)
-
-
-@contextlib.contextmanager
-def _line_progress(modules, console, interval: float = 0.5):
-    """One line per module that becomes ready (valid manifest) while the block runs: `built URI in S s (k/n)`."""
+def live_progress(modules, console, enabled: bool = True, heartbeat_s: float | None = None):
+    """What `fivar build` shows while `build_many` runs; yields the fivar.jit.progress.BatchProgress to hand it
+    (None when every module is up to date). A line per module as it is ready, with its own compile seconds, and
+    a summary at the end (modules, wall seconds, CPU-seconds of the compilers). On a terminal, and `enabled`, a
+    live bar (modules, nvcc units, elapsed) stands below those lines; in a log (not a terminal: CI, a cluster
+    job) there is no cursor movement, and a heartbeat line comes whenever nothing was printed for
+    `heartbeat_s` (fivar.jit.progress.HEARTBEAT_S), so a long build never looks like a hang."""
+    from . import progress as prog
     todo = [m for m in {m.uri: m for m in modules}.values() if not m.manifest_ok()]
     if not todo:
-        yield
+        yield None
         return
-    t0, printed, stop = time.time(), set(), threading.Event()
-    lock = threading.Lock()
 
-    def report():
-        for m in todo:
-            if m.uri in printed or not m.manifest_path.exists() or not m.manifest_ok():
-                continue
-            man, _ = m.read_manifest()
-            with lock:
-                if m.uri in printed:
-                    continue
-                printed.add(m.uri)
-                secs = (man or {}).get("compile_seconds")
-                took = f" in {secs:.1f} s" if isinstance(secs, (int, float)) else ""
-                console.print(f"built {m.uri}{took} ({len(printed)}/{len(todo)}, {time.time() - t0:.0f} s "
-                              "elapsed)", highlight=False, soft_wrap=True)
+    def write(line):
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
+    heartbeat_s = prog.HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+    if not (console.is_terminal and enabled):
+        reporter = prog.BatchProgress(todo, write, heartbeat_s=heartbeat_s)
+        yield reporter
+        write(reporter.summary())
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, transient=False)
+    t_mod = bar.add_task("modules", total=len(todo))
+    t_obj = bar.add_task("nvcc units", total=None)
 
-    def poll():
-        while not stop.wait(interval):
-            report()
-    th = threading.Thread(target=poll, daemon=True)
-    th.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        th.join()
-        report()
+    def show(r):
+        bar.update(t_mod, completed=r.done)
+        bar.update(t_obj, completed=r.units_done, total=r.units_total or None)
+    reporter = prog.BatchProgress(todo, write, heartbeat_s=heartbeat_s, on_change=show, heartbeat=False)
+    with bar:
+        yield reporter
+    write(reporter.summary())

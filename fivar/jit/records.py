@@ -376,3 +376,19 @@ def usage(con) -> dict[str, dict]:
         u["hits"] = n
         u["last_use"] = max(u["last_use"], last or 0.0)
     return out
+
+
+def compile_seconds_of(op: str, target: str, limit: int = 25) -> list[float]:
+    """The compile seconds of the latest `limit` cold builds of modules of this op and target (what a module built
+    on its own is expected to take, fivar.jit.progress); [] when there are none or the records cannot be read."""
+    try:
+        flush()
+        con = connect()
+        try:
+            return [s for (s,) in con.execute(
+                "SELECT seconds FROM events WHERE kind = 'cold' AND op = ? AND target = ? AND seconds > 0 "
+                "ORDER BY time DESC LIMIT ?", (op, target, limit))]
+        finally:
+            con.close()
+    except Exception:  # noqa: BLE001 - an estimate must never break a build
+        return []

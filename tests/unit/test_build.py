@@ -461,25 +461,6 @@ def test_fa3_is_refused_for_archs_without_sm90a(monkeypatch):
     assert gen_module(fivar.load("softcap"), op="single_prefill", target="fa2").target == "fa2"
 
 
-def test_ninja_spans_take_each_modules_first_start_to_last_end():
-    from fivar.jit.build import ninja_spans
-    a, b = (gen_module(fivar.load(n), op="single_prefill") for n in ("softcap", "alibi"))
-    log = "\n".join(["# ninja log v7",
-                     f"0\t9000\t1\t{a.build_dir}/x_kernel_mask_0.cuda.o\th",
-                     f"5\t12000\t1\t{a.build_dir}/x_kernel_mask_1.cuda.o\th",
-                     f"12001\t12500\t1\t{a.build_dir}/{a.uri}.so\th",
-                     f"100\t4100\t1\t{b.build_dir}/y.cuda.o\th",
-                     f"99999\t100000\t1\t{b.build_dir}/y.cuda.o\th",  # rebuilt later: the last entry counts
-                     "garbage line"])
-    assert ninja_spans([a, b], log) == {a.uri: 12.5, b.uri: 0.001}
-    assert ninja_spans([a], "") == {}
-    # an output written before this build (mtime, ns) is an earlier run's: not part of the span
-    mixed = "\n".join([f"0\t9000\t5\t{a.build_dir}/x_kernel_mask_0.cuda.o\th",
-                       f"5\t12000\t9\t{a.build_dir}/x_kernel_mask_1.cuda.o\th",
-                       f"12001\t12500\t9\t{a.build_dir}/{a.uri}.so\th"])
-    assert ninja_spans([a], mixed, since_ns=6) == {a.uri: 12.495}
-
-
 # --- KV tiles pinned at compile time (fivar/jit/pinned_kv_tiles.py, csrc/fivar_pinned_kv_tiles.cuh) ---
 
 def _flashinfer_launcher_texts():

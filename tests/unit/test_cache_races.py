@@ -27,16 +27,20 @@ SPECS = [("fp16", 64), ("bf16", 64), ("fp16", 128)]
 
 def install_fake_compiler(delay: float = 0.3, compiles_log: str | None = None, gate: str | None = None,
                           after_link=None):
-    """Replace FlashInfer's build_jit_specs and JitSpecNvcc.build by a stand-in compiler.
+    """Replace FlashInfer's build_jit_specs and JitSpecNvcc.build, and fivar's batch runner, by a stand-in compiler.
 
     Each module takes `delay` seconds, then its library is written in place in four chunks and ninja's log gets
     the link step. `gate`: a file whose existence the compiler waits for before the first module (a build
     held midway). `after_link(spec)`: called after each module's log line (a test's probe)."""
     import random
 
+    import types
+
     from filelock import FileLock
     from flashinfer.jit import core
     from flashinfer.jit import env as jit_env
+
+    from fivar.jit import progress
     compiles_log = compiles_log or os.environ.get("FAKE_COMPILES_LOG")
     gate = gate or os.environ.get("FAKE_GATE")
 
@@ -76,8 +80,14 @@ def install_fake_compiler(delay: float = 0.3, compiles_log: str | None = None, g
     def build(self, verbose=None, need_lock=False):
         wait_gate()
         compile_one(self)
+
+    def run_ninja_batch(ninja_files, libraries, *args, **kwargs):  # fivar's own batch runner (build_many)
+        wait_gate()
+        for lib in libraries:
+            compile_one(types.SimpleNamespace(name=Path(lib).stem))
     core.build_jit_specs = build_jit_specs
     core.JitSpecNvcc.build = build
+    progress.run_ninja_batch = run_ninja_batch
 
 
 WORKER = r'''

@@ -256,7 +256,7 @@ def test_build_targets_default_to_what_auto_runs_on_the_arch(runner, monkeypatch
     any other arch: FA2 everywhere. `--targets triton` writes and imports the twin."""
     import fivar.jit.build as jb
     built = []
-    monkeypatch.setattr(jb, "build_many", lambda mods, parallel=False: (built.extend(mods), [("disk", 0.0)] * len(mods))[1])
+    monkeypatch.setattr(jb, "build_many", lambda mods, parallel=False, progress=None: (built.extend(mods), [("disk", 0.0)] * len(mods))[1])
 
     def targets(*args):
         built.clear()
@@ -287,7 +287,7 @@ def test_build_targets_select_fusions(runner, monkeypatch):
     line when it was named, and builds no CUDA for --targets triton."""
     import fivar.jit.build as jb
     built = []
-    monkeypatch.setattr(jb, "build_many", lambda mods, parallel=False: (built.extend(mods), [("disk", 0.0)] * len(mods))[1])
+    monkeypatch.setattr(jb, "build_many", lambda mods, parallel=False, progress=None: (built.extend(mods), [("disk", 0.0)] * len(mods))[1])
 
     def uris(*args):
         built.clear()
