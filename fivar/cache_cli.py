@@ -1006,9 +1006,8 @@ def _checked_members(tar: tarfile.TarFile, meta: dict, file, member_cap: int, to
     uris = {e["uri"] for e in meta.get("entries", [])}
     files = meta.get("files")
     members, seen, total = {}, set(), 0
-    for mem in tar.getmembers():
-        if mem.name in (META_NAME, SIG_NAME):
-            continue
+    mems = [m for m in tar.getmembers() if m.name not in (META_NAME, SIG_NAME)]
+    for mem in mems:  # what kind of file first: an archive that ships code is named as such
         parts = mem.name.split("/")
         if not (mem.isfile() and len(parts) == 3 and parts[0] in ("cached_ops", "generated")
                 and parts[1] in uris and parts[2] and not parts[2].startswith(".") and ".." not in parts):
@@ -1016,6 +1015,8 @@ def _checked_members(tar: tarfile.TarFile, meta: dict, file, member_cap: int, to
         if not _member_ok(parts[0], parts[1], parts[2]):
             raise FivarError(f"{file}: member {mem.name!r} is not a library, manifest or C++/CUDA source (an "
                              "archive carries no code fivar would run); refusing to import")
+    for mem in mems:
+        parts = mem.name.split("/")
         if mem.name in seen:
             raise FivarError(f"{file}: member {mem.name!r} appears twice; refusing to import")
         seen.add(mem.name)
@@ -1109,10 +1110,6 @@ def import_cmd(file, trust_unsigned, max_member_size, max_total_size, as_json):
                              "instead")
         members = _checked_members(tar, meta, file, member_cap, total_cap)
         binaries = verdict.status == "trusted" or trust_unsigned
-        if verdict.status != "trusted" and trust_unsigned:
-            click.echo(f"WARNING: importing the native libraries of {file} although it is "
-                       f"{'signed by key ' + verdict.signer + ', which is not trusted here' if verdict.signer else 'unsigned'}"
-                       " (--trust-unsigned): they run with your privileges when loaded", err=True)
         provenance = ({"kind": "signed", "signer": verdict.signer} if verdict.status == "trusted" else
                       {"kind": "unsigned", **({"signer": verdict.signer} if verdict.signer else {})})
         from flashinfer.jit import env as jit_env
@@ -1136,6 +1133,10 @@ def import_cmd(file, trust_unsigned, max_member_size, max_total_size, as_json):
                         continue  # native code from an archive nobody trusted: never written
                     _extract(tar, mem, staging / kind / name, (meta.get("files") or {}).get(mem.name), file)
                 staged[-1][2].update(_check_staged(file, uri, ent, staging, binaries))
+            if verdict.status != "trusted" and trust_unsigned:  # checked whole: about to install
+                click.echo(f"WARNING: importing the native libraries of {file} although it is "
+                           f"{'signed by key ' + verdict.signer + ', which is not trusted here' if verdict.signer else 'unsigned'}"
+                           " (--trust-unsigned): they run with your privileges when loaded", err=True)
             for uri, staging, man in staged:
                 entry = Entry(uri, jit_dir / uri, gen_root / uri, jit_dir / uri / locks.BUILD_LOCK, None, 0)
                 with locks.evict_lock(entry.build_dir) as why:
