@@ -9,8 +9,8 @@ its own directory (fivar.jit.locks), whoever's FIVAR_CACHE_DIR recorded it.
 
 Nothing here executes a file the cache holds: manifests are data (validated by fivar.jit.manifest), staleness
 re-renders a variant found *by name* on the user's variant search path (what `fivar list` loads), never from a
-path a manifest names, and an import takes only libraries, manifests and C++/CUDA sources whose content hash
-is the URI's.
+path a manifest names, and an import takes only manifests and C++/CUDA sources whose content hash is the URI's,
+plus libraries only from an archive signed by a trusted key (fivar.trust; `--trust-unsigned` overrides).
 """
 from __future__ import annotations
 
@@ -497,7 +497,8 @@ def arch_option(f):
 @click.option("--arch", default=None, help="target arch of the current toolchain, e.g. 9.0a (default: "
               "FLASHINFER_CUDA_ARCH_LIST or the visible GPU)")
 def cache(arch):
-    """fivar's modules in FlashInfer's JIT cache: ls, show, stats, verify, prune, clear, export, import."""
+    """fivar's modules in FlashInfer's JIT cache: ls, show, stats, verify, prune, clear, export, import; keygen
+    and trust for signed archives."""
     from .jit.toolchain import set_arch_env
     set_arch_env(arch)
 
@@ -994,8 +995,8 @@ def _read_small(tar: tarfile.TarFile, name: str, cap: int, file) -> bytes | None
     if not hits:
         return None
     if len(hits) > 1 or not hits[0].isfile() or hits[0].size > cap:
-        raise FivarError(f"{file}: {name} is {'listed twice' if len(hits) > 1 else 'not a file of at most ' + human_size(cap)}"
-                         "; refusing to import")
+        what = "listed twice" if len(hits) > 1 else f"not a file of at most {human_size(cap)}"
+        raise FivarError(f"{file}: {name} is {what}; refusing to import")
     return tar.extractfile(hits[0]).read()
 
 
@@ -1032,8 +1033,8 @@ def _checked_members(tar: tarfile.TarFile, meta: dict, file, member_cap: int, to
             raise FivarError(f"{file}: its members add up to more than {human_size(total_cap)} (--max-total-size "
                              "raises the cap); refusing to import; nothing was written")
         if files is not None and (files.get(mem.name) or {}).get("size") != mem.size:
-            raise FivarError(f"{file}: member {mem.name!r} is {'not in' if mem.name not in files else 'another size than'}"
-                             " the archive's index; refusing to import")
+            how = "not in" if mem.name not in files else "another size than"
+            raise FivarError(f"{file}: member {mem.name!r} is {how} the archive's index; refusing to import")
         members.setdefault(parts[1], []).append(mem)
     missing = sorted(set(files or ()) - seen)
     if missing:
@@ -1134,9 +1135,9 @@ def import_cmd(file, trust_unsigned, max_member_size, max_total_size, as_json):
                     _extract(tar, mem, staging / kind / name, (meta.get("files") or {}).get(mem.name), file)
                 staged[-1][2].update(_check_staged(file, uri, ent, staging, binaries))
             if verdict.status != "trusted" and trust_unsigned:  # checked whole: about to install
-                click.echo(f"WARNING: importing the native libraries of {file} although it is "
-                           f"{'signed by key ' + verdict.signer + ', which is not trusted here' if verdict.signer else 'unsigned'}"
-                           " (--trust-unsigned): they run with your privileges when loaded", err=True)
+                whose = f"signed by key {verdict.signer}, which is not trusted here" if verdict.signer else "unsigned"
+                click.echo(f"WARNING: importing the native libraries of {file} although it is {whose} "
+                           "(--trust-unsigned): they run with your privileges when loaded", err=True)
             for uri, staging, man in staged:
                 entry = Entry(uri, jit_dir / uri, gen_root / uri, jit_dir / uri / locks.BUILD_LOCK, None, 0)
                 with locks.evict_lock(entry.build_dir) as why:

@@ -17,7 +17,7 @@ import tarfile
 import time
 
 import pytest
-from test_cache_cli import VARIANT, as_json, fake_built, invoke, iso, module  # noqa: F401 - the fixture
+from test_cache_cli import as_json, fake_built, invoke, iso, module  # noqa: F401 - the fixture
 
 from fivar import trust
 from fivar.jit import locks, records
