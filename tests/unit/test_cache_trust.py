@@ -410,3 +410,43 @@ def test_keys_bad_files_are_one_line(iso, tmp_path):
     as_json("cache", "keygen")
     assert "already exists" in one_line(invoke("cache", "keygen"))
     assert len(as_json("cache", "trust", "--list")["trusted"]) == 1
+
+
+@pytest.mark.parametrize("how", ["unsigned-import", "imported-before-signing"])
+def test_loading_a_module_whose_library_came_from_an_untrusted_archive_builds_it_here(iso, tmp_path, monkeypatch,
+                                                                                     how):
+    """What `fivar build` / a first call does next: compile (faked here) and load that, never the foreign bytes."""
+    from test_cache_races import install_fake_compiler
+
+    import flashinfer.jit.core as core
+    import tvm_ffi
+    from fivar.jit import build as jb
+    _, ws, vfile = iso
+    m = fake_built(module(vfile))
+    good = tmp_path / "good.tar.gz"
+    as_json("cache", "export", str(good))
+    as_json("cache", "clear", "--yes")
+    evil_so = os.urandom(4096)
+    evil = forge(good, tmp_path / "evil.tar.gz", {f"{m.uri}.so": evil_so,
+                                                  f"{m.uri}/fivar_manifest.json": swapped_manifest(m.uri, evil_so),
+                                                  "fivar_export.json": swapped_index(m.uri, evil_so)})
+    if how == "unsigned-import":
+        as_json("cache", "import", str(evil))
+    else:  # what an older fivar's import left: the archive's library and manifest, no provenance
+        as_json("cache", "import", str(evil), "--trust-unsigned")
+        man = json.loads(m.manifest_path.read_text())
+        man.pop("provenance")
+        m.manifest_path.write_text(json.dumps(man))
+        assert m.library_path.read_bytes() == evil_so
+    loaded = []
+    monkeypatch.setattr(tvm_ffi, "load_module", lambda path: loaded.append(open(path, "rb").read()) or object())
+    saved = core.build_jit_specs, core.JitSpecNvcc.build
+    try:
+        install_fake_compiler(delay=0.01)
+        m.load()
+    finally:
+        core.build_jit_specs, core.JitSpecNvcc.build = saved
+        locks.release_hold(m.build_dir)
+        jb._loaded.pop(m.uri, None)
+    assert loaded == [m.library_path.read_bytes()] and loaded[0] != evil_so
+    assert json.loads(m.manifest_path.read_text())["provenance"] == {"kind": "build"}
