@@ -83,6 +83,8 @@ ENV = {
 }
 #: Where fivar finds variants and keeps its own cache (not tuning, but read here like every FIVAR_* variable).
 VARIANT_PATH_ENV, CACHE_DIR_ENV = "FIVAR_VARIANT_PATH", "FIVAR_CACHE_DIR"
+#: the user's settings that are not a cache: the cache-signing key and the keys whose archives are trusted
+CONFIG_DIR_ENV = "FIVAR_CONFIG_DIR"
 
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("fivar_config_overrides", default={})
 _FIELDS = {f.name for cls in (FA2BuildConfig, FA3KernelConfig, RuntimeConfig, LoweringConfig) for f in fields(cls)} | {"triton_autotune", "triton_tma", "triton_gluon"}
@@ -189,6 +191,11 @@ def variant_path() -> list[str]:
 def cache_dir_setting() -> str | None:
     """FIVAR_CACHE_DIR, where given."""
     return os.environ.get(CACHE_DIR_ENV) or None
+
+
+def config_dir_setting() -> str | None:
+    """FIVAR_CONFIG_DIR, where given (else $XDG_CONFIG_HOME/fivar, else ~/.config/fivar: fivar.trust)."""
+    return os.environ.get(CONFIG_DIR_ENV) or None
 
 
 def state_key() -> tuple:

@@ -151,7 +151,7 @@ class FivarModule:
         (library_verified), so a same-size corruption is caught and a warm load costs a stat, not a hash.
         """
         man, _ = self.read_manifest()
-        if man is None or man["uri"] != self.uri:
+        if man is None or man["uri"] != self.uri or manifests.origin_problem(man):  # a foreign library: rebuilt
             return False
         try:
             st = self.library_path.stat()
@@ -176,7 +176,8 @@ class FivarModule:
                "arch": toolchain.arch_tag(), "created": time.time(),
                "so_sha256": sha, "sources": sorted(self.sources), "cuda_cflags": list(self.cuda_cflags),
                "variant_file": getattr(self.variant, "source_file", None),
-               "variant_file_sha256": variant_file_sha256(self.variant), "options": self.options}
+               "variant_file_sha256": variant_file_sha256(self.variant), "options": self.options,
+               "provenance": {"kind": "build"}}
         _write_if_different(self.manifest_path, json.dumps(man, indent=1))
         _remember_verified(self.library_path, st, sha)
         return True
@@ -199,11 +200,12 @@ class FivarModule:
         for name, text in self.sources.items():
             _write_if_different(self.gen_dir / name, text)
         if self.library_path.exists() and not self.manifest_ok():
-            _, bad = self.read_manifest()
+            man, bad = self.read_manifest()
+            foreign = manifests.origin_problem(man) if man else None
             why = ("has no manifest" if bad == "missing" else f"has a {bad}" if bad
-                   else "does not match its manifest")
-            log.warning("fivar: %s: library %s %s (interrupted build or corrupted file); rebuilding",
-                        self.uri, self.library_path, why)
+                   else f"was {foreign}" if foreign else "does not match its manifest")
+            log.warning("fivar: %s: library %s %s (%s); rebuilding", self.uri, self.library_path, why,
+                        "not loaded" if foreign else "interrupted build or corrupted file")
             self.library_path.unlink()
             self.manifest_path.unlink(missing_ok=True)
 

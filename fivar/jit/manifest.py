@@ -42,7 +42,13 @@ FIELDS: dict[str, tuple[tuple, bool]] = {
     "options": ((dict,), False),
     "imported_from": (_OPT_STR, False),
     "imported": (_NUM, False),
+    #: where the library came from (see origin_problem): written by fivar on this machine, never taken from an
+    #: archive
+    "provenance": ((dict,), False),
 }
+#: provenance kinds: built here; imported from an archive signed by a trusted key; imported from an unsigned or
+#: untrusted archive because the user said --trust-unsigned
+ORIGINS = ("build", "signed", "unsigned")
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 #: what a generated source may be called: C++/CUDA text, never a Python file or a library
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inc")
@@ -79,6 +85,9 @@ def problems(man) -> list[str]:
             out.append(f"sources name files that are not C++/CUDA sources: {bad[:3]!r}")
         if not all(isinstance(f, str) for f in man.get("cuda_cflags", [])):
             out.append("cuda_cflags holds something other than strings")
+        prov = man.get("provenance", {"kind": "build"})
+        if prov.get("kind") not in ORIGINS or not isinstance(prov.get("signer", ""), str):
+            out.append(f"provenance {prov!r} is not one fivar writes (kind: {', '.join(ORIGINS)})")
     return out
 
 
@@ -106,3 +115,18 @@ def read(path: Path) -> tuple[dict | None, str | None]:
         return parse(text), None
     except ManifestError as e:
         return None, f"malformed manifest: {e}"
+
+
+def origin_problem(man: dict) -> str | None:
+    """Why the library of a (valid) manifest must not be loaded for where it came from, or None: built here,
+    imported from an archive signed by a key still trusted, or imported unsigned on the user's explicit word.
+    A library imported before archives were signed (`imported_from`, no provenance) was never checked."""
+    prov = man.get("provenance")
+    if prov is None:
+        return ("imported from an archive before archives were signed (its library was never checked)"
+                if man.get("imported_from") else None)
+    if prov["kind"] == "signed":
+        from ..trust import is_trusted
+        if not is_trusted(prov.get("signer")):
+            return f"imported from an archive signed by key {prov.get('signer')}, which is no longer trusted"
+    return None

@@ -3,6 +3,7 @@
 No compiles: entries are real fivar modules (real URIs, sources, manifests) whose library is a stand-in file,
 which is all the cache commands look at. FlashInfer's cache dirs and FIVAR_CACHE_DIR point into tmp_path.
 """
+import hashlib
 import io
 import json
 import os
@@ -45,6 +46,7 @@ def iso(tmp_path, monkeypatch):
     monkeypatch.setattr(jit_env, "FLASHINFER_JIT_DIR", ws / "cached_ops")
     monkeypatch.setattr(jit_env, "FLASHINFER_GEN_SRC_DIR", ws / "generated")
     monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path / "fivar"))
+    monkeypatch.setenv("FIVAR_CONFIG_DIR", str(tmp_path / "config"))  # no signing key, no trusted key
     vdir = tmp_path / "variants"
     vdir.mkdir()
     (vdir / "cachev.py").write_text(VARIANT)
@@ -78,7 +80,7 @@ def invoke(*args):
 def as_json(*args):
     r = invoke(*args, "--json")
     assert r.exit_code == 0, r.output
-    return json.loads(r.output)
+    return json.loads(r.stdout)  # warnings go to stderr
 
 
 def test_ls_size_provenance_hits_and_staleness(iso):
@@ -409,6 +411,7 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch)
     m1, m2 = fake_built(module(vfile, "bf16", 128)), fake_built(module(vfile, "fp16", 64))
     shas = {m.uri: _sha256(m.library_path) for m in (m1, m2)}
     out = tmp_path / "mods.tar.gz"
+    as_json("cache", "keygen")  # exports are signed with it, and it is trusted here
     ex = as_json("cache", "export", str(out))
     assert sorted(ex["modules"]) == sorted(shas)
     with tarfile.open(out) as tar:
@@ -452,6 +455,8 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch)
     bad = tmp_path / "other.tar.gz"
     with tarfile.open(out) as src, tarfile.open(bad, "w:gz") as dst:
         for mem in src.getmembers():
+            if mem.name == "fivar_export.sig":  # unsigned: an edited index would fail its signature first
+                continue
             data = src.extractfile(mem).read()
             if mem.name == "fivar_export.json":
                 data = json.dumps({**json.loads(data), "flashinfer": "0.0.1", "nvcc": "12.4.131"}).encode()
@@ -484,22 +489,28 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch)
     assert not (ws.parent / "escape.txt").exists()
 
 
-def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None, extra=None):
+def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None, extra=None, consistent_index=True):
     """A copy of an export with its metadata (a function of the dict) or one member's bytes replaced, or with
-    one more member (name, bytes)."""
-    with tarfile.open(src_path) as src, tarfile.open(dst_path, "w:gz") as dst:
-        for mem in src.getmembers():
-            data = src.extractfile(mem).read()
-            if mem.name == "fivar_export.json" and meta_edit:
-                data = json.dumps(meta_edit(json.loads(data))).encode()
-            elif member_edit and mem.name.endswith(member_edit[0]):
-                data = member_edit[1]
+    one more member (name, bytes). Its signature is dropped; with `consistent_index` the index lists the edited
+    members' new sha256 and size (what a careful forger does), so the checks behind the index are reached."""
+    with tarfile.open(src_path) as src:
+        items = [(mem, src.extractfile(mem).read()) for mem in src.getmembers() if mem.name != "fivar_export.sig"]
+    if member_edit:
+        items = [(mem, member_edit[1] if mem.name.endswith(member_edit[0]) else data) for mem, data in items]
+    if extra:
+        items.append((tarfile.TarInfo(extra[0]), extra[1]))
+    meta = json.loads(next(data for mem, data in items if mem.name == "fivar_export.json"))
+    if consistent_index:
+        meta["files"] = {mem.name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+                         for mem, data in items if mem.name != "fivar_export.json"}
+    if meta_edit:
+        meta = meta_edit(meta)
+    with tarfile.open(dst_path, "w:gz") as dst:
+        for mem, data in items:
+            if mem.name == "fivar_export.json":
+                data = json.dumps(meta).encode()
             mem.size = len(data)
             dst.addfile(mem, io.BytesIO(data))
-        if extra:
-            info = tarfile.TarInfo(extra[0])
-            info.size = len(extra[1])
-            dst.addfile(info, io.BytesIO(extra[1]))
     return dst_path
 
 
@@ -517,8 +528,10 @@ def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None, extra=None)
     ("edited-source", "do not hash to its URI"),
     ("second-sha", "corrupt .*nothing was imported"),
 ])
-def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match):
-    """A damaged export is one line, and it imports nothing: no half-imported module, no module of a good entry."""
+@pytest.mark.parametrize("trust_unsigned", [True, False])
+def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match, trust_unsigned):
+    """A damaged export is one line, and it imports nothing: no half-imported module, no module of a good entry,
+    whether its libraries would be imported (--trust-unsigned) or only its sources."""
     _, ws, vfile = iso
     m1, m2 = fake_built(module(vfile, "bf16", 128)), fake_built(module(vfile, "fp16", 64))
     out = tmp_path / "mods.tar.gz"
@@ -542,12 +555,15 @@ def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match):
                                                                                   "so_sha256": "0" * 64}]}),
     }
     bad = _rewritten(out, tmp_path / "bad.tar.gz", **edits[case])
-    r = invoke("cache", "import", str(bad))
+    flag = ["--trust-unsigned"] if trust_unsigned else []
+    r = invoke("cache", "import", str(bad), *flag)
     assert r.exit_code == 1 and re.search(match, " ".join(r.output.split())), r.output
     assert "Traceback" not in r.output
     assert not m1.library_path.exists() and not m2.library_path.exists()
+    assert not m1.gen_dir.exists() and not m2.gen_dir.exists()
     assert not list((m1.build_dir.parent).glob(".import-*"))  # no staging left behind
-    assert sorted(as_json("cache", "import", str(out))["imported"]) == sorted([m1.uri, m2.uri])  # the good one still does
+    done = as_json("cache", "import", str(out), *flag)  # the good one still does
+    assert sorted(done["imported" if trust_unsigned else "sources_only"]) == sorted([m1.uri, m2.uri])
 
 
 def test_records_survive_concurrent_writers(tmp_path):

@@ -218,6 +218,7 @@ def test_clear_prune_verify_and_import_during_a_prewarm_leave_its_modules_alone(
     # an export of one of the modules, to import while it is being built
     m0 = fake_built(module(vfile, *SPECS[0]))
     archive = tmp_path / "one.tar.gz"
+    as_json("cache", "keygen")  # signed and trusted: the import would take the library
     as_json("cache", "export", str(archive))
     as_json("cache", "clear", "--yes")
     assert not m0.build_dir.exists()
