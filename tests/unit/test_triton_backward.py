@@ -138,19 +138,23 @@ def test_full_tiles_in_a_ragged_batch(name):
 def test_no_kept_pre_pass_while_a_cuda_graph_is_captured(monkeypatch):
     """Under capture a cached pre-pass would not be recorded, and a replay after new document ids were copied in
     would attend with the old ones: each step scans afresh then (recorded into the graph)."""
-    from fivar.runtime import autograd, plan_cache
+    from fivar.runtime import autograd, plan_cache, triton_attention
     monkeypatch.setattr(plan_cache, "capturing", lambda: True)
     v = fivar.load("document_mask")
     q, k, vv = _qkv(70, 70, 2, 1, 16)
     params = _documents([30, 22, 18])
     scans = []
     module = autograd._module(v)
-    monkeypatch.setattr(module, "mask_ranges", lambda *a, _f=module.mask_ranges, **kw: scans.append(1) or _f(*a, **kw))
-    before = (autograd._kept.misses, autograd._kept.hits)
+    for name in ("mask_ranges", "block_map"):  # the backward's pre-pass, the forward's block map
+        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **kw:
+                            scans.append(_n) or _f(*a, **kw))
+    kept = lambda: (autograd._kept.misses, autograd._kept.hits, triton_attention._maps.misses,  # noqa: E731
+                    triton_attention._maps.hits)
+    before = kept()
     for _ in range(2):
         r = check_gradients(v, q, k, vv, qo_lens=[70], kv_lens=[70], causal=True, params=params, dtype=DTYPE)
         assert r.passed, r
-    assert (autograd._kept.misses, autograd._kept.hits) == before and len(scans) == 4  # forward + backward, twice
+    assert kept() == before and sorted(scans) == ["block_map"] * 2 + ["mask_ranges"] * 2  # each step, twice
 
 
 def _gated_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
