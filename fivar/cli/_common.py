@@ -54,6 +54,20 @@ class FivarGroup(click.Group):
             sys.exit(1)
 
 
+def _one_line(e: FivarError, path) -> str:
+    """A variant file's load error as one line that names the file."""
+    text = str(e).splitlines()[0]
+    return text if str(path) in text else f"{path}: {text}"
+
+
+def report_load_errors(errors: list[str], exit: bool = True) -> None:
+    """After `list` / `build --all` went on past variant files that failed to load: one line each, then exit 1."""
+    for text in errors:
+        err_console.print(f"[bold red]error:[/] {_escape(text)}", highlight=False, soft_wrap=True)
+    if errors and exit:
+        sys.exit(1)
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
     return escape(text)
