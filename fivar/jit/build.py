@@ -326,7 +326,7 @@ def library_verified(path: Path, st: os.stat_result, sha256: str) -> bool:
         if isinstance(stamp, dict) and stamp.get("stat") == key and stamp.get("sha256") == sha256:
             _verified[str(path)] = (*key, sha256)
             return True
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep to read; hashed again
         pass
     try:
         actual = _sha256(path)
