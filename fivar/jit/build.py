@@ -287,21 +287,35 @@ class FivarModule:
         return mod
 
 
-#: FlashInfer writes these paths unquoted into build.ninja, where whitespace, `$`, `:` and `|` are syntax
-_NINJA_SPECIAL = re.compile(r"[\s$:|]")
+#: FlashInfer writes paths unquoted into build.ninja, whose commands ninja runs through /bin/sh: whitespace, `$`, `:`
+#: and `|` are ninja syntax, and the rest would be the shell's (a backtick or `$(...)` in a directory name would run)
+_UNSAFE_IN_BUILD_FILES = re.compile(r"[\s$:|`;&<>()'\"\\*?\[\]]")
 
 
 def check_buildable_paths(m: "FivarModule") -> None:
-    """Before compiling (never before loading a prebuilt module): FlashInfer's ninja files cannot hold a
-    workspace path with a space (the build would fail after compiling, naming neither the path nor the
-    variable), so say so up front."""
-    for what, path in (("FLASHINFER_WORKSPACE_BASE", m.build_dir), ("FLASHINFER_WORKSPACE_BASE", m.gen_dir)):
+    """Before compiling (never before loading a prebuilt module): every path FlashInfer writes into the module's
+    build.ninja (its workspace, the CUDA toolkit, include and library directories) must reach nvcc as the path it
+    is: FlashInfer quotes none of them, so a path holding ninja or shell syntax is refused here, naming the path
+    and what sets it, before any build file is written or command run."""
+    from flashinfer.jit import cpp_ext
+    from flashinfer.jit import env as jit_env
+    places = [("FLASHINFER_WORKSPACE_BASE", m.build_dir), ("FLASHINFER_WORKSPACE_BASE", m.gen_dir),
+              ("CUDA_HOME", toolchain.cuda_home())]
+    places += [("the include paths fivar adds", p) for p in toolchain.extra_include_paths()]
+    places += [("FlashInfer's installation", p) for p in
+               (jit_env.FLASHINFER_INCLUDE_DIR, jit_env.FLASHINFER_CSRC_DIR, *cpp_ext.get_cccl_includes())]
+    # the libcuda stub's directory reaches the shell quoted (jit_spec): only ninja's `$` and a line break matter
+    places += [("FIVAR_CACHE_DIR", f[2:], re.compile(r"[$\n]")) for f in toolchain.link_flags() if f.startswith("-L")]
+    for what, path, *unsafe in places:
         text = str(Path(path).resolve())
-        if _NINJA_SPECIAL.search(text):
+        bad = sorted(set((unsafe or [_UNSAFE_IN_BUILD_FILES])[0].findall(text)))
+        if bad:
+            shown = " ".join("a space" if c == " " else repr(c) for c in bad)
             raise FivarError(
-                f"variant '{m.variant.name}': cannot compile into {text}: FlashInfer's ninja build files cannot "
-                f"hold a path with spaces, '$', ':' or '|'; set {what} to a directory without them (a symlink "
-                f"to this one works); loading modules already built there is fine")
+                f"variant '{m.variant.name}': cannot compile with {what} at {text}: FlashInfer writes that path "
+                f"unquoted into build.ninja, whose commands run through the shell, and it holds {shown}; set {what} "
+                f"to a directory without them (a symlink to this one works); loading modules already built there is "
+                f"fine")
 
 
 #: library path -> (size, mtime_ns, inode, ctime_ns, sha256) this process has hashed
