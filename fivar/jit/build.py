@@ -233,8 +233,11 @@ class FivarModule:
         except FivarError:
             raise
         except OSError as e:
+            if e.filename == "ninja":  # FlashInfer runs `ninja`: not installed, not a cache problem
+                raise FivarError(f"variant '{self.variant.name}': building {self.uri} needs ninja, which was not found "
+                                 "on PATH (pip install ninja)") from None
             raise _cache_write_error(self, e) from None
-        except Exception as e:  # ninja/nvcc failure on sources fivar accepted: a fivar bug, say so plainly
+        except Exception as e:  # ninja/nvcc failed: say whose failure it is (_build_failure)
             if "No space left on device" in str(e):
                 raise _cache_write_error(self, OSError(28, "No space left on device")) from None
             log = self.build_dir / "fivar_build_error.log"
@@ -255,9 +258,7 @@ class FivarModule:
                     f"variant '{self.variant.name}': linking {self.uri} failed: the linker cannot find lib"
                     f"{missing.group(1)} (CUDA toolkit at {toolchain.cuda_home()}); set CUDA_HOME to the CUDA "
                     f"toolkit, e.g. CUDA_HOME=/usr/local/cuda (log: {log})") from None
-            raise FivarBuildError(
-                f"variant '{self.variant.name}': compiling {self.uri} failed. fivar accepted this spec, "
-                f"so this is a fivar bug; please report it with the log at {log}") from None
+            raise _build_failure(self, e, log) from None
         return "cold"
 
     def load(self):
@@ -285,6 +286,64 @@ class FivarModule:
         else:
             records.memory_hit(self)  # a counter bump, no I/O (see fivar.jit.records)
         return mod
+
+
+#: What a compiler (or the shell, or the kernel) says when the compile backend itself failed, not the sources
+_BACKEND_FAILED = re.compile(r"died due to signal|\bKilled\b|out of memory|cannot allocate memory|virtual memory "
+                             r"exhausted|: not found$|: Permission denied$|"
+                             r"internal compiler error|Segmentation fault", re.I | re.M)
+
+
+def _failed_steps(text: str) -> list[tuple[str, list[str]]]:
+    """(command, its output lines) of each step ninja reports as FAILED in FlashInfer's "Ninja build failed" text."""
+    steps, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("FAILED: ") and i + 1 < len(lines):
+            out = []
+            for follow in lines[i + 2:]:
+                if follow.startswith(("FAILED: ", "ninja: ")) or re.match(r"\[\d+/\d+\] ", follow):
+                    break
+                out.append(follow)
+            steps.append((lines[i + 1], out))
+    return steps
+
+
+def _build_failure(m: "FivarModule", e: Exception, log: Path) -> FivarError:
+    """The error for a failed build, naming whose failure it is: the compiler launcher (--launcher), the compile
+    backend (ninja, nvcc or the host compiler dying or missing), FlashInfer's JIT, or fivar (a compiler diagnostic
+    on sources fivar generated, or an exception in fivar itself)."""
+    who = f"variant '{m.variant.name}': building {m.uri} failed"
+    text = str(e)
+    if not text.startswith("Ninja build failed"):  # FlashInfer's run_ninja; anything else raised before ninja ran
+        tb, frame_file = e.__traceback__, ""
+        while tb is not None:
+            frame_file, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+        import flashinfer
+        if Path(frame_file).resolve().is_relative_to(Path(flashinfer.__file__).resolve().parent):
+            first = text.strip().splitlines()[0] if text.strip() else ""
+            return FivarError(f"{who} in FlashInfer {flashinfer.__version__}'s JIT (not in the variant or fivar's "
+                              f"sources): {type(e).__name__}: {first} (log: {log})")
+        return FivarBuildError(f"{who}: fivar raised {type(e).__name__} while building; this is a fivar bug, please "
+                               f"report it with the log at {log}")
+    steps = _failed_steps(text)
+    launchers = {os.environ.get(v, "").strip() for v in ("FLASHINFER_NVCC_LAUNCHER", "FLASHINFER_CXX_LAUNCHER")} - {""}
+    for command, out in steps:
+        launcher = next((lc for lc in launchers if command.startswith(lc + " ")), None)
+        said = " ".join(line.strip() for line in out if line.strip())
+        if launcher and (not said or f"{Path(launcher.split()[0]).name}:" in said):
+            # the compiler prints diagnostics; a launcher failing on its own prints nothing, or its own name
+            return FivarError(f"{who} in the compiler launcher {launcher} (--launcher / FLASHINFER_NVCC_LAUNCHER), "
+                              f"not in the compiler: {said[:300] or 'it exited non-zero with no output'}; check "
+                              f"the launcher (its server and cache backend), or build without it (log: {log})")
+    backend = _BACKEND_FAILED.search("\n".join(line for _, out in steps for line in out)) if steps else None
+    if backend or not steps:
+        line = next((ln.strip() for _, out in steps for ln in out if _BACKEND_FAILED.search(ln)),
+                    text.strip().splitlines()[-1] if text.strip() else "")
+        return FivarError(f"{who} in the compile backend (ninja, nvcc at {toolchain.cuda_home()} or the host "
+                          f"compiler), not in the sources: {line[:300]}; if a compiler was killed, build with fewer "
+                          f"jobs (--jobs, MAX_JOBS) (log: {log})")
+    return FivarBuildError(f"{who}: the compiler refused sources fivar generated from an accepted spec, so this is a "
+                           f"fivar bug; please report it with the log at {log}")
 
 
 #: FlashInfer writes paths unquoted into build.ninja, whose commands ninja runs through /bin/sh: whitespace, `$`, `:`

@@ -683,3 +683,53 @@ def test_fa2_units_without_the_unused_headers_compile_to_the_same_sass(monkeypat
     skipped, _ = _assert_same_sass("document_mask", {}, {"skip_unused_headers": False}, dtype="fp16", head_dim=128,
                                    split_cta_tiles=False)
     assert skipped.options["skip_unused_headers"] == ["cuda/pipeline", "cooperative_groups.h"]
+
+
+def _fake_tool(path, text: str, code: int):
+    """An executable that prints `text` on stderr and exits with `code` (a launcher or compiler that fails)."""
+    path.write_text(f"#!/bin/sh\ncat >&2 <<'END'\n{text}\nEND\nexit {code}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["false_launcher", "sccache_unreachable", "nvcc_killed", "flashinfer_refuses",
+                                  "fivar_sources"])
+def test_a_failed_build_names_whose_failure_it_is(tmp_path, monkeypatch, case):
+    """A failed build was always "a fivar bug"; now a launcher, the compile backend and FlashInfer are named as the
+    cause, and only a compiler diagnostic on fivar's sources (or fivar raising) is called a fivar bug. Real ninja
+    runs the generated build.ninja, with fake launchers and compilers that fail at once."""
+    import uuid
+    for var in ("FLASHINFER_NVCC_LAUNCHER", "FLASHINFER_CXX_LAUNCHER", "FLASHINFER_NVCC", "FLASHINFER_DISABLE_JIT"):
+        monkeypatch.delenv(var, raising=False)
+    m = gen_module(fivar.load("softcap"), op="single_prefill", dtype="fp16", head_dim=64)
+    m.uri += f"_{case}_{uuid.uuid4().hex[:8]}"  # never built: ninja really runs
+    src = m.gen_dir / "single_prefill_config.inc"
+    expect = {
+        "false_launcher": ("the compiler launcher /bin/false", "/bin/false", None),
+        "sccache_unreachable": ("the compiler launcher", "sccache: error: Server startup failed: cache storage failed "
+                                "to read: Unexpected (temporary) at read, context: { url: redis://10.255.0.1:6379 } "
+                                "=> connection refused", 2),
+        "nvcc_killed": ("in the compile backend", "nvcc error   : 'cicc' died due to signal 9 (Kill signal)", 9),
+        "flashinfer_refuses": ("in FlashInfer", None, None),
+        "fivar_sources": ("fivar bug", f"{src}(3): error: identifier \"oops\" is undefined", 1),
+    }[case]
+    says, tool, code = expect
+    if case == "false_launcher":
+        monkeypatch.setenv("FLASHINFER_NVCC_LAUNCHER", tool)
+        monkeypatch.setenv("FLASHINFER_CXX_LAUNCHER", tool)
+    elif case == "sccache_unreachable":
+        launcher = _fake_tool(tmp_path / "sccache", tool, code)
+        monkeypatch.setenv("FLASHINFER_NVCC_LAUNCHER", launcher)
+        monkeypatch.setenv("FLASHINFER_CXX_LAUNCHER", launcher)
+    elif case == "flashinfer_refuses":
+        monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")
+    else:
+        monkeypatch.setenv("FLASHINFER_NVCC", _fake_tool(tmp_path / "nvcc", tool, code))
+    with pytest.raises(FivarError) as info:
+        m.build()
+    msg = str(info.value)
+    assert "\n" not in msg and "variant 'softcap'" in msg and says in msg, msg
+    assert ("fivar bug" in msg) == (case == "fivar_sources") and isinstance(info.value, FivarBuildError) == (
+        case == "fivar_sources"), msg
+    log = re.search(r"log(?: at|:) (\S+\.log)", msg).group(1)
+    assert os.path.exists(log) and not m.library_path.exists()
