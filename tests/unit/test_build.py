@@ -733,3 +733,19 @@ def test_a_failed_build_names_whose_failure_it_is(tmp_path, monkeypatch, case):
         case == "fivar_sources"), msg
     log = re.search(r"log(?: at|:) (\S+\.log)", msg).group(1)
     assert os.path.exists(log) and not m.library_path.exists()
+
+
+def test_ninja_missing_is_named_not_called_a_cache_write_error(tmp_path, monkeypatch):
+    m = gen_module(fivar.load("softcap"), op="single_prefill", dtype="fp16", head_dim=64)
+    m.uri += "_no_ninja"
+
+    class NoNinja:
+        lock_path = str(tmp_path / "lock")
+
+        def build(self):  # what subprocess.run(["ninja", ...]) raises when ninja is not on PATH
+            raise FileNotFoundError(2, "No such file or directory", "ninja")
+    m.spec = NoNinja()
+    monkeypatch.setattr(type(m), "_prepare", lambda self, missing=None: None)
+    with pytest.raises(FivarError, match=r"needs ninja, which was not found on PATH") as info:
+        m.build()
+    assert "cache" not in str(info.value) and "fivar bug" not in str(info.value)
