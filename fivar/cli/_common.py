@@ -43,6 +43,11 @@ def _ints(value: str, option: str) -> list[int]:
         raise FivarError(f"{option}: expected a comma list of integers, got {value!r}") from None
 
 
+def _head_dims(value: str, option: str = "--head-dims") -> list[int]:
+    from ..spec.inputs import check_head_dims
+    return check_head_dims(_ints(value, option), option)
+
+
 class FivarGroup(click.Group):
     """Turns FivarError into one red line and exit code 1; anything else is a real bug and surfaces."""
 

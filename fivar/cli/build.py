@@ -7,8 +7,8 @@ import click
 from rich.table import Column, Table
 
 from ..errors import FivarError
-from ._common import (OPS, _build_capabilities, _builds_sm90a, _choices, _escape, _ints, _one_line, _set_arch, _split,
-                      console, err_console, main, report_load_errors)
+from ._common import (OPS, _build_capabilities, _builds_sm90a, _choices, _escape, _head_dims, _one_line, _set_arch,
+                      _split, console, err_console, main, report_load_errors)
 
 
 @main.command()
@@ -89,7 +89,7 @@ def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims,
         if "fa3" in chosen and not _builds_sm90a():  # a plain 9.0 build lacks what FA3 needs
             chosen = (chosen - {"fa3"}) | {"fa2"}
         return sorted(({*wanted} | chosen) - {"auto"})
-    head_dims_ = _ints(head_dims, "--head-dims")
+    head_dims_ = _head_dims(head_dims)
     modules = [gen_fusion_module(variants[n], dt) for n in fusions if n not in skipped for dt in _split(dtypes)]
     modules += [m for n, v in variants.items() if n not in fusions for op in ops_ for t in targets_for(v, op)
                 for dt in _split(dtypes) for hd in head_dims_

@@ -509,11 +509,17 @@ def test_kv_tiles_are_pinned_only_for_archs_of_one_known_shared_memory(monkeypat
                                         ("FIVAR_SKIP_UNUSED_HEADERS", "skip_unused_headers"),
                                         ("FIVAR_NVCC_PARALLEL_PASSES", "nvcc_parallel_passes")])
 def test_fa2_build_switches_refuse_what_they_cannot_read(monkeypatch, env, option):
-    """Unset or 1: on; 0: off; anything else ('false', 'off') is an error naming the variable, not silently on."""
-    for text in ("false", "off", "2"):
+    """Unset, 1 or an on word: on; 0 or an off word ('false', 'off'): off; anything else is an error naming the
+    variable, not silently on."""
+    softcap = fivar.load("softcap")
+    for text in ("false", "off"):
         monkeypatch.setenv(env, text)
-        with pytest.raises(FivarError, match=f"{env}='{text}': expected 0 .off. or 1"):
-            gen_module(fivar.load("softcap"), op="single_prefill")
+        assert gen_module(softcap, op="single_prefill").uri == gen_module(softcap, op="single_prefill",
+                                                                          **{option: False}).uri
+    for text in ("2", "disabled"):
+        monkeypatch.setenv(env, text)
+        with pytest.raises(FivarError, match=f"{env}='{text}': expected 1/true/yes/on .on. or 0/false/no/off"):
+            gen_module(softcap, op="single_prefill")
     monkeypatch.delenv(env)
     with pytest.raises(FivarError, match=f"{option}='yes': expected True or False"):
         gen_module(fivar.load("softcap"), op="single_prefill", **{option: "yes"})
@@ -749,3 +755,46 @@ def test_ninja_missing_is_named_not_called_a_cache_write_error(tmp_path, monkeyp
     with pytest.raises(FivarError, match=r"needs ninja, which was not found on PATH") as info:
         m.build()
     assert "cache" not in str(info.value) and "fivar bug" not in str(info.value)
+
+
+@pytest.mark.parametrize("var,field,default", [
+    ("FIVAR_SPLIT_CTA_TILES", "split_cta_tiles", False), ("FIVAR_PIN_KV_TILES", "pin_kv_tiles", True),
+    ("FIVAR_SKIP_UNUSED_HEADERS", "skip_unused_headers", True),
+    ("FIVAR_NVCC_PARALLEL_PASSES", "nvcc_parallel_passes", True), ("FIVAR_NVCC_SPLIT_COMPILE", "nvcc_split_compile", True),
+])
+def test_boolean_env_knobs_take_the_common_spellings_and_refuse_the_rest(monkeypatch, var, field, default):
+    """FIVAR_SPLIT_CTA_TILES=yes was silently off (only "1" turned it on) and FIVAR_TRITON_TMA=off silently on; the
+    usual on and off words (any case) now mean on and off, and anything else is one line naming the variable."""
+    import random
+
+    from fivar import config
+    monkeypatch.delenv(var, raising=False)
+    assert getattr(config.fa2_build_config(), field) is default
+    on_words = [w for w in ("yes", "true", "on", "1") if not (field == "nvcc_split_compile" and w == "1")]
+    off_words = [w for w in ("no", "false", "off", "0") if not (field == "nvcc_split_compile" and w == "0")]
+    for words, want in ((on_words, True), (off_words, False)):
+        for w in words:
+            monkeypatch.setenv(var, random.choice((w, w.upper(), w.capitalize())))
+            assert getattr(config.fa2_build_config(), field) is want, (var, w)
+    for bad in ("maybe", "enable", "2x"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(FivarError, match=f"{var}='{bad}': expected") as info:
+            config.fa2_build_config()
+        assert "\n" not in str(info.value)
+
+
+def test_triton_and_wave_split_knobs_read_off_words_as_off(monkeypatch):
+    from fivar import config
+    from fivar.runtime import wave_split
+    for var, field in (("FIVAR_TRITON_TMA", "tma"), ("FIVAR_TRITON_AUTOTUNE", "autotune"),
+                       ("FIVAR_TRITON_GLUON", "gluon")):
+        for word, want in (("off", False), ("No", False), ("yes", True), ("", True)):
+            monkeypatch.setenv(var, word)
+            assert getattr(config.triton_config(), field) is want, (var, word)
+        monkeypatch.setenv(var, "nope")
+        with pytest.raises(FivarError, match=f"{var}='nope': expected"):
+            config.triton_config()
+        monkeypatch.delenv(var)
+    for word, want in (("off", False), ("true", True), ("2x2", (2, 2))):
+        monkeypatch.setenv("FIVAR_FA3_WAVE_SPLIT", word)
+        assert wave_split._setting("softcap") == want

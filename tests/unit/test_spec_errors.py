@@ -1,7 +1,10 @@
 """Every way a spec can be wrong gets a FivarSpecError naming variant, file:line:col and the construct."""
+import decimal
+import fractions
 import inspect
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,6 +290,17 @@ def test_unknown_variant_name_lists_what_exists():
     (lambda: Scalar(int, default=2.5), "Scalar parameter 'w': default 2.5 is not an int"),
     (lambda: Scalar(float, default="30"), "Scalar parameter 'w': default '30' is not a float"),
     (lambda: Scalar(int, default=True), "Scalar parameter 'w': default True is not an int"),
+    # a Fraction or Decimal printed into generated code (1/3: integer division in C++), or a numpy scalar: refused
+    (lambda: Scalar(float, default=fractions.Fraction(1, 3)), "default Fraction(1, 3) is not a float (it is a Fr"),
+    (lambda: Scalar(int, default=fractions.Fraction(4, 1)), "default Fraction(4, 1) is not an int"),
+    (lambda: Scalar(float, default=decimal.Decimal("0.1")), "default Decimal('0.1') is not a float"),
+    (lambda: Scalar(int, default=np.int64(3)), "default np.int64(3) is not an int"),
+    (lambda: Scalar(float, default=10**400), "default an integer of 401 digits: an integer of 401 digits does not "
+                                            "fit the kernels' 32-bit floats"),
+    (lambda: Scalar(int, default=-10**400), "default a negative integer of 401 digits: a negative integer of 401 "
+                                           "digits does not fit the kernels' 32-bit ints"),
+    (lambda: Scalar(float, default=float("nan")), "Scalar parameter 'w': default nan: it must be finite"),
+    (lambda: Scalar(float, default=-float("inf")), "Scalar parameter 'w': default -inf: it must be finite"),
     (lambda: Scalar(str), "Scalar parameter 'w': dtype must be float or int"),
     (lambda: Tensor("float8", ("qo_head",)), "Tensor parameter 'w': dtype 'float8' is not one of"),
     (lambda: Tensor("float32", (8,)), "Tensor parameter 'w': dims must be a non-empty tuple of dimension names"),
