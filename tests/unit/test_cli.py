@@ -397,3 +397,18 @@ def test_list_and_build_all_say_they_run_the_variant_files_and_from_where(tmp_pa
         assert r.exit_code == 0, r.output
         notes = [line for line in r.stderr.splitlines() if "runs (imports) every variant file" in line]
         assert len(notes) == 1 and str(tmp_path) in notes[0] and str(bundled_variants_dir()) in notes[0], r.stderr
+
+
+def test_a_real_ctrl_c_while_a_variant_file_runs_still_stops_fivar(tmp_path):
+    """Only a KeyboardInterrupt the file raises itself becomes an error about the file: a SIGINT that arrives while
+    it runs is the user's, and propagates."""
+    import fivar
+    f = tmp_path / "slow.py"
+    f.write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n" +
+                 _GOOD.format(name="slow"))
+    with pytest.raises(KeyboardInterrupt):
+        fivar.load(str(f))
+    f2 = tmp_path / "raises.py"
+    f2.write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(fivar.FivarSpecError, match="raised KeyboardInterrupt"):
+        fivar.load(str(f2))
