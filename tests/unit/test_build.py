@@ -698,8 +698,8 @@ def _fake_tool(path, text: str, code: int):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["false_launcher", "sccache_unreachable", "nvcc_killed", "flashinfer_refuses",
-                                  "fivar_sources"])
+@pytest.mark.parametrize("case", ["false_launcher", "sccache_unreachable", "real_sccache_unreachable", "nvcc_killed",
+                                  "flashinfer_refuses", "fivar_sources"])
 def test_a_failed_build_names_whose_failure_it_is(tmp_path, monkeypatch, case):
     """A failed build was always "a fivar bug"; now a launcher, the compile backend and FlashInfer are named as the
     cause, and only a compiler diagnostic on fivar's sources (or fivar raising) is called a fivar bug. Real ninja
@@ -715,6 +715,7 @@ def test_a_failed_build_names_whose_failure_it_is(tmp_path, monkeypatch, case):
         "sccache_unreachable": ("the compiler launcher", "sccache: error: Server startup failed: cache storage failed "
                                 "to read: Unexpected (temporary) at read, context: { url: redis://10.255.0.1:6379 } "
                                 "=> connection refused", 2),
+        "real_sccache_unreachable": ("the compiler launcher", shutil.which("sccache"), None),
         "nvcc_killed": ("in the compile backend", "nvcc error   : 'cicc' died due to signal 9 (Kill signal)", 9),
         "flashinfer_refuses": ("in FlashInfer", None, None),
         "fivar_sources": ("fivar bug", f"{src}(3): error: identifier \"oops\" is undefined", 1),
@@ -727,6 +728,16 @@ def test_a_failed_build_names_whose_failure_it_is(tmp_path, monkeypatch, case):
         launcher = _fake_tool(tmp_path / "sccache", tool, code)
         monkeypatch.setenv("FLASHINFER_NVCC_LAUNCHER", launcher)
         monkeypatch.setenv("FLASHINFER_CXX_LAUNCHER", launcher)
+    elif case == "real_sccache_unreachable":  # an S3 backend nothing listens for: its server cannot start
+        if not tool:
+            pytest.skip("sccache is not installed")
+        import random
+        for var, value in (("SCCACHE_SERVER_PORT", str(random.randint(20000, 60000))), ("SCCACHE_BUCKET", "nowhere"),
+                           ("SCCACHE_ENDPOINT", "http://127.0.0.1:1"), ("SCCACHE_REGION", "us-east-1"),
+                           ("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y")):
+            monkeypatch.setenv(var, value)
+        monkeypatch.setenv("FLASHINFER_NVCC_LAUNCHER", tool)
+        monkeypatch.setenv("FLASHINFER_CXX_LAUNCHER", tool)
     elif case == "flashinfer_refuses":
         monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")
     else:
