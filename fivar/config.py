@@ -121,14 +121,28 @@ def setting(name: str) -> tuple[str, str]:
     return os.environ.get(ENV[name], "").strip(), ENV[name]
 
 
+#: How a boolean FIVAR_* variable may say on and off (any case); anything else is refused, never read as either.
+ON_WORDS, OFF_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def flag(name: str, default: bool, who: str = "") -> bool:
+    """A boolean setting: an override() or its environment variable (ON_WORDS, OFF_WORDS), `default` when neither
+    says anything; any other text is one line naming the variable (`who`: a prefix such as the variant)."""
+    text, where = setting(name)
+    word = text.lower()
+    if not word:
+        return default
+    if word in ON_WORDS or word in OFF_WORDS:
+        return word in ON_WORDS
+    raise FivarError(f"{who}{where}={text!r}: expected {'/'.join(ON_WORDS)} (on) or {'/'.join(OFF_WORDS)} (off); unset: "
+                     f"{'on' if default else 'off'}")
+
+
 def switch(name: str, given: bool | None = None, option: str | None = None) -> bool:
     """An on-by-default build switch: `given` (a config field or gen_module option) if set, else an override() or
-    the environment variable (unset or 1: on, 0: off; anything else is refused, not read as on)."""
+    the environment variable (flag: unset is on; anything but an on or off word is refused, not read as on)."""
     if given is None:
-        text, where = setting(name)
-        if text not in ("", "0", "1"):
-            raise FivarError(f"{where}={text!r}: expected 0 (off) or 1 (on, the default)")
-        return text != "0"
+        return flag(name, True)
     if not isinstance(given, bool):
         raise FivarError(f"{option or name}={given!r}: expected True or False")
     return given
@@ -137,17 +151,20 @@ def switch(name: str, given: bool | None = None, option: str | None = None) -> b
 def switched_off_by(name: str) -> str:
     """What turned a switch off when no config field did: `VAR=0` or `name=False` (an override())."""
     text, where = setting(name)
-    return f"{where}=0" if where == ENV[name] else f"{name}=False"
+    return f"{where}={text}" if where == ENV[name] else f"{name}=False"
 
 
 def nvcc_split_compile_threads() -> int | None:
-    """FIVAR_NVCC_SPLIT_COMPILE: unset -> None (on, threads by core count); 1 -> off; N >= 2 -> N threads."""
+    """FIVAR_NVCC_SPLIT_COMPILE: unset -> None (on, threads by core count); 1 -> off; N >= 2 -> N threads; an on
+    word (yes, true, on) is unset's choice, an off word (no, false, off) is 1; 0 (no thread?) is refused."""
     text, where = setting("nvcc_split_compile")
-    if not text:
+    if not text or text.lower() in ON_WORDS[1:]:
         return None
+    if text.lower() in OFF_WORDS[1:]:
+        return 1
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise FivarError(f"{where}={text!r}: expected a thread count of at least 1 (1 turns nvcc's "
-                         f"--split-compile off; unset: on, with threads by core count)")
+        raise FivarError(f"{where}={text!r}: expected a thread count of at least 1 (1 or off turns nvcc's "
+                         f"--split-compile off; unset or on: on, with threads by core count)")
     return int(text)
 
 
@@ -155,10 +172,10 @@ def fa2_build_config(given: FA2BuildConfig | None = None) -> FA2BuildConfig:
     """`given` with every None field resolved: overrides, then the environment, then the defaults (split_cta_tiles
     off: it pays only on hosts with cores to spare; every other switch on)."""
     given = given or FA2BuildConfig()
-    split, _ = setting("split_cta_tiles")
     threads = nvcc_split_compile_threads() if given.nvcc_split_compile is None else None
     return FA2BuildConfig(
-        split_cta_tiles=given.split_cta_tiles if given.split_cta_tiles is not None else split == "1",
+        split_cta_tiles=(given.split_cta_tiles if given.split_cta_tiles is not None else
+                         flag("split_cta_tiles", False)),
         nvcc_split_compile=(switch("nvcc_split_compile", given.nvcc_split_compile, "nvcc_split_compile")
                             if given.nvcc_split_compile is not None else threads != 1),
         pin_kv_tiles=switch("pin_kv_tiles", given.pin_kv_tiles, "pin_kv_tiles"),
@@ -169,10 +186,10 @@ def fa2_build_config(given: FA2BuildConfig | None = None) -> FA2BuildConfig:
 
 
 def triton_config() -> TritonConfig:
-    """FIVAR_TRITON_AUTOTUNE=0, FIVAR_TRITON_TMA=0 and FIVAR_TRITON_GLUON=0 turn those off (read when a twin is
-    imported)."""
-    return TritonConfig(autotune=setting("triton_autotune")[0] != "0", tma=setting("triton_tma")[0] != "0",
-                        gluon=setting("triton_gluon")[0] != "0")
+    """FIVAR_TRITON_AUTOTUNE=0, FIVAR_TRITON_TMA=0 and FIVAR_TRITON_GLUON=0 (or another off word) turn those off
+    (read when a twin is imported)."""
+    return TritonConfig(autotune=flag("triton_autotune", True), tma=flag("triton_tma", True),
+                        gluon=flag("triton_gluon", True))
 
 
 def lowering_config() -> LoweringConfig:

@@ -1,10 +1,13 @@
 """Finding variants by name: FIVAR_VARIANT_PATH, then ./variants, then fivar's bundled variants."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .errors import FivarError, FivarSpecError
@@ -60,21 +63,23 @@ def load_file(path: Path) -> AttentionVariant:
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # inspect.getsource needs the module registered
     try:
-        spec.loader.exec_module(module)
+        with _interrupts_told_apart() as interrupted:
+            spec.loader.exec_module(module)
     except FivarSpecError:
         raise
+    except (SystemExit, KeyboardInterrupt) as e:  # raised by the file itself: a broken file, not a quit of fivar
+        if isinstance(e, KeyboardInterrupt) and interrupted:
+            raise  # Ctrl-C while the file ran: the user's, not the file's
+        what = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
+        raise FivarSpecError(f"importing the variant file raised {what} (a variant file must define `variant = "
+                             "...`, not exit)", filename=str(path), line=_line_in(e, path), col=0) from None
     except SyntaxError as e:
         raise FivarSpecError(f"syntax error: {e.msg}", filename=str(path), line=e.lineno,
                              col=(e.offset or 1) - 1) from None
     except Exception as e:  # the user's module failed to import: say where, not a fivar traceback
-        tb = e.__traceback__
-        line = None
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == str(path):
-                line = tb.tb_lineno
-            tb = tb.tb_next
-        raise FivarSpecError(f"importing the variant file failed: {type(e).__name__}: {e}",
-                             filename=str(path), line=line or 1, col=0) from None
+        first = str(e).splitlines()[0] if str(e).strip() else ""
+        raise FivarSpecError(f"importing the variant file failed: {type(e).__name__}: {first}",
+                             filename=str(path), line=_line_in(e, path), col=0) from None
     v = getattr(module, "variant", None)
     from .fusion import FusionVariant
     if not isinstance(v, (AttentionVariant, FusionVariant)):
@@ -83,6 +88,46 @@ def load_file(path: Path) -> AttentionVariant:
     v.loaded_file_sha256 = file_sha256
     _loaded[path] = v
     return v
+
+
+def _line_in(e: BaseException, path: Path) -> int:
+    """The last line of `path` in the traceback of `e` (1 when the file is not in it)."""
+    tb, line = e.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(path):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line or 1
+
+
+@contextlib.contextmanager
+def _interrupts_told_apart():
+    """While a variant file runs: a list that becomes non-empty when a real Ctrl-C (SIGINT) arrives, so that a
+    KeyboardInterrupt the file raises itself is told apart from the user stopping fivar."""
+    seen: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):
+        seen.append(True)
+        if callable(previous):  # Python's own handler raises KeyboardInterrupt
+            return previous(signum, frame)
+        if previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def describe_search(action: str) -> str:
+    """One line for a command that loads every variant on the search path: loading one runs its file's code."""
+    return (f"note: {action} runs (imports) every variant file (*.py) in "
+            f"{', '.join(map(str, search_path())) or 'no directory'}")
 
 
 def load_variant(name: str) -> AttentionVariant:

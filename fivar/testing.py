@@ -10,6 +10,7 @@ import torch
 
 from .errors import FivarError
 from .spec import Scalar, Tensor
+from .spec.inputs import check_head_dims
 
 #: ||out - ref|| / ||ref|| and max |out - ref| / max(1, max |ref|) allowed, by dtype of q/k/v.
 TOLERANCE = {torch.float16: (5e-3, 2e-2), torch.bfloat16: (1.5e-2, 6e-2)}
@@ -209,6 +210,7 @@ def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"),
     """Every op at awkward shapes against the reference. device="cpu": the Triton twin only, run by Triton's
     interpreter (TRITON_INTERPRET=1, set here), in float16, at smaller shapes."""
     single, batch_cases, decode_cases = SINGLE_CASES, BATCH_CASES, DECODE_CASES
+    head_dims = check_head_dims(head_dims, f"variant '{variant.name}': head_dims")
     if device == "cpu":
         if set(backends) != {"triton"}:
             raise FivarError(f"variant '{variant.name}': on the CPU only the Triton twin runs (backend 'triton', "

@@ -25,7 +25,12 @@ def measure(device="cuda") -> dict:
 
 def get(device="cuda", refresh: bool = False) -> dict:
     path = cache_dir() / "ceilings.json"
-    table = json.loads(path.read_text()) if path.exists() else {}
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+    except (ValueError, RecursionError):  # a cache: unreadable (or nested too deep to read) means measure again
+        table = {}
+    if not isinstance(table, dict):
+        table = {}
     name = torch.cuda.get_device_name(device)
     if refresh or name not in table:
         table[name] = measure(device)

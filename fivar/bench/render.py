@@ -28,7 +28,7 @@ def read_rows(results_dir: Path) -> dict[str, list[dict]]:
         for line in path.read_text().splitlines():
             try:
                 r = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: a line nested too deep to read
                 continue
             if isinstance(r, dict) and "suite" in r and "case" in r:
                 rows.append(r)

@@ -43,6 +43,11 @@ def _ints(value: str, option: str) -> list[int]:
         raise FivarError(f"{option}: expected a comma list of integers, got {value!r}") from None
 
 
+def _head_dims(value: str, option: str = "--head-dims") -> list[int]:
+    from ..spec.inputs import check_head_dims
+    return check_head_dims(_ints(value, option), option)
+
+
 class FivarGroup(click.Group):
     """Turns FivarError into one red line and exit code 1; anything else is a real bug and surfaces."""
 
@@ -52,6 +57,20 @@ class FivarGroup(click.Group):
         except FivarError as e:
             err_console.print(f"[bold red]error:[/] {_escape(str(e))}", highlight=False)
             sys.exit(1)
+
+
+def _one_line(e: FivarError, path) -> str:
+    """A variant file's load error as one line that names the file."""
+    text = str(e).splitlines()[0]
+    return text if str(path) in text else f"{path}: {text}"
+
+
+def report_load_errors(errors: list[str], exit: bool = True) -> None:
+    """After `list` / `build --all` went on past variant files that failed to load: one line each, then exit 1."""
+    for text in errors:
+        err_console.print(f"[bold red]error:[/] {_escape(text)}", highlight=False, soft_wrap=True)
+    if errors and exit:
+        sys.exit(1)
 
 
 def _escape(text: str) -> str:

@@ -7,8 +7,8 @@ import click
 from rich.table import Column, Table
 
 from ..errors import FivarError
-from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilities, _builds_sm90a, _choices,
-                      _escape, _given, _ints, _print_code, _set_arch, _split, console, format_program_expr, main)
+from ._common import (OPS, _build_capabilities, _builds_sm90a, _choices, _escape, _head_dims, _one_line, _set_arch,
+                      _split, console, err_console, main, report_load_errors)
 
 
 @main.command()
@@ -31,22 +31,46 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
     from .. import load
     from ..registry import variant_files
     _set_arch(arch)
-    from ..jit.prewarm import configure_jobs, configure_launcher, live_progress
+    from ..jit.prewarm import configure_jobs, configure_launcher
     jobs, jobs_why = configure_jobs(jobs)
     launcher = configure_launcher(launcher)
     if all_:
         if names:
             raise FivarError(f"--all builds every variant; drop it to build only {', '.join(names)}, or drop the names")
+        from ..registry import describe_search
+        err_console.print(_escape(describe_search("fivar build --all")), highlight=False, soft_wrap=True)
         names = sorted(variant_files())
     if not names:
         raise FivarError("name at least one variant, or pass --all")
-    from ..jit.build import build_many, serving_modules
-    from ..fusion.build import gen_fusion_module
     from ..runtime.attention import ALL_BACKENDS
     wanted = _choices(targets, (*ALL_BACKENDS, "fusion"), "--targets")
     ops_ = _choices(ops, OPS, "--ops")
+    variants, load_errors = {}, []
+    for n in names:  # once: a load is a search-path scan
+        try:
+            v = variants[n] = load(n)
+            if all_ and getattr(v, "kind", None) != "fusion":
+                v.ir  # a spec error: that file's line, and the others still build
+        except FivarError as e:
+            if not all_:
+                raise
+            variants.pop(n, None)
+            load_errors.append(_one_line(e, variant_files().get(n, n)))  # --all goes on with the others
+    if variants:
+        try:
+            _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims, prewarm, jobs, jobs_why,
+                          launcher)
+        except FivarError:
+            report_load_errors(load_errors, exit=False)
+            raise
+    report_load_errors(load_errors)
+
+
+def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims, prewarm, jobs, jobs_why, launcher):
+    from ..fusion.build import gen_fusion_module
+    from ..jit.build import build_many, serving_modules
+    from ..jit.prewarm import live_progress
     wrote_twins = "triton" in wanted
-    variants = {n: load(n) for n in names}  # once: a load is a search-path scan
     fusions = [n for n, v in variants.items() if getattr(v, "kind", None) == "fusion"]
     skipped = [] if {"auto", "fusion"} & {*wanted} else fusions
     if skipped and not all_:
@@ -65,7 +89,7 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
         if "fa3" in chosen and not _builds_sm90a():  # a plain 9.0 build lacks what FA3 needs
             chosen = (chosen - {"fa3"}) | {"fa2"}
         return sorted(({*wanted} | chosen) - {"auto"})
-    head_dims_ = _ints(head_dims, "--head-dims")
+    head_dims_ = _head_dims(head_dims)
     modules = [gen_fusion_module(variants[n], dt) for n in fusions if n not in skipped for dt in _split(dtypes)]
     modules += [m for n, v in variants.items() if n not in fusions for op in ops_ for t in targets_for(v, op)
                 for dt in _split(dtypes) for hd in head_dims_

@@ -8,7 +8,7 @@ from rich.table import Column, Table
 
 from ..errors import FivarError
 from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilities, _builds_sm90a, _choices,
-                      _escape, _given, _ints, _print_code, _set_arch, _split, console, format_program_expr, main)
+                      _escape, _given, _head_dims, _print_code, _set_arch, _split, console, format_program_expr, main)
 
 
 @main.command()
@@ -43,7 +43,7 @@ def check(name, ops, dtypes, head_dims, backends):
         results = [r for t in (1, 7, 4097) for p in ((False, True) if v.is_head else (False,))
                    for dt in dts for r in check_fusion(v, tokens=t, packed=p, dtype=dt)]
     else:
-        results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_ints(head_dims, "--head-dims"),
+        results = run_checks(v, ops=_split(ops), dtypes=dts, head_dims=_head_dims(head_dims),
                              backends=_split(backends), **(dict(device="cpu", heads=((4, 2),)) if on_cpu else {}))
     where = "the CPU (Triton's interpreter)" if on_cpu else torch.cuda.get_device_name()
     table = Table(Column("case", overflow="fold"), "rel err", "max err", "result", title=f"fivar check {name} on {where}")

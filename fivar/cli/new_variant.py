@@ -10,36 +10,38 @@ from rich.table import Column, Table
 
 from ..errors import FivarError
 from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilities, _builds_sm90a, _choices,
-                      _escape, _given, _ints, _print_code, _set_arch, _split, console, format_program_expr, main)
+                      _escape, _given, _ints, _one_line, _print_code, _set_arch, _split, console, err_console,
+                      format_program_expr, main, report_load_errors)
 
 
 @main.command("list")
 def list_cmd():
     """Variants on the search path (FIVAR_VARIANT_PATH, ./variants, bundled)."""
-    from ..registry import all_variant_files, load_named
+    from ..registry import all_variant_files, describe_search, load_named
+    err_console.print(_escape(describe_search("fivar list")), highlight=False, soft_wrap=True)
     table = Table(Column("name", overflow="fold"), "kind", "params", Column("file", overflow="fold"))
+    errors = []
     for name, paths in sorted(all_variant_files().items()):
         path, shown = paths[0], _escape(str(paths[0]))
         if len(paths) > 1:  # a ./variants/softcap.py is the softcap every command loads: say what it hides
             shown += f" [yellow](hides {_escape(', '.join(map(str, paths[1:])))})[/]"
         try:
             v = load_named(name, path)
-        except FivarError as e:
+            if getattr(v, "kind", None) != "fusion":
+                v.ir  # parse and type-check: a spec error shows here, not at the first build
+        except FivarError as e:  # the other files are still listed; the exit status says some failed
+            errors.append(_one_line(e, path))
             table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), shown)
             continue
         if getattr(v, "kind", None) == "fusion":
             table.add_row(name, "fusion", _escape(v.describe()), shown)
-            continue
-        try:
-            v.ir  # parse and type-check: a spec error shows here, not at the first build
-        except FivarError as e:
-            table.add_row(name, "[red]error[/]", _escape(str(e).splitlines()[0]), shown)
             continue
         kind = " + ".join(k for k in ("logits" if v.logits else "", "mask" if v.mask else "") if k)
         if not v.softmax:
             kind += " (no softmax)"
         table.add_row(name, kind, ", ".join(v.params) or "-", shown)
     console.print(table)
+    report_load_errors(errors)
 
 
 @main.command("new-variant")

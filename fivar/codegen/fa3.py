@@ -142,10 +142,7 @@ def softmax_range(variant, dtype: str, requested: bool | None = None) -> tuple[f
     bounded transform, in bf16 only (an fp16 probability under 2^-24 is zero, so a row whose logits all sit far below
     the bound would lose every weight; bf16 keeps float's exponent range)."""
     if requested is None:
-        text, where = config.setting("bounded_softmax")
-        if text not in ("", "0", "1"):
-            raise FivarError(f"variant '{variant.name}': {where}={text!r}: expected 0 or 1")
-        requested = text != "0"
+        requested = config.flag("bounded_softmax", True, f"variant '{variant.name}': ")
     if not requested or not variant.softmax or dtype != "bf16":
         return None
     return variant.logits_range

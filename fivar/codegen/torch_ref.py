@@ -14,7 +14,7 @@ import torch
 from ..errors import FivarError
 # eval_scalar is re-exported: callers and tests import the reference's evaluator from here
 from ..spec.evaluate import TorchEvaluator, eval_scalar  # noqa: F401
-from ..spec.inputs import LOG2E, bind_params, check_lse, check_qkv_layout
+from ..spec.inputs import LOG2E, bind_params, check_lse, check_qkv_layout, check_sm_scale
 
 
 def _check_reference_inputs(variant, q, k, v, batch_idx, batch_size) -> int:
@@ -52,8 +52,7 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
     batch_idx = _check_reference_inputs(variant, q, k, v, batch_idx, batch_size)
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(d)
+    sm_scale = check_sm_scale(variant.name, sm_scale, d)
     if bound is None:
         bound = bind_params(variant, params or {}, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch_size or batch_idx + 1,
                             device=q.device)

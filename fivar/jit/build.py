@@ -240,8 +240,11 @@ class FivarModule:
         except FivarError:
             raise
         except OSError as e:
+            if e.filename == "ninja":  # FlashInfer runs `ninja`: not installed, not a cache problem
+                raise FivarError(f"variant '{self.variant.name}': building {self.uri} needs ninja, which was not found "
+                                 "on PATH (pip install ninja)") from None
             raise _cache_write_error(self, e) from None
-        except Exception as e:  # ninja/nvcc failure on sources fivar accepted: a fivar bug, say so plainly
+        except Exception as e:  # ninja/nvcc failed: say whose failure it is (_build_failure)
             if "No space left on device" in str(e):
                 raise _cache_write_error(self, OSError(28, "No space left on device")) from None
             log = self.build_dir / "fivar_build_error.log"
@@ -262,9 +265,7 @@ class FivarModule:
                     f"variant '{self.variant.name}': linking {self.uri} failed: the linker cannot find lib"
                     f"{missing.group(1)} (CUDA toolkit at {toolchain.cuda_home()}); set CUDA_HOME to the CUDA "
                     f"toolkit, e.g. CUDA_HOME=/usr/local/cuda (log: {log})") from None
-            raise FivarBuildError(
-                f"variant '{self.variant.name}': compiling {self.uri} failed. fivar accepted this spec, "
-                f"so this is a fivar bug; please report it with the log at {log}") from None
+            raise _build_failure(self, e, log) from None
         return "cold"
 
     def load(self):
@@ -295,21 +296,93 @@ class FivarModule:
         return mod
 
 
-#: FlashInfer writes these paths unquoted into build.ninja, where whitespace, `$`, `:` and `|` are syntax
-_NINJA_SPECIAL = re.compile(r"[\s$:|]")
+#: What a compiler (or the shell, or the kernel) says when the compile backend itself failed, not the sources
+_BACKEND_FAILED = re.compile(r"died due to signal|\bKilled\b|out of memory|cannot allocate memory|virtual memory "
+                             r"exhausted|: not found$|: Permission denied$|"
+                             r"internal compiler error|Segmentation fault", re.I | re.M)
+
+
+def _failed_steps(text: str) -> list[tuple[str, list[str]]]:
+    """(command, its output lines) of each step ninja reports as FAILED in FlashInfer's "Ninja build failed" text."""
+    steps, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("FAILED: ") and i + 1 < len(lines):
+            out = []
+            for follow in lines[i + 2:]:
+                if follow.startswith(("FAILED: ", "ninja: ")) or re.match(r"\[\d+/\d+\] ", follow):
+                    break
+                out.append(follow)
+            steps.append((lines[i + 1], out))
+    return steps
+
+
+def _build_failure(m: "FivarModule", e: Exception, log: Path) -> FivarError:
+    """The error for a failed build, naming whose failure it is: the compiler launcher (--launcher), the compile
+    backend (ninja, nvcc or the host compiler dying or missing), FlashInfer's JIT, or fivar (a compiler diagnostic
+    on sources fivar generated, or an exception in fivar itself)."""
+    who = f"variant '{m.variant.name}': building {m.uri} failed"
+    text = str(e)
+    if not text.startswith("Ninja build failed"):  # FlashInfer's run_ninja; anything else raised before ninja ran
+        tb, frame_file = e.__traceback__, ""
+        while tb is not None:
+            frame_file, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+        import flashinfer
+        if Path(frame_file).resolve().is_relative_to(Path(flashinfer.__file__).resolve().parent):
+            first = text.strip().splitlines()[0] if text.strip() else ""
+            return FivarError(f"{who} in FlashInfer {flashinfer.__version__}'s JIT (not in the variant or fivar's "
+                              f"sources): {type(e).__name__}: {first} (log: {log})")
+        return FivarBuildError(f"{who}: fivar raised {type(e).__name__} while building; this is a fivar bug, please "
+                               f"report it with the log at {log}")
+    steps = _failed_steps(text)
+    launchers = {os.environ.get(v, "").strip() for v in ("FLASHINFER_NVCC_LAUNCHER", "FLASHINFER_CXX_LAUNCHER")} - {""}
+    for command, out in steps:
+        launcher = next((lc for lc in launchers if command.startswith(lc + " ")), None)
+        said = " ".join(line.strip() for line in out if line.strip())
+        if launcher and (not said or f"{Path(launcher.split()[0]).name}:" in said):
+            # the compiler prints diagnostics; a launcher failing on its own prints nothing, or its own name
+            return FivarError(f"{who} in the compiler launcher {launcher} (--launcher / FLASHINFER_NVCC_LAUNCHER), "
+                              f"not in the compiler: {said[:300] or 'it exited non-zero with no output'}; check "
+                              f"the launcher (its server and cache backend), or build without it (log: {log})")
+    backend = _BACKEND_FAILED.search("\n".join(line for _, out in steps for line in out)) if steps else None
+    if backend or not steps:
+        line = next((ln.strip() for _, out in steps for ln in out if _BACKEND_FAILED.search(ln)),
+                    text.strip().splitlines()[-1] if text.strip() else "")
+        return FivarError(f"{who} in the compile backend (ninja, nvcc at {toolchain.cuda_home()} or the host "
+                          f"compiler), not in the sources: {line[:300]}; if a compiler was killed, build with fewer "
+                          f"jobs (--jobs, MAX_JOBS) (log: {log})")
+    return FivarBuildError(f"{who}: the compiler refused sources fivar generated from an accepted spec, so this is a "
+                           f"fivar bug; please report it with the log at {log}")
+
+
+#: FlashInfer writes paths unquoted into build.ninja, whose commands ninja runs through /bin/sh: whitespace, `$`, `:`
+#: and `|` are ninja syntax, and the rest would be the shell's (a backtick or `$(...)` in a directory name would run)
+_UNSAFE_IN_BUILD_FILES = re.compile(r"[\s$:|`;&<>()'\"\\*?\[\]]")
 
 
 def check_buildable_paths(m: "FivarModule") -> None:
-    """Before compiling (never before loading a prebuilt module): FlashInfer's ninja files cannot hold a
-    workspace path with a space (the build would fail after compiling, naming neither the path nor the
-    variable), so say so up front."""
-    for what, path in (("FLASHINFER_WORKSPACE_BASE", m.build_dir), ("FLASHINFER_WORKSPACE_BASE", m.gen_dir)):
+    """Before compiling (never before loading a prebuilt module): every path FlashInfer writes into the module's
+    build.ninja (its workspace, the CUDA toolkit, include and library directories) must reach nvcc as the path it
+    is: FlashInfer quotes none of them, so a path holding ninja or shell syntax is refused here, naming the path
+    and what sets it, before any build file is written or command run."""
+    from flashinfer.jit import cpp_ext
+    from flashinfer.jit import env as jit_env
+    places = [("FLASHINFER_WORKSPACE_BASE", m.build_dir), ("FLASHINFER_WORKSPACE_BASE", m.gen_dir),
+              ("CUDA_HOME", toolchain.cuda_home())]
+    places += [("the include paths fivar adds", p) for p in toolchain.extra_include_paths()]
+    places += [("FlashInfer's installation", p) for p in
+               (jit_env.FLASHINFER_INCLUDE_DIR, jit_env.FLASHINFER_CSRC_DIR, *cpp_ext.get_cccl_includes())]
+    # the libcuda stub's directory reaches the shell quoted (jit_spec): only ninja's `$` and a line break matter
+    places += [("FIVAR_CACHE_DIR", f[2:], re.compile(r"[$\n]")) for f in toolchain.link_flags() if f.startswith("-L")]
+    for what, path, *unsafe in places:
         text = str(Path(path).resolve())
-        if _NINJA_SPECIAL.search(text):
+        bad = sorted(set((unsafe or [_UNSAFE_IN_BUILD_FILES])[0].findall(text)))
+        if bad:
+            shown = " ".join("a space" if c == " " else repr(c) for c in bad)
             raise FivarError(
-                f"variant '{m.variant.name}': cannot compile into {text}: FlashInfer's ninja build files cannot "
-                f"hold a path with spaces, '$', ':' or '|'; set {what} to a directory without them (a symlink "
-                f"to this one works); loading modules already built there is fine")
+                f"variant '{m.variant.name}': cannot compile with {what} at {text}: FlashInfer writes that path "
+                f"unquoted into build.ninja, whose commands run through the shell, and it holds {shown}; set {what} "
+                f"to a directory without them (a symlink to this one works); loading modules already built there is "
+                f"fine")
 
 
 #: library path -> (size, mtime_ns, inode, ctime_ns, sha256) this process has hashed
@@ -334,7 +407,7 @@ def library_verified(path: Path, st: os.stat_result, sha256: str) -> bool:
         if isinstance(stamp, dict) and stamp.get("stat") == key and stamp.get("sha256") == sha256:
             _verified[str(path)] = (*key, sha256)
             return True
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep to read; hashed again
         pass
     try:
         actual = _sha256(path)

@@ -125,7 +125,7 @@ def _nvcc_versions_file():
 def _nvcc_versions() -> dict:
     try:
         return json.loads(_nvcc_versions_file().read_text())
-    except (OSError, ValueError, FivarError):
+    except (OSError, ValueError, RecursionError, FivarError):  # RecursionError: JSON nested too deep to read
         return {}
 
 

@@ -14,7 +14,7 @@ from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, dtype_name, module_for
 from ..spec import ir
 from ..spec.evaluate import eval_scalar
-from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout
+from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout, check_sm_scale
 from .params import bind_params
 
 
@@ -100,16 +100,9 @@ def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: int
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):
     bound = bind_params(variant, params, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
                         batch_size=batch_size, device=q.device)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    try:
-        finite = math.isfinite(float(sm_scale))
-    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
-        finite = False
-    if not finite:
-        raise FivarError(f"variant '{variant.name}': sm_scale must be a finite number, got {sm_scale!r}")
+    sm_scale = check_sm_scale(variant.name, sm_scale, q.shape[-1])
     _check_output_scale(variant, bound, sm_scale)
-    return bound, float(sm_scale)
+    return bound, sm_scale
 
 
 def _check_out(variant, out, q):

@@ -40,11 +40,13 @@ def merge_states(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
     Rows that no part kept a key for stay zeros with lse -inf. Plain torch (float32 math), so it runs on any
     device and inside `torch.compile`.
     """
-    o = outs if isinstance(outs, torch.Tensor) else torch.stack(list(outs))
-    s = lses if isinstance(lses, torch.Tensor) else torch.stack(list(lses))
+    o, s = _stacked(outs, "outputs"), _stacked(lses, "lses")
     if o.dim() < 3 or s.shape != o.shape[:-1]:
         raise FivarError(f"merge_states: outputs {list(o.shape)} and lses {list(s.shape)} do not match: expected "
                          "C outputs [*, H, D] and C lses [*, H] (as return_lse=True returns them)")
+    if s.device != o.device:
+        raise FivarError(f"merge_states: the outputs are on {o.device} and the lses on {s.device}; pass them on one "
+                         "device")
     s = s.float()
     top = s.amax(0)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all parts empty: weights 0
@@ -53,3 +55,29 @@ def merge_states(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
     merged = (weight.unsqueeze(-1) * o.float()).sum(0) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
     lse = torch.where(total > 0, top + torch.log2(total), torch.full_like(total, -math.inf))
     return merged.to(o.dtype), lse
+
+
+def _stacked(parts, what: str) -> torch.Tensor:
+    """The C parts (a sequence of tensors, or one tensor [C, ...]) as one tensor, every part of one shape, floating
+    dtype and device, else one line naming the part that differs (torch.stack would promote mixed dtypes)."""
+    if isinstance(parts, torch.Tensor):
+        if not parts.is_floating_point():
+            raise FivarError(f"merge_states: the {what} must be floating point, got {parts.dtype}")
+        return parts
+    try:
+        parts = list(parts)
+    except TypeError:
+        raise FivarError(f"merge_states: the {what} must be a sequence of tensors or one tensor, got "
+                         f"{type(parts).__name__}") from None
+    if not parts:
+        raise FivarError(f"merge_states: no {what} to merge")
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            raise FivarError(f"merge_states: {what}[{i}] is a {type(p).__name__}, not a tensor")
+        if not p.is_floating_point():
+            raise FivarError(f"merge_states: {what}[{i}] must be floating point, got {p.dtype}")
+        first = parts[0]
+        if (p.shape, p.dtype, p.device) != (first.shape, first.dtype, first.device):
+            raise FivarError(f"merge_states: {what}[{i}] is {list(p.shape)} {p.dtype} on {p.device} but {what}[0] is "
+                             f"{list(first.shape)} {first.dtype} on {first.device}; every part must match")
+    return torch.stack(parts)

@@ -64,11 +64,11 @@ def _setting(variant_name: str) -> tuple[int, int] | bool:
     split applies (for measuring the plan's cost model)."""
     text, where = config.setting("wave_split")
     text = text.lower()
-    if text in ("0", "1", ""):
-        return text != "0"
+    if text in ("", *config.ON_WORDS, *config.OFF_WORDS):
+        return text not in config.OFF_WORDS
     m = re.fullmatch(r"(\d+)x(\d+)", text)
     if not m or int(m.group(2)) not in CHUNK_COUNTS or int(m.group(1)) < 1:
-        raise FivarError(f"variant '{variant_name}': {where}={text!r}: expected 0, 1 or TxC (tail heads x chunks, "
+        raise FivarError(f"variant '{variant_name}': {where}={text!r}: expected 0, 1 (or off, on) or TxC (tail heads x chunks, "
                          f"chunks one of {', '.join(map(str, CHUNK_COUNTS))})")
     return int(m.group(1)), int(m.group(2))
 

@@ -5,6 +5,7 @@ spec, so the reference uses them without loading the runtime."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +38,47 @@ def check_qkv_layout(name: str, q, k, v, *, prefix: str = "", q_layout=Q_LAYOUT,
     if k.shape[-1] != q.shape[-1]:
         raise FivarError(f"{pre}q {tuple(q.shape)} and {kn} {tuple(k.shape)} need the same head_dim, got "
                          f"{q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[-1] == 0:  # 1/sqrt(head_dim) is the default scale: nothing to attend with
+        raise FivarError(f"{pre}head_dim must be positive, got q {tuple(q.shape)}")
     hq, hkv = q.shape[-2], k.shape[-2]
     if hkv == 0 or hq % hkv:
         raise FivarError(f"{pre}num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv}), got q "
                          f"{tuple(q.shape)} and {kn} {tuple(k.shape)}")
     if k.device != q.device or v.device != q.device:
         raise FivarError(f"{pre}q, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def check_sm_scale(name: str, sm_scale, head_dim: int) -> float:
+    """The softmax scale a call passes (None: 1/sqrt(head_dim)) as a float: a real number, finite and within the
+    kernels' float32 (a larger one would arrive as inf), else a FivarError naming sm_scale."""
+    if sm_scale is None:
+        if head_dim <= 0:
+            raise FivarError(f"variant '{name}': head_dim must be positive, got {head_dim}")
+        return 1.0 / math.sqrt(head_dim)
+    value = sm_scale.item() if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 else sm_scale
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise FivarError(f"variant '{name}': sm_scale must be a finite number, got {sm_scale!r} (a "
+                         f"{type(sm_scale).__name__})")
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond any float
+        x = math.inf if value > 0 else -math.inf
+    if math.isnan(x) or (math.isinf(x) and isinstance(value, float)):
+        raise FivarError(f"variant '{name}': sm_scale must be a finite number, got {sm_scale!r}")
+    if abs(x) > FLOAT32_MAX:
+        shown = repr(value) if len(repr(value)) <= 40 else f"an integer of {len(str(abs(value)))} digits"
+        raise FivarError(f"variant '{name}': sm_scale = {shown} does not fit the kernels' 32-bit floats "
+                         f"(|x| <= {FLOAT32_MAX!r})")
+    return x
+
+
+def check_head_dims(head_dims, what: str) -> list[int]:
+    """Head dims asked for by a command or a check run: positive ints, else one line naming `what`."""
+    dims = list(head_dims)
+    bad = [d for d in dims if isinstance(d, bool) or not isinstance(d, int) or d <= 0]
+    if bad:
+        raise FivarError(f"{what}: a head dim must be a positive integer, got {', '.join(map(repr, bad))}")
+    return dims
 
 
 #: log2(e): fivar's LSE is in base 2 (fivar.runtime.lse says why and how outputs merge).

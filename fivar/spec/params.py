@@ -16,15 +16,23 @@ def out_of_range(value, ir_type: str) -> str | None:
     Infinities and NaN are float32 values (a constant may say -inf on purpose); a finite float beyond float32 is
     not: it would be inf in the kernels, and a finite float64 in the reference."""
     if ir_type == I32 and not INT32_MIN <= value <= INT32_MAX:
-        return f"{value} does not fit the kernels' 32-bit ints [-2**31, 2**31 - 1]"
+        return f"{shown(value)} does not fit the kernels' 32-bit ints [-2**31, 2**31 - 1]"
     if ir_type == F32 and isinstance(value, (int, float)) and value == value and abs(value) != float("inf"):
         try:
             big = abs(float(value)) > FLOAT32_MAX
         except OverflowError:  # an int too large for any float
             big = True
         if big:
-            return f"{value!r} does not fit the kernels' 32-bit floats (|x| <= {FLOAT32_MAX!r})"
+            return f"{shown(value)} does not fit the kernels' 32-bit floats (|x| <= {FLOAT32_MAX!r})"
     return None
+
+
+def shown(value) -> str:
+    """A number as an error message shows it: an integer of hundreds of digits by its size."""
+    text = repr(value)
+    if len(text) <= 40 or not isinstance(value, int):
+        return text
+    return f"{'a negative' if value < 0 else 'an'} integer of {len(str(abs(value)))} digits"
 
 
 #: Dimension names whose size fivar knows at call time and therefore checks.

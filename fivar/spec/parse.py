@@ -236,17 +236,30 @@ class _FunctionParser:
                               line=line, col=col, construct="constant out of range")
 
     def depth(self, e: ir.Expr) -> int:
-        """How deep `e` nests, a local counting as deep as the expression it names."""
-        if isinstance(e, ir.Local):
-            return self.let_depth.get(e.name, 1)
-        return 1 + max((self.depth(c) for c in e.children()), default=0)
+        """How deep `e` nests, a local counting as deep as the expression it names. Without recursion: 2,000 terms
+        of `and` (or a chained comparison) are flat in Python's syntax and a 2,000-deep tree here."""
+        memo: dict[int, int] = {}
+        stack = [(e, False)]
+        while stack:
+            x, ready = stack.pop()
+            if isinstance(x, ir.Local):
+                memo[id(x)] = self.let_depth.get(x.name, 1)
+            elif ready:
+                memo[id(x)] = 1 + max((memo[id(c)] for c in x.children()), default=0)
+            else:
+                stack.append((x, True))
+                stack.extend((c, False) for c in x.children() if id(c) not in memo)
+        return memo[id(e)]
 
     def check_depth(self, value: ir.Expr, node):
         d = self.depth(value)
         if d > MAX_DEPTH:
-            raise self.error(node, f"this expression nests {d} levels deep, counting the locals it reads; at most "
-                             f"{MAX_DEPTH} are supported (split it differently)", "expression too deep")
+            raise self.too_deep(node, f"{d} levels, counting the locals it reads")
         return d
+
+    def too_deep(self, node, how: str):
+        return self.error(node, f"expression nests deeper than {MAX_DEPTH} levels ({how}); split it into local "
+                          "assignments of a few terms each", "expression too deep")
 
     def bind(self, name: str, value: ir.Expr, node):
         if self.env.get(name) is _PARAMS or isinstance(self.env.get(name), (ir.Score, ir.Index)):
@@ -267,8 +280,7 @@ class _FunctionParser:
         if method is None:
             raise self.unsupported(node)
         if self.nesting >= MAX_DEPTH:
-            raise self.error(node, f"this expression nests more than {MAX_DEPTH} levels deep; at most {MAX_DEPTH} are "
-                             "supported (split it into local assignments)", "expression too deep")
+            raise self.too_deep(node, "of calls, operators or parentheses")
         self.nesting += 1
         try:
             out = method(node)

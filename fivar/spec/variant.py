@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import numbers
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
@@ -33,7 +33,7 @@ from typing import Callable
 from ..errors import FivarError, FivarSpecError
 from . import live
 from .names import why_param_name_is_taken
-from .params import Scalar, Tensor, call_site, out_of_range
+from .params import Scalar, Tensor, call_site, out_of_range, shown
 
 
 @dataclass(eq=False)
@@ -85,15 +85,19 @@ class AttentionVariant:
                 raise FivarSpecError(f"Scalar parameter {pname!r}: dtype must be float or int, got {p.dtype!r}",
                                      variant=self.name, **at)
             if isinstance(p, Scalar) and p.default is not None and (
-                    isinstance(p.default, bool) or not isinstance(p.default, numbers.Real)
-                    or (p.dtype is int and not isinstance(p.default, numbers.Integral))):
-                raise FivarSpecError(f"Scalar parameter {pname!r}: default {p.default!r} is not "
-                                     f"{'an int' if p.dtype is int else 'a float'}", variant=self.name, **at)
+                    isinstance(p.default, bool) or not isinstance(p.default, (int, float))
+                    or (p.dtype is int and not isinstance(p.default, int))):
+                # a Python int or float, as a value passed at call time: a Fraction, Decimal or numpy scalar is
+                # not what the kernels, the Triton twin and the reference would all read the same way
+                raise FivarSpecError(f"Scalar parameter {pname!r}: default {shown(p.default)} is not "
+                                     f"{'an int' if p.dtype is int else 'a float'} (it is a "
+                                     f"{type(p.default).__name__}; write a Python "
+                                     f"{'int' if p.dtype is int else 'float or int'})", variant=self.name, **at)
             if isinstance(p, Scalar) and p.default is not None and p.dtype in (float, int):
-                why = ("it must be finite" if p.default != p.default or p.default in (float("inf"), float("-inf"))
+                why = ("it must be finite" if isinstance(p.default, float) and not math.isfinite(p.default)
                        else out_of_range(p.default, p.ir_type))  # what a value passed at call time must be
                 if why:
-                    raise FivarSpecError(f"Scalar parameter {pname!r}: default {p.default!r}: {why}",
+                    raise FivarSpecError(f"Scalar parameter {pname!r}: default {shown(p.default)}: {why}",
                                          variant=self.name, **at)
             if isinstance(p, Tensor):
                 from .params import KNOWN_DIMS, TENSOR_DTYPES

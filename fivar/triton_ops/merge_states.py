@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import FivarError
+
 
 @triton.jit
 def _reference_lse(top):
@@ -58,12 +60,15 @@ def _merge_states_kernel(O_PARTS, LSE_PARTS, OUT,
 def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Writes the merge of `o_parts` [C, N, H, D] (their lse, base 2: `lse_parts` [C, N, H] float32) into
     `out` [N, H, D] and returns it. C must be a power of two."""
+    if o_parts.dim() != 4:
+        raise FivarError(f"merge_states: o_parts must be [C, N, H, D], got {list(o_parts.shape)}")
     chunks, n, h, d = o_parts.shape
     if chunks & (chunks - 1) or lse_parts.shape != (chunks, n, h) or out.shape != (n, h, d):
-        raise ValueError(f"merge_states: o_parts {list(o_parts.shape)}, lse_parts {list(lse_parts.shape)}, out "
+        raise FivarError(f"merge_states: o_parts {list(o_parts.shape)}, lse_parts {list(lse_parts.shape)}, out "
                          f"{list(out.shape)}: expected [C, N, H, D], [C, N, H], [N, H, D] with C a power of two")
+    _check_parts("merge_states", o_parts, lse_parts, out)
     if o_parts.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("merge_states: the last dim of o_parts and out must be contiguous")
+        raise FivarError("merge_states: the last dim of o_parts and out must be contiguous")
     if n * h == 0:
         return out
     block = triton.next_power_of_2(d)
@@ -72,6 +77,20 @@ def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tens
         *o_parts.stride()[:3], *lse_parts.stride(), out.stride(0), out.stride(1),
         h, d, CHUNKS=chunks, BLOCK_D=block, num_warps=max(1, min(4, block // 64)))
     return out
+
+
+def _check_parts(what: str, o, lse_parts, out, lse=None) -> None:
+    """One device for every tensor, floating outputs, float32 lses (what the kernels load them as)."""
+    tensors = {"o": o, "lse": lse_parts, "out": out, **({"out lse": lse} if lse is not None else {})}
+    devices = {str(t.device) for t in tensors.values()}
+    if len(devices) > 1:
+        raise FivarError(f"{what}: every tensor must be on one device, got " +
+                         ", ".join(f"{k} on {t.device}" for k, t in tensors.items()))
+    if not (o.is_floating_point() and out.is_floating_point()):
+        raise FivarError(f"{what}: the outputs must be floating point, got {o.dtype} and {out.dtype}")
+    for k in ("lse", "out lse"):
+        if k in tensors and tensors[k].dtype != torch.float32:
+            raise FivarError(f"{what}: the {k} must be float32 (log2-sum-exps), got {tensors[k].dtype}")
 
 
 @triton.jit
@@ -100,12 +119,19 @@ def merge_into_rows(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, o_
     """In place: rows `rows` of (`out` [N, H, D], `lse` [N, H] float32, base 2) become the merge of themselves with
     (`o_other` [R, H, D], `lse_other` [R, H]), row i of the other with row rows[i]. One pass over the rows merged:
     no gather of `out`'s rows, no scatter back (fivar.runtime.kv_ranges merges a split block's two runs so)."""
+    if o_other.dim() != 3 or out.dim() != 3:
+        raise FivarError(f"merge_into_rows: out and o_other must be [N, H, D], got {list(out.shape)} and "
+                         f"{list(o_other.shape)}")
     r, h, d = o_other.shape
     if rows.shape != (r,) or lse_other.shape != (r, h) or out.shape[1:] != (h, d) or lse.shape != out.shape[:2]:
-        raise ValueError(f"merge_into_rows: out {list(out.shape)}, lse {list(lse.shape)}, rows {list(rows.shape)}, "
+        raise FivarError(f"merge_into_rows: out {list(out.shape)}, lse {list(lse.shape)}, rows {list(rows.shape)}, "
                          f"o_other {list(o_other.shape)}, lse_other {list(lse_other.shape)} do not match")
+    _check_parts("merge_into_rows", o_other, lse_other, out, lse)
+    if rows.device != out.device or rows.dtype not in (torch.int32, torch.int64):
+        raise FivarError(f"merge_into_rows: rows must be int32 or int64 on {out.device}, got {rows.dtype} on "
+                         f"{rows.device}")
     if out.stride(-1) != 1 or o_other.stride(-1) != 1:
-        raise ValueError("merge_into_rows: the last dim of out and o_other must be contiguous")
+        raise FivarError("merge_into_rows: the last dim of out and o_other must be contiguous")
     if r * h == 0:
         return
     block = triton.next_power_of_2(d)

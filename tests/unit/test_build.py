@@ -490,11 +490,17 @@ def test_kv_tiles_are_pinned_only_for_archs_of_one_known_shared_memory(monkeypat
                                         ("FIVAR_SKIP_UNUSED_HEADERS", "skip_unused_headers"),
                                         ("FIVAR_NVCC_PARALLEL_PASSES", "nvcc_parallel_passes")])
 def test_fa2_build_switches_refuse_what_they_cannot_read(monkeypatch, env, option):
-    """Unset or 1: on; 0: off; anything else ('false', 'off') is an error naming the variable, not silently on."""
-    for text in ("false", "off", "2"):
+    """Unset, 1 or an on word: on; 0 or an off word ('false', 'off'): off; anything else is an error naming the
+    variable, not silently on."""
+    softcap = fivar.load("softcap")
+    for text in ("false", "off"):
         monkeypatch.setenv(env, text)
-        with pytest.raises(FivarError, match=f"{env}='{text}': expected 0 .off. or 1"):
-            gen_module(fivar.load("softcap"), op="single_prefill")
+        assert gen_module(softcap, op="single_prefill").uri == gen_module(softcap, op="single_prefill",
+                                                                          **{option: False}).uri
+    for text in ("2", "disabled"):
+        monkeypatch.setenv(env, text)
+        with pytest.raises(FivarError, match=f"{env}='{text}': expected 1/true/yes/on .on. or 0/false/no/off"):
+            gen_module(softcap, op="single_prefill")
     monkeypatch.delenv(env)
     with pytest.raises(FivarError, match=f"{option}='yes': expected True or False"):
         gen_module(fivar.load("softcap"), op="single_prefill", **{option: "yes"})
@@ -664,3 +670,123 @@ def test_fa2_units_without_the_unused_headers_compile_to_the_same_sass(monkeypat
     skipped, _ = _assert_same_sass("document_mask", {}, {"skip_unused_headers": False}, dtype="fp16", head_dim=128,
                                    split_cta_tiles=False)
     assert skipped.options["skip_unused_headers"] == ["cuda/pipeline", "cooperative_groups.h"]
+
+
+def _fake_tool(path, text: str, code: int):
+    """An executable that prints `text` on stderr and exits with `code` (a launcher or compiler that fails)."""
+    path.write_text(f"#!/bin/sh\ncat >&2 <<'END'\n{text}\nEND\nexit {code}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["false_launcher", "sccache_unreachable", "real_sccache_unreachable", "nvcc_killed",
+                                  "flashinfer_refuses", "fivar_sources"])
+def test_a_failed_build_names_whose_failure_it_is(tmp_path, monkeypatch, case):
+    """A failed build was always "a fivar bug"; now a launcher, the compile backend and FlashInfer are named as the
+    cause, and only a compiler diagnostic on fivar's sources (or fivar raising) is called a fivar bug. Real ninja
+    runs the generated build.ninja, with fake launchers and compilers that fail at once."""
+    import uuid
+    for var in ("FLASHINFER_NVCC_LAUNCHER", "FLASHINFER_CXX_LAUNCHER", "FLASHINFER_NVCC", "FLASHINFER_DISABLE_JIT"):
+        monkeypatch.delenv(var, raising=False)
+    m = gen_module(fivar.load("softcap"), op="single_prefill", dtype="fp16", head_dim=64)
+    m.uri += f"_{case}_{uuid.uuid4().hex[:8]}"  # never built: ninja really runs
+    src = m.gen_dir / "single_prefill_config.inc"
+    expect = {
+        "false_launcher": ("the compiler launcher /bin/false", "/bin/false", None),
+        "sccache_unreachable": ("the compiler launcher", "sccache: error: Server startup failed: cache storage failed "
+                                "to read: Unexpected (temporary) at read, context: { url: redis://10.255.0.1:6379 } "
+                                "=> connection refused", 2),
+        "real_sccache_unreachable": ("the compiler launcher", shutil.which("sccache"), None),
+        "nvcc_killed": ("in the compile backend", "nvcc error   : 'cicc' died due to signal 9 (Kill signal)", 9),
+        "flashinfer_refuses": ("in FlashInfer", None, None),
+        "fivar_sources": ("fivar bug", f"{src}(3): error: identifier \"oops\" is undefined", 1),
+    }[case]
+    says, tool, code = expect
+    if case == "false_launcher":
+        monkeypatch.setenv("FLASHINFER_NVCC_LAUNCHER", tool)
+        monkeypatch.setenv("FLASHINFER_CXX_LAUNCHER", tool)
+    elif case == "sccache_unreachable":
+        launcher = _fake_tool(tmp_path / "sccache", tool, code)
+        monkeypatch.setenv("FLASHINFER_NVCC_LAUNCHER", launcher)
+        monkeypatch.setenv("FLASHINFER_CXX_LAUNCHER", launcher)
+    elif case == "real_sccache_unreachable":  # an S3 backend nothing listens for: its server cannot start
+        if not tool:
+            pytest.skip("sccache is not installed")
+        import random
+        for var, value in (("SCCACHE_SERVER_PORT", str(random.randint(20000, 60000))), ("SCCACHE_BUCKET", "nowhere"),
+                           ("SCCACHE_ENDPOINT", "http://127.0.0.1:1"), ("SCCACHE_REGION", "us-east-1"),
+                           ("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y")):
+            monkeypatch.setenv(var, value)
+        monkeypatch.setenv("FLASHINFER_NVCC_LAUNCHER", tool)
+        monkeypatch.setenv("FLASHINFER_CXX_LAUNCHER", tool)
+    elif case == "flashinfer_refuses":
+        monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")
+    else:
+        monkeypatch.setenv("FLASHINFER_NVCC", _fake_tool(tmp_path / "nvcc", tool, code))
+    with pytest.raises(FivarError) as info:
+        m.build()
+    msg = str(info.value)
+    assert "\n" not in msg and "variant 'softcap'" in msg and says in msg, msg
+    assert ("fivar bug" in msg) == (case == "fivar_sources") and isinstance(info.value, FivarBuildError) == (
+        case == "fivar_sources"), msg
+    log = re.search(r"log(?: at|:) (\S+\.log)", msg).group(1)
+    assert os.path.exists(log) and not m.library_path.exists()
+
+
+def test_ninja_missing_is_named_not_called_a_cache_write_error(tmp_path, monkeypatch):
+    m = gen_module(fivar.load("softcap"), op="single_prefill", dtype="fp16", head_dim=64)
+    m.uri += "_no_ninja"
+
+    class NoNinja:
+        lock_path = str(tmp_path / "lock")
+
+        def build(self):  # what subprocess.run(["ninja", ...]) raises when ninja is not on PATH
+            raise FileNotFoundError(2, "No such file or directory", "ninja")
+    m.spec = NoNinja()
+    monkeypatch.setattr(type(m), "_prepare", lambda self, missing=None: None)
+    with pytest.raises(FivarError, match=r"needs ninja, which was not found on PATH") as info:
+        m.build()
+    assert "cache" not in str(info.value) and "fivar bug" not in str(info.value)
+
+
+@pytest.mark.parametrize("var,field,default", [
+    ("FIVAR_SPLIT_CTA_TILES", "split_cta_tiles", False), ("FIVAR_PIN_KV_TILES", "pin_kv_tiles", True),
+    ("FIVAR_SKIP_UNUSED_HEADERS", "skip_unused_headers", True),
+    ("FIVAR_NVCC_PARALLEL_PASSES", "nvcc_parallel_passes", True), ("FIVAR_NVCC_SPLIT_COMPILE", "nvcc_split_compile", True),
+])
+def test_boolean_env_knobs_take_the_common_spellings_and_refuse_the_rest(monkeypatch, var, field, default):
+    """FIVAR_SPLIT_CTA_TILES=yes was silently off (only "1" turned it on) and FIVAR_TRITON_TMA=off silently on; the
+    usual on and off words (any case) now mean on and off, and anything else is one line naming the variable."""
+    import random
+
+    from fivar import config
+    monkeypatch.delenv(var, raising=False)
+    assert getattr(config.fa2_build_config(), field) is default
+    on_words = [w for w in ("yes", "true", "on", "1") if not (field == "nvcc_split_compile" and w == "1")]
+    off_words = [w for w in ("no", "false", "off", "0") if not (field == "nvcc_split_compile" and w == "0")]
+    for words, want in ((on_words, True), (off_words, False)):
+        for w in words:
+            monkeypatch.setenv(var, random.choice((w, w.upper(), w.capitalize())))
+            assert getattr(config.fa2_build_config(), field) is want, (var, w)
+    for bad in ("maybe", "enable", "2x"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(FivarError, match=f"{var}='{bad}': expected") as info:
+            config.fa2_build_config()
+        assert "\n" not in str(info.value)
+
+
+def test_triton_and_wave_split_knobs_read_off_words_as_off(monkeypatch):
+    from fivar import config
+    from fivar.runtime import wave_split
+    for var, field in (("FIVAR_TRITON_TMA", "tma"), ("FIVAR_TRITON_AUTOTUNE", "autotune"),
+                       ("FIVAR_TRITON_GLUON", "gluon")):
+        for word, want in (("off", False), ("No", False), ("yes", True), ("", True)):
+            monkeypatch.setenv(var, word)
+            assert getattr(config.triton_config(), field) is want, (var, word)
+        monkeypatch.setenv(var, "nope")
+        with pytest.raises(FivarError, match=f"{var}='nope': expected"):
+            config.triton_config()
+        monkeypatch.delenv(var)
+    for word, want in (("off", False), ("true", True), ("2x2", (2, 2))):
+        monkeypatch.setenv("FIVAR_FA3_WAVE_SPLIT", word)
+        assert wave_split._setting("softcap") == want

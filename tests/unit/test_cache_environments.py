@@ -102,10 +102,40 @@ def test_a_workspace_path_with_a_space_loads_but_a_compile_is_refused_up_front(t
     other = module(tmp_path / "cachev.py", "fp16", 64)
     import flashinfer.jit.core as core
     monkeypatch.setattr(core.JitSpecNvcc, "build", lambda *a, **k: pytest.fail("compiled into a spaced path"))
-    with pytest.raises(FivarError, match=r"cannot compile into .*fleet cache.*spaces.*FLASHINFER_WORKSPACE_BASE"):
+    with pytest.raises(FivarError, match=r"cannot compile with FLASHINFER_WORKSPACE_BASE at .*fleet cache.*a space"):
         other.build()
     with pytest.raises(FivarError, match="FLASHINFER_WORKSPACE_BASE"):
         jb.build_many([other, module(tmp_path / "cachev.py", "bf16", 64)])
+
+
+@pytest.mark.parametrize("name", ["ws`id>PWNED`", "ws$(touch PWNED)", "ws;id>PWNED", "ws&&id>PWNED", "ws|id>PWNED",
+                                  "ws'\"(id>PWNED)"])
+def test_a_path_with_shell_syntax_never_reaches_a_build_command(tmp_path, monkeypatch, name):
+    """FlashInfer writes the workspace and toolkit paths unquoted into build.ninja, whose commands run through
+    /bin/sh: a backtick or `$(...)` in a directory name would run. Such a path is refused, in one line naming it and
+    the variable that sets it, before any build file is written."""
+    from flashinfer.jit import env as jit_env
+    import flashinfer.jit.core as core
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path / "fivar"))
+    (tmp_path / "cachev.py").write_text(VARIANT)
+    wanted = [module(tmp_path / "cachev.py", "fp16", 64), module(tmp_path / "cachev.py", "bf16", 64)]
+    for call in ("build", "write_ninja"):
+        monkeypatch.setattr(core.JitSpecNvcc, call, lambda *a, **k: pytest.fail("a build file or command was made"))
+    root = tmp_path / name / "flashinfer"
+    monkeypatch.setattr(jit_env, "FLASHINFER_JIT_DIR", root / "cached_ops")
+    monkeypatch.setattr(jit_env, "FLASHINFER_GEN_SRC_DIR", root / "generated")
+    for build in (wanted[0].build, lambda: jb.build_many(wanted)):
+        with pytest.raises(FivarError) as info:
+            build()
+        msg = str(info.value)
+        assert "\n" not in msg and str(root) in msg and "FLASHINFER_WORKSPACE_BASE" in msg and "shell" in msg, msg
+    monkeypatch.setattr(jit_env, "FLASHINFER_JIT_DIR", tmp_path / "ok" / "cached_ops")
+    monkeypatch.setattr(jit_env, "FLASHINFER_GEN_SRC_DIR", tmp_path / "ok" / "generated")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / name / "cuda"))
+    with pytest.raises(FivarError, match=r"cannot compile with CUDA_HOME at .*PWNED.*shell") as info:
+        wanted[0].build()
+    assert not list(tmp_path.rglob("PWNED")) and not list(tmp_path.rglob("*.ninja"))
 
 
 def test_a_fivar_cache_dir_with_a_space_works(tmp_path, monkeypatch):

@@ -356,3 +356,59 @@ def test_check_on_the_cpu_without_the_interpreter_is_one_clear_line():
     out = r.stdout + r.stderr
     assert "Traceback" not in out, out[-2000:]
     assert r.returncode == 0 or "TRITON_INTERPRET=1" in out, out[-2000:]
+
+
+_GOOD = ("from fivar import AttentionVariant\n\n\ndef mask(batch, qo_head, kv_head, q_idx, kv_idx, params):\n"
+         "    return kv_idx <= q_idx\n\n\nvariant = AttentionVariant(name='{name}', mask=mask)\n")
+
+
+@pytest.mark.parametrize("stop,what", [("import sys\nsys.exit(0)\n", "SystemExit(0)"),
+                                       ("raise SystemExit('bye')\n", "SystemExit('bye')"),
+                                       ("raise KeyboardInterrupt\n", "KeyboardInterrupt")])
+def test_a_variant_file_that_exits_is_an_error_naming_it_not_a_silent_success(tmp_path, monkeypatch, stop, what):
+    """A file that stops the import (sys.exit, SystemExit, KeyboardInterrupt) once made every command exit 0 with no
+    output; now each command names the file, and list / build --all go on with the other files, then exit 1."""
+    (tmp_path / "quitter.py").write_text(_GOOD.format(name="quitter").replace("variant =", stop + "variant ="))
+    (tmp_path / "fine.py").write_text(_GOOD.format(name="fine"))
+    monkeypatch.setenv("FIVAR_VARIANT_PATH", str(tmp_path))
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path / "cache"))
+    quitter = str(tmp_path / "quitter.py")
+    for args in (["show", "quitter"], ["build", "quitter", "--arch", "9.0a"], ["check", "quitter"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1, (args, r.output)
+        assert r.stderr.count("\n") == 1 and quitter in r.stderr and what in r.stderr, (args, r.stderr)
+    r = CliRunner().invoke(main, ["list"])
+    assert r.exit_code == 1 and "│ fine " in r.stdout and "│ softcap " in r.stdout, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and quitter in errors[0] and what in errors[0], r.stderr
+    r = CliRunner().invoke(main, ["build", "--all", "--targets", "triton", "--arch", "9.0a"])
+    assert r.exit_code == 1 and "triton twin of 'fine'" in r.stdout, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and quitter in errors[0] and what in errors[0], r.stderr
+
+
+def test_list_and_build_all_say_they_run_the_variant_files_and_from_where(tmp_path, monkeypatch):
+    (tmp_path / "fine.py").write_text(_GOOD.format(name="fine"))
+    monkeypatch.setenv("FIVAR_VARIANT_PATH", str(tmp_path))
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path / "cache"))
+    from fivar.paths import bundled_variants_dir
+    for args in (["list"], ["build", "--all", "--targets", "triton", "--arch", "9.0a"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0, r.output
+        notes = [line for line in r.stderr.splitlines() if "runs (imports) every variant file" in line]
+        assert len(notes) == 1 and str(tmp_path) in notes[0] and str(bundled_variants_dir()) in notes[0], r.stderr
+
+
+def test_a_real_ctrl_c_while_a_variant_file_runs_still_stops_fivar(tmp_path):
+    """Only a KeyboardInterrupt the file raises itself becomes an error about the file: a SIGINT that arrives while
+    it runs is the user's, and propagates."""
+    import fivar
+    f = tmp_path / "slow.py"
+    f.write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n" +
+                 _GOOD.format(name="slow"))
+    with pytest.raises(KeyboardInterrupt):
+        fivar.load(str(f))
+    f2 = tmp_path / "raises.py"
+    f2.write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(fivar.FivarSpecError, match="raised KeyboardInterrupt"):
+        fivar.load(str(f2))

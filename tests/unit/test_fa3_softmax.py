@@ -192,9 +192,13 @@ def test_bounded_softmax_is_the_default_bf16_and_only_for_bounded_softmax_varian
     src = fa3.variant_decl(softcap, exp2_emulated_of_8=0, logits_range=(-1.0, 1.0)).source
     assert "Fa3OnlineSoftmax<NUM_ROWS_PER_THREAD, 0, /*BOUNDED=*/true>" in src and "fivar_fa3_softmax.cuh" in src
     assert gen_module(softcap, "single_prefill", "fa3", bounded_softmax=True).uri == on.uri
-    monkeypatch.setenv(fa3.BOUNDED_SOFTMAX_ENV, "yes")
-    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {fa3.BOUNDED_SOFTMAX_ENV}='yes': expected 0 or 1"):
+    monkeypatch.setenv(fa3.BOUNDED_SOFTMAX_ENV, "maybe")
+    with pytest.raises(fivar.FivarError, match=f"variant 'softcap': {fa3.BOUNDED_SOFTMAX_ENV}='maybe': expected "
+                                               "1/true/yes/on"):
         gen_module(softcap, "single_prefill", "fa3")
+    for word, uri in (("yes", on.uri), ("Off", gen_module(softcap, "single_prefill", "fa3", bounded_softmax=False).uri)):
+        monkeypatch.setenv(fa3.BOUNDED_SOFTMAX_ENV, word)
+        assert gen_module(softcap, "single_prefill", "fa3").uri == uri, word
 
 
 def test_flashinfer_finalize_and_rescale_are_the_ones_the_bounded_softmax_relies_on():

@@ -183,3 +183,35 @@ def test_no_softmax_variant_refuses_return_lse_by_name(call):
 def test_return_lse_is_a_reserved_param_name():
     with pytest.raises(fivar.FivarSpecError, match="return_lse"):
         AttentionVariant(name="bad", logits=_head_bias, params={"return_lse": Tensor("float32", ("qo_head",))})
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "device", "lse_device", "int_lse", "empty", "not_a_tensor"])
+def test_merge_states_refuses_parts_that_do_not_match_in_one_line(bad):
+    """torch.stack promoted mixed dtypes (a float16 and a bfloat16 part merged to float32) and failed with raw errors
+    on shapes and devices; now every part must match, in one line naming it (a meta tensor stands for another
+    device)."""
+    import random
+    c, n, h, d = random.randint(2, 4), random.randint(1, 6), random.randint(1, 3), random.choice((8, 16))
+    outs = [torch.randn(n, h, d, dtype=torch.float16) for _ in range(c)]
+    lses = [torch.randn(n, h) for _ in range(c)]
+    i = random.randrange(1, c)
+    if bad == "dtype":
+        outs[i] = outs[i].bfloat16()
+    elif bad == "shape":
+        outs[i] = torch.randn(n + 1, h, d, dtype=torch.float16)
+    elif bad == "device":
+        outs[i] = outs[i].to("meta")
+    elif bad == "lse_device":
+        lses = [x.to("meta") for x in lses]
+    elif bad == "int_lse":
+        lses[i] = lses[i].long()
+    elif bad == "empty":
+        outs, lses = [], []
+    else:
+        outs[i] = 1.0
+    with pytest.raises(fivar.FivarError, match="merge_states: ") as info:
+        fivar.merge_states(outs, lses)
+    msg = str(info.value)
+    assert "\n" not in msg
+    if bad in ("dtype", "shape", "device", "int_lse", "not_a_tensor"):
+        assert f"[{i}]" in msg, msg

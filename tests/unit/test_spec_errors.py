@@ -1,7 +1,10 @@
 """Every way a spec can be wrong gets a FivarSpecError naming variant, file:line:col and the construct."""
+import decimal
+import fractions
 import inspect
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,6 +290,17 @@ def test_unknown_variant_name_lists_what_exists():
     (lambda: Scalar(int, default=2.5), "Scalar parameter 'w': default 2.5 is not an int"),
     (lambda: Scalar(float, default="30"), "Scalar parameter 'w': default '30' is not a float"),
     (lambda: Scalar(int, default=True), "Scalar parameter 'w': default True is not an int"),
+    # a Fraction or Decimal printed into generated code (1/3: integer division in C++), or a numpy scalar: refused
+    (lambda: Scalar(float, default=fractions.Fraction(1, 3)), "default Fraction(1, 3) is not a float (it is a Fr"),
+    (lambda: Scalar(int, default=fractions.Fraction(4, 1)), "default Fraction(4, 1) is not an int"),
+    (lambda: Scalar(float, default=decimal.Decimal("0.1")), "default Decimal('0.1') is not a float"),
+    (lambda: Scalar(int, default=np.int64(3)), "default np.int64(3) is not an int"),
+    (lambda: Scalar(float, default=10**400), "default an integer of 401 digits: an integer of 401 digits does not "
+                                            "fit the kernels' 32-bit floats"),
+    (lambda: Scalar(int, default=-10**400), "default a negative integer of 401 digits: a negative integer of 401 "
+                                           "digits does not fit the kernels' 32-bit ints"),
+    (lambda: Scalar(float, default=float("nan")), "Scalar parameter 'w': default nan: it must be finite"),
+    (lambda: Scalar(float, default=-float("inf")), "Scalar parameter 'w': default -inf: it must be finite"),
     (lambda: Scalar(str), "Scalar parameter 'w': dtype must be float or int"),
     (lambda: Tensor("float8", ("qo_head",)), "Tensor parameter 'w': dtype 'float8' is not one of"),
     (lambda: Tensor("float32", (8,)), "Tensor parameter 'w': dims must be a non-empty tuple of dimension names"),
@@ -539,9 +553,28 @@ def _load_source(tmp_path, body: str, name="deep"):
     "def logits(s, b, h, kh, qi, ki, p):\n    x = s\n" + "    x = x * 0.5 + 1.0\n" * 200 + "    return x\n",
 ])
 def test_deep_expressions_are_spec_errors_not_recursion_errors(tmp_path, body):
-    with pytest.raises(FivarSpecError, match="nests .* levels deep|cannot parse") as info:
+    with pytest.raises(FivarSpecError, match="expression nests deeper than 100 levels|cannot parse") as info:
         _load_source(tmp_path, body).ir
     assert info.value.filename.endswith("deep.py") and info.value.line >= 3
+
+
+@pytest.mark.parametrize("terms", [
+    lambda n: " and ".join(f"kv_idx != {i}" for i in n),  # flat in Python, a chain of `and`s in the IR
+    lambda n: "0 <= " + " <= ".join(f"kv_idx + {i}" for i in n),  # a chained comparison: the same chain
+])
+def test_a_long_flat_condition_is_a_spec_error_naming_its_line_not_a_recursion_error(tmp_path, terms):
+    import random
+    count = random.randint(1500, 2500)
+    pad = random.randint(0, 5)
+    f = tmp_path / "long_mask.py"
+    f.write_text("from fivar import AttentionVariant\n" + "\n" * pad + "\n\ndef mask(batch, qo_head, kv_head, q_idx, "
+                 f"kv_idx, params):\n    return {terms(range(count))}\n\n\n"
+                 "variant = AttentionVariant(name='long_mask', mask=mask)\n")
+    with pytest.raises(FivarSpecError, match="expression nests deeper than 100 levels") as info:
+        fivar.load(str(f)).ir
+    err = info.value
+    assert err.variant == "long_mask" and err.filename == str(f) and err.line == 5 + pad
+    assert "\n" not in str(err)
 
 
 def test_expressions_as_deep_as_allowed_are_fine(tmp_path):
@@ -571,3 +604,25 @@ def test_a_variant_name_must_be_ascii():
         return s
     with pytest.raises(FivarSpecError, match="name must be an ASCII Python identifier"):
         AttentionVariant(name="caf\u00e9", logits=logits)
+
+
+def test_json_nested_too_deep_is_read_as_unreadable_not_a_recursion_error(tmp_path, monkeypatch):
+    """fivar's small JSON files (nvcc versions, a library's verified stamp) nested beyond what json can read are
+    treated like any unreadable cache file: asked or hashed again."""
+    import json
+    import os
+    import random
+
+    from fivar.jit import build, toolchain
+    deep = "[" * random.randint(100_000, 200_000)
+    monkeypatch.setenv("FIVAR_CACHE_DIR", str(tmp_path / "cache"))
+    toolchain._nvcc_versions_file().parent.mkdir(parents=True, exist_ok=True)
+    toolchain._nvcc_versions_file().write_text(deep)
+    assert toolchain._nvcc_versions() == {}
+    lib = tmp_path / "lib" / "m.so"
+    lib.parent.mkdir()
+    lib.write_bytes(os.urandom(64))
+    (lib.parent / build._VERIFIED).write_text(deep)
+    build._verified.pop(str(lib), None)
+    assert build.library_verified(lib, lib.stat(), build._sha256(lib))
+    assert json.loads((lib.parent / build._VERIFIED).read_text())["sha256"] == build._sha256(lib)

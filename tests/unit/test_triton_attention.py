@@ -551,3 +551,41 @@ def test_one_shot_calls_keep_the_block_map(monkeypatch, ragged):
     call()
     call()
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("scale", [3.5e38, -1e39, float("nan"), float("inf"), "0.1", True, torch.tensor([0.1, 0.2]),
+                                   10**400])
+def test_an_sm_scale_the_kernels_cannot_take_is_one_line_naming_it(scale):
+    """"0.1" (a string) and 3.5e38 (inf in the kernels' float32) were taken; every entry point and the reference
+    refuse them, and NaN, inf and non-numbers, in one line naming sm_scale, before anything runs."""
+    import random
+    v = fivar.load("softcap")
+    q, k, vv = _qkv(random.randint(1, 9), random.randint(1, 9), 4, 2, 16)
+    calls = (lambda: v.prefill(q, k, vv, backend="triton", sm_scale=scale),
+             lambda: v.reference(q, k, vv, sm_scale=scale),
+             lambda: v.attention(q, k, vv, backend="triton", sm_scale=scale))
+    for call in calls:
+        with pytest.raises(fivar.FivarError, match="variant 'softcap': sm_scale") as info:
+            call()
+        assert "\n" not in str(info.value)
+    fine = random.uniform(0.01, 1.0)  # and a valid one, given as a one-element tensor, is the float it holds
+    assert torch.equal(v.reference(q, k, vv, sm_scale=torch.tensor(fine)), v.reference(q, k, vv, sm_scale=fine))
+
+
+def test_a_zero_or_negative_head_dim_is_one_line():
+    from click.testing import CliRunner
+
+    from fivar.cli import main
+    from fivar.testing import run_checks
+    v = fivar.load("softcap")
+    empty = torch.randn(5, 2, 0, dtype=DTYPE)
+    with pytest.raises(fivar.FivarError, match="variant 'softcap': .*head_dim must be positive"):
+        v.reference(empty, empty, empty)
+    for hd in (0, -64):
+        with pytest.raises(fivar.FivarError, match=f"head dim must be a positive integer, got {hd}"):
+            run_checks(v, head_dims=(hd,), backends=("triton",), device="cpu", dtypes=(DTYPE,))
+        r = CliRunner().invoke(main, ["check", "softcap", f"--head-dims={hd}", "--backends", "triton"])
+        assert r.exit_code == 1 and r.stderr.count("\n") == 1 and f"--head-dims: a head dim must be a positive " \
+            f"integer, got {hd}" in r.stderr, r.output
+        r = CliRunner().invoke(main, ["build", "softcap", f"--head-dims={hd}", "--arch", "9.0a"])
+        assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "--head-dims" in r.stderr, r.output

@@ -76,10 +76,34 @@ def test_merge_into_rows_merges_exactly_the_rows_named(dtype):
 
 
 def test_merge_states_refuses_shapes_it_cannot_merge():
-    with pytest.raises(ValueError, match="power of two"):
+    from fivar import FivarError
+    with pytest.raises(FivarError, match="power of two"):
         merge_states(torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2), torch.zeros(4, 2, 8))
-    with pytest.raises(ValueError, match="expected"):
+    with pytest.raises(FivarError, match="expected"):
         merge_states(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 3), torch.zeros(4, 2, 8))
+
+
+@pytest.mark.parametrize("bad", ["3d_parts", "lse_fp16", "lse_elsewhere", "int_out", "rows_elsewhere"])
+def test_merges_refuse_parts_that_do_not_match_in_one_line(bad):
+    """Shapes, dtypes and devices the kernels cannot take are one line each, before a launch (a meta tensor stands for
+    another device)."""
+    from fivar import FivarError
+    o, lse, out = torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2), torch.empty(4, 2, 8)
+    rows = torch.tensor([0, 3])
+    if bad == "3d_parts":
+        o = o[0]
+    elif bad == "lse_fp16":
+        lse = lse.half()
+    elif bad == "lse_elsewhere":
+        lse = lse.to("meta")
+    elif bad == "int_out":
+        out = out.int()
+    with pytest.raises(FivarError) as info:
+        if bad == "rows_elsewhere":
+            merge_into_rows(out, lse[0], rows.to("meta"), o[1, :2], lse[1, :2])
+        else:
+            merge_states(o, lse, out)
+    assert "\n" not in str(info.value) and "merge" in str(info.value)
 
 
 def _simulated_end(lengths, sms):
