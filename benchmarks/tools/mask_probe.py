@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 
-def probe(v, seqlen: int, causal: bool, params: dict | None = None) -> dict:
+def probe(v, seqlen: int, causal: bool, params: dict | None = None, sync_check: bool = False) -> dict:
     import triton.testing
     from fivar.bench.contenders import contenders, make_problem
     from fivar.bench.harness import _checker
@@ -61,6 +61,14 @@ def probe(v, seqlen: int, causal: bool, params: dict | None = None) -> dict:
             row[c.name] = f"FAILED rel {r.rel_err:.3g}"
             continue
         row[c.name] = triton.testing.do_bench(c.fn, warmup=50, rep=300, return_mode="median")
+        if sync_check:
+            import warnings
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                c.fn()
+            torch.cuda.set_sync_debug_mode(0)
+            row[f"{c.name}_syncs"] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught]
     if isinstance(row.get("triton"), float) and isinstance(row.get("flex"), float):
         row["triton_vs_flex"] = row["flex"] / row["triton"]
     return row
@@ -71,19 +79,22 @@ def main(argv=None) -> int:
     ap.add_argument("files", nargs="*", type=Path, help="variant files, called causally (default: the battery)")
     ap.add_argument("--random", type=int, default=0, help="also this many seeded random masks")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first SKIP random masks (a run in parts)")
+    ap.add_argument("--no-battery", action="store_true")
+    ap.add_argument("--sync-check", action="store_true", help="report device syncs in one call of each contender")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from fivar.bench.suites import masks, random_masks
     from fivar.registry import load_file
     todo = [(load_file(f), True) for f in args.files]  # a file named here is called causally
-    if not args.files:
+    if not args.files and not args.no_battery:
         todo = [(masks.load(name), e.causal) for name, e in masks.BATTERY.items()]
-    todo += [(random_masks.load(m), m.causal) for m in random_masks.generate(args.seed, args.random)]
+    todo += [(random_masks.load(m), m.causal) for m in random_masks.generate(args.seed, args.random)[args.skip:]]
     rows = []
     for v, causal in todo:
         try:
-            row = probe(v, args.seqlen, causal)
+            row = probe(v, args.seqlen, causal, sync_check=args.sync_check)
         except Exception as e:  # a probe reports every mask, whatever one of them does
             row = {"variant": v.name, "error": f"{type(e).__name__}: {e}"[:300]}
         rows.append(row)
