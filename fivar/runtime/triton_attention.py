@@ -29,7 +29,7 @@ def _check_inputs(variant, q, k, v, **kw):
 _single_indptrs: dict = {}
 
 #: The mask pre-pass's ranges of the one-shot prefill calls, kept like their FlashInfer plans
-#: (fivar.runtime.plan_cache: keyed by shapes, params and the indptrs by identity and version): a layer after the
+#: (fivar.runtime.plan_cache: keyed by shapes, params and the indptrs, their contents compared): a layer after the
 #: first with the same batch layout and params only launches (a window per head at S=8192, 32 heads: the pre-pass
 #: took as long as the attention, H200). Not while a CUDA graph is captured (`recorded`).
 _ranges = PlanCache(capacity=8, recorded=True)
@@ -76,12 +76,13 @@ def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causa
     """Requests packed back to back: request b owns q[qo_indptr[b]:qo_indptr[b+1]] and likewise k/v."""
     return_lse = check_lse(variant, return_lse)
     _check_inputs(variant, q, k, v)
+    given = (qo_indptr, kv_indptr)  # the key's: a normalised copy (_check_ragged_indptr) is a new tensor every call
     qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     max_qo_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     bound = position_tables.bind(variant, bound, lambda: position_tables.max_lengths(qo_indptr, kv_indptr))
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
-    ranges = _kept_ranges(module, ("ragged", variant, sm_scale, params or {}, qo_indptr, kv_indptr, q.shape[1:],
+    ranges = _kept_ranges(module, ("ragged", variant, sm_scale, params or {}, *given, q.shape[1:],
                                    k.shape[1:], q.device), qo_indptr, kv_indptr, max_qo_len, q.shape[1],
                           q.shape[1] // k.shape[1], args)
     return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse, ranges=ranges)
