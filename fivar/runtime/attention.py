@@ -438,7 +438,6 @@ class _OwnsWrapper:
             write_rows(result, self._rest_rows, part, return_lse)
         return result
 
-
     def invalidate(self):
         """Plan again from the current contents of the tensors this plan was made from (its indptrs, page table and
         tensor params): a plan reads them when it is made, so after writing any of them in place, call this (or make
