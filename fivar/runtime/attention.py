@@ -438,6 +438,29 @@ class _OwnsWrapper:
             write_rows(result, self._rest_rows, part, return_lse)
         return result
 
+    def invalidate(self):
+        """Plan again from the current contents of the tensors this plan was made from (its indptrs, page table and
+        tensor params): a plan reads them when it is made, so after writing any of them in place, call this (or make
+        a new plan). The object stays the one to run (a torch.compile graph keeps its handle). If the new contents
+        are refused, the plan stays as it was."""
+        remake = self.__dict__.get("_remake")
+        if remake is None:
+            raise FivarError(f"variant '{self.variant.name}': only a plan of plan_ragged / plan_paged / plan_decode "
+                             "can be planned again")
+        fresh = remake()  # first: a refusal leaves this plan whole
+        handle = self.op_handle
+        self.release()
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+        self.op_handle, self._remake = handle, remake
+
+
+def explicit_plan(make):
+    """The plan `make()` returns (v.plan_ragged / plan_paged / plan_decode), which keeps `make` for invalidate()."""
+    plan = make()
+    plan._remake = make
+    return plan
+
 
 def _launch_one(direct, wrapper, args, q, k_cache, v_cache, k_scale: float, return_lse: bool):
     """One wrapper's launch: its direct run where it has one (fivar.runtime.launch.DirectPagedRun), else its run."""
@@ -552,6 +575,9 @@ class PagedAttentionPlan(_OwnsWrapper):
         backend = fp8_backend(variant, backend, kv_name)
         dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
                                                   head_dim, dtype, backend, device)
+        # no cache to bound the page numbers by here (run takes it): int32 is the bound
+        kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, 1 << 62,
+                                                    page_size, self.device)
         one_query = bool((qo_indptr.diff() == 1).all())
         if not (self.target == "fa2" and one_query and trims_decode_pages(variant)):  # that form keeps the call's
             # one query per request sits at its last key (decode): causal drops nothing there, and a window form

@@ -34,7 +34,7 @@ from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec.inputs import check_lse
 from ..codegen import fa2
 from .attention import _decode_on_tensor_cores, _owns_mask, _paged_args, _split_kwargs, _window_left, choose_target
-from .launch import _attach, _check_indptr, _module, _paged_kv, _prepare, _workspace
+from .launch import _attach, _check_indptr, _integer, _module, _paged_kv, _prepare, _workspace
 from . import position_tables
 from .ops import register_plan
 from .params import kernel_args
@@ -119,12 +119,18 @@ class GraphDecodePlan:
         if batch > self.max_batch or pages > self.max_pages:
             raise FivarError(f"variant '{name}': this step has {batch} requests over {pages} pages; the plan was made "
                              f"for at most max_batch={self.max_batch} and max_pages={self.max_pages}")
-        indices = kv_indices.reshape(-1)[:pages].to(device="cpu", dtype=torch.int32)
-        last = kv_last_page_len.reshape(-1).to(device="cpu", dtype=torch.int32)
-        if last.numel() != batch or (indices.numel() and int(indices.min()) < 0) or bool((indptr.diff() < 1).any()) \
+        for arg, t in (("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            if not (_integer(t) and t.dim() == 1):
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise FivarError(f"variant '{name}': {arg} must be a 1-D int32 tensor, got {got}")
+        # host copies in their own dtypes (an int64 entry past int32 would wrap into range), checked, then int32
+        indices, last = kv_indices[:pages].cpu(), kv_last_page_len.cpu()
+        if last.numel() != batch or (indices.numel() and not 0 <= int(indices.min()) <= int(indices.max()) < 2**31) \
+                or bool((indptr.diff() < 1).any()) \
                 or (batch and not (1 <= int(last.min()) and int(last.max()) <= self.page_size)):
             raise FivarError(f"variant '{name}': a decode step needs one kv_last_page_len per request (1..page_size), "
-                             "at least one page per request and page numbers >= 0")
+                             "at least one page per request and page numbers in 0..2**31-1")
+        indices, last = indices.to(torch.int32), last.to(torch.int32)
         pad = self.max_batch - batch  # padding requests: one key each, in page 0; their rows are ignored
         indptr = torch.cat([indptr, pages + torch.arange(1, pad + 1)]).to(torch.int32)
         indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32)])

@@ -14,7 +14,7 @@ from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, dtype_name, module_for
 from ..spec import ir
 from ..spec.evaluate import eval_scalar
-from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, check_qkv_layout, check_sm_scale
+from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, _same_device, check_qkv_layout, check_sm_scale
 from .params import bind_params
 
 
@@ -236,41 +236,70 @@ def release_wrapper(kind: str, fmod, device, wrapper) -> None:
         free.append(wrapper)
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _integer(t) -> bool:
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _index_device(variant, name: str, t: torch.Tensor, device) -> None:
+    """An index tensor lives on the inputs' device or on the host (copied over, as FlashInfer's plans take host
+    indptrs); another GPU (or a meta tensor) is a mistake a silent copy would hide. `device` "cpu": a host copy."""
+    if t.device.type == "meta" or (t.device.type != "cpu" and torch.device(device).type != "cpu"
+                                   and not _same_device(device, t.device)):
+        raise FivarError(f"variant '{variant.name}': {name} is on {t.device}, the inputs are on {device}; pass it "
+                         f"on {device} or on the CPU")
+
+
+def _as_index(t: torch.Tensor, device) -> torch.Tensor:
+    """What the kernels and FlashInfer's plans read: contiguous int32 on `device`. They take a raw pointer and
+    the element count, so a strided view (a column of a 2-D tensor, t[::2]) or int64 would be read as other values."""
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
 def _check_indptr(variant, name, t, device):
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 2:
+    """`t` checked and normalised (_as_index): a 1-D integer tensor, starting at 0, never decreasing, within int32."""
+    if not (_integer(t) and t.dim() == 1 and t.numel() >= 2):
+        got = f", got {t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else f", got {type(t).__name__}"
         raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor with batch_size+1 "
-                         f"entries")
+                         f"entries{got}")
+    _index_device(variant, name, t, device)
     # The kernels trust it (a negative or decreasing entry reads or writes outside the tensors). One host copy: the
-    # plans copy it to the host anyway.
+    # plans copy it to the host anyway. Checked in its own dtype: an int64 entry past int32 would wrap.
     host = t.cpu()
     if int(host[0]) != 0 or bool((host[1:] < host[:-1]).any()):
         raise FivarError(f"variant '{variant.name}': {name} must start at 0 and never decrease, got "
                          f"{host[:8].tolist()}{' ...' if t.numel() > 8 else ''}")
-    return t.to(device)
+    if int(host[-1]) > _INT32_MAX:
+        raise FivarError(f"variant '{variant.name}': {name} ends at {int(host[-1])}, past the kernels' 32-bit "
+                         f"indices")
+    return _as_index(t, device)
 
 
 def _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int, device):
-    """kv_indices / kv_last_page_len of a paged batch (kv_indptr checked): what the kernels read without a bound
-    check, so a bad entry reads another request's page or outside the cache."""
+    """kv_indices / kv_last_page_len of a paged batch (kv_indptr checked), normalised (_as_index): what the
+    kernels read without a bound check, so a bad entry reads another request's page or outside the cache."""
     batch, pages = kv_indptr.numel() - 1, int(kv_indptr[-1])
     for name, t, ok, want in (
             ("kv_indices", kv_indices, lambda n: n >= pages, f"at least {pages} entries (kv_indptr[-1])"),
             ("kv_last_page_len", kv_last_page_len, lambda n: n == batch, f"{batch} entries (one per request)")):
-        if not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype in (torch.int32, torch.int64)
-                and ok(t.numel())):
+        if not (_integer(t) and t.dim() == 1 and ok(t.numel())):
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise FivarError(f"variant '{variant.name}': {name} must be a 1-D int32 tensor of {want}, got {got}")
-    kv_indices = kv_indices.to(device=device, dtype=torch.int32)
-    kv_last_page_len = kv_last_page_len.to(device=device, dtype=torch.int32)
+        _index_device(variant, name, t, device)
+    # the ranges in the tensors' own dtypes (an int64 page number past int32 would wrap into range), then int32
+    kv_indices, kv_last_page_len = kv_indices.to(device), kv_last_page_len.to(device)
     ranges = [t.aminmax() if t.numel() else (t.new_zeros(()),) * 2 for t in (kv_indices[:pages], kv_last_page_len)]
-    lo, hi, last_lo, last_hi = torch.stack([x for r in ranges for x in r]).tolist()  # one sync for all four
+    lo, hi, last_lo, last_hi = torch.stack([x.long() for r in ranges for x in r]).tolist()  # one sync for all four
+    num_pages = min(num_pages, _INT32_MAX + 1)
     if lo < 0 or hi >= num_pages:
         raise FivarError(f"variant '{variant.name}': kv_indices must be page numbers in 0..{num_pages - 1} (the "
                          f"cache's pages), got {lo}..{hi}")
     if last_lo < 0 or last_hi > page_size:
         raise FivarError(f"variant '{variant.name}': kv_last_page_len must be in 0..page_size ({page_size}), got "
                          f"{last_lo}..{last_hi}")
-    return kv_indices, kv_last_page_len
+    return _as_index(kv_indices, device), _as_index(kv_last_page_len, device)
 
 
 def _paged_kv(variant, paged_kv_cache):

@@ -6,9 +6,14 @@ layout, all but the first plan were waste (a chunked mask at S=8192: 2.4 ms a ca
 Here the plan is kept under a key of everything it depends on, and a later call with the same key only launches.
 
 The key holds values (shapes, dtypes, devices, scalar params, flags) and tensors by identity and version
-counter: `t._version` moves on every in-place write through torch, so a tensor changed in place (an indptr, a
-document-id table) is never served the plan made from its old contents. A tensor is held weakly: once the
-caller drops it, entries keyed on it are dropped too (its id may then be reused by another tensor).
+counter, and an entry holds a copy of the keyed tensors' contents (index tensors, tensor params) as the plan was made
+from them: a hit also compares those contents. The version counter alone misses writes that bypass it (through
+`.numpy()`, `.data`, DLPack, a kernel of another library, a CUDA-graph replay), which would have served a plan made
+from the old contents. Comparing costs a host copy and, for CUDA tensors, one device-to-host copy (a stream sync) a
+call (skipped while a CUDA graph is captured, where no sync is allowed: the plan a capture uses is the one it
+records).
+A key whose tensors hold more than CONTENT_LIMIT bytes is not kept: its plan serves one call. A tensor is held
+weakly: once the caller drops it, entries keyed on it are dropped too (its id may then be reused by another tensor).
 """
 from __future__ import annotations
 
@@ -18,10 +23,19 @@ from collections import OrderedDict
 import torch
 
 
+#: The most bytes of tensor contents an entry keeps a copy of (a document-id table of 32 x 32768 int32 ids is 4 MiB):
+#: past that, comparing would cost about what planning again does, and the copies would hold that much memory.
+CONTENT_LIMIT = 4 << 20
+
+
 def tensor_key(t: torch.Tensor) -> tuple:
     # a tensor's dtype and device never change, and an entry whose tensor died is dropped (its weak reference):
-    # identity, version, storage and shape say all the rest
-    return ("tensor", id(t), t._version, t.data_ptr(), t.shape)
+    # identity, version, storage and shape say all the rest but the contents, which the entry compares
+    try:
+        version = t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: its contents still decide
+        version = None
+    return ("tensor", id(t), version, t.data_ptr(), t.shape)
 
 
 class Hashed(tuple):
@@ -98,6 +112,47 @@ def _tensors(x):
             yield from _tensors(v)
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _host_bytes(ts: list) -> bytes:
+    """The tensors' contents back to back, on the host: one copy (a device's tensors: one device-to-host copy)."""
+    if len(ts) == 1 and ts[0].device.type == "cpu":
+        return _flat(ts[0]).numpy().tobytes()
+    return torch.cat([_flat(t) for t in ts]).cpu().numpy().tobytes()
+
+
+class Contents:
+    """Copies of tensors' contents on the host (bytes: compared by memcmp; torch.equal on the CPU was 10x slower), a
+    CPU tensor's on its own, a device's tensors in one, to tell whether the same tensors still hold them."""
+
+    def __init__(self, tensors: list):
+        groups: dict = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault(t.device if t.device.type != "cpu" else i, []).append(i)
+        self._groups = [(tensors[idx[0]].device.type, idx, _host_bytes([tensors[i] for i in idx]))
+                        for idx in groups.values()]
+
+    @staticmethod
+    def fits(tensors: list) -> bool:
+        """Whether copies of these tensors' contents are kept (dense, on a real device, CONTENT_LIMIT bytes in all)."""
+        if any(t.layout != torch.strided or t.device.type == "meta" for t in tensors):
+            return False
+        return sum(t.numel() * t.element_size() for t in tensors) <= CONTENT_LIMIT
+
+    def matches(self, tensors: list) -> bool:
+        """Whether `tensors` (the ones copied, in order) hold the copied contents. A CUDA device's tensors are one
+        device-to-host copy (a stream sync), skipped while a CUDA graph is being captured (no sync allowed there; the
+        contents a capture sees are not what a replay reads anyway)."""
+        for kind, idx, copy in self._groups:
+            if kind == "cuda" and capturing():
+                continue
+            if _host_bytes([tensors[i] for i in idx]) != copy:
+                return False
+        return True
+
+
 class PlanCache:
     """A small LRU of plans. `get(parts, make)`: the plan for `parts` (a tuple of call arguments), made by
     `make()` on a miss. Plans own device memory (a FlashInfer wrapper's workspace), hence the small capacity.
@@ -106,25 +161,27 @@ class PlanCache:
 
     def __init__(self, capacity: int = 8, on_evict=None, recorded: bool = False):
         self.capacity, self.on_evict, self.recorded = capacity, on_evict, recorded
-        self._entries: OrderedDict = OrderedDict()  # key -> (plan, weakrefs of the key's tensors)
+        self._entries: OrderedDict = OrderedDict()  # key -> (plan, weakrefs of the key's tensors, their Contents)
+        self._passing: list = []  # plans of keys too large to keep: released on the next call (their launch is queued)
         self.hits = self.misses = 0
 
     def key(self, parts: tuple) -> tuple:
         return value_key(parts)
 
     def lookup(self, parts: tuple, key: tuple | None = None):
+        if self._passing:
+            self._release_passing()
         key = self.key(parts) if key is None else key
         entry = self._entries.get(key)
         if entry is not None:
-            plan, refs = entry
-            for r in refs:
-                if r() is None:
-                    break
-            else:
+            plan, refs, contents = entry
+            tensors = [r() for r in refs]
+            # a keyed tensor died (its id may now name another tensor), or one was written without its version moving
+            if all(t is not None for t in tensors) and contents.matches(tensors):  # `in` would call Tensor.__eq__
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return plan
-            self._drop(key)  # a keyed tensor died: its id may now name another tensor
+            self._drop(key)
         return None
 
     def get(self, parts: tuple, make):
@@ -135,21 +192,33 @@ class PlanCache:
         if plan is not None:
             return plan
         self.misses += 1
+        tensors = list(_tensors(parts))
+        if not Contents.fits(tensors):
+            plan = make()
+            if self.on_evict is not None:
+                self._passing.append(plan)
+            return plan
+        contents = Contents(tensors)  # before make(), as the key
         plan = make()
-        refs = [weakref.ref(t) for t in _tensors(parts)]
-        self._entries[key] = (plan, refs)
+        self._entries[key] = (plan, [weakref.ref(t) for t in tensors], contents)
         while len(self._entries) > self.capacity:
             self._drop(next(iter(self._entries)))
         return plan
 
     def _drop(self, key):
-        plan, _ = self._entries.pop(key)
+        plan = self._entries.pop(key)[0]
         if self.on_evict is not None:
+            self.on_evict(plan)
+
+    def _release_passing(self):
+        passing, self._passing = self._passing, []
+        for plan in passing:
             self.on_evict(plan)
 
     def clear(self):
         for key in list(self._entries):
             self._drop(key)
+        self._release_passing()
 
     def __len__(self):
         return len(self._entries)

@@ -29,8 +29,8 @@ def _check_inputs(variant, q, k, v, **kw):
 _single_indptrs: dict = {}
 
 #: The block maps of the prefill calls (the module's `block_map`), kept like their FlashInfer plans
-#: (fivar.runtime.plan_cache: keyed by shapes, params, causal and the indptrs): a layer after the first with the same
-#: batch layout and params only launches. Not while a CUDA graph is captured (`recorded`).
+#: (fivar.runtime.plan_cache: keyed by shapes, params, causal and the indptrs, their contents compared): a layer after
+#: the first with the same batch layout and params only launches. Not while a CUDA graph is captured (`recorded`).
 _maps = PlanCache(capacity=8, recorded=True)
 
 
@@ -78,13 +78,14 @@ def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causa
     """Requests packed back to back: request b owns q[qo_indptr[b]:qo_indptr[b+1]] and likewise k/v."""
     return_lse = check_lse(variant, return_lse)
     _check_inputs(variant, q, k, v)
+    given = (qo_indptr, kv_indptr)  # the key's: a normalised copy (_check_ragged_indptr) is a new tensor every call
     qo_indptr, kv_indptr, batch = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     max_qo_len, max_kv_len = position_tables.max_lengths(qo_indptr, kv_indptr)
     bound = position_tables.bind(variant, bound, (max_qo_len, max_kv_len))
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
-    plan = kept_block_map(module, ("ragged", variant, sm_scale, params or {}, qo_indptr, kv_indptr, q.shape[1:],
-                                   k.shape[1:], q.device), qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
+    plan = kept_block_map(module, ("ragged", variant, sm_scale, params or {}, *given, q.shape[1:], k.shape[1:],
+                                   q.device), qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
                           q.shape[1] // k.shape[1], causal, args)
     return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse, plan=plan)
 

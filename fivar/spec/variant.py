@@ -230,25 +230,30 @@ class AttentionVariant:
                    num_kv_heads: int, head_dim: int, page_size: int, dtype=None, causal: bool = False,
                    sm_scale: float | None = None, backend: str = "auto", device="cuda", kv_dtype=None, **params):
         """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split).
-        kv_dtype=torch.float8_e4m3fn: an FP8 cache, run with `.run(q, cache, k_scale=, v_scale=)`."""
+        kv_dtype=torch.float8_e4m3fn: an FP8 cache, run with `.run(q, cache, k_scale=, v_scale=)`. A plan reads its
+        index tensors and tensor params when made: after writing one in place, call `.invalidate()`."""
         self._check_backend_name(backend)
-        return _runtime().PagedAttentionPlan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                             page_size=page_size, dtype=dtype, causal=causal, sm_scale=sm_scale,
-                                             backend=backend, device=device, params=params, kv_dtype=kv_dtype)
+        rt = _runtime()
+        return rt.explicit_plan(lambda: rt.PagedAttentionPlan(
+            self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype, causal=causal,
+            sm_scale=sm_scale, backend=backend, device=device, params=params, kv_dtype=kv_dtype))
 
     def plan_ragged(self, qo_indptr, kv_indptr, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                     dtype=None, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
                     device="cuda", **params):
-        """Plan a ragged batch (a single request: indptrs [0, len]) once, then `.run(q, k, v)` per layer."""
+        """Plan a ragged batch (a single request: indptrs [0, len]) once, then `.run(q, k, v)` per layer; after
+        writing an indptr or tensor param in place, `.invalidate()` plans again from the new contents."""
         self._check_backend_name(backend)
-        return _runtime().RaggedAttentionPlan(self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads,
-                                              num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
-                                              sm_scale=sm_scale, backend=backend, device=device, params=params)
+        rt = _runtime()
+        return rt.explicit_plan(lambda: rt.RaggedAttentionPlan(
+            self, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype=dtype, causal=causal, sm_scale=sm_scale, backend=backend, device=device, params=params))
 
     def plan_decode(self, kv_indptr, kv_indices, kv_last_page_len, *, cuda_graph: bool = False, **kwargs):
         """Plan what `decode` runs (FA2: the tensor-core paged kernel or the decode kernel, as `decode` chooses) once
-        per batch, then `.run(q, paged_kv_cache)` per layer. cuda_graph=True
+        per batch, then `.run(q, paged_kv_cache)` per layer (`.invalidate()` after writing its tensors in place).
+        cuda_graph=True
         (with max_batch=, max_pages=): fixed buffers for capture and replay (fivar.runtime.graph)."""
         if cuda_graph:
             from ..runtime.graph import GraphDecodePlan
@@ -258,7 +263,9 @@ class AttentionVariant:
         plan_args = {"num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "sm_scale", "backend", "device",
                      "kv_dtype"}
         params = {k: kwargs.pop(k) for k in list(kwargs) if k not in plan_args}  # checked against the declaration
-        return _runtime().decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params, **kwargs)
+        rt = _runtime()
+        return rt.explicit_plan(lambda: rt.decode_plan(self, kv_indptr, kv_indices, kv_last_page_len, params=params,
+                                                       **kwargs))
 
     def attention(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
                   qo_indptr=None, kv_indptr=None, return_lse: bool = False, **params):

@@ -162,3 +162,121 @@ def test_recorded_values_are_made_afresh_while_a_cuda_graph_is_captured(monkeypa
     assert [recorded.get(("x", t), lambda: made.append(1) or len(made)) for _ in range(2)] == [3, 4]
     assert plans.get(("x", t), lambda: made.append(1) or len(made)) == 2
     assert len(recorded) == 1 and recorded.hits == 0
+
+
+def _numpy_write(t):
+    t.numpy()[1] += 1
+
+
+def _data_write(t):
+    t.data[1] += 1
+
+
+def _view_of_data_write(t):
+    t.data.view(-1)[1:2].add_(1)  # a view of .data: its own counter moves, not t's
+
+
+@pytest.mark.parametrize("write", [_numpy_write, _data_write, _view_of_data_write], ids=["numpy", "data", "view"])
+@pytest.mark.parametrize("which", ["param", "indptr"])
+def test_writes_past_the_version_counter_replan(write, which):
+    """A write through .numpy(), .data or a view of it keeps the tensor's _version: the key's identity and version
+    match, so the plan's contents are compared, and the changed tensor gets a new plan."""
+    cache = PlanCache()
+    made, make = _make_counter()
+    indptr = torch.tensor([0, 5, 9], dtype=torch.int32)
+    doc = torch.randint(0, 4, (2, 9), dtype=torch.int32)
+    parts = lambda: ("ragged", "v", {"doc": doc}, indptr)  # noqa: E731
+    first = cache.get(parts(), make)
+    assert cache.get(parts(), make) is first
+    t = doc if which == "param" else indptr
+    version = t._version
+    write(t.view(-1) if which == "param" else t)
+    assert t._version == version
+    assert cache.get(parts(), make) is not first and len(made) == 2 and len(cache) == 1
+    assert cache.get(parts(), make) is made[-1]
+
+
+def test_inference_mode_tensors_are_keyed_by_their_contents():
+    """A tensor made under torch.inference_mode has no version counter (reading it raised): its contents decide."""
+    cache = PlanCache()
+    made, make = _make_counter()
+    with torch.inference_mode():
+        t = torch.tensor([0, 3, 7], dtype=torch.int32)
+    first = cache.get(("x", t), make)
+    assert cache.get(("x", t), make) is first
+    with torch.inference_mode():
+        t[1] = 4
+    assert cache.get(("x", t), make) is not first and len(made) == 2
+
+
+def test_keys_past_the_content_limit_are_not_kept_and_their_plans_are_released(monkeypatch):
+    """A key holding more tensor bytes than CONTENT_LIMIT is not kept (comparing would cost what planning does): its
+    plan serves one call and is released on the next (its launch is queued by then), or on clear()."""
+    from fivar.runtime import plan_cache
+    monkeypatch.setattr(plan_cache, "CONTENT_LIMIT", 64)
+    released = []
+    cache = PlanCache(on_evict=released.append)
+    made, make = _make_counter()
+    small, big = torch.zeros(16, dtype=torch.int32), torch.zeros(17, dtype=torch.int32)  # 64 and 68 bytes
+    assert cache.get(("x", small), make) is cache.get(("x", small), make) and len(made) == 1
+    first = cache.get(("x", big), make)
+    assert len(cache) == 1 and released == []
+    second = cache.get(("x", big), make)
+    assert second is not first and released == [first]
+    cache.clear()
+    assert released == [first, made[0], second]
+
+
+def test_one_shot_call_replans_after_a_write_through_numpy(fake_ragged):
+    """The one-shot entry point's key: doc_ids and an indptr written through .numpy() between calls plan again."""
+    v = fivar.load("document_mask")
+    q, k = torch.zeros(12, 4, 64), torch.zeros(12, 2, 64)
+    qo, kv = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    doc = torch.zeros(2, 7, dtype=torch.int32)
+    call = lambda: v.batch_prefill_ragged(q, k, k, qo, kv, causal=True, backend="fa2", doc_ids=doc)  # noqa: E731
+    call()
+    call()
+    assert fake_ragged.made == 1
+    doc.numpy()[1, 4] = 1
+    call()
+    assert fake_ragged.made == 2
+    kv.numpy()[1] = 6
+    call()
+    call()
+    assert fake_ragged.made == 3
+
+
+class _Explicit(attention._OwnsWrapper):
+    """A plan that records the indptr contents it was made from, and refuses a negative entry like a real one."""
+    released: list = []
+
+    def __init__(self, variant, indptr):
+        from fivar.runtime.ops import register_plan
+        register_plan(self)
+        self.variant = variant
+        if bool((indptr < 0).any()):
+            raise fivar.FivarError(f"variant '{variant.name}': indptr must not be negative")
+        self.planned = indptr.tolist()
+
+    def release(self):
+        type(self).released.append(self.planned)
+
+
+def test_invalidate_plans_again_from_the_current_contents():
+    """plan.invalidate() on an explicit plan: the same object (and torch.compile handle) now holds a plan of the
+    tensors' current contents, and the old one is released; new contents it refuses leave it as it was."""
+    v = fivar.load("softcap")
+    _Explicit.released = []
+    indptr = torch.randint(0, 50, (4,), dtype=torch.int32).sort().values
+    plan = attention.explicit_plan(lambda: _Explicit(v, indptr))
+    handle, old = plan.op_handle, indptr.tolist()
+    indptr.numpy()[2] += 3
+    plan.invalidate()
+    assert plan.planned == indptr.tolist() != old and plan.op_handle == handle
+    assert _Explicit.released == [old]
+    indptr.numpy()[0] = -1
+    with pytest.raises(fivar.FivarError, match="indptr must not be negative"):
+        plan.invalidate()
+    assert plan.planned[0] != -1 and _Explicit.released == [old]
+    with pytest.raises(fivar.FivarError, match="only a plan of plan_ragged / plan_paged / plan_decode"):
+        _Explicit(v, indptr.abs()).invalidate()

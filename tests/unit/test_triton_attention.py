@@ -589,3 +589,154 @@ def test_a_zero_or_negative_head_dim_is_one_line():
             f"integer, got {hd}" in r.stderr, r.output
         r = CliRunner().invoke(main, ["build", "softcap", f"--head-dims={hd}", "--arch", "9.0a"])
         assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "--head-dims" in r.stderr, r.output
+
+# --- index tensors of any layout: the kernels read a raw pointer, the entry points hand them contiguous int32
+def _column(t, dtype=torch.int32):
+    """t's values as a column of a 2-D tensor (stride 2), poison in the other column: read as raw memory, the
+    entries would come out as [t0, -5, t1, -5, ...]."""
+    buf = torch.full((t.numel(), 2), -5, dtype=dtype)
+    buf[:, 0] = t
+    return buf[:, 0]
+
+
+INDEX_FORMS = {
+    "column": _column,
+    "every_other": lambda t: torch.stack([t, t.new_full(t.shape, 7)], 1).reshape(-1)[::2],
+    "int64": lambda t: t.long(),
+    "int16_column": lambda t: _column(t, torch.int16),
+    "int64_reversed_view": lambda t: t.long().flip(0).flip(0)[:],  # a copy, int64: converted, not refused
+}
+
+
+def _random_lengths(n, lo, hi):
+    return [int(x) for x in torch.randint(lo, hi, (n,))]
+
+
+def _indptr(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("form", list(INDEX_FORMS))
+@pytest.mark.parametrize("name", ["softcap", "document_mask"])
+def test_ragged_index_tensors_of_any_layout_and_integer_dtype(name, form):
+    """A strided view of valid indptrs (a column of a 2-D tensor, t[::2]) or another integer dtype gives the result
+    of contiguous int32 ones, the reference's: the twin read them as raw int32 memory (NaN, wrong rows, a crash).
+    A tensor param given as a strided view (doc_ids transposed twice) is read as its values too."""
+    v = fivar.load(name)
+    qo_lens, kv_lens = _random_lengths(3, 1, 20), _random_lengths(3, 1, 30)
+    hq, hkv, d = 4, 2, 16
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), hq, hkv, d)
+    params = _params(v, hq, hkv, 3, max(kv_lens))
+    if "doc_ids" in params:
+        params["doc_ids"] = params["doc_ids"].t().contiguous().t()  # same values, strides (1, batch)
+        assert not params["doc_ids"].is_contiguous()
+    qo, kv = _indptr(qo_lens), _indptr(kv_lens)
+    want = v.batch_prefill_ragged(q, k, vv, qo, kv, causal=True, backend="triton", **params)
+    got = v.batch_prefill_ragged(q, k, vv, INDEX_FORMS[form](qo), INDEX_FORMS[form](kv), causal=True,
+                                 backend="triton", **params)
+    _check(name, f"ragged {form} {qo_lens} {kv_lens}", got,
+           _ragged_reference(v, q, k, vv, qo_lens, kv_lens, True, params))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("form", list(INDEX_FORMS))
+def test_decode_index_tensors_of_any_layout_and_integer_dtype(form):
+    """kv_indptr, kv_indices and kv_last_page_len of a paged decode, each a strided view or another integer dtype:
+    the result of contiguous int32 ones, the reference's."""
+    v = fivar.load("softcap_sliding_window")
+    kv_lens, hq, hkv, d = _random_lengths(3, 1, 40), 4, 2, 16
+    q = torch.randn(len(kv_lens), hq, d, dtype=DTYPE)
+    _, k, vv = _qkv(1, sum(kv_lens), hq, hkv, d)
+    params = _params(v, hq, hkv, len(kv_lens), max(kv_lens))
+    cache, indptr, indices, last = _to_paged(k, vv, kv_lens, page_size=4)
+    want = v.decode(q, cache, indptr, indices, last, backend="triton", **params)
+    f = INDEX_FORMS[form]
+    got = v.decode(q, cache, f(indptr), f(indices), f(last), backend="triton", **params)
+    _check("softcap_sliding_window", f"decode {form} {kv_lens}", got,
+           _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("which,bad,match", [
+    ("qo_indptr", torch.tensor([0.0, 10.0]), r"qo_indptr must be a 1-D int32 tensor with batch_size\+1 entries, "
+                                             r"got torch.float32 \[2\]"),
+    ("kv_indptr", torch.tensor([0, 12]).bool(), r"kv_indptr must be a 1-D int32 tensor .*got torch.bool"),
+    ("kv_indptr", torch.tensor([0, 12], device="meta"), "kv_indptr is on meta, the inputs are on cpu"),
+    ("qo_indptr", torch.tensor([0, 2**32 + 10]), r"qo_indptr ends at 4294967306, past the kernels' 32-bit indices"),
+])
+def test_ragged_index_tensors_that_cannot_convert_are_refused_by_name(which, bad, match):
+    q, k, vv = _qkv(10, 12, 4, 2, 16)
+    ind = {"qo_indptr": _i32(0, 10), "kv_indptr": _i32(0, 12), which: bad}
+    with pytest.raises(fivar.FivarError, match=f"^variant 'softcap': {match}"):
+        fivar.load("softcap").batch_prefill_ragged(q, k, vv, ind["qo_indptr"], ind["kv_indptr"], backend="triton")
+
+
+@pytest.mark.parametrize("indices,last,match", [
+    # int64 page 2**32 + 1 wrapped to page 1 in the int32 conversion, inside the cache: read silently
+    (torch.tensor([0, 1, 2, 2**32 + 1, 4]), _i32(2, 4), r"kv_indices must be page numbers in 0..5 \(the cache's "
+                                                         r"pages\), got 0..4294967297"),
+    (torch.tensor([0.0, 1, 2, 3, 4]), _i32(2, 4), r"kv_indices must be a 1-D int32 tensor of at least 5 entries "
+                                                  r"\(kv_indptr\[-1\]\), got torch.float32 \[5\]"),
+    (_i32(0, 1, 2, 3, 4), torch.tensor([2.0, 4.0]), "kv_last_page_len must be a 1-D int32 tensor of 2 entries"),
+    (_i32(0, 1, 2, 3, 4), torch.tensor([2, 4], device="meta"), "kv_last_page_len is on meta"),
+])
+def test_decode_index_tensors_that_cannot_convert_are_refused_by_name(indices, last, match):
+    q = torch.randn(2, 4, 16, dtype=DTYPE)
+    cache = (torch.randn(6, 4, 2, 16, dtype=DTYPE), torch.randn(6, 4, 2, 16, dtype=DTYPE))
+    with pytest.raises(fivar.FivarError, match=f"^variant 'softcap': {match}"):
+        fivar.load("softcap").decode(q, cache, _i32(0, 2, 5), indices, last, backend="triton")
+
+
+# --- writes the version counter does not see: the kept mask ranges are made again from the new contents
+def _write_numpy(t, index, value):
+    t.numpy()[index] = value
+
+
+def _write_data(t, index, value):
+    t.data[index] = value
+
+
+WRITERS = {"numpy": _write_numpy, "data": _write_data}
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("write", list(WRITERS))
+def test_params_written_behind_the_version_counter_are_seen(write, ragged):
+    """doc_ids written through .numpy() or .data (its _version unchanged) between two calls: the second call is
+    the reference's for the new ids, not a replay of the ranges scanned from the old ones."""
+    v = fivar.load("document_mask")
+    lq = int(torch.randint(50, 70, ()))
+    q, k, vv = _qkv(lq, lq, 4, 2, 16)
+    doc_ids = torch.zeros(1, lq, dtype=torch.int32)
+    cut = int(torch.randint(20, lq - 16, ()))  # past the first 16-key tile, which the old ranges then skip
+    doc_ids[0, cut:] = 1
+    ind = torch.tensor([0, lq], dtype=torch.int32)
+
+    def call():
+        if ragged:
+            return v.batch_prefill_ragged(q, k, vv, ind, ind, causal=True, backend="triton", doc_ids=doc_ids)
+        return v.prefill(q, k, vv, causal=True, backend="triton", doc_ids=doc_ids)
+    call()
+    version = doc_ids._version
+    # the two documents become one: rows past the cut keep keys the old ranges skip
+    WRITERS[write](doc_ids, (0, slice(cut, None)), 0)
+    assert doc_ids._version == version  # the write went past the counter
+    _check("document_mask", f"after a write through {write}", call(),
+           v.reference(q, k, vv, causal=True, doc_ids=doc_ids))
+
+
+@pytest.mark.parametrize("write", list(WRITERS))
+def test_indptrs_written_behind_the_version_counter_are_seen(write):
+    """The same for the indptrs of a ragged batch: request 0 grows from 18 to 40 tokens through .numpy() or .data,
+    past its document boundary at 20, so its rows from there keep keys no range of the old batch held."""
+    v = fivar.load("document_mask")
+    q, k, vv = _qkv(48, 48, 4, 2, 16)
+    doc_ids = torch.zeros(2, 48, dtype=torch.int32)
+    doc_ids[0, 20:] = 1
+    qo, kv = _i32(0, 18, 48), _i32(0, 18, 48)
+    v.batch_prefill_ragged(q, k, vv, qo, kv, causal=True, backend="triton", doc_ids=doc_ids)
+    for t in (qo, kv):
+        WRITERS[write](t, 1, 40)
+    _check("document_mask", f"indptrs written through {write}",
+           v.batch_prefill_ragged(q, k, vv, qo, kv, causal=True, backend="triton", doc_ids=doc_ids),
+           _ragged_reference(v, q, k, vv, [40, 8], [40, 8], True, {"doc_ids": doc_ids}))
