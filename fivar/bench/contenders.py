@@ -8,8 +8,10 @@ against a plain-attention reference (it computes a different function, it is onl
 """
 from __future__ import annotations
 
+import contextvars
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from typing import Callable
 
 import torch
@@ -167,6 +169,16 @@ def make_problem(variant, op, seqlen, batch, heads, head_dim, dtype, causal, dev
     return p
 
 
+#: The contenders a run builds and times (`python -m fivar.bench --contender PATTERN`): None for all. A contender left
+#: out is never constructed, so nothing it would plan or compile runs.
+SELECTED: contextvars.ContextVar = contextvars.ContextVar("fivar_bench_contenders", default=None)
+
+
+def selected(name: str) -> bool:
+    chosen = SELECTED.get()
+    return chosen is None or any(fnmatch(name, pattern) for pattern in chosen)
+
+
 def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str = AUTO,
                fivar: bool = True) -> list[Contender]:
     """fivar's kernels plus the `wanted` others (stock, triton, flex, sdpa, plain: stock FlashInfer with no variant,
@@ -181,7 +193,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
         for backend in fivar_backends if fivar else ():
             out.append(Contender(f"fivar-{backend}",
                                  lambda b=backend: variant.prefill(q, k, v, causal=p.causal, backend=b, **prm)))
-        if fivar and variant.scans_mask and torch.cuda.get_device_capability() == (9, 0):
+        if fivar and variant.scans_mask and torch.cuda.get_device_capability() == (9, 0) and selected("fivar-fa3-planned"):
             # FA3's KV-range form plans per call; planned once here, as Flex's block mask is built once
             ind = torch.tensor([0, p.seqlen], dtype=torch.int32, device=p.device)
             plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
@@ -265,7 +277,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
                    kv_data_type=kv_dtype, **kw)
             out.append(Contender("stock", lambda: w.run(q, cache, **sc), label + " (tensor-core decode)" + fp8,
                                  checks_variant=st is not None))
-    return out
+    return [c for c in out if selected(c.name)]
 
 
 def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:

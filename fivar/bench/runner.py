@@ -395,6 +395,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and rounds: a smoke run")
     ap.add_argument("--results", type=Path, default=None, help=f"results folder (default {default_results_dir()})")
     ap.add_argument("--list", action="store_true", help="list the cases and exit (no GPU needed)")
+    ap.add_argument("--contender", action="append", metavar="PATTERN", help="only contenders matching (glob; "
+                    "repeatable): the others are never built or timed")
     ap.add_argument("--no-build", action="store_true", help="skip the parallel prebuild (modules build on first call)")
     ap.add_argument("--build-only", action="store_true", help="only the parallel prebuild (a cold build can be split "
                     "over several shorter commands: an interrupted one resumes where it stopped)")
@@ -406,6 +408,9 @@ def main(argv=None) -> int:
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
     cases = select([c for s in args.suite for c in cases_of(s, quick=args.quick)], args.case)
+    if args.contender:
+        from .contenders import SELECTED
+        SELECTED.set(frozenset(args.contender))
     if args.list:
         for c in cases:
             print(f"{c.suite}\t{c.name}\tbaseline={c.baseline}")

@@ -114,6 +114,9 @@ def mask_tiles(variant, params: dict, *, seqlen: int, num_qo_heads: int, num_kv_
 def _yardsticks(variant, p) -> tuple[list[Contender], dict]:
     """The stock FlashInfer yardsticks of a prefill case and the mask's kept and non-empty-tile shares."""
     import flashinfer
+    from ..contenders import selected
+    if not (selected("plain") or selected("plain-tiles")):
+        return [], {}
     if p.seqlen % TILE:  # FlashInfer's block-sparse wrapper takes whole key blocks
         raise ValueError(f"the tile yardstick needs a sequence length divisible by {TILE}, got {p.seqlen}")
     t = p.tensors
