@@ -4,6 +4,7 @@ from .lang import abs, clamp, exp, exp2, floor, log, maximum, minimum, sigmoid, 
 from .spec import AttentionVariant, Scalar, Tensor
 from .fusion import FusionVariant
 from .runtime.lse import merge_states
+from .runtime.plan_cache import invalidate_plans
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,6 @@ def load(name: str) -> AttentionVariant:
     return load_variant(name)
 
 
-__all__ = ["AttentionVariant", "FusionVariant", "Scalar", "Tensor", "FivarError", "FivarSpecError", "FivarBuildError",
+__all__ = ["invalidate_plans", "AttentionVariant", "FusionVariant", "Scalar", "Tensor", "FivarError", "FivarSpecError", "FivarBuildError",
            "load", "tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "abs", "floor", "minimum", "maximum",
            "clamp", "where", "merge_states"]

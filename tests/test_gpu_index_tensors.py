@@ -118,9 +118,11 @@ def _two_documents(width, cut):
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
-def test_one_shot_sees_writes_through_data(backend):
-    """doc_ids, then the indptrs, written through .data (their _version unchanged) between one-shot calls: each call
-    is the reference's for the contents it was given, not a replay of the plan of the old ones."""
+def test_one_shot_sees_writes_after_invalidate_plans(backend):
+    """doc_ids, then the indptrs, written through .data (their _version unchanged) between one-shot calls, each write
+    followed by fivar.invalidate_plans() (device tensors are keyed by their version counter: comparing their contents
+    would sync every call): each call is the reference's for the contents it was given, not a replay of the plan of
+    the old ones. A write through torch (copy_) needs no call."""
     v = fivar.load("document_mask")
     lens = [300, 200]
     q, k, vv = _qkv(500, 500)
@@ -128,14 +130,24 @@ def test_one_shot_sees_writes_through_data(backend):
     call = lambda: v.batch_prefill_ragged(q, k, vv, qo, kv, causal=True, backend=backend,  # noqa: E731
                                           doc_ids=doc_ids)
     call()
+    doc_ids[0, 150:].copy_(torch.zeros(150, dtype=torch.int32, device="cuda"))  # its version moves
+    r = compare("document_mask", f"{backend} doc_ids via copy_", call(),
+                _ragged_reference(v, q, k, vv, lens, lens, True, {"doc_ids": doc_ids}), DTYPE)
+    assert r.passed, r
+    doc_ids.data[0, 150:] = 1
+    fivar.invalidate_plans()
+    call()
     doc_ids.data[0, 150:] = 0  # one document: keys the old plan's blocks skip
+    fivar.invalidate_plans()
     r = compare("document_mask", f"{backend} doc_ids via .data", call(),
                 _ragged_reference(v, q, k, vv, lens, lens, True, {"doc_ids": doc_ids}), DTYPE)
     assert r.passed, r
     doc_ids.data[0, 150:] = 1
+    fivar.invalidate_plans()
     call()
     for t in (qo, kv):
         t.data[1] = 350  # request 0 grows past its document boundary
+    fivar.invalidate_plans()
     r = compare("document_mask", f"{backend} indptrs via .data", call(),
                 _ragged_reference(v, q, k, vv, [350, 150], [350, 150], True, {"doc_ids": doc_ids}), DTYPE)
     assert r.passed, r

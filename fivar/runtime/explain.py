@@ -125,15 +125,18 @@ def _decode_line(v) -> str:
 
 
 def _triton_line(v) -> str:
-    band = v.kv_band
     if v.ir.mask is None:
         return "triton: causal only bounds the KV loop"
-    if band.left is None and band.right is None:
-        return ("triton: a pre-pass finds each 16-row block's first and last kept key and the KV loop runs "
-                "between them, skipping the tiles inside the keys every row drops between two runs")
-    return ("triton: the band bounds the KV loop" + ("" if band.exact else
-                                                     "; a pre-pass narrows it to the kept keys and skips the tiles "
-                                                     "every row drops between two runs"))
+    if not v.scans_mask:
+        return "triton: the band bounds the KV loop; only the tiles its edges cut evaluate the mask"
+    from ..codegen.triton import MASK_BITS_COST, TritonEmitter, reads_mask_bits
+    cost = TritonEmitter(v).mask_element_cost()
+    cut = (f"read the bits a pass over the mask stored for them (the mask costs about {cost} operations a pair, "
+           f"more than the bits' {MASK_BITS_COST})" if reads_mask_bits(v) else
+           f"evaluate the mask (about {cost} operations a pair, no more than reading bits would cost)")
+    return ("triton: the block map (made on the device from the mask, once per call signature and params): each "
+            "query tile visits only its non-empty key tiles, the tiles the mask keeps whole with no mask at all, "
+            "the tiles it cuts " + cut)
 
 
 def mask_skipping(v) -> list[str]:

@@ -5,15 +5,19 @@ than a band the mask pre-pass) and launch every time: for the layers of one mode
 layout, all but the first plan were waste (a chunked mask at S=8192: 2.4 ms a call against 0.12 ms planned).
 Here the plan is kept under a key of everything it depends on, and a later call with the same key only launches.
 
-The key holds values (shapes, dtypes, devices, scalar params, flags) and tensors by identity and version
-counter, and an entry holds a copy of the keyed tensors' contents (index tensors, tensor params) as the plan was made
-from them: a hit also compares those contents. The version counter alone misses writes that bypass it (through
-`.numpy()`, `.data`, DLPack, a kernel of another library, a CUDA-graph replay), which would have served a plan made
-from the old contents. Comparing costs a host copy and, for CUDA tensors, one device-to-host copy (a stream sync) a
-call (skipped while a CUDA graph is captured, where no sync is allowed: the plan a capture uses is the one it
-records).
-A key whose tensors hold more than CONTENT_LIMIT bytes is not kept: its plan serves one call. A tensor is held
-weakly: once the caller drops it, entries keyed on it are dropped too (its id may then be reused by another tensor).
+The key holds values (shapes, dtypes, devices, scalar params, flags) and tensors by identity and version counter,
+so an in-place write through torch (`copy_`, indexing, an optimizer step) makes the next call plan again. The version
+counter misses writes that bypass it (`.numpy()`, `.data`, DLPack, a kernel of another library, a CUDA-graph
+replay). For host tensors, and tensors with no version counter (made under inference mode), an entry also keeps a copy
+of their contents and a hit compares it (a memcmp on the host; for a device tensor without a version counter, one
+device-to-host copy, a stream sync). Device tensors with a version counter are not compared: that would cost a sync
+on every call (measured on an H200: 0.1-0.5 ms a call exposed, up to 1.35x a short kernel's time). After writing a
+device tensor behind its version counter, call `fivar.invalidate_plans()` (or use an explicit plan and its
+`invalidate()`), as with FlashInfer's own plans.
+A key whose compared tensors hold more than CONTENT_LIMIT bytes is not kept: its plan serves one call. A tensor is
+held weakly: once the caller drops it, entries keyed on it are dropped too (its id may then be reused by another
+tensor). While a CUDA graph is captured nothing is compared (no sync allowed there: the plan a capture uses is the one
+it records).
 """
 from __future__ import annotations
 
@@ -26,6 +30,31 @@ import torch
 #: The most bytes of tensor contents an entry keeps a copy of (a document-id table of 32 x 32768 int32 ids is 4 MiB):
 #: past that, comparing would cost about what planning again does, and the copies would hold that much memory.
 CONTENT_LIMIT = 4 << 20
+
+
+#: Every PlanCache, so that `invalidate_plans` reaches them all.
+_CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+
+
+def invalidate_plans() -> None:
+    """Drop every kept one-shot plan: the next calls plan from their tensors' current contents. For device tensors
+    written behind their version counter (`.data`, DLPack, another library's kernel), which the caches cannot see."""
+    for cache in list(_CACHES):
+        cache.clear()
+
+
+def _versioned(t: torch.Tensor) -> bool:
+    try:
+        t._version
+        return True
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return False
+
+
+def compared(t: torch.Tensor) -> bool:
+    """Whether a kept plan compares this tensor's contents on a hit: a host tensor (a memcmp), or a device tensor
+    without a version counter (a sync, the only way to see its writes)."""
+    return t.device.type == "cpu" or not _versioned(t)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -130,7 +159,8 @@ class Contents:
     def __init__(self, tensors: list):
         groups: dict = {}
         for i, t in enumerate(tensors):
-            groups.setdefault(t.device if t.device.type != "cpu" else i, []).append(i)
+            if compared(t):
+                groups.setdefault(t.device if t.device.type != "cpu" else i, []).append(i)
         self._groups = [(tensors[idx[0]].device.type, idx, _host_bytes([tensors[i] for i in idx]))
                         for idx in groups.values()]
 
@@ -139,7 +169,7 @@ class Contents:
         """Whether copies of these tensors' contents are kept (dense, on a real device, CONTENT_LIMIT bytes in all)."""
         if any(t.layout != torch.strided or t.device.type == "meta" for t in tensors):
             return False
-        return sum(t.numel() * t.element_size() for t in tensors) <= CONTENT_LIMIT
+        return sum(t.numel() * t.element_size() for t in tensors if compared(t)) <= CONTENT_LIMIT
 
     def matches(self, tensors: list) -> bool:
         """Whether `tensors` (the ones copied, in order) hold the copied contents. A CUDA device's tensors are one
@@ -164,6 +194,7 @@ class PlanCache:
         self._entries: OrderedDict = OrderedDict()  # key -> (plan, weakrefs of the key's tensors, their Contents)
         self._passing: list = []  # plans of keys too large to keep: released on the next call (their launch is queued)
         self.hits = self.misses = 0
+        _CACHES.add(self)
 
     def key(self, parts: tuple) -> tuple:
         return value_key(parts)

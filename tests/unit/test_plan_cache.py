@@ -280,3 +280,22 @@ def test_invalidate_plans_again_from_the_current_contents():
     assert plan.planned[0] != -1 and _Explicit.released == [old]
     with pytest.raises(fivar.FivarError, match="only a plan of plan_ragged / plan_paged / plan_decode"):
         _Explicit(v, indptr.abs()).invalidate()
+
+
+def test_invalidate_plans_drops_every_kept_plan_and_device_tensors_are_keyed_by_version():
+    """fivar.invalidate_plans() empties every plan cache (the one-shot calls plan again); a host tensor's contents are
+    compared on a hit, a device tensor's are not (a sync a call) unless it has no version counter."""
+    from fivar.runtime.plan_cache import compared
+    caches = [PlanCache(capacity=4), PlanCache(capacity=4, recorded=True)]
+    t = torch.arange(8, dtype=torch.int32)
+    for c in caches:
+        c.get((t, 1), lambda: object())
+        assert len(c) == 1
+    fivar.invalidate_plans()
+    assert [len(c) for c in caches] == [0, 0]
+    made = []
+    caches[0].get((t, 1), lambda: made.append(1))
+    assert made == [1]
+    assert compared(t) and compared(torch.empty(2, device="meta")) is False
+    with torch.inference_mode():
+        assert compared(torch.empty(2, device="meta"))  # no version counter: only its contents can tell
