@@ -653,6 +653,34 @@ def test_launcher_lands_in_build_ninja(iso, tmp_path, monkeypatch):
     assert r.exit_code == 1 and "no-such-launcher-xyz" in r.output and "not found" in r.output
 
 
+@pytest.mark.parametrize("c", list(" \t\n`$;&|<>()'\"\\*?[]:"))
+def test_a_launcher_path_holding_shell_syntax_is_refused_before_anything_runs(iso, tmp_path, monkeypatch, c):
+    """FlashInfer writes the launcher's path unquoted into build.ninja, whose commands /bin/sh runs: a path with
+    shell or ninja syntax is one line naming it, exported nowhere, and nothing is compiled."""
+    import flashinfer.jit.core as core
+    _, _, vfile = iso
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    evil = bindir / f"cc{c}touch PWNED{c}x"
+    evil.write_text("#!/bin/sh\nexec \"$@\"\n")
+    evil.chmod(0o755)
+    for var in ("FLASHINFER_NVCC_LAUNCHER", "FLASHINFER_CXX_LAUNCHER"):
+        monkeypatch.delenv(var, raising=False)
+    compiled = []
+    monkeypatch.setattr(core.JitSpecNvcc, "build", lambda self, *a, **k: compiled.append(self.name))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FivarError, match=r"compiler launcher .*PWNED.*holds .*install it") as e:
+        prewarm.configure_launcher(str(evil))
+    assert "\n" not in str(e.value)
+    r = invoke("build", "cachev", "--ops", "single_prefill", "--targets", "fa2", "--dtypes", "fp16",
+               "--head-dims", "64", "--launcher", str(evil))
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and r.output.startswith("error:") and "Traceback" not in r.output, r.output
+    assert "compiler launcher" in flat and "unquoted into build.ninja" in flat, r.output
+    assert compiled == [] and not list(tmp_path.rglob("PWNED*")) and not list(tmp_path.rglob("build.ninja"))
+    assert "FLASHINFER_NVCC_LAUNCHER" not in os.environ and "FLASHINFER_CXX_LAUNCHER" not in os.environ
+
+
 def test_nvcc_version_is_cached_per_binary_and_asked_again_when_nvcc_changes(tmp_path, monkeypatch):
     """The nvcc version goes into every URI; fivar keeps it on disk so a fresh process does not run nvcc,
     but a replaced nvcc (another size or mtime) must be asked again, or a stale library would load."""
