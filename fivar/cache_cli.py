@@ -959,7 +959,7 @@ def _add_bytes(tar: tarfile.TarFile, name: str, blob: bytes) -> None:
 def read_export_meta(blob: bytes | None, file) -> dict:
     try:
         meta = json.loads(blob) if blob is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested past the JSON reader's depth
         meta = None
     if meta is None:
         raise FivarError(f"{file} is not a fivar cache export (no valid {META_NAME})") from None

@@ -222,7 +222,7 @@ def check(index: bytes, signature: bytes | None, where) -> Verdict:
     except InvalidSignature:
         raise FivarError(f"{where}: the signature does not match the archive's index (altered after signing); "
                          "refusing to import") from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep to read
         raise FivarError(f"{where}: the signature file is malformed (expected {SIG_FORMAT}, ed25519); refusing "
                          "to import") from None
     fp = fingerprint(raw)

@@ -193,7 +193,8 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
         for backend in fivar_backends if fivar else ():
             out.append(Contender(f"fivar-{backend}",
                                  lambda b=backend: variant.prefill(q, k, v, causal=p.causal, backend=b, **prm)))
-        if fivar and variant.scans_mask and torch.cuda.get_device_capability() == (9, 0) and selected("fivar-fa3-planned"):
+        if fivar and variant.scans_mask and torch.cuda.get_device_capability() == (9, 0) and \
+                selected("fivar-fa3-planned"):
             # FA3's KV-range form plans per call; planned once here, as Flex's block mask is built once
             ind = torch.tensor([0, p.seqlen], dtype=torch.int32, device=p.device)
             plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
@@ -207,7 +208,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
             # on Hopper stock runs FA3; "stock-fa2" is then the like-for-like yardstick of fivar-fa2
             backends = [("stock", "auto")] + ([("stock-fa2", "fa2")] if "stock-fa2" in wanted and st is not None
                                                and torch.cuda.get_device_capability() == (9, 0) else [])
-            for cname, backend in backends:
+            for cname, backend in filter(lambda b: selected(b[0]), backends):  # stock_documents plans here
                 suffix = "" if backend == "auto" else f" ({backend})"
                 if st is not None and st.doc_ids is not None:
                     out.append(Contender(cname, stock_documents(q, k, v, st.doc_ids, p.causal, backend=backend),
@@ -222,10 +223,10 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
             import flashinfer
             out.append(Contender("plain", lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=p.causal),
                                  "plain attention, stock FlashInfer (no variant: a yardstick)", checks_variant=False))
-        if "flex" in wanted and variant.softmax and variant.sink is None:
+        if "flex" in wanted and variant.softmax and variant.sink is None and selected("flex"):
             from ..flex import flex_attention_fn
             out.append(Contender("flex", flex_attention_fn(variant, prm, q, k, v, causal=p.causal), "torch.compile"))
-        if "sdpa" in wanted:
+        if "sdpa" in wanted and selected("sdpa"):
             g = p.num_qo_heads // p.num_kv_heads
             qt, kt, vt = q.transpose(0, 1), k.repeat_interleave(g, 1).transpose(0, 1), v.repeat_interleave(g, 1).transpose(0, 1)
             out.append(Contender("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -233,13 +234,14 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
     elif p.op == "batch-prefill":
         q, k, v, ind = t["q"], t["k"], t["v"], t["indptr"]
         # planned once like the stock wrapper below (and FA3's KV ranges, when the mask needs them)
-        plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
-                                   head_dim=p.head_dim, dtype=p.dtype, causal=p.causal, device=p.device, **prm)
-        out.append(Contender("fivar", lambda: plan.run(q, k, v), f"planned, {plan.target}"))
+        if selected("fivar"):
+            plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
+                                       head_dim=p.head_dim, dtype=p.dtype, causal=p.causal, device=p.device, **prm)
+            out.append(Contender("fivar", lambda: plan.run(q, k, v), f"planned, {plan.target}"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.batch_prefill_ragged(q, k, v, ind, ind, causal=p.causal,
                                                                                 backend="triton", **prm)))
-        if "stock" in wanted:
+        if "stock" in wanted and selected("stock"):
             import flashinfer
             mapped = stock_mapping(variant, prm)
             kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")
@@ -253,7 +255,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
         # planned once like the stock wrapper below, so both time only the kernel launch
         sc, kv_dtype = p.scales, p.kv_dtype or p.dtype
         fp8 = " fp8 KV" if p.kv_dtype is not None else ""
-        if fivar:
+        if fivar and selected("fivar"):
             plan = variant.plan_decode(ind, idx, last, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
                                        head_dim=p.head_dim, page_size=16, dtype=p.dtype, device=p.device,
                                        **({"kv_dtype": p.kv_dtype} if p.kv_dtype is not None else {}), **prm)
@@ -261,12 +263,12 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
         if "call" in wanted:
             out.append(Contender("fivar-call", lambda: variant.decode(q, cache, ind, idx, last, **sc, **prm),
                                  "one call, planned inside" + fp8))
-        if "graph" in wanted:
+        if "graph" in wanted and (selected("fivar-graph") or selected("stock-graph")):
             out += graph_contenders(variant, p, stock)
         if "triton" in wanted and p.kv_dtype is None:  # the twin reads 16-bit caches
             out.append(Contender("triton", lambda: variant.decode(q, cache, ind, idx, last, backend="triton", **prm)))
         st = (Stock(*stock_mapping(variant, prm)) if stock_mapping(variant, prm) else None) if stock is AUTO else stock
-        if "stock" in wanted and (st is not None or stock is AUTO):
+        if "stock" in wanted and (st is not None or stock is AUTO) and selected("stock"):
             import flashinfer
             kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
             # FA2 named: with an FP8 cache FlashInfer's auto would look for another backend

@@ -12,6 +12,7 @@ reference, never timed) or error (did not build or run; `detail` says why).
 """
 from __future__ import annotations
 
+import contextvars
 import datetime
 import fnmatch
 import json
@@ -321,8 +322,10 @@ def warm_stock(cases: list[Case], log=print) -> None:
             c.warm_stock()
         except Exception as e:  # noqa: BLE001 - reported, and again by the contender in the run
             log(f"[{c.suite}] {c.name}: stock warm-up: {type(e).__name__}: {str(e)[:200]}")
+    # each in a copy of this thread's context (a new thread starts from an empty one): --contender holds there
+    runs = [(contextvars.copy_context(), c) for c in warm]
     with ThreadPoolExecutor(min(16, len(warm))) as pool:
-        list(pool.map(one, warm))
+        list(pool.map(lambda r: r[0].run(one, r[1]), runs))
     log(f"build: stock FlashInfer modules of {len(warm)} case(s) warm, {time.perf_counter() - t0:.0f} s")
 
 
@@ -408,9 +411,16 @@ def main(argv=None) -> int:
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
     cases = select([c for s in args.suite for c in cases_of(s, quick=args.quick)], args.case)
-    if args.contender:
-        from .contenders import SELECTED
-        SELECTED.set(frozenset(args.contender))
+    from .contenders import SELECTED
+    # set for this run only: a caller that runs main again (or a test) gets every contender unless it names some
+    token = SELECTED.set(frozenset(args.contender) if args.contender else None)
+    try:
+        return _run_cases(args, cases, ap)
+    finally:
+        SELECTED.reset(token)
+
+
+def _run_cases(args, cases: list[Case], ap) -> int:
     if args.list:
         for c in cases:
             print(f"{c.suite}\t{c.name}\tbaseline={c.baseline}")

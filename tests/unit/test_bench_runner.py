@@ -435,3 +435,106 @@ def test_train_cases_prebuild_the_fa3_forward_on_sm90_only(monkeypatch):
     soft, doc = by["softcap"].modules(), by["document_mask"].modules()
     assert soft and all("_fa3_single_prefill_" in m.uri for m in soft)
     assert doc and all("_fa3_batch_prefill" in m.uri for m in doc)
+
+
+def _selected_contenders(op, wanted, chosen, monkeypatch, **plans):
+    """contenders() of `document_mask` (a scanned mask) on a pretend sm90, with fresh random CPU inputs, under
+    --contender `chosen` (None: all); `plans` replace the variant's plan_* methods."""
+    import random
+
+    import fivar
+    from fivar.bench import contenders as C
+    v = fivar.load("document_mask")
+    assert v.scans_mask  # on sm90 its FA3 KV-range form is planned as the contenders are made
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    for name, fn in plans.items():
+        monkeypatch.setattr(v, name, fn)
+    p = C.make_problem(v, op, random.choice((32, 48, 64)), 2, (2, 1), 16, torch.float32, random.random() < 0.5,
+                       device="cpu")
+    token = C.SELECTED.set(chosen)
+    try:
+        return [c.name for c in C.contenders(v, p, wanted)]
+    finally:
+        C.SELECTED.reset(token)
+
+
+def test_contender_selection_makes_only_the_named_contenders_and_plans_nothing_else(monkeypatch):
+    """`--contender triton`: only the Triton twin is made; the eager FA3 plan, stock FlashInfer's planned wrappers,
+    Flex's compile and fivar's batch/decode plans of the contenders left out never run."""
+    import types
+
+    import fivar.flex
+    from fivar.bench import contenders as C
+    planned = []
+    plan = lambda *a, **k: planned.append(k.get("backend")) or types.SimpleNamespace(  # noqa: E731
+        run=lambda *a: None, target="fa3")
+    # every contender: the FA3 plan is made (so the check below can fail)
+    assert _selected_contenders("prefill", ["triton"], None, monkeypatch, plan_ragged=plan) == [
+        "fivar-fa3", "fivar-fa2", "fivar-fa3-planned", "triton"]
+    assert planned == ["fa3"]
+
+    def never(*a, **k):
+        raise AssertionError("a contender left out was made")
+    for name in ("stock_documents",):
+        monkeypatch.setattr(C, name, never)
+    monkeypatch.setattr(fivar.flex, "flex_attention_fn", never)
+    planned.clear()
+    wanted = ["stock", "stock-fa2", "triton", "flex", "sdpa", "plain"]
+    assert _selected_contenders("prefill", wanted, frozenset({"triton"}), monkeypatch, plan_ragged=plan) == ["triton"]
+    assert planned == []
+    assert _selected_contenders("batch-prefill", ["stock", "triton"], frozenset({"triton"}), monkeypatch,
+                                plan_ragged=never) == ["triton"]
+    assert _selected_contenders("decode", ["stock", "call", "graph", "triton"], frozenset({"tri*"}), monkeypatch,
+                                plan_decode=never) == ["triton"]
+
+
+def test_main_sets_the_contender_selection_for_its_run_only(monkeypatch, capsys):
+    from fivar.bench import runner
+    from fivar.bench.contenders import SELECTED
+    assert runner.main(["--suite", "masks", "--contender", "triton", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed and all(line.startswith("masks\t") for line in listed)  # --list still lists every case
+    seen = []
+    monkeypatch.setattr(runner, "_run_cases", lambda args, cases, ap: seen.append(SELECTED.get()) or 0)
+    runner.main(["--suite", "masks", "--contender", "triton", "--contender", "fivar-fa*"])
+    runner.main(["--suite", "masks"])
+    assert seen == [frozenset({"triton", "fivar-fa*"}), None] and SELECTED.get() is None
+
+
+def test_the_stock_warm_up_threads_see_the_contender_selection():
+    """warm_stock runs each case's warm-up in a thread of a pool, which starts from an empty context: the
+    selection must reach it, or `--contender triton` would still build every stock FlashInfer module."""
+    from fivar.bench import contenders as C
+    from fivar.bench.runner import warm_stock
+    seen = []
+    cases = [Case("zoo", f"c{i}", "prefill", {}, lambda: None,
+                  warm_stock=lambda: seen.append((C.SELECTED.get(), C.selected("stock")))) for i in range(3)]
+    token = C.SELECTED.set(frozenset({"triton"}))
+    try:
+        warm_stock(cases, log=lambda s: None)
+    finally:
+        C.SELECTED.reset(token)
+    assert seen == [(frozenset({"triton"}), False)] * 3
+
+
+def test_the_prebuild_builds_only_the_selected_contenders_modules(monkeypatch):
+    """`--contender` reaches the runner's parallel prebuild: a case builds the fivar modules of its selected
+    contenders only (none for `triton`), so a run of the Triton twin compiles nothing with nvcc."""
+    from fivar.bench import contenders as C
+    from fivar.bench.suites import _attention, cases_of
+    monkeypatch.setattr(_attention, "_sm90", lambda: True)
+    doc = next(c for c in cases_of("attention") if c.name.startswith("document_mask prefill"))  # a scanned mask
+    dec = next(c for c in cases_of("zoo") if c.op == "decode")
+
+    def under(chosen, case):
+        token = C.SELECTED.set(chosen)
+        try:
+            return sorted({f"{m.target}_{m.op}" for m in case.modules()})
+        finally:
+            C.SELECTED.reset(token)
+    every = under(None, doc)
+    assert {s.split("_")[0] for s in every} == {"fa2", "fa3"}
+    assert under(frozenset({"triton"}), doc) == [] and under(frozenset({"triton", "stock"}), dec) == []
+    assert under(frozenset({"fivar-fa2"}), doc) == [s for s in every if s.startswith("fa2_")]
+    assert under(frozenset({"fivar-fa3-planned"}), doc) == ["fa3_batch_prefill"]
+    assert under(None, dec) and under(frozenset({"fivar"}), dec) == under(None, dec)

@@ -490,9 +490,10 @@ def test_export_clear_import_round_trip_and_refusals(iso, tmp_path, monkeypatch)
 
 
 def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None, extra=None, consistent_index=True):
-    """A copy of an export with its metadata (a function of the dict) or one member's bytes replaced, or with
-    one more member (name, bytes). Its signature is dropped; with `consistent_index` the index lists the edited
-    members' new sha256 and size (what a careful forger does), so the checks behind the index are reached."""
+    """A copy of an export with its metadata (a function of the dict; raw bytes when it returns bytes) or one
+    member's bytes replaced, or with one more member (name, bytes). Its signature is dropped; with
+    `consistent_index` the index lists the edited members' new sha256 and size (what a careful forger does), so
+    the checks behind the index are reached."""
     with tarfile.open(src_path) as src:
         items = [(mem, src.extractfile(mem).read()) for mem in src.getmembers() if mem.name != "fivar_export.sig"]
     if member_edit:
@@ -508,7 +509,7 @@ def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None, extra=None,
     with tarfile.open(dst_path, "w:gz") as dst:
         for mem, data in items:
             if mem.name == "fivar_export.json":
-                data = json.dumps(meta).encode()
+                data = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
             mem.size = len(data)
             dst.addfile(mem, io.BytesIO(data))
     return dst_path
@@ -516,12 +517,15 @@ def _rewritten(src_path, dst_path, meta_edit=None, member_edit=None, extra=None,
 
 @pytest.mark.parametrize("case,match", [
     ("meta-list", "is not a JSON object"),
+    ("meta-deep", "is not a fivar cache export"),
+    ("sig-deep", "the signature file is malformed"),
     ("entries-int", "malformed entries"),
     ("entry-no-uri", "malformed entries"),
     ("uri-path", "malformed entries"),
     ("manifest-garbage", "malformed manifest: not JSON.*nothing was imported"),
     ("manifest-list", r"malformed manifest: not a JSON object \(a list\).*nothing was imported"),
     ("manifest-null", r"malformed manifest: not a JSON object \(a NoneType\)"),
+    ("manifest-deep", "malformed manifest: not JSON.*nested too deeply.*nothing was imported"),
     ("manifest-types", "field 'head_dim' is a str, expected int.*field 'sources' is a dict"),
     ("python-member", "is not a library, manifest or C.*refusing to import"),
     ("extra-source", "are not the ones its manifest lists"),
@@ -540,12 +544,16 @@ def test_a_malformed_export_is_refused_whole(iso, tmp_path, case, match, trust_u
     as_json("cache", "clear", "--yes")
     edits = {
         "meta-list": dict(meta_edit=lambda m: [m]),
+        # nested past the JSON reader's depth: a RecursionError, not a ValueError, from json.loads
+        "meta-deep": dict(meta_edit=lambda m: b"[" * 100000),
+        "sig-deep": dict(extra=("fivar_export.sig", b"[" * 60000)),
         "entries-int": dict(meta_edit=lambda m: {**m, "entries": 5}),
         "entry-no-uri": dict(meta_edit=lambda m: {**m, "entries": [{"so_sha256": "0"}]}),
         "uri-path": dict(meta_edit=lambda m: {**m, "entries": [{**m["entries"][0], "uri": "a/b"}]}),
         "manifest-garbage": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"{not json")),
         "manifest-list": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"[1, 2]")),
         "manifest-null": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"null")),
+        "manifest-deep": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", b"[" * 100000)),
         "manifest-types": dict(member_edit=(f"{m2.uri}/fivar_manifest.json", json.dumps(
             {**man2, "head_dim": "64", "sources": {}}).encode())),
         "python-member": dict(extra=(f"generated/{m2.uri}/payload.py", b"open('/tmp/x', 'w')")),
@@ -643,6 +651,34 @@ def test_launcher_lands_in_build_ninja(iso, tmp_path, monkeypatch):
     assert module(vfile).uri == m.uri  # a launcher does not change what is built
     r = invoke("build", "cachev", "--launcher", "no-such-launcher-xyz")
     assert r.exit_code == 1 and "no-such-launcher-xyz" in r.output and "not found" in r.output
+
+
+@pytest.mark.parametrize("c", list(" \t\n`$;&|<>()'\"\\*?[]:"))
+def test_a_launcher_path_holding_shell_syntax_is_refused_before_anything_runs(iso, tmp_path, monkeypatch, c):
+    """FlashInfer writes the launcher's path unquoted into build.ninja, whose commands /bin/sh runs: a path with
+    shell or ninja syntax is one line naming it, exported nowhere, and nothing is compiled."""
+    import flashinfer.jit.core as core
+    _, _, vfile = iso
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    evil = bindir / f"cc{c}touch PWNED{c}x"
+    evil.write_text("#!/bin/sh\nexec \"$@\"\n")
+    evil.chmod(0o755)
+    for var in ("FLASHINFER_NVCC_LAUNCHER", "FLASHINFER_CXX_LAUNCHER"):
+        monkeypatch.delenv(var, raising=False)
+    compiled = []
+    monkeypatch.setattr(core.JitSpecNvcc, "build", lambda self, *a, **k: compiled.append(self.name))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FivarError, match=r"compiler launcher .*PWNED.*holds .*install it") as e:
+        prewarm.configure_launcher(str(evil))
+    assert "\n" not in str(e.value)
+    r = invoke("build", "cachev", "--ops", "single_prefill", "--targets", "fa2", "--dtypes", "fp16",
+               "--head-dims", "64", "--launcher", str(evil))
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and r.output.startswith("error:") and "Traceback" not in r.output, r.output
+    assert "compiler launcher" in flat and "unquoted into build.ninja" in flat, r.output
+    assert compiled == [] and not list(tmp_path.rglob("PWNED*")) and not list(tmp_path.rglob("build.ninja"))
+    assert "FLASHINFER_NVCC_LAUNCHER" not in os.environ and "FLASHINFER_CXX_LAUNCHER" not in os.environ
 
 
 def test_nvcc_version_is_cached_per_binary_and_asked_again_when_nvcc_changes(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ MALFORMED = {
     "list": "[1, 2]",
     "null": "null",
     "not-json": "{oops",
+    "deep": "[" * 100000,  # past the JSON reader's depth: a RecursionError, not a ValueError
     "string": '"fivar"',
     "types": None,  # a real manifest with wrong field types (filled in per module)
     "schema": None,  # a schema this fivar does not know
@@ -62,6 +63,8 @@ def test_the_validator_names_what_is_wrong():
     assert "schema 3" in manifests.problems({**good, "schema": 3})[0]
     with pytest.raises(manifests.ManifestError, match="not JSON"):
         manifests.parse("{")
+    with pytest.raises(manifests.ManifestError, match="nested too deeply"):
+        manifests.parse("[" * 100000)
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
@@ -88,7 +91,7 @@ def test_every_cache_command_reports_a_malformed_manifest_and_verify_fix_repairs
     assert all(x["ok"] for x in as_json("cache", "verify"))
 
 
-@pytest.mark.parametrize("case", ["list", "null", "types"])
+@pytest.mark.parametrize("case", ["list", "null", "types", "deep"])
 def test_build_over_a_malformed_manifest_rebuilds_with_one_warning(iso, monkeypatch, caplog, case):
     _, ws, vfile = iso
     m = fake_built(module(vfile, "fp16", 64))
@@ -103,17 +106,18 @@ def test_build_over_a_malformed_manifest_rebuilds_with_one_warning(iso, monkeypa
     assert man["schema"] == manifests.SCHEMA_VERSION and man["cuda_cflags"] == m.cuda_cflags
 
 
-def test_fivar_build_cli_over_a_malformed_manifest_is_not_a_traceback(iso, monkeypatch):
+@pytest.mark.parametrize("case", ["list", "deep"])
+def test_fivar_build_cli_over_a_malformed_manifest_is_not_a_traceback(iso, monkeypatch, case):
     _, ws, vfile = iso
     m = fake_built(module(vfile, "fp16", 64))
-    _malform(m, "list")
+    _malform(m, case)
     compiled = []
     _fake_compiler(monkeypatch, compiled)
     r = invoke("build", "cachev", "--ops", "single_prefill", "--targets", "fa2", "--dtypes", "fp16",
                "--head-dims", "64")
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
     assert compiled == [m.uri] and m.manifest_ok()
-    assert f"built {m.uri}" in r.output  # not a terminal: one line per module compiled
+    assert f"compiled {m.uri}" in r.output  # not a terminal: one line per module compiled
 
 
 def test_a_same_size_corrupted_library_is_caught_and_rebuilt_never_served(iso, monkeypatch, caplog):

@@ -19,17 +19,22 @@ def _sm90() -> bool:
 
 
 def prefill_modules(variant) -> list:
-    """The modules the prefill contenders run: FA3 (on sm90) and FA2 single prefill, and FA3's KV-range form."""
+    """The modules the prefill contenders run: FA3 (on sm90) and FA2 single prefill, and FA3's KV-range form (each
+    only where its contender is selected: `--contender`)."""
     from ...jit.build import serving_modules
-    targets = ("fa3", "fa2") if _sm90() else ("fa2",)
+    from ..contenders import selected
+    targets = [t for t in (("fa3", "fa2") if _sm90() else ("fa2",)) if selected(f"fivar-{t}")]
     mods = [m for t in targets for m in serving_modules(variant, "single_prefill", t, "bf16", HEAD_DIM)]
-    if _sm90() and variant.scans_mask:
+    if _sm90() and variant.scans_mask and selected("fivar-fa3-planned"):
         mods += serving_modules(variant, "batch_prefill", "fa3", "bf16", HEAD_DIM)
     return mods
 
 
 def decode_modules(variant, kv_dtype=None) -> list:
     from ...jit.build import gen_module, kv_dtype_name, serving_modules
+    from ..contenders import selected
+    if not any(selected(n) for n in ("fivar", "fivar-call", "fivar-graph")):  # only others run: nothing to build
+        return []
     if kv_dtype is None:
         return serving_modules(variant, "batch_decode", "fa2", "bf16", HEAD_DIM)
     kv = kv_dtype_name(kv_dtype, DTYPE)  # an FP8 cache: both kernels decode may run
