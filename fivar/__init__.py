@@ -2,6 +2,7 @@
 from .errors import FivarBuildError, FivarError, FivarSpecError
 from .lang import abs, clamp, exp, exp2, floor, log, maximum, minimum, sigmoid, sqrt, tanh, where
 from .spec import AttentionVariant, Scalar, Tensor
+from .runtime import methods as _methods  # noqa: F401 (adds AttentionVariant's calls: prefill, decode, ...)
 from .fusion import FusionVariant
 from .runtime.lse import merge_states
 from .runtime.plan_cache import invalidate_plans

@@ -6,8 +6,8 @@ import torch
 
 import fivar
 from fivar import AttentionVariant, Scalar
-from fivar.bench.train import check_gradients, learnable_copy
-from fivar.testing import example_params
+from fivar.bench.train import learnable_copy
+from fivar.testing import check_gradients, example_params
 
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias",
            "softcap_sliding_window", "gpt_oss"]

@@ -1,14 +1,10 @@
-"""Training with a variant: gradient checks against float64 autograd of the reference, and the forward+backward
-benchmark (`--op train`): fivar's Triton forward+backward against FlexAttention's and SDPA's flash backend.
+"""Training with a variant: the forward+backward benchmark (`--op train`), fivar's Triton forward+backward against
+FlexAttention's and SDPA's flash backend (the gradient checks against float64 autograd of the reference:
+fivar.testing.check_gradients).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
-
-from ..testing import CheckResult, compare
 
 
 def learnable_copy(variant, names=None, learnable: bool = True):
@@ -20,98 +16,6 @@ def learnable_copy(variant, names=None, learnable: bool = True):
     params = {n: (replace(p, learnable=learnable, where=p.where) if isinstance(p, Tensor) and p.ir_type == "f32"
                   and (names is None or n in names) else p) for n, p in variant.params.items()}
     return replace(variant, params=params)
-
-
-def reference_gradients(variant, q, k, v, do, *, qo_lens, kv_lens, causal, params, sm_scale=None, o_used=None,
-                        dlse=None):
-    """(o, {"q": dq, "k": dk, "v": dv, param: dparam}) by float64 autograd through the torch reference, request by
-    request; gradients of the float tensor params declared learnable=True. `dlse`: the loss also reads the lse
-    (its gradient; every row must keep a key or have a sink, where the lse is finite).
-
-    `o_used`: the forward output a kernel's backward reads (a softmax backward's correction term is rowsum(o * do)
-    of it). A learnable param's gradient sums dS * d(logit)/d(param) over every pair, and a per-row error e in that
-    term shifts each dS by -e * P along its row, which such a sum does not average out (ALiBi's slope: a per-row
-    mean distance times e, against a total that cancels). With `o_used`, those param gradients are float64 autograd's
-    at the correction term the kernel had: dparam - d/dparam sum_i e_i * LSE_i (dLSE_i/dlogit_ij = P_ij)."""
-    from ..codegen.torch_ref import reference_attention
-    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
-    learn = {n: params[n].detach().float().requires_grad_(True) for n, p in variant.tensor_params.items()
-             if p.learnable}
-    full = {**params, **learn}
-    corrected = o_used is not None and variant.softmax and bool(learn)
-    want_lse = corrected or dlse is not None
-    outs, lses, qo, ko = [], [], 0, 0
-    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
-        got = reference_attention(variant, q64[qo:qo + lq], k64[ko:ko + lk], v64[ko:ko + lk], causal=causal,
-                                  sm_scale=sm_scale, params=full, batch_idx=b, batch_size=len(qo_lens),
-                                  float_dtype=torch.float64, return_lse=want_lse)
-        outs.append(got[0] if want_lse else got)
-        if want_lse:
-            lses.append(got[1])
-        qo, ko = qo + lq, ko + lk
-    o = torch.cat(outs)
-    do64 = do.double()
-    if corrected:
-        e = ((o_used.detach().double() - o.detach()) * do64).sum(-1)  # [tokens, heads]
-        lse = torch.cat(lses) * math.log(2.0)  # natural log
-        shift = torch.autograd.grad((torch.where(torch.isfinite(lse), lse, 0.0) * e).sum(), list(learn.values()),
-                                    retain_graph=True, allow_unused=True)
-    if dlse is None:
-        o.backward(do64)
-    else:
-        torch.autograd.backward([o, torch.cat(lses)], [do64, dlse.double()])
-    grads = {"q": q64.grad, "k": k64.grad, "v": v64.grad}
-    grads.update({n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in learn.items()})
-    if corrected:
-        for (n, _), s in zip(learn.items(), shift):
-            if s is not None:
-                grads[n] = grads[n] - s
-    return o.detach(), grads
-
-
-@dataclass
-class GradCheck:
-    results: list[CheckResult]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.results)
-
-    def __str__(self):
-        return "; ".join(f"{r.case}: rel {r.rel_err:.2e} max {r.max_err:.2e}{'' if r.passed else ' FAIL'}"
-                         for r in self.results)
-
-
-def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype, sm_scale=None,
-                    backend="auto", loss="o") -> GradCheck:
-    """Forward + backward through `variant.attention` against `reference_gradients`; `loss`: what it reads, "o",
-    "o+lse" or "lse" (fresh random gradients of each; every row must keep a key or have a sink to read the lse)."""
-    dev = q.device
-    learn = [n for n, p in variant.tensor_params.items() if p.learnable]
-    params = {n: (t.detach().clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
-    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    kw = {}
-    if len(qo_lens) > 1:
-        kw = dict(qo_indptr=torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device=dev),
-                  kv_indptr=torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32, device=dev))
-    if loss not in ("o", "o+lse", "lse"):
-        raise ValueError(f"loss must be 'o', 'o+lse' or 'lse', got {loss!r}")
-    o, lse = variant.attention(qg, kg, vg, causal=causal, sm_scale=sm_scale, backend=backend, return_lse=True, **kw,
-                               **params)
-    do = torch.randn_like(o) if "o" in loss else torch.zeros_like(o)  # zeros: the reference's do for an lse-only loss
-    dlse = torch.randn_like(lse) if "lse" in loss else None
-    read = [(o, do)] * ("o" in loss) + [(lse, dlse)] * (dlse is not None)  # what the loss reads, with its gradient
-    torch.autograd.backward([t for t, _ in read], [g for _, g in read])
-    ref_o, ref = reference_gradients(variant, q, k, v, do, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal,
-                                     params=params, sm_scale=sm_scale, o_used=o.detach(), dlse=dlse)
-    got = {"q": qg.grad, "k": kg.grad, "v": vg.grad, **{n: params[n].grad for n in learn}}
-    results = [compare(variant.name, "o", o.detach(), ref_o, dtype)]
-    for name, want in ref.items():
-        g = got[name]
-        if g is None:
-            g = torch.zeros_like(want)
-        results.append(compare(variant.name, f"d{name}", g.detach(), want, dtype))
-    return GradCheck(results)
 
 
 # --- `--op train`: forward + backward, fivar vs Flex vs SDPA's flash backend -------------------------------------
@@ -339,5 +243,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["bench_train", "check_gradients", "learnable_copy", "measurements", "reference_gradients", "result_rows",
-           "train_contenders"]
+__all__ = ["bench_train", "learnable_copy", "measurements", "result_rows", "train_contenders"]

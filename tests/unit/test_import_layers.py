@@ -1,6 +1,8 @@
 """fivar's modules import one way: no module reaches itself through the imports it makes at import time, nor
 through the imports its functions make when called (a lazy import defers a circle, it does not remove it), and
-spec -> codegen -> jit -> runtime import only downward but for the AttentionVariant methods listed below."""
+spec -> codegen -> jit -> runtime import only downward, counting the imports functions make: AttentionVariant's calls
+(`v.prefill(...)`, `v.reference(...)`) are added from above the runtime (fivar.runtime.methods), as FusionVariant's
+are (fivar.fusion.variant), so the spec loads, and parses variants, without any kernel layer."""
 import ast
 from pathlib import Path
 
@@ -8,15 +10,8 @@ import fivar
 
 PACKAGE = Path(fivar.__file__).parent
 
-#: The one pattern of upward import: AttentionVariant is the object a user calls (`v.prefill(...)`,
-#: `v.attention(...)`, `v.plan_decode(..., cuda_graph=True)`, `v.reference(...)`), so its methods import the
-#: runtime and the reference when called, each edge listed here. A declaration that imported its runtime at import
-#: time could not be loaded without it; FusionVariant avoids the edge by adding its calls in a subclass above its
-#: runtime (fivar.fusion.variant).
-CALLS_ITS_RUNTIME = {("fivar.spec.variant", "fivar.runtime.attention"),  # prefill, decode, plans, backend names
-                     ("fivar.spec.variant", "fivar.runtime.autograd"),  # attention (differentiable)
-                     ("fivar.spec.variant", "fivar.runtime.graph"),  # plan_decode(cuda_graph=True)
-                     ("fivar.spec.variant", "fivar.codegen.torch_ref")}  # reference
+#: What no module under fivar/spec may import, in any statement: the layers above it.
+ABOVE_THE_SPEC = ("fivar.codegen", "fivar.jit", "fivar.runtime", "fivar.bench")
 
 #: Layers from the bottom: a module imports (at import time or in its functions) only its own layer and those below.
 #: Modules outside these layers (fivar.cache, fivar.flashinfer_compat, fusion, bench, the CLI...) are checked for
@@ -105,7 +100,9 @@ def test_the_graph_sees_imports():
     # fusion.runtime imports fusion.build inside bind() only: seen with in_functions, not without
     assert "fivar.fusion.build" not in graph["fivar.fusion.runtime"]
     assert "fivar.fusion.build" in _graph(in_functions=True)["fivar.fusion.runtime"]
-    assert CALLS_ITS_RUNTIME <= {(a, b) for a, bs in _graph(in_functions=True).items() for b in bs}
+    # AttentionVariant.plan_decode(cuda_graph=True) imports the graph plans when called
+    assert "fivar.runtime.graph" in _graph(in_functions=True)["fivar.runtime.methods"]
+    assert "fivar.runtime.graph" not in graph["fivar.runtime.methods"]
 
 
 def _layer(module: str) -> int | None:
@@ -119,15 +116,12 @@ def test_no_import_circles():
 
 
 def test_no_import_circles_through_imports_inside_functions():
-    graph = _graph(in_functions=True)
-    for a, b in CALLS_ITS_RUNTIME:
-        graph[a].discard(b)
-    cycles = _cycles(graph)
+    cycles = _cycles(_graph(in_functions=True))
     assert not cycles, f"import circles through imports inside functions: {cycles}"
 
 
 def test_layers_point_down():
-    """No edge to a higher layer but CALLS_ITS_RUNTIME; the leaves and the spec import nothing outside the layers."""
+    """No edge to a higher layer; the leaves and the spec import nothing outside the layers."""
     up = []
     for a, bs in _graph(in_functions=True).items():
         la = _layer(a)
@@ -135,7 +129,67 @@ def test_layers_point_down():
             continue
         for b in bs:
             lb = _layer(b)
-            if (a, b) not in CALLS_ITS_RUNTIME and (lb > la if lb is not None else la <= 1):
+            if lb > la if lb is not None else la <= 1:
                 up.append(f"{a} -> {b}")
     assert not up, f"imports pointing up the layers: {sorted(up)}"
     assert _layer("fivar.spec.names") == 1 and _layer("fivar.runtime.ops") == 4 and _layer("fivar.cache") is None
+
+
+def _every_import(source: str, name: str, is_package: bool = False) -> set[str]:
+    """Every module an import statement anywhere in `source` names (top level, functions, classes, `if
+    TYPE_CHECKING:`), relative ones resolved from module `name`: `from ..runtime import graph` gives fivar.runtime
+    and fivar.runtime.graph; also importlib.import_module / __import__ of a literal name."""
+    package = name if is_package else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) \
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__"):
+            out.add(node.args[0].value)
+    return out
+
+
+def _reaches_above_the_spec(imports: set[str]) -> list[str]:
+    return sorted(m for m in imports if any(m == up or m.startswith(up + ".") for up in ABOVE_THE_SPEC))
+
+
+def test_every_import_sees_imports_inside_functions():
+    old = """from . import live
+class AttentionVariant:
+    def plan_decode(self):
+        if cuda_graph:
+            from ..runtime.graph import GraphDecodePlan
+    def reference(self):
+        from .. import codegen
+def _runtime():
+    import fivar.jit.build
+    return importlib.import_module("fivar.bench.runner")
+"""
+    got = _every_import(old, "fivar.spec.variant")
+    assert _reaches_above_the_spec(got) == ["fivar.bench.runner", "fivar.codegen", "fivar.jit.build",
+                                            "fivar.runtime.graph", "fivar.runtime.graph.GraphDecodePlan"]
+    assert "fivar.spec.live" in got and not _reaches_above_the_spec({"fivar.spec.live", "fivar.runtimes", "torch"})
+
+
+def test_the_spec_imports_no_layer_above_it():
+    """No module under fivar/spec imports the codegen, the JIT, the runtime or the benchmarks, in any statement:
+    a declaration loads, parses and lowers without them."""
+    spec = PACKAGE / "spec"
+    found = {}
+    for path in sorted(spec.rglob("*.py")):
+        name = _module_name(path)
+        up = _reaches_above_the_spec(_every_import(path.read_text(), name, path.name == "__init__.py"))
+        if up:
+            found[name] = up
+    assert len(list(spec.rglob("*.py"))) > 10
+    assert not found, f"fivar/spec imports layers above it: {found}"
+

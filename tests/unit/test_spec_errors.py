@@ -227,6 +227,21 @@ def test_param_names_fivar_itself_takes(pname, why):
     assert info.value.line == declared.where["line"]
 
 
+def test_every_argument_of_the_calls_is_a_refused_param_name():
+    """The spec refuses params named like the calls' arguments from its own list, as the calls are added from above
+    the runtime (fivar.runtime.methods): that list is every argument the class's calls take, read from them now."""
+    from fivar.runtime.methods import call_kwargs
+    from fivar.spec.variant import CALL_KWARGS
+
+    def logits(s, b, h, kh, qi, ki, p):
+        return s
+    taken = call_kwargs(AttentionVariant)
+    assert taken == CALL_KWARGS and {"causal", "kv_last_page_len", "cuda_graph", "batch_idx", "out"} <= taken
+    for pname in sorted(taken):
+        with pytest.raises(FivarSpecError, match=f"parameter name '{pname}' cannot be used"):
+            AttentionVariant(name="badvar", logits=logits, params={pname: Scalar(float, default=1.0)})
+
+
 @pytest.mark.parametrize("pname", ["o", "window_left", "lse", "kv_len", "int", "maybe_x", "fv_x", "_x", "__x", "INFINITY",
                                    "NAN", "errno", "NULL", "EOF", "M_PI", "FLT_MAX", "grid", "num_warps", "num_stages",
                                    "\u03b1"])

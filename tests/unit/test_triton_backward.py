@@ -6,10 +6,10 @@ import torch
 
 import fivar
 from fivar import AttentionVariant, Scalar, Tensor, clamp, log, tanh
-from fivar.bench.train import check_gradients, learnable_copy, reference_gradients
+from fivar.bench.train import learnable_copy
 from fivar.codegen.triton import kernel_arg_values
 from fivar.runtime.params import bind_params
-from fivar.testing import compare, document_ids, example_params
+from fivar.testing import check_gradients, compare, document_ids, example_params, reference_gradients
 
 DTYPE = torch.float16  # the interpreter has no bfloat16 arithmetic
 BUNDLED = ["softcap", "alibi", "sigmoid", "sliding_window", "document_mask", "relative_bias", "softcap_sliding_window",
