@@ -1,7 +1,9 @@
 """What each path skips of a variant's mask, and how: the text of `fivar show NAME --explain`.
 
 One line per path, read off the same analyses the runtime uses (fivar.spec.bounds' band, fivar.spec.sparsity's
-block map, fivar.codegen's window forms), so the text cannot drift from what runs.
+block map, fivar.codegen's window forms), so the text cannot drift from what runs. Each path's decision is made
+once (_fa3_form, _fa2_form, _decode_form, _triton_cut_tiles) and rendered twice: short (the default answer) and
+long (--verbose).
 """
 from __future__ import annotations
 
