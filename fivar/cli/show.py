@@ -14,17 +14,21 @@ from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilit
 @click.argument("name")
 @click.option("--target", type=click.Choice(["fa2", "fa3", "triton", "ir"]), default=None,
               help="attention variants only  [default: fa2]")
-@click.option("--explain", is_flag=True, help="say which target `backend='auto'` picks for each op here, and why")
+@click.option("--explain", is_flag=True, help="say in a few lines which kernel `backend='auto'` runs each path on, "
+              "what it skips and what the mask costs (with --verbose: every rule, and why)")
+@click.option("--verbose", is_flag=True, help="with --explain: the full rules behind each choice")
 @click.option("--op", type=click.Choice(OPS), default="single_prefill", show_default=True)
 @click.option("--sources", is_flag=True, help="print every generated source file of the module, not just the struct")
 @click.option("--dtype", default="bf16", show_default=True)
 @click.option("--head-dim", default=128, show_default=True)
 @click.option("--arch", default=None, help="target arch for --sources and --explain without a GPU, e.g. 9.0a")
-def show(name, target, op, sources, dtype, head_dim, arch, explain):
+def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
     """Print what fivar generates for a variant."""
     from .. import load
     from ..spec import optimize
     from ..spec.ir import format_program
+    if verbose and not explain:
+        raise FivarError("--verbose goes with --explain (`fivar show NAME --explain --verbose`)")
     v = load(name)
     if getattr(v, "kind", None) == "fusion":  # a fusion: its rendered CUDA source (--sources: with the header)
         if target or explain:
@@ -55,19 +59,32 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain):
         capability = None
         where = "--arch" if arch else "FLASHINFER_CUDA_ARCH_LIST"
         arch = arch or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
-        no_sm90a = False
+        no_sm90a, as_on = False, ""
         if arch and not torch.cuda.is_available():  # what auto would pick on that GPU
             from ..jit.toolchain import check_arch_list
             check_arch_list(arch, where)
             capability = _arch_capability(arch)
             no_sm90a = not _builds_sm90a(arch)
-            console.print(f"no GPU visible: as on sm{capability[0]}{capability[1]} ({where} {arch})")
+            as_on = f"no GPU visible: as on sm{capability[0]}{capability[1]} ({where} {arch})"
+        picks = []
         for o in OPS:
             t, why = choose_target(v, "auto", o, capability=capability)
             if t == "fa3" and no_sm90a:  # what `fivar build` does with such a list
                 t, why = "fa2", f"{where} {arch} builds no sm_90a code, which FA3 kernels need: FA2 (add 9.0a for FA3)"
+            picks.append((o, t, why))
+        from ..explain import lines, short
+        # the answer in a few lines, the same choices rendered short; --verbose adds every rule and why
+        console.print((f"{as_on}: " if as_on else "") + ", ".join(f"{o} [bold]{t}[/]" for o, t, _ in picks)
+                      + ("" if verbose else " (--verbose: why, and every rule)"))
+        for line in short(v, arch, where):
+            console.print(_escape(line))
+        if not verbose:
+            return
+        console.print()
+        if as_on:
+            console.print(as_on)
+        for o, t, why in picks:
             console.print(f"{o}: [bold]{t}[/] - {_escape(why)}")
-        from ..explain import lines
         for line in lines(v, arch, where):
             console.print(_escape(line))
         return

@@ -1,7 +1,9 @@
 """What each path skips of a variant's mask, and how: the text of `fivar show NAME --explain`.
 
 One line per path, read off the same analyses the runtime uses (fivar.spec.bounds' band, fivar.spec.sparsity's
-block map, fivar.codegen's window forms), so the text cannot drift from what runs.
+block map, fivar.codegen's window forms), so the text cannot drift from what runs. Each path's decision is made
+once (_fa3_form, _fa2_form, _decode_form, _triton_cut_tiles) and rendered twice: short (the default answer) and
+long (--verbose).
 """
 from __future__ import annotations
 
@@ -25,29 +27,68 @@ def _band_text(v) -> str:
     return f"the mask {'is exactly' if band.exact else 'implies'} the band {' and '.join(sides)}"
 
 
-def block_map_summary(v, causal: bool = True) -> str:
-    """The block map at SAMPLE_LEN with the params' defaults, or why it is computed per call."""
+def _block_map_shares(v, causal: bool = True) -> dict[str, str] | str | None:
+    """The block map's share of empty, full and partial tiles at SAMPLE_LEN with the params' defaults; "per call"
+    where it depends on tensors or params without defaults; None without a mask."""
     if v.ir.mask is None:
-        return "block map: no mask (causal only skips tiles)"
+        return None
     if v.tensor_params or any(p.default is None for p in v.params.values() if isinstance(p, Scalar)):
-        return ("block map: depends on tensor params or params without defaults; the runtime reads it per call "
-                "(fivar.spec.sparsity.classify)")
+        return "per call"
     scalars = {n: p.default for n, p in v.scalar_params.items()}
     bm = sparsity.classify(v.ir.mask, qo_len=SAMPLE_LEN, kv_len=SAMPLE_LEN, q_block=SAMPLE_Q_BLOCK,
                            kv_block=SAMPLE_KV_BLOCK, scalars=scalars, causal=causal)
     c = bm.counts()
     total = sum(c.values())
-    pct = lambda n: f"{100.0 * n / total:.1f}%"  # noqa: E731
+    return {k: f"{100.0 * n / total:.1f}%" for k, n in c.items()}
+
+
+def block_map_summary(v, causal: bool = True) -> str:
+    """The block map at SAMPLE_LEN with the params' defaults, or why it is computed per call."""
+    shares = _block_map_shares(v, causal)
+    if shares is None:
+        return "block map: no mask (causal only skips tiles)"
+    if shares == "per call":
+        return ("block map: depends on tensor params or params without defaults; the runtime reads it per call "
+                "(fivar.spec.sparsity.classify)")
     return (f"block map ({SAMPLE_Q_BLOCK}x{SAMPLE_KV_BLOCK} tiles, S={SAMPLE_LEN}, causal, default params): "
-            f"{pct(c['empty'])} empty (never visited where a path skips), {pct(c['full'])} full (no mask needed), "
-            f"{pct(c['partial'])} partial")
+            f"{shares['empty']} empty (never visited where a path skips), {shares['full']} full (no mask needed), "
+            f"{shares['partial']} partial")
+
+
+def _fa3_form(v) -> str:
+    """How FA3 prefill runs this variant's mask: the one decision both the long and the short text key on."""
+    if v.ir.mask is None:
+        return "no mask"
+    if v.scans_mask:
+        return "kv ranges"
+    if fa3.runs_as_window(v):
+        return "window"
+    return "band" if v.kv_band.left is not None else "every tile"
+
+
+def _fa3_short(v) -> str:
+    form = _fa3_form(v)
+    if form == "kv ranges":
+        return ("fa3 prefill: KV-range form, a query block over the keys a pre-pass keeps (empty tiles unread); "
+                "unmasked: row runs, segments (FA3 causal)" + (", windows (FA3 window)" if fa3.may_keep_windows(v)
+                                                               else "")
+                + "; else the mask per pair" + ("; per-head requests where heads differ"
+                                                if fa3.mask_reads_head(v) else ""))
+    return "fa3 prefill: " + {
+        "no mask": "FlashInfer's kernel; causal skips the upper triangle; no mask",
+        "window": ("FlashInfer's sliding window (window_left from the band): skips tiles left of it; only its "
+                   "boundary tiles are masked, no mask in the struct"),
+        "band": ("FlashInfer's sliding-window schedule skips the tiles left of the band; the mask per element on "
+                 "every tile visited"),
+        "every tile": "FlashInfer's kernel visits every tile (causal: the lower triangle); the mask per element",
+    }[form]
 
 
 def _fa3_line(v) -> str:
-    band = v.kv_band
-    if v.ir.mask is None:
+    form = _fa3_form(v)
+    if form == "no mask":
         return "fa3 prefill: causal only skips tiles (no mask)"
-    if v.scans_mask:
+    if form == "kv ranges":
         return ("fa3 prefill (single, ragged; called causally): when the mask pre-pass finds that every row keeps "
                 "exactly the keys from its segment's first key to itself (documents, chunks), a request of FA3's "
                 "causal mode per segment over its own keys, as stock FlashInfer runs packed documents: no mask "
@@ -69,19 +110,43 @@ def _fa3_line(v) -> str:
                    f"blocks of each head read at most {HEAD_REQUESTS_GAIN:.0%} of their union's keys, single and "
                    "ragged prefill run a request per (head, request) over q, k and v read a head a row, each head "
                    "over its own keys" if fa3.mask_reads_head(v) else ""))
-    if fa3.runs_as_window(v):
+    if form == "window":
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")
-    if band.left is not None:
+    if form == "band":
         return ("fa3 prefill: FlashInfer's sliding-window schedule skips the tiles left of the band (window_left from "
                 "it); the mask runs element-wise on every tile visited")
     return "fa3 prefill: visits every tile (causal skips the upper triangle); the mask runs element-wise"
 
 
-def _fa2_line(v) -> str:
+def _fa2_form(v) -> str:
+    """How FA2 prefill runs this variant's mask: the one decision both the long and the short text key on."""
     if v.ir.mask is None:
-        return "fa2 prefill: causal only skips tiles (no mask)"
+        return "no mask"
     if v.scans_mask:
+        return "blocks"
+    return "causal window" if fa2.window_form(v) else "custom"
+
+
+def _fa2_short(v) -> str:
+    form = _fa2_form(v)
+    unsplit = "" if form not in ("causal window", "custom") or v.kv_band.causal_window else "; non-causal runs unsplit"
+    return "fa2 prefill: " + {
+        "no mask": "FlashInfer's kernel; causal skips the tiles right of the diagonal; no mask",
+        "blocks": ("a query block a paged request over the pages the block map keeps (empty tiles unread); chunks "
+                   "kCausal (mask on diagonal, first tiles), the rest kCustom (mask per pair but FULL blocks)"),
+        "causal window": ("window_left from the band skips tiles left of it; called causally, kCausal: tiles right of "
+                          "the diagonal skipped, only cut tiles evaluate the mask"),
+        "custom": ("window_left from the band skips tiles left of it; kCustom: the mask per element on every tile "
+                   "visited, right of the diagonal included"),
+    }[form] + unsplit
+
+
+def _fa2_line(v) -> str:
+    form = _fa2_form(v)
+    if form == "no mask":
+        return "fa2 prefill: causal only skips tiles (no mask)"
+    if form == "blocks":
         return ("fa2 prefill (single, ragged; called causally): when the mask pre-pass finds that every row keeps "
                 "exactly the keys from its segment's first key to itself (documents, chunks), a request of FA2's "
                 "ragged kernel per segment in kCausal mode, as stock FA2 runs documents: no mask evaluated, the "
@@ -97,7 +162,7 @@ def _fa2_line(v) -> str:
                 "the mask, causal included, on every pair read except the keys of FULL blocks")
     how = ("; called causally (a causal window: however called) it runs in kCausal mode: the tiles right of the "
            "diagonal are skipped too, and only the tiles the window or the diagonal cut evaluate the mask"
-           if fa2.window_form(v) else
+           if form == "causal window" else
            "; kCustom mode: the mask runs on every tile visited, and the tiles right of the diagonal are visited")
     if not v.kv_band.causal_window:
         how += ("; a non-causal call runs unsplit (FlashInfer sizes a window's split-KV chunks for a causal window)")
@@ -105,15 +170,34 @@ def _fa2_line(v) -> str:
             "each query tile starts its KV loop there" + how)
 
 
-def _decode_line(v) -> str:
-    band = v.kv_band
+def _decode_form(v) -> str:
+    """How decode runs this variant's mask: the one decision both the long and the short text key on."""
     if v.ir.mask is None:
+        return "no mask"
+    if v.kv_band.exact and v.kv_band.left is not None:
+        return "window"
+    return "trimmed pages" if trims_decode_pages(v) else "every page"
+
+
+def _decode_short(v) -> str:
+    return "decode: " + {
+        "no mask": "FlashInfer's paged kernel reads every page; no mask",
+        "window": "the tensor-core paged kernel with window_left: reads only the window's pages, like stock decode",
+        "trimmed pages": ("pages trimmed to those the block map may keep (key-segments form); one run a request: "
+                          "kCausal, the mask on its first and last tile; else the mask on every key read"),
+        "every page": "reads every page (the mask does not depend on the key position); the mask on every key",
+    }[_decode_form(v)]
+
+
+def _decode_line(v) -> str:
+    form = _decode_form(v)
+    if form == "no mask":
         return "decode: reads every page of each request"
-    if band.exact and band.left is not None:
+    if form == "window":
         return ("decode: the tensor-core paged kernel with window_left = the band's left edge: it reads only the "
                 "pages from q_idx - window_left on (FlashInfer's scheduler sizes each request's work by the window), "
                 "like stock decode with window_left")
-    if trims_decode_pages(v):
+    if form == "trimmed pages":
         return ("decode (v.decode, and FA2 plans of one query per request): each request's pages are trimmed to "
                 "those that may hold kept keys (the block map per page, on the device): the first run of such pages "
                 "and the hull of the rest, read on the tensor-core paged kernel in the key-segments form "
@@ -124,15 +208,31 @@ def _decode_line(v) -> str:
     return "decode: reads every page of each request (the mask does not depend on the key position)"
 
 
+def _triton_cut_tiles(v) -> tuple[bool, int]:
+    """(whether the twin's cut tiles read the block map's bits, the mask's cost per pair): codegen.triton's choice."""
+    from ..codegen.triton import TritonEmitter, reads_mask_bits
+    return reads_mask_bits(v), TritonEmitter(v).mask_element_cost()
+
+
+def _triton_short(v) -> str:
+    from ..codegen.triton import MASK_BITS_COST
+    if v.ir.mask is None or not v.scans_mask:
+        return _triton_line(v)
+    bits, cost = _triton_cut_tiles(v)
+    return ("triton: a block map made on the device skips empty tiles, runs full ones unmasked; cut tiles "
+            + (f"read precomputed bits (the mask: ~{cost} ops a pair > the bits' {MASK_BITS_COST})" if bits else
+               f"evaluate the mask (~{cost} ops a pair <= the bits' {MASK_BITS_COST})"))
+
+
 def _triton_line(v) -> str:
     if v.ir.mask is None:
         return "triton: causal only bounds the KV loop"
     if not v.scans_mask:
         return "triton: the band bounds the KV loop; only the tiles its edges cut evaluate the mask"
-    from ..codegen.triton import MASK_BITS_COST, TritonEmitter, reads_mask_bits
-    cost = TritonEmitter(v).mask_element_cost()
+    from ..codegen.triton import MASK_BITS_COST
+    bits, cost = _triton_cut_tiles(v)
     cut = (f"read the bits a pass over the mask stored for them (the mask costs about {cost} operations a pair, "
-           f"more than the bits' {MASK_BITS_COST})" if reads_mask_bits(v) else
+           f"more than the bits' {MASK_BITS_COST})" if bits else
            f"evaluate the mask (about {cost} operations a pair, no more than reading bits would cost)")
     return ("triton: the block map (made on the device from the mask, once per call signature and params): each "
             "query tile visits only its non-empty key tiles, the tiles the mask keeps whole with no mask at all, "
@@ -153,6 +253,23 @@ def mask_skipping(v) -> list[str]:
          "unchanged (identity and version counter: a tensor written in place is planned again)"),
         _position_tables_line(v),
     ]
+
+
+def short_paths(v) -> list[str]:
+    """The short answer's lines on the mask and each path, keyed on the same decisions as mask_skipping's."""
+    shares, band = _block_map_shares(v), _band_text(v).removeprefix("the mask ")
+    if shares is None:
+        mask = "mask: none"
+    elif shares == "per call":
+        mask = f"mask: {band}; block map made per call (it reads tensors or params without defaults)"
+    else:
+        mask = (f"mask: {band}; block map at S={SAMPLE_LEN}, causal: {shares['empty']} of "
+                f"{SAMPLE_Q_BLOCK}x{SAMPLE_KV_BLOCK} tiles empty, {shares['full']} full, {shares['partial']} cut")
+    out = [mask, _fa3_short(v), _fa2_short(v), _decode_short(v), _triton_short(v)]
+    if v.lowered.position_tables:
+        names = ", ".join(t.name for t in v.lowered.position_tables)
+        out.append(f"position-only logits terms: tabulated once per call into {names}, gathered by fa2, fa3 and triton")
+    return out
 
 
 def _position_tables_line(v) -> str:

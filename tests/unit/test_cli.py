@@ -163,17 +163,17 @@ def test_explain_with_an_arch_says_what_auto_picks_there():
     from click.testing import CliRunner
 
     from fivar.cli import main
-    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"])
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--verbose", "--arch", "9.0a"])
     assert r.exit_code == 0 and "single_prefill: fa3" in r.output and "batch_decode: fa2" in r.output, r.output
     flat = " ".join(r.output.split())
     assert "fa2 prefill KV tiles: fixed at compile time for 233472 bytes of shared memory per SM" in flat, r.output
-    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "8.0"])
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--verbose", "--arch", "8.0"])
     assert r.exit_code == 0 and "single_prefill: fa2 - sm80 GPU" in r.output, r.output
     assert "fixed at compile time for 167936 bytes" in " ".join(r.output.split()), r.output
-    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "8.0 9.0a"])
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--verbose", "--arch", "8.0 9.0a"])
     flat = " ".join(r.output.split())
     assert "KV tiles: chosen at run time by FlashInfer (--arch 8.0 9.0a: archs of different" in flat, r.output
-    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"], env={"FIVAR_PIN_KV_TILES": "0"})
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--verbose", "--arch", "9.0a"], env={"FIVAR_PIN_KV_TILES": "0"})
     assert "KV tiles: chosen at run time by FlashInfer (--arch 9.0a: FIVAR_PIN_KV_TILES=0)" in " ".join(r.output.split())
 
 
@@ -181,9 +181,9 @@ def test_explain_says_which_variants_split_fa3s_last_wave():
     from click.testing import CliRunner
 
     from fivar.cli import main
-    flat = " ".join(CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"]).output.split())
+    flat = " ".join(CliRunner().invoke(main, ["show", "softcap", "--explain", "--verbose", "--arch", "9.0a"]).output.split())
     assert "last wave, non-causal: the last heads run as key chunks" in flat and "FIVAR_FA3_WAVE_SPLIT=0" in flat, flat
-    flat = " ".join(CliRunner().invoke(main, ["show", "alibi", "--explain", "--arch", "9.0a"]).output.split())
+    flat = " ".join(CliRunner().invoke(main, ["show", "alibi", "--explain", "--verbose", "--arch", "9.0a"]).output.split())
     assert "fa3 single prefill last wave: never split" in flat, flat
 
 
@@ -194,7 +194,7 @@ def test_explain_says_which_fa3_kernels_run_persistent(monkeypatch):
     monkeypatch.delenv("FIVAR_FA3_SCHEDULE", raising=False)
 
     def explained(name, **env):
-        r = CliRunner().invoke(main, ["show", name, "--explain", "--arch", "9.0a"], env=env)
+        r = CliRunner().invoke(main, ["show", name, "--explain", "--verbose", "--arch", "9.0a"], env=env)
         assert r.exit_code == 0, r.output
         return " ".join(r.output.split())
     flat = explained("sliding_window")
@@ -203,7 +203,7 @@ def test_explain_says_which_fa3_kernels_run_persistent(monkeypatch):
     flat = explained("softcap", FIVAR_FA3_SCHEDULE="persistent")
     assert "persistent non-causal, persistent causal (FIVAR_FA3_SCHEDULE;" in flat
     assert "last wave: never split (the non-causal kernel is persistent" in flat
-    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--arch", "9.0a"], env={"FIVAR_FA3_SCHEDULE": "x"})
+    r = CliRunner().invoke(main, ["show", "softcap", "--explain", "--verbose", "--arch", "9.0a"], env={"FIVAR_FA3_SCHEDULE": "x"})
     assert r.exit_code != 0 and "variant 'softcap': FIVAR_FA3_SCHEDULE='x': expected grid or persistent" in r.output
     assert "Traceback" not in r.output
 
@@ -314,9 +314,9 @@ def test_explain_reads_the_arch_list_and_builds_fa3_only_for_9_0a(runner, monkey
     """`show --explain` answers as `build` acts: FLASHINFER_CUDA_ARCH_LIST like --arch, and a list without 9.0a
     (a plain 9.0 builds no sm_90a code) runs FA2."""
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
-    r = runner.invoke(main, ["show", "softcap", "--explain"])
+    r = runner.invoke(main, ["show", "softcap", "--explain", "--verbose"])
     assert r.exit_code == 0 and "single_prefill: fa3" in r.output and "FLASHINFER_CUDA_ARCH_LIST 9.0a" in r.output
-    r = runner.invoke(main, ["show", "softcap", "--explain", "--arch", "9.0"])
+    r = runner.invoke(main, ["show", "softcap", "--explain", "--verbose", "--arch", "9.0"])
     flat = " ".join(r.output.split())
     assert r.exit_code == 0 and "single_prefill: fa2 - --arch 9.0 builds no sm_90a code" in flat, r.output
 

@@ -1,0 +1,105 @@
+"""`fivar show NAME --explain`: a short answer (at most 10 lines) for every bundled, zoo and battery variant, read off
+the same decisions as the full rules `--verbose` adds."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import fivar
+from fivar.cli import main
+from fivar.cli._common import console
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = sorted([*(ROOT / "variants").glob("*.py"), *(ROOT / "benchmarks" / "zoo").glob("*.py"),
+                *(ROOT / "benchmarks" / "masks").glob("*.py")])
+ATTENTION = [f for f in FILES if f.name != "__init__.py" and getattr(fivar.load(str(f)), "kind", None) != "fusion"]
+PATHS = ("fa3 prefill", "fa2 prefill", "decode", "triton")
+
+
+@pytest.fixture(autouse=True)
+def _piped_width(monkeypatch):
+    # lines are counted as printed: at the 200 columns a pipe gets, whatever the test's terminal
+    monkeypatch.setattr(console, "width", 200)
+
+
+def _explain(path, *flags, env=None):
+    r = CliRunner().invoke(main, ["show", str(path), "--explain", *flags, "--arch", "9.0a"], env=env)
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    return r.output.splitlines()
+
+
+def test_the_battery_has_every_kind_of_variant():
+    assert len(ATTENTION) >= 25 and any(f.parent.name == "masks" for f in ATTENTION)
+
+
+@pytest.mark.parametrize("path", ATTENTION, ids=lambda f: f"{f.parent.name}/{f.stem}")
+def test_explain_is_short_names_each_path_and_verbose_adds_the_rules(path):
+    from fivar.explain import lines
+    from fivar.runtime.explain import mask_skipping
+    short = _explain(path)
+    assert len(short) <= 10, "\n".join(short)
+    assert "single_prefill fa3, batch_prefill fa3, batch_decode fa2" in short[0], short[0]
+    for p in PATHS:
+        assert sum(line.startswith(f"{p}: ") for line in short) == 1, (p, short)
+    assert any(line.startswith("fa3 single prefill") for line in short)
+    assert any(line.startswith("fa2 prefill KV tiles: fixed at compile time") for line in short)
+    verbose = _explain(path, "--verbose")
+    assert verbose[0] in short[0] and set(short[1:]) <= set(verbose), (short, verbose)
+    flat = " ".join(" ".join(verbose).split())
+    v = fivar.load(str(path))
+    for rule in [*mask_skipping(v), *lines(v, "9.0a", "--arch")]:
+        assert " ".join(rule.split()) in flat, rule
+    assert "single_prefill: fa3 - sm90 GPU" in flat and "batch_decode: fa2 - decode runs on FA2" in flat
+
+
+def _battery(name):
+    return next(f for f in ATTENTION if f.parent.name == "masks" and f.stem == name)
+
+
+def test_short_and_long_triton_lines_follow_codegens_choice(monkeypatch):
+    """Both texts read codegen.triton's reads_mask_bits: flip it and both say the other thing."""
+    from fivar.codegen import triton
+    path = _battery("bigbird")
+    assert triton.reads_mask_bits(fivar.load(str(path)))
+    verbose = _explain(path, "--verbose")
+    short_line = next(line for line in verbose if line.startswith("triton: a block map"))
+    assert "cut tiles read precomputed bits" in short_line
+    assert "read the bits a pass over the mask stored" in " ".join(" ".join(verbose).split())
+    monkeypatch.setattr(triton, "reads_mask_bits", lambda v: False)
+    verbose = _explain(path, "--verbose")
+    short_line = next(line for line in verbose if line.startswith("triton: a block map"))
+    assert "cut tiles evaluate the mask" in short_line
+    flat = " ".join(" ".join(verbose).split())
+    assert "the tiles it cuts evaluate the mask" in flat and "read the bits a pass" not in flat
+
+
+def test_short_and_long_fa3_lines_follow_the_window_form(monkeypatch):
+    """Both texts read codegen.fa3's runs_as_window: a band FA3 cannot run as its own window is masked per element."""
+    from fivar.codegen import fa3
+    path = ROOT / "variants" / "sliding_window.py"
+    short = _explain(path)
+    assert any(line.startswith("fa3 prefill: FlashInfer's sliding window") for line in short), short
+    monkeypatch.setattr(fa3, "runs_as_window", lambda v: False)
+    verbose = _explain(path, "--verbose")
+    line = next(line for line in verbose if line.startswith("fa3 prefill: "))
+    assert "sliding-window schedule skips the tiles left of the band; the mask per element" in line, line
+    assert "the mask runs element-wise on every tile visited" in " ".join(" ".join(verbose).split())
+
+
+def test_short_fa3_choices_follow_the_environment():
+    path = ROOT / "variants" / "softcap.py"
+    line = next(line for line in _explain(path) if line.startswith("fa3 single prefill"))
+    assert "schedule grid non-causal, grid causal" in line and "last wave: key chunks" in line, line
+    line = next(line for line in _explain(path, env={"FIVAR_FA3_SCHEDULE": "persistent"})
+                if line.startswith("fa3 single prefill"))
+    assert "schedule persistent non-causal, persistent causal" in line and "last wave unsplit" in line, line
+    line = next(line for line in _explain(path, env={"FIVAR_PIN_KV_TILES": "0"})
+                if line.startswith("fa2 prefill KV tiles"))
+    assert "chosen at run time by FlashInfer (--arch 9.0a: FIVAR_PIN_KV_TILES=0)" in line, line
+
+
+def test_verbose_without_explain_is_refused():
+    r = CliRunner().invoke(main, ["show", "softcap", "--verbose"])
+    assert r.exit_code != 0 and "--verbose goes with --explain" in r.output and "Traceback" not in r.output
