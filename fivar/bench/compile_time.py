@@ -148,7 +148,7 @@ def measure(variant: str = "softcap", target: str = "fa2", dtype: str = "bf16", 
     m = gen_module(v, op="single_prefill", target=target, dtype=dtype, head_dim=head_dim)
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-only",
            "arch": toolchain.arch_tag(), "flashinfer": toolchain.flashinfer_version(), "nvcc": toolchain.nvcc_version(),
-           "torch": torch.__version__, "cores": prewarm.cpu_count(), "jobs": jobs, "jobs_why": jobs_why, "load": load,
+           "torch": torch.__version__, "cores": toolchain.cpu_count(), "jobs": jobs, "jobs_why": jobs_why, "load": load,
            "variant": variant, "target": target, "dtype": dtype, "head_dim": head_dim, "uri": m.uri,
            "fivar_units": sum(n.endswith(".cu") for n in m.sources)}
     fi = flashinfer_spec(v, target, m.uri, dtype, head_dim) if with_flashinfer else None

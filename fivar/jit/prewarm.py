@@ -6,6 +6,7 @@ import os
 import shutil
 
 from ..errors import FivarError
+from . import toolchain
 
 GIB = 1 << 30
 MEM_PER_NVCC_JOB = 3 * GIB  # peak RSS of one nvcc/cicc on a FlashInfer prefill instantiation, with headroom
@@ -23,13 +24,6 @@ def mem_available() -> int | None:
     return None
 
 
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def default_jobs() -> tuple[int, str]:
     """min(1.5 x cores, MemAvailable / 3 GiB), at least 1; with the reasoning, for the CLI to print.
 
@@ -37,7 +31,7 @@ def default_jobs() -> tuple[int, str]:
     leaves cores idle (8 FA2 modules are 24 units: 16, then 8 on 16 cores), and an nvcc unit spends phases waiting
     on files. On 16 cores a prewarm of 8 FA2 modules kept the cores 73-74% busy at -j 16 and 90% at -j 24, the
     fastest of -j 16/24/32 (docs/compile-time.md)."""
-    cores, mem = cpu_count(), mem_available()
+    cores, mem = toolchain.cpu_count(), mem_available()
     by_cores = max(1, cores * 3 // 2)
     if mem is None:
         return by_cores, f"1.5 x {cores} cores"

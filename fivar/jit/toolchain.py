@@ -12,6 +12,14 @@ from .. import config
 from ..errors import FivarError
 
 
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity), which bound the build's parallelism."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def ensure_arch_env() -> None:
     """FlashInfer fixes its target archs (and cache directory) at import: decide them before that.
 
@@ -170,7 +178,6 @@ def split_compile_threads() -> int:
     n = config.nvcc_split_compile_threads()
     if n is not None and n >= 2:
         return n
-    from .prewarm import cpu_count
     return max(2, min(8, cpu_count() // 2))
 
 
@@ -226,7 +233,6 @@ def compile_units(units: list, build_dir) -> list:
     same byte for byte); only how the objects split the library differs."""
     from pathlib import Path
 
-    from .prewarm import cpu_count
     tiles: dict[str, list] = {}
     for u in units:
         m = _TILE_UNIT.fullmatch(Path(u).name)

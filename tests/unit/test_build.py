@@ -30,7 +30,7 @@ def test_fa2_units_compile_with_nvcc_split_compile(monkeypatch):
     thread count (given at build time: the env's N >= 2, else half the cores within [2, 8]) is not. FA3 modules keep
     FlashInfer's flags."""
     from fivar import FivarError
-    from fivar.jit import prewarm, toolchain
+    from fivar.jit import toolchain
     from fivar.jit.build import module_for
     monkeypatch.delenv(toolchain.SPLIT_COMPILE_ENV, raising=False)
     v = fivar.load("softcap")
@@ -40,7 +40,7 @@ def test_fa2_units_compile_with_nvcc_split_compile(monkeypatch):
     assert gen_module(v, op="batch_decode").cuda_cflags == ["--split-compile", "--threads"]
     assert not any("split-compile" in f for f in gen_module(v, target="fa3").cuda_cflags)
     for cores, threads in ((1, 2), (2, 2), (6, 3), (16, 8), (128, 8)):
-        monkeypatch.setattr(prewarm, "cpu_count", lambda c=cores: c)
+        monkeypatch.setattr(toolchain, "cpu_count", lambda c=cores: c)
         assert toolchain.build_flags(on.cuda_cflags)[0] == f"--split-compile={threads}"
     monkeypatch.setenv(toolchain.SPLIT_COMPILE_ENV, "12")
     assert toolchain.build_flags(on.cuda_cflags)[0] == "--split-compile=12" and gen_module(v).uri == on.uri

@@ -168,9 +168,9 @@ def test_few_cores_compile_a_tile_unit_inside_its_modes_unit_under_the_same_uri(
     """On a host of fewer than SPLIT_TILE_UNITS_MIN_CORES a unit of its own would only add a front end: nvcc then runs
     one translation unit that includes the mode's unit and its tile unit, both unchanged. Nothing rendered differs, so
     the URI (and what a cache exported from any host holds) is the same."""
-    from fivar.jit import prewarm, toolchain
+    from fivar.jit import toolchain
     m = gen_module(fivar.load("softcap"), "single_prefill", "fa3")
-    monkeypatch.setattr(prewarm, "cpu_count", lambda: cores)
+    monkeypatch.setattr(toolchain, "cpu_count", lambda: cores)
     units = [tmp_path / n for n in m.sources if n.endswith(".cu")]
     out = toolchain.compile_units(units, tmp_path / "build")
     names = sorted(p.name for p in out)
@@ -253,8 +253,8 @@ def test_a_tile_choice_links_whether_its_units_compile_apart_or_together(cores, 
     """The soft-cap default (a non-causal choice of two tiles): on many cores its second tile is a unit of its own, on
     few one translation unit with its mode's; either way the library defines the dispatch and both kernels, and the
     second tile's launcher is local to it (nm: t)."""
-    from fivar.jit import prewarm
-    monkeypatch.setattr(prewarm, "cpu_count", lambda: cores)
+    from fivar.jit import toolchain
+    monkeypatch.setattr(toolchain, "cpu_count", lambda: cores)
     m = gen_module(fivar.load("softcap"), "single_prefill", "fa3", bounded_softmax=cores == 2)  # two URIs: both cold
     assert m.build() == "cold"
     objects = sorted(p.name.split("_single_prefill_")[-1] for p in m.build_dir.glob("*.o"))
