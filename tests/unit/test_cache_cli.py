@@ -598,7 +598,7 @@ def test_records_survive_concurrent_writers(tmp_path):
 
 
 def test_default_jobs_is_min_of_cores_and_a_half_and_memory(monkeypatch):
-    monkeypatch.setattr(prewarm, "cpu_count", lambda: 16)
+    monkeypatch.setattr(prewarm.toolchain, "cpu_count", lambda: 16)
     monkeypatch.setattr(prewarm, "mem_available", lambda: 10 * prewarm.GIB)
     assert prewarm.default_jobs()[0] == 3
     monkeypatch.setattr(prewarm, "mem_available", lambda: 1 * prewarm.GIB)
@@ -607,9 +607,9 @@ def test_default_jobs_is_min_of_cores_and_a_half_and_memory(monkeypatch):
     assert prewarm.default_jobs() == (24, "min(1.5 x 16 cores, 200.0 GiB available / 3 GiB per nvcc job)")
     monkeypatch.setattr(prewarm, "mem_available", lambda: None)
     assert prewarm.default_jobs()[0] == 24
-    monkeypatch.setattr(prewarm, "cpu_count", lambda: 1)
+    monkeypatch.setattr(prewarm.toolchain, "cpu_count", lambda: 1)
     assert prewarm.default_jobs()[0] == 1
-    monkeypatch.setattr(prewarm, "cpu_count", lambda: 16)
+    monkeypatch.setattr(prewarm.toolchain, "cpu_count", lambda: 16)
     monkeypatch.setattr(prewarm, "mem_available", lambda: 200 * prewarm.GIB)
     monkeypatch.delenv("MAX_JOBS", raising=False)
     monkeypatch.delenv("FLASHINFER_JIT_PREBUILD_MAX_JOBS", raising=False)
