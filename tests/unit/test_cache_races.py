@@ -27,7 +27,8 @@ SPECS = [("fp16", 64), ("bf16", 64), ("fp16", 128)]
 
 def install_fake_compiler(delay: float = 0.3, compiles_log: str | None = None, gate: str | None = None,
                           after_link=None):
-    """Replace FlashInfer's build_jit_specs and JitSpecNvcc.build, and fivar's batch runner, by a stand-in compiler.
+    """Replace FlashInfer's build_jit_specs and JitSpecNvcc.build, and fivar's batch runner, by a stand-in compiler;
+    returns the function that restores them.
 
     Each module takes `delay` seconds, then its library is written in place in four chunks and ninja's log gets
     the link step. `gate`: a file whose existence the compiler waits for before the first module (a build
@@ -85,9 +86,14 @@ def install_fake_compiler(delay: float = 0.3, compiles_log: str | None = None, g
         wait_gate()
         for lib in libraries:
             compile_one(types.SimpleNamespace(name=Path(lib).stem))
+    saved = core.build_jit_specs, core.JitSpecNvcc.build, progress.run_ninja_batch
+
+    def restore():  # an in-process caller puts every entry point back, fivar's batch runner too
+        core.build_jit_specs, core.JitSpecNvcc.build, progress.run_ninja_batch = saved
     core.build_jit_specs = build_jit_specs
     core.JitSpecNvcc.build = build
     progress.run_ninja_batch = run_ninja_batch
+    return restore
 
 
 WORKER = r'''
@@ -197,15 +203,12 @@ def test_a_prewarm_writes_each_manifest_as_soon_as_its_module_is_linked(iso):
         while not m.manifest_ok() and time.time() < deadline:
             time.sleep(0.02)
         seen.append((spec.name, m.manifest_ok()))
-    install = install_fake_compiler
-    import flashinfer.jit.core as core
-    saved = core.build_jit_specs, core.JitSpecNvcc.build
+    restore = install_fake_compiler(delay=0.05, after_link=after_link)
     try:
-        install(delay=0.05, after_link=after_link)
         done = []
         res = jb.build_many(mods, parallel=True, on_done=lambda m, k, s: done.append(m.uri))
     finally:
-        core.build_jit_specs, core.JitSpecNvcc.build = saved
+        restore()
     assert [k for k, _ in res] == ["cold"] * len(mods)
     assert seen == [(m.uri, True) for m in mods], seen
     assert done == [m.uri for m in mods]  # reported one by one, in link order
@@ -305,8 +308,6 @@ def test_a_load_after_an_eviction_rebuilds_instead_of_failing(iso, monkeypatch):
     again (here: faked), not dlopened from a deleted path."""
     _, ws, vfile = iso
     m = fake_built(module(vfile))
-    import flashinfer.jit.core as core
-    saved = core.build_jit_specs, core.JitSpecNvcc.build
     loaded = []
     import tvm_ffi
     monkeypatch.setattr(tvm_ffi, "load_module", lambda path: loaded.append(Path(path).read_bytes()) or object())
@@ -317,11 +318,11 @@ def test_a_load_after_an_eviction_rebuilds_instead_of_failing(iso, monkeypatch):
             assert invoke("cache", "clear", "--yes").exit_code == 0
         return real_hold(build_dir)
     monkeypatch.setattr(locks, "hold", hold_after_eviction)
+    restore = install_fake_compiler(delay=0.01)
     try:
-        install_fake_compiler(delay=0.01)
         m.load()
     finally:
-        core.build_jit_specs, core.JitSpecNvcc.build = saved
+        restore()
         locks.release_hold(m.build_dir)
         jb._loaded.pop(m.uri, None)
     assert m.manifest_ok() and len(loaded) == 1 and loaded[0] == m.library_path.read_bytes()

@@ -418,7 +418,6 @@ def test_loading_a_module_whose_library_came_from_an_untrusted_archive_builds_it
     """What `fivar build` / a first call does next: compile (faked here) and load that, never the foreign bytes."""
     from test_cache_races import install_fake_compiler
 
-    import flashinfer.jit.core as core
     import tvm_ffi
     from fivar.jit import build as jb
     _, ws, vfile = iso
@@ -440,12 +439,11 @@ def test_loading_a_module_whose_library_came_from_an_untrusted_archive_builds_it
         assert m.library_path.read_bytes() == evil_so
     loaded = []
     monkeypatch.setattr(tvm_ffi, "load_module", lambda path: loaded.append(open(path, "rb").read()) or object())
-    saved = core.build_jit_specs, core.JitSpecNvcc.build
+    restore = install_fake_compiler(delay=0.01)
     try:
-        install_fake_compiler(delay=0.01)
         m.load()
     finally:
-        core.build_jit_specs, core.JitSpecNvcc.build = saved
+        restore()
         locks.release_hold(m.build_dir)
         jb._loaded.pop(m.uri, None)
     assert loaded == [m.library_path.read_bytes()] and loaded[0] != evil_so

@@ -402,7 +402,18 @@ def test_list_and_build_all_say_they_run_the_variant_files_and_from_where(tmp_pa
 def test_a_real_ctrl_c_while_a_variant_file_runs_still_stops_fivar(tmp_path):
     """Only a KeyboardInterrupt the file raises itself becomes an error about the file: a SIGINT that arrives while
     it runs is the user's, and propagates."""
+    import signal
+
     import fivar
+    # Python's own Ctrl-C handler, as in a terminal: a process started in the background inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_cases(tmp_path, fivar)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_cases(tmp_path, fivar):
     f = tmp_path / "slow.py"
     f.write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n" +
                  _GOOD.format(name="slow"))
