@@ -29,7 +29,7 @@ def _check_inputs(variant, q, k, v, **kw):
 _single_indptrs: dict = {}
 
 #: The block maps of the prefill calls (the module's `block_map`), kept like their FlashInfer plans
-#: (fivar.runtime.plan_cache: keyed by shapes, params, causal and the indptrs, their contents compared): a layer after
+#: (fivar.runtime.plan_cache: keyed by shapes, params, causal and the indptrs): a layer after
 #: the first with the same batch layout and params only launches. Not while a CUDA graph is captured (`recorded`).
 _maps = PlanCache(capacity=8, recorded=True)
 

@@ -96,6 +96,17 @@ def install_fake_compiler(delay: float = 0.3, compiles_log: str | None = None, g
     return restore
 
 
+def load_with_fake_compiler(m):
+    """m.load() with compiles faked, then everything the load held or kept let go (hold, loaded-module memo)."""
+    restore = install_fake_compiler(delay=0.01)
+    try:
+        m.load()
+    finally:
+        restore()
+        locks.release_hold(m.build_dir)
+        jb._loaded.pop(m.uri, None)
+
+
 WORKER = r'''
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -318,13 +329,7 @@ def test_a_load_after_an_eviction_rebuilds_instead_of_failing(iso, monkeypatch):
             assert invoke("cache", "clear", "--yes").exit_code == 0
         return real_hold(build_dir)
     monkeypatch.setattr(locks, "hold", hold_after_eviction)
-    restore = install_fake_compiler(delay=0.01)
-    try:
-        m.load()
-    finally:
-        restore()
-        locks.release_hold(m.build_dir)
-        jb._loaded.pop(m.uri, None)
+    load_with_fake_compiler(m)
     assert m.manifest_ok() and len(loaded) == 1 and loaded[0] == m.library_path.read_bytes()
 
 

@@ -416,10 +416,9 @@ def test_keys_bad_files_are_one_line(iso, tmp_path):
 def test_loading_a_module_whose_library_came_from_an_untrusted_archive_builds_it_here(iso, tmp_path, monkeypatch,
                                                                                      how):
     """What `fivar build` / a first call does next: compile (faked here) and load that, never the foreign bytes."""
-    from test_cache_races import install_fake_compiler
+    from test_cache_races import load_with_fake_compiler
 
     import tvm_ffi
-    from fivar.jit import build as jb
     _, ws, vfile = iso
     m = fake_built(module(vfile))
     good = tmp_path / "good.tar.gz"
@@ -439,12 +438,6 @@ def test_loading_a_module_whose_library_came_from_an_untrusted_archive_builds_it
         assert m.library_path.read_bytes() == evil_so
     loaded = []
     monkeypatch.setattr(tvm_ffi, "load_module", lambda path: loaded.append(open(path, "rb").read()) or object())
-    restore = install_fake_compiler(delay=0.01)
-    try:
-        m.load()
-    finally:
-        restore()
-        locks.release_hold(m.build_dir)
-        jb._loaded.pop(m.uri, None)
+    load_with_fake_compiler(m)
     assert loaded == [m.library_path.read_bytes()] and loaded[0] != evil_so
     assert json.loads(m.manifest_path.read_text())["provenance"] == {"kind": "build"}
