@@ -214,6 +214,8 @@ def _option_labels(options: dict) -> list[str]:
         out.append(f"schedule {options['schedule']}")
     if options.get("row_runs"):
         out.append("two-row-runs" if options["row_runs"] == 2 else "row-runs")
+    if options.get("tile_list"):
+        out.append("tile-list")
     if options.get("split_cta_tiles"):
         out.append("cta-split")
     if options.get("nvcc_split_compile") is False:

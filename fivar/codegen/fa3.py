@@ -31,6 +31,12 @@ from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softma
 #: key 0, then for the mask form [full_lo, full_hi): the keys every row of the block keeps (request kv_idx);
 #: for the row-run form the offset of the block's first row in ROW_RUNS and the stride of a query head there).
 BLOCKS, BLOCK_FIELDS, ROW_RUNS = "fv_blocks", 5, "fv_row_runs"
+#: The tile-list form (fivar.runtime.fa3_tile_list), FA3 batch prefill of every mask that is more than a band: each request
+#: is one query tile over the list of its non-empty key tiles of TILE_KEYS keys (the device block map's), whole tiles
+#: first. Its table: int32 [requests, TILE_FIELDS] = (batch, q_idx of row 0, the request's first entry in TILE_KEYS,
+#: the keys of its whole tiles, every row keeping every one of them; -1: the request keeps no key at all);
+#: TILE_KEYS[entry] is the kv_idx of the listed tile's first key.
+TILE_FIELDS, TILE_KEYS, TILE_WIDTH = 4, "fv_tile_keys", 32
 #: The head-requests form (a mask whose kept keys differ per head, fivar.runtime.kv_ranges): q, k and v laid out
 #: head-major, each request one head's rows, one query and one KV head a launch; two more fields give the request's
 #: query head and KV head.
@@ -389,9 +395,52 @@ def kernel_causal(variant) -> bool:
     return runs_as_window(variant) and variant.kv_band.causal_window
 
 
+def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
+    """The tile-list form's struct (TILE_FIELDS): the request's local key k is kv_idx TILE_KEYS[first + k / 32] +
+    k % 32; a key of a whole tile (k < the whole keys) skips the mask, a key of a cut tile evaluates it (and causal)."""
+    param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
+    block = lambda i: f"{param_ref(BLOCKS)}[{TILE_FIELDS} * batch_idx + {i}]"  # noqa: E731
+    shift = TILE_WIDTH.bit_length() - 1
+    kv = f"(__ldg(fv_tiles + (int32_t(kv_idx) >> {shift})) + (int32_t(kv_idx) & {TILE_WIDTH - 1}))"
+    emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx", "kv_idx": kv})
+    lowered = variant.lowered
+    extra = [lowered.output_scale] if lowered.output_scale is not None else []
+    sink = variant.ir.sink
+    members = [m for m in emit.members(lowered, extra + (list(sink.exprs()) if sink is not None else []))
+               if m.name != "fv_q_offset"]
+    members[:0] = [Member("int32_t", "fv_batch_idx", block(0)), Member("int32_t", "fv_q_offset", block(1)),
+                   Member("const int32_t*", "fv_tiles", f"{param_ref(TILE_KEYS)} + {block(2)}"),
+                   Member("int32_t", "fv_whole", block(3)),
+                   Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
+    scale = softmax_scale_log2(variant, emit)
+    outer = emit.prologue(lowered.logits)
+    lines = list(outer)
+    if lowered.mask:
+        # whole tiles come first in the list: a warp's keys are all below fv_whole or all above (one branch a tile)
+        inner = [ln for ln in emit.prologue(lowered.mask) if ln not in outer]
+        mask_lines, keep = emit.statements(lowered.mask)
+        lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {"]
+        lines += ["  " + ln for ln in inner + mask_lines] + [f"  fv_keep = {keep};"]
+        q, k = emit.index_init["q_idx"], kv
+        lines += [f"  if (fv_causal && {k} > {q}) fv_keep = false;", "}"]
+    logit_lines, value = emit.statements(lowered.logits)
+    lines += logit_lines
+    if lowered.mask:
+        value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
+    lines.append(f"return {value};")
+    source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
+                    source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
+                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), tile_list=True, kv_ranges=False,
+                    window=False, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
+                    logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
+                    sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=True,
+                                                          extra_tensors=[BLOCKS, TILE_KEYS]))
+
+
 def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
                  exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,
-                 mask_free: bool = False, head_requests: bool = False) -> VariantDecl:
+                 mask_free: bool = False, head_requests: bool = False, tile_list: bool = False) -> VariantDecl:
     """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form.
     `row_runs` (with it): 1, the form for a batch whose every row keeps one run of keys (a document mask always
     does): the mask pre-pass stored each row's run (made relative to its block's first key, causal folded in) and
@@ -403,6 +452,8 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
     is one head's (HEAD_BLOCK_FIELDS), the heads the variant sees read from the table."""
     if head_requests and not kv_ranges:
         raise ValueError("the head-requests form is a KV-range form")
+    if tile_list:
+        return _tile_list_decl(variant, exp2_emulated_of_8, logits_range)
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     lowered = variant.lowered
     fields = HEAD_BLOCK_FIELDS if head_requests else BLOCK_FIELDS

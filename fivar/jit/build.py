@@ -639,12 +639,15 @@ def fivar_headers(source: str) -> dict[str, str]:
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, row_runs: int = 0, kv_segments: bool = False, mask_free: bool = False,
                sliding_window: bool = False, head_requests: bool = False, kv_dtype: str | None = None,
-               config: FA2BuildConfig | FA3KernelConfig | None = None, **options) -> FivarModule:
+               tile_list: bool = False, config: FA2BuildConfig | FA3KernelConfig | None = None,
+               **options) -> FivarModule:
     """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
     form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl); `mask_free`: FA3 batch prefill's KV-range
     form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode); with `sliding_window`, built with
     FA3's sliding window (the blocks whose rows keep exactly a causal window of keys); `head_requests`, any of
-    these with each request one head's (a mask keeping different keys per head). `kv_segments`: FA2 batch
+    these with each request one head's (a mask keeping different keys per head). `tile_list`: FA3 batch prefill of
+    a mask that is more than a band in the tile-list form (fivar.runtime.fa3_tile_list): the paged kernel alone, with no
+    mask mode but kNone (causal is the block map's and the struct's). `kv_segments`: FA2 batch
     prefill/decode over trimmed pages or query blocks, each key mapped back to its position (fivar.runtime.decode_pages,
     fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
@@ -725,8 +728,12 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         raise FivarError(f"variant '{variant.name}': sliding_window is an option of the mask-free form only")
     if head_requests and not kv_ranges:
         raise FivarError(f"variant '{variant.name}': head_requests is an option of FA3's KV-range forms only")
+    if tile_list and not (kv_ranges and not (row_runs or mask_free or head_requests)):
+        raise FivarError(f"variant '{variant.name}': the tile-list form is FA3 batch prefill of a mask that is more "
+                         "than a band")
     decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
-                             logits_range=logits_range, mask_free=mask_free, head_requests=head_requests)
+                             logits_range=logits_range, mask_free=mask_free, head_requests=head_requests,
+                             tile_list=tile_list)
             if target == "fa3"
             else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free))  # fa2.KV_SEGMENTS
     t_names, t_types, s_names, s_types = decl.additional
@@ -752,7 +759,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if tiles:
         config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
     modes = (fa2.mask_modes(variant, kv_segments=kv_segments, mask_free=mask_free) if target == "fa2"
-             else fa3.mask_modes(variant))
+             else [fa2.MASK_NONE] if tile_list else fa3.mask_modes(variant))
     sources = {config_name: config + _dispatch_override(config, variant, modes),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
@@ -765,6 +772,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     else:
         for inst_t in inst_ts:
             stem = inst_t.removesuffix("_inst.jinja")
+            if tile_list and "ragged" in inst_t:
+                continue  # its entry point links to fa3/ragged_stub.jinja
             if tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
                 sources.update(fa3.single_prefill_kernel_units(stem, tiles, chosen_schedules, head_dim, **kwargs))
             elif has_mask_dispatch:
@@ -774,6 +783,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                                                                            **kwargs)
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
+    if tile_list:
+        paged_unit = next(n for n in sources if "paged" in n and n.endswith(".cu"))
+        sources[paged_unit] += fa3.render("fa3/ragged_stub.jinja", **kwargs)
     if target == "fa3" and "persistent" in chosen_schedules.values():
         sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
     pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), build_config.pin_kv_tiles)
@@ -805,7 +817,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
     form = ((("_freewin" if sliding_window else "_kvsegfree" if kv_segments else "_free") if mask_free else
              {1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else ""))
-            + ("_heads" if head_requests else "") + (f"_kv{kv_dtype}" if kv_dtype else ""))
+            + ("_heads" if head_requests else "") + ("_tiles" if tile_list else "")
+            + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
     built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
@@ -814,7 +827,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
     options = {"row_runs": int(row_runs), **({"kv_segments": True} if kv_segments else {}),
                **({"mask_free": True} if mask_free else {}), **({"sliding_window": True} if sliding_window else {}),
-               **({"head_requests": True} if head_requests else {}),
+               **({"head_requests": True} if head_requests else {}), **({"tile_list": True} if tile_list else {}),
                **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -839,15 +852,8 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
                 else []) + [
             gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
     op = serving_op(variant, op, target)
-    kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
-    # the KV-range form's mask, row-run, two-run and mask-free modules
-    run_forms = ([dict(row_runs=1)] + ([dict(row_runs=2)] if fa3.may_keep_two_runs(variant) else [])
-                 + [dict(mask_free=True)] + ([dict(mask_free=True, sliding_window=True)]
-                                             if fa3.may_keep_windows(variant) else []))
-    # a mask reading the head may keep different keys per head: the same forms with a request per head
-    forms = ([dict(row_runs=0)] + run_forms + ([dict(f, head_requests=True) for f in run_forms]
-                                              if fa3.mask_reads_head(variant) else [])
-             if kv_ranges else [{}])
+    # a mask that is more than a band runs FA3's tile-list form (fivar.runtime.fa3_tile_list): one module
+    forms = [dict(tile_list=True)] if target == "fa3" and fa3.uses_kv_ranges(variant, op) else [{}]
     if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
         # its batch prefill runs a mask beyond a band in the block form, and segments (documents) mask-free
         forms += [dict(kv_segments=True), dict(kv_segments=True, mask_free=True)]
@@ -895,16 +901,17 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 def module_for(variant, op, target, dtype, head_dim, row_runs: int = 0,
                bounded_softmax: bool | None = None, kv_segments: bool = False,
                kv_dtype: str | None = None, mask_free: bool = False, sliding_window: bool = False,
-               head_requests: bool = False) -> FivarModule:
+               head_requests: bool = False, tile_list: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
     key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments, kv_dtype,
-           mask_free, sliding_window, head_requests)
+           mask_free, sliding_window, head_requests, tile_list)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
                                  bounded_softmax=bounded_softmax, kv_segments=kv_segments, kv_dtype=kv_dtype,
-                                 mask_free=mask_free, sliding_window=sliding_window, head_requests=head_requests))
+                                 mask_free=mask_free, sliding_window=sliding_window, head_requests=head_requests,
+                                 tile_list=tile_list))
         _memo[key] = m
     return m[1]
 

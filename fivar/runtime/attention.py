@@ -22,7 +22,8 @@ from . import wave_split
 from .ops import register_plan
 from . import fa2_blocks, segments
 from .decode_pages import trim_pages
-from .kv_ranges import KvRangePrefill, mask_scan, paged_kv_ranges
+from .fa3_tile_list import TileListPrefill
+from .kv_ranges import mask_scan, paged_kv_ranges
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _invariant, _module, _paged_kv, _prepare, direct_paged_run, release_wrapper, take_wrapper)
 from .params import kernel_args
@@ -401,9 +402,13 @@ class _OwnsWrapper:
     kv_form = "paged"  # run(q, paged_kv_cache); fivar.runtime.ops' plan_run passes the caches as one pair
     _rest = None  # (wrapper, ScaledArgs) of a second launch writing the rows the first skips (fa2_blocks)
     _direct = (None, None)  # DirectPagedRun of the wrapper and of _rest's (a paged plan's; None: wrapper.run)
+    _tiles = None  # FA3's tile-list form of a paged plan (fivar.runtime.fa3_tile_list), which then runs it all
 
     def release(self):
         """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        if self._tiles is not None:
+            self._tiles.release()
+            return
         release_wrapper(*self._release, self._wrapper)
         if self._rest is not None:
             release_wrapper(*self._release, self._rest[0])
@@ -429,6 +434,8 @@ class _OwnsWrapper:
 
     def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
         """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key)."""
+        if self._tiles is not None:
+            return self._tiles.run(q, k_cache, v_cache, return_lse)
         direct, rest_direct = self._direct
         result = _launch_one(direct, self._wrapper, self._args, q, k_cache, v_cache, k_scale, return_lse)
         if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
@@ -588,6 +595,14 @@ class PagedAttentionPlan(_OwnsWrapper):
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        if self.target == "fa3" and variant.scans_mask:  # the tile-list form (fivar.runtime.fa3_tile_list)
+            self._tiles = TileListPrefill(
+                variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device,
+                pages=(kv_indices, page_size), kv_last_page_len=kv_last_page_len)
+            self.keys_read = self._tiles.keys_read
+            return
         fa3_split = plan_indptrs = None  # FA3's KV-range blocks: its layout is what the wrapper plans
         block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest
         if self.target == "fa2" and trims_decode_pages(variant) and one_query:
@@ -696,7 +711,7 @@ class RaggedAttentionPlan(_OwnsWrapper):
         self._kv_ranges = self._blocks = None
         self.segments = None  # FA2's segments form: how many requests it runs
         if self.target == "fa3" and variant.scans_mask:
-            self._kv_ranges = KvRangePrefill(
+            self._kv_ranges = TileListPrefill(
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
             return

@@ -1,0 +1,180 @@
+"""FA3 for every mask that is more than a band: the device block map, and one request per query tile over the list
+of its non-empty key tiles.
+
+FlashInfer's FA3 kernels visit every key of a request and know no mask; a variant's mask is part of its logits
+transform. This lowering gives them only what the mask keeps, for any mask the spec language accepts:
+
+1. the Triton twin's `block_map_kernel` evaluates the mask (with causal and both lengths) over every tile of
+   `block_rows` query rows x TILE keys on the device: empty, cut or whole (every pair of the tile kept);
+2. each query tile becomes one request of FA3's paged kernel, read as pages of one key: its page list is the
+   keys of its non-empty key tiles, whole tiles first, then cut ones, a request's short last tile last;
+3. the tile-list struct (fivar.codegen.fa3.TILE_FIELDS) maps a request's local key back to its kv_idx through
+   the tile's first key, and evaluates the mask only on keys past the whole tiles' (one compare elsewhere).
+
+A mask reading the head gets the union of its heads' maps (a tile is whole only where every head keeps all of
+it). A paged batch composes the same keys through its page table. Planning costs one map pass and two
+device->host copies; `plan_ragged` / `plan_paged` make it once per batch layout, the one-shot calls once per call
+signature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen import fa3
+from ..codegen.fa3 import BLOCKS, TILE_KEYS, TILE_WIDTH
+from ..codegen.triton import kernel_arg_values
+from ..jit.triton_module import load_triton_module
+from . import position_tables
+from .launch import _module, direct_paged_run, release_wrapper, take_wrapper
+from .lse import empty_lse
+from .params import kernel_args
+from .rows import indptr
+
+
+def block_rows(head_dim: int) -> int:
+    """FA3 paged prefill's query tile (CTA_Q): one request per tile wastes no rows."""
+    return 192 if head_dim == 64 else 128
+
+
+def head_union(kinds: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, q tiles, key tiles] -> [batch, q tiles, key tiles]: whole where every head's tile is whole,
+    empty where every head's is empty, else cut."""
+    if kinds.shape[1] == 1:
+        return kinds[:, 0]
+    whole, live = (kinds == 2).all(1), (kinds > 0).any(1)
+    return torch.where(whole, 2, torch.where(live, 1, 0)).to(torch.int8)
+
+
+@dataclass
+class TileList:
+    """The lowered batch: FA3 paged requests over keys read as pages of one."""
+    qo_indptr: torch.Tensor   # host int32 [R + 1]: each request is one query tile's rows
+    kv_indptr: torch.Tensor   # host int32 [R + 1]: its listed keys
+    kv_indices: torch.Tensor  # device int32 [keys]: the token of each listed key (k/v viewed [tokens, 1, H, D])
+    blocks: torch.Tensor      # device int32 [R, TILE_FIELDS]
+    tile_keys: torch.Tensor   # device int32 [entries]: kv_idx of each listed tile's first key
+    keys_read: int            # keys the requests read (a request with no kept key reads one)
+    keys_total: int           # keys an unsplit batch would read: every query tile over all its request's keys
+
+
+def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
+              token_of) -> TileList:
+    """The requests from a block map `kinds` ([batch, q tiles, key tiles] at `rows` x TILE_WIDTH; head_union's) of a
+    batch given by host token indptrs. `token_of(batch, kv_idx)` (device int64 tensors) is the token of a key in the
+    k/v the kernel reads."""
+    dev, T = kinds.device, TILE_WIDTH
+    qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
+    n_qt = (qo_lens + rows - 1) // rows
+    batch = torch.repeat_interleave(torch.arange(len(n_qt)), n_qt)  # host [R]: each request's batch entry
+    q_tile = torch.arange(len(batch)) - torch.repeat_interleave(n_qt.cumsum(0) - n_qt, n_qt)
+    b_dev, qt_dev = batch.to(dev), q_tile.to(dev)
+    k = kinds[b_dev, qt_dev]  # [R, key tiles]
+    n_kv = k.shape[1]
+    lens_dev = kv_lens.to(dev)
+    starts = torch.arange(n_kv, device=dev) * T
+    short = (starts[None, :] + T > lens_dev[b_dev, None])  # the request's last tile, when shorter than T
+    order_key = torch.where(k > 0, k.to(torch.int32) + 4 * (~short).to(torch.int32), 0)
+    order = torch.sort(order_key, dim=1, descending=True, stable=True).indices
+    n_list = (k > 0).sum(1)
+    n_whole = ((k == 2) & ~short).sum(1)
+    short_kept = ((k > 0) & short).any(1)
+    cut_short = torch.where(short_kept, (T - lens_dev[b_dev] % T) % T, 0)
+    keys = torch.where(n_list > 0, n_list * T - cut_short, 1)  # a request keeping no key reads one, masked
+    n_entries = n_list.clamp(min=1)
+    counts = torch.stack([keys, n_entries]).cpu()  # the one device->host copy of the plan's sizes
+    keys_h, entries_h = counts[0], counts[1]
+    pos = torch.arange(n_kv, device=dev)[None, :]
+    chosen = pos < n_entries[:, None]
+    tiles = torch.where(n_list[:, None] > 0, order, 0)[chosen]  # [entries] in request order; a dead request: tile 0
+    entry_req = torch.repeat_interleave(torch.arange(len(batch), device=dev), n_entries,
+                                        output_size=int(entries_h.sum()))
+    first_key = tiles.long() * T
+    offs = torch.arange(T, device=dev)[None, :]
+    kv_idx = first_key[:, None] + offs
+    live = (n_list[entry_req] > 0)[:, None]
+    valid = torch.where(live, kv_idx < lens_dev[b_dev[entry_req], None], offs == 0)
+    kv_idx = kv_idx.clamp(max=max(int(kv_lens.max()) - 1, 0) if len(kv_lens) else 0)
+    tokens = token_of(b_dev[entry_req][:, None].expand_as(kv_idx), kv_idx)[valid]
+    entry_start = torch.cumsum(entries_h, 0) - entries_h
+    q0 = q_tile * rows + kv_lens[batch] - qo_lens[batch]
+    whole = torch.where(n_list.cpu() > 0, n_whole.cpu() * T, -1)
+    blocks = torch.stack([batch, q0, entry_start, whole], 1).to(torch.int32)
+    rows_h = torch.minimum(qo_lens[batch] - q_tile * rows, torch.tensor(rows))
+    return TileList(indptr(rows_h), indptr(keys_h), tokens.to(torch.int32).contiguous(), blocks.to(dev),
+                    first_key.to(torch.int32).contiguous(), int(keys_h[n_list.cpu() > 0].sum()),
+                    int((n_qt * kv_lens).sum()))
+
+
+def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+              causal: bool, sm_scale: float, device) -> torch.Tensor:
+    """head_union of the Triton twin's block map of this batch at block_rows x TILE_WIDTH, on `device`."""
+    qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
+    kinds = load_triton_module(variant).tile_kinds(
+        qo_indptr.to(device), kv_indptr.to(device), int(qo_lens.max()), max(int(kv_lens.max()), 1), num_qo_heads,
+        num_qo_heads // num_kv_heads, causal, kernel_arg_values(variant, bound, sm_scale),
+        (block_rows(head_dim), TILE_WIDTH))
+    return head_union(kinds)
+
+
+class TileListPrefill:
+    """A batch planned on FA3 in the tile-list form; `run(q, k, v)` with k/v [tokens, H, D] (ragged) or
+    [pages, page_size, H, D] (paged: `pages` = (kv_indices, page_size) on the device, kv_indptr then a page
+    indptr and kv_last_page_len given). Checks of the inputs against the plan are the caller's."""
+
+    def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal, bound,
+                 sm_scale, device, pages=None, kv_last_page_len=None):
+        qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
+        if pages is not None:  # keys as a ragged batch, each key found through the page table
+            page_table, page_size = pages
+            n_pages = kv_h.diff()
+            last = kv_last_page_len.long().cpu()
+            kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last, 0)
+            page_start = kv_h.to(device)
+            page_table = page_table.to(device).long()
+
+            def token_of(b, kv_idx):
+                return page_table[page_start[b] + kv_idx // page_size] * page_size + kv_idx % page_size
+            kv_h = indptr(kv_lens).long()
+            lengths = lambda: position_tables.max_lengths(qo_h, indptr(n_pages), last, page_size)  # noqa: E731
+        else:
+            start = kv_h.to(device)
+
+            def token_of(b, kv_idx):
+                return start[b] + kv_idx
+            lengths = lambda: position_tables.max_lengths(qo_h, kv_h)  # noqa: E731
+        bound = position_tables.bind(variant, bound, lengths)
+        self.variant, self.empty = variant, int(qo_h[-1]) == 0
+        self.no_keys = int(kv_h[-1]) == 0
+        self._launch = None
+        self.keys_read = None
+        if self.empty or self.no_keys:
+            return
+        kinds = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal, sm_scale, device)
+        layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of)
+        self.keys_read = (layout.keys_read, layout.keys_total)
+        self.requests = layout.qo_indptr.numel() - 1
+        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, tile_list=True)
+        w = take_wrapper("paged", fmod, device, False)
+        ones = torch.ones(self.requests, dtype=torch.int32, device=device)
+        w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices, ones, num_qo_heads,
+               num_kv_heads, head_dim, 1, causal=False, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        args = kernel_args(variant, bound, sm_scale, causal, tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys})
+        self._launch = (w, args, direct_paged_run(w, variant.name, device, args), ("paged", fmod, device))
+
+    def run(self, q, k, v, return_lse: bool = False):
+        if self.empty or self.no_keys:  # every row sees no key
+            out = torch.zeros_like(q)
+            return (out, empty_lse(q)) if return_lse else out
+        w, args, direct, _ = self._launch
+        k, v = (x.reshape(-1, 1, *x.shape[-2:]) for x in (k, v))  # keys as pages of one (a view of contiguous k/v)
+        if direct is not None:
+            return direct(q, k, v, args, return_lse)
+        return w.run(q, (k, v), *args, return_lse=return_lse)
+
+    def release(self):
+        """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        if self._launch is not None:
+            release_wrapper(*self._launch[3], self._launch[0])
+        self._launch = None

@@ -1,0 +1,167 @@
+"""FA3's tile-list form (fivar.runtime.fa3_tile_list), on the CPU: the requests it plans, read the way the generated struct
+reads them, against every pair of the torch reference's evaluator.
+
+For the masks of test_block_map (no band describes them) over random ragged and paged batches, causal and not: each
+request's keys, mapped back through its tile list, must keep exactly the pairs the reference keeps for each of its
+rows (none twice, none missed), every key before the request's whole count must be kept by every row and head (the
+struct skips the mask there), the token each key is read from must hold that key, and a request keeping no key must
+say so. Corrupted lists must fail the same check.
+"""
+import random
+
+import pytest
+import torch
+
+from fivar.codegen.fa3 import TILE_WIDTH
+from fivar.codegen.triton import kernel_arg_values
+from fivar.jit.triton_module import load_triton_module
+from fivar.runtime.fa3_tile_list import head_union, tile_list
+from fivar.runtime.launch import _prepare
+from fivar.spec.sparsity import keep_matrix
+
+from test_block_map import HEADS, KV_HEADS, MASKS, _batch, _variant
+
+ROWS = 16  # the query tile under the interpreter (block_rows on a GPU)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _ind(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+
+
+def _plan(v, params, qo, kv, causal, token_of):
+    q = torch.zeros(max(sum(qo), 1), HEADS, 16, dtype=torch.float16)
+    bound, sm_scale = _prepare(v, params, q, KV_HEADS, len(qo), None)
+    kinds = load_triton_module(v).tile_kinds(_ind(qo), _ind(kv), max(qo), max(kv), HEADS, HEADS // KV_HEADS, causal,
+                                             kernel_arg_values(v, bound, sm_scale), (ROWS, TILE_WIDTH))
+    return tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of), bound
+
+
+def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
+    """Where the requests, read as the struct reads them, disagree with every pair. `key_at(token)`: (batch, kv_idx)
+    of the key a token holds."""
+    keeps = [keep_matrix(v.ir.mask, qo_len=lq, kv_len=lk, scalars=bound.scalars, tensors=bound.tensors,
+                         num_qo_heads=HEADS, num_kv_heads=KV_HEADS, batch_idx=b, causal=causal)
+             for b, (lq, lk) in enumerate(zip(qo, kv))]
+    seen = [torch.zeros_like(k, dtype=torch.int32) for k in keeps]  # how often each pair is kept
+    qo_ind, kv_ind = layout.qo_indptr.tolist(), layout.kv_indptr.tolist()
+    tokens, tile_keys, blocks = layout.kv_indices.tolist(), layout.tile_keys.tolist(), layout.blocks.tolist()
+    errors = []
+    rows_of = [0] * len(qo)
+    for r, (b, q0, e0, whole) in enumerate(blocks):
+        n_rows, n_keys = qo_ind[r + 1] - qo_ind[r], kv_ind[r + 1] - kv_ind[r]
+        first = q0 - (kv[b] - qo[b])  # the request's first row within its batch entry's queries
+        if first != rows_of[b]:
+            errors.append(f"request {r}: its rows start at query {first} of request {b}, expected {rows_of[b]}")
+        rows_of[b] += n_rows
+        for k in range(n_keys):
+            kv_idx = tile_keys[e0 + k // TILE_WIDTH] + k % TILE_WIDTH
+            if whole < 0:
+                continue  # the struct keeps nothing
+            if key_at(tokens[kv_ind[r] + k]) != (b, kv_idx):
+                errors.append(f"request {r} key {k}: token {tokens[kv_ind[r] + k]} holds "
+                              f"{key_at(tokens[kv_ind[r] + k])}, the list says ({b}, {kv_idx})")
+                continue
+            if not 0 <= kv_idx < kv[b]:
+                errors.append(f"request {r} key {k}: kv_idx {kv_idx} outside request {b}'s {kv[b]} keys")
+                continue
+            pairs = keeps[b][:, first:first + n_rows, kv_idx]
+            if k < whole and not bool(pairs.all()):
+                errors.append(f"request {r} key {k} (kv_idx {kv_idx}) counts as whole, but not every row keeps it")
+            seen[b][:, first:first + n_rows, kv_idx] += pairs.to(torch.int32)  # the cut keys: the mask decides
+    for b, lq in enumerate(qo):
+        if rows_of[b] != lq:
+            errors.append(f"request {b}: the requests cover {rows_of[b]} of its {lq} rows")
+        if not torch.equal(seen[b], keeps[b].to(torch.int32)):
+            bad = (seen[b] != keeps[b].to(torch.int32)).nonzero()[:3].tolist()
+            errors.append(f"request {b}: pairs (head, row, key) kept {[int(seen[b][tuple(p)]) for p in bad]} times "
+                          f"at {bad}, the reference keeps them {[int(keeps[b][tuple(p)]) for p in bad]}")
+    return errors
+
+
+def _ragged(kv):
+    starts = _ind(kv).long()
+    token_of = lambda b, kv_idx: starts[b] + kv_idx  # noqa: E731
+
+    def key_at(token):
+        b = int(torch.searchsorted(starts, torch.tensor(token), right=True)) - 1
+        return b, token - int(starts[b])
+    return token_of, key_at
+
+
+def _paged(kv, page):
+    """A random page table: request b's key j is in page table[b][j // page] at j % page."""
+    n_pages = [(k + page - 1) // page for k in kv]
+    perm = torch.randperm(sum(n_pages) + 3).tolist()
+    table, owner, i = [], {}, 0
+    for b, n in enumerate(n_pages):
+        table.append(perm[i:i + n])
+        for j, p in enumerate(perm[i:i + n]):
+            owner[p] = (b, j)
+        i += n
+    width = max(max(n_pages), 1)
+    flat = torch.tensor([t + [0] * (width - len(t)) for t in table], dtype=torch.long)
+    token_of = lambda b, kv_idx: flat[b, kv_idx // page] * page + kv_idx % page  # noqa: E731
+
+    def key_at(token):
+        b, j = owner[token // page]
+        return b, j * page + token % page
+    return token_of, key_at
+
+
+@pytest.mark.parametrize("kv_form", ["ragged", "paged"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_tile_lists_keep_exactly_the_pairs(name, causal, kv_form):
+    v, draw = _variant(name)
+    for _ in range(2):  # fresh lengths, params and pages each time
+        qo, kv = _batch()
+        kv = [k * random.choice([1, 2]) for k in kv]  # past two tiles of keys, a short last tile or none
+        if causal:
+            qo = [min(q, k) for q, k in zip(qo, kv)]
+        params = draw(len(qo), max(kv))
+        token_of, key_at = _ragged(kv) if kv_form == "ragged" else _paged(kv, random.choice([1, 5, 16]))
+        layout, bound = _plan(v, params, qo, kv, causal, token_of)
+        assert list_errors(v, bound, layout, qo, kv, causal, key_at) == []
+
+
+@pytest.mark.parametrize("corrupt", ["whole", "tile", "token", "dead"])
+def test_a_corrupted_list_fails_the_check(corrupt):
+    v, _ = _variant("flagged")
+    qo, kv = [40, 0, 33], [70, 20, 50]
+    flags = torch.zeros(3, 70, dtype=torch.int32)
+    flags[:, 45] = 1
+    token_of, key_at = _ragged(kv)
+    layout, bound = _plan(v, {"window": 6, "flags": flags}, qo, kv, False, token_of)
+    assert list_errors(v, bound, layout, qo, kv, False, key_at) == []
+    live = (layout.blocks[:, 3] >= 0).nonzero().view(-1)
+    r = int(live[0])
+    if corrupt == "whole":
+        cut = (layout.blocks[:, 3] < layout.kv_indptr.diff()) & (layout.blocks[:, 3] >= 0)
+        r = int(cut.nonzero()[0])
+        layout.blocks[r, 3] += TILE_WIDTH
+    elif corrupt == "tile":
+        layout.tile_keys[int(layout.blocks[r, 2])] += TILE_WIDTH
+    elif corrupt == "token":
+        layout.kv_indices[int(layout.kv_indptr[r])] += 1
+    else:
+        layout.blocks[r, 3] = -1
+    assert list_errors(v, bound, layout, qo, kv, False, key_at)
+
+
+def test_a_request_keeping_nothing_reads_one_key_and_keeps_none():
+    """More queries than keys, a window of 1: the first rows sit left of every key, so their query tiles keep
+    nothing; each still reads one key (FA3 needs one) and its whole count says to keep none."""
+    v, _ = _variant("flagged")
+    qo, kv = [40, 9], [8, 9]
+    token_of, key_at = _ragged(kv)
+    layout, bound = _plan(v, {"window": 1, "flags": torch.zeros(2, 9, dtype=torch.int32)}, qo, kv, False, token_of)
+    assert list_errors(v, bound, layout, qo, kv, False, key_at) == []
+    dead = layout.blocks[:, 3] < 0
+    assert int(dead.sum()) == 2 and bool((layout.kv_indptr.diff()[dead] == 1).all())
