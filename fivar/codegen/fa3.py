@@ -32,11 +32,22 @@ from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softma
 #: for the row-run form the offset of the block's first row in ROW_RUNS and the stride of a query head there).
 BLOCKS, BLOCK_FIELDS, ROW_RUNS = "fv_blocks", 5, "fv_row_runs"
 #: The tile-list form (fivar.runtime.fa3_tile_list), FA3 batch prefill of every mask that is more than a band: each request
-#: is one query tile over the list of its non-empty key tiles of TILE_KEYS keys (the device block map's), whole tiles
+#: is one query tile over the list of its non-empty key tiles of TILE_WIDTH keys (the device block map's), whole tiles
 #: first. Its table: int32 [requests, TILE_FIELDS] = (batch, q_idx of row 0, the request's first entry in TILE_KEYS,
-#: the keys of its whole tiles, every row keeping every one of them; -1: the request keeps no key at all);
-#: TILE_KEYS[entry] is the kv_idx of the listed tile's first key.
-TILE_FIELDS, TILE_KEYS, TILE_WIDTH = 4, "fv_tile_keys", 32
+#: the keys of its whole tiles, every row keeping every one of them (-1: the request keeps no key at all), the
+#: request's first word in CUT_BITS, the words' row stride); TILE_KEYS[entry] is the kv_idx of the listed tile's first
+#: key; CUT_BITS holds, per tile after the whole ones and per row, the tile's kept keys as one 32-bit word
+#: (tile_list_bits: a mask reading the head is evaluated instead, its bits differing per head).
+TILE_FIELDS, TILE_KEYS, CUT_BITS, TILE_WIDTH = 6, "fv_tile_keys", "fv_cut_bits", 32
+
+
+def tile_list_bits(variant) -> bool:
+    """Whether the tile-list form reads its cut tiles' pairs from CUT_BITS (one load and a shift per score, whatever
+    the mask costs; FA3's consumer warps are ALU-bound on an integer division per score) rather than evaluating
+    the mask: every mask that does not read the head."""
+    return not mask_reads_head(variant)
+
+
 #: The head-requests form (a mask whose kept keys differ per head, fivar.runtime.kv_ranges): q, k and v laid out
 #: head-major, each request one head's rows, one query and one KV head a launch; two more fields give the request's
 #: query head and KV head.
@@ -408,15 +419,24 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
     sink = variant.ir.sink
     members = [m for m in emit.members(lowered, extra + (list(sink.exprs()) if sink is not None else []))
                if m.name != "fv_q_offset"]
+    bits = tile_list_bits(variant)
     members[:0] = [Member("int32_t", "fv_batch_idx", block(0)), Member("int32_t", "fv_q_offset", block(1)),
                    Member("const int32_t*", "fv_tiles", f"{param_ref(TILE_KEYS)} + {block(2)}"),
-                   Member("int32_t", "fv_whole", block(3)),
-                   Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
+                   Member("int32_t", "fv_whole", block(3))]
+    members += ([Member("const int32_t*", "fv_bits", f"{param_ref(CUT_BITS)} + {block(4)}"),
+                 Member("int32_t", "fv_rows", block(5))] if bits else
+                [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")])
     scale = softmax_scale_log2(variant, emit)
     outer = emit.prologue(lowered.logits)
     lines = list(outer)
-    if lowered.mask:
-        # whole tiles come first in the list: a warp's keys are all below fv_whole or all above (one branch a tile)
+    if lowered.mask and bits:
+        # whole tiles come first in the list: a warp's keys are all below fv_whole or all above (one branch a tile);
+        # a cut tile's pairs are bits (causal folded in), one word a row and tile
+        lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {",
+                  "  const int32_t fv_c = int32_t(kv_idx) - fv_whole;",
+                  f"  fv_keep = (__ldg(fv_bits + (fv_c >> {shift}) * fv_rows + int32_t(qo_idx)) >> "
+                  f"(fv_c & {TILE_WIDTH - 1})) & 1;", "}"]
+    elif lowered.mask:
         inner = [ln for ln in emit.prologue(lowered.mask) if ln not in outer]
         mask_lines, keep = emit.statements(lowered.mask)
         lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {"]
@@ -434,8 +454,8 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
                     window=False, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
                     logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
                     sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=True,
-                                                          extra_tensors=[BLOCKS, TILE_KEYS]))
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=not bits,
+                                                          extra_tensors=[BLOCKS, TILE_KEYS, CUT_BITS]))
 
 
 def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,

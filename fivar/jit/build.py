@@ -706,7 +706,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     logits_range = None
     if target == "fa3":
         # the row-run and mask-free forms never evaluate the mask per score: its MUFU ops do not count
-        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not (row_runs or mask_free))
+        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not (
+            row_runs or mask_free or (tile_list and fa3.tile_list_bits(variant))))
         exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
         tiles, chosen_schedules = kernel.tiles, kernel.schedules
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher

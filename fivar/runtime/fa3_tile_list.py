@@ -8,8 +8,10 @@ transform. This lowering gives them only what the mask keeps, for any mask the s
    `block_rows` query rows x TILE keys on the device: empty, cut or whole (every pair of the tile kept);
 2. each query tile becomes one request of FA3's paged kernel, read as pages of one key: its page list is the
    keys of its non-empty key tiles, whole tiles first, then cut ones, a request's short last tile last;
-3. the tile-list struct (fivar.codegen.fa3.TILE_FIELDS) maps a request's local key back to its kv_idx through
-   the tile's first key, and evaluates the mask only on keys past the whole tiles' (one compare elsewhere).
+3. the tile-list struct (fivar.codegen.fa3.TILE_FIELDS) keeps every key of a whole tile with one compare, and reads
+   a key of the other tiles from their bits (`block_bits_kernel`, one 32-bit word per row and tile, causal folded
+   in); a mask reading the head is evaluated there instead, the key mapped back to its kv_idx through its tile's
+   first key. The struct's logits transform sees the original kv_idx either way.
 
 A mask reading the head gets the union of its heads' maps (a tile is whole only where every head keeps all of
 it). A paged batch composes the same keys through its page table. Planning costs one map pass and two
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen import fa3
-from ..codegen.fa3 import BLOCKS, TILE_KEYS, TILE_WIDTH
+from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
 from . import position_tables
@@ -55,15 +57,17 @@ class TileList:
     kv_indices: torch.Tensor  # device int32 [keys]: the token of each listed key (k/v viewed [tokens, 1, H, D])
     blocks: torch.Tensor      # device int32 [R, TILE_FIELDS]
     tile_keys: torch.Tensor   # device int32 [entries]: kv_idx of each listed tile's first key
+    cut_bits: torch.Tensor    # device int32 [tiles after the whole ones, rows]: their kept pairs, bit j for key j
     keys_read: int            # keys the requests read (a request with no kept key reads one)
     keys_total: int           # keys an unsplit batch would read: every query tile over all its request's keys
 
 
 def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
-              token_of) -> TileList:
+              token_of, bits_of=None) -> TileList:
     """The requests from a block map `kinds` ([batch, q tiles, key tiles] at `rows` x TILE_WIDTH; head_union's) of a
     batch given by host token indptrs. `token_of(batch, kv_idx)` (device int64 tensors) is the token of a key in the
-    k/v the kernel reads."""
+    k/v the kernel reads; `bits_of(cut)` (the Triton twin's tile_bits) the bits of the tiles after each request's
+    whole ones (int32 [tiles, 2]: (map row, key tile)), or None where the struct evaluates the mask."""
     dev, T = kinds.device, TILE_WIDTH
     qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
     n_qt = (qo_lens + rows - 1) // rows
@@ -100,22 +104,36 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
     entry_start = torch.cumsum(entries_h, 0) - entries_h
     q0 = q_tile * rows + kv_lens[batch] - qo_lens[batch]
     whole = torch.where(n_list.cpu() > 0, n_whole.cpu() * T, -1)
-    blocks = torch.stack([batch, q0, entry_start, whole], 1).to(torch.int32)
+    # the tiles after the whole ones, in list order: the struct finds a key's word as its (key - whole) // T-th
+    cut_sel = (pos >= n_whole[:, None]) & (pos < n_list[:, None])
+    n_cut = cut_sel.sum(1).cpu()
+    cut_bits = torch.zeros(1, rows, dtype=torch.int32, device=dev)
+    if bits_of is not None and int(n_cut.sum()):
+        req, at = cut_sel.nonzero().unbind(1)
+        map_row = b_dev[req] * kinds.shape[1] + qt_dev[req]  # the map's row of (batch, query tile), one head
+        cut = torch.stack([map_row, order[req, at]], 1).to(torch.int32).contiguous()
+        cut_bits = bits_of(cut).view(torch.int32)[:, ::2].contiguous()  # the low word of each (TILE_WIDTH bits)
+    bit_start = (torch.cumsum(n_cut, 0) - n_cut) * rows
+    blocks = torch.stack([batch, q0, entry_start, whole, bit_start, torch.full_like(batch, rows)], 1).to(torch.int32)
     rows_h = torch.minimum(qo_lens[batch] - q_tile * rows, torch.tensor(rows))
     return TileList(indptr(rows_h), indptr(keys_h), tokens.to(torch.int32).contiguous(), blocks.to(dev),
-                    first_key.to(torch.int32).contiguous(), int(keys_h[n_list.cpu() > 0].sum()),
+                    first_key.to(torch.int32).contiguous(), cut_bits, int(keys_h[n_list.cpu() > 0].sum()),
                     int((n_qt * kv_lens).sum()))
 
 
 def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-              causal: bool, sm_scale: float, device) -> torch.Tensor:
-    """head_union of the Triton twin's block map of this batch at block_rows x TILE_WIDTH, on `device`."""
+              causal: bool, sm_scale: float, device):
+    """(head_union of the Triton twin's block map of this batch at block_rows x TILE_WIDTH on `device`, bits_of for
+    tile_list: None where the struct evaluates the mask, fivar.codegen.fa3.tile_list_bits)."""
     qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
-    kinds = load_triton_module(variant).tile_kinds(
-        qo_indptr.to(device), kv_indptr.to(device), int(qo_lens.max()), max(int(kv_lens.max()), 1), num_qo_heads,
-        num_qo_heads // num_kv_heads, causal, kernel_arg_values(variant, bound, sm_scale),
-        (block_rows(head_dim), TILE_WIDTH))
-    return head_union(kinds)
+    module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
+    qo_d, kv_d, group, block = qo_indptr.to(device), kv_indptr.to(device), num_qo_heads // num_kv_heads, \
+        (block_rows(head_dim), TILE_WIDTH)
+    kinds = module.tile_kinds(qo_d, kv_d, int(qo_lens.max()), max(int(kv_lens.max()), 1), num_qo_heads, group,
+                              causal, args, block)
+    bits_of = ((lambda cut: module.tile_bits(cut, qo_d, kv_d, kinds.shape[2], group, causal, args, block))
+               if fa3.tile_list_bits(variant) else None)
+    return head_union(kinds), bits_of
 
 
 class TileListPrefill:
@@ -151,8 +169,9 @@ class TileListPrefill:
         self.keys_read = None
         if self.empty or self.no_keys:
             return
-        kinds = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal, sm_scale, device)
-        layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of)
+        kinds, bits_of = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
+                                   sm_scale, device)
+        layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of, bits_of)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, tile_list=True)
@@ -160,7 +179,8 @@ class TileListPrefill:
         ones = torch.ones(self.requests, dtype=torch.int32, device=device)
         w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices, ones, num_qo_heads,
                num_kv_heads, head_dim, 1, causal=False, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        args = kernel_args(variant, bound, sm_scale, causal, tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys})
+        args = kernel_args(variant, bound, sm_scale, None if bits_of is not None else causal,
+                           tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits})
         self._launch = (w, args, direct_paged_run(w, variant.name, device, args), ("paged", fmod, device))
 
     def run(self, q, k, v, return_lse: bool = False):

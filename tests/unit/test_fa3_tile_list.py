@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from fivar.codegen.fa3 import TILE_WIDTH
+from fivar.codegen.fa3 import TILE_WIDTH, tile_list_bits
 from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
 from fivar.runtime.fa3_tile_list import head_union, tile_list
@@ -38,9 +38,12 @@ def _ind(lens):
 def _plan(v, params, qo, kv, causal, token_of):
     q = torch.zeros(max(sum(qo), 1), HEADS, 16, dtype=torch.float16)
     bound, sm_scale = _prepare(v, params, q, KV_HEADS, len(qo), None)
-    kinds = load_triton_module(v).tile_kinds(_ind(qo), _ind(kv), max(qo), max(kv), HEADS, HEADS // KV_HEADS, causal,
-                                             kernel_arg_values(v, bound, sm_scale), (ROWS, TILE_WIDTH))
-    return tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of), bound
+    module, args = load_triton_module(v), kernel_arg_values(v, bound, sm_scale)
+    kinds = module.tile_kinds(_ind(qo), _ind(kv), max(qo), max(kv), HEADS, HEADS // KV_HEADS, causal, args,
+                              (ROWS, TILE_WIDTH))
+    bits_of = ((lambda cut: module.tile_bits(cut, _ind(qo), _ind(kv), kinds.shape[2], HEADS // KV_HEADS, causal,
+                                             args, (ROWS, TILE_WIDTH))) if tile_list_bits(v) else None)
+    return tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of, bits_of), bound
 
 
 def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
@@ -52,9 +55,11 @@ def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
     seen = [torch.zeros_like(k, dtype=torch.int32) for k in keeps]  # how often each pair is kept
     qo_ind, kv_ind = layout.qo_indptr.tolist(), layout.kv_indptr.tolist()
     tokens, tile_keys, blocks = layout.kv_indices.tolist(), layout.tile_keys.tolist(), layout.blocks.tolist()
+    words = layout.cut_bits.view(-1).long() & 0xFFFFFFFF
+    bits = tile_list_bits(v)
     errors = []
     rows_of = [0] * len(qo)
-    for r, (b, q0, e0, whole) in enumerate(blocks):
+    for r, (b, q0, e0, whole, bit0, stride) in enumerate(blocks):
         n_rows, n_keys = qo_ind[r + 1] - qo_ind[r], kv_ind[r + 1] - kv_ind[r]
         first = q0 - (kv[b] - qo[b])  # the request's first row within its batch entry's queries
         if first != rows_of[b]:
@@ -72,9 +77,17 @@ def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
                 errors.append(f"request {r} key {k}: kv_idx {kv_idx} outside request {b}'s {kv[b]} keys")
                 continue
             pairs = keeps[b][:, first:first + n_rows, kv_idx]
-            if k < whole and not bool(pairs.all()):
-                errors.append(f"request {r} key {k} (kv_idx {kv_idx}) counts as whole, but not every row keeps it")
-            seen[b][:, first:first + n_rows, kv_idx] += pairs.to(torch.int32)  # the cut keys: the mask decides
+            if k < whole:
+                if not bool(pairs.all()):
+                    errors.append(f"request {r} key {k} (kv_idx {kv_idx}) counts as whole, but not every row keeps it")
+                kept = torch.ones_like(pairs)
+            elif bits:  # the struct reads the word of its row and tile
+                c = k - whole
+                at = bit0 + (c // TILE_WIDTH) * stride + torch.arange(n_rows)
+                kept = ((words[at] >> (c % TILE_WIDTH)) & 1).bool()[None, :].expand_as(pairs)
+            else:  # the struct evaluates the mask
+                kept = pairs
+            seen[b][:, first:first + n_rows, kv_idx] += kept.to(torch.int32)
     for b, lq in enumerate(qo):
         if rows_of[b] != lq:
             errors.append(f"request {b}: the requests cover {rows_of[b]} of its {lq} rows")
@@ -131,7 +144,7 @@ def test_tile_lists_keep_exactly_the_pairs(name, causal, kv_form):
         assert list_errors(v, bound, layout, qo, kv, causal, key_at) == []
 
 
-@pytest.mark.parametrize("corrupt", ["whole", "tile", "token", "dead"])
+@pytest.mark.parametrize("corrupt", ["whole", "tile", "token", "dead", "bit"])
 def test_a_corrupted_list_fails_the_check(corrupt):
     v, _ = _variant("flagged")
     qo, kv = [40, 0, 33], [70, 20, 50]
@@ -150,8 +163,10 @@ def test_a_corrupted_list_fails_the_check(corrupt):
         layout.tile_keys[int(layout.blocks[r, 2])] += TILE_WIDTH
     elif corrupt == "token":
         layout.kv_indices[int(layout.kv_indptr[r])] += 1
-    else:
+    elif corrupt == "dead":
         layout.blocks[r, 3] = -1
+    else:
+        layout.cut_bits.view(-1)[int(layout.cut_bits.view(-1).nonzero()[0])] ^= 1 << 2
     assert list_errors(v, bound, layout, qo, kv, False, key_at)
 
 
