@@ -212,8 +212,6 @@ def _option_labels(options: dict) -> list[str]:
         out.append(f"tile {options['cta_tile']}")
     if options.get("schedule", "grid") != "grid":
         out.append(f"schedule {options['schedule']}")
-    if options.get("row_runs"):
-        out.append("two-row-runs" if options["row_runs"] == 2 else "row-runs")
     if options.get("tile_list"):
         out.append("tile-list")
     if options.get("split_cta_tiles"):

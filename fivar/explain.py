@@ -28,7 +28,7 @@ def short(v, arch: str | None, where: str) -> list[str]:
     from .runtime.explain import short_paths
     tile = _fa3_tile_choice(v)
     if tile is None:
-        fa3_line = "fa3 single prefill: FlashInfer's tile and schedule (it runs as batch prefill in the KV-range form)"
+        fa3_line = "fa3 single prefill: FlashInfer's tile and schedule (it runs as batch prefill in the tile-list form)"
     else:
         schedules = _fa3_schedule_choice(v)[0]
         fa3_line = (f"fa3 single prefill at hd128: tile {tile[0]}; schedule {schedules[fa3.MASK_NONE]} non-causal, "
@@ -67,15 +67,15 @@ def fa3_softmax(v) -> str:
     if not k:
         return f"fa3 softmax: FlashInfer's OnlineSoftmax, every exp2 on the MUFU pipe ({cost}{bounded})"
     unmasked = ""
-    if fa3.uses_kv_ranges(v, "batch_prefill") and not fa3.exp2_emulated_of_8(v, mask=False):
-        unmasked = ("; the KV-range form's row-run and mask-free modules evaluate no mask per score and keep "
+    if fa3.uses_tile_list(v, "batch_prefill") and fa3.tile_list_bits(v) and not fa3.exp2_emulated_of_8(v, mask=False):
+        unmasked = ("; prefill in the tile-list form reads the mask's bits, evaluates no mask per score and keeps "
                     "FlashInfer's OnlineSoftmax")
     return (f"fa3 softmax: {k} of every 8 score columns compute exp2 on the FMA pipe ({cost}{unmasked}; "
             f"{fa3.EXP2_EMULATION_ENV}=0..8 overrides{bounded})")
 
 
 def _fa3_tile_choice(v) -> tuple[str, str] | None:
-    """(FA3 single prefill's CTA tiles at hd128, why), or None where it runs as batch prefill in the KV-range form."""
+    """(FA3 single prefill's CTA tiles at hd128, why), or None where it runs as batch prefill in the tile-list form."""
     from .codegen import fa3
     from .jit.build import serving_op
     if serving_op(v, "single_prefill", "fa3") != "single_prefill":
@@ -104,7 +104,7 @@ def fa3_tile(v) -> str:
     from .codegen import fa3
     choice = _fa3_tile_choice(v)
     if choice is None:
-        return ("fa3 single prefill CTA tile: FlashInfer's (it runs as batch prefill in the KV-range form, whose "
+        return ("fa3 single prefill CTA tile: FlashInfer's (it runs as batch prefill in the tile-list form, whose "
                 f"tiles fivar does not change; {fa3.CTA_TILE_ENV} does not apply)")
     tiles, why = choice
     return (f"fa3 single prefill CTA tile at hd128: {tiles} ({why}; {fa3.CTA_TILE_ENV}=QxKV[|QxKV][,QxKV[|QxKV]] "
@@ -112,7 +112,7 @@ def fa3_tile(v) -> str:
 
 
 def _fa3_schedule_choice(v) -> tuple[dict, str] | None:
-    """(FA3 single prefill's schedule per mask mode at hd128, why), or None in the KV-range form."""
+    """(FA3 single prefill's schedule per mask mode at hd128, why), or None in the tile-list form."""
     from .codegen import fa3
     from .jit.build import serving_op
     if serving_op(v, "single_prefill", "fa3") != "single_prefill":
@@ -135,7 +135,7 @@ def fa3_schedule(v) -> str:
     from .codegen import fa3
     choice = _fa3_schedule_choice(v)
     if choice is None:
-        return ("fa3 single prefill schedule: FlashInfer's (it runs as batch prefill in the KV-range form, on "
+        return ("fa3 single prefill schedule: FlashInfer's (it runs as batch prefill in the tile-list form, on "
                 f"FlashInfer's planned schedule; {fa3.SCHEDULE_ENV} does not apply)")
     chosen, why = choice
     return (f"fa3 single prefill schedule at hd128: {chosen[fa3.MASK_NONE]} non-causal, {chosen[fa3.MASK_CAUSAL]} "

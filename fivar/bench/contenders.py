@@ -195,7 +195,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
                                  lambda b=backend: variant.prefill(q, k, v, causal=p.causal, backend=b, **prm)))
         if fivar and variant.scans_mask and torch.cuda.get_device_capability() == (9, 0) and \
                 selected("fivar-fa3-planned"):
-            # FA3's KV-range form plans per call; planned once here, as Flex's block mask is built once
+            # FA3's tile-list form plans per call signature; planned once here, as Flex's block mask is built once
             ind = torch.tensor([0, p.seqlen], dtype=torch.int32, device=p.device)
             plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
                                        head_dim=p.head_dim, dtype=p.dtype, causal=p.causal, backend="fa3",

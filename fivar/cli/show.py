@@ -110,7 +110,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
         return
     from ..codegen import fa2, fa3
     if not sources:
-        decl = (fa3.variant_decl(v, kv_ranges=fa3.uses_kv_ranges(v, op), logits_range=fa3.softmax_range(v, dtype))
+        decl = (fa3.variant_decl(v, tile_list=fa3.uses_tile_list(v, op), logits_range=fa3.softmax_range(v, dtype))
                 if target == "fa3"
                 else fa2.variant_decl(v))
         _print_code(decl.source)

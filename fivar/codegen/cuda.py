@@ -219,7 +219,7 @@ class AdditionalArg:
 
 def additional_args(variant, with_causal_flag: bool, extra_tensors=()) -> list[AdditionalArg]:
     """FlashInfer's `additional_*` arguments in declaration order: tensors (fivar's `extra_tensors` tables first,
-    FA3's KV-range form), then scalars (sm_scale first). Names derived from params are user_ident's, so none is
+    FA3's tile-list form), then scalars (sm_scale first). Names derived from params are user_ident's, so none is
     `maybe*` (FlashInfer's optional tensors) or any other name FlashInfer gives a meaning."""
     tensors = [AdditionalArg(t, "int32_t", "table", t) for t in extra_tensors]
     scalars = [AdditionalArg("sm_scale", "double", "sm_scale")]

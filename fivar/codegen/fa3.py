@@ -6,11 +6,11 @@ always 0), params live under `params.additional_params`, the softmax scale goes 
 (`OnlineSoftmax`, or `DefaultUpdater` without softmax), and a mask becomes part of LogitsTransform, except
 a mask that is exactly a sliding window: FA3 masks that itself (`runs_as_window`).
 
-A mask that is more than a band (`variant.scans_mask`) gets a second form of the batch-prefill struct, the
-KV-range form (fivar.runtime.kv_ranges): each FA3 request is one query block over the keys its mask can
-keep, and the struct maps a request's local row/key back to the original request, query and key through
-the `fv_blocks` table ([request] -> batch, q_idx of its first row, kv_idx of its first key). Causal is a
-runtime flag there, since FA3's own causal rule would align the diagonal to the block, not the request.
+A mask that is more than a band (`variant.scans_mask`) gets the tile-list form of the batch-prefill struct
+(fivar.runtime.fa3_tile_list): each FA3 request is one query tile over the non-empty key tiles of the device block
+map, and the struct maps a request's local row/key back to the original request, query and key through the
+`fv_blocks` and `fv_tile_keys` tables; whole tiles skip the mask, cut tiles read bits. Causal is the map's (and the
+bits'), since FA3's own causal rule would align the diagonal to the query tile, not the request.
 """
 from __future__ import annotations
 
@@ -23,22 +23,23 @@ from .. import config
 from ..errors import FivarError
 from ..flashinfer_compat import active as coupling_active, fa3_launchers
 from ..spec import ir
-from ..spec.bounds import has_left_band_term
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 
-#: The KV-range form's per-request table: int32 [requests, BLOCK_FIELDS] = (batch, q_idx of row 0, kv_idx of
-#: key 0, then for the mask form [full_lo, full_hi): the keys every row of the block keeps (request kv_idx);
-#: for the row-run form the offset of the block's first row in ROW_RUNS and the stride of a query head there).
-BLOCKS, BLOCK_FIELDS, ROW_RUNS = "fv_blocks", 5, "fv_row_runs"
 #: The tile-list form (fivar.runtime.fa3_tile_list), FA3 batch prefill of every mask that is more than a band: each request
 #: is one query tile over the list of its non-empty key tiles of TILE_WIDTH keys (the device block map's), whole tiles
-#: first. Its table: int32 [requests, TILE_FIELDS] = (batch, q_idx of row 0, the request's first entry in TILE_KEYS,
-#: the keys of its whole tiles, every row keeping every one of them (-1: the request keeps no key at all), the
-#: request's first word in CUT_BITS, the words' row stride); TILE_KEYS[entry] is the kv_idx of the listed tile's first
-#: key; CUT_BITS holds, per tile after the whole ones and per row, the tile's kept keys as one 32-bit word
+#: first. Its table BLOCKS: int32 [requests, TILE_FIELDS] = (batch, q_idx of row 0, the request's first entry in
+#: TILE_KEYS, the keys of its whole tiles, every row keeping every one of them (-1: the request keeps no key at all),
+#: the request's first word in CUT_BITS, the words' row stride); TILE_KEYS[entry] is the kv_idx of the listed tile's
+#: first key; CUT_BITS holds, per tile after the whole ones and per row, the tile's kept keys as one 32-bit word
 #: (tile_list_bits: a mask reading the head is evaluated instead, its bits differing per head).
-TILE_FIELDS, TILE_KEYS, CUT_BITS, TILE_WIDTH = 6, "fv_tile_keys", "fv_cut_bits", 32
+BLOCKS, TILE_FIELDS, TILE_KEYS, CUT_BITS, TILE_WIDTH = "fv_blocks", 6, "fv_tile_keys", "fv_cut_bits", 32
+
+
+def mask_reads_head(variant) -> bool:
+    """The mask may keep different keys per head (a window per head)."""
+    mask = variant.ir.mask
+    return mask is not None and bool({"qo_head", "kv_head"} & ir.uses(mask))
 
 
 def tile_list_bits(variant) -> bool:
@@ -48,38 +49,10 @@ def tile_list_bits(variant) -> bool:
     return not mask_reads_head(variant)
 
 
-#: The head-requests form (a mask whose kept keys differ per head, fivar.runtime.kv_ranges): q, k and v laid out
-#: head-major, each request one head's rows, one query and one KV head a launch; two more fields give the request's
-#: query head and KV head.
-HEAD_BLOCK_FIELDS = BLOCK_FIELDS + 2
-
-
-def mask_reads_head(variant) -> bool:
-    """The mask may keep different keys per head (a window per head): fivar.runtime.kv_ranges may then run a
-    request per head (the head-requests form)."""
-    mask = variant.ir.mask
-    return mask is not None and bool({"qo_head", "kv_head"} & ir.uses(mask))
-
-
-def uses_kv_ranges(variant, op: str) -> bool:
-    """Batch prefill of a mask that is more than a band is built in the KV-range form (single prefill of
-    such a variant runs as a batch of one through it)."""
+def uses_tile_list(variant, op: str) -> bool:
+    """Batch prefill of a mask that is more than a band is built in the tile-list form (single prefill of such a
+    variant runs as a batch of one through it)."""
     return op == "batch_prefill" and variant.scans_mask
-
-
-def may_keep_two_runs(variant) -> bool:
-    """Whether a row may keep two runs of keys (a disjunction in the mask: sink tokens or a window), so builds
-    include the two-run form of the KV-range struct (a single run needs no `or`: documents, chunks, prefixes)."""
-    mask = variant.ir.mask
-    return mask is not None and any((isinstance(e, ir.Binary) and e.op in ("or", "ne")) or
-                                    (isinstance(e, ir.Unary) and e.op == "not")
-                                    for root in mask.exprs() for e in ir.walk(root))
-
-
-def may_keep_windows(variant) -> bool:
-    """Whether query blocks of this KV-range variant may keep exactly a causal window of keys (the mask has a window
-    term, fivar.spec.bounds.has_left_band_term), so builds include the mask-free module with FA3's sliding window."""
-    return has_left_band_term(variant.ir.mask)
 
 
 def runs_as_window(variant) -> bool:
@@ -102,7 +75,7 @@ EXP2_EMULATION_ENV = config.ENV["exp2_emulated_of_8"]
 def mufu_ops_per_score(variant, mask: bool = True) -> int:
     """MUFU (special function unit) ops the logits transform and mask cost per score, hoisted values aside:
     transcendental calls and divisions by a non-constant (a mask FA3 runs as its own window costs none, and so does
-    one the module never evaluates per score: `mask` False, the KV-range form's row-run and mask-free modules)."""
+    one the module never evaluates per score: `mask` False, the tile-list form reading bits)."""
     lowered, count = variant.lowered, 0
     for prog in (lowered.logits, None if runs_as_window(variant) or not mask else lowered.mask):
         if prog is None:
@@ -450,7 +423,7 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
     lines.append(f"return {value};")
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
-                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), tile_list=True, kv_ranges=False,
+                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), tile_list=True, 
                     window=False, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
                     logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
                     sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
@@ -458,34 +431,17 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
                                                           extra_tensors=[BLOCKS, TILE_KEYS, CUT_BITS]))
 
 
-def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
-                 exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,
-                 mask_free: bool = False, head_requests: bool = False, tile_list: bool = False) -> VariantDecl:
-    """`logits_range`: the softmax takes its max from it (softmax_range). `kv_ranges`: the KV-range form.
-    `row_runs` (with it): 1, the form for a batch whose every row keeps one run of keys (a document mask always
-    does): the mask pre-pass stored each row's run (made relative to its block's first key, causal folded in) and
-    the kernel checks it with one 8-byte load per row, instead of evaluating the mask per element (its gathers
-    spill registers in FA3's consumer warps); 2, the same for rows keeping up to two runs (sink tokens and a
-    window), one 16-byte load per row. `mask_free` (with kv_ranges): the struct without the mask, for blocks whose
-    rows keep exactly the block's keys, up to their own position if causal (fivar.runtime.kv_ranges runs them in
-    FA3's causal mode then, which masks only the diagonal tiles). `head_requests` (with kv_ranges): each request
-    is one head's (HEAD_BLOCK_FIELDS), the heads the variant sees read from the table."""
-    if head_requests and not kv_ranges:
-        raise ValueError("the head-requests form is a KV-range form")
+def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,
+                 tile_list: bool = False) -> VariantDecl:
+    """`logits_range`: the softmax takes its max from it (softmax_range). `tile_list`: the tile-list form
+    (fivar.runtime.fa3_tile_list), batch prefill of a mask that is more than a band."""
     if tile_list:
         return _tile_list_decl(variant, exp2_emulated_of_8, logits_range)
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
+    emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx"})
     lowered = variant.lowered
-    fields = HEAD_BLOCK_FIELDS if head_requests else BLOCK_FIELDS
-    block = lambda i: f"{param_ref(BLOCKS)}[{fields} * batch_idx + {i}]"  # noqa: E731
-    index_init = {"batch": "fv_batch_idx"}
-    if kv_ranges:
-        index_init["kv_idx"] = "int32_t(kv_idx) + fv_kv_offset"
-    if head_requests:  # members: the hook's batch_idx is 0, the block's index is the constructor's
-        index_init.update(qo_head="fv_head_q", kv_head="fv_head_kv")
-    emit = CppEmitter(variant, param_ref, index_init=index_init)
-    as_window = not kv_ranges and runs_as_window(variant)
-    if as_window or (kv_ranges and mask_free):
+    as_window = runs_as_window(variant)
+    if as_window:
         lowered = dataclasses.replace(lowered, mask=None)
     extra = [lowered.output_scale] if lowered.output_scale is not None else []
     sink = variant.ir.sink
@@ -493,40 +449,12 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
     # FA3 reads the request's lengths from the block coordinate; q_offset needs them in scope
     for m in members:
         if m.name == "fv_q_offset":
-            m.init = block(1) if kv_ranges else "int32_t(kv_len) - int32_t(qo_len)"
-    if kv_ranges:
-        if not any(m.name == "fv_q_offset" for m in members):
-            members.insert(0, Member("int32_t", "fv_q_offset", block(1)))
-        keys = ([] if mask_free else
-                [Member("const int32_t*", "fv_runs", f"{param_ref(ROW_RUNS)} + {block(3)} + {block(4)} * "
-                                                     "int32_t(qo_head_idx)")] if row_runs else
-                [Member("int32_t", "fv_full_lo", block(3)), Member("int32_t", "fv_full_hi", block(4))])
-        causal = [] if row_runs or mask_free else [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")]
-        heads = ([Member("int32_t", "fv_head_q", block(BLOCK_FIELDS)),
-                  Member("int32_t", "fv_head_kv", block(BLOCK_FIELDS + 1))] if head_requests else [])
-        members[1:1] = [Member("int32_t", "fv_kv_offset", block(2)), *keys, *causal, *heads]
-    if kv_ranges or any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask, sink)):
-        members.insert(0, Member("int32_t", "fv_batch_idx", block(0) if kv_ranges else "int32_t(batch_idx)"))
+            m.init = "int32_t(kv_len) - int32_t(qo_len)"
+    if any("fv_batch" in line for line in emit.prologue(lowered.logits, lowered.mask, sink)):
+        members.insert(0, Member("int32_t", "fv_batch_idx", "int32_t(batch_idx)"))
     scale = softmax_scale_log2(variant, emit)
-    lines = emit.prologue(lowered.logits, None if row_runs else lowered.mask)
-    if lowered.mask and row_runs == 2:
-        # the row's two runs [x, y) and [z, w), relative to the request's first key, causal folded in
-        lines += ["const int4 fv_run = __ldg(reinterpret_cast<const int4*>(fv_runs) + int32_t(qo_idx));",
-                  "const int32_t fv_k = int32_t(kv_idx);",
-                  "bool fv_keep = ((fv_k >= fv_run.x) & (fv_k < fv_run.y)) | ((fv_k >= fv_run.z) & (fv_k < fv_run.w));"]
-    elif lowered.mask and row_runs:
-        # runs are relative to the block's first key, causal already folded in (fivar.runtime.kv_ranges)
-        lines += ["const int2 fv_run = __ldg(reinterpret_cast<const int2*>(fv_runs) + int32_t(qo_idx));",
-                  "bool fv_keep = (int32_t(kv_idx) >= fv_run.x) & (int32_t(kv_idx) < fv_run.y);"]
-    elif lowered.mask and kv_ranges:
-        # Keys every row of the block keeps skip the mask: interior tiles of a document run no loads (and, the
-        # loads being under a branch, the compiler does not keep a tile's worth of them in flight: spills).
-        mask_lines, keep = emit.statements(lowered.mask)
-        kv = "(int32_t(kv_idx) + fv_kv_offset)"
-        lines += [f"bool fv_keep = {kv} >= fv_full_lo && {kv} < fv_full_hi;", "if (!fv_keep) {"]
-        lines += ["  " + ln for ln in mask_lines] + [f"  fv_keep = {keep};", "}"]
-        lines.append(f"if (fv_causal && {kv} > int32_t(qo_idx) + fv_q_offset) fv_keep = false;")
-    elif lowered.mask:
+    lines = emit.prologue(lowered.logits, lowered.mask)
+    if lowered.mask:
         mask_lines, keep = emit.statements(lowered.mask)
         lines += ["bool fv_keep;", "{"] + ["  " + ln for ln in mask_lines] + [f"  fv_keep = {keep};", "}"]
     logit_lines, value = emit.statements(lowered.logits)
@@ -537,15 +465,13 @@ def variant_decl(variant, kv_ranges: bool = False, row_runs: int = 0,
     lines.append(f"return {value};")
     source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                     source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
-                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), kv_ranges=kv_ranges,
+                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), tile_list=False,
                     window=as_window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
                     logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
                     # FA3 has no output hook: the sink joins in the updater's finalize (csrc/fivar_sink.cuh); a
                     # CTA serves one query head of one request, so it is read once, in the constructor
                     sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
-    tables = [BLOCKS, ROW_RUNS] if row_runs and not mask_free else [BLOCKS] if kv_ranges else []
-    return VariantDecl(source, lowered, additional_params(
-        variant, with_causal_flag=kv_ranges and not row_runs and not mask_free, extra_tensors=tables))
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,7 +492,7 @@ def kernel_config(variant, op: str, head_dim: int, dtype: str,
     """The heuristic: every field `requested` leaves None is fivar.config's override or environment setting, else the
     choice for this variant (its MUFU cost, window and bound), op and head dim (exp2_emulated_of_8, default_cta_tile,
     default_schedule, softmax_range's defaults). `mask_per_score` False: the module evaluates no mask per score (the
-    KV-range form's row-run and mask-free modules), so the mask's MUFU ops do not count."""
+    tile-list form reading bits), so the mask's MUFU ops do not count."""
     requested = requested or config.FA3KernelConfig()
     tiles = cta_tiles(variant, op, head_dim, requested.cta_tile)
     chosen = schedules(variant, op, requested.schedule, head_dim)

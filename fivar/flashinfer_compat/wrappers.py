@@ -1,6 +1,5 @@
 """fivar runs its modules through FlashInfer's own Python wrappers (fivar.runtime.attention._attach): it sets the
-private attributes FlashInfer's `jit_args` path sets, hands FA3's ragged plan the KV starts by position
-(fivar.runtime.kv_ranges), launches a single-prefill module's `run` with FlashInfer's argument order (the FA3
+private attributes FlashInfer's `jit_args` path sets, launches a single-prefill module's `run` with FlashInfer's argument order (the FA3
 last-wave split), and a planned paged wrapper's module `paged_run` the way its `run` does (the direct paged run).
 These checks read the installed wrappers' Python source."""
 from __future__ import annotations
@@ -14,10 +13,6 @@ from ._base import Coupling, norm, safe
 #: The attributes fivar sets on a wrapper, and the wrappers that must read them.
 ATTACHED = ("_jit_module", "_jit_additional_tensor_names")
 OPTIONAL_ATTACHED = ("_jit_additional_scalar_names", "_variant_owns_mask")  # set where the wrapper has them
-#: FA3 ragged plan's leading positional arguments: fivar replaces kv_indptr_host (position 4) with the KV starts.
-FA3_PLAN_HEAD = ("self._float_workspace_buffer", "self._int_workspace_buffer",
-                 "self._pin_memory_int_workspace_buffer", "qo_indptr_host", "kv_indptr_host", "kv_len_arr")
-KV_STARTS_POSITION = 4
 #: A single-prefill module's run(...) as FlashInfer calls it.
 RUN_ARGS = "q, k, v, tmp, o, lse, mask_mode, TensorLayout[kv_layout].value, window_left, *args,"
 #: BatchPrefillWithPagedKVCacheWrapper.run's arguments to its module's paged_run on FA2/FA3, then the variant's.
@@ -64,23 +59,6 @@ def attach_problem() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 @safe
-def fa3_plan_problem() -> str | None:
-    """Why the FA3 ragged plan's arguments are not where fivar puts the KV starts, or None."""
-    import flashinfer
-    text = _source(flashinfer.BatchPrefillWithRaggedKVCacheWrapper.plan)
-    m = re.search(r"args = \[(.*?)\]\n", text, re.S)
-    if m is None or "self._cached_module.plan(\n                *args," not in text and \
-            "self._cached_module.plan(*args" not in norm(text).replace("( *args", "(*args"):
-        return "BatchPrefillWithRaggedKVCacheWrapper.plan no longer passes its module's plan a list `args`"
-    head = tuple(a.split("#")[0].strip() for a in m.group(1).split(",\n"))[:len(FA3_PLAN_HEAD)]
-    if head != FA3_PLAN_HEAD:
-        return (f"BatchPrefillWithRaggedKVCacheWrapper.plan's first arguments are {', '.join(head)}; fivar puts the "
-                f"KV starts at position {KV_STARTS_POSITION} of {', '.join(FA3_PLAN_HEAD)}")
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-@safe
 def single_prefill_run_problem() -> str | None:
     """Why fivar cannot call a single-prefill module's run the way FlashInfer does, or None."""
     from flashinfer import prefill
@@ -115,9 +93,6 @@ COUPLINGS = [
              "_jit_additional_tensor_names, ...) that its jit_args path sets",
              "batch prefill and decode on fivar's modules", "none: the batch entry points refuse to run",
              attach_problem, required=True),
-    Coupling("fa3_plan_kv_starts", "FA3 ragged plan's positional arguments (kv_indptr_host at position 4)",
-             "FA3 masks beyond a band in the KV-range form", "none: FA3 refuses such masks; use fa2 or triton",
-             fa3_plan_problem, required=True),
     Coupling("fa3_wave_split_launch", "a single-prefill module's run(...) argument order",
              "the FA3 single-prefill last-wave split", "the last wave runs unsplit", single_prefill_run_problem),
     Coupling("paged_run_direct", "BatchPrefillWithPagedKVCacheWrapper.run's call of its module's paged_run "

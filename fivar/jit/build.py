@@ -637,17 +637,12 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, row_runs: int = 0, kv_segments: bool = False, mask_free: bool = False,
-               sliding_window: bool = False, head_requests: bool = False, kv_dtype: str | None = None,
-               tile_list: bool = False, config: FA2BuildConfig | FA3KernelConfig | None = None,
+               head_dim: int = 128, *, kv_segments: bool = False, mask_free: bool = False,
+               kv_dtype: str | None = None, config: FA2BuildConfig | FA3KernelConfig | None = None,
                **options) -> FivarModule:
-    """All sources of one module. `row_runs`: FA3 batch prefill of a mask that is more than a band, in the row-run
-    form of one (1) or two (2) runs a row (fivar.codegen.fa3.variant_decl); `mask_free`: FA3 batch prefill's KV-range
-    form without the mask (the blocks fivar.runtime.kv_ranges runs in causal mode); with `sliding_window`, built with
-    FA3's sliding window (the blocks whose rows keep exactly a causal window of keys); `head_requests`, any of
-    these with each request one head's (a mask keeping different keys per head). `tile_list`: FA3 batch prefill of
-    a mask that is more than a band in the tile-list form (fivar.runtime.fa3_tile_list): the paged kernel alone, with no
-    mask mode but kNone (causal is the block map's and the struct's). `kv_segments`: FA2 batch
+    """All sources of one module. FA3 batch prefill of a mask that is more than a band is the tile-list form
+    (fivar.runtime.fa3_tile_list): the paged kernel alone, with no mask mode but kNone (causal is the block map's).
+    `kv_segments`: FA2 batch
     prefill/decode over trimmed pages or query blocks, each key mapped back to its position (fivar.runtime.decode_pages,
     fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
@@ -706,8 +701,9 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     logits_range = None
     if target == "fa3":
         # the row-run and mask-free forms never evaluate the mask per score: its MUFU ops do not count
+        # the tile-list form reading bits evaluates no mask per score: its MUFU ops do not count
         kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not (
-            row_runs or mask_free or (tile_list and fa3.tile_list_bits(variant))))
+            fa3.uses_tile_list(variant, op) and fa3.tile_list_bits(variant)))
         exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
         tiles, chosen_schedules = kernel.tiles, kernel.schedules
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
@@ -721,19 +717,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
             raise FivarError(f"variant '{variant.name}': schedule={schedule!r}: only FA3 single prefill takes a "
                              "schedule")
         build_config = fivar_config.fa2_build_config(given)
-    kv_ranges = target == "fa3" and fa3.uses_kv_ranges(variant, op)
-    if (row_runs or mask_free) and not (kv_ranges or (mask_free and kv_segments and target == "fa2")):
-        raise FivarError(f"variant '{variant.name}': the row-run and mask-free forms are FA3 batch prefill of a mask "
-                         "that is more than a band (and FA2's mask-free form is a key-segments form)")
-    if sliding_window and not mask_free:
-        raise FivarError(f"variant '{variant.name}': sliding_window is an option of the mask-free form only")
-    if head_requests and not kv_ranges:
-        raise FivarError(f"variant '{variant.name}': head_requests is an option of FA3's KV-range forms only")
-    if tile_list and not (kv_ranges and not (row_runs or mask_free or head_requests)):
-        raise FivarError(f"variant '{variant.name}': the tile-list form is FA3 batch prefill of a mask that is more "
-                         "than a band")
-    decl = (fa3.variant_decl(variant, kv_ranges=kv_ranges, row_runs=row_runs, exp2_emulated_of_8=exp2_emulated_of_8,
-                             logits_range=logits_range, mask_free=mask_free, head_requests=head_requests,
+    tile_list = target == "fa3" and fa3.uses_tile_list(variant, op)
+    if mask_free and not (kv_segments and target == "fa2"):
+        raise FivarError(f"variant '{variant.name}': the mask-free form is FA2's key-segments form")
+    decl = (fa3.variant_decl(variant, exp2_emulated_of_8=exp2_emulated_of_8, logits_range=logits_range,
                              tile_list=tile_list)
             if target == "fa3"
             else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free))  # fa2.KV_SEGMENTS
@@ -746,10 +733,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         dtype_q=dtype_map[tdt], dtype_kv=dtype_map[KV_DTYPES[kv_dtype] if kv_dtype else tdt], dtype_o=dtype_map[tdt],
         idtype="int32_t",
         head_dim_qk=head_dim, head_dim_vo=head_dim, pos_encoding_mode="PosEncodingMode::kNone",
-        # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it (the KV-range
-        # form skips them through its ranges; the window would be measured from the block, not the request)
-        use_sliding_window="true" if (target == "fa3" and variant.kv_band.left is not None and not kv_ranges
-                                      or sliding_window) else "false",
+        # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it (the tile-list
+        # form skips them through its block map; the window would be measured from the tile, not the request)
+        use_sliding_window="true" if (target == "fa3" and variant.kv_band.left is not None and not tile_list)
+        else "false",
         use_logits_soft_cap="false", use_fp16_qk_reduction="false",
         additional_params_decl=params_decl, additional_func_params=func_params,
         additional_params_setter=params_setter, require_fp4_kv_cache=False,
@@ -816,9 +803,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = ((("_freewin" if sliding_window else "_kvsegfree" if kv_segments else "_free") if mask_free else
-             {1: "_runs", 2: "_runs2"}.get(int(row_runs), "_kvseg" if kv_segments else ""))
-            + ("_heads" if head_requests else "") + ("_tiles" if tile_list else "")
+    form = (("_kvsegfree" if mask_free else "_kvseg" if kv_segments else "_tiles" if tile_list else "")
             + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
@@ -826,9 +811,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
              if target == "fa3" else
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
-    options = {"row_runs": int(row_runs), **({"kv_segments": True} if kv_segments else {}),
-               **({"mask_free": True} if mask_free else {}), **({"sliding_window": True} if sliding_window else {}),
-               **({"head_requests": True} if head_requests else {}), **({"tile_list": True} if tile_list else {}),
+    options = {**({"kv_segments": True} if kv_segments else {}), **({"mask_free": True} if mask_free else {}),
+               **({"tile_list": True} if tile_list else {}),
                **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -845,7 +829,7 @@ def manifest_options(built: FA2BuildConfig | FA3KernelConfig) -> dict:
 
 def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim: int = 128) -> list[FivarModule]:
     """What a build or prewarm of (variant, op, target) compiles: the modules that run `op` at runtime (a mask
-    that is more than a band on FA3: the KV-range form's mask and row-run modules; with the bounded softmax, the
+    that is more than a band on FA3: its tile-list form, one module; with the bounded softmax, the
     running-max modules too; decode: also FA2 batch prefill, which runs it once a KV head serves >= 4 query heads
     or without softmax, fivar.runtime.attention.batch_decode)."""
     if op == "batch_decode":  # without softmax or with a sink, decode always runs on FA2 batch prefill
@@ -853,8 +837,7 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
                 else []) + [
             gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
     op = serving_op(variant, op, target)
-    # a mask that is more than a band runs FA3's tile-list form (fivar.runtime.fa3_tile_list): one module
-    forms = [dict(tile_list=True)] if target == "fa3" and fa3.uses_kv_ranges(variant, op) else [{}]
+    forms = [{}]  # FA3 batch prefill of a mask beyond a band is the tile-list form: one module
     if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
         # its batch prefill runs a mask beyond a band in the block form, and segments (documents) mask-free
         forms += [dict(kv_segments=True), dict(kv_segments=True, mask_free=True)]
@@ -868,7 +851,7 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
 
 def serving_op(variant, op: str, target: str) -> str:
     """The op whose module runs `op` at runtime: FA3 single prefill of a mask that is more than a band runs
-    as a batch of one in the KV-range form (fivar.runtime.kv_ranges), so builds and prewarms take that."""
+    as a batch of one in the tile-list form (fivar.runtime.fa3_tile_list), so builds and prewarms take that."""
     return "batch_prefill" if (target == "fa3" and op == "single_prefill" and variant.scans_mask) else op
 
 
@@ -899,20 +882,15 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
     return h.hexdigest()[:12]
 
 
-def module_for(variant, op, target, dtype, head_dim, row_runs: int = 0,
-               bounded_softmax: bool | None = None, kv_segments: bool = False,
-               kv_dtype: str | None = None, mask_free: bool = False, sliding_window: bool = False,
-               head_requests: bool = False, tile_list: bool = False) -> FivarModule:
+def module_for(variant, op, target, dtype, head_dim, bounded_softmax: bool | None = None, kv_segments: bool = False,
+               kv_dtype: str | None = None, mask_free: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
-    key = (id(variant), op, target, dtype, head_dim, knobs, row_runs, bounded_softmax, kv_segments, kv_dtype,
-           mask_free, sliding_window, head_requests, tile_list)
+    key = (id(variant), op, target, dtype, head_dim, knobs, bounded_softmax, kv_segments, kv_dtype, mask_free)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
-        m = (variant, gen_module(variant, op, target, dtype, head_dim, row_runs=row_runs,
-                                 bounded_softmax=bounded_softmax, kv_segments=kv_segments, kv_dtype=kv_dtype,
-                                 mask_free=mask_free, sliding_window=sliding_window, head_requests=head_requests,
-                                 tile_list=tile_list))
+        m = (variant, gen_module(variant, op, target, dtype, head_dim, bounded_softmax=bounded_softmax,
+                                 kv_segments=kv_segments, kv_dtype=kv_dtype, mask_free=mask_free))
         _memo[key] = m
     return m[1]
 

@@ -21,9 +21,9 @@ from .fp8_kv import (ScaledArgs, check_q_dtype, check_scale, fp8_backend, kv_dty
 from . import wave_split
 from .ops import register_plan
 from . import fa2_blocks, segments
+from .segments import mask_scan
 from .decode_pages import trim_pages
 from .fa3_tile_list import TileListPrefill
-from .kv_ranges import mask_scan, paged_kv_ranges
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _invariant, _module, _paged_kv, _prepare, direct_paged_run, release_wrapper, take_wrapper)
 from .params import kernel_args
@@ -79,27 +79,10 @@ def _causal_flag(variant, target: str, causal: bool):
     return bool(causal) if (variant.mask and target == "fa2") else None
 
 
-def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size,
-                kv_ranges=None):
-    """Run arguments of a paged batch. FA3's batch module of a mask that is more than a band is the KV-range
-    form (fivar.runtime.kv_ranges): `kv_ranges` (its PagedKvRanges) when the batch was split into query blocks
-    over the pages they may keep, with causal as a runtime flag (or folded into the row runs); otherwise it runs
-    unsplit, one block per request, with FA3's own causal mode (so no runtime flag) and each request's q_idx
-    offset kv_len - qo_len in `fv_blocks`. The indptrs are the batch's own (the position tables' lengths)."""
+def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size):
+    """Run arguments of a paged batch (the indptrs are the batch's own: the position tables' lengths)."""
     lengths = lambda: max_lengths(qo_indptr, kv_indptr, kv_last_page_len, page_size)  # noqa: E731
-    if kv_ranges is not None:
-        return kernel_args(variant, bound, sm_scale, None if kv_ranges.row_runs else causal, tables=kv_ranges.tables,
-                           lengths=lengths)
-    if not (target == "fa3" and variant.scans_mask):
-        return kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal), lengths=lengths)
-    from ..codegen.fa3 import BLOCKS
-    qo_h, kv_h, last_h = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_last_page_len.cpu().long()
-    kv_lens = (kv_h.diff() - 1).clamp(min=0) * page_size + torch.where(kv_h.diff() > 0, last_h, 0)
-    batch = qo_h.numel() - 1
-    zeros = torch.zeros(batch, dtype=torch.long)  # no full range: the mask runs on every pair
-    blocks = torch.stack([torch.arange(batch), kv_lens - qo_h.diff(), zeros, zeros, zeros], 1)
-    return kernel_args(variant, bound, sm_scale, False,
-                       tables={BLOCKS: blocks.to(device=qo_indptr.device, dtype=torch.int32)}, lengths=lengths)
+    return kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal), lengths=lengths)
 
 
 def _window_left(variant, target: str, bound) -> int:
@@ -121,7 +104,7 @@ def _window_left(variant, target: str, bound) -> int:
         return -1
     if target == "fa2":
         return min(max(int(_invariant(variant, left, bound)), 0), 1 << 30)
-    if target != "fa3" or variant.scans_mask:  # the KV-range form skips through its ranges
+    if target != "fa3" or variant.scans_mask:  # the tile-list form skips through its block map
         return -1
     lowest = -(1 << 30) if fa3.runs_as_window(variant) else 0
     return min(max(int(_invariant(variant, left, bound)), lowest), 1 << 30)
@@ -176,7 +159,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     window_left = _window_left(variant, target, bound)
     if variant.scans_mask or (target == "fa2" and window_left >= 0):
-        # A batch of one: FA3's KV-range form, FA2's block form (fivar.runtime.fa2_blocks); for a window, FA2's
+        # A batch of one: FA3's tile-list form, FA2's block form (fivar.runtime.fa2_blocks); for a window, FA2's
         # batch kernel, which starts each query tile's KV loop at the window where the single-prefill kernel
         # visits every tile left of it. Planned once per key.
         indptr = lambda n: torch.tensor([0, n], dtype=torch.int32, device=q.device)  # noqa: E731
@@ -571,7 +554,8 @@ class PagedAttentionPlan(_OwnsWrapper):
     This is FlashInfer's plan/run split. A batch of one query per request on FA2 (decode) whose mask drops
     whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
     A mask that is more than a band runs one request per query block over the pages it may keep, on FA2
-    (fivar.runtime.fa2_blocks) and FA3 (fivar.runtime.kv_ranges); `keys_read`: keys read and the unsplit form's.
+    (fivar.runtime.fa2_blocks), and on FA3 one request per query tile over its non-empty key tiles
+    (fivar.runtime.fa3_tile_list); `keys_read`: keys read and the unsplit form's.
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
@@ -603,7 +587,6 @@ class PagedAttentionPlan(_OwnsWrapper):
                 pages=(kv_indices, page_size), kv_last_page_len=kv_last_page_len)
             self.keys_read = self._tiles.keys_read
             return
-        fa3_split = plan_indptrs = None  # FA3's KV-range blocks: its layout is what the wrapper plans
         block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest
         if self.target == "fa2" and trims_decode_pages(variant) and one_query:
             # one query per request (decode): read only the pages holding kept keys, in the key-segments form
@@ -636,24 +619,12 @@ class PagedAttentionPlan(_OwnsWrapper):
                 if block_causal and not bool(layout.causal_mode.all()):
                     rest_segments = layout.subset(~layout.causal_mode)
                 self.keys_read = (layout.keys_read, layout.keys_total)
-        elif self.target == "fa3" and variant.scans_mask:
-            # a mask that is more than a band: one request per query block over the pages holding the keys it may
-            # keep (fivar.runtime.kv_ranges), unless that reads no fewer keys than the unsplit form
-            split = paged_kv_ranges(variant, bound, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                    page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                                    head_dim=head_dim, causal=causal, sm_scale=sm_scale, device=self.device)
-            if split is not None:
-                self.keys_read = (split.layout.keys_read, split.layout.keys_total)
-                fa3_split, plan_indptrs = split, (split.layout.qo_indptr, split.layout.kv_indptr,
-                                                  split.layout.kv_indices, split.layout.kv_last_page_len)
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
-                       row_runs=fa3_split is not None and fa3_split.row_runs,
                        kv_segments=kv_segments is not None, kv_dtype=kv_name)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
         window_left = _window_left(variant, self.target, bound) if kv_segments is None else -1
         self._release = ("paged", fmod, self.device)
-        planned = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) if plan_indptrs is None else plan_indptrs
-        planned = [t.to(self.device) for t in planned]
+        planned = [t.to(self.device) for t in (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)]
 
         def launch(owns_mask: bool, plan_causal: bool, table, split: dict, indptrs=planned):
             wrapper = take_wrapper("paged", fmod, self.device, owns_mask)
@@ -665,7 +636,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                                                      lengths=lengths)
                                          if table is not None else
                                          _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
-                                                     kv_last_page_len, page_size, kv_ranges=fa3_split)), sm_scale)
+                                                     kv_last_page_len, page_size)), sm_scale)
             return wrapper, args
 
         if block_causal:  # kCausal over every row: the blocks it can run (fa2_blocks), or trimmed decode pages
@@ -678,7 +649,7 @@ class PagedAttentionPlan(_OwnsWrapper):
         else:  # the blocks apply causal themselves: FA3's would align the diagonal to each block
             self._wrapper, self._args = launch(
                 _owns_mask(variant, self.target, causal, window_left),
-                fa3_split is None and _plan_causal(variant, self.target, causal, window_left), kv_segments,
+                _plan_causal(variant, self.target, causal, window_left), kv_segments,
                 _split_kwargs(variant, self.target, causal, window_left))
         self._direct = tuple(None if launched is None else
                              direct_paged_run(launched[0], variant.name, self.device, args=launched[1](1.0))
@@ -689,8 +660,8 @@ class PagedAttentionPlan(_OwnsWrapper):
 class RaggedAttentionPlan(_OwnsWrapper):
     """A planned ragged batch (`v.plan_ragged`): plan once per batch layout, then `run(q, k, v)` per layer.
 
-    For a mask that is more than a band, planning is where the block lowering happens: on FA3 the KV-range form
-    (the mask pre-pass and FA3's schedule, fivar.runtime.kv_ranges), on FA2 the block form over K/V read as pages
+    For a mask that is more than a band, planning is where the block lowering happens: on FA3 the tile-list form
+    (the device block map, fivar.runtime.fa3_tile_list), on FA2 the block form over K/V read as pages
     of one key (fivar.runtime.fa2_blocks).
     """
 
@@ -708,10 +679,10 @@ class RaggedAttentionPlan(_OwnsWrapper):
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
-        self._kv_ranges = self._blocks = None
+        self._tile_list = self._blocks = None
         self.segments = None  # FA2's segments form: how many requests it runs
         if self.target == "fa3" and variant.scans_mask:
-            self._kv_ranges = TileListPrefill(
+            self._tile_list = TileListPrefill(
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
             return
@@ -784,16 +755,16 @@ class RaggedAttentionPlan(_OwnsWrapper):
             raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self._tokens[0]}, "
                              f"{hq}, {d}], k/v [{self._tokens[1]}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}, {q.dtype}")
-        if self._kv_ranges is not None:
-            return self._kv_ranges.run(q, k, v, return_lse=return_lse)
+        if self._tile_list is not None:
+            return self._tile_list.run(q, k, v, return_lse=return_lse)
         if self._blocks is not None:
             pages = lambda t: t.reshape(-1, self._page, *t.shape[1:])  # noqa: E731  (a view of contiguous K/V)
             return self._blocks.run(q, (pages(k), pages(v)), return_lse=return_lse)
         return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
 
     def release(self):
-        if self._kv_ranges is not None:
-            self._kv_ranges.release()
+        if self._tile_list is not None:
+            self._tile_list.release()
         elif self._blocks is not None:
             self._blocks.release()
         else:

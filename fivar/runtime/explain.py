@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from ..codegen import fa2, fa3
 from .attention import trims_decode_pages
-from .kv_ranges import HEAD_REQUESTS_GAIN
 from ..spec import sparsity
 from ..spec.ir import format_expr
 from ..spec.params import Scalar
@@ -60,20 +59,22 @@ def _fa3_form(v) -> str:
     if v.ir.mask is None:
         return "no mask"
     if v.scans_mask:
-        return "kv ranges"
+        return "tile list"
     if fa3.runs_as_window(v):
         return "window"
     return "band" if v.kv_band.left is not None else "every tile"
 
 
+def _cut_tiles(v) -> str:
+    return ("read their pairs from precomputed bits (one word per row and tile)" if fa3.tile_list_bits(v) else
+            "evaluate the mask, which reads the head (bits would differ per head)")
+
+
 def _fa3_short(v) -> str:
     form = _fa3_form(v)
-    if form == "kv ranges":
-        return ("fa3 prefill: KV-range form, a query block over the keys a pre-pass keeps (empty tiles unread); "
-                "unmasked: row runs, segments (FA3 causal)" + (", windows (FA3 window)" if fa3.may_keep_windows(v)
-                                                               else "")
-                + "; else the mask per pair" + ("; per-head requests where heads differ"
-                                                if fa3.mask_reads_head(v) else ""))
+    if form == "tile list":
+        return ("fa3 prefill: tile-list form, a request per 128-row query tile over its non-empty 32-key tiles "
+                "(device block map); whole tiles unmasked, cut tiles " + _cut_tiles(v))
     return "fa3 prefill: " + {
         "no mask": "FlashInfer's kernel; causal skips the upper triangle; no mask",
         "window": ("FlashInfer's sliding window (window_left from the band): skips tiles left of it; only its "
@@ -88,28 +89,13 @@ def _fa3_line(v) -> str:
     form = _fa3_form(v)
     if form == "no mask":
         return "fa3 prefill: causal only skips tiles (no mask)"
-    if form == "kv ranges":
-        return ("fa3 prefill (single, ragged; called causally): when the mask pre-pass finds that every row keeps "
-                "exactly the keys from its segment's first key to itself (documents, chunks), a request of FA3's "
-                "causal mode per segment over its own keys, as stock FlashInfer runs packed documents: no mask "
-                "evaluated. Otherwise (and paged): each 128-row query block (192 at head_dim 64) runs as its own "
-                "request over the keys a mask pre-pass finds it keeps (KV-range form; paged: the pages holding them, "
-                "from the page of its first kept key; the plan's keys_read gives keys read and what a request per "
-                "request would read, and a batch whose mask drops no page runs a request per request); when every "
-                "row keeps one run of keys the kernel checks each row's run instead of the mask (single and ragged: "
-                "also when rows keep two runs, a sink and a window: the row's two runs, one 16-byte load per row); "
-                "single and ragged: a block whose rows all keep two runs around a shared gap runs as two requests "
-                "over copies of its rows, one per run, merged through their LSEs; the requests whose rows keep "
-                "exactly their keys (inside a chunk or a document; called causally, up to each row's own position) "
-                "run without the mask, in FA3's causal mode if causal, which masks only the diagonal tiles"
-                + ("; called causally, so do the requests whose rows keep exactly a window of keys ending at their "
-                   "own position (the window part of sinks + a window, a window inside documents), in FA3's sliding "
-                   "window (window_left = the width the most rows need, read off the pre-pass's runs)"
-                   if fa3.may_keep_windows(v) else "")
-                + ("; the mask reads the head, so where the heads keep different keys (a window per head) and the "
-                   f"blocks of each head read at most {HEAD_REQUESTS_GAIN:.0%} of their union's keys, single and "
-                   "ragged prefill run a request per (head, request) over q, k and v read a head a row, each head "
-                   "over its own keys" if fa3.mask_reads_head(v) else ""))
+    if form == "tile list":
+        return ("fa3 prefill (single, ragged, paged): the device block map (the mask on every 128-row x 32-key tile, "
+                "causal and lengths folded in: empty, cut or whole) makes each query tile (192 rows at head_dim 64) a "
+                "request of FA3's paged kernel over the keys of its non-empty tiles, read as pages of one key (a paged "
+                "cache through its page table), whole tiles first: keys of whole tiles keep every pair with one "
+                "compare, keys of cut tiles " + _cut_tiles(v) + "; the plan's keys_read gives the keys read and "
+                "what a request per query tile over all its keys would read")
     if form == "window":
         return ("fa3 prefill: FlashInfer's own sliding window (window_left = the band's left edge): tiles left of it "
                 "are skipped, only its boundary tiles are masked, the struct carries no mask")

@@ -1,11 +1,10 @@
 """FA2 prefill of a mask that is more than a band: each query block attends over the keys its mask may keep.
 
 FlashInfer's FA2 kernels take no per-block KV ranges, and a mask that is more than a band runs in kCustom mode
-on every tile (causal included: kCustom skips nothing right of the diagonal). The same lowering as FA3's
-(fivar.runtime.kv_ranges), on FA2's paged kernel: each request is cut into query blocks of one CTA tile (the
-block's rows times the GQA group fill FlashInfer's query tile), and each block becomes a request of its own over
-the pages that hold the keys fivar.spec.sparsity's block map says it may keep (the hull of its non-empty KV
-blocks, or its two runs of them: a sink and a window). Requests over overlapping keys are just page lists that
+on every tile (causal included: kCustom skips nothing right of the diagonal). On FA2's paged kernel, each request
+is cut into query blocks of one CTA tile (the block's rows times the GQA group fill FlashInfer's query tile), and
+each block becomes a request of its own over the pages that hold the keys fivar.spec.sparsity's block map says it
+may keep (the hull of its non-empty KV blocks, or its two runs of them: a sink and a window). Requests over overlapping keys are just page lists that
 share pages. The key-segments form of the struct (fivar.codegen.fa2.KV_SEGMENTS) maps each block's local rows and
 keys back to their q_idx and kv_idx and applies causal on those.
 

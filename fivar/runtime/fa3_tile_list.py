@@ -174,7 +174,7 @@ class TileListPrefill:
         layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of, bits_of)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
-        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale, tile_list=True)
+        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale)
         w = take_wrapper("paged", fmod, device, False)
         ones = torch.ones(self.requests, dtype=torch.int32, device=device)
         w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices, ones, num_qo_heads,

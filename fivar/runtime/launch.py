@@ -1,7 +1,7 @@
 """What every entry point shares: argument checks, param binding, module lookup, FlashInfer wrapper attachment.
 
-Below the entry points (fivar.runtime.attention, .kv_ranges, .triton_attention), importing none of them, so the
-runtime's modules import one way: launch <- kv_ranges, triton_attention <- attention.
+Below the entry points (fivar.runtime.attention, .fa3_tile_list, .triton_attention), importing none of them, so
+the runtime's modules import one way: launch <- fa3_tile_list, triton_attention <- attention.
 """
 from __future__ import annotations
 
@@ -79,9 +79,8 @@ def _check_output_scale(variant, bound, sm_scale):
                          f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
 
 
-def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: int = 0, kv_segments: bool = False,
-            kv_dtype: str | None = None, mask_free: bool = False, sliding_window: bool = False,
-            head_requests: bool = False, tile_list: bool = False):
+def _module(variant, op, target, dtype, head_dim, bound, sm_scale, kv_segments: bool = False,
+            kv_dtype: str | None = None, mask_free: bool = False):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
     for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
     dt = dtype_name(dtype)
@@ -91,12 +90,9 @@ def _module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs: int
             scale = variant.lowered.output_scale
             factor = 1.0 if scale is None else _invariant(variant, scale, bound, sm_scale)
             if not fa3.bounded_softmax_applies(rng, factor):
-                return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, bounded_softmax=False,
-                                  mask_free=mask_free, sliding_window=sliding_window, head_requests=head_requests,
-                                  tile_list=tile_list)
-    return module_for(variant, op, target, dt, head_dim, row_runs=row_runs, kv_segments=kv_segments, kv_dtype=kv_dtype,
-                      mask_free=mask_free, sliding_window=sliding_window, head_requests=head_requests,
-                      tile_list=tile_list)
+                return module_for(variant, op, target, dt, head_dim, bounded_softmax=False)
+    return module_for(variant, op, target, dt, head_dim, kv_segments=kv_segments, kv_dtype=kv_dtype,
+                      mask_free=mask_free)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):

@@ -8,7 +8,7 @@ from ..spec.inputs import BoundParams, bind_params, checked_scalar  # noqa: F401
 def kernel_args(variant, bound: BoundParams, sm_scale: float, causal: bool | None, tables=None,
                 lengths=None) -> list:
     """The FlashInfer `additional` arguments in declaration order: tensors, then scalars. `tables` are
-    fivar's own int32 tensors by name (FA3's KV-range form: fv_blocks), declared before the variant's. `lengths`:
+    fivar's own int32 tensors by name (FA3's tile-list form: fv_blocks, ...), declared before the variant's. `lengths`:
     the call's longest (query, key) runs, or a function giving them, for the position tables
     (fivar.runtime.position_tables)."""
     from ..codegen.cuda import additional_args

@@ -1,4 +1,4 @@
-"""Index arithmetic the block lowerings (fivar.runtime.fa2_blocks, fivar.runtime.kv_ranges) share: indptrs from
+"""Index arithmetic the block lowerings (fivar.runtime.fa2_blocks, fivar.runtime.fa3_tile_list) share: indptrs from
 counts, the rows of a selection of blocks, and a second launch's rows written over the first's output."""
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """A causal batch whose mask cuts it into segments (documents, chunks): every row keeps exactly the keys from its
 segment's first key to itself. Such a batch runs as stock FlashInfer runs packed documents, one request per
 segment in the kernel's causal mode with no mask evaluated; the struct maps each request's local rows and keys back
-to their q_idx and kv_idx (FA2: the key-segments table, fivar.codegen.fa2.KV_SEGMENTS; FA3: the KV-range form's
-blocks, fivar.codegen.fa3.BLOCKS). Read off the mask pre-pass's row runs, so any mask qualifies on a batch where it
-happens to be segments."""
+to their q_idx and kv_idx (FA2's key-segments table, fivar.codegen.fa2.KV_SEGMENTS). Read off the mask pre-pass's
+row runs (`mask_scan`), so any mask qualifies on a batch where it happens to be segments."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.fa2 import NO_SECOND_RUN
+from ..codegen.triton import kernel_arg_values
+from ..jit.triton_module import load_triton_module
 
 
 @dataclass
@@ -33,15 +34,6 @@ class SegmentLayout:
         return torch.stack([torch.full((n,), NO_SECOND_RUN), lo, zero, lo, self.batch, zero,
                             self.kv_indptr.diff().long(), no_rows.long(), torch.full((n,), -1)], 1).to(torch.int32)
 
-    def with_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The segments that have rows, as FA3's KV-range form runs them: (rows, keys, token of the first key,
-        fivar.codegen.fa3.BLOCKS rows (batch, q_idx of the first row, kv_idx of the first key, 0, 0))."""
-        rows, keys = self.qo_indptr.diff().long(), self.kv_indptr.diff().long()
-        sel = rows > 0
-        q_first = keys - rows + self.first_key  # bottom-right aligned: the first row's position
-        zero = torch.zeros_like(q_first)
-        blocks = torch.stack([self.batch, q_first, self.first_key, zero, zero], 1)[sel].to(torch.int32)
-        return rows[sel], keys[sel], self.kv_indptr[:-1].long()[sel], blocks
 
 
 def segment_layout(runs: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor) -> SegmentLayout | None:
@@ -81,3 +73,21 @@ def segment_layout(runs: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch
             batch.append(b), first_key.append(lo)
     return SegmentLayout(torch.tensor(q_rows, dtype=torch.int32), torch.tensor(kv_keys, dtype=torch.int32),
                          torch.tensor(batch, dtype=torch.long), torch.tensor(first_key, dtype=torch.long))
+
+
+def run_kind(runs: torch.Tensor) -> int:
+    """What the pre-pass's row runs ([..., 4]: [a0, a1, b0, b1) per row) say: 1 when every row keeps one run of keys
+    or none, 2 when some keep two, 0 when some keep more."""
+    if bool((runs[..., 0] < 0).any()):
+        return 0
+    return 1 if bool((runs[..., 2] == runs[..., 3]).all()) else 2
+
+
+def mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads, sm_scale, device):
+    """The Triton twin's mask pre-pass over a batch given by token indptrs: (ranges on the host, run_kind, the rows'
+    runs on `device`: [..., 2] for one run a row, [..., 4] for two, None otherwise)."""
+    ranges, runs = load_triton_module(variant).mask_ranges(
+        qo_indptr.to(device), kv_indptr.to(device), max_qo_len, num_qo_heads, num_qo_heads // num_kv_heads,
+        kernel_arg_values(variant, bound, sm_scale), row_runs=True)
+    kind = run_kind(runs)
+    return ranges.cpu(), kind, {0: None, 1: runs[..., :2].contiguous(), 2: runs}[kind]

@@ -148,16 +148,6 @@ def kv_band(mask: ir.Program | None) -> KvBand:
     return KvBand(found.get("left"), found.get("right"), exact and bool(found))
 
 
-def has_left_band_term(mask: ir.Program | None) -> bool:
-    """Whether some term anywhere in the mask bounds `q_idx - kv_idx` from above by scalar params and constants (a
-    window, possibly one side of a disjunction: sink tokens or a window). Query blocks of such a mask may keep
-    exactly a window of keys, which FA3's sliding-window mode computes with no mask (fivar.runtime.kv_ranges)."""
-    if mask is None:
-        return False
-    root = _inline(mask)
-    return any(b is not None and b[0] == "left" for b in map(_term_bound, ir.walk(root)))
-
-
 def _simplify(e: ir.Expr) -> ir.Expr:
     """Fold the integer constants the normalisation introduced, so generated code stays readable."""
     def fold(n):

@@ -203,31 +203,3 @@ def test_fa2_window_skips_only_masked_tiles(mask):
                 got = _fa2_batch_kernel_keeps(mask, scalars, doc, qo_len, kv_len, wl, causal_mode, custom, causal,
                                               cta_q, cta_kv, group)
                 assert torch.equal(got, truth), (mask.__name__, scalars, qo_len, kv_len, causal, wl, cta_q, group)
-
-
-def m_sinks_or_window(b, h, kh, q, kv, p):
-    return kv < p.r or q - kv < p.w
-
-
-def m_documents(b, h, kh, q, kv, p):
-    return p.doc[q] == p.doc[kv]
-
-
-def m_prefix_or_causal(b, h, kh, q, kv, p):
-    return kv < p.r or kv <= q
-
-
-def test_a_window_term_anywhere_in_the_mask_is_found():
-    """has_left_band_term (which builds the mask-free module with FA3's sliding window): a window as a whole mask, on
-    one side of a disjunction, or under a let; not a causal term (an upper bound on kv_idx), a document or a prefix."""
-    from fivar.spec.bounds import has_left_band_term
-
-    def m_let(b, h, kh, q, kv, p):
-        dist = q - kv
-        return kv < p.r or dist <= p.w
-
-    for mask in (m_window, m_flipped, m_shifted, m_sinks_or_window, m_let):
-        assert has_left_band_term(_variant(mask).ir.mask), mask.__name__
-    for mask in (m_documents, m_prefix_or_causal):
-        assert not has_left_band_term(_variant(mask).ir.mask), mask.__name__
-    assert not has_left_band_term(None)

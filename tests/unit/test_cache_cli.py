@@ -160,7 +160,7 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
 def test_option_labels_tell_apart_modules_of_one_variant():
     assert cache_cli._option_labels({"split_cta_tiles": True, "nvcc_split_compile": False}) == [
         "cta-split", "no-split-compile"]
-    assert cache_cli._option_labels({"split_cta_tiles": False, "nvcc_split_compile": True, "row_runs": False}) == []
+    assert cache_cli._option_labels({"split_cta_tiles": False, "nvcc_split_compile": True, "tile_list": False}) == []
     assert cache_cli._option_labels({"nvcc_parallel_passes": False}) == ["serial-passes"]
     assert cache_cli._option_labels({"cta_tile": "flashinfer", "schedule": "grid,persistent"}) == [
         "tile flashinfer", "schedule grid,persistent"]

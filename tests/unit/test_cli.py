@@ -252,7 +252,7 @@ def test_show_a_fusion_refuses_attention_targets(runner):
 
 
 def test_build_targets_default_to_what_auto_runs_on_the_arch(runner, monkeypatch):
-    """sm90a: FA3 prefill (both softmax forms of a soft-cap, the KV-range forms of a document mask), FA2 decode;
+    """sm90a: FA3 prefill (both softmax forms of a soft-cap, the tile-list form of a document mask), FA2 decode;
     any other arch: FA2 everywhere. `--targets triton` writes and imports the twin."""
     import fivar.jit.build as jb
     built = []
@@ -263,7 +263,7 @@ def test_build_targets_default_to_what_auto_runs_on_the_arch(runner, monkeypatch
         r = runner.invoke(main, ["build", *args])
         assert r.exit_code == 0, r.output
         return sorted((m.variant.name, m.op, m.target, m.options.get("bounded_softmax", False),
-                       m.options.get("row_runs", False)) for m in built)
+                       m.options.get("tile_list", False)) for m in built)
     assert targets("softcap", "--arch", "9.0a") == [
         ("softcap", "batch_decode", "fa2", False, False),
         ("softcap", "batch_prefill", "fa2", False, False),  # the tensor-core decode path (GQA >= 4)

@@ -148,8 +148,8 @@ def cpu_fa2(monkeypatch):
         plan.variant, plan.device, plan.target, plan.batch = variant, torch.device("cpu"), "fa2", qo_indptr.numel() - 1
         return dtype, qo_indptr, kv_indptr
 
-    def module(variant, op, target, dtype, head_dim, bound, sm_scale, row_runs=False, kv_segments=False,
-               kv_dtype=None, mask_free=False):
+    def module(variant, op, target, dtype, head_dim, bound, sm_scale, kv_segments=False, kv_dtype=None,
+               mask_free=False):
         return types.SimpleNamespace(kv_segments=kv_segments, mask_free=mask_free,
                                      uri=f"fake_{kv_segments}_{mask_free}", target=target)
 

@@ -253,18 +253,22 @@ def test_a_bounded_build_also_builds_the_running_max_modules_a_wide_range_runs(m
 
 
 def test_a_mask_the_module_never_evaluates_per_score_costs_no_mufu(monkeypatch):
-    """A chunked mask divides per score (two reciprocals): its mask form splits the exp2, but the KV-range form's
-    row-run and mask-free modules check a row's run, or nothing, and keep FlashInfer's softmax."""
+    """A chunked mask divides per score (two reciprocals), but FA3's tile-list form reads its cut tiles' bits and
+    never evaluates it: the module keeps FlashInfer's softmax. A mask reading the head is evaluated there, and its
+    MUFU ops count."""
     from fivar.jit.build import gen_module
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.delenv(fa3.EXP2_EMULATION_ENV, raising=False)
 
     def chunks(batch, qo_head, kv_head, q_idx, kv_idx, params):
         return q_idx // params.chunk == kv_idx // params.chunk
+
+    def head_chunks(batch, qo_head, kv_head, q_idx, kv_idx, params):
+        return q_idx // (params.chunk + qo_head) == kv_idx // (params.chunk + qo_head)
     v = AttentionVariant(name="softmax_chunks", mask=chunks, params={"chunk": Scalar(int, default=64)})
     assert fa3.mufu_ops_per_score(v) == 2 and fa3.mufu_ops_per_score(v, mask=False) == 0
-    masked = gen_module(v, "batch_prefill", "fa3")
-    assert masked.options["exp2_emulated_of_8"] == fa3.EXP2_EMULATED_OF_8
-    for form in (dict(row_runs=1), dict(mask_free=True)):
-        m = gen_module(v, "batch_prefill", "fa3", **form)
-        assert m.options["exp2_emulated_of_8"] == 0 and "fivar_fa3_softmax.cuh" not in m.sources, form
+    m = gen_module(v, "batch_prefill", "fa3")
+    assert m.options["tile_list"] and m.options["exp2_emulated_of_8"] == 0 and "fivar_fa3_softmax.cuh" not in m.sources
+    per_head = AttentionVariant(name="softmax_head_chunks", mask=head_chunks, params={"chunk": Scalar(int, default=64)})
+    m = gen_module(per_head, "batch_prefill", "fa3")
+    assert m.options["tile_list"] and m.options["exp2_emulated_of_8"] == fa3.EXP2_EMULATED_OF_8

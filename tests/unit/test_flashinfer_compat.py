@@ -54,14 +54,14 @@ def test_a_changed_flashinfer_turns_the_fa3_tile_off_and_says_which_once(monkeyp
 
 
 def test_a_required_coupling_that_breaks_is_reported_broken(monkeypatch):
-    monkeypatch.setattr(wrappers, "FA3_PLAN_HEAD", wrappers.FA3_PLAN_HEAD[:4] + ("kv_starts_host",) + wrappers.FA3_PLAN_HEAD[5:])
-    wrappers.fa3_plan_problem.cache_clear()
+    monkeypatch.setattr(wrappers, "ATTACHED", wrappers.ATTACHED + ("_no_such_attribute",))
+    wrappers.attach_problem.cache_clear()
     try:
-        status = {s.name: s for s in compat.report()}["fa3_plan_kv_starts"]
-        assert status.required and not status.active and "position 4" in status.reason
+        status = {s.name: s for s in compat.report()}["wrapper_jit_module"]
+        assert status.required and not status.active and "_no_such_attribute" in status.reason
     finally:
         monkeypatch.undo()
-        wrappers.fa3_plan_problem.cache_clear()
+        wrappers.attach_problem.cache_clear()
 
 
 def test_doctor_lists_the_toolchain_and_every_coupling():

@@ -227,19 +227,3 @@ def test_qk_norm_rope_rejects_bad_weight():
     cs = R.cos_sin_cache(MAX_POS, 64, device=DEV)
     with pytest.raises(ValueError):
         qk_norm_rope(q, k, torch.ones(64, device=DEV), torch.ones(32, device=DEV), _positions(3), cs, 64)
-
-
-@pytest.mark.parametrize("width", [128, 96, 8])
-@pytest.mark.parametrize("n", [1, 37, 100])
-def test_gather_and_scatter_rows_move_exactly_the_indexed_rows(n, width):
-    """fivar.triton_ops.rows against torch's index_select / index_copy_: random permutations and subsets of rows
-    (not a multiple of the block), widths off a power of two; rows not indexed stay as they were."""
-    from fivar.triton_ops.rows import gather_rows, scatter_rows
-    g = torch.Generator().manual_seed(n * width)
-    src = torch.randn(150, width, generator=g).to(DEV, torch.float16)
-    index = torch.randperm(150, generator=g)[:n].to(DEV)
-    assert torch.equal(gather_rows(src, index), src.index_select(0, index))
-    dst = torch.randn(150, width, generator=g).to(DEV, torch.float16)
-    rows = torch.randn(n, width, generator=g).to(DEV, torch.float16)
-    want = dst.clone().index_copy_(0, index, rows)
-    assert scatter_rows(dst, index, rows) is dst and torch.equal(dst, want)

@@ -19,7 +19,7 @@ def _sm90() -> bool:
 
 
 def prefill_modules(variant) -> list:
-    """The modules the prefill contenders run: FA3 (on sm90) and FA2 single prefill, and FA3's KV-range form (each
+    """The modules the prefill contenders run: FA3 (on sm90) and FA2 single prefill, and FA3's tile-list form (each
     only where its contender is selected: `--contender`)."""
     from ...jit.build import serving_modules
     from ..contenders import selected

@@ -3,8 +3,8 @@ with the public API as a user would) and seeded random masks drawn from the spec
 at S = 8192, bf16, head dim 128, GQA 32/8; the battery's masks where one query at the end means something also on
 paged decode (batch 32 x 32768 keys).
 
-Prefill contenders: fivar FA3 (the default call on sm90), FA2, FA3's KV-range form planned once (masks it
-pre-scans), the Triton twin, FlexAttention with its block mask from the same mask, and two stock FlashInfer
+Prefill contenders: fivar FA3 (the default call on sm90), FA2, FA3's tile-list form planned once, the Triton
+twin, FlexAttention with its block mask from the same mask, and two stock FlashInfer
 yardsticks computing other functions: `plain` (no mask over the whole square, causal where the case is) and
 `plain-tiles` (FlashInfer's block-sparse wrapper, no mask, over the mask's non-empty 128 x 128 tiles found by brute
 force on the device: what a kernel that skips every empty tile and masks nothing would take), checked against

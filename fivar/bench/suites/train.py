@@ -23,7 +23,7 @@ def _measure(name: str, seqlen: int):
 
 def _forward_modules(name: str) -> list:
     """The FA3 modules `v.attention`'s default forward runs on sm90 (one request: single prefill, which a scanned
-    mask runs in the KV-range form), for the runner's parallel prebuild; none elsewhere (Triton compiles on use)."""
+    mask runs in the tile-list form), for the runner's parallel prebuild; none elsewhere (Triton compiles on use)."""
     import fivar
 
     from ...jit.build import serving_modules

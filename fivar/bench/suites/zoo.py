@@ -1,7 +1,7 @@
 """Real-model attention variants (benchmarks/zoo/*.py, written with the public API as a user would) on prefill
 (S = 8192) and paged decode (batch 32 x 32768 keys, page 16); bf16, head dim 128, GQA 32/8.
 
-Prefill contenders: FA3, FA2, the KV-range form planned once (masks that need it), the Triton twin, FlexAttention,
+Prefill contenders: FA3, FA2, the tile-list form planned once (masks that need it), the Triton twin, FlexAttention,
 and the stock FlashInfer call computing the same function where one exists. Decode: fivar planned, the one-shot
 call, the Triton twin, and stock decode where it computes the same function. Each entry of ZOO says how the
 variant is called (causal or not) and what its stock equivalent is; the variant files themselves know nothing of
