@@ -110,7 +110,7 @@ def test_decode_lse(name, backend, heads):
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("name,window", [("sliding_window", -37), ("sliding_window", 37), ("document_mask", None)])
 def test_paged_runs_write_every_output_row(name, window, backend, monkeypatch):
-    """Paged runs leave their output unfilled (the kernels write every row: fivar.runtime.launch.DirectPagedRun).
+    """Paged runs leave their output unfilled (the kernels write every row: fivar.flashinfer_compat.wrappers.DirectPagedRun).
     Here every floating-point torch.empty comes back full of NaN, so a row no kernel writes shows; rows that keep no
     key (a negative window) and the FA2 block form's second launch (document_mask) included."""
     v = fivar.load(name)

@@ -343,7 +343,7 @@ def test_signed_logits_factors(v, backend):
         assert r.passed, r
 
 
-# FA3's KV-range form (fivar.runtime.kv_ranges): masks that are more than a band, many query blocks per
+# FA3's tile-list form (fivar.runtime.fa3_tile_list): masks that are more than a band, many query tiles per
 # request, requests of one row to several tiles, qo_len < kv_len, GQA, per-head masks.
 def _per_head_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return q_idx - kv_idx < params.windows[qo_head] and kv_idx <= q_idx + 5
@@ -363,7 +363,7 @@ def _kv_range_cases():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fa3_kv_ranges_ragged_paged_and_planned(causal):
+def test_fa3_tile_list_ragged_paged_and_planned(causal):
     from fivar.testing import _ragged_reference, compare
     qo_lens, kv_lens = [1000, 1, 300], [2000, 700, 300]
     qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
@@ -374,12 +374,12 @@ def test_fa3_kv_ranges_ragged_paged_and_planned(causal):
         assert v.scans_mask
         ref = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, causal, params)
         out = v.batch_prefill_ragged(q, k, vv, qo_indptr, kv_indptr, causal=causal, backend="fa3", **params)
-        r = compare(v.name, f"fa3 kv ranges ragged causal={causal}", out, ref, torch.bfloat16)
+        r = compare(v.name, f"fa3 tile list ragged causal={causal}", out, ref, torch.bfloat16)
         assert r.passed, r
         plan = v.plan_ragged(qo_indptr, kv_indptr, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                              causal=causal, backend="fa3", **params)
         for _ in range(2):
-            r = compare(v.name, f"fa3 kv ranges planned causal={causal}", plan.run(q, k, vv), ref, torch.bfloat16)
+            r = compare(v.name, f"fa3 tile list planned causal={causal}", plan.run(q, k, vv), ref, torch.bfloat16)
             assert r.passed, r
         r = check_batch_prefill(v, qo_lens=qo_lens, kv_lens=kv_lens, paged=True, causal=causal, backend="fa3",
                                 params=params)
@@ -390,8 +390,8 @@ def test_fa3_kv_ranges_ragged_paged_and_planned(causal):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_planned_ragged_without_kv_ranges(causal, backend):
-    """`plan_ragged` for variants that run through one planned FlashInfer wrapper (no KV-range lowering):
+def test_planned_ragged_without_tile_lists(causal, backend):
+    """`plan_ragged` for variants that run through one planned FlashInfer wrapper (no tile-list lowering):
     logits only, a per-head tensor param, and a window FA3 applies itself (window 0 included: keys right of
     the diagonal only). The plan is reused across runs and layers."""
     from fivar.testing import _ragged_reference, compare, example_params
@@ -405,7 +405,7 @@ def test_planned_ragged_without_kv_ranges(causal, backend):
                   **extra}
         plan = v.plan_ragged(qo_indptr, kv_indptr, num_qo_heads=32, num_kv_heads=8, head_dim=128, causal=causal,
                              backend=backend, **params)
-        assert plan._kv_ranges is None
+        assert plan._tile_list is None
         for _ in range(2):  # two layers, fresh inputs, one plan
             q = torch.randn(sum(qo_lens), 32, 128, dtype=torch.bfloat16, device="cuda")
             k, vv = (torch.randn(sum(kv_lens), 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))

@@ -189,9 +189,8 @@ def test_plain_and_planned_prefill_agree(name, backend):
                          backend=backend, **params)
     planned = plan.run(q, k, vv)
     assert torch.equal(plain, planned)
-    if name != "gemma":  # called causally, chunks and a prefix are segments: a request each, no mask
-        segments = plan.segments if backend == "fa2" else plan._kv_ranges.segments
-        assert segments is not None and segments >= 2, segments
+    if name != "gemma" and backend == "fa2":  # called causally, chunks and a prefix are segments: a request each
+        assert plan.segments is not None and plan.segments >= 2, plan.segments
     ref = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, True, params)
     assert compare(v.name, "plain", plain, ref, torch.bfloat16).passed
 
@@ -222,8 +221,8 @@ def _zoo(name):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["document_mask", "packed_documents", "per_head_window", "prefix_lm"])
 def test_fa3_paged_prefill_reads_only_the_kept_pages(name, causal, page_size):
-    """FA3 paged prefill of a mask that is more than a band: each query block runs over the pages holding the keys
-    it may keep (fivar.runtime.kv_ranges). Ragged lengths off 16 and off the page size, a request with no rows,
+    """FA3 paged prefill of a mask that is more than a band: each query tile runs over the keys of its non-empty key
+    tiles, found through the page table (fivar.runtime.fa3_tile_list). Ragged lengths off 16 and off the page size, a request with no rows,
     GQA 32/8; the one-shot call, the plan (the same split) and the reference agree."""
     import fivar
     v = fivar.load("document_mask") if name == "document_mask" else _zoo(name)
@@ -249,5 +248,4 @@ def test_fa3_paged_prefill_reads_only_the_kept_pages(name, causal, page_size):
                         page_size=page_size, dtype=torch.bfloat16, causal=causal, backend="fa3", **params)
     planned = plan.run(q, cache)
     assert torch.equal(planned, out)
-    if not (name == "prefix_lm" and causal):  # causal prefix-LM is causal attention: it stays a request per request
-        assert plan.keys_read is not None and plan.keys_read[0] < plan.keys_read[1], plan.keys_read
+    assert plan.keys_read is not None and plan.keys_read[0] < plan.keys_read[1], plan.keys_read

@@ -8,7 +8,10 @@ import functools
 import inspect
 import re
 
-from ._base import Coupling, norm, safe
+import torch
+
+from ..errors import FivarError
+from ._base import Coupling, norm, safe, warn_once
 
 #: The attributes fivar sets on a wrapper, and the wrappers that must read them.
 ATTACHED = ("_jit_module", "_jit_additional_tensor_names")
@@ -22,7 +25,7 @@ PAGED_RUN_ARGS = ("run_args = [ self._float_workspace_buffer, self._int_workspac
                   "window_left, enable_pdl, ]")
 #: The rest of that run as the direct paged run mirrors it: a log2 LSE [tokens, heads] as the kernel writes it, the
 #: variant's arguments after the known buffers, one module call. (Its zero-filled output the direct run leaves out:
-#: the kernels write every row, fivar.runtime.launch.DirectPagedRun.)
+#: the kernels write every row, fivar.flashinfer_compat.wrappers.DirectPagedRun.)
 #: The module arguments that run fills from its own buffers (prepare_jit_additional_args' known names): a module
 #: declaring one keeps the wrapper's run (fivar.runtime.launch.direct_paged_run).
 PAGED_RUN_FILLED = frozenset({"maybe_custom_mask", "maybe_mask_indptr", "maybe_alibi_slopes", "maybe_prefix_len_ptr",
@@ -100,3 +103,88 @@ COUPLINGS = [
              "planned paged runs and one-shot decode without the wrapper's per-call Python",
              "runs go through the wrapper's run", paged_run_problem),
 ]
+
+
+# --- the adapters: fivar's only touches of the wrappers' private attributes, beside their checks above ----------
+
+def _active(name: str) -> bool:
+    """fivar.flashinfer_compat.active for this module's couplings (the package imports this module)."""
+    coupling = next(c for c in COUPLINGS if c.name == name)
+    why = coupling.check()
+    if why is not None:
+        warn_once(coupling, why)
+    return why is None
+
+
+def attach(wrapper, module, fmod, owns_mask: bool):
+    """Point a FlashInfer wrapper at a module fivar built (FlashInfer would otherwise build its own).
+
+    Sets the private attributes FlashInfer's `jit_args` path sets (checked: attach_problem).
+    """
+    why = attach_problem()
+    if why:
+        raise FivarError(f"fivar cannot run its modules through this FlashInfer's wrappers: {why}")
+    from flashinfer.decode import get_batch_decode_jit_module
+    from flashinfer.prefill import get_batch_prefill_jit_module
+    t_names, _, s_names, _ = fmod.additional
+    make = get_batch_decode_jit_module if fmod.op == "batch_decode" else get_batch_prefill_jit_module
+    wrapper._jit_module = make(fmod.uri, module)
+    wrapper._jit_additional_tensor_names = list(t_names)
+    if hasattr(wrapper, "_jit_additional_scalar_names"):
+        wrapper._jit_additional_scalar_names = list(s_names)
+    if hasattr(wrapper, "_variant_owns_mask"):
+        wrapper._variant_owns_mask = owns_mask
+    return wrapper
+
+
+class DirectPagedRun:
+    """`wrapper.run(q, (k_cache, v_cache), *args, return_lse=...)` of a planned FA2/FA3 paged wrapper, as one call of
+    its module's paged_run with the planned buffers bound once. FlashInfer's run re-derives them and checks options
+    fivar never passes on every call: about half the host time of a one-shot decode, which at batch 32 x 32768 is
+    longer than the kernel. Made by `direct_paged_run`; valid until the wrapper is planned again."""
+
+    def __init__(self, wrapper, variant_name: str, device):
+        from flashinfer.prefill import MaskMode, TensorLayout
+        from flashinfer.utils import device_support_pdl
+        w = wrapper
+        owns_mask = w._custom_mask_buf is not None or getattr(w, "_variant_owns_mask", False)
+        mask_mode = (MaskMode.CUSTOM if owns_mask else MaskMode.CAUSAL if w._causal else MaskMode.NON_CAUSAL).value
+        self._name, self._rows = variant_name, w._qo_indptr_last
+        self._out_dtype = w._cached_o_data_type
+        self._paged_run = w._cached_module.paged_run
+        self._head = (w._float_workspace_buffer, w._int_workspace_buffer, w._plan_info)
+        self._buffers = (w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf,
+                         w._paged_kv_last_page_len_buf)
+        self._flags = (mask_mode, TensorLayout[w._kv_layout].value, w._window_left,
+                       device_support_pdl(torch.device(device)))
+
+    def __call__(self, q, k_cache, v_cache, args, return_lse: bool):
+        if q.shape[0] != self._rows:
+            raise FivarError(f"variant '{self._name}': q has {q.shape[0]} rows, the plan's qo_indptr[-1] is "
+                             f"{self._rows}")
+        # not zero-filled (FlashInfer's run fills it: a kernel launch more, on the host and the GPU): every row lies in
+        # a query tile, each tile gets at least one KV chunk (FA2's scheduler clamps a KV length to >= 1; its merge
+        # writes rows of no chunk) and FA3 stores zeros for a tile with no keys. One exception, covered by its caller:
+        # the FA2 block form's kCausal launch skips the rows of its second launch's blocks, which write_rows then
+        # fills (fivar.runtime.attention). The LSE comes out log2 [tokens, heads], fivar's convention.
+        out = torch.empty(q.shape, dtype=self._out_dtype, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        self._paged_run(*self._head, q, k_cache, v_cache, *self._buffers, out, lse, *self._flags, *args)
+        return (out, lse) if return_lse else out
+
+
+def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun | None:
+    """A DirectPagedRun of a planned paged wrapper, or None where the wrapper's own run must do the work: the installed
+    FlashInfer's run is not the one it mirrors (fivar.flashinfer_compat: paged_run_direct), a backend other than
+    FA2/FA3, options fivar does not set, or a module taking arguments the wrapper fills in (`args`: the variant's
+    arguments as a run passes them; the wrapper appends derived scalars where fewer are given)."""
+    w = wrapper
+    if not _active("paged_run_direct") or getattr(w, "_backend", None) not in ("fa2", "fa3"):
+        return None
+    if w._jit_module is None or getattr(w, "_prefix_len_ptr", None) is not None or \
+            getattr(w, "_eagle_verify_fp8kv_sm90_state", None) is not None or w._kv_layout != "NHD":
+        return None
+    tensors, scalars = list(w._jit_additional_tensor_names), list(getattr(w, "_jit_additional_scalar_names", []))
+    if PAGED_RUN_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
+        return None
+    return DirectPagedRun(w, variant_name, device)

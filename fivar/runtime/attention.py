@@ -453,7 +453,7 @@ def explicit_plan(make):
 
 
 def _launch_one(direct, wrapper, args, q, k_cache, v_cache, k_scale: float, return_lse: bool):
-    """One wrapper's launch: its direct run where it has one (fivar.runtime.launch.DirectPagedRun), else its run."""
+    """One wrapper's launch: its direct run where it has one (fivar.flashinfer_compat.wrappers.DirectPagedRun), else its run."""
     if direct is not None:
         return direct(q, k_cache, v_cache, args(k_scale), return_lse)
     return wrapper.run(q, (k_cache, v_cache), *args(k_scale), return_lse=return_lse)

@@ -34,7 +34,7 @@ from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
 from ..spec.inputs import check_lse
 from ..codegen import fa2
 from .attention import _decode_on_tensor_cores, _owns_mask, _paged_args, _split_kwargs, _window_left, choose_target
-from .launch import _attach, _check_indptr, _integer, _module, _paged_kv, _prepare, _workspace
+from .launch import _check_indptr, _integer, _module, _paged_kv, _prepare, _workspace, attach
 from . import position_tables
 from .ops import register_plan
 from .params import kernel_args
@@ -101,7 +101,7 @@ class GraphDecodePlan:
                 paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._kv_indices,
                 paged_kv_last_page_len_buffer=self._last_page_len, backend="fa2")
             self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)
-        _attach(self._wrapper, fmod.load(), fmod, owns_mask=_owns_mask(variant, "fa2", self._causal, self._window_left)
+        attach(self._wrapper, fmod.load(), fmod, owns_mask=_owns_mask(variant, "fa2", self._causal, self._window_left)
                 if self.tensor_cores else bool(variant.mask))
         self.batch = 0
         self.plan(kv_indptr, kv_indices, kv_last_page_len)

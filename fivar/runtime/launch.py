@@ -1,4 +1,6 @@
-"""What every entry point shares: argument checks, param binding, module lookup, FlashInfer wrapper attachment.
+"""What every entry point shares: argument checks, param binding, module lookup, FlashInfer wrappers (taken and
+given back; attached to fivar's modules by fivar.flashinfer_compat.wrappers, the one place that touches their
+private attributes).
 
 Below the entry points (fivar.runtime.attention, .fa3_tile_list, .triton_attention), importing none of them, so
 the runtime's modules import one way: launch <- fa3_tile_list, triton_attention <- attention.
@@ -11,6 +13,7 @@ import torch
 
 from ..codegen import fa3
 from ..errors import FivarError
+from ..flashinfer_compat.wrappers import DirectPagedRun, attach, direct_paged_run  # noqa: F401 (re-exported)
 from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, dtype_name, module_for
 from ..spec import ir
 from ..spec.evaluate import eval_scalar
@@ -125,28 +128,6 @@ def _workspace(device):
     return ws
 
 
-def _attach(wrapper, module, fmod, owns_mask: bool):
-    """Point a FlashInfer wrapper at a module fivar built (FlashInfer would otherwise build its own).
-
-    Touches the private attributes FlashInfer's `jit_args` path sets (checked: fivar.flashinfer_compat.wrappers).
-    """
-    from ..flashinfer_compat import problem
-    why = problem("wrapper_jit_module")
-    if why:
-        raise FivarError(f"fivar cannot run its modules through this FlashInfer's wrappers: {why}")
-    from flashinfer.decode import get_batch_decode_jit_module
-    from flashinfer.prefill import get_batch_prefill_jit_module
-    t_names, _, s_names, _ = fmod.additional
-    make = get_batch_decode_jit_module if fmod.op == "batch_decode" else get_batch_prefill_jit_module
-    wrapper._jit_module = make(fmod.uri, module)
-    wrapper._jit_additional_tensor_names = list(t_names)
-    if hasattr(wrapper, "_jit_additional_scalar_names"):
-        wrapper._jit_additional_scalar_names = list(s_names)
-    if hasattr(wrapper, "_variant_owns_mask"):
-        wrapper._variant_owns_mask = owns_mask
-    return wrapper
-
-
 #: Wrappers of plans the one-shot cache dropped, per (kind, module, device), for the next plans of that module: a new
 #: wrapper allocates pinned host and device workspaces (milliseconds), a re-plan of a kept one does not.
 _free_wrappers: dict = {}
@@ -169,62 +150,7 @@ def take_wrapper(kind: str, fmod, device, owns_mask: bool):
         else:
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", use_tensor_cores=False,
                                                               backend="fa2")
-    return _attach(w, fmod.load(), fmod, owns_mask)
-
-
-class DirectPagedRun:
-    """`wrapper.run(q, (k_cache, v_cache), *args, return_lse=...)` of a planned FA2/FA3 paged wrapper, as one call of
-    its module's paged_run with the planned buffers bound once. FlashInfer's run re-derives them and checks options
-    fivar never passes on every call: about half the host time of a one-shot decode, which at batch 32 x 32768 is
-    longer than the kernel. Made by `direct_paged_run`; valid until the wrapper is planned again."""
-
-    def __init__(self, wrapper, variant_name: str, device):
-        from flashinfer.prefill import MaskMode, TensorLayout
-        from flashinfer.utils import device_support_pdl
-        w = wrapper
-        owns_mask = w._custom_mask_buf is not None or getattr(w, "_variant_owns_mask", False)
-        mask_mode = (MaskMode.CUSTOM if owns_mask else MaskMode.CAUSAL if w._causal else MaskMode.NON_CAUSAL).value
-        self._name, self._rows = variant_name, w._qo_indptr_last
-        self._out_dtype = w._cached_o_data_type
-        self._paged_run = w._cached_module.paged_run
-        self._head = (w._float_workspace_buffer, w._int_workspace_buffer, w._plan_info)
-        self._buffers = (w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf,
-                         w._paged_kv_last_page_len_buf)
-        self._flags = (mask_mode, TensorLayout[w._kv_layout].value, w._window_left,
-                       device_support_pdl(torch.device(device)))
-
-    def __call__(self, q, k_cache, v_cache, args, return_lse: bool):
-        if q.shape[0] != self._rows:
-            raise FivarError(f"variant '{self._name}': q has {q.shape[0]} rows, the plan's qo_indptr[-1] is "
-                             f"{self._rows}")
-        # not zero-filled (FlashInfer's run fills it: a kernel launch more, on the host and the GPU): every row lies in
-        # a query tile, each tile gets at least one KV chunk (FA2's scheduler clamps a KV length to >= 1; its merge
-        # writes rows of no chunk) and FA3 stores zeros for a tile with no keys. One exception, covered by its caller:
-        # the FA2 block form's kCausal launch skips the rows of its second launch's blocks, which write_rows then
-        # fills (fivar.runtime.attention). The LSE comes out log2 [tokens, heads], fivar's convention.
-        out = torch.empty(q.shape, dtype=self._out_dtype, device=q.device)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        self._paged_run(*self._head, q, k_cache, v_cache, *self._buffers, out, lse, *self._flags, *args)
-        return (out, lse) if return_lse else out
-
-
-def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun | None:
-    """A DirectPagedRun of a planned paged wrapper, or None where the wrapper's own run must do the work: the installed
-    FlashInfer's run is not the one it mirrors (fivar.flashinfer_compat: paged_run_direct), a backend other than
-    FA2/FA3, options fivar does not set, or a module taking arguments the wrapper fills in (`args`: the variant's
-    arguments as a run passes them; the wrapper appends derived scalars where fewer are given)."""
-    from ..flashinfer_compat import active
-    from ..flashinfer_compat.wrappers import PAGED_RUN_FILLED
-    w = wrapper
-    if not active("paged_run_direct") or getattr(w, "_backend", None) not in ("fa2", "fa3"):
-        return None
-    if w._jit_module is None or getattr(w, "_prefix_len_ptr", None) is not None or \
-            getattr(w, "_eagle_verify_fp8kv_sm90_state", None) is not None or w._kv_layout != "NHD":
-        return None
-    tensors, scalars = list(w._jit_additional_tensor_names), list(getattr(w, "_jit_additional_scalar_names", []))
-    if PAGED_RUN_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
-        return None
-    return DirectPagedRun(w, variant_name, device)
+    return attach(w, fmod.load(), fmod, owns_mask)
 
 
 def release_wrapper(kind: str, fmod, device, wrapper) -> None:

@@ -1,4 +1,4 @@
-"""A planned paged run calls its module's paged_run directly (fivar.runtime.launch.DirectPagedRun): it must hand the
+"""A planned paged run calls its module's paged_run directly (fivar.flashinfer_compat.wrappers.DirectPagedRun): it must hand the
 module exactly what FlashInfer's own wrapper.run hands it, and step aside wherever the wrapper would do more.
 
 The wrapper here is the installed FlashInfer's class with its planned state set by hand and a module that records

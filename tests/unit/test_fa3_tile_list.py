@@ -8,6 +8,8 @@ struct skips the mask there), the token each key is read from must hold that key
 say so. Corrupted lists must fail the same check.
 """
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -180,3 +182,39 @@ def test_a_request_keeping_nothing_reads_one_key_and_keeps_none():
     assert list_errors(v, bound, layout, qo, kv, False, key_at) == []
     dead = layout.blocks[:, 3] < 0
     assert int(dead.sum()) == 2 and bool((layout.kv_indptr.diff()[dead] == 1).all())
+
+
+def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(monkeypatch):
+    """One FA3 module per mask beyond a band: the paged kernel in kNone mode only (causal is the map's), the ragged
+    entry points linked to stubs; a mask not reading the head reads bits and evaluates no mask per score, one
+    reading the head evaluates it on cut tiles."""
+    from fivar.jit.build import gen_module, serving_modules
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    flagged, heads = _variant("flagged")[0], _variant("head_window_sinks")[0]
+    m = gen_module(flagged, "batch_prefill", "fa3")
+    kernels = sorted(n for n in m.sources if "kernel" in n)
+    assert kernels == ["batch_prefill_paged_sm90_kernel_mask_0.cu"] and "_tiles_" in m.uri and m.options["tile_list"]
+    unit = m.sources[kernels[0]]
+    assert unit.count("template cudaError_t BatchPrefillWithPagedKVCacheDispatched") == 2
+    assert unit.count("BatchPrefillWithRaggedKVCacheDispatched<") == 2 and "cudaErrorNotSupported" in unit
+    struct = m.sources["batch_prefill_sm90_config.inc"]
+    assert "fv_cut_bits" in struct and "fvp_flags[" not in struct.split("REGISTER_LOGITS_TRANSFORM")[1]
+    per_head = gen_module(heads, "batch_prefill", "fa3").sources["batch_prefill_sm90_config.inc"]
+    body = per_head.split("REGISTER_LOGITS_TRANSFORM")[1]
+    assert "fv_tiles" in body and "fvp_windows[" in body and "fv_causal" in body
+    assert [x.uri for x in serving_modules(flagged, "single_prefill", "fa3")] == [m.uri]
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
+def test_the_module_compiles_and_defines_every_entry_it_links(monkeypatch):
+    """The host unit calls the paged and ragged dispatch for kNone with either schedule: the library defines all four
+    (a shared library links with undefined symbols, and would only fail at load on the GPU host)."""
+    from fivar.jit.build import gen_module
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    m = gen_module(_variant("flagged")[0], "batch_prefill", "fa3")
+    assert m.build() == "cold"
+    syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
+    for kind in ("Paged", "Ragged"):
+        found = [ln for ln in syms.splitlines() if f"BatchPrefillWith{kind}KVCacheDispatched<" in ln]
+        assert len(found) == 2 and not [ln for ln in found if ln.split()[0] == "U"], found

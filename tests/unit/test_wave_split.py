@@ -11,7 +11,7 @@ import torch
 import fivar
 from fivar import FivarError
 from fivar.runtime import wave_split
-from fivar.triton_ops.merge_states import merge_into_rows, merge_states
+from fivar.triton_ops.merge_states import merge_states
 
 
 def _attention(q, k, v):
@@ -48,33 +48,6 @@ def test_merge_states_gives_an_empty_chunk_no_weight():
     torch.testing.assert_close(out.double(), o, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_merge_into_rows_merges_exactly_the_rows_named(dtype):
-    """merge_into_rows against float64 attention over both key parts: the named rows (in any order) become the
-    merge, an empty other part (lse -inf, garbage output) gives no weight, two empty parts give zeros and -inf, and
-    every other row is left as it was."""
-    g = torch.Generator().manual_seed(11)
-    n, h, d = 40, 3, 80
-    q, k, v = (torch.randn(m, h, d, generator=g, dtype=torch.float64) for m in (n, 50, 50))
-    (o_a, s_a), (o_b, s_b) = _attention(q, k[:20], v[:20]), _attention(q, k[20:], v[20:])
-    rows = torch.randperm(n, generator=g)[:25]
-    out, lse = o_a.to(dtype), s_a.float()
-    o_other, lse_other = o_b[rows].to(dtype), s_b[rows].float()
-    o_other[3], lse_other[3] = torch.randn(h, d, generator=g).to(dtype), float("-inf")  # an empty other part
-    lse[rows[4]], lse_other[4] = float("-inf"), float("-inf")  # both parts empty
-    before = out.clone()
-    merge_into_rows(out, lse, rows, o_other, lse_other)
-    want_o, want_s = _attention(q, k, v)
-    want_o[rows[3]], want_s[rows[3]] = o_a[rows[3]], s_a[rows[3]]
-    want_o[rows[4]], want_s[rows[4]] = 0.0, float("-inf")
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out[rows].double(), want_o[rows], atol=tol, rtol=tol)
-    torch.testing.assert_close(lse[rows].double(), want_s[rows], atol=1e-5, rtol=1e-5)
-    others = torch.ones(n, dtype=torch.bool)
-    others[rows] = False
-    assert torch.equal(out[others], before[others])
-
-
 def test_merge_states_refuses_shapes_it_cannot_merge():
     from fivar import FivarError
     with pytest.raises(FivarError, match="power of two"):
@@ -83,13 +56,12 @@ def test_merge_states_refuses_shapes_it_cannot_merge():
         merge_states(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 3), torch.zeros(4, 2, 8))
 
 
-@pytest.mark.parametrize("bad", ["3d_parts", "lse_fp16", "lse_elsewhere", "int_out", "rows_elsewhere"])
+@pytest.mark.parametrize("bad", ["3d_parts", "lse_fp16", "lse_elsewhere", "int_out"])
 def test_merges_refuse_parts_that_do_not_match_in_one_line(bad):
     """Shapes, dtypes and devices the kernels cannot take are one line each, before a launch (a meta tensor stands for
     another device)."""
     from fivar import FivarError
     o, lse, out = torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2), torch.empty(4, 2, 8)
-    rows = torch.tensor([0, 3])
     if bad == "3d_parts":
         o = o[0]
     elif bad == "lse_fp16":
@@ -99,10 +71,7 @@ def test_merges_refuse_parts_that_do_not_match_in_one_line(bad):
     elif bad == "int_out":
         out = out.int()
     with pytest.raises(FivarError) as info:
-        if bad == "rows_elsewhere":
-            merge_into_rows(out, lse[0], rows.to("meta"), o[1, :2], lse[1, :2])
-        else:
-            merge_states(o, lse, out)
+        merge_states(o, lse, out)
     assert "\n" not in str(info.value) and "merge" in str(info.value)
 
 
