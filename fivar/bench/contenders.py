@@ -200,7 +200,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
             plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
                                        head_dim=p.head_dim, dtype=p.dtype, causal=p.causal, backend="fa3",
                                        device=p.device, **prm)
-            out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, k, v), "KV ranges planned once"))
+            out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, k, v), "tile list planned once"))
         if "triton" in wanted:
             out.append(Contender("triton", lambda: variant.prefill(q, k, v, causal=p.causal, backend="triton", **prm)))
         if "stock" in wanted:
@@ -233,7 +233,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
                 qt, kt, vt, is_causal=p.causal).transpose(0, 1), "plain attention", checks_variant=False))
     elif p.op == "batch-prefill":
         q, k, v, ind = t["q"], t["k"], t["v"], t["indptr"]
-        # planned once like the stock wrapper below (and FA3's KV ranges, when the mask needs them)
+        # planned once like the stock wrapper below (and FA3's tile list, when the mask needs it)
         if selected("fivar"):
             plan = variant.plan_ragged(ind, ind, num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads,
                                        head_dim=p.head_dim, dtype=p.dtype, causal=p.causal, device=p.device, **prm)

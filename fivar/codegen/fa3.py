@@ -381,7 +381,8 @@ def kernel_causal(variant) -> bool:
 
 def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
     """The tile-list form's struct (TILE_FIELDS): the request's local key k is kv_idx TILE_KEYS[first + k / 32] +
-    k % 32; a key of a whole tile (k < the whole keys) skips the mask, a key of a cut tile evaluates it (and causal)."""
+    k % 32; a key of a whole tile (k < the whole keys) skips the mask, a key of a cut tile reads its bit in CUT_BITS
+    (tile_list_bits; else it evaluates the mask, and causal)."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     block = lambda i: f"{param_ref(BLOCKS)}[{TILE_FIELDS} * batch_idx + {i}]"  # noqa: E731
     shift = TILE_WIDTH.bit_length() - 1

@@ -700,7 +700,6 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     chosen_schedules: dict[str, str] = {}
     logits_range = None
     if target == "fa3":
-        # the row-run and mask-free forms never evaluate the mask per score: its MUFU ops do not count
         # the tile-list form reading bits evaluates no mask per score: its MUFU ops do not count
         kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not (
             fa3.uses_tile_list(variant, op) and fa3.tile_list_bits(variant)))

@@ -175,7 +175,7 @@ class AttentionVariant:
     @property
     def scans_mask(self) -> bool:
         """True when the mask is more than a band (a document mask): a kernel that skips KV tiles has to
-        find the kept keys by evaluating the mask first (the Triton twin's pre-pass, FA3's KV ranges)."""
+        find the kept keys by evaluating the mask first (the device block map of the Triton twin and FA3)."""
         return self.lowered.mask is not None and not self.kv_band.exact
 
     @property
