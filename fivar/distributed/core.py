@@ -24,9 +24,6 @@ class Plan:
     def __init__(self, variant, q, k, v, sharding, *, causal, sm_scale, backend, group, params, strategy):
         import torch.distributed as dist
         name = variant.name
-        if not dist.is_available() or not dist.is_initialized():
-            raise FivarError(f"variant '{name}': {strategy} needs torch.distributed initialised "
-                             "(torch.distributed.init_process_group)")
         if not isinstance(sharding, Sharding):
             raise FivarError(f"variant '{name}': {strategy}: sharding must be a fivar.distributed.Sharding, got "
                              f"{type(sharding).__name__}")
@@ -35,12 +32,15 @@ class Plan:
                              "has softmax=False (no normaliser to merge by)")
         if backend not in BACKENDS:
             raise FivarError(f"variant '{name}': {strategy}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise FivarError(f"variant '{name}': {strategy} needs torch.distributed initialised "
+                             "(torch.distributed.init_process_group)")
         self.group, self.world = group, dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if sharding.world_size != self.world:
             raise FivarError(f"variant '{name}': {strategy}: the sharding has {sharding.world_size} ranks, the "
                              f"process group {self.world}")
-        for t, tn, heads in ((q, "q", None), (k, "k", None), (v, "v", k.shape[1] if k.dim() == 3 else None)):
+        for t, tn in ((q, "q"), (k, "k"), (v, "v")):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise FivarError(f"variant '{name}': {strategy}: {tn} must be a 3-D tensor [rows, heads, head_dim]")
             if t.shape[0] != sharding.length(self.rank):
