@@ -19,6 +19,7 @@ from ..errors import FivarError
 from ..spec import Scalar, ir
 from ..spec.ir import BOOL, I32
 from ..spec.inputs import LOG2E
+from ..spec.positions import is_distance
 
 Q_SHIFT, KV_SHIFT = "fv_cp_q_shift", "fv_cp_kv_shift"
 
@@ -26,16 +27,20 @@ _derived: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _shifted(program: ir.Program | None) -> ir.Program | None:
+    """`program` reading q_idx + Q_SHIFT and kv_idx + KV_SHIFT. A distance `kv_idx - q_idx` stays one, plus the
+    shifts' difference, so the compiled targets' passes still see it (position tables, fivar.spec.positions)."""
     if program is None:
         return None
-    shift = {"q_idx": Q_SHIFT, "kv_idx": KV_SHIFT}
+    shift = {"q_idx": ir.ScalarParam(I32, Q_SHIFT), "kv_idx": ir.ScalarParam(I32, KV_SHIFT)}
 
-    def fn(e):
+    def walk(e: ir.Expr) -> ir.Expr:
+        if is_distance(e):
+            return ir.Binary(I32, "add", e, ir.Binary(I32, "sub", shift[e.a.name], shift[e.b.name]))
         if isinstance(e, ir.Index) and e.name in shift:
-            return ir.Binary(I32, "add", e, ir.ScalarParam(I32, shift[e.name]))
-        return None
-    return ir.Program([(n, ir.rewrite(e, fn)) for n, e in program.lets], ir.rewrite(program.result, fn),
-                      dict(program.hoisted))
+            return ir.Binary(I32, "add", e, shift[e.name])
+        kids = tuple(walk(c) for c in e.children())
+        return ir.rebuild(e, kids) if kids != e.children() else e
+    return ir.Program([(n, walk(e)) for n, e in program.lets], walk(program.result), dict(program.hoisted))
 
 
 def global_variant(variant, causal: bool):

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 import fivar
 import fivar.testing
-from fivar import AttentionVariant, FivarError, Scalar, Tensor
+from fivar import AttentionVariant, FivarError, Scalar, Tensor, tanh
 from fivar.codegen.torch_ref import reference_attention
 from fivar.distributed import Sharding, all_gather_attention, ring_attention
 
@@ -35,6 +35,10 @@ def alibi_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score + params.slope[qo_head] * float(kv_idx - q_idx)
 
 
+def distance_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + 2.0 * tanh(float(kv_idx - q_idx) * 0.3)  # a costly term of the distance: a position table
+
+
 def sigmoid_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score
 
@@ -44,6 +48,7 @@ PREFIX = AttentionVariant(name="cp_prefix", mask=prefix_mask, params={"prefix": 
 TABLE = AttentionVariant(name="cp_table", mask=table_mask, params={"keep": Tensor("bool", ("position", "key"))})
 ALIBI = AttentionVariant(name="cp_alibi", logits=alibi_logits,
                          params={"slope": Tensor("float32", ("qo_head",), learnable=True)})
+DISTANCE = AttentionVariant(name="cp_distance", logits=distance_logits)
 SIGMOID = AttentionVariant(name="cp_sigmoid", logits=sigmoid_logits, softmax=False)
 
 
@@ -55,6 +60,7 @@ def cases(seq_len: int, heads: int, gen: torch.Generator):
         ("documents", fivar.load("document_mask"), False, {"doc_ids": docs}),
         ("sinks + window", fivar.load("gpt_oss"), True, {"sinks": torch.randn(heads, generator=gen) + 1.0, "window": 7}),
         ("prefix", PREFIX, False, {"prefix": 4}),
+        ("distance table", DISTANCE, True, {}),
         ("random", TABLE, False, {"keep": torch.rand(seq_len, seq_len, generator=gen) < 0.3}),
     ]
 
