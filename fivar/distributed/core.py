@@ -27,6 +27,8 @@ class Plan:
         if not isinstance(sharding, Sharding):
             raise FivarError(f"variant '{name}': {strategy}: sharding must be a fivar.distributed.Sharding, got "
                              f"{type(sharding).__name__}")
+        if sharding.seq_len == 0:
+            raise FivarError(f"variant '{name}': {strategy}: the sharding covers no positions")
         if not variant.softmax:
             raise FivarError(f"variant '{name}': {strategy} merges partial results by their LSEs, and this variant "
                              "has softmax=False (no normaliser to merge by)")
@@ -48,15 +50,16 @@ class Plan:
                                  f"shard holds {sharding.length(self.rank)}")
         if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
             raise FivarError(f"variant '{name}': {strategy}: q {list(q.shape)}, k {list(k.shape)}, v "
-                             f"{list(v.shape)} do not fit (k and v alike, one head_dim, qo heads a multiple of kv heads)")
+                             f"{list(v.shape)} do not fit (k and v alike, one head_dim, qo heads a multiple of kv "
+                             "heads)")
         self.base, self.causal, self.sm_scale, self.backend = variant, bool(causal), sm_scale, backend
         self.sharding, self.params = sharding, dict(params)
         self.num_qo_heads, self.num_kv_heads = q.shape[1], k.shape[1]
         self.bound = bind_params(variant, self.params, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
                                  batch_size=1, device=q.device)
         self.derived = global_variant(variant, self.causal)
-        self.learnable = [n for n, p in variant.tensor_params.items()
-                          if p.learnable and isinstance(self.params.get(n), torch.Tensor) and self.params[n].requires_grad]
+        self.learnable = [n for n, p in variant.tensor_params.items() if p.learnable
+                          and isinstance(self.params.get(n), torch.Tensor) and self.params[n].requires_grad]
         # this rank's query runs, each with where its rows start in q
         self.q_runs, at = [], 0
         for s, e in sharding.runs[self.rank]:

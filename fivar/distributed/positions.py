@@ -51,8 +51,8 @@ def global_variant(variant, causal: bool):
         return kept[causal]
     taken = {Q_SHIFT, KV_SHIFT} & set(variant.params)
     if taken:
-        raise FivarError(f"variant '{variant.name}': parameter name(s) {', '.join(sorted(taken))} are fivar.distributed's "
-                         "own; rename them")
+        raise FivarError(f"variant '{variant.name}': parameter name(s) {', '.join(sorted(taken))} are "
+                         "fivar.distributed's own; rename them")
     vir = variant.ir
     mask = _shifted(vir.mask)
     if causal:  # kv_idx <= q_idx on global positions, in addition to the mask

@@ -58,7 +58,8 @@ def cases(seq_len: int, heads: int, gen: torch.Generator):
     return [
         ("causal window", WINDOW, True, {"window": 6}),
         ("documents", fivar.load("document_mask"), False, {"doc_ids": docs}),
-        ("sinks + window", fivar.load("gpt_oss"), True, {"sinks": torch.randn(heads, generator=gen) + 1.0, "window": 7}),
+        ("sinks + window", fivar.load("gpt_oss"), True,
+         {"sinks": torch.randn(heads, generator=gen) + 1.0, "window": 7}),
         ("prefix", PREFIX, False, {"prefix": 4}),
         ("distance table", DISTANCE, True, {}),
         ("random", TABLE, False, {"keep": torch.rand(seq_len, seq_len, generator=gen) < 0.3}),
@@ -183,12 +184,13 @@ def _skips_only_empty_pairs(rank, world):
     assert skipped > 0
 
 
-def test_four_ranks_with_an_empty_rank_forward_and_backward():
-    spawn(_four_ranks, 4)
+def _four_ranks_and_skips(rank, world):
+    _four_ranks(rank, world)
+    _skips_only_empty_pairs(rank, world)
 
 
-def test_skipped_pairs_keep_nothing():
-    spawn(_skips_only_empty_pairs, 4)
+def test_four_ranks_with_an_empty_rank_and_skipped_pairs():
+    spawn(_four_ranks_and_skips, 4)  # one group of 4 processes: starting one costs seconds on a small machine
 
 
 def _triton_backward(rank, world):
@@ -202,8 +204,8 @@ def _triton_backward(rank, world):
     w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
     ref = lambda q_, k_, v_, s_: reference(ALIBI, q_, k_, v_, True, {"slope": s_})  # noqa: E731
     want = grads_of(ref, (q, k, v, slope), (w_out, w_lse))
-    run = lambda q_, k_, v_, s_: ring_attention(ALIBI, q_, k_, v_, sharding, causal=True, backend="triton",  # noqa: E731
-                                                return_lse=True, slope=s_)
+    run = lambda q_, k_, v_, s_: ring_attention(  # noqa: E731
+        ALIBI, q_, k_, v_, sharding, causal=True, backend="triton", return_lse=True, slope=s_)
     got = grads_of(run, [sharding.shard(x, rank).half() for x in (q, k, v)] + [slope],
                    (sharding.shard(w_out, rank), sharding.shard(w_lse, rank)))
     dslope = got[3].clone()
