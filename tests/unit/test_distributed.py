@@ -1,0 +1,254 @@
+"""Context-parallel attention (fivar.distributed) on CPU ranks: gloo process groups of 2 and 4 spawned processes,
+the Triton twin under the interpreter and the torch reference per pair, checked against the single-process float64
+reference of the whole sequence (outputs, LSEs, gradients)."""
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fivar
+import fivar.testing
+from fivar import AttentionVariant, FivarError, Scalar, Tensor, tanh
+from fivar.codegen.torch_ref import reference_attention
+from fivar.distributed import Sharding, all_gather_attention, ring_attention
+
+STRATEGIES = {"ring": ring_attention, "all_gather": all_gather_attention}
+
+
+def window_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.window
+
+
+def prefix_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx < params.prefix or kv_idx <= q_idx
+
+
+def table_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return params.keep[q_idx, kv_idx]
+
+
+def alibi_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + params.slope[qo_head] * float(kv_idx - q_idx)
+
+
+def distance_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score + 2.0 * tanh(float(kv_idx - q_idx) * 0.3)  # a costly term of the distance: a position table
+
+
+def sigmoid_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score
+
+
+WINDOW = AttentionVariant(name="cp_window", mask=window_mask, params={"window": Scalar(int)})
+PREFIX = AttentionVariant(name="cp_prefix", mask=prefix_mask, params={"prefix": Scalar(int)})
+TABLE = AttentionVariant(name="cp_table", mask=table_mask, params={"keep": Tensor("bool", ("position", "key"))})
+ALIBI = AttentionVariant(name="cp_alibi", logits=alibi_logits,
+                         params={"slope": Tensor("float32", ("qo_head",), learnable=True)})
+DISTANCE = AttentionVariant(name="cp_distance", logits=distance_logits)
+SIGMOID = AttentionVariant(name="cp_sigmoid", logits=sigmoid_logits, softmax=False)
+
+
+def cases(seq_len: int, heads: int, gen: torch.Generator):
+    """(name, variant, causal, params) for every kind of mask, with fresh random params."""
+    docs = fivar.testing.document_ids([5, 1, seq_len - 11, 5]).view(1, -1)
+    return [
+        ("causal window", WINDOW, True, {"window": 6}),
+        ("documents", fivar.load("document_mask"), False, {"doc_ids": docs}),
+        ("sinks + window", fivar.load("gpt_oss"), True,
+         {"sinks": torch.randn(heads, generator=gen) + 1.0, "window": 7}),
+        ("prefix", PREFIX, False, {"prefix": 4}),
+        ("distance table", DISTANCE, True, {}),
+        ("random", TABLE, False, {"keep": torch.rand(seq_len, seq_len, generator=gen) < 0.3}),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world: int, *args):
+    """Runs fn(rank, world, *args) in `world` processes of one gloo group; a failed assertion in any fails the test."""
+    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world)
+
+
+def _worker(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def qkv(seq_len, hq, hkv, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return gen, [torch.randn(seq_len, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv)]
+
+
+def reference(variant, q, k, v, causal, params):
+    """The single-process float64 reference of the whole sequence: (out, lse)."""
+    return reference_attention(variant, q, k, v, causal=causal, params=params, float_dtype=torch.float64,
+                               return_lse=True)
+
+
+def close(got, want, atol, what):
+    """|got - want| <= atol * max(1, max |want|), and the same rows without keys (lse -inf)."""
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"{what}: rows without keys differ"
+    finite = torch.isfinite(want)
+    err, scale = (got.double() - want.double()).abs()[finite], want.double().abs()[finite]
+    bound = atol * max(1.0, float(scale.max())) if scale.numel() else 0.0
+    assert err.numel() == 0 or float(err.max()) <= bound, f"{what}: max error {float(err.max()):.3g} > {bound:.3g}"
+
+
+def _triton_forward(rank, world):
+    """Triton twin, fp16, uneven zigzag shards: every mask kind through the ring, two through the all-gather."""
+    seq_len, hq, hkv, d = 29, 2, 1, 16
+    gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=1)
+    sharding = Sharding.zigzag(seq_len, world)
+    for name, variant, causal, params in cases(seq_len, hq, gen):
+        ref, ref_lse = reference(variant, q, k, v, causal, params)
+        for strategy in ("ring", "all_gather") if name in ("documents", "random") else ("ring",):
+            shard = [sharding.shard(x, rank).half() for x in (q, k, v)]
+            out, lse = STRATEGIES[strategy](variant, *shard, sharding, causal=causal, backend="triton",
+                                            return_lse=True, **params)
+            close(out, sharding.shard(ref, rank), 2e-3, f"{name}/{strategy} rank {rank} out")
+            close(lse, sharding.shard(ref_lse, rank), 2e-3, f"{name}/{strategy} rank {rank} lse")
+
+
+def test_triton_twin_matches_reference_on_two_ranks():
+    spawn(_triton_forward, 2)
+
+
+def grads_of(fn, inputs, weights):
+    """d(sum(out * w_out) + sum(lse * w_lse)) / d inputs, fn(*inputs) -> (out, lse)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out, lse = fn(*leaves)
+    w_out, w_lse = weights
+    loss = (out.double() * w_out).sum() + (torch.where(torch.isfinite(lse), lse.double(), 0) * w_lse).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def _four_ranks(rank, world):
+    """A rank with no rows, uneven shards: forward and backward of every mask kind, ring and all-gather, on the
+    float64 reference per pair; the skipped pairs are really empty; one Triton call over the empty rank too."""
+    seq_len, hq, hkv, d = 31, 2, 1, 16
+    gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=2)
+    sharding = Sharding.of_lengths([9, 0, 14, 8])
+    assert sharding.length(1) == 0
+    w_out = torch.randn(seq_len, hq, d, generator=gen, dtype=torch.float64)
+    w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
+    mine = lambda x: sharding.shard(x, rank)  # noqa: E731
+    for name, variant, causal, params in cases(seq_len, hq, gen):
+        ref = lambda q_, k_, v_: reference(variant, q_, k_, v_, causal, params)  # noqa: E731
+        ref_out, ref_lse = ref(q, k, v)
+        ref_grads = grads_of(ref, (q, k, v), (w_out, w_lse))
+        for strategy, fn in STRATEGIES.items():
+            run = lambda q_, k_, v_: fn(variant, q_, k_, v_, sharding, causal=causal, backend="reference",  # noqa: E731
+                                        return_lse=True, **params)
+            out, lse = run(*map(mine, (q, k, v)))
+            close(out, mine(ref_out), 2e-6, f"{name}/{strategy} rank {rank} out")
+            close(lse, mine(ref_lse), 1e-5, f"{name}/{strategy} rank {rank} lse")
+            got = grads_of(run, list(map(mine, (q, k, v))), (mine(w_out), mine(w_lse)))
+            for g, want, what in zip(got, ref_grads, "qkv"):
+                close(g, mine(want), 1e-5, f"{name}/{strategy} rank {rank} d{what}")
+        if name == "sinks + window":  # the Triton twin over the same shards, the empty rank among them
+            out, lse = ring_attention(variant, *(mine(x).half() for x in (q, k, v)), sharding, causal=causal,
+                                      backend="triton", return_lse=True, **params)
+            close(out, mine(ref_out), 2e-3, f"{name}/triton rank {rank} out")
+            close(lse, mine(ref_lse), 2e-3, f"{name}/triton rank {rank} lse")
+
+
+def _skips_only_empty_pairs(rank, world):
+    """Zigzag causal shards: the upper-triangle pairs are skipped, and every skipped pair of every mask kind keeps
+    no (query, key) pair when evaluated element by element."""
+    from fivar.distributed.core import Plan
+    from fivar.spec.sparsity import keep_matrix
+    seq_len, hq = 33, 2
+    gen, (q, k, v) = qkv(seq_len, hq, 1, 16, seed=3)
+    sharding = Sharding.zigzag(seq_len, world)
+    skipped = 0
+    for name, variant, causal, params in cases(seq_len, hq, gen):
+        plan = Plan(variant, *(sharding.shard(x, rank) for x in (q, k, v)), sharding, causal=causal, sm_scale=None,
+                    backend="reference", group=None, params=params, strategy="ring_attention")
+        truth = keep_matrix(variant.ir.mask, qo_len=seq_len, kv_len=seq_len, scalars=plan.bound.scalars,
+                            tensors=plan.bound.tensors, num_qo_heads=hq, causal=causal).any(0)
+        for (i, owner, j), keep in plan.keep.items():
+            qs, qe, _ = plan.q_runs[i]
+            ks, ke = sharding.runs[owner][j]
+            if not keep:
+                skipped += 1
+                assert not truth[qs:qe, ks:ke].any(), f"{name}: pair {(qs, qe)} x {(ks, ke)} skipped but keeps keys"
+        if name == "causal window":
+            assert sum(not kept for kept in plan.keep.values()) >= world, f"{name}: causal pairs were not skipped"
+    assert skipped > 0
+
+
+def _four_ranks_and_skips(rank, world):
+    _four_ranks(rank, world)
+    _skips_only_empty_pairs(rank, world)
+
+
+def test_four_ranks_with_an_empty_rank_and_skipped_pairs():
+    spawn(_four_ranks_and_skips, 4)  # one group of 4 processes: starting one costs seconds on a small machine
+
+
+def _triton_backward(rank, world):
+    """Ring backward through the Triton twin's own backward per pair: q, k, v and a learnable per-head slope (its
+    gradient summed over the group) against the float64 reference."""
+    seq_len, hq, hkv, d = 21, 2, 1, 16
+    gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=4)
+    slope = torch.rand(hq, generator=gen) * 0.5
+    sharding = Sharding.zigzag(seq_len, world)
+    w_out = torch.randn(seq_len, hq, d, generator=gen, dtype=torch.float64)
+    w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
+    ref = lambda q_, k_, v_, s_: reference(ALIBI, q_, k_, v_, True, {"slope": s_})  # noqa: E731
+    want = grads_of(ref, (q, k, v, slope), (w_out, w_lse))
+    run = lambda q_, k_, v_, s_: ring_attention(  # noqa: E731
+        ALIBI, q_, k_, v_, sharding, causal=True, backend="triton", return_lse=True, slope=s_)
+    got = grads_of(run, [sharding.shard(x, rank).half() for x in (q, k, v)] + [slope],
+                   (sharding.shard(w_out, rank), sharding.shard(w_lse, rank)))
+    dslope = got[3].clone()
+    dist.all_reduce(dslope)
+    for g, w, what in zip(got[:3], want[:3], "qkv"):
+        close(g, sharding.shard(w, rank), 2e-2, f"rank {rank} d{what}")
+    close(dslope, want[3], 5e-2, f"rank {rank} dslope")
+
+
+def test_triton_ring_backward_on_two_ranks():
+    spawn(_triton_backward, 2)
+
+
+def _bad_inputs(rank, world):
+    sharding = Sharding.zigzag(8, world)
+    q = k = v = torch.randn(sharding.length(rank) + 1, 1, 16)
+    with pytest.raises(FivarError, match="rows, rank"):
+        ring_attention(WINDOW, q, k, v, sharding, window=3, backend="reference")
+    with pytest.raises(FivarError, match="sharding has 3 ranks"):
+        ring_attention(WINDOW, q, k, v, Sharding.contiguous(8, 3), window=3, backend="reference")
+
+
+def test_bad_inputs_are_one_line_errors():
+    spawn(_bad_inputs, 2)
+    sharding = Sharding.zigzag(8, 2)
+    q = torch.randn(4, 1, 16)
+    with pytest.raises(FivarError, match="softmax=False"):
+        ring_attention(SIGMOID, q, q, q, sharding)
+    with pytest.raises(FivarError, match="init_process_group"):
+        all_gather_attention(WINDOW, q, q, q, sharding, window=3)
+    with pytest.raises(FivarError, match="held by 2 ranks"):
+        Sharding(8, (((0, 5),), ((4, 8),)))
+
+
+def test_zigzag_shards_round_trip():
+    for seq_len, world in ((37, 4), (5, 4), (16, 2)):
+        sharding = Sharding.zigzag(seq_len, world)
+        x = torch.randn(seq_len, 3)
+        assert torch.equal(sharding.unshard([sharding.shard(x, r) for r in range(world)]), x)
+        if seq_len >= 2 * world:
+            assert [run[0] for run in sharding.runs[0]] == [0, seq_len * (2 * world - 1) // (2 * world)]
