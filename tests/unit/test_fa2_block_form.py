@@ -11,7 +11,7 @@ import torch
 
 from fivar.codegen import fa2
 from fivar.codegen.cuda import additional_params
-from fivar.runtime import attention
+from fivar.runtime import attention, plans
 from fivar.testing import _ragged_reference, _to_paged
 
 from kernel_standin import attend
@@ -157,11 +157,11 @@ def cpu_fa2(monkeypatch):
         made.append(fmod)
         return (_FakePagedWrapper if kind == "paged" else _FakeRaggedWrapper)(current[0], fmod, owns_mask)
 
-    monkeypatch.setattr(attention, "_plan_setup", plan_setup)
-    monkeypatch.setattr(attention, "_module", module)
-    monkeypatch.setattr(attention, "take_wrapper", take)
-    monkeypatch.setattr(attention, "release_wrapper", lambda *a: None)
-    monkeypatch.setattr(attention, "_check_qkv", lambda *a, **kw: None)
+    monkeypatch.setattr(plans, "_plan_setup", plan_setup)
+    monkeypatch.setattr(plans, "_module", module)
+    monkeypatch.setattr(plans, "take_wrapper", take)
+    monkeypatch.setattr(plans, "release_wrapper", lambda *a: None)
+    monkeypatch.setattr(plans, "_check_qkv", lambda *a, **kw: None)
     return current, made
 
 

@@ -1,0 +1,416 @@
+"""Plans: FlashInfer's plan/run split for a variant. A plan validates and plans a batch layout once (the block
+lowerings of masks beyond a band included: FA3's tile list, FA2's block form, trimmed decode pages), then runs it per
+layer; one-shot calls keep theirs in a plan cache (fivar.runtime.attention)."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from ..codegen import fa2, fa3
+from ..errors import FivarError
+from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..spec.inputs import check_lse
+from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv_dtype, scaled_output
+from .ops import register_plan
+from . import fa2_blocks, segments
+from .segments import mask_scan
+from .fa3_tile_list import TileListPrefill
+from .launch import (_check_indptr, _check_pages, _check_qkv, _module, _paged_kv, _prepare, direct_paged_run,
+                     release_wrapper, take_wrapper)
+from .params import kernel_args
+from .position_tables import max_lengths
+from .rows import write_rows
+from .forms import (_check_backend, _causal_flag, _paged_args, _window_left, _owns_mask, _kernel_causal,
+                    _plan_causal, _split_kwargs, _decode_on_tensor_cores, trims_decode_pages, _trimmed_decode_pages)
+
+
+class _OwnsWrapper:
+    """A plan running one FlashInfer wrapper, taken with fivar.runtime.launch.take_wrapper."""
+
+    kv_form = "paged"  # run(q, paged_kv_cache); fivar.runtime.ops' plan_run passes the caches as one pair
+    _rest = None  # (wrapper, ScaledArgs) of a second launch writing the rows the first skips (fa2_blocks)
+    _direct = (None, None)  # DirectPagedRun of the wrapper and of _rest's (a paged plan's; None: wrapper.run)
+    _tiles = None  # FA3's tile-list form of a paged plan (fivar.runtime.fa3_tile_list), which then runs it all
+
+    def release(self):
+        """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        if self._tiles is not None:
+            self._tiles.release()
+            return
+        release_wrapper(*self._release, self._wrapper)
+        if self._rest is not None:
+            release_wrapper(*self._release, self._rest[0])
+        self._wrapper = self._rest = None
+        self._direct = (None, None)
+
+    def run(self, q, paged_kv_cache, *, return_lse=False, k_scale=None, v_scale=None):
+        """A paged plan's run (decode's and paged prefill's; a ragged plan has its own). k_scale/v_scale: the cache
+        holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
+        if torch.compiler.is_compiling():
+            from . import ops
+            _no_scales_compiled(self.variant, k_scale, v_scale)
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
+        return_lse = check_lse(self.variant, return_lse)
+        k_scale, v_scale = _run_scales(self, q, paged_kv_cache, k_scale, v_scale)
+        k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
+        hq, hkv, d, page, dtype = self._shape
+        if q.shape[1:] != (hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype:
+            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [*, {hq}, {d}], "
+                             f"cache [*, {page}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, cache "
+                             f"{tuple(k_cache.shape)}, {q.dtype}")
+        return scaled_output(self._launch(q, k_cache, v_cache, k_scale, return_lse), v_scale, return_lse)
+
+    def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
+        """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key)."""
+        if self._tiles is not None:
+            return self._tiles.run(q, k_cache, v_cache, return_lse)
+        direct, rest_direct = self._direct
+        result = _launch_one(direct, self._wrapper, self._args, q, k_cache, v_cache, k_scale, return_lse)
+        if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
+            wrapper, args = self._rest
+            part = _launch_one(rest_direct, wrapper, args, q.index_select(0, self._rest_rows), k_cache, v_cache,
+                               k_scale, return_lse)
+            write_rows(result, self._rest_rows, part, return_lse)
+        return result
+
+    def invalidate(self):
+        """Plan again from the current contents of the tensors this plan was made from (its indptrs, page table and
+        tensor params): a plan reads them when it is made, so after writing any of them in place, call this (or make
+        a new plan). The object stays the one to run (a torch.compile graph keeps its handle). If the new contents
+        are refused, the plan stays as it was."""
+        remake = self.__dict__.get("_remake")
+        if remake is None:
+            raise FivarError(f"variant '{self.variant.name}': only a plan of plan_ragged / plan_paged / plan_decode "
+                             "can be planned again")
+        fresh = remake()  # first: a refusal leaves this plan whole
+        handle = self.op_handle
+        self.release()
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+        self.op_handle, self._remake = handle, remake
+
+
+def explicit_plan(make):
+    """The plan `make()` returns (v.plan_ragged / plan_paged / plan_decode), which keeps `make` for invalidate()."""
+    plan = make()
+    plan._remake = make
+    return plan
+
+
+def _launch_one(direct, wrapper, args, q, k_cache, v_cache, k_scale: float, return_lse: bool):
+    """One wrapper's launch: its direct run where it has one (fivar.flashinfer_compat.wrappers.DirectPagedRun), else its run."""
+    if direct is not None:
+        return direct(q, k_cache, v_cache, args(k_scale), return_lse)
+    return wrapper.run(q, (k_cache, v_cache), *args(k_scale), return_lse=return_lse)
+
+
+class DecodePlan(_OwnsWrapper):
+    """The CUDA-core decode kernel, planned (the one-shot `batch_decode` keeps one per batch layout)."""
+
+    def __init__(self, variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, dtype, sm_scale, device, params, kv_dtype=None):
+        register_plan(self)
+        self.variant = variant
+        kv_name = plan_kv_dtype(variant, dtype, kv_dtype)
+        self._kv_dtype = kv_dtype or dtype
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=device)
+        bound, sm_scale = _prepare(variant, params, probe, num_kv_heads, kv_indptr.numel() - 1, sm_scale)
+        fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim, kv_dtype=kv_name)
+        self._wrapper = take_wrapper("decode", fmod, device, owns_mask=bool(variant.mask))
+        self._release = ("decode", fmod, device)
+        self._wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                           q_data_type=dtype, kv_data_type=self._kv_dtype, o_data_type=dtype)
+        self._args = ScaledArgs(lambda s: kernel_args(
+            variant, bound, s, False if variant.mask else None,
+            lengths=lambda: max_lengths(None, kv_indptr, kv_last_page_len, page_size)), sm_scale)
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+
+
+def _no_scales_compiled(variant, k_scale, v_scale) -> None:
+    # the plan_run op takes no scales; the one-shot entry points fold them in under torch.compile
+    if k_scale is not None or v_scale is not None:
+        raise FivarError(f"variant '{variant.name}': a plan's run(k_scale=, v_scale=) is not supported under "
+                         "torch.compile; call v.decode / v.batch_prefill_paged with the scales instead")
+
+
+def _run_scales(plan, q, paged_kv_cache, k_scale, v_scale) -> tuple[float, float]:
+    """A planned run's scales, checked, and its cache's dtype against the plan's."""
+    variant = plan.variant
+    check_q_dtype(variant, q)
+    k_cache, _ = _paged_kv(variant, paged_kv_cache)
+    if isinstance(k_cache, torch.Tensor) and k_cache.dtype != plan._kv_dtype:
+        raise FivarError(f"variant '{variant.name}': the cache is {k_cache.dtype}, the plan was made for "
+                         f"{plan._kv_dtype} (plan with kv_dtype={k_cache.dtype})")
+    return check_scale(variant, "k_scale", k_scale), check_scale(variant, "v_scale", v_scale)
+
+
+def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads, num_kv_heads, head_dim, page_size,
+                dtype=None, sm_scale=None, backend="auto", device="cuda", params=None, kv_dtype=None):
+    """What `batch_decode` runs, planned once: FA2's tensor-core paged kernel (one query per request; pages trimmed
+    to the kept keys where the mask drops some) or its CUDA-core decode kernel, chosen as batch_decode chooses.
+    backend="auto" is FA2 here, as for batch_decode: FA3's prefill kernel is no decode kernel."""
+    backend = "fa2" if backend == "auto" else backend
+    backend = fp8_backend(variant, backend, plan_kv_dtype(variant, dtype or torch.bfloat16, kv_dtype))
+    qo_indptr = torch.arange(kv_indptr.numel(), dtype=torch.int32, device=kv_indptr.device)
+    if backend != "fa2" or trims_decode_pages(variant) or _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads):
+        return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  page_size=page_size, dtype=dtype, kv_dtype=kv_dtype, causal=False, sm_scale=sm_scale,
+                                  backend=backend, device=device, params=params or {})
+    checked = types.SimpleNamespace()  # the planned entry points' checks, then the decode kernel's own plan
+    dtype, _, kv_indptr = _plan_setup(checked, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
+                                      dtype, backend, device)
+    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, 1 << 62, page_size,
+                                                checked.device)
+    return DecodePlan(variant, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                      sm_scale=sm_scale, device=checked.device, params=params or {}, kv_dtype=kv_dtype)
+
+
+def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
+                device):
+    """The planned entry points' shared checks; sets plan.variant, .device, .target and .batch."""
+    dtype = dtype or torch.bfloat16
+    if dtype not in DTYPES.values():
+        raise FivarError(f"variant '{variant.name}': dtype must be float16 or bfloat16, got {dtype}")
+    if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
+        raise FivarError(f"variant '{variant.name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a "
+                         f"multiple of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
+    plan.variant, plan.device = variant, torch.device(device)
+    if backend == "triton":
+        raise FivarError(f"variant '{variant.name}': a plan holds FlashInfer's planned kernels (fa2, fa3); the Triton "
+                         f"twin has no plan step: call batch_prefill_ragged / decode with backend='triton' instead")
+    if plan.device.type != "cuda" or not torch.cuda.is_available():
+        raise FivarError(f"variant '{variant.name}': a plan runs FlashInfer's kernels on a CUDA GPU (device "
+                         f"{str(plan.device)!r}{'' if torch.cuda.is_available() else ', and no GPU is visible'}); on "
+                         f"the CPU use variant.reference(...), or the Triton twin (backend='triton') under "
+                         f"TRITON_INTERPRET=1")
+    plan.target = _check_backend(variant, backend, "batch_prefill", plan.device)
+    qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, plan.device)
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, plan.device)
+    plan.batch = qo_indptr.numel() - 1
+    return dtype, qo_indptr, kv_indptr
+
+
+class PagedAttentionPlan(_OwnsWrapper):
+    """A planned paged batch: validate and plan once per batch layout, then `run(q, cache)` per layer.
+
+    This is FlashInfer's plan/run split. A batch of one query per request on FA2 (decode) whose mask drops
+    whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
+    A mask that is more than a band runs one request per query block over the pages it may keep, on FA2
+    (fivar.runtime.fa2_blocks), and on FA3 one request per query tile over its non-empty key tiles
+    (fivar.runtime.fa3_tile_list); `keys_read`: keys read and the unsplit form's.
+    """
+
+    def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
+                 num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
+                 device="cuda", params=None, kv_dtype=None):
+        register_plan(self)
+        kv_name = plan_kv_dtype(variant, dtype or torch.bfloat16, kv_dtype)  # an FP8 cache: fivar.runtime.fp8_kv
+        backend = fp8_backend(variant, backend, kv_name)
+        dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
+                                                  head_dim, dtype, backend, device)
+        # no cache to bound the page numbers by here (run takes it): int32 is the bound
+        kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, 1 << 62,
+                                                    page_size, self.device)
+        one_query = bool((qo_indptr.diff() == 1).all())
+        if not (self.target == "fa2" and one_query and trims_decode_pages(variant)):  # that form keeps the call's
+            # one query per request sits at its last key (decode): causal drops nothing there, and a window form
+            # then runs as the kernels' own window (kCausal with window_left), as stock decode does
+            causal = _kernel_causal(variant, causal) or (one_query and fa2.window_form(variant))
+        self._kv_dtype = kv_dtype or dtype
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
+        bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
+        lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
+        kv_segments, self.pages_read, self.keys_read = None, None, None
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        if self.target == "fa3" and variant.scans_mask:  # the tile-list form (fivar.runtime.fa3_tile_list)
+            self._tiles = TileListPrefill(
+                variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device,
+                pages=(kv_indices, page_size), kv_last_page_len=kv_last_page_len)
+            self.keys_read = self._tiles.keys_read
+            return
+        block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest
+        if self.target == "fa2" and trims_decode_pages(variant) and one_query:
+            # one query per request (decode): read only the pages holding kept keys, in the key-segments form
+            trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
+                                            kv_last_page_len.to(self.device), page_size, num_qo_heads, num_kv_heads)
+            if trimmed is not None:
+                kv_indptr, kv_indices, kv_last_page_len = trimmed.kv_indptr, trimmed.kv_indices, \
+                    trimmed.kv_last_page_len
+                kv_segments = trimmed.segments
+                self.pages_read = (trimmed.pages_read, trimmed.pages_total)
+                block_causal = trimmed.causal  # one run of pages a request: kCausal (fivar.runtime.decode_pages)
+        elif self.target == "fa2" and variant.scans_mask:
+            # a mask that is more than a band: one request per query block over the keys it may keep
+            kv_h, last_h = kv_indptr.long().cpu(), kv_last_page_len.long().cpu()
+            n_pages = kv_h.diff()
+            kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last_h, 0)
+            pages = kv_indices.long().cpu()
+            rows = fa2_blocks.block_rows(num_qo_heads // num_kv_heads, head_dim)
+            layout = fa2_blocks.block_layout(
+                variant.ir.mask, qo_indptr, kv_lens, [pages[kv_h[b]:kv_h[b + 1]] for b in range(self.batch)],
+                last_h, page_size, scalars=bound.scalars, tensors=bound.tensors, num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads, causal=causal, rows=rows, head_dim=head_dim,
+                # KV blocks no longer than a block's rows: a block's first `rows` keys are masked in its kCausal launch
+                kv_block=page_size * max(1, min(fa2_blocks.RAGGED_KV_BLOCK, rows) // page_size))
+            block_causal = bool(layout.causal_mode.any())
+            if layout.keys_read < layout.keys_total or block_causal:  # else the plain form is faster
+                qo_indptr, kv_indptr = layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device)
+                kv_indices, kv_last_page_len = layout.kv_indices, layout.kv_last_page_len
+                kv_segments = layout.launch_table(block_causal)
+                if block_causal and not bool(layout.causal_mode.all()):
+                    rest_segments = layout.subset(~layout.causal_mode)
+                self.keys_read = (layout.keys_read, layout.keys_total)
+        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
+                       kv_segments=kv_segments is not None, kv_dtype=kv_name)
+        # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
+        window_left = _window_left(variant, self.target, bound) if kv_segments is None else -1
+        self._release = ("paged", fmod, self.device)
+        planned = [t.to(self.device) for t in (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)]
+
+        def launch(owns_mask: bool, plan_causal: bool, table, split: dict, indptrs=planned):
+            wrapper = take_wrapper("paged", fmod, self.device, owns_mask)
+            wrapper.plan(*indptrs, num_qo_heads, num_kv_heads, head_dim, page_size, causal=plan_causal,
+                         window_left=window_left, q_data_type=dtype, kv_data_type=self._kv_dtype, o_data_type=dtype,
+                         **split)
+            args = ScaledArgs(lambda s: (kernel_args(variant, bound, s, _causal_flag(variant, self.target, causal),
+                                                     tables={fa2.KV_SEGMENTS: table.to(self.device)},
+                                                     lengths=lengths)
+                                         if table is not None else
+                                         _paged_args(variant, self.target, bound, s, causal, qo_indptr, kv_indptr,
+                                                     kv_last_page_len, page_size)), sm_scale)
+            return wrapper, args
+
+        if block_causal:  # kCausal over every row: the blocks it can run (fa2_blocks), or trimmed decode pages
+            self._wrapper, self._args = launch(False, True, kv_segments, _split_kwargs(variant, "fa2", True))
+            if rest_segments is not None:  # then kCustom over copies of the other blocks' rows, written over theirs
+                sub, rows = rest_segments
+                self._rest = launch(True, False, sub.segments, _split_kwargs(variant, "fa2", True), indptrs=[
+                    t.to(self.device) for t in (sub.qo_indptr, sub.kv_indptr, sub.kv_indices, sub.kv_last_page_len)])
+                self._rest_rows = rows.to(self.device)
+        else:  # the blocks apply causal themselves: FA3's would align the diagonal to each block
+            self._wrapper, self._args = launch(
+                _owns_mask(variant, self.target, causal, window_left),
+                _plan_causal(variant, self.target, causal, window_left), kv_segments,
+                _split_kwargs(variant, self.target, causal, window_left))
+        self._direct = tuple(None if launched is None else
+                             direct_paged_run(launched[0], variant.name, self.device, args=launched[1](1.0))
+                             for launched in ((self._wrapper, self._args), self._rest))
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+
+
+class RaggedAttentionPlan(_OwnsWrapper):
+    """A planned ragged batch (`v.plan_ragged`): plan once per batch layout, then `run(q, k, v)` per layer.
+
+    For a mask that is more than a band, planning is where the block lowering happens: on FA3 the tile-list form
+    (the device block map, fivar.runtime.fa3_tile_list), on FA2 the block form over K/V read as pages
+    of one key (fivar.runtime.fa2_blocks).
+    """
+
+    kv_form = "ragged"  # run(q, k, v)
+
+    def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype=None,
+                 causal=False, sm_scale=None, backend="auto", device="cuda", params=None):
+        register_plan(self)
+        dtype, qo_indptr, kv_indptr = _plan_setup(self, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
+                                                  head_dim, dtype, backend, device)
+        causal = _kernel_causal(variant, causal)
+        if kv_indptr.numel() != qo_indptr.numel():
+            raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length")
+        self._tokens = (int(qo_indptr[-1]), int(kv_indptr[-1]))
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
+        bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
+        self._tile_list = self._blocks = None
+        self.segments = None  # FA2's segments form: how many requests it runs
+        if self.target == "fa3" and variant.scans_mask:
+            self._tile_list = TileListPrefill(
+                variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
+            return
+        if self.target == "fa2" and variant.scans_mask and causal and self._plan_segments(
+                variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype):
+            return
+        if self.target == "fa2" and variant.scans_mask:
+            # FA2's block form (fivar.runtime.fa2_blocks) on the paged kernel, K/V read in place as pages of the
+            # largest size (up to 16 keys) that every request's first key starts: a page of one key costs a page
+            # table lookup per key
+            n_keys = int(kv_indptr[-1])
+            self._page = next(p for p in (16, 8, 4, 2, 1) if not bool((kv_indptr % p).any()))
+            self._blocks = PagedAttentionPlan(
+                variant, qo_indptr, kv_indptr // self._page,
+                torch.arange(n_keys // self._page, dtype=torch.int32, device=self.device),
+                torch.where(kv_indptr.diff() > 0, self._page, 0).to(torch.int32), num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=self._page, dtype=dtype, causal=causal,
+                sm_scale=sm_scale, backend="fa2", device=self.device, params=params)
+            if self._blocks.keys_read is not None:
+                return
+            self._blocks.release()  # the mask drops no block: FA2's ragged kernel as it is
+            self._blocks = None
+        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
+        window_left = _window_left(variant, self.target, bound)
+        self._wrapper = take_wrapper("ragged", fmod, self.device,
+                                     _owns_mask(variant, self.target, causal, window_left))
+        self._release = ("ragged", fmod, self.device)
+        self._wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
+                           causal=_plan_causal(variant, self.target, causal, window_left),
+                           window_left=window_left, q_data_type=dtype,
+                           kv_data_type=dtype, o_data_type=dtype,
+                           **_split_kwargs(variant, self.target, causal, window_left))
+        self._args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, self.target, causal),
+                                 lengths=lambda: max_lengths(qo_indptr, kv_indptr))
+
+    def _plan_segments(self, variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
+                       dtype) -> bool:
+        """FA2, causal: when the mask cuts the batch into segments (documents, chunks), a request of FlashInfer's
+        ragged kernel per segment in kCausal mode, the struct's key segments mapping each back to its positions
+        (fivar.runtime.segments): stock FA2's request per document, no mask evaluated. False
+        when the mask is more than segments on this batch."""
+        max_qo_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
+        _, kind, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads,
+                                  sm_scale, self.device)
+        layout = segments.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
+        if layout is None:
+            return False
+        fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale, kv_segments=True,
+                       mask_free=True)
+        self._wrapper = take_wrapper("ragged", fmod, self.device, False)
+        self._release = ("ragged", fmod, self.device)
+        self._wrapper.plan(layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device), num_qo_heads,
+                           num_kv_heads, head_dim, causal=True, q_data_type=dtype, kv_data_type=dtype,
+                           o_data_type=dtype, **_split_kwargs(variant, "fa2", True))
+        self._args = kernel_args(variant, bound, sm_scale, None,  # kCausal is the whole mask: the struct has none
+                                 tables={fa2.KV_SEGMENTS: layout.segments.to(self.device)},
+                                 lengths=lambda: max_lengths(qo_indptr, kv_indptr))
+        self.segments = layout.qo_indptr.numel() - 1
+        return True
+
+    def run(self, q, k, v, *, return_lse=False):
+        if torch.compiler.is_compiling():
+            from . import ops
+            return ops.plan_run(self, q, k, v, return_lse)
+        return_lse = check_lse(self.variant, return_lse)
+        _check_qkv(self.variant, q, k, v)
+        hq, hkv, d, dtype = self._shape
+        if (q.shape[0], k.shape[0]) != self._tokens or q.shape[1:] != (hq, d) or k.shape[1:] != (hkv, d) \
+                or q.dtype != dtype or k.dtype != dtype:
+            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self._tokens[0]}, "
+                             f"{hq}, {d}], k/v [{self._tokens[1]}, {hkv}, {d}], {dtype}); got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, {q.dtype}")
+        if self._tile_list is not None:
+            return self._tile_list.run(q, k, v, return_lse=return_lse)
+        if self._blocks is not None:
+            pages = lambda t: t.reshape(-1, self._page, *t.shape[1:])  # noqa: E731  (a view of contiguous K/V)
+            return self._blocks.run(q, (pages(k), pages(v)), return_lse=return_lse)
+        return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
+
+    def release(self):
+        if self._tile_list is not None:
+            self._tile_list.release()
+        elif self._blocks is not None:
+            self._blocks.release()
+        else:
+            _OwnsWrapper.release(self)
