@@ -16,20 +16,19 @@ import os
 import re
 import time
 
-import jinja2
 import torch
 
 from .. import config as fivar_config
 from ..codegen import fa2, fa3
 from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarError
-from ..flashinfer_compat import fa2_launchers
 from ..flashinfer_layout import FA2_LAYOUT, FA3_LAYOUT
-from ..paths import csrc_dir, templates_dir
+from ..paths import csrc_dir
 from . import locks, pinned_kv_tiles, progress, records, toolchain, unused_headers
-# re-exported: FivarModule and the library checks are fivar.jit.module's, gen_module and build_many this module's
-from .module import (FivarModule, _VERIFIED, _loaded, _sha256, _verified, check_buildable_paths,  # noqa: F401
-                     library_verified, unsafe_in_build_files, variant_file_sha256)
+from ..flashinfer_compat.templates import render_template as _render_flashinfer
+from .fa2_tile_split import _fa2_tile_split, _inst_statements, _single_prefill_split_problem, _split_warned
+from .module import (FivarModule, _VERIFIED, _loaded, _sha256, _verified, check_buildable_paths, library_verified,
+                     unsafe_in_build_files, variant_file_sha256)
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
 TARGETS = ("fa2", "fa3")
@@ -84,21 +83,6 @@ def kv_dtype_name(dt: torch.dtype, q_dtype: torch.dtype) -> str | None:
                      f"{', '.join(str(v) for v in KV_DTYPES.values())})")
 
 
-def _render_flashinfer(name: str, **kwargs) -> str:
-    """One of FlashInfer's JIT templates, rendered; a variable fivar does not pass (a FlashInfer other than the one
-    fivar is written against) is a one-line error, not a blank that nvcc reports as a fivar bug."""
-    import flashinfer
-    from flashinfer.jit import env as jit_env
-    template = jinja2.Template((jit_env.FLASHINFER_CSRC_DIR / name).read_text(), undefined=jinja2.StrictUndefined)
-    try:
-        return template.render(**kwargs)
-    except jinja2.UndefinedError as e:
-        from ..flashinfer_compat import WRITTEN_AGAINST
-        raise FivarError(f"FlashInfer {flashinfer.__version__}'s template {name} needs a value fivar does not pass "
-                         f"({e.message}): fivar is written against FlashInfer {WRITTEN_AGAINST} (pip install "
-                         f"'flashinfer-python~={WRITTEN_AGAINST}.0')") from None
-
-
 def _dispatch_override(config: str, variant, mask_modes: list[str]) -> str:
     m = re.search(r"#define DISPATCH_context\(([^)]*)\)", config)
     if not m or "mask_mode" not in config.split("#define DISPATCH_context", 1)[1].split("\n\n", 1)[0]:
@@ -142,103 +126,6 @@ def _host_unit(texts: dict[str, str], includes: tuple[str, ...] = ()) -> str:
         parts += [f"// ---- {name} ----", text.rstrip("\n")]
     parts += ["#endif  // __CUDA_ARCH__", ""]
     return "\n".join(parts)
-
-
-#: What each FA2 prefill op's split kernel units include: fivar's cut of FlashInfer's launcher (source name
-#: in the module -> file under templates/fa2), and the header the host unit includes (see _fa2_tile_split).
-_SPLIT_HEADERS = {"single_prefill": {"fivar_single_prefill_tile.cuh": "single_prefill_tile.cuh",
-                                     "fivar_single_prefill_dispatch.cuh": "single_prefill_dispatch.cuh"},
-                  "batch_prefill": {}}
-_SPLIT_HOST_INCLUDES = {"single_prefill": ("fivar_single_prefill_dispatch.cuh",), "batch_prefill": ()}
-_split_warned: set[str] = set()
-
-
-def _fa2_reachable_tiles(head_dim_qk: int, head_dim_vo: int) -> list[int]:
-    """The CTA_TILE_Q values FlashInfer's FA2DetermineCtaTileQ can return for these head dims (FlashInfer
-    0.7.2, include/flashinfer/utils.cuh:411-470: 128 only for head_dim_vo < 256). This only groups tiles
-    into units: which tiles get instantiated stays FlashInfer's choice, and a tile it never picks (no valid
-    kernel there: KernelTraits::IsInvalid) shares a unit instead of costing a compiler run of its own."""
-    if head_dim_vo >= 512:
-        return [32, 16]
-    if head_dim_qk >= 512:
-        return [16]
-    return ([128] if head_dim_vo < 256 else []) + [64, 16]
-
-
-def _tile_groups(tiles: list[int], head_dim_qk: int, head_dim_vo: int) -> list[list[int]]:
-    """One kernel unit per tile FlashInfer can pick, largest first; the others join the last unit."""
-    tiles = sorted(set(tiles), reverse=True)
-    reachable = _fa2_reachable_tiles(head_dim_qk, head_dim_vo)
-    groups = [[t] for t in tiles if t in reachable] or [[]]
-    groups[-1] += [t for t in tiles if t not in reachable]
-    return groups
-
-
-#: fivar's cut of FlashInfer's launchers is checked against the installed FlashInfer in fivar.flashinfer_compat.
-_dispatch_cta_tiles = fa2_launchers.dispatch_cta_tiles
-_single_prefill_split_problem = fa2_launchers.single_prefill_split_problem
-_inst_statements = fa2_launchers.inst_statements
-
-
-def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
-    """FA2 prefill kernel units, one per (mask mode, CTA_TILE_Q), or None to keep FlashInfer's layout.
-
-    FlashInfer's FA2 prefill kernel units hold every CTA tile (and, below each, every NUM_MMA_KV) of one mask
-    mode, so the longest unit bounds a cold build however many cores there are. Here each tile that
-    FA2DetermineCtaTileQ can pick gets a unit of its own; the kernels, their launch configuration and the
-    tile choice at run time are FlashInfer's:
-      - single_prefill: FlashInfer's SinglePrefillWithKVCacheDispatched picks the tile at run time inside one
-        function; fivar's copy is cut at that switch (templates/fa2/single_prefill_tile.cuh: the per-tile
-        body; single_prefill_dispatch.cuh: the preamble and switch, compiled into the host unit). Used only
-        while the copy matches the installed FlashInfer token for token (_single_prefill_split_problem).
-      - batch_prefill: CTA_TILE_Q is already a template parameter, picked by FlashInfer's host code; the
-        units hold FlashInfer's own explicit instantiations, paged and ragged, grouped by tile (checked
-        statement for statement against FlashInfer's rendered *_kernel_inst.jinja).
-    The split-KV merge (MergeStates & co.) is instantiated in one unit per module, extern in the others.
-
-    Returns (kernel units, headers, host-unit includes).
-    """
-    if op not in ("single_prefill", "batch_prefill"):
-        return None
-    from flashinfer.jit.utils import mask_mode_literal
-    problem = (_single_prefill_split_problem() if op == "single_prefill" else
-               fa2_launchers.batch_prefill_split_problem())
-    flashinfer_units: dict[int, str] = {}
-    if op == "single_prefill":
-        tiles = list(_dispatch_cta_tiles())
-    else:
-        for mode in modes:
-            code = fa2.MASK_CODES[mode]
-            flashinfer_units[code] = "".join(
-                _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs)
-                for inst_t in FA2_LAYOUT[op][1])
-        tiles = [int(c) for c in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", "".join(flashinfer_units.values()))]
-        if not tiles:
-            problem = "FlashInfer's batch prefill instantiations name no CTA_TILE_Q"
-    units: dict[str, str] = {}
-    if problem is None:
-        groups = _tile_groups(tiles, kwargs["head_dim_qk"], kwargs["head_dim_vo"])
-        for i, mode in enumerate(modes):
-            code = fa2.MASK_CODES[mode]
-            texts = []
-            for j, group in enumerate(groups):
-                text = fa2.render(f"fa2/{op}_tile_inst.jinja", op=op, mask_mode=mask_mode_literal[code],
-                                  tiles=group, merge_here=i == 0 and j == 0, softmax=variant.softmax, **kwargs)
-                suffix = "" if j == 0 and op == "single_prefill" else "_cta" + "_".join(map(str, group))
-                units[f"{op}_kernel_mask_{code}{suffix}.cu"] = text
-                texts.append(text)
-            if op == "batch_prefill" and _inst_statements("".join(texts)) != _inst_statements(
-                    flashinfer_units[code]):
-                problem = "fivar's batch prefill units do not instantiate what FlashInfer's do"
-                break
-    if problem is not None:
-        if problem not in _split_warned:
-            _split_warned.add(problem)
-            log.warning("fivar: FlashInfer %s: %s; compiling its %s kernels unsplit (one unit per mask mode; "
-                        "`fivar doctor` lists every coupling)", toolchain.flashinfer_version(), problem, op)
-        return None
-    headers = {name: (templates_dir() / "fa2" / src).read_text() for name, src in _SPLIT_HEADERS[op].items()}
-    return units, headers, _SPLIT_HOST_INCLUDES[op]
 
 
 def fivar_headers(source: str) -> dict[str, str]:
