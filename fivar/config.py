@@ -48,8 +48,11 @@ class TritonConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Choices made per launch. wave_split: FA3 single prefill splits its last wave as planned (True), never
-    (False), or "TxC" (T tail heads in C chunks wherever the split applies: for measuring the plan's cost model)."""
+    (False), or "TxC" (T tail heads in C chunks wherever the split applies: for measuring the plan's cost model).
+    cold_start: a default call whose FlashInfer modules are not built yet runs the Triton twin while they build in
+    the background ("triton"), or waits for the build ("wait"; fivar.runtime.cold_start)."""
     wave_split: bool | str = True
+    cold_start: str = "triton"
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ ENV = {
     "schedule": "FIVAR_FA3_SCHEDULE",
     "bounded_softmax": "FIVAR_FA3_BOUNDED_SOFTMAX",
     "wave_split": "FIVAR_FA3_WAVE_SPLIT",
+    "cold_start": "FIVAR_COLD_START",
     "triton_autotune": "FIVAR_TRITON_AUTOTUNE",
     "triton_tma": "FIVAR_TRITON_TMA",
     "triton_gluon": "FIVAR_TRITON_GLUON",

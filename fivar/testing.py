@@ -1,6 +1,7 @@
 """Checking a variant's kernels against its torch reference (used by `fivar check` and the test suite)."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -8,12 +9,23 @@ from dataclasses import dataclass
 
 import torch
 
+from . import config
 from .errors import FivarError
 from .spec import Scalar, Tensor
 from .spec.inputs import check_head_dims
 
 #: ||out - ref|| / ||ref|| and max |out - ref| / max(1, max |ref|) allowed, by dtype of q/k/v.
 TOLERANCE = {torch.float16: (5e-3, 2e-2), torch.bfloat16: (1.5e-2, 6e-2)}
+
+
+def _kernels_asked_for(check):
+    """A check runs the kernels it names: a default call waits for its modules to build instead of running the Triton
+    twin meanwhile (fivar.runtime.cold_start)."""
+    @functools.wraps(check)
+    def wrapped(*args, **kwargs):
+        with config.override(cold_start="wait"):
+            return check(*args, **kwargs)
+    return wrapped
 
 
 def example_params(variant, *, num_qo_heads: int, num_kv_heads: int, batch_size: int, max_len: int,
@@ -80,6 +92,7 @@ def _qkv(lq, lk, hq, hkv, d, dtype, device):
             torch.randn(lk, hkv, d, dtype=dtype, device=device))
 
 
+@_kernels_asked_for
 def check_single_prefill(variant, *, qo_len, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                          dtype=torch.bfloat16, causal=False, device="cuda", backend="auto",
                          params: dict | None = None) -> CheckResult:
@@ -108,6 +121,7 @@ def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params):
     return torch.cat(outs)
 
 
+@_kernels_asked_for
 def check_batch_prefill(variant, *, qo_lens, kv_lens, paged: bool, page_size=16, num_qo_heads=32,
                         num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, causal=False,
                         device="cuda", backend="auto", params: dict | None = None, kv_dtype=None) -> CheckResult:
@@ -177,6 +191,7 @@ def _kv_case(k, v, kv_dtype):
     return k8, v8, dequantize(k8, k_scale), dequantize(v8, v_scale), {"k_scale": k_scale, "v_scale": v_scale}
 
 
+@_kernels_asked_for
 def check_decode(variant, *, kv_lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                  dtype=torch.bfloat16, device="cuda", backend="auto", kv_dtype=None) -> CheckResult:
     """kv_dtype=torch.float8_e4m3fn: an FP8 cache with per-tensor scales, against the dequantized reference."""
@@ -205,6 +220,7 @@ CPU_BATCH_CASES = [([17, 1, 40], [17, 70, 90], False), ([17, 1, 40], [17, 70, 90
 CPU_DECODE_CASES = [[1, 33, 130]]
 
 
+@_kernels_asked_for
 def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"), dtypes=(torch.bfloat16,),
                head_dims=(128,), heads=((32, 8),), backends=("auto",), device="cuda") -> list[CheckResult]:
     """Every op at awkward shapes against the reference. device="cpu": the Triton twin only, run by Triton's
@@ -311,6 +327,7 @@ class GradCheck:
                          for r in self.results)
 
 
+@_kernels_asked_for
 def check_gradients(variant, q, k, v, *, qo_lens, kv_lens, causal, params, dtype, sm_scale=None,
                     backend="auto", loss="o") -> GradCheck:
     """Forward + backward through `variant.attention` against `reference_gradients`; `loss`: what it reads, "o",

@@ -7,6 +7,9 @@ import torch
 
 _MADE: list[str] = []  # the directories this run creates, removed when it finishes
 os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+# Default calls run the modules they are testing, never the Triton twin while those build (fivar.runtime.cold_start;
+# its own tests turn it on).
+os.environ.setdefault("FIVAR_COLD_START", "wait")
 if not torch.cuda.is_available():
     # No GPU to detect an arch from: compile for Hopper, which is what fivar's kernels target.
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")

@@ -15,7 +15,7 @@ from ..codegen import fa2, fa3
 from ..errors import FivarError
 from ..spec.inputs import check_lse
 from .fp8_kv import check_q_dtype, check_scale, fp8_backend, kv_dtype_of, scaled_output
-from . import wave_split
+from . import cold_start, wave_split
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _module, _paged_kv, _prepare)
 from .params import kernel_args
@@ -26,6 +26,15 @@ from .forms import (BACKENDS, ALL_BACKENDS, choose_target, _check_backend, _code
                     trims_decode_pages, _trimmed_decode_pages)
 from .plans import (_OwnsWrapper, explicit_plan, _launch_one, DecodePlan, _no_scales_compiled, _run_scales,
                     decode_plan, _plan_setup, PagedAttentionPlan, RaggedAttentionPlan)
+
+
+def _meanwhile(run):
+    """The Triton twin's result while the call's modules build (fivar.runtime.cold_start), or None where the twin
+    refuses the call (a shape or feature it lacks): the call then waits for its modules."""
+    try:
+        return run()
+    except FivarError:
+        return None
 
 
 def _into(out, result, return_lse: bool):
@@ -58,6 +67,11 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         raise FivarError(f"variant '{variant.name}': causal attention with qo_len ({q.shape[0]}) > kv_len "
                          f"({k.shape[0]}) is not supported by FlashInfer's kernels (the first rows would see no "
                          "key); use backend='triton', which returns zeros for those rows like the reference")
+    if cold_start.runs_triton(variant, "single_prefill", target, backend, q):  # its modules are building
+        done = _meanwhile(lambda: triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out,
+                                                 params=params, return_lse=return_lse))
+        if done is not None:
+            return done
     causal = _kernel_causal(variant, causal)
     given_scale = sm_scale
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
@@ -131,7 +145,13 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     plan = _one_shot.lookup(parts)
     if plan is None:
         _check_qkv(variant, q, k, v)
-        _check_backend(variant, backend, "batch_prefill", q.device)
+        target = _check_backend(variant, backend, "batch_prefill", q.device)
+        if cold_start.runs_triton(variant, "batch_prefill", target, backend, q):  # its modules are building
+            done = _meanwhile(lambda: triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
+                                                                  sm_scale=sm_scale, params=params,
+                                                                  return_lse=return_lse))
+            if done is not None:
+                return done
         qo_indptr, kv_indptr, _ = _check_ragged_indptr(variant, q, k, qo_indptr, kv_indptr)
         plan = _one_shot.get(parts, lambda: RaggedAttentionPlan(
             variant, qo_indptr, kv_indptr, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[-1],
@@ -222,7 +242,13 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
     if plan is None:
         backend = _cache_backend(variant, backend, q, k_cache, v_cache)
         _check_qkv(variant, q, k_cache, v_cache, paged=True)
-        _check_backend(variant, backend, "batch_decode", q.device)
+        target = _check_backend(variant, backend, "batch_decode", q.device)
+        if cold_start.runs_triton(variant, "batch_decode", target, backend, q):  # its modules are building
+            done = _meanwhile(lambda: triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices,
+                                                    kv_last_page_len, sm_scale=sm_scale, params=params,
+                                                    return_lse=return_lse))
+            if done is not None:
+                return scaled_output(done, v_scale, return_lse)
         kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
         kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len,
                                                     k_cache.shape[0], k_cache.shape[1], q.device)

@@ -1,0 +1,108 @@
+"""A cold first call does not wait for nvcc: the Triton twin runs it while the FlashInfer modules build.
+
+A default call (backend="auto") whose FA2/FA3 modules are not built yet starts building them in the background (one
+thread running fivar.jit.build.build_many, once per module set, a line on stderr saying what and for how long) and
+runs on the Triton twin, which compiles in seconds; once the build is done, the calls run the modules. Asking for a
+backend by name always runs it (and waits for its build); `fivar.config.override(cold_start="wait")` or
+FIVAR_COLD_START=wait makes default calls wait too (benchmarks, `fivar check`, the tests). Plans (`v.plan_*`) always
+wait: they hold their modules for their lifetime.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from .. import config
+from ..errors import FivarError
+
+#: cold_start's values: run the Triton twin while building, or wait for the build
+MODES = ("triton", "wait")
+#: the Triton twin's dtypes (fp16/bf16 only)
+_TWIN_DTYPES = ("float16", "bfloat16")
+
+
+class _Build:
+    """One background build of a call's modules."""
+
+    def __init__(self, variant, what: str, modules: list):
+        self.modules, self.what, self.variant = modules, what, variant
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, name=f"fivar-build-{variant.name}", daemon=True)
+
+    def _run(self):
+        from ..jit.build import build_many
+        try:
+            build_many(self.modules)
+        except BaseException as e:  # said by the call that next needs the module (it builds, and fails, itself)
+            self.error = e
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
+_builds: dict[tuple, _Build] = {}
+_ready: set[tuple] = set()
+_lock = threading.Lock()
+
+
+def mode() -> str:
+    text, where = config.setting("cold_start")
+    text = text.lower() or "triton"
+    if text not in MODES:
+        raise FivarError(f"{where}={text!r}: expected {' or '.join(MODES)}")
+    return text
+
+
+def _expected(modules) -> str:
+    """The records' estimate for the slowest of the modules (fivar.jit.progress.expected_text), as a clause."""
+    from ..jit.progress import expected_text
+    fa3 = [m for m in modules if m.target == "fa3"]
+    return "; " + expected_text((fa3 or modules)[0]) if modules else ""
+
+
+def runs_triton(variant, op: str, target: str, backend: str, q) -> bool:
+    """Whether this one-shot call runs on the Triton twin because its `target` modules are still building: only a
+    default call (backend "auto") on a CUDA device with q in fp16/bf16, in mode "triton". Starts the build the first
+    time (and says so); False once it is done, or if it failed (the call then builds, and reports, itself)."""
+    if backend != "auto" or target not in ("fa2", "fa3") or getattr(q, "device", None) is None \
+            or q.device.type != "cuda" or str(q.dtype).removeprefix("torch.") not in _TWIN_DTYPES:
+        return False
+    key = (id(variant), op, target, str(q.dtype), q.shape[-1], config.state_key())
+    if key in _ready:
+        return False
+    with _lock:
+        build = _builds.get(key)
+        if build is None:
+            if mode() == "wait":
+                return False
+            modules = _modules(variant, op, target, q)
+            if all(m.manifest_ok() for m in modules):
+                _ready.add(key)
+                return False
+            build = _builds[key] = _Build(variant, f"{target} {op}", modules)
+            print(f"fivar: variant '{variant.name}': building {len(modules)} {target} module(s) for {op} in the "
+                  f"background{_expected(modules)}; the Triton twin runs these calls until they are ready "
+                  "(FIVAR_COLD_START=wait waits instead)", file=sys.stderr, flush=True)
+            build.thread.start()
+            return True
+    if not build.done:
+        return True
+    _ready.add(key)
+    if build.error is None:
+        print(f"fivar: variant '{variant.name}': {build.what} ready after {time.perf_counter() - build.started:.0f} s;"
+              f" calls run on {target} from now", file=sys.stderr, flush=True)
+    return False
+
+
+def _modules(variant, op, target, q) -> list:
+    from ..jit.build import dtype_name, serving_modules
+    return serving_modules(variant, op, target, dtype_name(q.dtype), q.shape[-1])
+
+
+def wait_for_builds(timeout: float | None = None) -> None:
+    """Block until every background build has finished (a script about to exit, a benchmark about to time)."""
+    for build in list(_builds.values()):
+        build.thread.join(timeout)

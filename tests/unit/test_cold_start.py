@@ -1,0 +1,115 @@
+"""A cold default call runs the Triton twin while its FlashInfer modules build in the background
+(fivar.runtime.cold_start), on the CPU with stand-ins for the modules, the build and the device: the build starts once
+and says so, the twin serves every call until it is done, the modules after; a failed build hands the call back to
+build (and report) itself; a backend asked by name, mode "wait", a plan and a dtype the twin lacks never take the twin.
+"""
+import io
+import threading
+import types
+from contextlib import redirect_stderr
+
+import pytest
+import torch
+
+import fivar
+from fivar import config
+from fivar.jit import build as jb
+from fivar.runtime import attention, cold_start
+
+
+class _Module:
+    def __init__(self, built):
+        self.built, self.target, self.op, self.uri = built, "fa3", "batch_prefill", f"m{id(self)}"
+
+    def manifest_ok(self):
+        return self.built[0]
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """A module set that is not built, a build that waits for `go`, q that says it is on a GPU."""
+    built, go, started = [False], threading.Event(), []
+
+    def build_many(mods):
+        started.append(len(mods))
+        assert go.wait(10)
+        if fail[0]:
+            raise fivar.FivarError("nvcc failed")
+        built[0] = True
+    fail = [False]
+    monkeypatch.setattr(jb, "build_many", build_many)
+    monkeypatch.setattr(cold_start, "_modules", lambda variant, op, target, q: [_Module(built), _Module(built)])
+    monkeypatch.setattr(cold_start, "_builds", {})
+    monkeypatch.setattr(cold_start, "_ready", set())
+    q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(7, 4, 128))
+    with config.override(cold_start="triton"):
+        yield types.SimpleNamespace(go=go, started=started, q=q, fail=fail, built=built)
+
+
+def _ask(v, q, backend="auto"):
+    err = io.StringIO()
+    with redirect_stderr(err):
+        took = cold_start.runs_triton(v, "batch_prefill", "fa3", backend, q)
+    return took, err.getvalue()
+
+
+def test_the_twin_serves_the_calls_until_the_build_is_done(stand_ins):
+    v = fivar.load("document_mask")
+    took, said = _ask(v, stand_ins.q)
+    assert took and "building 2 fa3 module(s) for batch_prefill in the background" in said and "Triton twin" in said
+    for _ in range(3):
+        took, said = _ask(v, stand_ins.q)
+        assert took and said == ""
+    assert stand_ins.started == [2]  # one build, however many calls
+    stand_ins.go.set()
+    cold_start.wait_for_builds(10)
+    took, said = _ask(v, stand_ins.q)
+    assert not took and "ready after" in said and "calls run on fa3 from now" in said
+    assert _ask(v, stand_ins.q) == (False, "")
+
+
+def test_a_failed_build_hands_the_call_back(stand_ins):
+    v = fivar.load("document_mask")
+    stand_ins.fail[0] = True
+    assert _ask(v, stand_ins.q)[0]
+    stand_ins.go.set()
+    cold_start.wait_for_builds(10)
+    took, said = _ask(v, stand_ins.q)
+    assert not took and "ready" not in said  # the call now builds the module itself and says why it failed
+
+
+def test_built_modules_named_backends_wait_mode_and_other_dtypes_never_take_the_twin(stand_ins):
+    v = fivar.load("document_mask")
+    assert _ask(v, stand_ins.q, backend="fa3") == (False, "")
+    assert _ask(v, types.SimpleNamespace(device=stand_ins.q.device, dtype=torch.float32, shape=(7, 4, 128))) \
+        == (False, "")
+    with config.override(cold_start="wait"):
+        assert _ask(v, stand_ins.q) == (False, "")
+    stand_ins.built[0] = True
+    assert _ask(v, stand_ins.q) == (False, "") and stand_ins.started == []
+
+
+def test_a_bad_mode_is_one_line(monkeypatch):
+    monkeypatch.setenv("FIVAR_COLD_START", "later")
+    with pytest.raises(fivar.FivarError, match="FIVAR_COLD_START='later': expected triton or wait"):
+        cold_start.mode()
+
+
+def test_the_entry_point_runs_the_twin_and_falls_back_where_it_refuses(monkeypatch):
+    """single_prefill with runs_triton true returns the twin's output; where the twin refuses the call (a
+    FivarError) the call goes on to its modules."""
+    v = fivar.load("softcap")
+    q, k = torch.randn(5, 4, 64, dtype=torch.float16), torch.randn(9, 2, 64, dtype=torch.float16)
+    monkeypatch.setattr(attention, "_check_qkv", lambda *a, **kw: None)
+    monkeypatch.setattr(attention, "_check_backend", lambda *a, **kw: "fa3")
+    monkeypatch.setattr(cold_start, "runs_triton", lambda *a: True)
+    twin = torch.zeros_like(q)
+    monkeypatch.setattr(attention, "triton_prefill", lambda *a, **kw: twin)
+    assert attention.single_prefill(v, q, k, k, backend="auto") is twin
+
+    def refuse(*a, **kw):
+        raise fivar.FivarError("the twin lacks this")
+    monkeypatch.setattr(attention, "triton_prefill", refuse)
+    monkeypatch.setattr(attention, "_prepare", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("modules")))
+    with pytest.raises(RuntimeError, match="modules"):
+        attention.single_prefill(v, q, k, k, backend="auto")
