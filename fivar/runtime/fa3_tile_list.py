@@ -6,8 +6,9 @@ transform. This lowering gives them only what the mask keeps, for any mask the s
 
 1. the Triton twin's `block_map_kernel` evaluates the mask (with causal and both lengths) over every tile of
    `block_rows` query rows x TILE keys on the device: empty, cut or whole (every pair of the tile kept);
-2. each query tile becomes one request of FA3's paged kernel, read as pages of one key: its page list is the
-   keys of its non-empty key tiles, whole tiles first, then cut ones, a request's short last tile last;
+2. each query tile becomes one request of FA3's paged kernel over the keys of its non-empty key tiles, whole tiles
+   first, then cut ones, a request's short last tile last, read as pages of up to TILE keys (page_size_for: the
+   largest power of two that the requests' first tokens, or the cache's pages, allow; a page-table entry per page);
 3. the tile-list struct (fivar.codegen.fa3.TILE_FIELDS) keeps every key of a whole tile with one compare, and reads
    a key of the other tiles from their bits (`block_bits_kernel`, one 32-bit word per row and tile, causal folded
    in); a mask reading the head is evaluated there instead, the key mapped back to its kv_idx through its tile's
@@ -20,6 +21,7 @@ signature.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +55,10 @@ def head_union(kinds: torch.Tensor) -> torch.Tensor:
 class TileList:
     """The lowered batch: FA3 paged requests over keys read as pages of one."""
     qo_indptr: torch.Tensor   # host int32 [R + 1]: each request is one query tile's rows
-    kv_indptr: torch.Tensor   # host int32 [R + 1]: its listed keys
-    kv_indices: torch.Tensor  # device int32 [keys]: the token of each listed key (k/v viewed [tokens, 1, H, D])
+    kv_indptr: torch.Tensor   # host int32 [R + 1]: its pages (`page` listed keys each, the last one maybe fewer)
+    kv_indices: torch.Tensor  # device int32 [pages]: k/v viewed as [tokens / page, page, H, D], each page's index
+    kv_last_page_len: torch.Tensor  # host int32 [R]
+    page: int                 # keys a page: divides TILE_WIDTH, and every listed tile starts a page
     blocks: torch.Tensor      # device int32 [R, TILE_FIELDS]
     tile_keys: torch.Tensor   # device int32 [entries]: kv_idx of each listed tile's first key
     cut_bits: torch.Tensor    # device int32 [tiles after the whole ones, rows]: their kept pairs, bit j for key j
@@ -63,11 +67,14 @@ class TileList:
 
 
 def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
-              token_of, bits_of=None) -> TileList:
+              token_of, bits_of=None, page: int = 1) -> TileList:
     """The requests from a block map `kinds` ([batch, q tiles, key tiles] at `rows` x TILE_WIDTH; head_union's) of a
     batch given by host token indptrs. `token_of(batch, kv_idx)` (device int64 tensors) is the token of a key in the
     k/v the kernel reads; `bits_of(cut)` (the Triton twin's tile_bits) the bits of the tiles after each request's
-    whole ones (int32 [tiles, 2]: (map row, key tile)), or None where the struct evaluates the mask."""
+    whole ones (int32 [tiles, 2]: (map row, key tile)), or None where the struct evaluates the mask. `page` (a power
+    of two dividing TILE_WIDTH): the kernel reads k/v as pages of that many keys, so every `page` keys of a tile must
+    be `page` consecutive tokens starting at a multiple of `page` (page_size_for); a page table entry per `page` keys
+    instead of per key."""
     dev, T = kinds.device, TILE_WIDTH
     qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
     n_qt = (qo_lens + rows - 1) // rows
@@ -95,12 +102,13 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
     entry_req = torch.repeat_interleave(torch.arange(len(batch), device=dev), n_entries,
                                         output_size=int(entries_h.sum()))
     first_key = tiles.long() * T
-    offs = torch.arange(T, device=dev)[None, :]
+    offs = torch.arange(0, T, page, device=dev)[None, :]  # each page's first key within its tile
     kv_idx = first_key[:, None] + offs
     live = (n_list[entry_req] > 0)[:, None]
     valid = torch.where(live, kv_idx < lens_dev[b_dev[entry_req], None], offs == 0)
     kv_idx = kv_idx.clamp(max=max(int(kv_lens.max()) - 1, 0) if len(kv_lens) else 0)
-    tokens = token_of(b_dev[entry_req][:, None].expand_as(kv_idx), kv_idx)[valid]
+    pages = token_of(b_dev[entry_req][:, None].expand_as(kv_idx), kv_idx)[valid] // page
+    n_pages = (keys_h + page - 1) // page
     entry_start = torch.cumsum(entries_h, 0) - entries_h
     q0 = q_tile * rows + kv_lens[batch] - qo_lens[batch]
     whole = torch.where(n_list.cpu() > 0, n_whole.cpu() * T, -1)
@@ -116,7 +124,8 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
     bit_start = (torch.cumsum(n_cut, 0) - n_cut) * rows
     blocks = torch.stack([batch, q0, entry_start, whole, bit_start, torch.full_like(batch, rows)], 1).to(torch.int32)
     rows_h = torch.minimum(qo_lens[batch] - q_tile * rows, torch.tensor(rows))
-    return TileList(indptr(rows_h), indptr(keys_h), tokens.to(torch.int32).contiguous(), blocks.to(dev),
+    return TileList(indptr(rows_h), indptr(n_pages), pages.to(torch.int32).contiguous(),
+                    (keys_h - (n_pages - 1) * page).to(torch.int32), page, blocks.to(dev),
                     first_key.to(torch.int32).contiguous(), cut_bits, int(keys_h[n_list.cpu() > 0].sum()),
                     int((n_qt * kv_lens).sum()))
 
@@ -134,6 +143,17 @@ def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_he
     bits_of = ((lambda cut: module.tile_bits(cut, qo_d, kv_d, kinds.shape[2], group, causal, args, block))
                if fa3.tile_list_bits(variant) else None)
     return head_union(kinds), bits_of
+
+
+def page_size_for(kv_indptr: torch.Tensor | None = None, cache_page_size: int | None = None) -> int:
+    """The largest power of two up to TILE_WIDTH that every listed tile's keys can be read as pages of: one dividing
+    every request's first token and the token count (ragged k/v, `kv_indptr` on the host), or the cache's page
+    size (paged)."""
+    n = cache_page_size if cache_page_size is not None else math.gcd(*torch.unique(kv_indptr.long()).tolist())
+    page = TILE_WIDTH
+    while page > 1 and n % page:
+        page //= 2
+    return page
 
 
 class TileListPrefill:
@@ -156,12 +176,14 @@ class TileListPrefill:
                 return page_table[page_start[b] + kv_idx // page_size] * page_size + kv_idx % page_size
             kv_h = indptr(kv_lens).long()
             lengths = lambda: position_tables.max_lengths(qo_h, indptr(n_pages), last, page_size)  # noqa: E731
+            self.page = page_size_for(cache_page_size=page_size)
         else:
             start = kv_h.to(device)
 
             def token_of(b, kv_idx):
                 return start[b] + kv_idx
             lengths = lambda: position_tables.max_lengths(qo_h, kv_h)  # noqa: E731
+            self.page = page_size_for(kv_h)
         bound = position_tables.bind(variant, bound, lengths)
         self.variant, self.empty = variant, int(qo_h[-1]) == 0
         self.no_keys = int(kv_h[-1]) == 0
@@ -171,14 +193,14 @@ class TileListPrefill:
             return
         kinds, bits_of = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
                                    sm_scale, device)
-        layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of, bits_of)
+        layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of, bits_of, self.page)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
         fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale)
         w = take_wrapper("paged", fmod, device, False)
-        ones = torch.ones(self.requests, dtype=torch.int32, device=device)
-        w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices, ones, num_qo_heads,
-               num_kv_heads, head_dim, 1, causal=False, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices,
+               layout.kv_last_page_len.to(device), num_qo_heads, num_kv_heads, head_dim, self.page, causal=False,
+               q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         args = kernel_args(variant, bound, sm_scale, None if bits_of is not None else causal,
                            tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits})
         self._launch = (w, args, direct_paged_run(w, variant.name, device, args), ("paged", fmod, device))
@@ -188,7 +210,8 @@ class TileListPrefill:
             out = torch.zeros_like(q)
             return (out, empty_lse(q)) if return_lse else out
         w, args, direct, _ = self._launch
-        k, v = (x.reshape(-1, 1, *x.shape[-2:]) for x in (k, v))  # keys as pages of one (a view of contiguous k/v)
+        # keys as pages of `page` (a view of contiguous k/v or of the cache's own pages)
+        k, v = (x.reshape(-1, self.page, *x.shape[-2:]) for x in (k, v))
         if direct is not None:
             return direct(q, k, v, args, return_lse)
         return w.run(q, (k, v), *args, return_lse=return_lse)

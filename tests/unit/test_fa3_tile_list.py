@@ -17,7 +17,7 @@ import torch
 from fivar.codegen.fa3 import TILE_WIDTH, tile_list_bits
 from fivar.codegen.triton import kernel_arg_values
 from fivar.jit.triton_module import load_triton_module
-from fivar.runtime.fa3_tile_list import head_union, tile_list
+from fivar.runtime.fa3_tile_list import head_union, page_size_for, tile_list
 from fivar.runtime.launch import _prepare
 from fivar.spec.sparsity import keep_matrix
 
@@ -37,7 +37,7 @@ def _ind(lens):
     return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
 
 
-def _plan(v, params, qo, kv, causal, token_of):
+def _plan(v, params, qo, kv, causal, token_of, page=1):
     q = torch.zeros(max(sum(qo), 1), HEADS, 16, dtype=torch.float16)
     bound, sm_scale = _prepare(v, params, q, KV_HEADS, len(qo), None)
     module, args = load_triton_module(v), kernel_arg_values(v, bound, sm_scale)
@@ -45,7 +45,7 @@ def _plan(v, params, qo, kv, causal, token_of):
                               (ROWS, TILE_WIDTH))
     bits_of = ((lambda cut: module.tile_bits(cut, _ind(qo), _ind(kv), kinds.shape[2], HEADS // KV_HEADS, causal,
                                              args, (ROWS, TILE_WIDTH))) if tile_list_bits(v) else None)
-    return tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of, bits_of), bound
+    return tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of, bits_of, page), bound
 
 
 def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
@@ -55,8 +55,16 @@ def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
                          num_qo_heads=HEADS, num_kv_heads=KV_HEADS, batch_idx=b, causal=causal)
              for b, (lq, lk) in enumerate(zip(qo, kv))]
     seen = [torch.zeros_like(k, dtype=torch.int32) for k in keeps]  # how often each pair is kept
-    qo_ind, kv_ind = layout.qo_indptr.tolist(), layout.kv_indptr.tolist()
-    tokens, tile_keys, blocks = layout.kv_indices.tolist(), layout.tile_keys.tolist(), layout.blocks.tolist()
+    qo_ind, page, lasts = layout.qo_indptr.tolist(), layout.page, layout.kv_last_page_len.tolist()
+    page_ind = layout.kv_indptr.tolist()
+    # each request's keys as the kernel reads them: page p of the request holds its keys p*page.., the last page fewer
+    kv_ind, tokens = [0], []
+    for r in range(len(lasts)):
+        pages = layout.kv_indices[page_ind[r]:page_ind[r + 1]].tolist()
+        for i, p in enumerate(pages):
+            tokens += [p * page + j for j in range(lasts[r] if i == len(pages) - 1 else page)]
+        kv_ind.append(len(tokens))
+    tile_keys, blocks = layout.tile_keys.tolist(), layout.blocks.tolist()
     words = layout.cut_bits.view(-1).long() & 0xFFFFFFFF
     bits = tile_list_bits(v)
     errors = []
@@ -141,8 +149,16 @@ def test_tile_lists_keep_exactly_the_pairs(name, causal, kv_form):
         if causal:
             qo = [min(q, k) for q, k in zip(qo, kv)]
         params = draw(len(qo), max(kv))
-        token_of, key_at = _ragged(kv) if kv_form == "ragged" else _paged(kv, random.choice([1, 5, 16]))
-        layout, bound = _plan(v, params, qo, kv, causal, token_of)
+        if kv_form == "ragged":  # requests starting at multiples of 8 keys (pages of 8) or anywhere (pages of 1)
+            kv = [k + (-k % 8) for k in kv] if random.random() < 0.5 else kv
+            token_of, key_at = _ragged(kv)
+            page = page_size_for(_ind(kv))
+        else:
+            cache_page = random.choice([1, 5, 16, 64])
+            token_of, key_at = _paged(kv, cache_page)
+            page = page_size_for(cache_page_size=cache_page)
+        layout, bound = _plan(v, params, qo, kv, causal, token_of, page)
+        assert layout.page == page
         assert list_errors(v, bound, layout, qo, kv, causal, key_at) == []
 
 
@@ -164,7 +180,7 @@ def test_a_corrupted_list_fails_the_check(corrupt):
     elif corrupt == "tile":
         layout.tile_keys[int(layout.blocks[r, 2])] += TILE_WIDTH
     elif corrupt == "token":
-        layout.kv_indices[int(layout.kv_indptr[r])] += 1
+        layout.kv_indices[int(layout.kv_indptr[r])] += 1  # the request's first page, one page on
     elif corrupt == "dead":
         layout.blocks[r, 3] = -1
     else:
@@ -218,3 +234,10 @@ def test_the_module_compiles_and_defines_every_entry_it_links(monkeypatch):
     for kind in ("Paged", "Ragged"):
         found = [ln for ln in syms.splitlines() if f"BatchPrefillWith{kind}KVCacheDispatched<" in ln]
         assert len(found) == 2 and not [ln for ln in found if ln.split()[0] == "U"], found
+
+
+def test_pages_are_the_largest_power_of_two_the_layout_allows():
+    assert page_size_for(torch.tensor([0, 8192])) == 32 and page_size_for(torch.tensor([0, 1000])) == 8
+    assert page_size_for(torch.tensor([0, 64, 96, 130])) == 2 and page_size_for(torch.tensor([0, 7])) == 1
+    assert page_size_for(cache_page_size=16) == 16 and page_size_for(cache_page_size=128) == 32
+    assert page_size_for(cache_page_size=48) == 16 and page_size_for(cache_page_size=1) == 1
