@@ -92,8 +92,8 @@ def _fa3_line(v) -> str:
     if form == "tile list":
         return ("fa3 prefill (single, ragged, paged): the device block map (the mask on every 128-row x 32-key tile, "
                 "causal and lengths folded in: empty, cut or whole) makes each query tile (192 rows at head_dim 64) a "
-                "request of FA3's paged kernel over the keys of its non-empty tiles, read as pages of one key (a paged "
-                "cache through its page table), whole tiles first: keys of whole tiles keep every pair with one "
+                "request of FA3's paged kernel over the keys of its non-empty tiles, read as pages of up to 32 keys (a "
+                "paged cache through its page table), whole tiles first: keys of whole tiles keep every pair with one "
                 "compare, keys of cut tiles " + _cut_tiles(v) + "; the plan's keys_read gives the keys read and "
                 "what a request per query tile over all its keys would read")
     if form == "window":

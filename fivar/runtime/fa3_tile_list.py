@@ -53,7 +53,7 @@ def head_union(kinds: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TileList:
-    """The lowered batch: FA3 paged requests over keys read as pages of one."""
+    """The lowered batch: FA3 paged requests over the listed keys, read as pages of `page` keys."""
     qo_indptr: torch.Tensor   # host int32 [R + 1]: each request is one query tile's rows
     kv_indptr: torch.Tensor   # host int32 [R + 1]: its pages (`page` listed keys each, the last one maybe fewer)
     kv_indices: torch.Tensor  # device int32 [pages]: k/v viewed as [tokens / page, page, H, D], each page's index
