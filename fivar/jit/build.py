@@ -264,8 +264,12 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     else:
         for inst_t in inst_ts:
             stem = inst_t.removesuffix("_inst.jinja")
-            if tile_list and "ragged" in inst_t:
-                continue  # its entry point links to fa3/ragged_stub.jinja
+            if tile_list:  # the paged kernel alone, a unit per kernel (fa3/tile_list_unit.cu.jinja)
+                if "paged" in inst_t:
+                    for i, same in enumerate(("true", "false")):
+                        sources[f"{stem}_mask_0_sched{i}.cu"] = fa3.render(
+                            "fa3/tile_list_unit.cu.jinja", same=same, ragged_stubs=i == 0, **kwargs)
+                continue
             if tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
                 sources.update(fa3.single_prefill_kernel_units(stem, tiles, chosen_schedules, head_dim, **kwargs))
             elif has_mask_dispatch:
@@ -275,9 +279,6 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                                                                            **kwargs)
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
-    if tile_list:
-        paged_unit = next(n for n in sources if "paged" in n and n.endswith(".cu"))
-        sources[paged_unit] += fa3.render("fa3/ragged_stub.jinja", **kwargs)
     if target == "fa3" and "persistent" in chosen_schedules.values():
         sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
     pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), build_config.pin_kv_tiles)

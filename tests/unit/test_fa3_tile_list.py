@@ -209,10 +209,14 @@ def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(mo
     flagged, heads = _variant("flagged")[0], _variant("head_window_sinks")[0]
     m = gen_module(flagged, "batch_prefill", "fa3")
     kernels = sorted(n for n in m.sources if "kernel" in n)
-    assert kernels == ["batch_prefill_paged_sm90_kernel_mask_0.cu"] and "_tiles_" in m.uri and m.options["tile_list"]
-    unit = m.sources[kernels[0]]
-    assert unit.count("template cudaError_t BatchPrefillWithPagedKVCacheDispatched") == 2
-    assert unit.count("BatchPrefillWithRaggedKVCacheDispatched<") == 2 and "cudaErrorNotSupported" in unit
+    assert kernels == ["batch_prefill_paged_sm90_kernel_mask_0_sched0.cu", "batch_prefill_paged_sm90_kernel_mask_0_sched1.cu"]
+    assert "_tiles_" in m.uri and m.options["tile_list"]
+    units = [m.sources[k] for k in kernels]  # a kernel a unit: both schedules, the ragged stubs in the first
+    for unit, same in zip(units, ("true", "false")):
+        assert unit.count("template cudaError_t BatchPrefillWithPagedKVCacheDispatched") == 1
+        assert f"/*SAME_SCHEDULER_FOR_ALL_HEADS=*/{same}, Fivar_map_flagged, PagedParams>" in unit
+    assert units[0].count("BatchPrefillWithRaggedKVCacheDispatched<") == 2 and "cudaErrorNotSupported" in units[0]
+    assert "Ragged" not in units[1]
     struct = m.sources["batch_prefill_sm90_config.inc"]
     assert "fv_cut_bits" in struct and "fvp_flags[" not in struct.split("REGISTER_LOGITS_TRANSFORM")[1]
     per_head = gen_module(heads, "batch_prefill", "fa3").sources["batch_prefill_sm90_config.inc"]
