@@ -10,15 +10,12 @@ import json
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Column, Table
 
-from .console import console_width
-from .errors import FivarError
-from .jit import archive, store
-from .jit.store import UNKNOWN_TOOLCHAIN, disk_errors, human_age, human_size
-
-console = Console(width=console_width())
+from ..errors import FivarError
+from ..jit import archive, store
+from ..jit.store import UNKNOWN_TOOLCHAIN, disk_errors, human_age, human_size
+from ._common import console, main
 
 #: where the store's warnings go (malformed records, libraries imported from an untrusted archive)
 _warn = functools.partial(click.echo, err=True)
@@ -35,7 +32,7 @@ def arch_option(f):
     """`--arch` on every subcommand too (`fivar cache ls --arch 9.0a`), the same as the group's."""
     def set_arch(ctx, param, value):
         if value is not None:
-            from .jit.toolchain import set_arch_env
+            from ..jit.toolchain import set_arch_env
             set_arch_env(value)
     return click.option("--arch", default=None, expose_value=False, is_eager=True, callback=set_arch,
                         help="target arch of the current toolchain, e.g. 9.0a (as `fivar cache --arch`)")(f)
@@ -47,8 +44,11 @@ def arch_option(f):
 def cache(arch):
     """fivar's modules in FlashInfer's JIT cache: ls, show, stats, verify, prune, clear, export, import; keygen
     and trust for signed archives."""
-    from .jit.toolchain import set_arch_env
+    from ..jit.toolchain import set_arch_env
     set_arch_env(arch)
+
+
+main.add_command(cache)
 
 
 @cache.command("ls")
@@ -269,7 +269,7 @@ def import_cmd(file, trust_unsigned, max_member_size, max_total_size, as_json):
 def keygen_cmd(out, force, as_json):
     """Make an ed25519 key pair for signing exports. The private key is written 0600; share the .pub with the
     machines that import your archives (`fivar cache trust FILE.pub` there). It is trusted here too."""
-    from . import trust
+    from .. import trust
     key, pub, fp = trust.keygen(Path(out) if out else None, force=force)
     data = {"private_key": str(key), "public_key": str(pub), "fingerprint": fp}
     _out(as_json, data, lambda: console.print(
@@ -287,7 +287,7 @@ def keygen_cmd(out, force, as_json):
 def trust_cmd(pubkey, list_, remove, as_json):
     """Trust the public key in PUBKEY: archives it signed import with their libraries. A module imported under a
     key that is later removed no longer loads (it is rebuilt)."""
-    from . import trust
+    from .. import trust
     if sum(map(bool, (pubkey, list_, remove))) != 1:
         raise FivarError("say one of: a public key file to trust, --list, or --remove FINGERPRINT")
     if pubkey:
