@@ -7,9 +7,14 @@ from pathlib import Path
 from .errors import FivarError
 
 
-def cache_dir() -> Path:
+def cache_dir_path() -> Path:
+    """Where fivar's cache directory is, without creating or checking it (for telling whether a path is in it)."""
     from .config import cache_dir_setting
-    d = Path(cache_dir_setting() or Path.home() / ".cache" / "fivar")
+    return Path(cache_dir_setting() or Path.home() / ".cache" / "fivar")
+
+
+def cache_dir() -> Path:
+    d = cache_dir_path()
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 import fivar
-from fivar import FivarError, cache_cli
+from fivar import FivarError
 from fivar.cli import main
-from fivar.jit import prewarm, records
+from fivar.jit import prewarm, records, store
 from fivar.jit.build import _sha256, gen_module
 from fivar.jit import toolchain
 
@@ -158,13 +158,13 @@ def test_staleness_renders_a_module_the_way_it_was_built(iso, monkeypatch):
 
 
 def test_option_labels_tell_apart_modules_of_one_variant():
-    assert cache_cli._option_labels({"split_cta_tiles": True, "nvcc_split_compile": False}) == [
+    assert store._option_labels({"split_cta_tiles": True, "nvcc_split_compile": False}) == [
         "cta-split", "no-split-compile"]
-    assert cache_cli._option_labels({"split_cta_tiles": False, "nvcc_split_compile": True, "tile_list": False}) == []
-    assert cache_cli._option_labels({"nvcc_parallel_passes": False}) == ["serial-passes"]
-    assert cache_cli._option_labels({"cta_tile": "flashinfer", "schedule": "grid,persistent"}) == [
+    assert store._option_labels({"split_cta_tiles": False, "nvcc_split_compile": True, "tile_list": False}) == []
+    assert store._option_labels({"nvcc_parallel_passes": False}) == ["serial-passes"]
+    assert store._option_labels({"cta_tile": "flashinfer", "schedule": "grid,persistent"}) == [
         "tile flashinfer", "schedule grid,persistent"]
-    assert cache_cli._option_labels({"schedule": "grid"}) == []
+    assert store._option_labels({"schedule": "grid"}) == []
 
 
 def test_a_manifest_of_an_older_schema_is_stale_and_pruned(iso):
@@ -317,13 +317,13 @@ def test_records_locked_for_good_say_so(tmp_path, monkeypatch):
 @pytest.mark.parametrize("text,size", [("500M", 500 << 20), ("1.5GiB", 3 << 29), (".5k", 512), ("2g", 2 << 30),
                                        ("4096", 4096)])
 def test_sizes(text, size):
-    assert cache_cli.parse_size(text) == size
+    assert store.parse_size(text) == size
 
 
 @pytest.mark.parametrize("text", ["1.2.3G", ".", "G", "-1M", "5X"])
 def test_unreadable_sizes_are_one_line(text):
     with pytest.raises(FivarError, match=f"cannot read size {re.escape(repr(text))}"):
-        cache_cli.parse_size(text)
+        store.parse_size(text)
 
 
 def _hold_lock(path, shared=False):
@@ -771,7 +771,7 @@ def test_ls_tells_apart_modules_that_differ_only_in_fa3_options(iso):
     v = fivar.load(str(vfile))
     for bounded in (True, False):
         fake_built(gen_module(v, op="single_prefill", target="fa3", bounded_softmax=bounded))
-    from fivar.cache_cli import scan_entries
+    from fivar.jit.store import scan_entries
     labels = sorted(e.provenance for e in scan_entries())
     assert len(set(labels)) == 2 and sum("bounded" in t for t in labels) == 1, labels
     assert all("exp2/8=" in t and "tile " in t for t in labels), labels
