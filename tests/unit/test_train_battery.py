@@ -82,6 +82,26 @@ def test_document_window_gradients(interpret):
     assert r.passed, r
 
 
+def test_strided_mask_gradients(interpret):
+    """The mask-only strided case at a stride that leaves gaps at these lengths: dq, dk, dv."""
+    v = suite.load("strided_causal")
+    q, k, vv = (torch.randn(41, h, 16, dtype=DTYPE) for h in (4, 2, 2))
+    params = {"stride": int(torch.randint(3, 9, (1,)))}
+    r = check_gradients(v, q, k, vv, qo_lens=[41], kv_lens=[41], causal=True, params=params, dtype=DTYPE)
+    assert r.passed, r
+
+
+def test_battery_cases_prebuild_their_fa3_forward(monkeypatch):
+    """On sm90 each battery case lists the FA3 module its default forward runs, for the runner's parallel prebuild
+    (generated here, not compiled): every battery variant has an FA3 forward."""
+    from fivar.bench.suites import _attention, cases_of
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setattr(_attention, "_sm90", lambda: True)
+    for case in cases_of("train")[len(suite.VARIANTS):]:
+        mods = case.modules()
+        assert mods and all("_fa3_" in m.uri for m in mods), case.name
+
+
 def test_flex_with_a_sink_computes_the_variant():
     """The train suite's Flex contender for a variant with a sink: Flex of the rest, the sink joined from its
     log-sum-exp, gives the reference's output (eager Flex on the CPU; its backward needs a GPU)."""
