@@ -29,13 +29,53 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def _keeps_every_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return True
+
+
+def flex_with_sink_fn(variant, params, q, k, v, *, causal, compile=True):
+    """fivar.flex.flex_attention_fn, and for a variant with a sink (which Flex's score_mod cannot add to the
+    denominator) Flex of the rest with its log-sum-exp, the sink joined after: o * sigmoid(lse - sink), so that
+    its gradients reach the sink's tensors too."""
+    import math
+    from dataclasses import replace
+
+    from ..flex import flex_attention_fn, flex_block_mask, flex_mods
+    if variant.sink is None:
+        return flex_attention_fn(variant, params, q, k, v, causal=causal, compile=compile)
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ..codegen.torch_ref import TorchEvaluator
+    from ..runtime.params import bind_params
+    rest = replace(variant, sink=None, mask=variant.mask or _keeps_every_key)  # a variant needs one function
+    (qo_len, hq, d), (kv_len, hkv, _) = q.shape, k.shape
+    scale = 1.0 / math.sqrt(d)
+    score_mod, mask_mod = flex_mods(rest, params, qo_len=qo_len, kv_len=kv_len, num_qo_heads=hq, num_kv_heads=hkv,
+                                    sm_scale=scale, causal=causal, device=q.device)
+    block_mask = flex_block_mask(rest, mask_mod, qo_len, kv_len, hq, q.device)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)  # as flex_attention_fn
+    fa = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    heads = torch.arange(hq, device=q.device).view(hq, 1, 1)
+
+    def run():
+        bound = bind_params(variant, params, num_qo_heads=hq, num_kv_heads=hkv, batch_size=1, device=q.device)
+        env = {"batch": torch.tensor(0, device=q.device), "qo_head": heads, "kv_head": heads // (hq // hkv)}
+        sink = TorchEvaluator(env, {**bound.scalars, **bound.tensors}, torch.float32).run(variant.ir.sink)
+        out, lse = fa(qb, kb, vb, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv,
+                      return_lse=True)  # lse: natural log, [1, heads, queries]
+        out = out * torch.sigmoid(lse - sink.float().expand(hq, 1, 1).view(1, hq, 1)).unsqueeze(-1).to(out.dtype)
+        return out.squeeze(0).transpose(0, 1)
+    return run
+
+
 def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDERS):
     """name -> zero-argument callable running forward + backward once and returning the gradients (q, k, v, then
     the learnable tensor params; "flex-frozen": q, k, v only); each starts from the same leaves and the same upstream
     gradient."""
     import torch.nn.functional as F
 
-    from ..flex import flex_attention_fn
     learn = [n for n, p in variant.tensor_params.items() if p.learnable]
     params = {n: (t.detach().clone().requires_grad_(True) if n in learn else t) for n, t in params.items()}
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
@@ -58,7 +98,7 @@ def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDER
             return torch.autograd.grad(held.attention(*leaves, causal=causal, **held_params), leaves, do)
         fns["fivar-frozen"] = fivar_frozen_step
     if "flex" in wanted and variant.softmax:
-        run = flex_attention_fn(variant, params, *leaves, causal=causal)
+        run = flex_with_sink_fn(variant, params, *leaves, causal=causal)
 
         def flex_step():
             return torch.autograd.grad(run(), inputs, do)
@@ -68,7 +108,7 @@ def train_contenders(variant, q, k, v, *, causal, params, wanted=TRAIN_CONTENDER
         # others do), for variants whose captured-tensor gradient Flex cannot compile (ALiBi's slopes, a learned
         # table on torch 2.11); absent when nothing is learnable, where it is "flex"
         frozen = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in params.items()}
-        run_frozen = flex_attention_fn(variant, frozen, *leaves, causal=causal)
+        run_frozen = flex_with_sink_fn(variant, frozen, *leaves, causal=causal)
 
         def flex_frozen_step():
             return torch.autograd.grad(run_frozen(), leaves, do)
@@ -243,4 +283,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["bench_train", "learnable_copy", "measurements", "result_rows", "train_contenders"]
+__all__ = ["bench_train", "flex_with_sink_fn", "learnable_copy", "measurements", "result_rows", "train_contenders"]
