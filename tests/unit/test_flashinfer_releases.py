@@ -117,3 +117,18 @@ def test_every_bundled_variant_renders_with_the_installed_release(name, monkeypa
                                                               and "decode" not in m.uri)), (m.uri, sf)
                 rendered += 1
     assert rendered >= 2
+
+
+def test_attach_leaves_a_wrapper_expecting_no_token_head_scale(monkeypatch):
+    """0.7.4's wrapper plan() refuses use_token_head_sf other than its module's: fivar's modules render it false."""
+    from types import SimpleNamespace
+
+    from flashinfer import prefill
+    from fivar.flashinfer_compat import wrappers
+    monkeypatch.setattr(prefill, "get_batch_prefill_jit_module", lambda uri, module: (uri, module))
+    names = [f"t{random.randrange(100)}"]
+    fmod = SimpleNamespace(additional=(names, ["float"], [], []), op="batch_prefill", uri="u")
+    w = wrappers.attach(SimpleNamespace(_jit_use_token_head_sf=True), "m", fmod, False)
+    assert w._jit_use_token_head_sf is False and w._jit_module == ("u", "m") and w._jit_additional_tensor_names == names
+    plain = wrappers.attach(SimpleNamespace(), "m", fmod, False)
+    assert not hasattr(plain, "_jit_use_token_head_sf")
