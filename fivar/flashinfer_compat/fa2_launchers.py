@@ -89,8 +89,8 @@ def inst_statements(text: str) -> list[str]:
 def batch_prefill_split_problem() -> str | None:
     """Why FlashInfer's batch-prefill instantiation templates cannot be grouped by tile, or None (each module's
     units are also checked statement for statement against FlashInfer's, fivar.jit.build._fa2_tile_split)."""
-    from .templates import template_variables
-    ours = _template_variables((templates_dir() / "fa2" / "batch_prefill_tile_inst.jinja").read_text())
+    from .templates import template_variables, variables_of
+    ours = variables_of((templates_dir() / "fa2" / "batch_prefill_tile_inst.jinja").read_text())
     for name in ("batch_prefill_paged_kernel_inst.jinja", "batch_prefill_ragged_kernel_inst.jinja"):
         if "/*CTA_TILE_Q=*/" not in (csrc_dir() / name).read_text():
             return f"{name} names no /*CTA_TILE_Q=*/ in its instantiations"
@@ -99,12 +99,6 @@ def batch_prefill_split_problem() -> str | None:
         if missing:
             return f"{name} takes {', '.join(missing)}, which fivar's per-tile units do not pass"
     return None
-
-
-def _template_variables(text: str) -> frozenset[str]:
-    import jinja2
-    import jinja2.meta
-    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(text)))
 
 
 # The steps of FlashInfer's launchers that fivar_pinned_kv_tiles.cuh repeats with the build's shared memory, and

@@ -24,6 +24,11 @@ def _parse(text: str) -> tuple[jinja2.Template, frozenset[str]]:
     return env.from_string(text), frozenset(jinja2.meta.find_undeclared_variables(env.parse(text)))
 
 
+def variables_of(text: str) -> frozenset[str]:
+    """The variables a Jinja template's text reads."""
+    return _parse(text)[1]
+
+
 def template_variables(name: str) -> frozenset[str]:
     """The variables FlashInfer's template `name` (under its csrc/) reads."""
     from flashinfer.jit import env as jit_env
