@@ -12,12 +12,35 @@ from dataclasses import dataclass
 from . import fa2_headers, fa2_launchers, fa3_launchers, wrappers
 from ._base import Coupling, warn_once
 
-#: The FlashInfer release fivar's couplings and the JIT template variables it passes are written against (the range
-#: pyproject.toml accepts).
+#: The FlashInfer release fivar's copies of FlashInfer's text (the FA2 launcher cut, the pinned KV tiles, the per-tile
+#: batch units, the FA3 hashes) are taken from.
 WRITTEN_AGAINST = "0.7.2"
+#: The FlashInfer releases fivar is tested against, oldest first: pyproject.toml's range.
+SUPPORTED = ("0.7.2.post1", "0.7.4")
+#: Per supported release line, the couplings whose FlashInfer text changed in it, so that their optimisation is off
+#: there and the module is built FlashInfer's way (0.7.4: new FP8 token-head-scale steps in every FA2 prefill launcher
+#: and a USE_TOKEN_HEAD_SF template parameter fivar's copies do not carry). Doctor and the tests expect exactly these.
+OFF_IN_RELEASE = {
+    "0.7.2": frozenset(),
+    "0.7.4": frozenset({"fa2_single_prefill_split", "fa2_batch_prefill_split", "fa2_pinned_kv_tiles"}),
+}
 
 COUPLINGS: dict[str, Coupling] = {c.name: c for m in (fa2_launchers, fa2_headers, fa3_launchers, wrappers)
                                   for c in m.COUPLINGS}
+
+
+def release(version: str | None = None) -> str | None:
+    """The supported release line (a key of OFF_IN_RELEASE) of FlashInfer `version` (default: the installed one),
+    or None for a release fivar is not tested against."""
+    if version is None:
+        from ..jit.toolchain import flashinfer_version
+        version = flashinfer_version()
+    from packaging.version import InvalidVersion, Version
+    try:
+        line = ".".join(map(str, Version(version).release[:3]))
+    except InvalidVersion:
+        return None
+    return line if line in OFF_IN_RELEASE else None
 
 
 def problem(name: str) -> str | None:
@@ -53,4 +76,5 @@ def report() -> list[Status]:
     return out
 
 
-__all__ = ["COUPLINGS", "Coupling", "Status", "active", "problem", "report"]
+__all__ = ["COUPLINGS", "OFF_IN_RELEASE", "SUPPORTED", "WRITTEN_AGAINST", "Coupling", "Status", "active", "problem",
+           "release", "report"]

@@ -89,9 +89,15 @@ def inst_statements(text: str) -> list[str]:
 def batch_prefill_split_problem() -> str | None:
     """Why FlashInfer's batch-prefill instantiation templates cannot be grouped by tile, or None (each module's
     units are also checked statement for statement against FlashInfer's, fivar.jit.build._fa2_tile_split)."""
+    from .templates import template_variables, variables_of
+    ours = variables_of((templates_dir() / "fa2" / "batch_prefill_tile_inst.jinja").read_text())
     for name in ("batch_prefill_paged_kernel_inst.jinja", "batch_prefill_ragged_kernel_inst.jinja"):
         if "/*CTA_TILE_Q=*/" not in (csrc_dir() / name).read_text():
             return f"{name} names no /*CTA_TILE_Q=*/ in its instantiations"
+        # a template parameter fivar's per-tile units do not pass (0.7.4's use_token_head_sf) changes the statements
+        missing = sorted(template_variables(name) - ours)
+        if missing:
+            return f"{name} takes {', '.join(missing)}, which fivar's per-tile units do not pass"
     return None
 
 

@@ -134,6 +134,8 @@ def attach(wrapper, module, fmod, owns_mask: bool):
         wrapper._jit_additional_scalar_names = list(s_names)
     if hasattr(wrapper, "_variant_owns_mask"):
         wrapper._variant_owns_mask = owns_mask
+    if hasattr(wrapper, "_jit_use_token_head_sf"):  # 0.7.4: what plan() checks; fivar renders USE_TOKEN_HEAD_SF false
+        wrapper._jit_use_token_head_sf = False
     return wrapper
 
 

@@ -11,11 +11,14 @@ from fivar.jit.build import gen_module
 
 
 def test_every_coupling_is_active_with_the_installed_flashinfer():
-    """Fails loudly, coupling by coupling, when a FlashInfer upgrade no longer matches what fivar relies on."""
+    """Fails loudly, coupling by coupling, when a FlashInfer upgrade no longer matches what fivar relies on: on a
+    tested release exactly the couplings that release is known to change are off, every other one is active."""
     import flashinfer
+    line = compat.release()
+    assert line is not None, f"FlashInfer {flashinfer.__version__} is not a release fivar is tested against"
     broken = {s.name: s.reason for s in compat.report() if not s.active}
-    assert not broken, f"FlashInfer {flashinfer.__version__} no longer matches: {broken}"
-    assert len(compat.COUPLINGS) >= 11 and all(s.active for s in compat.report())
+    assert set(broken) == compat.OFF_IN_RELEASE[line], f"FlashInfer {flashinfer.__version__}: {broken}"
+    assert len(compat.COUPLINGS) >= 11 and not any(s.required for s in compat.report() if not s.active)
 
 
 def test_each_check_can_fail():
@@ -23,7 +26,8 @@ def test_each_check_can_fail():
     from flashinfer.jit import env as jit_env
     inc = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer"
     prefill, utils = (inc / "attention" / "prefill.cuh").read_text(), (inc / "utils.cuh").read_text()
-    assert fa2_launchers.pinned_kv_tiles_problem_in(prefill, utils) is None
+    pinned = fa2_launchers.pinned_kv_tiles_problem_in(prefill, utils)
+    assert (pinned is None) == ("fa2_pinned_kv_tiles" not in compat.OFF_IN_RELEASE[compat.release()]), pinned
     assert "8/4/2/1" in fa2_launchers.pinned_kv_tiles_problem_in(
         prefill, utils.replace("NUM_MMA_KV = 8;", "NUM_MMA_KV = 16;"))
     assert fa3_launchers.mirrored_function_problem(fa3_launchers._DISPATCH_SIGNATURE, "0" * 64, "x").endswith(
@@ -46,7 +50,9 @@ def test_a_changed_flashinfer_turns_the_fa3_tile_off_and_says_which_once(monkeyp
         assert len([t for t in said if "persistent schedule" in t]) == 1, said
         status = {s.name: s for s in compat.report()}
         assert not status["fa3_cta_tile"].active and "SinglePrefillWithKVCacheDispatched" in status["fa3_cta_tile"].reason
-        assert not status["fa3_persistent_schedule"].active and status["fa2_pinned_kv_tiles"].active
+        assert not status["fa3_persistent_schedule"].active
+        assert status["fa2_pinned_kv_tiles"].active == ("fa2_pinned_kv_tiles" not in
+                                                        compat.OFF_IN_RELEASE[compat.release()])
     finally:
         monkeypatch.undo()
         fa3_launchers.dispatch_problem.cache_clear()
@@ -72,16 +78,22 @@ def test_doctor_lists_the_toolchain_and_every_coupling():
     assert r.exit_code == 0, r.output
     for name in ("nvcc", "CUDA_HOME", "torch", "triton", "flashinfer", *compat.COUPLINGS):
         assert name in r.output, name
-    assert f"{len(compat.COUPLINGS)} active, 0 disabled" in r.output
+    import flashinfer
+    off = compat.OFF_IN_RELEASE[compat.release()]
+    assert f"{len(compat.COUPLINGS) - len(off)} active, {len(off)} disabled" in r.output
+    said = " ".join(r.output.split())
+    assert f"FlashInfer {flashinfer.__version__}: release {compat.release()}, tested" in said, r.output
+    assert "off unexpectedly" not in said and all(name in said.split("paths it enables:")[1]
+                                                   for name in compat.COUPLINGS if name not in off)
 
 
 def test_a_template_variable_fivar_does_not_pass_is_a_one_line_error():
     """FlashInfer's JIT templates render with every variable defined: one missing (a later FlashInfer's template)
     names the template, the variable and the version fivar is written against, instead of a blank nvcc rejects."""
     from fivar.errors import FivarError
-    from fivar.flashinfer_compat import WRITTEN_AGAINST
+    from fivar.flashinfer_compat import SUPPORTED
     from fivar.jit.build import _render_flashinfer
     with pytest.raises(FivarError, match=f"single_prefill_customize_config.jinja needs a value fivar does not pass "
-                       f".*is undefined.*{WRITTEN_AGAINST}") as e:
+                       f".*is undefined.*{SUPPORTED[-1]}") as e:
         _render_flashinfer("single_prefill_customize_config.jinja", variant_decl="")
     assert "\n" not in str(e.value)
