@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from fivar.cli import main
+from fivar.flashinfer_compat import OFF_IN_RELEASE, release
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -159,6 +160,8 @@ def test_show_refuses_what_build_refuses_and_list_reports_spec_errors(tmp_path, 
     assert "│ typo │ error │" in flat and "unknown parameter `sofcap`" in flat, r.output
 
 
+@pytest.mark.skipif("fa2_pinned_kv_tiles" in OFF_IN_RELEASE.get(release(), frozenset()),
+                    reason="pinned FA2 KV tiles are off by design on this FlashInfer release")
 def test_explain_with_an_arch_says_what_auto_picks_there():
     from click.testing import CliRunner
 
