@@ -10,13 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import fa2_headers, fa2_launchers, fa3_launchers, wrappers
-from ._base import Coupling, warn_once
+from ._base import SUPPORTED, WRITTEN_AGAINST, Coupling, warn_once  # noqa: F401 (re-exported)
 
-#: The FlashInfer release fivar's copies of FlashInfer's text (the FA2 launcher cut, the pinned KV tiles, the per-tile
-#: batch units, the FA3 hashes) are taken from.
-WRITTEN_AGAINST = "0.7.2"
-#: The FlashInfer releases fivar is tested against, oldest first: pyproject.toml's range.
-SUPPORTED = ("0.7.2.post1", "0.7.4")
 #: Per supported release line, the couplings whose FlashInfer text changed in it, so that their optimisation is off
 #: there and the module is built FlashInfer's way (0.7.4: new FP8 token-head-scale steps in every FA2 prefill launcher
 #: and a USE_TOKEN_HEAD_SF template parameter fivar's copies do not carry). Doctor and the tests expect exactly these.

@@ -11,6 +11,13 @@ log = logging.getLogger("fivar")
 _warned: set[str] = set()
 
 
+#: The FlashInfer release fivar's copies of FlashInfer's text (the FA2 launcher cut, the pinned KV tiles, the per-tile
+#: batch units, the FA3 hashes) are taken from.
+WRITTEN_AGAINST = "0.7.2"
+#: The FlashInfer releases fivar is tested against, oldest first: pyproject.toml's range.
+SUPPORTED = ("0.7.2.post1", "0.7.4")
+
+
 @dataclass(frozen=True)
 class Coupling:
     """One thing fivar relies on inside FlashInfer. `check()` says why the installed FlashInfer does not match

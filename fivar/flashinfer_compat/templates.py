@@ -7,6 +7,7 @@ import jinja2
 import jinja2.meta
 
 from ..errors import FivarError
+from ._base import SUPPORTED
 
 #: Variables a later release's templates take that fivar's callers do not pass, with the value that builds what the
 #: earlier release built: 0.7.4's FA2 prefill templates take `use_token_head_sf` (its FP8 per-(token, head) KV scale,
@@ -50,7 +51,6 @@ def render_template(name: str, **kwargs) -> str:
     try:
         return template.render(**release_kwargs(name, kwargs))
     except jinja2.UndefinedError as e:
-        from . import SUPPORTED
         raise FivarError(f"FlashInfer {flashinfer.__version__}'s template {name} needs a value fivar does not pass "
                          f"({e.message}): fivar is written against FlashInfer {', '.join(SUPPORTED)} (pip install "
                          f"'flashinfer-python>={SUPPORTED[0]},<={SUPPORTED[-1]}')") from None
