@@ -417,17 +417,8 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
         lines += ["  " + ln for ln in inner + mask_lines] + [f"  fv_keep = {keep};"]
         q, k = emit.index_init["q_idx"], kv
         lines += [f"  if (fv_causal && {k} > {q}) fv_keep = false;", "}"]
-    logit_lines, value = emit.statements(lowered.logits)
-    lines += logit_lines
-    if lowered.mask:
-        value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
-    lines.append(f"return {value};")
-    source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
-                    source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
-                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), tile_list=True, 
-                    window=False, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
-                    logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
-                    sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
+    source = _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range,
+                            tile_list=True, window=False)
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=not bits,
                                                           extra_tensors=[BLOCKS, TILE_KEYS, CUT_BITS]))
 
@@ -458,21 +449,26 @@ def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: t
     if lowered.mask:
         mask_lines, keep = emit.statements(lowered.mask)
         lines += ["bool fv_keep;", "{"] + ["  " + ln for ln in mask_lines] + [f"  fv_keep = {keep};", "}"]
-    logit_lines, value = emit.statements(lowered.logits)
-    lines += logit_lines
-    if lowered.mask:
-        fill = "-INFINITY" if variant.softmax else "0.f"
-        value = f"fv_keep ? {value} : {fill}"
-    lines.append(f"return {value};")
-    source = render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
-                    source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
-                    members=members, sm_scale_log2=scale, body="\n    ".join(lines), tile_list=False,
-                    window=as_window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
-                    logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
-                    # FA3 has no output hook: the sink joins in the updater's finalize (csrc/fivar_sink.cuh); a
-                    # CTA serves one query head of one request, so it is read once, in the constructor
-                    sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
+    source = _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range,
+                            tile_list=False, window=as_window)
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=False))
+
+
+def _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range, *, tile_list,
+                   window) -> str:
+    """The struct's text: `lines` (the mask's, setting fv_keep where there is one), then the logits transform."""
+    logit_lines, value = emit.statements(lowered.logits)
+    if lowered.mask:
+        value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
+    sink = variant.ir.sink
+    return render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
+                  source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
+                  members=members, sm_scale_log2=scale, body="\n    ".join(lines + logit_lines + [f"return {value};"]),
+                  tile_list=tile_list, window=window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
+                  logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
+                  # FA3 has no output hook: the sink joins in the updater's finalize (csrc/fivar_sink.cuh); a
+                  # CTA serves one query head of one request, so it is read once, in the constructor
+                  sink_body="\n    ".join(emit.sink_lines(sink)) if sink is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
