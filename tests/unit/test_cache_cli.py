@@ -54,6 +54,18 @@ def iso(tmp_path, monkeypatch):
     return root, ws, vdir / "cachev.py"
 
 
+def write_malformed_records(uri: str) -> None:
+    """Build records with wrong-typed columns (a text count, a blob time, a text pid) for module `uri`."""
+    from fivar.jit import records
+    con = records.connect()
+    con.execute("INSERT INTO events (time, action, uri, kind, count, seconds) "
+                "VALUES ('yesterday', 'build', ?, 'cold', 'many', 'slow')", (uri,))
+    con.execute("INSERT INTO events (time, action, uri, kind, count, seconds) "
+                "VALUES (X'00ff', 'load', ?, 'disk', 1, 0)", (uri,))
+    con.execute("INSERT INTO holders VALUES (?, ?, 'not a pid', 'now')", (uri, records.HOST))
+    con.close()
+
+
 def fake_built(m, size=1000, age_s=0.0):
     """A module whose library is a stand-in of `size` bytes, with a real manifest written by fivar."""
     m.jit_spec()  # writes the generated sources

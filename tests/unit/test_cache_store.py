@@ -7,7 +7,7 @@ from pathlib import Path
 import fivar
 from fivar.jit import integrity, records, store
 
-from test_cache_cli import as_json, fake_built, iso, module  # noqa: F401 - the fixture
+from test_cache_cli import as_json, fake_built, write_malformed_records, iso, module  # noqa: F401 - the fixture
 from test_import_layers import PACKAGE, _every_import
 
 MODEL = ("store", "integrity", "archive")
@@ -44,13 +44,7 @@ def test_prune_returns_what_the_command_prints_and_prints_nothing(iso, capsys):
 def test_malformed_records_warn_the_caller_once_or_the_fivar_logger(iso, capsys, caplog, monkeypatch):
     _, _, vfile = iso
     m = fake_built(module(vfile))
-    con = records.connect()
-    con.execute("INSERT INTO events (time, action, uri, kind, count, seconds) "
-                "VALUES ('yesterday', 'build', ?, 'cold', 'many', 'slow')", (m.uri,))
-    con.execute("INSERT INTO events (time, action, uri, kind, count, seconds) "
-                "VALUES (X'00ff', 'load', ?, 'disk', 1, 0)", (m.uri,))
-    con.execute("INSERT INTO holders VALUES (?, ?, 'not a pid', 'now')", (m.uri, records.HOST))
-    con.close()
+    write_malformed_records(m.uri)
     monkeypatch.setattr(store, "_records_warned", [])
     got = []
     for _ in range(2):

@@ -17,7 +17,7 @@ import tarfile
 import time
 
 import pytest
-from test_cache_cli import as_json, fake_built, invoke, iso, module  # noqa: F401 - the fixture
+from test_cache_cli import as_json, fake_built, write_malformed_records, invoke, iso, module  # noqa: F401 - the fixture
 
 from fivar import trust
 from fivar.jit import locks, records
@@ -382,13 +382,7 @@ def test_clear_and_prune_on_a_read_only_workspace_are_one_line_and_remove_nothin
 def test_clear_records_works_on_records_with_wrong_typed_columns(iso):
     _, ws, vfile = iso
     m = fake_built(module(vfile))
-    con = records.connect()
-    con.execute("INSERT INTO events (time, action, uri, kind, count, seconds) "
-                "VALUES ('yesterday', 'build', ?, 'cold', 'many', 'slow')", (m.uri,))
-    con.execute("INSERT INTO events (time, action, uri, kind, count, seconds) "
-                "VALUES (X'00ff', 'load', ?, 'disk', 1, 0)", (m.uri,))
-    con.execute("INSERT INTO holders VALUES (?, ?, 'not a pid', 'now')", (m.uri, records.HOST))
-    con.close()
+    write_malformed_records(m.uri)
     r = invoke("cache", "ls", "--json")
     assert r.exit_code == 0 and "malformed rows" in r.stderr, r.output
     res = as_json("cache", "clear", "--records", "--yes")
