@@ -403,13 +403,15 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
     scale = softmax_scale_log2(variant, emit)
     outer = emit.prologue(lowered.logits)
     lines = list(outer)
+    keep_cut = None
     if lowered.mask and bits:
-        # whole tiles come first in the list: a warp's keys are all below fv_whole or all above (one branch a tile);
-        # a cut tile's pairs are bits (causal folded in), one word a row and tile
-        lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {",
-                  "  const int32_t fv_c = int32_t(kv_idx) - fv_whole;",
-                  f"  fv_keep = (__ldg(fv_bits + (fv_c >> {shift}) * fv_rows + int32_t(qo_idx)) >> "
-                  f"(fv_c & {TILE_WIDTH - 1})) & 1;", "}"]
+        # the mask is the updater's, once a KV tile (csrc/fivar_tile_mask.cuh): LogitsTransform only leaves the
+        # indices of the thread's last score; whole tiles come first in the list, a cut tile's pairs are bits
+        # (causal folded in), one word a row and tile; a request keeping no key (fv_whole -1) reads one, dropped
+        lines += ["fv_kv_last = int32_t(kv_idx);", "fv_q_last = int32_t(qo_idx);"]
+        keep_cut = "\n    ".join([
+            "if (word < 0) return ~0u;", "if (fv_whole < 0) return 0u;",
+            "return uint32_t(__ldg(fv_bits + word * fv_rows + qo_idx));"])
     elif lowered.mask:
         inner = [ln for ln in emit.prologue(lowered.mask) if ln not in outer]
         mask_lines, keep = emit.statements(lowered.mask)
@@ -418,7 +420,7 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
         q, k = emit.index_init["q_idx"], kv
         lines += [f"  if (fv_causal && {k} > {q}) fv_keep = false;", "}"]
     source = _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range,
-                            tile_list=True, window=False)
+                            tile_list=True, window=False, keep_cut=keep_cut)
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=not bits,
                                                           extra_tensors=[BLOCKS, TILE_KEYS, CUT_BITS]))
 
@@ -455,16 +457,17 @@ def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: t
 
 
 def _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range, *, tile_list,
-                   window) -> str:
-    """The struct's text: `lines` (the mask's, setting fv_keep where there is one), then the logits transform."""
+                   window, keep_cut: str | None = None) -> str:
+    """The struct's text: `lines` (the mask's, setting fv_keep where there is one), then the logits transform.
+    `keep_cut`: the body of fv_keep_cut(qo_idx, kv_idx), where the updater applies the mask instead."""
     logit_lines, value = emit.statements(lowered.logits)
-    if lowered.mask:
+    if lowered.mask and keep_cut is None:
         value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
     sink = variant.ir.sink
     return render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
                   source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
                   members=members, sm_scale_log2=scale, body="\n    ".join(lines + logit_lines + [f"return {value};"]),
-                  tile_list=tile_list, window=window, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
+                  tile_list=tile_list, window=window, keep_cut=keep_cut, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
                   logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),
                   # FA3 has no output hook: the sink joins in the updater's finalize (csrc/fivar_sink.cuh); a
                   # CTA serves one query head of one request, so it is read once, in the constructor

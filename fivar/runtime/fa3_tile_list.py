@@ -28,6 +28,10 @@ import torch
 
 from ..codegen import fa3
 from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
+
+#: Zero words after the last request's bits: a thread reads every 32-key word its keys of a KV tile touch, up to
+#: (CTA_KV - 7 + 30) // 32 + 1 from its first (csrc/fivar_tile_mask.cuh), 7 at FA3's widest KV tile (192 keys).
+CUT_WORDS_PAST = 8
 from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
 from . import position_tables
@@ -115,12 +119,15 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
     # the tiles after the whole ones, in list order: the struct finds a key's word as its (key - whole) // T-th
     cut_sel = (pos >= n_whole[:, None]) & (pos < n_list[:, None])
     n_cut = cut_sel.sum(1).cpu()
-    cut_bits = torch.zeros(1, rows, dtype=torch.int32, device=dev)
+    cut_bits = torch.zeros(0, rows, dtype=torch.int32, device=dev)
     if bits_of is not None and int(n_cut.sum()):
         req, at = cut_sel.nonzero().unbind(1)
         map_row = b_dev[req] * kinds.shape[1] + qt_dev[req]  # the map's row of (batch, query tile), one head
         cut = torch.stack([map_row, order[req, at]], 1).to(torch.int32).contiguous()
-        cut_bits = bits_of(cut).view(torch.int32)[:, ::2].contiguous()  # the low word of each (TILE_WIDTH bits)
+        cut_bits = bits_of(cut).view(torch.int32)[:, ::2]  # the low word of each (TILE_WIDTH bits)
+    # the struct reads every word a thread's keys of a KV tile touch (csrc/fivar_tile_mask.cuh), so a request's last
+    # tile can read up to CUT_WORDS_PAST words past its own: zeros there, never memory beyond the tensor
+    cut_bits = torch.cat([cut_bits, cut_bits.new_zeros(CUT_WORDS_PAST, rows)]).contiguous()
     bit_start = (torch.cumsum(n_cut, 0) - n_cut) * rows
     blocks = torch.stack([batch, q0, entry_start, whole, bit_start, torch.full_like(batch, rows)], 1).to(torch.int32)
     rows_h = torch.minimum(qo_lens[batch] - q_tile * rows, torch.tensor(rows))
