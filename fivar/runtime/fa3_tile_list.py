@@ -110,8 +110,12 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
     kv_idx = first_key[:, None] + offs
     live = (n_list[entry_req] > 0)[:, None]
     valid = torch.where(live, kv_idx < lens_dev[b_dev[entry_req], None], offs == 0)
-    kv_idx = kv_idx.clamp(max=max(int(kv_lens.max()) - 1, 0) if len(kv_lens) else 0)
-    pages = token_of(b_dev[entry_req][:, None].expand_as(kv_idx), kv_idx)[valid] // page
+    # only a live request's own keys are looked up (a page past a request's last is not in its page table); a
+    # request keeping no key reads any page, masked
+    read = valid & live
+    tokens = torch.zeros_like(kv_idx)
+    tokens[read] = token_of(b_dev[entry_req][:, None].expand_as(kv_idx)[read], kv_idx[read])
+    pages = tokens[valid] // page
     n_pages = (keys_h + page - 1) // page
     entry_start = torch.cumsum(entries_h, 0) - entries_h
     q0 = q_tile * rows + kv_lens[batch] - qo_lens[batch]

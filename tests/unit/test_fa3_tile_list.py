@@ -130,7 +130,11 @@ def _paged(kv, page):
         i += n
     width = max(max(n_pages), 1)
     flat = torch.tensor([t + [0] * (width - len(t)) for t in table], dtype=torch.long)
-    token_of = lambda b, kv_idx: flat[b, kv_idx // page] * page + kv_idx % page  # noqa: E731
+    lens = torch.tensor(kv)
+
+    def token_of(b, kv_idx):  # as a page table does: nothing past a request's own pages
+        assert bool((kv_idx < lens[b]).all()), "a key past its request's pages was looked up"
+        return flat[b, kv_idx // page] * page + kv_idx % page
 
     def key_at(token):
         b, j = owner[token // page]
