@@ -419,7 +419,7 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range, custom_mask: bool
         q, k = emit.index_init["q_idx"], kv
         lines += [f"  if (fv_causal && {k} > {q}) fv_keep = false;", "}"]
     source = _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range,
-                            tile_list=True, window=False)
+                            tile_list=True, window=False, keeps=bool(lowered.mask or custom_mask))
     return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=not bits,
                                                           extra_tensors=[BLOCKS, TILE_KEYS, CUT_BITS]))
 
@@ -457,10 +457,11 @@ def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: t
 
 
 def _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range, *, tile_list,
-                   window) -> str:
-    """The struct's text: `lines` (the mask's, setting fv_keep where there is one), then the logits transform."""
+                   window, keeps: bool | None = None) -> str:
+    """The struct's text: `lines` (the mask's, setting fv_keep where there is one), then the logits transform.
+    `keeps`: whether `lines` set fv_keep (default: where the lowered program has a mask)."""
     logit_lines, value = emit.statements(lowered.logits)
-    if lowered.mask:
+    if lowered.mask if keeps is None else keeps:
         value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
     sink = variant.ir.sink
     return render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),

@@ -227,6 +227,7 @@ def test_the_custom_mask_module_of_a_variant_without_a_scanned_mask_reads_bits(m
         m = gen_module(v, "batch_prefill", "fa3", custom_mask=True)
         body = m.sources["batch_prefill_sm90_config.inc"].split("REGISTER_LOGITS_TRANSFORM")[1]
         assert "_tilesmask_" in m.uri and m.options["custom_mask"] and "fv_bits" in body and "fv_whole" in body
+        assert "return fv_keep ? " in body  # the bits decide: a dropped pair's logit is -inf
         assert m.uri != gen_module(v, "batch_prefill", "fa3").uri
     with pytest.raises(fivar.FivarError) as e:
         gen_module(fivar.load("softcap"), "batch_prefill", "fa2", custom_mask=True)
