@@ -166,6 +166,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     FA3 units keep FlashInfer's other flags: they hold one kernel each (fa3.tile_units), and their time is
     cudafe++ and cicc's front end, which --split-compile does not touch."""
     known = {f for cls in (FA2BuildConfig, FA3KernelConfig) for f in cls.__dataclass_fields__}
+    options.pop("tile_list", None)  # a manifest records the form; it follows from the variant, op and custom_mask
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"gen_module() got unexpected keyword argument(s) {', '.join(unknown)}")

@@ -229,6 +229,10 @@ def test_the_custom_mask_module_of_a_variant_without_a_scanned_mask_reads_bits(m
         assert "_tilesmask_" in m.uri and m.options["custom_mask"] and "fv_bits" in body and "fv_whole" in body
         assert "return fv_keep ? " in body  # the bits decide: a dropped pair's logit is -inf
         assert m.uri != gen_module(v, "batch_prefill", "fa3").uri
+        # what a manifest records renders the same module again (fivar.jit.integrity)
+        assert gen_module(v, "batch_prefill", "fa3", **m.options).uri == m.uri
+    tiles = gen_module(fivar.load("document_mask"), "batch_prefill", "fa3")
+    assert gen_module(fivar.load("document_mask"), "batch_prefill", "fa3", **tiles.options).uri == tiles.uri
     with pytest.raises(fivar.FivarError) as e:
         gen_module(fivar.load("softcap"), "batch_prefill", "fa2", custom_mask=True)
     _one_line(e, "softcap", "custom-mask")
