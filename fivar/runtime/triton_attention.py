@@ -97,8 +97,7 @@ def triton_batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr,
                                causal=False, sm_scale=None, params=None, return_lse=False, custom_mask=None,
                                packed_custom_mask=None, mask_indptr=None):
     """Several queries per request over a paged cache (a verify batch), with an optional custom mask
-    (fivar.runtime.custom_mask): the requests' keys gathered from their pages (one copy of the keys the batch
-    reads), then the ragged prefill kernel."""
+    (fivar.runtime.custom_mask): the prefill kernel reading each key tile's rows through the page table."""
     return_lse = check_lse(variant, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_inputs(variant, q, k_cache, v_cache, paged=True)
@@ -115,20 +114,13 @@ def triton_batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr,
                                q.device)
     batch = qo_indptr.numel() - 1
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
-    token_indptr = indptr(kv_lens).to(q.device)
-    # each key's token in the cache viewed as [pages * page_size, H, D]: its page's entry, then its slot
-    n_keys = int(kv_lens.sum())
-    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), kv_lens.to(q.device), output_size=n_keys)
-    kv_idx = torch.arange(n_keys, device=q.device) - token_indptr.long()[owner]
-    pages = kv_indices.long()[kv_indptr.long()[owner] + kv_idx // page_size]
-    tokens = pages * page_size + kv_idx % page_size
-    k = k_cache.reshape(-1, *k_cache.shape[2:]).index_select(0, tokens)
-    v = v_cache.reshape(-1, *v_cache.shape[2:]).index_select(0, tokens)
+    token_indptr = indptr(kv_lens).to(q.device)  # the requests' key counts: the kernel's lengths
     max_qo_len, max_kv_len = position_tables.max_lengths(qo_indptr, token_indptr)
     bound = position_tables.bind(variant, bound, (max_qo_len, max_kv_len))
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
-    return module.prefill(q, k, v, qo_indptr, token_indptr, max_qo_len, causal, args, return_lse,
-                          custom=None if custom is None else (custom.packed, custom.indptr))
+    return module.prefill(q, k_cache, v_cache, qo_indptr, token_indptr, max_qo_len, causal, args, return_lse,
+                          custom=None if custom is None else (custom.packed, custom.indptr),
+                          pages=(kv_indices, kv_indptr, max_kv_len))
 
 
 def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,

@@ -247,3 +247,23 @@ def test_the_serving_suite_lists_verify_cases_without_a_gpu():
                 assert f"{variant} verify {form} {n} x32 ctx8192" in names
     case = cases_of("serving")[0]
     assert case.shape["page_size"] == 16 and case.shape["heads"] == "32/8" and case.baseline == ("stock", "triton")
+
+
+def test_the_twin_reads_pages_in_place_from_either_cache_layout():
+    """The twin's paged prefill reads each key through the page table, with the cache's own page stride: one
+    [pages, 2, page, H, D] tensor (pages twice as far apart) gives what the (k_cache, v_cache) pair does."""
+    v, params = _params("softcap", 2, 40)
+    qo, kv = [5, 7], [21, 40]
+    q = torch.randn(12, HQ, D).half()
+    k, vv = torch.randn(61, HKV, D).half(), torch.randn(61, HKV, D).half()
+    (k_cache, v_cache), kv_indptr, kv_indices, last = _to_paged(k, vv, kv, 16)
+    packed, mask_indptr = tree_mask([16, 33], [_tree(5), _tree(7)])
+    both = torch.stack([k_cache, v_cache], 1)
+    outs = [v.batch_prefill_paged(q, cache, _ind(qo), kv_indptr, kv_indices, last, backend="triton",
+                                  packed_custom_mask=packed, mask_indptr=mask_indptr, **params)
+            for cache in ((k_cache, v_cache), both)]
+    assert torch.equal(outs[0], outs[1])
+    custom = check_custom_mask(v, None, packed, mask_indptr, torch.tensor(qo), torch.tensor(kv), "cpu")
+    masks = [custom.request(b, lq, lk) for b, (lq, lk) in enumerate(zip(qo, kv))]
+    ref = _reference(v, q, k, vv, qo, kv, False, params, masks)
+    assert (outs[0].double() - ref).abs().max() < 2e-2

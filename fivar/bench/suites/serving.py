@@ -3,8 +3,8 @@ random draft tree, fivar.integrations.serving), batch 32 x 8192 keys of context,
 32/8, causal; soft-cap, sliding window (512) and gpt-oss (a sink per head in a 128-key window).
 
 Contenders: `fivar-fa3` (the one-shot `batch_prefill_paged(..., packed_custom_mask=)`, backend auto: FA3's
-tile-list form on sm90), `fivar-fa3-planned` (`plan_paged` once, then `run`), `triton` (the twin: the keys
-gathered from their pages, then its prefill reading the mask's bits), `stock` (FlashInfer's
+tile-list form on sm90), `fivar-fa3-planned` (`plan_paged` once, then `run`), `triton` (the twin's prefill
+reading the pages through the page table and the mask's bits), `stock` (FlashInfer's
 BatchPrefillWithPagedKVCacheWrapper with the same packed mask and `logits_soft_cap` / `window_left`, where those
 compute the variant: not for the sink) and `flex` (FlexAttention over the batch gathered dense, its block mask
 from the variant's mask and the custom mask; no sink either). Ratios against stock, else the Triton twin.
@@ -70,7 +70,7 @@ def _contenders(v, t, params) -> list[Contender]:
     if selected("triton"):
         out.append(Contender("triton", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, backend="triton",
                                                                      **mask, **params),
-                             "keys gathered from the pages, then the twin's prefill"))
+                             "the twin's prefill over the page table"))
     mapped = stock_mapping(v, params)
     if mapped is not None and selected("stock"):
         import flashinfer
