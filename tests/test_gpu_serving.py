@@ -1,6 +1,6 @@
 """Speculative verify batches with a custom mask on the GPU (marked `gpu`): FA3's tile-list form and the Triton twin
 against the torch reference, bf16 hd128 GQA 32/8, chain and tree masks over pages of 16 and 1, and one-shot calls
-equal to their plan. Few cases: every FA3 module is a long build (soft-cap and sliding window get the custom-mask
+equal to their plan. Few cases: every FA3 module is a long build (soft-cap, sliding window and gpt-oss get the custom-mask
 module form, documents keep their own tile-list module)."""
 import random
 
@@ -40,7 +40,7 @@ def _reference(v, q, k, vv, qo, kv, causal, params, masks):
 
 
 @pytest.mark.parametrize("backend", ["fa3", "triton"])
-@pytest.mark.parametrize("name", ["softcap", "sliding_window", "document_mask"])
+@pytest.mark.parametrize("name", ["softcap", "sliding_window", "gpt_oss", "document_mask"])
 @pytest.mark.parametrize("page", [16, 1])
 def test_verify_matches_the_reference_and_its_plan(backend, name, page):
     if backend == "fa3" and not _sm90():
