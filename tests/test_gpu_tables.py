@@ -41,8 +41,6 @@ def test_single_prefill(name, mode, backend, qo_len, kv_len, causal):
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_batch_prefill(name, mode, backend, paged, causal):
-    if paged and backend == "triton":
-        pytest.skip("the Triton twin has no paged prefill")
     v = _zoo(name)
     with override(position_tables=mode):
         r = check_batch_prefill(v, qo_lens=[17, 1, 40], kv_lens=[17, 70, 300], paged=paged, causal=causal,

@@ -379,10 +379,11 @@ def kernel_causal(variant) -> bool:
     return runs_as_window(variant) and variant.kv_band.causal_window
 
 
-def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
+def _tile_list_decl(variant, exp2_emulated_of_8, logits_range, custom_mask: bool = False) -> VariantDecl:
     """The tile-list form's struct (TILE_FIELDS): the request's local key k is kv_idx TILE_KEYS[first + k / 32] +
     k % 32; a key of a whole tile (k < the whole keys) skips the mask, a key of a cut tile reads its bit in CUT_BITS
-    (tile_list_bits; else it evaluates the mask, and causal)."""
+    (tile_list_bits; else it evaluates the mask, and causal). `custom_mask`: cut tiles read bits whatever the
+    variant's mask (none, or a band): an engine's custom mask ANDed into the map (fivar.runtime.custom_mask)."""
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     block = lambda i: f"{param_ref(BLOCKS)}[{TILE_FIELDS} * batch_idx + {i}]"  # noqa: E731
     shift = TILE_WIDTH.bit_length() - 1
@@ -393,7 +394,7 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
     sink = variant.ir.sink
     members = [m for m in emit.members(lowered, extra + (list(sink.exprs()) if sink is not None else []))
                if m.name != "fv_q_offset"]
-    bits = tile_list_bits(variant)
+    bits = tile_list_bits(variant) or custom_mask
     members[:0] = [Member("int32_t", "fv_batch_idx", block(0)), Member("int32_t", "fv_q_offset", block(1)),
                    Member("const int32_t*", "fv_tiles", f"{param_ref(TILE_KEYS)} + {block(2)}"),
                    Member("int32_t", "fv_whole", block(3))]
@@ -404,7 +405,7 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
     outer = emit.prologue(lowered.logits)
     lines = list(outer)
     keep_cut = None
-    if lowered.mask and bits:
+    if (lowered.mask or custom_mask) and bits:
         # the mask is the updater's, once a KV tile (csrc/fivar_tile_mask.cuh): LogitsTransform only leaves the
         # indices of the thread's last score; whole tiles come first in the list, a cut tile's pairs are bits
         # (causal folded in), one word a row and tile; a request keeping no key (fv_whole -1) reads one, dropped
@@ -426,11 +427,12 @@ def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
 
 
 def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,
-                 tile_list: bool = False) -> VariantDecl:
+                 tile_list: bool = False, custom_mask: bool = False) -> VariantDecl:
     """`logits_range`: the softmax takes its max from it (softmax_range). `tile_list`: the tile-list form
-    (fivar.runtime.fa3_tile_list), batch prefill of a mask that is more than a band."""
+    (fivar.runtime.fa3_tile_list), batch prefill of a mask that is more than a band; with `custom_mask`, its cut
+    tiles read bits for any variant (a custom mask, fivar.runtime.custom_mask)."""
     if tile_list:
-        return _tile_list_decl(variant, exp2_emulated_of_8, logits_range)
+        return _tile_list_decl(variant, exp2_emulated_of_8, logits_range, custom_mask)
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx"})
     lowered = variant.lowered
@@ -459,7 +461,7 @@ def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: t
 def _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range, *, tile_list,
                    window, keep_cut: str | None = None) -> str:
     """The struct's text: `lines` (the mask's, setting fv_keep where there is one), then the logits transform.
-    `keep_cut`: the body of fv_keep_cut(qo_idx, kv_idx), where the updater applies the mask instead."""
+    `keep_cut`: the body of fv_cut_word(qo_idx, word), where the updater applies the mask instead."""
     logit_lines, value = emit.statements(lowered.logits)
     if lowered.mask and keep_cut is None:
         value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"

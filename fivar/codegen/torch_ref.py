@@ -44,10 +44,11 @@ def dequantize(t, scale, float_dtype=torch.float32):
 
 def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params=None, batch_idx=0,
                         batch_size=None, float_dtype=torch.float32, bound=None, return_lse=False, k_scale=None,
-                        v_scale=None):
+                        v_scale=None, custom_mask=None):
     """out[i, h] for one request, q: [qo_len, Hq, D], k/v: [kv_len, Hkv, D]; returns float_dtype. return_lse:
     (out, lse), lse [qo_len, Hq] the log2-sum-exp of each row's kept logits (fivar.runtime.lse), -inf if none; with
-    a sink, its exp joins the sum (as in FlashInfer's sink kernels), so a row that keeps nothing has lse = sink."""
+    a sink, its exp joins the sum (as in FlashInfer's sink kernels), so a row that keeps nothing has lse = sink.
+    custom_mask: bool [qo_len, kv_len], pairs also dropped where False (an engine's custom mask, fivar.runtime.custom_mask)."""
     return_lse = check_lse(variant, return_lse)
     batch_idx = _check_reference_inputs(variant, q, k, v, batch_idx, batch_size)
     qo_len, hq, d = q.shape
@@ -74,6 +75,14 @@ def reference_attention(variant, q, k, v, *, causal=False, sm_scale=None, params
     ev = TorchEvaluator(env, values, float_dtype, dev, check_divisors=True)
     vir = variant.ir
     keep = torch.ones_like(score, dtype=torch.bool)
+    if custom_mask is not None:
+        if not (isinstance(custom_mask, torch.Tensor) and custom_mask.dtype == torch.bool
+                and tuple(custom_mask.shape) == (qo_len, kv_len)):
+            got = (f"{custom_mask.dtype} {list(custom_mask.shape)}" if isinstance(custom_mask, torch.Tensor)
+                   else type(custom_mask).__name__)
+            raise FivarError(f"variant '{variant.name}': custom_mask must be a bool tensor [qo_len, kv_len] = "
+                             f"[{qo_len}, {kv_len}], got {got}")
+        keep = keep & custom_mask.to(dev)[None]
     if causal:
         keep = keep & (env["kv_idx"] <= env["q_idx"])
     if vir.mask:  # a division by zero matters where the mask is evaluated (causal skips the rest) ...

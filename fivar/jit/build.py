@@ -143,14 +143,16 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, kv_segments: bool = False, mask_free: bool = False,
-               kv_dtype: str | None = None, config: FA2BuildConfig | FA3KernelConfig | None = None,
-               **options) -> FivarModule:
+               kv_dtype: str | None = None, custom_mask: bool = False,
+               config: FA2BuildConfig | FA3KernelConfig | None = None, **options) -> FivarModule:
     """All sources of one module. FA3 batch prefill of a mask that is more than a band is the tile-list form
     (fivar.runtime.fa3_tile_list): the paged kernel alone, with no mask mode but kNone (causal is the block map's).
     `kv_segments`: FA2 batch
     prefill/decode over trimmed pages or query blocks, each key mapped back to its position (fivar.runtime.decode_pages,
     fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
-    (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `config`: the target's tuning (fivar.config.FA2BuildConfig or
+    (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `custom_mask`: FA3 batch prefill in the tile-list
+    form whatever the mask, cut tiles read as bits (an engine's custom mask ANDed into the block map,
+    fivar.runtime.custom_mask). `config`: the target's tuning (fivar.config.FA2BuildConfig or
     FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
     `options`: the same fields as keywords (what a manifest records), over `config`'s:
       FA2: split_cta_tiles (one kernel unit per CTA tile, _fa2_tile_split: same kernels, another URI; ~0.7x the
@@ -164,6 +166,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     FA3 units keep FlashInfer's other flags: they hold one kernel each (fa3.tile_units), and their time is
     cudafe++ and cicc's front end, which --split-compile does not touch."""
     known = {f for cls in (FA2BuildConfig, FA3KernelConfig) for f in cls.__dataclass_fields__}
+    options.pop("tile_list", None)  # a manifest records the form; it follows from the variant, op and custom_mask
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"gen_module() got unexpected keyword argument(s) {', '.join(unknown)}")
@@ -206,7 +209,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     logits_range = None
     if target == "fa3":
         # the tile-list form reading bits evaluates no mask per score: its MUFU ops do not count
-        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not (
+        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not custom_mask and not (
             fa3.uses_tile_list(variant, op) and fa3.tile_list_bits(variant)))
         exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
         tiles, chosen_schedules = kernel.tiles, kernel.schedules
@@ -221,11 +224,14 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
             raise FivarError(f"variant '{variant.name}': schedule={schedule!r}: only FA3 single prefill takes a "
                              "schedule")
         build_config = fivar_config.fa2_build_config(given)
-    tile_list = target == "fa3" and fa3.uses_tile_list(variant, op)
+    if custom_mask and not (target == "fa3" and op == "batch_prefill" and not fa3.mask_reads_head(variant)):
+        raise FivarError(f"variant '{variant.name}': the custom-mask form is FA3 batch prefill of a mask that does "
+                         "not read the head")
+    tile_list = target == "fa3" and (fa3.uses_tile_list(variant, op) or custom_mask)
     if mask_free and not (kv_segments and target == "fa2"):
         raise FivarError(f"variant '{variant.name}': the mask-free form is FA2's key-segments form")
     decl = (fa3.variant_decl(variant, exp2_emulated_of_8=exp2_emulated_of_8, logits_range=logits_range,
-                             tile_list=tile_list)
+                             tile_list=tile_list, custom_mask=custom_mask)
             if target == "fa3"
             else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free))  # fa2.KV_SEGMENTS
     t_names, t_types, s_names, s_types = decl.additional
@@ -308,7 +314,8 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = (("_kvsegfree" if mask_free else "_kvseg" if kv_segments else "_tiles" if tile_list else "")
+    form = (("_kvsegfree" if mask_free else "_kvseg" if kv_segments else "_tilesmask" if custom_mask
+             else "_tiles" if tile_list else "")
             + (f"_kv{kv_dtype}" if kv_dtype else ""))
     uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
            f"{content_hash(sources, cuda_cflags)}")
@@ -317,7 +324,7 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
     options = {**({"kv_segments": True} if kv_segments else {}), **({"mask_free": True} if mask_free else {}),
-               **({"tile_list": True} if tile_list else {}),
+               **({"tile_list": True} if tile_list else {}), **({"custom_mask": True} if custom_mask else {}),
                **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
                        options=options)
@@ -388,14 +395,16 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 
 def module_for(variant, op, target, dtype, head_dim, bounded_softmax: bool | None = None, kv_segments: bool = False,
-               kv_dtype: str | None = None, mask_free: bool = False) -> FivarModule:
+               kv_dtype: str | None = None, mask_free: bool = False, custom_mask: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
-    key = (id(variant), op, target, dtype, head_dim, knobs, bounded_softmax, kv_segments, kv_dtype, mask_free)
+    key = (id(variant), op, target, dtype, head_dim, knobs, bounded_softmax, kv_segments, kv_dtype, mask_free,
+           custom_mask)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, bounded_softmax=bounded_softmax,
-                                 kv_segments=kv_segments, kv_dtype=kv_dtype, mask_free=mask_free))
+                                 kv_segments=kv_segments, kv_dtype=kv_dtype, mask_free=mask_free,
+                                 custom_mask=custom_mask))
         _memo[key] = m
     return m[1]
 

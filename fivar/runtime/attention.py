@@ -20,7 +20,7 @@ from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pag
                      _module, _paged_kv, _prepare)
 from .params import kernel_args
 from .plan_cache import Hashed, PlanCache
-from .triton_attention import triton_batch_prefill_ragged, triton_decode, triton_prefill
+from .triton_attention import triton_batch_prefill_paged, triton_batch_prefill_ragged, triton_decode, triton_prefill
 from .forms import (BACKENDS, ALL_BACKENDS, choose_target, _check_backend, _codegen, _causal_flag, _paged_args,
                     _window_left, _owns_mask, _kernel_causal, _plan_causal, _split_kwargs, _decode_on_tensor_cores,
                     trims_decode_pages, _trimmed_decode_pages)
@@ -171,12 +171,17 @@ def _k_scaled(sm_scale, q, k_scale: float):
 
 def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
                         causal=False, sm_scale=None, backend="fa2", params=None, return_lse=False, k_scale=None,
-                        v_scale=None):
-    """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv)."""
+                        v_scale=None, custom_mask=None, packed_custom_mask=None, mask_indptr=None):
+    """k_scale/v_scale: the cache holds k / k_scale and v / v_scale (an FP8 cache: fivar.runtime.fp8_kv).
+    custom_mask / packed_custom_mask / mask_indptr: an engine's custom mask (fivar.runtime.custom_mask)."""
     check_q_dtype(variant, q)
     k_scale, v_scale = check_scale(variant, "k_scale", k_scale), check_scale(variant, "v_scale", v_scale)
     sm_scale = _k_scaled(sm_scale, q, k_scale)
+    masks = (custom_mask, packed_custom_mask, mask_indptr)
     if torch.compiler.is_compiling():
+        if any(m is not None for m in masks):
+            raise FivarError(f"variant '{variant.name}': custom_mask is not supported under torch.compile (the mask's "
+                             "checks read it on the host); call batch_prefill_paged outside the compiled region")
         from . import ops
         return scaled_output(ops.paged(variant, q, *_paged_kv(variant, paged_kv_cache), qo_indptr, kv_indptr,
                                        kv_indices, kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend,
@@ -184,12 +189,13 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     backend = _cache_backend(variant, backend, q, k_cache, v_cache)
     if backend == "triton":
-        raise FivarError(f"variant '{variant.name}': the Triton twin has no paged prefill (its paged kernel is "
-                         "decode); use backend='fa2'/'fa3'/'auto', or batch_prefill_ragged(..., backend='triton') "
-                         "on K/V gathered from the pages")
+        return scaled_output(triton_batch_prefill_paged(
+            variant, q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal=causal,
+            sm_scale=sm_scale, params=params, return_lse=return_lse, custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr), v_scale, return_lse)
     return_lse = check_lse(variant, return_lse)
     parts = ("paged", variant, backend, bool(causal), sm_scale, params or {}, qo_indptr, kv_indptr, kv_indices,
-             kv_last_page_len, _shapes(q, k_cache, v_cache))
+             kv_last_page_len, _shapes(q, k_cache, v_cache), *masks)
     plan = _one_shot.lookup(parts)
     if plan is None:
         _check_qkv(variant, q, k_cache, v_cache, paged=True)
@@ -202,17 +208,18 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
         kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len,
                                                     k_cache.shape[0], k_cache.shape[1], q.device)
         plan = _one_shot.get(parts, lambda: _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices,
-                                                        kv_last_page_len, causal, sm_scale, params))
+                                                        kv_last_page_len, causal, sm_scale, params, masks))
     # the key holds the shapes and dtypes the plan was made for, and the scales are folded into sm_scale
     return scaled_output(plan._launch(q, k_cache, v_cache, 1.0, return_lse), v_scale, return_lse)
 
 
 def _paged_plan(variant, backend, q, k_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale,
-                params):
+                params, masks=(None, None, None)):
     return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=q.shape[1],
                               num_kv_heads=k_cache.shape[2], head_dim=q.shape[-1], page_size=k_cache.shape[1],
                               dtype=q.dtype, kv_dtype=k_cache.dtype, causal=causal, sm_scale=sm_scale,
-                              backend=backend, device=q.device, params=params or {})
+                              backend=backend, device=q.device, params=params or {}, custom_mask=masks[0],
+                              packed_custom_mask=masks[1], mask_indptr=masks[2])
 
 
 def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,

@@ -142,17 +142,20 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
 
 
 def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-              causal: bool, sm_scale: float, device):
+              causal: bool, sm_scale: float, device, custom=None):
     """(head_union of the Triton twin's block map of this batch at block_rows x TILE_WIDTH on `device`, bits_of for
-    tile_list: None where the struct evaluates the mask, fivar.codegen.fa3.tile_list_bits)."""
+    tile_list: None where the struct evaluates the mask, fivar.codegen.fa3.tile_list_bits). `custom`: a custom mask
+    (fivar.runtime.custom_mask.CustomMask) ANDed into both, which then always gives bits."""
     qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
     qo_d, kv_d, group, block = qo_indptr.to(device), kv_indptr.to(device), num_qo_heads // num_kv_heads, \
         (block_rows(head_dim), TILE_WIDTH)
+    bits = None if custom is None else (custom.packed, custom.indptr)
     kinds = module.tile_kinds(qo_d, kv_d, int(qo_lens.max()), max(int(kv_lens.max()), 1), num_qo_heads, group,
-                              causal, args, block)
-    bits_of = ((lambda cut: module.tile_bits(cut, qo_d, kv_d, kinds.shape[2], group, causal, args, block))
-               if fa3.tile_list_bits(variant) else None)
+                              causal, args, block, custom=bits)
+    bits_of = ((lambda cut: module.tile_bits(cut, qo_d, kv_d, kinds.shape[2], group, causal, args, block,
+                                             custom=bits))
+               if fa3.tile_list_bits(variant) or custom is not None else None)
     return head_union(kinds), bits_of
 
 
@@ -170,10 +173,13 @@ def page_size_for(kv_indptr: torch.Tensor | None = None, cache_page_size: int | 
 class TileListPrefill:
     """A batch planned on FA3 in the tile-list form; `run(q, k, v)` with k/v [tokens, H, D] (ragged) or
     [pages, page_size, H, D] (paged: `pages` = (kv_indices, page_size) on the device, kv_indptr then a page
-    indptr and kv_last_page_len given). Checks of the inputs against the plan are the caller's."""
+    indptr and kv_last_page_len given). Checks of the inputs against the plan are the caller's. `custom`: a custom
+    mask (fivar.runtime.custom_mask.CustomMask, checked) ANDed into the map and the bits: a variant whose tile list
+    reads no bits then runs the module built to read them (custom_mask=True); a mask reading the head is refused
+    by the caller."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal, bound,
-                 sm_scale, device, pages=None, kv_last_page_len=None):
+                 sm_scale, device, pages=None, kv_last_page_len=None, custom=None):
         qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
         if pages is not None:  # keys as a ragged batch, each key found through the page table
             page_table, page_size = pages
@@ -203,11 +209,13 @@ class TileListPrefill:
         if self.empty or self.no_keys:
             return
         kinds, bits_of = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
-                                   sm_scale, device)
+                                   sm_scale, device, custom)
         layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of, bits_of, self.page)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
-        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale)
+        own_bits = variant.scans_mask and fa3.tile_list_bits(variant)  # the module of the mask already reads bits
+        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale,
+                       custom_mask=custom is not None and not own_bits)
         w = take_wrapper("paged", fmod, device, False)
         w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices,
                layout.kv_last_page_len.to(device), num_qo_heads, num_kv_heads, head_dim, self.page, causal=False,

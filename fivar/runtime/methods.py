@@ -39,13 +39,18 @@ class _Calls:
     def batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                             kv_last_page_len, *, causal: bool = False, sm_scale: float | None = None,
                             backend: str = "auto", return_lse: bool = False, k_scale: float | None = None,
-                            v_scale: float | None = None, **params):
-        """k_scale/v_scale: the cache holds k / k_scale, v / v_scale (a float8_e4m3fn cache: fivar.runtime.fp8_kv)."""
+                            v_scale: float | None = None, custom_mask=None, packed_custom_mask=None,
+                            mask_indptr=None, **params):
+        """k_scale/v_scale: the cache holds k / k_scale, v / v_scale (a float8_e4m3fn cache: fivar.runtime.fp8_kv).
+        custom_mask (bool, each request's [qo_len, kv_len] flattened and concatenated) or packed_custom_mask
+        (uint8, those bits packed little-endian per request; mask_indptr: each request's first byte): FlashInfer's
+        custom mask, ANDed with the variant's mask and causal (fivar.runtime.custom_mask; docs/serving.md)."""
         self._check_backend_name(backend)
         return _runtime().batch_prefill_paged(self, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices,
                                               kv_last_page_len, causal=causal, sm_scale=sm_scale,
                                               backend=backend, params=params, return_lse=return_lse, k_scale=k_scale,
-                                              v_scale=v_scale)
+                                              v_scale=v_scale, custom_mask=custom_mask,
+                                              packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr)
 
     def decode(self, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *,
                sm_scale: float | None = None, backend: str = "auto", return_lse: bool = False,
@@ -58,16 +63,19 @@ class _Calls:
 
     def plan_paged(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
                    num_kv_heads: int, head_dim: int, page_size: int, dtype=None, causal: bool = False,
-                   sm_scale: float | None = None, backend: str = "auto", device="cuda", kv_dtype=None, **params):
+                   sm_scale: float | None = None, backend: str = "auto", device="cuda", kv_dtype=None,
+                   custom_mask=None, packed_custom_mask=None, mask_indptr=None, **params):
         """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split).
         kv_dtype=torch.float8_e4m3fn: an FP8 cache, run with `.run(q, cache, k_scale=, v_scale=)`. A plan reads its
-        index tensors and tensor params when made: after writing one in place, call `.invalidate()`."""
+        index tensors and tensor params when made: after writing one in place, call `.invalidate()`.
+        custom_mask / packed_custom_mask / mask_indptr: as batch_prefill_paged's, planned with the batch."""
         self._check_backend_name(backend)
         rt = _runtime()
         return rt.explicit_plan(lambda: rt.PagedAttentionPlan(
             self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype, causal=causal,
-            sm_scale=sm_scale, backend=backend, device=device, params=params, kv_dtype=kv_dtype))
+            sm_scale=sm_scale, backend=backend, device=device, params=params, kv_dtype=kv_dtype,
+            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr))
 
     def plan_ragged(self, qo_indptr, kv_indptr, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                     dtype=None, causal: bool = False, sm_scale: float | None = None, backend: str = "auto",
@@ -108,13 +116,14 @@ class _Calls:
 
     def reference(self, q, k, v, *, causal: bool = False, sm_scale: float | None = None, batch_idx: int = 0,
                   batch_size: int | None = None, return_lse: bool = False, k_scale: float | None = None,
-                  v_scale: float | None = None, **params):
+                  v_scale: float | None = None, custom_mask=None, **params):
         """The torch reference (float32 math) for request `batch_idx` of a batch; same shapes as `prefill`.
-        k_scale/v_scale: k and v are quantized (an FP8 cache's contents), dequantized as k.float() * k_scale."""
+        k_scale/v_scale: k and v are quantized (an FP8 cache's contents), dequantized as k.float() * k_scale.
+        custom_mask: bool [qo_len, kv_len] of this request, ANDed in (a verify batch's draft tree)."""
         from ..codegen.torch_ref import reference_attention
         return reference_attention(self, q, k, v, causal=causal, sm_scale=sm_scale, params=params,
                                    batch_idx=batch_idx, batch_size=batch_size, return_lse=return_lse,
-                                   k_scale=k_scale, v_scale=v_scale)
+                                   k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask)
 
 
 def call_kwargs(cls=_Calls) -> frozenset[str]:

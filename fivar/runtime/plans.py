@@ -15,6 +15,7 @@ from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv
 from .ops import register_plan
 from . import fa2_blocks, segments
 from .segments import mask_scan
+from .custom_mask import check_custom_mask, paged_kv_lens
 from .fa3_tile_list import TileListPrefill
 from .launch import (_check_indptr, _check_pages, _check_qkv, _module, _paged_kv, _prepare, direct_paged_run,
                      release_wrapper, take_wrapper)
@@ -168,6 +169,16 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
                       sm_scale=sm_scale, device=checked.device, params=params or {}, kv_dtype=kv_dtype)
 
 
+def refuse_custom_mask(variant, target: str, kv_name) -> None:
+    """A custom mask runs on FA3's tile-list form (bits) and the Triton twin; the other forms refuse it."""
+    if target != "fa3" or kv_name is not None:
+        raise FivarError(f"variant '{variant.name}': custom_mask runs on backend 'fa3' (sm90, a bf16/fp16 cache) or "
+                         f"'triton'; FA2{' (an FP8 cache)' if kv_name is not None else ''} does not take it")
+    if fa3.mask_reads_head(variant):
+        raise FivarError(f"variant '{variant.name}': custom_mask on FA3 needs a mask that does not read the head (its "
+                         "tile list evaluates a per-head mask instead of reading bits); use backend='triton'")
+
+
 def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
                 device):
     """The planned entry points' shared checks; sets plan.variant, .device, .target and .batch."""
@@ -200,12 +211,15 @@ class PagedAttentionPlan(_OwnsWrapper):
     whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
     A mask that is more than a band runs one request per query block over the pages it may keep, on FA2
     (fivar.runtime.fa2_blocks), and on FA3 one request per query tile over its non-empty key tiles
-    (fivar.runtime.fa3_tile_list); `keys_read`: keys read and the unsplit form's.
+    (fivar.runtime.fa3_tile_list); `keys_read`: keys read and the unsplit form's. A custom mask (custom_mask or
+    packed_custom_mask with mask_indptr, fivar.runtime.custom_mask) runs FA3's tile-list form whatever the
+    variant's mask, the custom bits ANDed into the block map and the tiles' bits.
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
                  num_kv_heads, head_dim, page_size, dtype=None, causal=False, sm_scale=None, backend="auto",
-                 device="cuda", params=None, kv_dtype=None):
+                 device="cuda", params=None, kv_dtype=None, custom_mask=None, packed_custom_mask=None,
+                 mask_indptr=None):
         register_plan(self)
         kv_name = plan_kv_dtype(variant, dtype or torch.bfloat16, kv_dtype)  # an FP8 cache: fivar.runtime.fp8_kv
         backend = fp8_backend(variant, backend, kv_name)
@@ -214,6 +228,10 @@ class PagedAttentionPlan(_OwnsWrapper):
         # no cache to bound the page numbers by here (run takes it): int32 is the bound
         kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, 1 << 62,
                                                     page_size, self.device)
+        custom = check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_indptr.diff(),
+                                   paged_kv_lens(kv_indptr, kv_last_page_len, page_size), self.device)
+        if custom is not None:
+            refuse_custom_mask(variant, self.target, kv_name)
         one_query = bool((qo_indptr.diff() == 1).all())
         if not (self.target == "fa2" and one_query and trims_decode_pages(variant)):  # that form keeps the call's
             # one query per request sits at its last key (decode): causal drops nothing there, and a window form
@@ -225,11 +243,11 @@ class PagedAttentionPlan(_OwnsWrapper):
         lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        if self.target == "fa3" and variant.scans_mask:  # the tile-list form (fivar.runtime.fa3_tile_list)
-            self._tiles = TileListPrefill(
+        if self.target == "fa3" and (variant.scans_mask or custom is not None):  # the tile-list form
+            self._tiles = TileListPrefill(  # (fivar.runtime.fa3_tile_list)
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device,
-                pages=(kv_indices, page_size), kv_last_page_len=kv_last_page_len)
+                pages=(kv_indices, page_size), kv_last_page_len=kv_last_page_len, custom=custom)
             self.keys_read = self._tiles.keys_read
             return
         block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest

@@ -12,8 +12,11 @@ import torch
 from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
 from ..spec.inputs import check_lse
-from .launch import (_check_decode_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr, _paged_kv,
-                     _prepare)
+from ..errors import FivarError
+from .custom_mask import check_custom_mask, paged_kv_lens
+from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
+                     _paged_kv, _prepare)
+from .rows import indptr
 from . import position_tables
 from .plan_cache import PlanCache
 
@@ -88,6 +91,36 @@ def triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causa
                                    q.device), qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
                           q.shape[1] // k.shape[1], causal, args)
     return module.prefill(q, k, v, qo_indptr, kv_indptr, max_qo_len, causal, args, return_lse, plan=plan)
+
+
+def triton_batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *,
+                               causal=False, sm_scale=None, params=None, return_lse=False, custom_mask=None,
+                               packed_custom_mask=None, mask_indptr=None):
+    """Several queries per request over a paged cache (a verify batch), with an optional custom mask
+    (fivar.runtime.custom_mask): the prefill kernel reading each key tile's rows through the page table."""
+    return_lse = check_lse(variant, return_lse)
+    k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
+    _check_inputs(variant, q, k_cache, v_cache, paged=True)
+    qo_indptr = _check_indptr(variant, "qo_indptr", qo_indptr, q.device)
+    kv_indptr = _check_indptr(variant, "kv_indptr", kv_indptr, q.device)
+    if kv_indptr.numel() != qo_indptr.numel() or int(qo_indptr[-1]) != q.shape[0]:
+        raise FivarError(f"variant '{variant.name}': qo_indptr and kv_indptr must have the same length, and "
+                         f"qo_indptr[-1] ({int(qo_indptr[-1])}) must equal q's token count ({q.shape[0]})")
+    page_size = k_cache.shape[1]
+    kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
+                                                page_size, q.device)
+    kv_lens = paged_kv_lens(kv_indptr, kv_last_page_len, page_size)
+    custom = check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_indptr.cpu().diff(), kv_lens,
+                               q.device)
+    batch = qo_indptr.numel() - 1
+    bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
+    token_indptr = indptr(kv_lens).to(q.device)  # the requests' key counts: the kernel's lengths
+    max_qo_len, max_kv_len = position_tables.max_lengths(qo_indptr, token_indptr)
+    bound = position_tables.bind(variant, bound, (max_qo_len, max_kv_len))
+    module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
+    return module.prefill(q, k_cache, v_cache, qo_indptr, token_indptr, max_qo_len, causal, args, return_lse,
+                          custom=None if custom is None else (custom.packed, custom.indptr),
+                          pages=(kv_indices, kv_indptr, max_kv_len))
 
 
 def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None,

@@ -191,6 +191,7 @@ class AttentionVariant:
 #: `dtype` ...): a param of one of these names would be taken for the call's own argument. The methods themselves
 #: sit above the runtime (fivar.runtime.methods), which checks this set against their signatures when it adds them.
 CALL_KWARGS = frozenset({
-    "backend", "batch_idx", "batch_size", "causal", "cuda_graph", "device", "dtype", "head_dim", "k", "k_scale",
-    "kv_dtype", "kv_indices", "kv_indptr", "kv_last_page_len", "num_kv_heads", "num_qo_heads", "out", "page_size",
-    "paged_kv_cache", "q", "qo_indptr", "return_lse", "self", "sm_scale", "v", "v_scale"})
+    "backend", "batch_idx", "batch_size", "causal", "cuda_graph", "custom_mask", "device", "dtype", "head_dim", "k",
+    "k_scale", "kv_dtype", "kv_indices", "kv_indptr", "kv_last_page_len", "mask_indptr", "num_kv_heads",
+    "num_qo_heads", "out", "packed_custom_mask", "page_size", "paged_kv_cache", "q", "qo_indptr", "return_lse", "self",
+    "sm_scale", "v", "v_scale"})

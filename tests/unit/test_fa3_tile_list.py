@@ -48,11 +48,13 @@ def _plan(v, params, qo, kv, causal, token_of, page=1):
     return tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of, bits_of, page), bound
 
 
-def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
+def list_errors(v, bound, layout, qo, kv, causal, key_at, custom=None) -> list[str]:
     """Where the requests, read as the struct reads them, disagree with every pair. `key_at(token)`: (batch, kv_idx)
-    of the key a token holds."""
+    of the key a token holds. `custom`: per request a bool [qo_len, kv_len] custom mask ANDed in (the struct then
+    reads bits)."""
     keeps = [keep_matrix(v.ir.mask, qo_len=lq, kv_len=lk, scalars=bound.scalars, tensors=bound.tensors,
                          num_qo_heads=HEADS, num_kv_heads=KV_HEADS, batch_idx=b, causal=causal)
+             & (True if custom is None else custom[b])
              for b, (lq, lk) in enumerate(zip(qo, kv))]
     seen = [torch.zeros_like(k, dtype=torch.int32) for k in keeps]  # how often each pair is kept
     qo_ind, page, lasts = layout.qo_indptr.tolist(), layout.page, layout.kv_last_page_len.tolist()
@@ -66,7 +68,7 @@ def list_errors(v, bound, layout, qo, kv, causal, key_at) -> list[str]:
         kv_ind.append(len(tokens))
     tile_keys, blocks = layout.tile_keys.tolist(), layout.blocks.tolist()
     words = layout.cut_bits.view(-1).long() & 0xFFFFFFFF
-    bits = tile_list_bits(v)
+    bits = tile_list_bits(v) or custom is not None
     errors = []
     rows_of = [0] * len(qo)
     for r, (b, q0, e0, whole, bit0, stride) in enumerate(blocks):

@@ -465,7 +465,7 @@ def test_decode_pages_are_checked_before_launch(indices, last, match):
         fivar.load("softcap").decode(q, cache, _i32(0, 2, 5), indices, last, backend="triton")
 
 
-def test_bad_out_sm_scale_and_paged_twin_are_one_line():
+def test_bad_out_and_sm_scale_are_one_line_and_the_paged_twin_reads_the_pages():
     v = fivar.load("softcap")
     q, k, vv = _qkv(8, 8, 4, 2, 16)
     with pytest.raises(fivar.FivarError, match=r"out must be like q \(torch.float16 \[8, 4, 16\] on cpu\), got "
@@ -473,8 +473,13 @@ def test_bad_out_sm_scale_and_paged_twin_are_one_line():
         v.prefill(q, k, vv, backend="triton", out=torch.empty(8, 4, 8, dtype=DTYPE))
     with pytest.raises(fivar.FivarError, match="sm_scale must be a finite number, got 'x'"):
         v.prefill(q, k, vv, backend="triton", sm_scale="x")
-    with pytest.raises(fivar.FivarError, match="the Triton twin has no paged prefill"):
-        v.batch_prefill_paged(q, (k[None], vv[None]), _i32(0, 8), _i32(0, 1), _i32(0), _i32(8), backend="triton")
+    # paged prefill gathers each request's keys from its pages, then runs the ragged kernel
+    pages = torch.randperm(4)
+    k_cache, v_cache = torch.randn(4, 2, 2, 16, dtype=DTYPE), torch.randn(4, 2, 2, 16, dtype=DTYPE)
+    k_cache[pages], v_cache[pages] = k.view(4, 2, 2, 16), vv.view(4, 2, 2, 16)
+    paged = v.batch_prefill_paged(q, (k_cache, v_cache), _i32(0, 8), _i32(0, 4), pages.to(torch.int32), _i32(2),
+                                  backend="triton")
+    assert torch.equal(paged, v.batch_prefill_ragged(q, k, vv, _i32(0, 8), _i32(0, 8), backend="triton"))
 
 
 def _wrapping_mask(b, h, kh, qi, ki, p):

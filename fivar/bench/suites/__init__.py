@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 
 SUITES = {"attention": "attention", "decode": "decode", "zoo": "zoo", "masks": "masks", "fusions": "fusions",
-          "triton-ops": "triton_ops", "compile": "compile", "train": "train"}
+          "triton-ops": "triton_ops", "compile": "compile", "train": "train",
+          "serving": "serving"}
 
 
 def cases_of(suite: str, quick: bool = False) -> list:

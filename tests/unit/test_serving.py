@@ -1,0 +1,269 @@
+"""Speculative verify batches with an engine's custom mask (fivar.runtime.custom_mask, fivar.integrations.serving), on
+the CPU: the Triton twin under TRITON_INTERPRET=1 against the float64 reference, and FA3's tile-list form read the
+way its struct reads it (test_fa3_tile_list's emulation) against every pair.
+
+Random batches: 1..3 requests of 1..16 draft tokens as a chain or a random tree over a random prefix, pages of 1 or
+16 keys, causal on and off, variants without a mask (soft-cap), with a window, with sinks and a window, and with a
+mask beyond a band (documents). Dropping the custom mask must fail the same checks.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import fivar
+from fivar.codegen.fa3 import TILE_WIDTH
+from fivar.codegen.torch_ref import reference_attention
+from fivar.codegen.triton import kernel_arg_values
+from fivar.integrations.serving import chain_parents, tree_mask, tree_rows
+from fivar.jit.triton_module import load_triton_module
+from fivar.runtime.custom_mask import check_custom_mask, pack
+from fivar.runtime.fa3_tile_list import head_union, page_size_for, tile_list
+from fivar.runtime.launch import _prepare
+from fivar.runtime.plans import refuse_custom_mask
+from fivar.testing import _to_paged, example_params
+
+from test_fa3_tile_list import ROWS, _ind, _paged, list_errors
+
+HQ, HKV, D = 4, 2, 16
+VARIANTS = {"softcap": {}, "sliding_window": {"window": 9}, "gpt_oss": {"window": 12}, "document_mask": {}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _tree(n: int) -> list[int]:
+    return [-1] + [random.randrange(-1, j) for j in range(1, n)]
+
+
+def _verify_batch(form: str, causal: bool):
+    """(qo lens, kv lens, per-request bool masks): draft tokens after a random prefix, their tree's mask."""
+    batch = random.randint(1, 3)
+    drafts = [random.randint(1, 16) for _ in range(batch)]
+    prefixes = [random.randint(0, 40) for _ in range(batch)]
+    parents = [chain_parents(n) if form == "chain" else _tree(n) for n in drafts]
+    masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), tree_rows(par)], 1)
+             for n, p, par in zip(drafts, prefixes, parents)]
+    return drafts, [p + n for p, n in zip(prefixes, drafts)], masks, prefixes, parents
+
+
+def _params(name, batch, max_len):
+    v = fivar.load(name)
+    params = {**example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=batch, max_len=max_len,
+                               device="cpu"), **VARIANTS[name]}
+    return v, params
+
+
+def _reference(v, q, k, vv, qo, kv, causal, params, masks):
+    outs, a, b = [], 0, 0
+    for i, (lq, lk) in enumerate(zip(qo, kv)):
+        outs.append(reference_attention(v, q[a:a + lq], k[b:b + lk], vv[b:b + lk], causal=causal, params=params,
+                                        batch_idx=i, batch_size=len(qo), float_dtype=torch.float64,
+                                        custom_mask=None if masks is None else masks[i]))
+        a, b = a + lq, b + lk
+    return torch.cat(outs)
+
+
+def test_pack_is_segment_packbits_little_endian():
+    """Each request's flattened matrix packed from its own byte, bit 0 first, as numpy.packbits(bitorder='little')
+    per segment (FlashInfer's segment_packbits layout)."""
+    for _ in range(5):
+        qo = torch.randint(1, 9, (random.randint(1, 4),))
+        kv = qo + torch.randint(0, 30, qo.shape)
+        flat = torch.rand(int((qo * kv).sum())) < 0.5
+        got = pack(flat, qo, kv)
+        want, start, indptr = [], 0, [0]
+        for n in (qo * kv).tolist():
+            seg = np.packbits(flat[start:start + n].numpy(), bitorder="little")
+            want.append(seg)
+            indptr.append(indptr[-1] + len(seg))
+            start += n
+        assert got.packed.tolist() == np.concatenate(want).tolist()
+        assert got.indptr.tolist() == indptr
+        a = 0
+        for b, (lq, lk) in enumerate(zip(qo.tolist(), kv.tolist())):
+            assert torch.equal(got.request(b, lq, lk), flat[a:a + lq * lk].view(lq, lk))
+            a += lq * lk
+
+
+def test_tree_rows_keep_exactly_the_ancestors():
+    for _ in range(20):
+        parents = _tree(random.randint(1, 16))
+        rows = tree_rows(parents)
+        for j in range(len(parents)):
+            seen, p = {j}, parents[j]
+            while p >= 0:
+                seen.add(p)
+                p = parents[p]
+            assert set(rows[j].nonzero().view(-1).tolist()) == seen
+    assert torch.equal(tree_rows(chain_parents(5)), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page", [1, 16])
+def test_triton_verify_matches_the_reference(name, causal, page):
+    for form in ("chain", "tree"):
+        qo, kv, masks, prefixes, parents = _verify_batch(form, causal)
+        v, params = _params(name, len(qo), max(kv))
+        q = torch.randn(sum(qo), HQ, D).half()
+        k, vv = torch.randn(sum(kv), HKV, D).half(), torch.randn(sum(kv), HKV, D).half()
+        cache, kv_indptr, kv_indices, last = _to_paged(k, vv, kv, page)
+        qo_indptr = _ind(qo)
+        packed, mask_indptr = tree_mask(prefixes, parents)
+        out = v.batch_prefill_paged(q, cache, qo_indptr, kv_indptr, kv_indices, last, causal=causal,
+                                    backend="triton", packed_custom_mask=packed, mask_indptr=mask_indptr, **params)
+        ref = _reference(v, q, k, vv, qo, kv, causal, params, masks)
+        assert (out.double() - ref).abs().max() < 2e-2, (name, form, qo, kv)
+        flat = torch.cat([m.view(-1) for m in masks])
+        same = v.batch_prefill_paged(q, cache, qo_indptr, kv_indptr, kv_indices, last, causal=causal,
+                                     backend="triton", custom_mask=flat, **params)
+        assert torch.equal(out, same)  # the bool form packs to the same bits
+        if any(not bool(m.all()) for m in masks) and not (causal and form == "chain"):
+            # the mutation: without the custom mask the same check fails (a chain under causal drops nothing more)
+            dropped = v.batch_prefill_paged(q, cache, qo_indptr, kv_indptr, kv_indices, last, causal=causal,
+                                            backend="triton", **params)
+            assert (dropped.double() - ref).abs().max() > 5e-2
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_tile_lists_keep_exactly_the_pairs_of_the_custom_mask(name, causal):
+    """The tile list FA3 runs, planned with the custom mask ANDed into the map and the bits, keeps exactly the pairs
+    of the variant's mask, causal and the custom mask; planned without it, the same check fails."""
+    for form in ("chain", "tree"):
+        qo, kv, masks, prefixes, parents = _verify_batch(form, causal)
+        kv = [k + TILE_WIDTH * random.randint(0, 2) for k in kv]  # longer prefixes: whole tiles and cut ones
+        masks = [torch.cat([torch.ones(lq, lk - m.shape[1], dtype=torch.bool), m], 1)
+                 for lq, lk, m in zip(qo, kv, masks)]
+        v, params = _params(name, len(qo), max(kv))
+        cache_page = random.choice([1, 16])
+        token_of, key_at = _paged(kv, cache_page)
+        probe = torch.zeros(sum(qo), HQ, D, dtype=torch.float16)
+        bound, sm_scale = _prepare(v, params, probe, HKV, len(qo), None)
+        module, args = load_triton_module(v), kernel_arg_values(v, bound, sm_scale)
+        custom = check_custom_mask(v, torch.cat([m.view(-1) for m in masks]), None, None, torch.tensor(qo),
+                                   torch.tensor(kv), "cpu")
+        layouts = []
+        for bits in ((custom.packed, custom.indptr), None):
+            kinds = module.tile_kinds(_ind(qo), _ind(kv), max(qo), max(kv), HQ, HQ // HKV, causal, args,
+                                      (ROWS, TILE_WIDTH), custom=bits)
+            bits_of = (lambda cut, kinds=kinds, bits=bits: module.tile_bits(
+                cut, _ind(qo), _ind(kv), kinds.shape[2], HQ // HKV, causal, args, (ROWS, TILE_WIDTH), custom=bits))
+            layouts.append(tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of, bits_of,
+                                     page_size_for(cache_page_size=cache_page)))
+        assert list_errors(v, bound, layouts[0], qo, kv, causal, key_at, custom=masks) == []
+        if any(not bool(m.all()) for m in masks) and not (causal and form == "chain"):
+            assert list_errors(v, bound, layouts[1], qo, kv, causal, key_at, custom=masks)
+
+
+def _one_line(exc_info, *words):
+    text = str(exc_info.value)
+    assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_bad_custom_masks_are_one_line_errors():
+    v, params = _params("softcap", 2, 24)
+    qo, kv = [3, 5], [10, 24]
+    q = torch.randn(8, HQ, D).half()
+    k, vv = torch.randn(34, HKV, D).half(), torch.randn(34, HKV, D).half()
+    cache, kv_indptr, kv_indices, last = _to_paged(k, vv, kv, 16)
+    good = torch.ones(3 * 10 + 5 * 24, dtype=torch.bool)
+    packed, mask_indptr = tree_mask([7, 19], [chain_parents(3), chain_parents(5)])
+
+    def call(**kw):
+        return v.batch_prefill_paged(q, cache, _ind(qo), kv_indptr, kv_indices, last, backend="triton", **kw)
+    for kw, words in (
+            (dict(custom_mask=good[:-1]), ("softcap", "custom_mask", "150")),
+            (dict(custom_mask=good.to(torch.uint8)), ("softcap", "custom_mask", "bool")),
+            (dict(custom_mask=good, packed_custom_mask=packed), ("softcap", "not both")),
+            (dict(packed_custom_mask=packed[:-1]), ("softcap", "packed_custom_mask", "uint8")),
+            (dict(packed_custom_mask=packed.to(torch.int32)), ("softcap", "packed_custom_mask")),
+            (dict(packed_custom_mask=packed, mask_indptr=mask_indptr + 1), ("softcap", "mask_indptr")),
+            (dict(packed_custom_mask=packed, mask_indptr=mask_indptr[:-1]), ("softcap", "mask_indptr")),
+            (dict(packed_custom_mask=packed, mask_indptr=mask_indptr.float()), ("softcap", "mask_indptr")),
+            (dict(mask_indptr=mask_indptr), ("softcap", "mask_indptr", "without")),
+            (dict(custom_mask=good.to("meta")), ("softcap", "custom_mask", "meta")),
+            (dict(custom_mask=[True] * 150), ("softcap", "custom_mask", "list"))):
+        with pytest.raises(fivar.FivarError) as e:
+            call(**kw)
+        _one_line(e, *words)
+    # the good forms run, and give the same result
+    flat = tree_mask([7, 19], [chain_parents(3), chain_parents(5)], packed=False)
+    assert torch.equal(call(custom_mask=flat), call(packed_custom_mask=packed, mask_indptr=mask_indptr))
+    with pytest.raises(fivar.FivarError) as e:
+        tree_mask([4], [[-1, 1]])
+    _one_line(e, "parents[1]")
+    with pytest.raises(fivar.FivarError) as e:
+        reference_attention(v, q[:3], k[:10], vv[:10], custom_mask=torch.ones(3, 9, dtype=torch.bool))
+    _one_line(e, "softcap", "custom_mask", "[3, 10]")
+
+
+def test_backends_without_the_custom_mask_refuse_it_in_one_line():
+    """FA2 and an FP8 cache refuse it; on FA3, a mask reading the head (its tile list evaluates the mask, no bits)."""
+    from test_block_map import _variant
+    for target, kv_name in (("fa2", None), ("fa3", "fp8e4m3")):
+        with pytest.raises(fivar.FivarError) as e:
+            refuse_custom_mask(fivar.load("softcap"), target, kv_name)
+        _one_line(e, "softcap", "custom_mask", "FA2")
+    refuse_custom_mask(fivar.load("document_mask"), "fa3", None)  # reads bits: runs
+    with pytest.raises(fivar.FivarError) as e:
+        refuse_custom_mask(_variant("head_window_sinks")[0], "fa3", None)
+    _one_line(e, "custom_mask", "head")
+
+
+def test_the_custom_mask_module_of_a_variant_without_a_scanned_mask_reads_bits(monkeypatch):
+    """A variant with no mask, or a band, gets its own FA3 module form for a custom mask: the tile-list struct
+    reading cut tiles' bits; a mask beyond a band reading bits keeps its one module."""
+    from fivar.jit.build import gen_module
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    for name in ("softcap", "sliding_window", "gpt_oss"):
+        v = fivar.load(name)
+        m = gen_module(v, "batch_prefill", "fa3", custom_mask=True)
+        body = m.sources["batch_prefill_sm90_config.inc"].split("REGISTER_LOGITS_TRANSFORM")[1]
+        assert "_tilesmask_" in m.uri and m.options["custom_mask"] and "fv_bits" in body and "fv_whole" in body
+        assert "return fv_keep ? " in body  # the bits decide: a dropped pair's logit is -inf
+        assert m.uri != gen_module(v, "batch_prefill", "fa3").uri
+        # what a manifest records renders the same module again (fivar.jit.integrity)
+        assert gen_module(v, "batch_prefill", "fa3", **m.options).uri == m.uri
+    tiles = gen_module(fivar.load("document_mask"), "batch_prefill", "fa3")
+    assert gen_module(fivar.load("document_mask"), "batch_prefill", "fa3", **tiles.options).uri == tiles.uri
+    with pytest.raises(fivar.FivarError) as e:
+        gen_module(fivar.load("softcap"), "batch_prefill", "fa2", custom_mask=True)
+    _one_line(e, "softcap", "custom-mask")
+
+
+def test_the_serving_suite_lists_verify_cases_without_a_gpu():
+    from fivar.bench.suites import cases_of
+    names = [c.name for c in cases_of("serving")]
+    for variant in ("softcap", "sliding_window", "gpt_oss"):
+        for n in (8, 16, 64):
+            for form in ("chain", "tree"):
+                assert f"{variant} verify {form} {n} x32 ctx8192" in names
+    case = cases_of("serving")[0]
+    assert case.shape["page_size"] == 16 and case.shape["heads"] == "32/8" and case.baseline == ("stock", "triton")
+
+
+def test_the_twin_reads_pages_in_place_from_either_cache_layout():
+    """The twin's paged prefill reads each key through the page table, with the cache's own page stride: one
+    [pages, 2, page, H, D] tensor (pages twice as far apart) gives what the (k_cache, v_cache) pair does."""
+    v, params = _params("softcap", 2, 40)
+    qo, kv = [5, 7], [21, 40]
+    q = torch.randn(12, HQ, D).half()
+    k, vv = torch.randn(61, HKV, D).half(), torch.randn(61, HKV, D).half()
+    (k_cache, v_cache), kv_indptr, kv_indices, last = _to_paged(k, vv, kv, 16)
+    packed, mask_indptr = tree_mask([16, 33], [_tree(5), _tree(7)])
+    both = torch.stack([k_cache, v_cache], 1)
+    outs = [v.batch_prefill_paged(q, cache, _ind(qo), kv_indptr, kv_indices, last, backend="triton",
+                                  packed_custom_mask=packed, mask_indptr=mask_indptr, **params)
+            for cache in ((k_cache, v_cache), both)]
+    assert torch.equal(outs[0], outs[1])
+    custom = check_custom_mask(v, None, packed, mask_indptr, torch.tensor(qo), torch.tensor(kv), "cpu")
+    masks = [custom.request(b, lq, lk) for b, (lq, lk) in enumerate(zip(qo, kv))]
+    ref = _reference(v, q, k, vv, qo, kv, False, params, masks)
+    assert (outs[0].double() - ref).abs().max() < 2e-2
