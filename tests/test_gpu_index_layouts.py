@@ -97,3 +97,10 @@ def test_decode_index_layouts(name, heads):
                                      page_size=16, dtype=DTYPE, **params)
                 _check(name, f"plan_decode {heads} {form}", plan.run(q, cache), want, ref)
     assert INDEX_LAYOUTS["broadcast"](last).stride() == (0,)
+
+
+def test_cuda_graph_decode_plan_names_a_kv_indices_that_is_no_tensor():
+    v = fivar.load("softcap")
+    with pytest.raises(fivar.FivarError, match=r"^variant 'softcap': kv_indices must be a 1-D int32 tensor, got list$"):
+        v.plan_decode(_indptr([2]), [0, 1], _indptr([5])[1:], cuda_graph=True, num_qo_heads=4, num_kv_heads=4,
+                      head_dim=D, page_size=16, dtype=DTYPE)

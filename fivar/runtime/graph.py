@@ -67,7 +67,9 @@ class GraphDecodePlan:
         choose_target(variant, backend, "batch_decode", self.device)  # names fa3 (no decode kernel) and typos
         batch = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu").numel() - 1
         self.max_batch = int(max_batch if max_batch is not None else batch)
-        self.max_pages = int(max_pages if max_pages is not None else kv_indices.numel())
+        # a kv_indices that is no tensor is named by plan() below
+        pages = kv_indices.numel() if isinstance(kv_indices, torch.Tensor) else 1
+        self.max_pages = int(max_pages if max_pages is not None else pages)
         if self.max_batch < 1 or self.max_pages < 1:
             raise FivarError(f"variant '{name}': max_batch and max_pages must be positive, got {self.max_batch}, "
                              f"{self.max_pages}")
