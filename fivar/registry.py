@@ -67,12 +67,6 @@ def load_file(path: Path) -> AttentionVariant:
             spec.loader.exec_module(module)
     except FivarSpecError:
         raise
-    except (SystemExit, KeyboardInterrupt) as e:  # raised by the file itself: a broken file, not a quit of fivar
-        if isinstance(e, KeyboardInterrupt) and interrupted:
-            raise  # Ctrl-C while the file ran: the user's, not the file's
-        what = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
-        raise FivarSpecError(f"importing the variant file raised {what} (a variant file must define `variant = "
-                             "...`, not exit)", filename=str(path), line=_line_in(e, path), col=0) from None
     except SyntaxError as e:
         raise FivarSpecError(f"syntax error: {e.msg}", filename=str(path), line=e.lineno,
                              col=(e.offset or 1) - 1) from None
@@ -80,6 +74,13 @@ def load_file(path: Path) -> AttentionVariant:
         first = str(e).splitlines()[0] if str(e).strip() else ""
         raise FivarSpecError(f"importing the variant file failed: {type(e).__name__}: {first}",
                              filename=str(path), line=_line_in(e, path), col=0) from None
+    except BaseException as e:  # SystemExit, KeyboardInterrupt, GeneratorExit or its own BaseException subclass,
+        # raised by the file itself: a broken file, not a quit of fivar
+        if isinstance(e, KeyboardInterrupt) and interrupted:
+            raise  # Ctrl-C while the file ran: the user's, not the file's
+        what = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
+        raise FivarSpecError(f"importing the variant file raised {what} (a variant file must define `variant = "
+                             "...`, not exit)", filename=str(path), line=_line_in(e, path), col=0) from None
     v = getattr(module, "variant", None)
     from .fusion import FusionVariant
     if not isinstance(v, (AttentionVariant, FusionVariant)):

@@ -111,12 +111,12 @@ def _shown(params: dict) -> str:
     return f" {scalars}" if scalars else ""
 
 
-def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params):
+def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params, float_dtype=torch.float32):
     outs, qo, ko = [], 0, 0
     for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
         from .codegen.torch_ref import reference_attention
         outs.append(reference_attention(variant, q[qo:qo + lq], k[ko:ko + lk], v[ko:ko + lk], causal=causal,
-                                        params=params, batch_idx=b, batch_size=len(qo_lens)))
+                                        params=params, batch_idx=b, batch_size=len(qo_lens), float_dtype=float_dtype))
         qo, ko = qo + lq, ko + lk
     return torch.cat(outs)
 
@@ -147,6 +147,30 @@ def check_batch_prefill(variant, *, qo_lens, kv_lens, paged: bool, page_size=16,
     return compare(variant.name, f"batch_prefill_{kind}[{backend}] {dtype}{f' kv {kv_dtype}' if kv_dtype else ''} "
                    f"hd{head_dim} {num_qo_heads}/{num_kv_heads} "
                    f"qo{list(qo_lens)} kv{list(kv_lens)}{' causal' if causal else ''}", out, ref, dtype)
+
+
+def _poisoned(t: torch.Tensor, length: int, width: int, row: int, start: int, dtype) -> torch.Tensor:
+    """t's values at [row, start:start + n] of the transpose of a [length, width] tensor of poison (-5): a view of
+    stride `width` with a storage offset, which read as raw memory gives -5s."""
+    buf = torch.full((length, width), -5, dtype=dtype, device=t.device)
+    view = buf.t()[row, start:start + t.numel()]
+    view.copy_(t)
+    return view
+
+
+#: Index tensors (indptrs, page tables, last-page lengths) as callers pass them, each with t's values: strided views
+#: of larger tensors, int64, on the host while the data is on a GPU, broadcast. The entry points read them as values
+#: (fivar.runtime.launch._as_index), never as raw int32 memory.
+INDEX_LAYOUTS = {
+    "every_other": lambda t: torch.stack([t, torch.full_like(t, 7)], 1).reshape(-1)[::2],
+    "transposed_sliced": lambda t: _poisoned(t, t.numel() + 3, 4, 2, 1, t.dtype),
+    "int64": lambda t: t.long(),
+    "int64_transposed_sliced": lambda t: _poisoned(t, t.numel() + 2, 3, 1, 2, torch.int64),
+    "host_int64_strided": lambda t: _poisoned(t.cpu(), t.numel() + 1, 2, 1, 1, torch.int64),
+    # stride 0 where every entry is the same (all last pages full), else a strided int16 view
+    "broadcast": lambda t: (t[:1].expand(t.numel()) if bool((t == t[0]).all())
+                            else _poisoned(t, t.numel() + 1, 2, 0, 1, torch.int16)),
+}
 
 
 def _to_paged(k, v, kv_lens, page_size):

@@ -1,13 +1,24 @@
 """Ring attention: each rank's key/value shard travels once around the ring (rank r sends to r+1 and receives from
-r-1, by torch.distributed point-to-point ops); while one shard is attended the next is in flight. Memory: two
-shards at a time. In the backward the shard travels again, with a float32 gradient buffer that collects every
-rank's contribution and arrives back at its owner after the last step."""
+r-1, by torch.distributed point-to-point ops, `batch_isend_irecv`). Every transfer is posted before the compute it
+overlaps and waited for after it: step s posts shard s+1's send/recv, attends shard s, then waits (on GPUs NCCL runs
+the transfer on its own stream; on gloo it is asynchronous). Memory: two shards at a time.
+
+In the backward the shard travels again, and a float32 gradient buffer collects every rank's contribution to a
+shard's dK/dV and arrives back at its owner after the last step. Step s's contributions go into a fresh buffer; the
+buffer received from the previous rank (posted at the end of step s-1, so in flight during step s's compute) is
+added to it after the compute, and the sum is posted on to the next rank, to be waited for after step s+1's
+compute. Memory there: two shards, and three gradient buffers (this step's, the one arriving, the one leaving)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from .core import Plan, Transport, padded, run
+
+
+def _wait(requests) -> None:
+    for req in requests:
+        req.wait()
 
 
 class RingTransport(Transport):
@@ -35,27 +46,32 @@ class RingTransport(Transport):
             n = plan.sharding.length(owner)
             yield owner, buf[0, :n], buf[1, :n]
             if pending is not None:
-                for req in pending[0]:
-                    req.wait()
+                _wait(pending[0])
                 buf = pending[1]
 
     def backward(self, k, v):
         plan = self.plan
         buf = padded(k, v, self.rows)
-        dkv = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
+        arriving = None  # (requests, buffer): the gradients of this step's shard so far, from the previous rank
+        dkv = None
         for step in range(plan.world):
             owner = (plan.rank - step) % plan.world
             pending = self._exchange(buf) if step < plan.world - 1 else None
             n = plan.sharding.length(owner)
+            dkv = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
             yield owner, buf[0, :n], buf[1, :n], dkv
-            if plan.world > 1:  # the gradients follow their shard; after the last step each is back at its owner
-                reqs, dkv = self._exchange(dkv)
-                for req in reqs:
-                    req.wait()
+            if arriving is not None:  # in flight during this step's compute
+                _wait(arriving[0])
+                dkv += arriving[1]
+            # the gradients follow their shard, overlapping the next step's compute; after the last step each is
+            # back at its owner
+            arriving = self._exchange(dkv) if plan.world > 1 else None
             if pending is not None:
-                for req in pending[0]:
-                    req.wait()
+                _wait(pending[0])
                 buf = pending[1]
+        if arriving is not None:
+            _wait(arriving[0])
+            dkv = arriving[1]
         self._dkv = dkv
 
     def result(self):

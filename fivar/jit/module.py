@@ -319,8 +319,9 @@ def check_buildable_paths(m: "FivarModule") -> None:
         text = str(Path(path).resolve())
         shown = unsafe_in_build_files(text, *unsafe)
         if shown:
+            at = text if text.isprintable() else repr(text)  # a line break in the path would break the line
             raise FivarError(
-                f"variant '{m.variant.name}': cannot compile with {what} at {text}: FlashInfer writes that path "
+                f"variant '{m.variant.name}': cannot compile with {what} at {at}: FlashInfer writes that path "
                 f"unquoted into build.ninja, whose commands run through the shell, and it holds {shown}; set {what} "
                 f"to a directory without them (a symlink to this one works); loading modules already built there is "
                 f"fine")

@@ -40,6 +40,13 @@ from .ops import register_plan
 from .params import kernel_args
 
 
+def _check_step_tensors(variant, kv_indices, kv_last_page_len) -> None:
+    for arg, t in (("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+        if not (_integer(t) and t.dim() == 1):
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise FivarError(f"variant '{variant.name}': {arg} must be a 1-D int32 tensor, got {got}")
+
+
 class GraphDecodePlan:
     """Decode over a paged KV cache with buffers of fixed capacity (this module's docstring)."""
 
@@ -66,6 +73,7 @@ class GraphDecodePlan:
                              "has no plan step (capture its decode directly, its launches take device tensors)")
         choose_target(variant, backend, "batch_decode", self.device)  # names fa3 (no decode kernel) and typos
         batch = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu").numel() - 1
+        _check_step_tensors(variant, kv_indices, kv_last_page_len)  # before any module is built
         self.max_batch = int(max_batch if max_batch is not None else batch)
         self.max_pages = int(max_pages if max_pages is not None else kv_indices.numel())
         if self.max_batch < 1 or self.max_pages < 1:
@@ -119,10 +127,7 @@ class GraphDecodePlan:
         if batch > self.max_batch or pages > self.max_pages:
             raise FivarError(f"variant '{name}': this step has {batch} requests over {pages} pages; the plan was made "
                              f"for at most max_batch={self.max_batch} and max_pages={self.max_pages}")
-        for arg, t in (("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
-            if not (_integer(t) and t.dim() == 1):
-                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise FivarError(f"variant '{name}': {arg} must be a 1-D int32 tensor, got {got}")
+        _check_step_tensors(self.variant, kv_indices, kv_last_page_len)
         # host copies in their own dtypes (an int64 entry past int32 would wrap into range), checked, then int32
         indices, last = kv_indices[:pages].cpu(), kv_last_page_len.cpu()
         if last.numel() != batch or (indices.numel() and not 0 <= int(indices.min()) <= int(indices.max()) < 2**31) \

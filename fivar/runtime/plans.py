@@ -153,6 +153,8 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
     backend="auto" is FA2 here, as for batch_decode: FA3's prefill kernel is no decode kernel."""
     backend = "fa2" if backend == "auto" else backend
     backend = fp8_backend(variant, backend, plan_kv_dtype(variant, dtype or torch.bfloat16, kv_dtype))
+    if not isinstance(kv_indptr, torch.Tensor):  # its length and device are read next: named here, not a traceback
+        _check_indptr(variant, "kv_indptr", kv_indptr, device)
     qo_indptr = torch.arange(kv_indptr.numel(), dtype=torch.int32, device=kv_indptr.device)
     if backend != "fa2" or trims_decode_pages(variant) or _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads):
         return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,

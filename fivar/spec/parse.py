@@ -6,6 +6,7 @@ Only a small, explicit subset of Python is accepted (see ALLOWED). Everything el
 from __future__ import annotations
 
 import ast
+import math
 import builtins
 import dataclasses
 import inspect
@@ -291,6 +292,10 @@ class _FunctionParser:
         return out
 
     def expr_Constant(self, node):
+        if isinstance(node.value, float) and math.isinf(node.value):  # only a literal past float64 parses as inf
+            raise self.const_error(ir.Const(F32, node.value, self.location(node)), "literal is past float64's "
+                                   "range (Python reads it as inf), far outside the kernels' 32-bit floats; for an "
+                                   "infinity, name one outside the function (INF = float('inf'))")
         c = self.const(node.value, node)
         if c is None:
             raise self.unsupported(node, f"constant {node.value!r}")

@@ -367,10 +367,12 @@ _GOOD = ("from fivar import AttentionVariant\n\n\ndef mask(batch, qo_head, kv_he
 
 @pytest.mark.parametrize("stop,what", [("import sys\nsys.exit(0)\n", "SystemExit(0)"),
                                        ("raise SystemExit('bye')\n", "SystemExit('bye')"),
-                                       ("raise KeyboardInterrupt\n", "KeyboardInterrupt")])
+                                       ("raise KeyboardInterrupt\n", "KeyboardInterrupt"),
+                                       ("raise GeneratorExit\n", "GeneratorExit"),
+                                       ("class Stop(BaseException):\n    pass\n\n\nraise Stop\n", "raised Stop")])
 def test_a_variant_file_that_exits_is_an_error_naming_it_not_a_silent_success(tmp_path, monkeypatch, stop, what):
-    """A file that stops the import (sys.exit, SystemExit, KeyboardInterrupt) once made every command exit 0 with no
-    output; now each command names the file, and list / build --all go on with the other files, then exit 1."""
+    """A file that stops the import (sys.exit, SystemExit, KeyboardInterrupt; GeneratorExit and any other
+    BaseException escaped as a traceback) once made every command exit 0 with no output; now each command names the file, and list / build --all go on with the other files, then exit 1."""
     (tmp_path / "quitter.py").write_text(_GOOD.format(name="quitter").replace("variant =", stop + "variant ="))
     (tmp_path / "fine.py").write_text(_GOOD.format(name="fine"))
     monkeypatch.setenv("FIVAR_VARIANT_PATH", str(tmp_path))

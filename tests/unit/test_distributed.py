@@ -252,3 +252,78 @@ def test_zigzag_shards_round_trip():
         assert torch.equal(sharding.unshard([sharding.shard(x, r) for r in range(world)]), x)
         if seq_len >= 2 * world:
             assert [run[0] for run in sharding.runs[0]] == [0, seq_len * (2 * world - 1) // (2 * world)]
+
+
+def _transfer_order(rank, world):
+    """Every ring transfer is posted before the compute it overlaps and waited for after it: the next key/value
+    shard's in the forward and the backward, and in the backward a step's gradient buffer, posted after its own step's
+    compute and waited for after the next step's. Recorded through wrappers of batch_isend_irecv, the requests'
+    wait and the per-pair compute, with results still the reference's."""
+    import fivar.distributed.ring as ring
+    from fivar.distributed.core import Plan
+    events = []
+    real_batch, real_pair = dist.batch_isend_irecv, Plan.pair
+
+    class Request:
+        def __init__(self, req, n):
+            self.req, self.n = req, n
+
+        def wait(self):
+            if events[-1] != ("wait", self.n):  # one event for the pair of requests of one exchange
+                events.append(("wait", self.n))
+            return self.req.wait()
+
+    def batch(ops):
+        n = sum(e[0] == "post" for e in events)
+        events.append(("post", n))
+        return [Request(r, n) for r in real_batch(ops)]
+
+    def pair(self, q, k, v, q_start, kv_start, params=None, grad=False):
+        owner = next(o for o, runs in enumerate(self.sharding.runs) if any(s <= kv_start < e for s, e in runs))
+        if events[-1] != ("compute", owner):
+            events.append(("compute", owner))
+        return real_pair(self, q, k, v, q_start, kv_start, params=params, grad=grad)
+
+    seq_len, hq, hkv, d = 4 * world + 3, 2, 1, 16
+    gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=5)
+    sharding = Sharding.zigzag(seq_len, world)
+    w_out = torch.randn(seq_len, hq, d, generator=gen, dtype=torch.float64)
+    w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
+    ref = lambda q_, k_, v_: reference(DISTANCE, q_, k_, v_, False, {})  # noqa: E731
+    want = grads_of(ref, (q, k, v), (w_out, w_lse))
+    ring.dist.batch_isend_irecv, Plan.pair = batch, pair
+    try:
+        events.append(("start", None))
+        run = lambda q_, k_, v_: ring_attention(DISTANCE, q_, k_, v_, sharding, backend="reference",  # noqa: E731
+                                                return_lse=True)
+        got = grads_of(run, [sharding.shard(x, rank) for x in (q, k, v)], (sharding.shard(w_out, rank),
+                                                                           sharding.shard(w_lse, rank)))
+    finally:
+        ring.dist.batch_isend_irecv, Plan.pair = real_batch, real_pair
+    for g, w, what in zip(got, want, "qkv"):
+        close(g, sharding.shard(w, rank), 1e-5, f"rank {rank} d{what}")
+    owners = [(rank - s) % world for s in range(world)]
+    fwd = []  # kv_s is exchange s
+    for s, o in enumerate(owners):
+        fwd += ([("post", s)] if s < world - 1 else []) + [("compute", o)] + ([("wait", s)] if s < world - 1 else [])
+    bwd, n, grads = [], world - 1, []  # in the backward the exchanges are numbered in posting order
+    for s, o in enumerate(owners):
+        kv = None
+        if s < world - 1:
+            kv, n = n, n + 1
+            bwd.append(("post", kv))
+        bwd.append(("compute", o))
+        if grads:
+            bwd.append(("wait", grads[-1]))
+        grads.append(n)
+        n += 1
+        bwd.append(("post", grads[-1]))
+        if kv is not None:
+            bwd.append(("wait", kv))
+    bwd.append(("wait", grads[-1]))
+    assert events[1:] == fwd + bwd, f"rank {rank}: {events[1:]}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_posts_each_transfer_before_the_compute_it_overlaps(world):
+    spawn(_transfer_order, world)

@@ -516,6 +516,23 @@ def test_float_literal_beyond_float32():
     _expect(logits, match="1e+39 does not fit the kernels' 32-bit floats")
 
 
+def test_float_literal_past_float64_which_python_reads_as_inf():
+    """`1e400` parses to inf before fivar sees it: a number far outside float32, not an infinity meant as one (the
+    targets then agreed on NaN rows)."""
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + 1e400  # BAD
+    _expect(logits, match="constant literal is past float64's range (Python reads it as inf)")
+
+
+INF = float("inf")
+
+
+def test_an_infinity_named_outside_the_function_is_fine():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s if ki <= qi else -INF
+    AttentionVariant(name="inf_ok", logits=logits).ir
+
+
 def test_float_global_beyond_float32():
     def logits(s, b, h, kh, qi, ki, p):
         x = s - BIG_FLOAT  # BAD
