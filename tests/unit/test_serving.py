@@ -225,9 +225,12 @@ def test_the_custom_mask_module_of_a_variant_without_a_scanned_mask_reads_bits(m
     for name in ("softcap", "sliding_window", "gpt_oss"):
         v = fivar.load(name)
         m = gen_module(v, "batch_prefill", "fa3", custom_mask=True)
-        body = m.sources["batch_prefill_sm90_config.inc"].split("REGISTER_LOGITS_TRANSFORM")[1]
-        assert "_tilesmask_" in m.uri and m.options["custom_mask"] and "fv_bits" in body and "fv_whole" in body
-        assert "return fv_keep ? " in body  # the bits decide: a dropped pair's logit is -inf
+        struct = m.sources["batch_prefill_sm90_config.inc"]
+        updater = struct.split("GetAttentionUpdater")[1].split("REGISTER_LOGITS_TRANSFORM")[0]
+        reader = struct.split("fv_cut_word(int32_t qo_idx, int32_t word)")[1].split("}")[0]
+        assert "_tilesmask_" in m.uri and m.options["custom_mask"] and "fv_bits" in reader and "fv_whole" in reader
+        # the bits decide, once a KV tile: the updater drops the pairs whose bit is clear (fivar_tile_mask.cuh)
+        assert "fivar::WithTileMask" in updater and "fivar_tile_mask.cuh" in m.sources
         assert m.uri != gen_module(v, "batch_prefill", "fa3").uri
         # what a manifest records renders the same module again (fivar.jit.integrity)
         assert gen_module(v, "batch_prefill", "fa3", **m.options).uri == m.uri
