@@ -36,6 +36,7 @@ from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
 from . import fa2_blocks, position_tables
 from .launch import _module, direct_paged_run, release_wrapper, take_wrapper
+from .fp8_kv import ScaledArgs
 from .lse import empty_lse
 from .params import kernel_args
 from .rows import indptr
@@ -110,7 +111,8 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
     kv_idx = first_key[:, None] + offs
     live = (n_list[entry_req] > 0)[:, None]
     valid = torch.where(live, kv_idx < lens_dev[b_dev[entry_req], None], offs == 0)
-    kv_idx = kv_idx.clamp(max=max(int(kv_lens.max()) - 1, 0) if len(kv_lens) else 0)
+    # the invalid ones at their request's last key: a page table holds no page past a request's last
+    kv_idx = torch.minimum(kv_idx, (lens_dev[b_dev[entry_req], None] - 1).clamp(min=0))
     pages = token_of(b_dev[entry_req][:, None].expand_as(kv_idx), kv_idx)[valid] // page
     n_pages = (keys_h + page - 1) // page
     entry_start = torch.cumsum(entries_h, 0) - entries_h
@@ -176,8 +178,9 @@ class TileListPrefill:
             page_start = kv_h.to(device)
             page_table = page_table.to(device).long()
 
-            def token_of(b, kv_idx):
-                return page_table[page_start[b] + kv_idx // page_size] * page_size + kv_idx % page_size
+            def token_of(b, kv_idx):  # (a request of no keys reads any page: the table's last at most)
+                at = (page_start[b] + kv_idx // page_size).clamp(max=page_table.numel() - 1)
+                return page_table[at] * page_size + kv_idx % page_size
             kv_h = indptr(kv_lens).long()
             lengths = lambda: position_tables.max_lengths(qo_h, indptr(n_pages), last, page_size)  # noqa: E731
             self.page = page_size_for(cache_page_size=page_size)
@@ -209,15 +212,18 @@ class TileListPrefill:
         w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices,
                layout.kv_last_page_len.to(device), num_qo_heads, num_kv_heads, head_dim, self.page, causal=False,
                q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype, **split)
-        args = kernel_args(variant, bound, sm_scale, None if bits_of is not None else causal,
-                           tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits})
-        self._launch = (w, args, direct_paged_run(w, variant.name, device, args), ("paged", fmod, device))
+        args = ScaledArgs(lambda s: kernel_args(
+            variant, bound, s, None if bits_of is not None else causal,
+            tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits}), sm_scale)
+        self._launch = (w, args, direct_paged_run(w, variant.name, device, args(1.0)), ("paged", fmod, device))
 
-    def run(self, q, k, v, return_lse: bool = False):
+    def run(self, q, k, v, return_lse: bool = False, k_scale: float = 1.0):
+        """`k_scale`: a paged plan's run of a cache holding k / k_scale, folded into sm_scale."""
         if self.empty or self.no_keys:  # every row sees no key
             out = torch.zeros_like(q)
             return (out, empty_lse(q)) if return_lse else out
-        w, args, direct, _ = self._launch
+        w, scaled, direct, _ = self._launch
+        args = scaled(k_scale)
         # keys as pages of `page` (a view of contiguous k/v or of the cache's own pages)
         k, v = (x.reshape(-1, self.page, *x.shape[-2:]) for x in (k, v))
         if direct is not None:

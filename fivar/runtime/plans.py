@@ -64,7 +64,7 @@ class _OwnsWrapper:
     def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
         """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key)."""
         if self._tiles is not None:
-            return self._tiles.run(q, k_cache, v_cache, return_lse)
+            return self._tiles.run(q, k_cache, v_cache, return_lse, k_scale)
         direct, rest_direct = self._direct
         result = _launch_one(direct, self._wrapper, self._args, q, k_cache, v_cache, k_scale, return_lse)
         if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs

@@ -127,6 +127,57 @@ def test_a_corrupted_tile_list_fails(cpu_fa2, monkeypatch, kind):  # noqa: F811
     assert not torch.allclose(out, ref, atol=2e-3)
 
 
+def test_a_planned_paged_run_folds_k_scale_in(cpu_fa2, monkeypatch):  # noqa: F811
+    """plan.run(q, cache, k_scale=s) of a cache holding k / s is attention over s * cache, in the tile-list form as in
+    the others (the scale goes into sm_scale per call; the plan is made once)."""
+    current, _ = cpu_fa2
+    monkeypatch.setattr(fa2_blocks, "tile_list_rows", lambda g, d: 16)
+    gen = torch.Generator().manual_seed(21)
+    v = current[0] = _variant(m_sinks_window)
+    qo_lens, kv_lens = [50, 3], [90, 40]
+    params = {**_params(gen, 1, max(kv_lens)), "doc": torch.zeros(2, 90, dtype=torch.int32),
+              "prefix": torch.tensor([5, 40], dtype=torch.int32)}
+    q = torch.randn(sum(qo_lens), 2, 16, generator=gen).half()
+    k = torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
+    vv = torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
+    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, 8)
+    plan = attention.PagedAttentionPlan(v, torch.tensor([0, 50, 53], dtype=torch.int32), indptr, indices, last,
+                                        num_qo_heads=2, num_kv_heads=2, head_dim=16, page_size=8,
+                                        dtype=torch.float16, causal=False, backend="fa2", device="cpu",
+                                        params=params)
+    assert plan._tiles is not None
+    from fivar.testing import _ragged_reference
+    for scale in (1.0, 2.5, 0.5):
+        out = plan.run(q, (k_cache, v_cache), k_scale=scale).double()
+        ref = _ragged_reference(v, q.float(), scale * k.float(), vv.float(), qo_lens, kv_lens, False, params)
+        assert torch.allclose(out, ref.double(), atol=2e-3), (scale, (out - ref.double()).abs().max())
+
+
+@pytest.mark.parametrize("kv_lens", [[90, 40], [70, 130, 33], [64, 1]])
+def test_a_paged_batch_reads_only_its_requests_pages(cpu_fa2, monkeypatch, kv_lens):  # noqa: F811
+    """The page table holds each request's pages and no more: a request shorter than the batch's longest, ending
+    inside a key tile, plans without reading past its own pages, and runs as the reference."""
+    current, _ = cpu_fa2
+    monkeypatch.setattr(fa2_blocks, "tile_list_rows", lambda g, d: 16)
+    gen = torch.Generator().manual_seed(len(kv_lens))
+    v = current[0] = _variant(m_hole)
+    qo_lens = [max(1, n - 7) for n in kv_lens]
+    params = {**_params(gen, 1, max(kv_lens)), "doc": torch.zeros(len(kv_lens), max(kv_lens), dtype=torch.int32),
+              "prefix": torch.ones(len(kv_lens), dtype=torch.int32)}
+    q = torch.randn(sum(qo_lens), 2, 16, generator=gen).half()
+    k = torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
+    vv = torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
+    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, 8)
+    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    plan = attention.PagedAttentionPlan(v, qo, indptr, indices, last, num_qo_heads=2, num_kv_heads=2, head_dim=16,
+                                        page_size=8, dtype=torch.float16, causal=True, backend="fa2",
+                                        device="cpu", params=params)
+    from fivar.testing import _ragged_reference
+    ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, True, params).double()
+    out = plan.run(q, (k_cache, v_cache)).double()
+    assert plan._tiles is not None and torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
+
+
 def test_fa2_rows_fill_one_query_tile_and_are_powers_of_two():
     for group in (1, 2, 3, 4, 6, 8, 16):
         for hd in (64, 128, 256):
