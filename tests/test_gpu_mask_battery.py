@@ -1,8 +1,9 @@
 """The mask battery (benchmarks/masks/*.py) and seeded random masks from the spec grammar, on every prefill entry point
 and backend, against the float64 torch reference (marked `gpu`).
 
-None of these masks has a form fivar recognises: on FA3 they run the tile-list form over the device block map
-(fivar.runtime.fa3_tile_list), on FA2 the block form, on Triton the block map. Shapes are awkward (lengths off every
+None of these masks has a form fivar recognises: on FA3 and FA2 they run the tile-list form over the device block map
+(fivar.runtime.fa3_tile_list; on FA2 a causal batch the mask cuts into documents runs as segments), on Triton the
+block map. Shapes are awkward (lengths off every
 tile, more keys than queries, a request of one query, GQA 32/8 and 4/4, page 16); the random masks' seed is fresh
 for each run and printed with any failure. Planned calls must agree with one-shot ones.
 """
@@ -44,19 +45,21 @@ def test_single_prefill(name, _, backend):
         _ok(check_single_prefill(v, qo_len=qo_len, kv_len=kv_len, causal=causal, backend=backend))
 
 
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("heads", [(32, 8), (4, 4)])
 @pytest.mark.parametrize("name,_", CASES)
-def test_batch_prefill_fa3(name, _, heads, paged):
+def test_batch_prefill(name, _, heads, paged, backend):
     v, causal = _variant(name)
     qo = [1, 517, 200, 129]
     kv = [300, 700, 1023, 129]
-    _ok(check_batch_prefill(v, qo_lens=qo, kv_lens=kv, paged=paged, causal=causal, backend="fa3",
+    _ok(check_batch_prefill(v, qo_lens=qo, kv_lens=kv, paged=paged, causal=causal, backend=backend,
                             num_qo_heads=heads[0], num_kv_heads=heads[1]))
 
 
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
 @pytest.mark.parametrize("name,_", CASES[:4] + CASES[-2:])
-def test_planned_matches_one_shot(name, _):
+def test_planned_matches_one_shot(name, _, backend):
     v, causal = _variant(name)
     qo, kv = [400, 77], [900, 500]
     q = torch.randn(sum(qo), 32, 128, dtype=torch.bfloat16, device="cuda")
@@ -64,7 +67,8 @@ def test_planned_matches_one_shot(name, _):
     params = example_params(v, num_qo_heads=32, num_kv_heads=8, batch_size=2, max_len=max(kv), device="cuda")
     ind = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,  # noqa: E731
                                     device="cuda")
-    one = v.batch_prefill_ragged(q, k, vv, ind(qo), ind(kv), causal=causal, backend="fa3", **params)
+    one = v.batch_prefill_ragged(q, k, vv, ind(qo), ind(kv), causal=causal, backend=backend, **params)
     plan = v.plan_ragged(ind(qo), ind(kv), num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                         causal=causal, backend="fa3", **params)
+                         causal=causal, backend=backend, **params)
+    assert plan._tile_list is not None or plan.segments is not None  # the tile-list form (FA2: or documents)
     _ok(compare(v.name, "planned vs one-shot", plan.run(q, k, vv), one, torch.bfloat16))

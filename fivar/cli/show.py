@@ -112,7 +112,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
     if not sources:
         decl = (fa3.variant_decl(v, tile_list=fa3.uses_tile_list(v, op), logits_range=fa3.softmax_range(v, dtype))
                 if target == "fa3"
-                else fa2.variant_decl(v))
+                else fa2.variant_decl(v, tile_list=fa3.uses_tile_list(v, op)))  # the tile-list form on both
         _print_code(decl.source)
         return
     _set_arch(arch)

@@ -25,28 +25,9 @@ from ..flashinfer_compat import active as coupling_active, fa3_launchers
 from ..spec import ir
 from .cuda import CppEmitter, Member, additional_params
 from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
-
-#: The tile-list form (fivar.runtime.fa3_tile_list), FA3 batch prefill of every mask that is more than a band: each request
-#: is one query tile over the list of its non-empty key tiles of TILE_WIDTH keys (the device block map's), whole tiles
-#: first. Its table BLOCKS: int32 [requests, TILE_FIELDS] = (batch, q_idx of row 0, the request's first entry in
-#: TILE_KEYS, the keys of its whole tiles, every row keeping every one of them (-1: the request keeps no key at all),
-#: the request's first word in CUT_BITS, the words' row stride); TILE_KEYS[entry] is the kv_idx of the listed tile's
-#: first key; CUT_BITS holds, per tile after the whole ones and per row, the tile's kept keys as one 32-bit word
-#: (tile_list_bits: a mask reading the head is evaluated instead, its bits differing per head).
-BLOCKS, TILE_FIELDS, TILE_KEYS, CUT_BITS, TILE_WIDTH = "fv_blocks", 6, "fv_tile_keys", "fv_cut_bits", 32
-
-
-def mask_reads_head(variant) -> bool:
-    """The mask may keep different keys per head (a window per head)."""
-    mask = variant.ir.mask
-    return mask is not None and bool({"qo_head", "kv_head"} & ir.uses(mask))
-
-
-def tile_list_bits(variant) -> bool:
-    """Whether the tile-list form reads its cut tiles' pairs from CUT_BITS (one load and a shift per score, whatever
-    the mask costs; FA3's consumer warps are ALU-bound on an integer division per score) rather than evaluating
-    the mask: every mask that does not read the head."""
-    return not mask_reads_head(variant)
+# the tile-list form's tables and struct lines, shared with FA2 (BLOCKS... re-exported: the runtime reads them here)
+from .tile_list import (BLOCKS, CUT_BITS, TILE_FIELDS, TILE_KEYS, TILE_WIDTH, mask_reads_head,  # noqa: F401
+                        struct_parts as tile_list_struct_parts, tables as tile_list_tables, tile_list_bits)
 
 
 def uses_tile_list(variant, op: str) -> bool:
@@ -380,50 +361,17 @@ def kernel_causal(variant) -> bool:
 
 
 def _tile_list_decl(variant, exp2_emulated_of_8, logits_range, custom_mask: bool = False) -> VariantDecl:
-    """The tile-list form's struct (TILE_FIELDS): the request's local key k is kv_idx TILE_KEYS[first + k / 32] +
-    k % 32; a key of a whole tile (k < the whole keys) skips the mask, a key of a cut tile reads its bit in CUT_BITS
-    (tile_list_bits; else it evaluates the mask, and causal). `custom_mask`: cut tiles read bits whatever the
-    variant's mask (none, or a band): an engine's custom mask ANDed into the map (fivar.runtime.custom_mask)."""
-    param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
-    block = lambda i: f"{param_ref(BLOCKS)}[{TILE_FIELDS} * batch_idx + {i}]"  # noqa: E731
-    shift = TILE_WIDTH.bit_length() - 1
-    kv = f"(__ldg(fv_tiles + (int32_t(kv_idx) >> {shift})) + (int32_t(kv_idx) & {TILE_WIDTH - 1}))"
-    emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx", "kv_idx": kv})
-    lowered = variant.lowered
-    extra = [lowered.output_scale] if lowered.output_scale is not None else []
-    sink = variant.ir.sink
-    members = [m for m in emit.members(lowered, extra + (list(sink.exprs()) if sink is not None else []))
-               if m.name != "fv_q_offset"]
-    bits = tile_list_bits(variant) or custom_mask
-    members[:0] = [Member("int32_t", "fv_batch_idx", block(0)), Member("int32_t", "fv_q_offset", block(1)),
-                   Member("const int32_t*", "fv_tiles", f"{param_ref(TILE_KEYS)} + {block(2)}"),
-                   Member("int32_t", "fv_whole", block(3))]
-    members += ([Member("const int32_t*", "fv_bits", f"{param_ref(CUT_BITS)} + {block(4)}"),
-                 Member("int32_t", "fv_rows", block(5))] if bits else
-                [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")])
+    """The tile-list form's struct (fivar.codegen.tile_list.struct_parts): where it reads bits, the updater applies
+    them once a KV tile (csrc/fivar_tile_mask.cuh); a mask that reads the head is folded into LogitsTransform.
+    `custom_mask`: cut tiles read bits whatever the variant's mask (none, or a band): an engine's custom mask ANDed
+    into the map (fivar.runtime.custom_mask)."""
+    emit, members, lines, keep_cut = tile_list_struct_parts(variant, lambda n: f"params.additional_params.{n}",
+                                                            custom_mask=custom_mask, per_tile=True)
     scale = softmax_scale_log2(variant, emit)
-    outer = emit.prologue(lowered.logits)
-    lines = list(outer)
-    keep_cut = None
-    if (lowered.mask or custom_mask) and bits:
-        # the mask is the updater's, once a KV tile (csrc/fivar_tile_mask.cuh): LogitsTransform only leaves the
-        # indices of the thread's last score; whole tiles come first in the list, a cut tile's pairs are bits
-        # (causal folded in), one word a row and tile; a request keeping no key (fv_whole -1) reads one, dropped
-        lines += ["fv_kv_last = int32_t(kv_idx);", "fv_q_last = int32_t(qo_idx);"]
-        keep_cut = "\n    ".join([
-            "if (word < 0) return ~0u;", "if (fv_whole < 0) return 0u;",
-            "return uint32_t(__ldg(fv_bits + word * fv_rows + qo_idx));"])
-    elif lowered.mask:
-        inner = [ln for ln in emit.prologue(lowered.mask) if ln not in outer]
-        mask_lines, keep = emit.statements(lowered.mask)
-        lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {"]
-        lines += ["  " + ln for ln in inner + mask_lines] + [f"  fv_keep = {keep};"]
-        q, k = emit.index_init["q_idx"], kv
-        lines += [f"  if (fv_causal && {k} > {q}) fv_keep = false;", "}"]
-    source = _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_of_8, logits_range,
+    source = _struct_source(variant, emit, variant.lowered, members, scale, lines, exp2_emulated_of_8, logits_range,
                             tile_list=True, window=False, keep_cut=keep_cut)
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=not bits,
-                                                          extra_tensors=[BLOCKS, TILE_KEYS, CUT_BITS]))
+    return VariantDecl(source, variant.lowered, additional_params(
+        variant, with_causal_flag=not (tile_list_bits(variant) or custom_mask), extra_tensors=tile_list_tables()))
 
 
 def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,

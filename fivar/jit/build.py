@@ -143,13 +143,14 @@ def fivar_headers(source: str) -> dict[str, str]:
 
 def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
                head_dim: int = 128, *, kv_segments: bool = False, mask_free: bool = False,
-               kv_dtype: str | None = None, custom_mask: bool = False,
+               tile_list: bool = False, kv_dtype: str | None = None, custom_mask: bool = False,
                config: FA2BuildConfig | FA3KernelConfig | None = None, **options) -> FivarModule:
     """All sources of one module. FA3 batch prefill of a mask that is more than a band is the tile-list form
-    (fivar.runtime.fa3_tile_list): the paged kernel alone, with no mask mode but kNone (causal is the block map's).
-    `kv_segments`: FA2 batch
-    prefill/decode over trimmed pages or query blocks, each key mapped back to its position (fivar.runtime.decode_pages,
-    fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
+    (fivar.runtime.fa3_tile_list): the paged kernel alone, with no mask mode but kNone (causal is the block map's);
+    `tile_list` asks for the same form of FA2 batch prefill (fivar.codegen.fa2._tile_list_decl; on FA3 it follows
+    from the variant, op and custom_mask, and a manifest's record of it is only checked). `kv_segments`: FA2
+    batch prefill/decode over trimmed pages or query blocks, each key mapped back to its position
+    (fivar.runtime.decode_pages, fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
     (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `custom_mask`: FA3 batch prefill in the tile-list
     form whatever the mask, cut tiles read as bits (an engine's custom mask ANDed into the block map,
     fivar.runtime.custom_mask). `config`: the target's tuning (fivar.config.FA2BuildConfig or
@@ -166,7 +167,6 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     FA3 units keep FlashInfer's other flags: they hold one kernel each (fa3.tile_units), and their time is
     cudafe++ and cicc's front end, which --split-compile does not touch."""
     known = {f for cls in (FA2BuildConfig, FA3KernelConfig) for f in cls.__dataclass_fields__}
-    options.pop("tile_list", None)  # a manifest records the form; it follows from the variant, op and custom_mask
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"gen_module() got unexpected keyword argument(s) {', '.join(unknown)}")
@@ -227,13 +227,21 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     if custom_mask and not (target == "fa3" and op == "batch_prefill" and not fa3.mask_reads_head(variant)):
         raise FivarError(f"variant '{variant.name}': the custom-mask form is FA3 batch prefill of a mask that does "
                          "not read the head")
-    tile_list = target == "fa3" and (fa3.uses_tile_list(variant, op) or custom_mask)
+    fa3_tiles = target == "fa3" and (fa3.uses_tile_list(variant, op) or custom_mask)
+    if tile_list and not fa3_tiles and (target != "fa2" or op != "batch_prefill" or not variant.mask or kv_segments
+                                        or kv_dtype):
+        raise FivarError(f"variant '{variant.name}': tile_list=True asks for FA2 batch prefill of a mask in the "
+                         f"tile-list form, with q's dtype in the cache (FA3's batch prefill takes it whenever the mask "
+                         f"is more than a band); got {target} {op}")
+    fa2_tiles = tile_list and target == "fa2"
+    tile_list = fa2_tiles or fa3_tiles
     if mask_free and not (kv_segments and target == "fa2"):
         raise FivarError(f"variant '{variant.name}': the mask-free form is FA2's key-segments form")
     decl = (fa3.variant_decl(variant, exp2_emulated_of_8=exp2_emulated_of_8, logits_range=logits_range,
                              tile_list=tile_list, custom_mask=custom_mask)
             if target == "fa3"
-            else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free))  # fa2.KV_SEGMENTS
+            else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free,  # fa2.KV_SEGMENTS
+                                  tile_list=fa2_tiles))
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
@@ -256,12 +264,14 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     config = _render_flashinfer(config_t, **kwargs)
     if tiles:
         config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
-    modes = (fa2.mask_modes(variant, kv_segments=kv_segments, mask_free=mask_free) if target == "fa2"
-             else [fa2.MASK_NONE] if tile_list else fa3.mask_modes(variant))
+    modes = ([fa2.MASK_NONE] if tile_list else
+             fa2.mask_modes(variant, kv_segments=kv_segments, mask_free=mask_free) if target == "fa2"
+             else fa3.mask_modes(variant))
     sources = {config_name: config + _dispatch_override(config, variant, modes),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
-    split = _fa2_tile_split(op, variant, kwargs, modes) if target == "fa2" and build_config.split_cta_tiles else None
+    split = (_fa2_tile_split(op, variant, kwargs, modes) if target == "fa2" and build_config.split_cta_tiles
+             and not fa2_tiles else None)
     host_includes: tuple[str, ...] = ()
     if split is not None:
         units, headers, host_includes = split
@@ -270,6 +280,13 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     else:
         for inst_t in inst_ts:
             stem = inst_t.removesuffix("_inst.jinja")
+            if fa2_tiles:  # FlashInfer's paged kernels in kNone; the ragged entry point's stubs in a unit of their own
+                code = fa2.MASK_CODES[fa2.MASK_NONE]
+                inst = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs)
+                sources[f"{stem}_mask_{code}.cu"] = inst if "paged" in inst_t else fa2.render(
+                    "fa2/tile_list_ragged_stubs.cu.jinja",
+                    tiles=sorted({int(t) for t in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", inst)}), **kwargs)
+                continue
             if tile_list:  # the paged kernel alone, a unit per kernel (fa3/tile_list_unit.cu.jinja)
                 if "paged" in inst_t:
                     for i, same in enumerate(("true", "false")):
@@ -351,10 +368,12 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
     op = serving_op(variant, op, target)
     forms = [{}]  # FA3 batch prefill of a mask beyond a band is the tile-list form: one module
     if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
-        # its batch prefill runs a mask beyond a band in the block form, and segments (documents) mask-free
-        forms += [dict(kv_segments=True), dict(kv_segments=True, mask_free=True)]
-    mods = [gen_module(variant, "batch_prefill" if f.get("kv_segments") else op, target, dtype, head_dim, **f)
-            for f in forms]
+        # prefill of a mask beyond a band runs in the tile-list form, a causal batch of segments (documents)
+        # mask-free; single prefill runs as a batch of one, so only paged batches of one query a request (decode's
+        # trimmed pages, the key-segments form, or the plain kernel) and FP8 caches (the block form) need the rest
+        forms = ([{}, dict(kv_segments=True)] if op == "batch_prefill" else []) + [
+            dict(tile_list=True), dict(kv_segments=True, mask_free=True)]
+    mods = [gen_module(variant, "batch_prefill" if f else op, target, dtype, head_dim, **f) for f in forms]
     if target == "fa3" and fa3.softmax_range(variant, dtype) is not None:
         # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
         mods += [gen_module(variant, op, target, dtype, head_dim, bounded_softmax=False, **f) for f in forms]
@@ -395,16 +414,17 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
 
 
 def module_for(variant, op, target, dtype, head_dim, bounded_softmax: bool | None = None, kv_segments: bool = False,
-               kv_dtype: str | None = None, mask_free: bool = False, custom_mask: bool = False) -> FivarModule:
+               kv_dtype: str | None = None, mask_free: bool = False, tile_list: bool = False,
+               custom_mask: bool = False) -> FivarModule:
     """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
     knobs = fivar_config.state_key()
     key = (id(variant), op, target, dtype, head_dim, knobs, bounded_softmax, kv_segments, kv_dtype, mask_free,
-           custom_mask)
+           tile_list, custom_mask)
     m = _memo.get(key)
     if m is None or m[0] is not variant:
         m = (variant, gen_module(variant, op, target, dtype, head_dim, bounded_softmax=bounded_softmax,
                                  kv_segments=kv_segments, kv_dtype=kv_dtype, mask_free=mask_free,
-                                 custom_mask=custom_mask))
+                                 tile_list=tile_list, custom_mask=custom_mask))
         _memo[key] = m
     return m[1]
 

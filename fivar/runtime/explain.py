@@ -110,7 +110,7 @@ def _fa2_form(v) -> str:
     if v.ir.mask is None:
         return "no mask"
     if v.scans_mask:
-        return "blocks"
+        return "tile list"
     return "causal window" if fa2.window_form(v) else "custom"
 
 
@@ -119,8 +119,9 @@ def _fa2_short(v) -> str:
     unsplit = "" if form not in ("causal window", "custom") or v.kv_band.causal_window else "; non-causal runs unsplit"
     return "fa2 prefill: " + {
         "no mask": "FlashInfer's kernel; causal skips the tiles right of the diagonal; no mask",
-        "blocks": ("a query block a paged request over the pages the block map keeps (empty tiles unread); chunks "
-                   "kCausal (mask on diagonal, first tiles), the rest kCustom (mask per pair but FULL blocks)"),
+        "tile list": ("tile-list form, as fa3's: a request per query tile (128 / GQA group rows) over its non-empty "
+                      "32-key tiles (device block map), kNone; whole tiles unmasked, cut tiles " + _cut_tiles(v)
+                      + "; causal documents as segments (kCausal, no mask)"),
         "causal window": ("window_left from the band skips tiles left of it; called causally, kCausal: tiles right of "
                           "the diagonal skipped, only cut tiles evaluate the mask"),
         "custom": ("window_left from the band skips tiles left of it; kCustom: the mask per element on every tile "
@@ -132,20 +133,17 @@ def _fa2_line(v) -> str:
     form = _fa2_form(v)
     if form == "no mask":
         return "fa2 prefill: causal only skips tiles (no mask)"
-    if form == "blocks":
+    if form == "tile list":
         return ("fa2 prefill (single, ragged; called causally): when the mask pre-pass finds that every row keeps "
                 "exactly the keys from its segment's first key to itself (documents, chunks), a request of FA2's "
                 "ragged kernel per segment in kCausal mode, as stock FA2 runs documents: no mask evaluated, the "
                 "struct's key segments map each request back to q_idx and kv_idx. "
-                "Otherwise (and paged): each query block of one FA2 query tile (128 / GQA group "
-                "rows) runs as its own request of FA2's paged kernel over the pages holding the keys the block map "
-                "says it may keep (ragged K/V read in place as pages of up to 16 keys), in the key-segments form "
-                "that maps its rows and keys back to q_idx and kv_idx (fivar.runtime.fa2_blocks), a block's two runs "
-                "of kept blocks (a sink and a window) as two runs of pages. Called causally, a block whose mask "
-                "keeps every key but its first and last rows' worth (inside a chunk or a document) runs in kCausal "
-                "mode: its keys end at its diagonal, and only the diagonal tiles and its first keys' tiles "
-                "evaluate the mask (the struct's window_left); the other blocks run in a second, kCustom launch: "
-                "the mask, causal included, on every pair read except the keys of FULL blocks")
+                "Otherwise (and paged): the tile-list form, as on fa3: the device block map makes each query tile "
+                "(128 / GQA group rows, one FA2 query tile of packed rows) a request of FA2's paged kernel in kNone "
+                "mode over the keys of its non-empty 32-key tiles, read as pages of up to 32 keys, whole tiles "
+                "first: keys of whole tiles keep every pair with one compare, keys of cut tiles " + _cut_tiles(v)
+                + ". A paged batch of one query a request runs decode's forms, an FP8 cache the block form "
+                "(fivar.runtime.fa2_blocks: a query block a request over the pages it may keep)")
     how = ("; called causally (a causal window: however called) it runs in kCausal mode: the tiles right of the "
            "diagonal are skipped too, and only the tiles the window or the diagonal cut evaluate the mask"
            if form == "causal window" else

@@ -44,6 +44,12 @@ def block_rows(group: int, head_dim: int) -> int:
     return max(1, (128 if head_dim < 256 else 64) // group)
 
 
+def tile_list_rows(group: int, head_dim: int) -> int:
+    """FA2's query tile in the tile-list form (fivar.runtime.fa3_tile_list): block_rows rounded down to a power of
+    two, the Triton twin's map block (each request then fills one FA2 query tile of packed rows)."""
+    return 1 << (block_rows(group, head_dim).bit_length() - 1)
+
+
 def cta_tile_q(packed_lens: list[int], head_dim: int) -> int:
     """The FA2 query tile FlashInfer's scheduler picks for requests of these packed lengths (FA2DetermineCtaTileQ,
     sm80 and later, head dims up to 256)."""

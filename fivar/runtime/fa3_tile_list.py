@@ -18,6 +18,10 @@ A mask reading the head gets the union of its heads' maps (a tile is whole only 
 it). A paged batch composes the same keys through its page table. Planning costs one map pass and two
 device->host copies; `plan_ragged` / `plan_paged` make it once per batch layout, the one-shot calls once per call
 signature.
+
+FA2 batch prefill runs the same plan (TileListPrefill's `target`): its paged kernel calls the struct's hooks with the
+request's local row and key as FA3's does (fivar.codegen.fa2._tile_list_decl), at FA2's query tile
+(fivar.runtime.fa2_blocks.tile_list_rows).
 """
 from __future__ import annotations
 
@@ -34,8 +38,9 @@ from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 CUT_WORDS_PAST = 8
 from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
-from . import position_tables
+from . import fa2_blocks, position_tables
 from .launch import _module, direct_paged_run, release_wrapper, take_wrapper
+from .fp8_kv import ScaledArgs
 from .lse import empty_lse
 from .params import kernel_args
 from .rows import indptr
@@ -142,14 +147,14 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
 
 
 def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-              causal: bool, sm_scale: float, device, custom=None):
-    """(head_union of the Triton twin's block map of this batch at block_rows x TILE_WIDTH on `device`, bits_of for
-    tile_list: None where the struct evaluates the mask, fivar.codegen.fa3.tile_list_bits). `custom`: a custom mask
-    (fivar.runtime.custom_mask.CustomMask) ANDed into both, which then always gives bits."""
+              causal: bool, sm_scale: float, device, rows: int | None = None, custom=None):
+    """(head_union of the Triton twin's block map of this batch at `rows` (else block_rows) x TILE_WIDTH on `device`,
+    bits_of for tile_list: None where the struct evaluates the mask, fivar.codegen.fa3.tile_list_bits). `custom`: a
+    custom mask (fivar.runtime.custom_mask.CustomMask) ANDed into both, which then always gives bits."""
     qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
     qo_d, kv_d, group, block = qo_indptr.to(device), kv_indptr.to(device), num_qo_heads // num_kv_heads, \
-        (block_rows(head_dim), TILE_WIDTH)
+        (rows or block_rows(head_dim), TILE_WIDTH)
     bits = None if custom is None else (custom.packed, custom.indptr)
     kinds = module.tile_kinds(qo_d, kv_d, int(qo_lens.max()), max(int(kv_lens.max()), 1), num_qo_heads, group,
                               causal, args, block, custom=bits)
@@ -171,15 +176,15 @@ def page_size_for(kv_indptr: torch.Tensor | None = None, cache_page_size: int | 
 
 
 class TileListPrefill:
-    """A batch planned on FA3 in the tile-list form; `run(q, k, v)` with k/v [tokens, H, D] (ragged) or
-    [pages, page_size, H, D] (paged: `pages` = (kv_indices, page_size) on the device, kv_indptr then a page
-    indptr and kv_last_page_len given). Checks of the inputs against the plan are the caller's. `custom`: a custom
-    mask (fivar.runtime.custom_mask.CustomMask, checked) ANDed into the map and the bits: a variant whose tile list
-    reads no bits then runs the module built to read them (custom_mask=True); a mask reading the head is refused
-    by the caller."""
+    """A batch planned on FA3 (or FA2: `target`) in the tile-list form; `run(q, k, v)` with k/v [tokens, H, D]
+    (ragged) or [pages, page_size, H, D] (paged: `pages` = (kv_indices, page_size) on the device, kv_indptr then a
+    page indptr and kv_last_page_len given). Checks of the inputs against the plan are the caller's. `custom`: a
+    custom mask (fivar.runtime.custom_mask.CustomMask, checked; FA3 only) ANDed into the map and the bits: a variant
+    whose tile list reads no bits then runs the module built to read them (custom_mask=True); a mask reading the
+    head is refused by the caller."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal, bound,
-                 sm_scale, device, pages=None, kv_last_page_len=None, custom=None):
+                 sm_scale, device, pages=None, kv_last_page_len=None, target: str = "fa3", custom=None):
         qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
         if pages is not None:  # keys as a ragged batch, each key found through the page table
             page_table, page_size = pages
@@ -189,8 +194,9 @@ class TileListPrefill:
             page_start = kv_h.to(device)
             page_table = page_table.to(device).long()
 
-            def token_of(b, kv_idx):
-                return page_table[page_start[b] + kv_idx // page_size] * page_size + kv_idx % page_size
+            def token_of(b, kv_idx):  # (a request of no keys reads any page: the table's last at most)
+                at = (page_start[b] + kv_idx // page_size).clamp(max=page_table.numel() - 1)
+                return page_table[at] * page_size + kv_idx % page_size
             kv_h = indptr(kv_lens).long()
             lengths = lambda: position_tables.max_lengths(qo_h, indptr(n_pages), last, page_size)  # noqa: E731
             self.page = page_size_for(cache_page_size=page_size)
@@ -208,27 +214,34 @@ class TileListPrefill:
         self.keys_read = None
         if self.empty or self.no_keys:
             return
+        rows = block_rows(head_dim) if target == "fa3" else fa2_blocks.tile_list_rows(num_qo_heads // num_kv_heads,
+                                                                                      head_dim)
         kinds, bits_of = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
-                                   sm_scale, device, custom)
-        layout = tile_list(kinds, qo_h, kv_h, block_rows(head_dim), token_of, bits_of, self.page)
+                                   sm_scale, device, rows, custom)
+        layout = tile_list(kinds, qo_h, kv_h, rows, token_of, bits_of, self.page)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
         own_bits = variant.scans_mask and fa3.tile_list_bits(variant)  # the module of the mask already reads bits
-        fmod = _module(variant, "batch_prefill", "fa3", dtype, head_dim, bound, sm_scale,
+        fmod = _module(variant, "batch_prefill", target, dtype, head_dim, bound, sm_scale, tile_list=target == "fa2",
                        custom_mask=custom is not None and not own_bits)
         w = take_wrapper("paged", fmod, device, False)
+        # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
+        split = {"disable_split_kv": True} if target == "fa2" and not variant.softmax else {}
         w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices,
                layout.kv_last_page_len.to(device), num_qo_heads, num_kv_heads, head_dim, self.page, causal=False,
-               q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        args = kernel_args(variant, bound, sm_scale, None if bits_of is not None else causal,
-                           tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits})
-        self._launch = (w, args, direct_paged_run(w, variant.name, device, args), ("paged", fmod, device))
+               q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype, **split)
+        args = ScaledArgs(lambda s: kernel_args(
+            variant, bound, s, None if bits_of is not None else causal,
+            tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits}), sm_scale)
+        self._launch = (w, args, direct_paged_run(w, variant.name, device, args(1.0)), ("paged", fmod, device))
 
-    def run(self, q, k, v, return_lse: bool = False):
+    def run(self, q, k, v, return_lse: bool = False, k_scale: float = 1.0):
+        """`k_scale`: a paged plan's run of a cache holding k / k_scale, folded into sm_scale."""
         if self.empty or self.no_keys:  # every row sees no key
             out = torch.zeros_like(q)
             return (out, empty_lse(q)) if return_lse else out
-        w, args, direct, _ = self._launch
+        w, scaled, direct, _ = self._launch
+        args = scaled(k_scale)
         # keys as pages of `page` (a view of contiguous k/v or of the cache's own pages)
         k, v = (x.reshape(-1, self.page, *x.shape[-2:]) for x in (k, v))
         if direct is not None:

@@ -83,7 +83,8 @@ def _check_output_scale(variant, bound, sm_scale):
 
 
 def _module(variant, op, target, dtype, head_dim, bound, sm_scale, kv_segments: bool = False,
-            kv_dtype: str | None = None, mask_free: bool = False, custom_mask: bool = False):
+            kv_dtype: str | None = None, mask_free: bool = False, tile_list: bool = False,
+            custom_mask: bool = False):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
     for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
     dt = dtype_name(dtype)
@@ -95,7 +96,7 @@ def _module(variant, op, target, dtype, head_dim, bound, sm_scale, kv_segments: 
             if not fa3.bounded_softmax_applies(rng, factor):
                 return module_for(variant, op, target, dt, head_dim, bounded_softmax=False, custom_mask=custom_mask)
     return module_for(variant, op, target, dt, head_dim, kv_segments=kv_segments, kv_dtype=kv_dtype,
-                      mask_free=mask_free, custom_mask=custom_mask)
+                      mask_free=mask_free, tile_list=tile_list, custom_mask=custom_mask)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):

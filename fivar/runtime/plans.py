@@ -65,7 +65,7 @@ class _OwnsWrapper:
     def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
         """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key)."""
         if self._tiles is not None:
-            return self._tiles.run(q, k_cache, v_cache, return_lse)
+            return self._tiles.run(q, k_cache, v_cache, return_lse, k_scale)
         direct, rest_direct = self._direct
         result = _launch_one(direct, self._wrapper, self._args, q, k_cache, v_cache, k_scale, return_lse)
         if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
@@ -181,6 +181,13 @@ def refuse_custom_mask(variant, target: str, kv_name) -> None:
                          "tile list evaluates a per-head mask instead of reading bits); use backend='triton'")
 
 
+def tile_list_form(variant, target: str, one_query: bool = False, kv_dtype: str | None = None) -> bool:
+    """Whether a batch of a mask beyond a band runs in the tile-list form (fivar.runtime.fa3_tile_list): always on
+    FA3; on FA2 but for a batch of one query a request (decode's forms: trimmed pages, else the block form) and an
+    FP8 cache (the block form, fivar.runtime.fa2_blocks: the tile-list module reads q's dtype)."""
+    return variant.scans_mask and (target == "fa3" or (not one_query and kv_dtype is None))
+
+
 def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
                 device):
     """The planned entry points' shared checks; sets plan.variant, .device, .target and .batch."""
@@ -211,11 +218,12 @@ class PagedAttentionPlan(_OwnsWrapper):
 
     This is FlashInfer's plan/run split. A batch of one query per request on FA2 (decode) whose mask drops
     whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
-    A mask that is more than a band runs one request per query block over the pages it may keep, on FA2
-    (fivar.runtime.fa2_blocks), and on FA3 one request per query tile over its non-empty key tiles
-    (fivar.runtime.fa3_tile_list); `keys_read`: keys read and the unsplit form's. A custom mask (custom_mask or
-    packed_custom_mask with mask_indptr, fivar.runtime.custom_mask) runs FA3's tile-list form whatever the
-    variant's mask, the custom bits ANDed into the block map and the tiles' bits.
+    A mask that is more than a band runs one request per query tile over its non-empty key tiles, the tile-list
+    form (fivar.runtime.fa3_tile_list), on either target; on FA2 a batch of one query a request, or an FP8 cache,
+    one request per query block over the pages it may keep (fivar.runtime.fa2_blocks). `keys_read`: keys read and
+    the unsplit form's. A custom mask (custom_mask or packed_custom_mask with mask_indptr,
+    fivar.runtime.custom_mask) runs FA3's tile-list form whatever the variant's mask, the custom bits ANDed into
+    the block map and the tiles' bits.
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
@@ -245,11 +253,11 @@ class PagedAttentionPlan(_OwnsWrapper):
         lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        if self.target == "fa3" and (variant.scans_mask or custom is not None):  # the tile-list form
-            self._tiles = TileListPrefill(  # (fivar.runtime.fa3_tile_list)
+        if tile_list_form(variant, self.target, one_query, kv_name) or custom is not None:
+            self._tiles = TileListPrefill(  # fivar.runtime.fa3_tile_list
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device,
-                pages=(kv_indices, page_size), kv_last_page_len=kv_last_page_len, custom=custom)
+                pages=(kv_indices, page_size), kv_last_page_len=kv_last_page_len, target=self.target, custom=custom)
             self.keys_read = self._tiles.keys_read
             return
         block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest
@@ -325,9 +333,9 @@ class PagedAttentionPlan(_OwnsWrapper):
 class RaggedAttentionPlan(_OwnsWrapper):
     """A planned ragged batch (`v.plan_ragged`): plan once per batch layout, then `run(q, k, v)` per layer.
 
-    For a mask that is more than a band, planning is where the block lowering happens: on FA3 the tile-list form
-    (the device block map, fivar.runtime.fa3_tile_list), on FA2 the block form over K/V read as pages
-    of one key (fivar.runtime.fa2_blocks).
+    For a mask that is more than a band, planning is where the block lowering happens: the tile-list form (the
+    device block map, fivar.runtime.fa3_tile_list), on FA2 after the segments form where a causal batch's mask cuts
+    it into documents (fivar.runtime.segments).
     """
 
     kv_form = "ragged"  # run(q, k, v)
@@ -344,32 +352,17 @@ class RaggedAttentionPlan(_OwnsWrapper):
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
-        self._tile_list = self._blocks = None
+        self._tile_list = None
         self.segments = None  # FA2's segments form: how many requests it runs
-        if self.target == "fa3" and variant.scans_mask:
-            self._tile_list = TileListPrefill(
-                variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device)
-            return
         if self.target == "fa2" and variant.scans_mask and causal and self._plan_segments(
                 variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype):
             return
-        if self.target == "fa2" and variant.scans_mask:
-            # FA2's block form (fivar.runtime.fa2_blocks) on the paged kernel, K/V read in place as pages of the
-            # largest size (up to 16 keys) that every request's first key starts: a page of one key costs a page
-            # table lookup per key
-            n_keys = int(kv_indptr[-1])
-            self._page = next(p for p in (16, 8, 4, 2, 1) if not bool((kv_indptr % p).any()))
-            self._blocks = PagedAttentionPlan(
-                variant, qo_indptr, kv_indptr // self._page,
-                torch.arange(n_keys // self._page, dtype=torch.int32, device=self.device),
-                torch.where(kv_indptr.diff() > 0, self._page, 0).to(torch.int32), num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=self._page, dtype=dtype, causal=causal,
-                sm_scale=sm_scale, backend="fa2", device=self.device, params=params)
-            if self._blocks.keys_read is not None:
-                return
-            self._blocks.release()  # the mask drops no block: FA2's ragged kernel as it is
-            self._blocks = None
+        if tile_list_form(variant, self.target):
+            self._tile_list = TileListPrefill(
+                variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device,
+                target=self.target)
+            return
         fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
         window_left = _window_left(variant, self.target, bound)
         self._wrapper = take_wrapper("ragged", fmod, self.device,
@@ -422,15 +415,10 @@ class RaggedAttentionPlan(_OwnsWrapper):
                              f"k {tuple(k.shape)}, {q.dtype}")
         if self._tile_list is not None:
             return self._tile_list.run(q, k, v, return_lse=return_lse)
-        if self._blocks is not None:
-            pages = lambda t: t.reshape(-1, self._page, *t.shape[1:])  # noqa: E731  (a view of contiguous K/V)
-            return self._blocks.run(q, (pages(k), pages(v)), return_lse=return_lse)
         return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
 
     def release(self):
         if self._tile_list is not None:
             self._tile_list.release()
-        elif self._blocks is not None:
-            self._blocks.release()
         else:
             _OwnsWrapper.release(self)

@@ -1,17 +1,17 @@
-"""The FA2 plans' block form and decode page trimming, end to end on the CPU: PagedAttentionPlan /
-RaggedAttentionPlan build their page lists and key-segments tables as on the GPU, and a stand-in for FlashInfer's
-paged wrapper runs them with the kernel's semantics and the struct's (each request's rows and pages, the
-key-segments mapping of positions and batch, the causal guard, the mask and logits evaluated by the torch
-reference's evaluator). The result must be the reference's for the whole batch."""
+"""The FA2 plans' forms of a mask beyond a band (the tile-list form, the block form, decode page trimming), end to
+end on the CPU: PagedAttentionPlan / RaggedAttentionPlan build their page lists and tables as on the GPU, and a
+stand-in for FlashInfer's paged wrapper runs them with the kernel's semantics and the struct's (each request's rows
+and pages, the key-segments mapping of positions and batch, or the tile list's, the causal guard, the mask and
+logits evaluated by the torch reference's evaluator). The result must be the reference's for the whole batch."""
 import types
 
 import pytest
 import torch
 
 
-from fivar.codegen import fa2
+from fivar.codegen import fa2, tile_list
 from fivar.codegen.cuda import additional_params
-from fivar.runtime import attention, plans
+from fivar.runtime import attention, fa3_tile_list, plans
 from fivar.testing import _ragged_reference, _to_paged
 
 from kernel_standin import attend
@@ -36,6 +36,8 @@ class _FakePagedWrapper:
     def plan(self, qo_indptr, kv_indptr, kv_indices, last, hq, hkv, d, page, causal=False, window_left=-1, **kw):
         from fivar.runtime.fa2_blocks import cta_tile_q
         assert window_left == -1 or not self.fmod.kv_segments
+        # the tile-list module is built in kNone alone: causal is the block map's
+        assert not (self.fmod.tile_list and (causal or self.owns_mask or window_left != -1))
         assert not (self.owns_mask and causal), "kCustom folds causal into the struct"
         self.p = dict(qo=qo_indptr.long().cpu(), kv=kv_indptr.long().cpu(), idx=kv_indices.long().cpu(),
                       last=last.long().cpu(), page=page, causal=causal, window_left=window_left, split=kw)
@@ -68,9 +70,10 @@ class _FakePagedWrapper:
     def run(self, q, cache, *args, out=None, lse=None, return_lse=False):
         v, p = self.variant, self.p
         k_cache, v_cache = cache
-        extra = [fa2.KV_SEGMENTS] if self.fmod.kv_segments else []
+        extra = [fa2.KV_SEGMENTS] if self.fmod.kv_segments else tile_list.tables() if self.fmod.tile_list else []
         mask_free = getattr(self.fmod, "mask_free", False)  # the struct has no mask: kCausal is all there is
-        t_names, _, s_names, _ = additional_params(v, with_causal_flag=not mask_free, extra_tensors=extra)
+        bits = self.fmod.tile_list and tile_list.tile_list_bits(v)  # causal is in the bits
+        t_names, _, s_names, _ = additional_params(v, with_causal_flag=not mask_free and not bits, extra_tensors=extra)
         named = dict(zip(t_names + s_names, args))
         hq, hkv = q.shape[1], k_cache.shape[2]
         out = torch.zeros(q.shape, dtype=q.dtype) if out is None else out
@@ -96,8 +99,29 @@ class _FakePagedWrapper:
                 q_idx, batch = local_q + seg[3], int(seg[4])
             seg_full = (seg[5], seg[6]) if self.fmod.kv_segments else None
             tiles = self._tile_rule(n_rows, n_keys, hq // hkv, hq, window) if kernel_causal else None
+            listed = None
+            if self.fmod.tile_list:  # the struct's fv_blocks row: the request is a query tile over listed key tiles
+                listed = [int(x) for x in named[tile_list.BLOCKS][r]]
+                b, q0, first, _, _, _ = listed
+                k = local_kv.view(-1)
+                kv_idx = (named[tile_list.TILE_KEYS][first + k // tile_list.TILE_WIDTH].long()
+                          + k % tile_list.TILE_WIDTH).view(1, 1, -1)
+                q_idx, batch = torch.arange(n_rows).view(1, -1, 1) + q0, b
 
-            def keep(ev, env, local_q=local_q, local_kv=local_kv, full=seg_full, tiles=tiles):
+            def keep(ev, env, local_q=local_q, local_kv=local_kv, full=seg_full, tiles=tiles, listed=listed):
+                if listed is not None:  # kNone: the struct's keep is all there is
+                    _, _, _, whole, bit0, stride = listed
+                    if whole < 0:
+                        return torch.zeros(1, 1, 1, dtype=torch.bool)
+                    c = (local_kv - whole).clamp(min=0)
+                    if bits:
+                        words = named[tile_list.CUT_BITS].view(-1).long() & 0xFFFFFFFF
+                        at = bit0 + (c // tile_list.TILE_WIDTH) * stride + torch.arange(local_q.shape[1]).view(1, -1, 1)
+                        cut = ((words[at.clamp(max=words.numel() - 1)] >> (c % tile_list.TILE_WIDTH)) & 1).bool()
+                    else:
+                        cut = ev.run(v.ir.mask).bool() & (~torch.tensor(bool(named["fv_causal"]))
+                                                          | (env["kv_idx"] <= env["q_idx"]))
+                    return (local_kv < whole) | cut
                 if mask_free:
                     return (local_kv <= local_q) if p["causal"] else torch.ones(1, 1, 1, dtype=torch.bool)
                 kept = ev.run(v.ir.mask).bool()
@@ -149,18 +173,20 @@ def cpu_fa2(monkeypatch):
         return dtype, qo_indptr, kv_indptr
 
     def module(variant, op, target, dtype, head_dim, bound, sm_scale, kv_segments=False, kv_dtype=None,
-               mask_free=False):
-        return types.SimpleNamespace(kv_segments=kv_segments, mask_free=mask_free,
-                                     uri=f"fake_{kv_segments}_{mask_free}", target=target)
+               mask_free=False, tile_list=False, custom_mask=False):
+        assert not custom_mask  # FA2 takes no custom mask
+        return types.SimpleNamespace(kv_segments=kv_segments, mask_free=mask_free, tile_list=tile_list,
+                                     uri=f"fake_{kv_segments}_{mask_free}_{tile_list}", target=target)
 
     def take(kind, fmod, device, owns_mask):
         made.append(fmod)
         return (_FakePagedWrapper if kind == "paged" else _FakeRaggedWrapper)(current[0], fmod, owns_mask)
 
     monkeypatch.setattr(plans, "_plan_setup", plan_setup)
-    monkeypatch.setattr(plans, "_module", module)
-    monkeypatch.setattr(plans, "take_wrapper", take)
-    monkeypatch.setattr(plans, "release_wrapper", lambda *a: None)
+    for where in (plans, fa3_tile_list):  # the tile-list form takes its module and wrapper itself
+        monkeypatch.setattr(where, "_module", module)
+        monkeypatch.setattr(where, "take_wrapper", take)
+        monkeypatch.setattr(where, "release_wrapper", lambda *a: None)
     monkeypatch.setattr(plans, "_check_qkv", lambda *a, **kw: None)
     return current, made
 
@@ -184,11 +210,16 @@ def _qkv(qo_lens, kv_lens, gen):
     return q, k, torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
 
 
+@pytest.mark.parametrize("form", ["tile list", "blocks"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask", [m_document, m_chunk_causal, m_sinks_window, m_prefix_lm],
                          ids=lambda f: f.__name__)
-def test_paged_block_form_matches_the_reference(cpu_fa2, mask, causal):
+def test_paged_forms_match_the_reference(cpu_fa2, monkeypatch, mask, causal, form):
+    """Paged prefill runs the tile-list form; the block form is what an FP8 cache (and a batch of one query a request
+    the decode trimming leaves) runs."""
     current, made = cpu_fa2
+    if form == "blocks":
+        monkeypatch.setattr(plans, "tile_list_form", lambda *a, **kw: False)
     gen = torch.Generator().manual_seed(4)
     v, qo_lens, kv_lens, params = _case(mask, gen)
     current[0] = v
@@ -198,7 +229,9 @@ def test_paged_block_form_matches_the_reference(cpu_fa2, mask, causal):
     plan = attention.PagedAttentionPlan(v, qo_indptr, indptr, indices, last, num_qo_heads=4, num_kv_heads=2,
                                         head_dim=16, page_size=4, dtype=torch.float16, causal=causal,
                                         backend="fa2", device="cpu", params=params)
-    if mask in (m_document, m_chunk_causal, m_sinks_window):  # (prefix-LM: every key is some row's)
+    if form == "tile list":
+        assert made[-1].tile_list and plan._tiles is not None
+    elif mask in (m_document, m_chunk_causal, m_sinks_window):  # (prefix-LM: every key is some row's)
         assert made[-1].kv_segments and plan.keys_read[0] < plan.keys_read[1]
     out = plan.run(q, (k_cache, v_cache)).double()
     ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, causal, params)
@@ -338,9 +371,10 @@ def test_segments_attend_exactly_the_kept_keys(mask, seed):
 
 @pytest.mark.parametrize("kv_lens,page", [([48, 80, 160], 16), ([40, 88, 152], 8), ([38, 90, 150], 2)])
 @pytest.mark.parametrize("mask", [m_document, m_chunk_causal], ids=lambda f: f.__name__)
-def test_ragged_block_form_reads_keys_as_the_largest_pages_that_align(cpu_fa2, mask, kv_lens, page):
+def test_ragged_tile_list_reads_keys_as_the_largest_pages_that_align(cpu_fa2, mask, kv_lens, page):
     """Every request's first key on a multiple of 16 (8, 2): the ragged K/V are read in place as pages of that many
-    keys, and the result is the reference's (called non-causally: causally, these masks run as segments)."""
+    keys in the tile-list form, and the result is the reference's (called non-causally: causally, these masks run
+    as segments)."""
     current, made = cpu_fa2
     gen = torch.Generator().manual_seed(7)
     v, qo_lens, _, params = _case(mask, gen)
@@ -351,7 +385,7 @@ def test_ragged_block_form_reads_keys_as_the_largest_pages_that_align(cpu_fa2, m
     plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
                                          dtype=torch.float16, causal=False, backend="fa2", device="cpu",
                                          params=params)
-    assert plan._blocks is not None and plan._page == page
+    assert plan._tile_list is not None and plan._tile_list.page == page and made[-1].tile_list
     ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, False, params).double()
     out = plan.run(q, k, vv).double()
     assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
@@ -405,11 +439,13 @@ def _long_case(mask, gen, group):
                                        (m_left_pad, "causal+")],
                          ids=lambda x: getattr(x, "__name__", x))
 def test_causal_launch_matches_the_reference(cpu_fa2, monkeypatch, mask, runs, group, cta_kv, page):
-    """A causal call of a mask beyond a band on FA2: the blocks whose keys the mask keeps whole (but for their
-    first and last `rows` keys) run in kCausal mode, under FlashInfer's tile rules for any KV tile, the others in
-    a second, kCustom launch into the same output and LSE; the whole batch is the reference's."""
+    """A causal call of a mask beyond a band on FA2 in the block form (an FP8 cache's): the blocks whose keys the
+    mask keeps whole (but for their first and last `rows` keys) run in kCausal mode, under FlashInfer's tile rules
+    for any KV tile, the others in a second, kCustom launch into the same output and LSE; the whole batch is the
+    reference's."""
     from fivar.codegen.torch_ref import reference_attention
     current, made = cpu_fa2
+    monkeypatch.setattr(plans, "tile_list_form", lambda *a, **kw: False)
     monkeypatch.setitem(CTA_TILE_KV, "keys", cta_kv)
     gen = torch.Generator().manual_seed(11 + group)
     v, qo_lens, kv_lens, params = _long_case(mask, gen, group)
