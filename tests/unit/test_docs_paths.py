@@ -151,3 +151,10 @@ def test_the_check_finds_what_is_missing(tmp_path):
     allowed = missing(page, tmp_path, allowed={"fivar/jit/gone.py": "", "fivar/spec/": ""},
                       allowed_names={"gone.py": ""})
     assert allowed == got[:-3], allowed
+
+
+def test_every_tool_has_its_line_in_the_tools_readme():
+    """benchmarks/tools/README.md names each script there, and only those (a deleted tool leaves no row)."""
+    tools = ROOT / "benchmarks" / "tools"
+    rows = set(re.findall(r"^\| `([\w-]+\.py)` \|", (tools / "README.md").read_text(), re.M))
+    assert rows == {p.name for p in tools.glob("*.py")}
