@@ -37,15 +37,15 @@ def _ind(lens):
     return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
 
 
-def _plan(v, params, qo, kv, causal, token_of, page=1):
+def _plan(v, params, qo, kv, causal, token_of, page=1, rows=ROWS):
     q = torch.zeros(max(sum(qo), 1), HEADS, 16, dtype=torch.float16)
     bound, sm_scale = _prepare(v, params, q, KV_HEADS, len(qo), None)
     module, args = load_triton_module(v), kernel_arg_values(v, bound, sm_scale)
     kinds = module.tile_kinds(_ind(qo), _ind(kv), max(qo), max(kv), HEADS, HEADS // KV_HEADS, causal, args,
-                              (ROWS, TILE_WIDTH))
+                              (rows, TILE_WIDTH))
     bits_of = ((lambda cut: module.tile_bits(cut, _ind(qo), _ind(kv), kinds.shape[2], HEADS // KV_HEADS, causal,
-                                             args, (ROWS, TILE_WIDTH))) if tile_list_bits(v) else None)
-    return tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of, bits_of, page), bound
+                                             args, (rows, TILE_WIDTH))) if tile_list_bits(v) else None)
+    return tile_list(head_union(kinds), _ind(qo), _ind(kv), rows, token_of, bits_of, page), bound
 
 
 def list_errors(v, bound, layout, qo, kv, causal, key_at, custom=None) -> list[str]:
@@ -165,6 +165,22 @@ def test_tile_lists_keep_exactly_the_pairs(name, causal, kv_form):
             page = page_size_for(cache_page_size=cache_page)
         layout, bound = _plan(v, params, qo, kv, causal, token_of, page)
         assert layout.page == page
+        assert list_errors(v, bound, layout, qo, kv, causal, key_at) == []
+
+
+@pytest.mark.parametrize("name", sorted(MASKS)[:4])
+def test_a_query_tile_of_rows_no_power_of_two_is_classified_in_row_blocks(name):
+    """FA3's query tile at head dim 64 is 192 rows, which tl.arange cannot take: the map and the bits are made in
+    row blocks of a power of two (here 24 = 3 x 8) and combined; the pairs kept stay exactly the reference's."""
+    v, draw = _variant(name)
+    for causal in (False, True):
+        qo, kv = _batch()
+        kv = [k * 2 for k in kv]
+        if causal:
+            qo = [min(q, k) for q, k in zip(qo, kv)]
+        token_of, key_at = _paged(kv, 16)
+        layout, bound = _plan(v, draw(len(qo), max(kv)), qo, kv, causal, token_of, page_size_for(cache_page_size=16),
+                              rows=24)
         assert list_errors(v, bound, layout, qo, kv, causal, key_at) == []
 
 
