@@ -74,7 +74,8 @@ def _fa3_short(v) -> str:
     form = _fa3_form(v)
     if form == "tile list":
         return ("fa3 prefill: tile-list form, a request per 128-row query tile over its non-empty 32-key tiles "
-                "(device block map); whole tiles unmasked, cut tiles " + _cut_tiles(v))
+                "(device block map); whole tiles unmasked, cut tiles " + _cut_tiles(v)
+                + (", applied once per KV tile in the softmax updater" if fa3.tile_list_bits(v) else ""))
     return "fa3 prefill: " + {
         "no mask": "FlashInfer's kernel; causal skips the upper triangle; no mask",
         "window": ("FlashInfer's sliding window (window_left from the band): skips tiles left of it; only its "
