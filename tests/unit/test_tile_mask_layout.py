@@ -1,0 +1,72 @@
+"""csrc/fivar_tile_mask.cuh's index arithmetic, replayed on the CPU: for every KV tile width FA3 uses, every thread's
+scores of every tile the kernel visits read the right word and bit of CUT_BITS, and no read leaves the words the plan
+writes (a request's own, the next request's, or the CUT_WORDS_PAST zeros after the last)."""
+import random
+import re
+import sys
+
+import pytest
+
+from fivar.paths import csrc_dir
+from fivar.runtime.fa3_tile_list import CUT_WORDS_PAST
+
+HEADER = (csrc_dir() / "fivar_tile_mask.cuh").read_text()
+
+
+def _slots(n: int) -> int:
+    """SLOTS as the header computes it for a tile of n keys."""
+    expr = re.search(r"constexpr int SLOTS = (.+?);", HEADER).group(1)
+    return eval(expr.replace("/", "//"), {"N": n})  # noqa: S307 - the header's own constant expression
+
+
+def _thread_keeps(kv_last: int, whole: int, n: int, words_of) -> dict[int, int]:
+    """{kv: kept} for the scores of one thread row of a tile, as the header computes them."""
+    c_first = kv_last - (n - 7) - whole
+    w_first = c_first >> 5  # an arithmetic shift, as int32 >> in CUDA
+    words = [words_of(w_first + j) for j in range(_slots(n))]
+    out = {}
+    for i in range(n // 8 * 4):  # the fragment ((2, 2, n / 8)): rows i >> 1 & 1 are the same keys
+        if (i >> 1) & 1:
+            continue
+        c = c_first + (i & 1) + 8 * (i >> 2)
+        slot = (c >> 5) - w_first
+        assert 0 <= slot < len(words), f"score {i}: slot {slot} of {len(words)}"
+        out[c + whole] = (words[slot] >> (c & 31)) & 1
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 80, 96, 112, 128, 160, 176, 192])
+def test_every_score_reads_its_own_bit_and_no_read_leaves_the_plan(n):
+    rng = random.Random(n)
+    for _ in range(200):
+        keys = rng.randrange(1, 700)
+        whole = 32 * rng.randrange(0, keys // 32 + 1) if rng.random() < 0.9 else -1  # -1: a request keeping none
+        n_words = 0 if whole < 0 else (keys - whole + 31) // 32
+        bits = [rng.getrandbits(32) for _ in range(n_words)]
+        total = n_words + CUT_WORDS_PAST  # the last request's words and the zeros after them
+
+        def words_of(w):
+            if w < 0:
+                return 0xFFFFFFFF  # a whole tile's word (fv_cut_word)
+            if whole < 0:
+                return 0  # a request keeping no key
+            assert w < total, f"word {w} read past the {total} the plan writes ({keys} keys, {whole} whole, n={n})"
+            return bits[w] if w < n_words else 0
+
+        for tile in range((keys + n - 1) // n):  # every KV tile the kernel visits
+            for lane in range(4):  # the thread's first key: 2 (lane % 4) into the tile
+                kv_last = tile * n + 2 * lane + n - 7
+                if kv_last < whole:
+                    continue  # the header skips the tile: all its keys are whole
+                for kv, kept in _thread_keeps(kv_last, whole, n, words_of).items():
+                    if kv >= keys:
+                        continue  # past the request's keys: FlashInfer masks them
+                    want = 0 if whole < 0 else 1 if kv < whole else (bits[(kv - whole) >> 5] >> ((kv - whole) & 31)) & 1
+                    assert kept == want, (n, keys, whole, tile, lane, kv)
+
+
+def test_too_few_padding_words_fail_the_replay(monkeypatch):
+    """The replay's bound is the plan's: with fewer zero words after the last request's, a tile reads past them."""
+    monkeypatch.setattr(sys.modules[__name__], "CUT_WORDS_PAST", 2)
+    with pytest.raises(AssertionError, match="read past"):
+        test_every_score_reads_its_own_bit_and_no_read_leaves_the_plan(192)
