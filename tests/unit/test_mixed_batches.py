@@ -214,3 +214,28 @@ def test_fa3_tile_list_of_a_mixed_step_keeps_exactly_the_pairs(name, causal, pag
         mine = (layout.blocks[:, 0] == b).nonzero().view(-1)
         assert mine.numel() == 1 and int(rows[mine]) == 1
     assert plans.tile_list_form(v, "fa3", one_query=False) and plans.tile_list_form(v, "fa3", one_query=True)
+
+
+# ------------------------------------------------------------------------------ the serving suite's mixed step
+
+@pytest.mark.parametrize("name", ["document_mask", "softcap"])
+def test_the_suites_mixed_step_its_check_and_its_flex_contender(monkeypatch, name):
+    """The bench's mixed step at a tiny shape on the CPU: the Triton twin passes the case's check, Flex over the
+    step packed into one sequence (eager) computes the same rows, and a wrong result fails the check."""
+    from fivar.bench.contenders import Contender
+    from fivar.bench.suites import serving
+    for attr, value in (("BATCH", 5), ("CONTEXT", 40), ("HEADS", (HQ, HKV)), ("HEAD_DIM", D), ("PAGE", 16),
+                        ("DTYPE", torch.float16)):
+        monkeypatch.setattr(serving, attr, value)
+    torch.manual_seed(zlib.crc32(name.encode()))
+    v, t, params = serving._mixed_problem(name, ((0, 19), (9, 30)), device="cpu")
+    assert t["decodes"] == 3 and t["new"] == [1, 1, 1, 19, 30] and t["kv"] == [40, 40, 40, 19, 39]
+    check = serving._mixed_check(v, t, params)
+    twin = lambda: v.batch_prefill_paged(t["q"], t["cache"], *t["step"], causal=True, backend="triton",  # noqa: E731
+                                         **params)
+    assert check(Contender("triton", twin)).passed
+    flex = serving._mixed_flex(v, t, params, compiled=False)
+    assert (flex().float() - twin().float()).abs().max() < 2e-2
+    assert check(Contender("flex", flex)).passed
+    wrong = lambda: twin() * 1.1  # noqa: E731
+    assert not check(Contender("wrong", wrong)).passed

@@ -175,7 +175,7 @@ MIXED = {"2 chunks": ((0, 2048), (6144, 2048)),
 MIXED_VARIANTS = {"softcap": {}, "sliding_window": {"window": 512}, "gpt_oss": {"window": 128}, "document_mask": {}}
 
 
-def _mixed_problem(name: str, chunks, overrides: dict | None = None):
+def _mixed_problem(name: str, chunks, overrides: dict | None = None, device="cuda"):
     """The step in an engine's order (decodes first, then the chunks), over a shuffled page pool."""
     import fivar
     from ...integrations.serving import mixed_step
@@ -187,17 +187,17 @@ def _mixed_problem(name: str, chunks, overrides: dict | None = None):
     new = [1] * decodes + [n for _, n in chunks]
     kv = [c + n for c, n in zip(cached, new)]
     n_pages = [-(-n // PAGE) for n in kv]
-    perm = torch.randperm(sum(n_pages), device="cuda").to(torch.int32)
-    table = torch.zeros(BATCH, max(n_pages), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(sum(n_pages), device=device).to(torch.int32)
+    table = torch.zeros(BATCH, max(n_pages), dtype=torch.int32, device=device)
     at = 0
     for b, n in enumerate(n_pages):
         table[b, :n] = perm[at:at + n]
         at += n
-    cache = tuple(torch.randn(sum(n_pages), PAGE, hkv, HEAD_DIM, dtype=DTYPE, device="cuda") for _ in range(2))
-    q = torch.randn(sum(new), hq, HEAD_DIM, dtype=DTYPE, device="cuda")
+    cache = tuple(torch.randn(sum(n_pages), PAGE, hkv, HEAD_DIM, dtype=DTYPE, device=device) for _ in range(2))
+    q = torch.randn(sum(new), hq, HEAD_DIM, dtype=DTYPE, device=device)
     params = {**example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=BATCH, max_len=max(kv),
-                               device="cuda"), **MIXED_VARIANTS.get(name, {}), **(overrides or {})}
-    step = mixed_step(cached, new, table, PAGE, device="cuda")
+                               device=device), **MIXED_VARIANTS.get(name, {}), **(overrides or {})}
+    step = mixed_step(cached, new, table, PAGE, device=device)
     return v, dict(q=q, cache=cache, table=table, step=step, cached=cached, new=new, kv=kv, decodes=decodes), params
 
 
@@ -247,19 +247,20 @@ def _stock_two_calls(t, kwargs: dict):
     return run
 
 
-def _mixed_flex(v, t, params):
+def _mixed_flex(v, t, params, compiled: bool = True):
     """FlexAttention over the step packed into one sequence (its keys gathered dense from the pages): the block
-    mask keeps each request's own keys, at their positions, ANDed with the variant's mask and causal."""
+    mask keeps each request's own keys, at their positions, ANDed with the variant's mask and causal. compiled
+    False: eager Flex (a CPU test's)."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from ...flex import flex_mods
     hq, hkv = HEADS
     sm_scale = HEAD_DIM ** -0.5
+    dev = t["q"].device
     score_inner, mask_inner = flex_mods(v, params, qo_len=1, kv_len=1, num_qo_heads=hq, num_kv_heads=hkv,
-                                        sm_scale=sm_scale, causal=True, device="cuda", batch_size=BATCH)
+                                        sm_scale=sm_scale, causal=True, device=dev, batch_size=BATCH)
     new, kv, cached = t["new"], t["kv"], t["cached"]
-    dev = "cuda"
     q_req = torch.repeat_interleave(torch.arange(BATCH, device=dev), torch.tensor(new, device=dev))
     kv_req = torch.repeat_interleave(torch.arange(BATCH, device=dev), torch.tensor(kv, device=dev))
     q_pos = torch.cat([torch.arange(c, c + n, device=dev) for c, n in zip(cached, new)])
@@ -281,7 +282,7 @@ def _mixed_flex(v, t, params):
     n_q, n_kv = q_req.numel(), kv_req.numel()
     block_mask = create_block_mask(mask_mod, None, None, n_q, n_kv, device=dev)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    fa = torch.compile(flex_attention, dynamic=False)
+    fa = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
     qb = t["q"].transpose(0, 1).unsqueeze(0)
     kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (k, vv))
 
