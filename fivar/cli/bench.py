@@ -148,7 +148,8 @@ def serving_cases(name, op, vs, params):
         from ..bench.suites.serving import BATCH, CONTEXT, HEADS, PAGE
         raise FivarError(f"--op {op} runs the serving suite's {op} cases (batch {BATCH}, {CONTEXT}-key contexts, page "
                          f"{PAGE}, bf16, head dim 128, GQA {HEADS[0]}/{HEADS[1]}, causal); {', '.join(ignored)} "
-                         f"{'do' if len(ignored) > 1 else 'does'} not apply: drop {'them' if len(ignored) > 1 else 'it'}")
+                         f"{'do' if len(ignored) > 1 else 'does'} not apply: drop "
+                         f"{'them' if len(ignored) > 1 else 'it'}")
     if "sdpa" in vs:
         raise FivarError(f"--op {op} has no SDPA contender (--vs stock, triton or flex)")
     from ..bench.suites.serving import variant_cases
@@ -183,8 +184,8 @@ def _bench_serving(name, op, vs, params, rounds, json_path) -> None:
                       f"{r['value']:.3f}" if r["value"] is not None else
                       _escape(str(r["detail"].get("error") or r["detail"].get("rel_err")))[:40],
                       f"{tf:.1f}" if tf else "-",
-                      f"{r['ratio']:.2f}x vs {r['baseline']}" if r["ratio"] is not None and r["contender"] != r["baseline"]
-                      else "-")
+                      f"{r['ratio']:.2f}x vs {r['baseline']}"
+                      if r["ratio"] is not None and r["contender"] != r["baseline"] else "-")
     console.print(table)
     if json_path:
         Path(json_path).write_text(_json.dumps(rows, indent=1, default=str))

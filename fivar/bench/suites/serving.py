@@ -275,10 +275,9 @@ def _mixed_flex(v, t, params, compiled: bool = True):
         keep = q_req[qi] == kv_req[ki]
         return keep & mask_inner(q_req[qi], h, q_pos[qi], kv_pos[ki])
 
-    score_mod = None
-    if score_inner is not None:
-        def score_mod(score, b, h, qi, ki):
-            return score_inner(score, q_req[qi], h, q_pos[qi], kv_pos[ki])
+    def remapped_score(score, b, h, qi, ki):
+        return score_inner(score, q_req[qi], h, q_pos[qi], kv_pos[ki])
+    score_mod = remapped_score if score_inner is not None else None
     n_q, n_kv = q_req.numel(), kv_req.numel()
     block_mask = create_block_mask(mask_mod, None, None, n_q, n_kv, device=dev)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
