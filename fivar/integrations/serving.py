@@ -10,6 +10,7 @@ A mixed step (`mixed_step`): prefill chunks and decodes of the same variant in o
 """
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -79,10 +80,11 @@ def mixed_step(cached_lens, new_lens, page_table, page_size: int, *, device="cpu
     are never read); the first ceil(kv_len_i / page_size) pages of each are used."""
     def ints(name, xs):
         xs = xs.tolist() if isinstance(xs, torch.Tensor) else list(xs)
-        if any(not isinstance(x, int) or isinstance(x, bool) for x in xs):
+        if any(not isinstance(x, numbers.Integral) or isinstance(x, bool) for x in xs):
             raise FivarError(f"mixed_step: {name} must be integers, got {xs[:8]}")
         return xs
-    cached, new = ints("cached_lens", cached_lens), ints("new_lens", new_lens)
+    cached = [int(x) for x in ints("cached_lens", cached_lens)]
+    new = [int(x) for x in ints("new_lens", new_lens)]
     if len(cached) != len(new):
         raise FivarError(f"mixed_step: {len(cached)} cached lengths but {len(new)} new-token counts (one per request)")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -100,9 +102,9 @@ def mixed_step(cached_lens, new_lens, page_table, page_size: int, *, device="cpu
         if len(row) < n:
             raise FivarError(f"mixed_step: request {i} holds {kv[i]} keys, {n} page(s) of {page_size}, but its page "
                              f"table row has {len(row)}")
-        if any(not isinstance(p, int) or p < 0 for p in row[:n]):
+        if any(not isinstance(p, numbers.Integral) or p < 0 for p in row[:n]):
             raise FivarError(f"mixed_step: request {i}'s pages must be ints >= 0, got {row[:n][:8]}")
-        indices += row[:n]
+        indices += [int(p) for p in row[:n]]
 
     def ind(xs):
         return torch.tensor([0] + xs, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
