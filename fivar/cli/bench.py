@@ -16,8 +16,10 @@ from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilit
 @click.argument("name")
 @click.option("--vs", "vs", multiple=True, type=click.Choice(["stock", "triton", "flex", "sdpa"]),
               help="contenders besides fivar's own kernels (repeatable); default: stock, triton, flex")
-@click.option("--op", type=click.Choice(["prefill", "batch-prefill", "decode", "train"]), default="prefill",
-              show_default=True, help="train: forward + backward (v.attention) against Flex and SDPA")
+@click.option("--op", type=click.Choice(["prefill", "batch-prefill", "decode", "train", "verify", "mixed"]),
+              default="prefill", show_default=True, help="train: forward + backward (v.attention) against Flex and "
+              "SDPA; verify / mixed: the serving suite's speculative-verify or mixed prefill+decode steps "
+              "(docs/serving.md)")
 @click.option("--seqlens", default="1024,4096,8192", show_default=True)
 @click.option("--batch", default=1, show_default=True, help="requests (batch-prefill, decode)")
 @click.option("--heads", default="32/32", show_default=True, help="Hq/Hkv")
@@ -82,11 +84,15 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
     if sustained_s and _given("rounds"):
         raise FivarError("--sustained times each contender once, for SECONDS; --rounds sets interleaved rounds: "
                          "give one of them")
+    if op in SERVING_OPS:
+        serving_cases(name, op, vs, params)  # its refusals on any machine
     if not torch.cuda.is_available():
         raise FivarError("fivar bench times kernels, so it needs a CUDA GPU (without one: fivar bench NAME --compile "
                          "--arch 9.0a measures build latency)")
     if arch:
         raise FivarError("--arch applies to --compile only: a timed run uses the visible GPU")
+    if op in SERVING_OPS:
+        return _bench_serving(name, op, vs, params, rounds, json_path)
     from ..bench import ceilings as ceil_mod
     from ..bench.harness import run
     try:
@@ -126,6 +132,64 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         from ..bench.plot import plot
         plot(reports[0], plot_path)
         console.print(f"wrote {plot_path}")
+
+
+#: ops that run the serving suite's cases of one variant (fivar.bench.suites.serving) through the bench runner
+SERVING_OPS = ("verify", "mixed")
+#: the serving suite's contenders: fivar's own always, the others as --vs picks them
+SERVING_OWN = ("fivar-fa3", "fivar-fa3-planned")
+
+
+def serving_cases(name, op, vs, params):
+    """(cases, contender names) of `fivar bench NAME --op verify|mixed`; refuses the options those fixed shapes
+    ignore, in one line."""
+    ignored = _given("seqlens", "batch", "heads", "head_dim", "dtype", "causal", "sustained_s", "plot_path")
+    if ignored:
+        from ..bench.suites.serving import BATCH, CONTEXT, HEADS, PAGE
+        raise FivarError(f"--op {op} runs the serving suite's {op} cases (batch {BATCH}, {CONTEXT}-key contexts, page "
+                         f"{PAGE}, bf16, head dim 128, GQA {HEADS[0]}/{HEADS[1]}, causal); {', '.join(ignored)} "
+                         f"{'do' if len(ignored) > 1 else 'does'} not apply: drop "
+                         f"{'them' if len(ignored) > 1 else 'it'}")
+    if "sdpa" in vs:
+        raise FivarError(f"--op {op} has no SDPA contender (--vs stock, triton or flex)")
+    from ..bench.suites.serving import variant_cases
+    contenders = SERVING_OWN + tuple(vs or ("stock", "triton", "flex"))
+    return variant_cases(name, op, params), contenders
+
+
+def _bench_serving(name, op, vs, params, rounds, json_path) -> None:
+    """The serving suite's cases of this variant, run as `python -m fivar.bench --suite serving` runs them (built in
+    one parallel pass, each contender checked, then timed), their rows printed; --json writes the rows."""
+    import json as _json
+    import tempfile
+
+    from ..bench import runner
+    from ..bench.contenders import SELECTED
+    cases, contenders = serving_cases(name, op, vs, params)
+    token = SELECTED.set(frozenset(contenders))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:  # rows of an ad-hoc run stay out of benchmarks/results
+            rows = runner.run(cases, runner.Options.make(rounds), Path(tmp),
+                              log=lambda s: console.print(s, style="dim", markup=False))
+    finally:
+        SELECTED.reset(token)
+    table = Table("case", "contender", "check", "ms", "TFLOP/s", "vs baseline", title=f"fivar bench {name} --op {op}")
+    tflops = {(r["case"], r["contender"]): r["value"] for r in rows if r["metric"] == "tflops_useful"}
+    for r in rows:
+        if r["metric"] != "ms":
+            continue
+        tf = tflops.get((r["case"], r["contender"]))
+        table.add_row(_escape(r["case"]), _escape(r["contender"]),
+                      {"pass": "[green]pass[/]", "fail": "[red]FAILED check[/]", "error": "[red]error[/]"}[r["check"]],
+                      f"{r['value']:.3f}" if r["value"] is not None else
+                      _escape(str(r["detail"].get("error") or r["detail"].get("rel_err")))[:40],
+                      f"{tf:.1f}" if tf else "-",
+                      f"{r['ratio']:.2f}x vs {r['baseline']}"
+                      if r["ratio"] is not None and r["contender"] != r["baseline"] else "-")
+    console.print(table)
+    if json_path:
+        Path(json_path).write_text(_json.dumps(rows, indent=1, default=str))
+        console.print(f"wrote {json_path}")
 
 
 def _print_report(name, op, report) -> None:

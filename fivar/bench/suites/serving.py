@@ -8,6 +8,14 @@ reading the pages through the page table and the mask's bits), `stock` (FlashInf
 BatchPrefillWithPagedKVCacheWrapper with the same packed mask and `logits_soft_cap` / `window_left`, where those
 compute the variant: not for the sink) and `flex` (FlexAttention over the batch gathered dense, its block mask
 from the variant's mask and the custom mask; no sink either). Ratios against stock, else the Triton twin.
+
+Mixed steps (op "mixed"): batch 32, two or four prefill chunks of 512-2048 tokens (some after a cached prefix) beside
+decodes over 8192 keys, in one paged batch (fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window,
+gpt-oss and documents. Contenders `fivar-fa3`, `fivar-fa3-planned` and `triton` run the step in one call; `stock`
+runs it as an engine without mixed batches does, FlashInfer's decode wrapper over the decodes and its paged prefill
+wrapper over the chunks (soft-cap and the window); `flex`, where stock cannot compute the variant (documents; no
+sink), runs the step packed into one sequence.
+Ratios against stock, else Flex, else the Triton twin.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ def _parents(form: str, n: int, rng: random.Random) -> list[int]:
     return [-1] + [rng.randrange(max(-1, j - 4), j) for j in range(1, n)]  # bushy near the root, then deeper
 
 
-def _problem(name: str, drafts: int, form: str):
+def _problem(name: str, drafts: int, form: str, overrides: dict | None = None):
     import fivar
     from ...integrations.serving import tree_mask, tree_rows
     from ...testing import _to_paged, example_params
@@ -48,7 +56,7 @@ def _problem(name: str, drafts: int, form: str):
     rows = torch.stack([torch.cat([torch.ones(drafts, CONTEXT, dtype=torch.bool), tree_rows(p)], 1)
                         for p in parents]).cuda()  # [batch, drafts, kv]
     params = {**example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=BATCH, max_len=kv, device="cuda"),
-              **VARIANTS[name]}
+              **VARIANTS.get(name, {}), **(overrides or {})}
     qo_indptr = torch.arange(0, BATCH * drafts + 1, drafts, dtype=torch.int32, device="cuda")
     return v, dict(q=q, k=k, v=vv, cache=cache, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
                    last=last, packed=packed, mask_indptr=mask_indptr, rows=rows, kv=kv, drafts=drafts), params
@@ -141,9 +149,9 @@ def _modules(name: str):
     return [gen_module(v, "batch_prefill", "fa3", "bf16", HEAD_DIM, custom_mask=not own)]
 
 
-def _case(name: str, drafts: int, form: str) -> Case:
+def _case(name: str, drafts: int, form: str, overrides: dict | None = None) -> Case:
     def prepare() -> Prepared:
-        v, t, params = _problem(name, drafts, form)
+        v, t, params = _problem(name, drafts, form, overrides)
         hq, hkv = HEADS
         rows = t["rows"]
         kept = float(rows.sum()) * hq  # pairs the custom mask keeps (the variant's own mask not counted)
@@ -157,6 +165,203 @@ def _case(name: str, drafts: int, form: str) -> Case:
                 baseline=("stock", "triton"), modules=lambda: _modules(name))
 
 
-def cases(quick: bool = False) -> list:
+
+
+# ------------------------------------------------------------------------------------------------ mixed steps
+
+#: a mixed step's prefill chunks, (cached prefix, new tokens) each, beside decodes over CONTEXT keys to BATCH requests
+MIXED = {"2 chunks": ((0, 2048), (6144, 2048)),
+         "4 chunks": ((0, 512), (2048, 1024), (4096, 1536), (6144, 2048))}
+MIXED_VARIANTS = {"softcap": {}, "sliding_window": {"window": 512}, "gpt_oss": {"window": 128}, "document_mask": {}}
+
+
+def _mixed_problem(name: str, chunks, overrides: dict | None = None, device="cuda"):
+    """The step in an engine's order (decodes first, then the chunks), over a shuffled page pool."""
+    import fivar
+    from ...integrations.serving import mixed_step
+    from ...testing import example_params
+    v = fivar.load(name)
+    hq, hkv = HEADS
+    decodes = BATCH - len(chunks)
+    cached = [CONTEXT - 1] * decodes + [c for c, _ in chunks]
+    new = [1] * decodes + [n for _, n in chunks]
+    kv = [c + n for c, n in zip(cached, new)]
+    n_pages = [-(-n // PAGE) for n in kv]
+    perm = torch.randperm(sum(n_pages), device=device).to(torch.int32)
+    table = torch.zeros(BATCH, max(n_pages), dtype=torch.int32, device=device)
+    at = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    cache = tuple(torch.randn(sum(n_pages), PAGE, hkv, HEAD_DIM, dtype=DTYPE, device=device) for _ in range(2))
+    q = torch.randn(sum(new), hq, HEAD_DIM, dtype=DTYPE, device=device)
+    params = {**example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=BATCH, max_len=max(kv),
+                               device=device), **MIXED_VARIANTS.get(name, {}), **(overrides or {})}
+    step = mixed_step(cached, new, table, PAGE, device=device)
+    return v, dict(q=q, cache=cache, table=table, step=step, cached=cached, new=new, kv=kv, decodes=decodes), params
+
+
+def _mixed_contenders(v, t, params) -> list[Contender]:
+    hq, hkv = HEADS
+    q, cache, step = t["q"], t["cache"], t["step"]
+    out = []
+    if selected("fivar-fa3"):
+        out.append(Contender("fivar-fa3", lambda: v.batch_prefill_paged(q, cache, *step, causal=True, **params),
+                             "one call, backend auto"))
+    if selected("fivar-fa3-planned"):
+        plan = v.plan_paged(*step, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, page_size=PAGE,
+                            dtype=DTYPE, causal=True, backend="fa3", **params)
+        out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, cache), "planned once a step"))
+    if selected("triton"):
+        out.append(Contender("triton", lambda: v.batch_prefill_paged(q, cache, *step, causal=True, backend="triton",
+                                                                     **params), "the twin's prefill over the pages"))
+    mapped = stock_mapping(v, params)
+    if mapped is not None and selected("stock"):
+        out.append(Contender("stock", _stock_two_calls(t, mapped[0]), mapped[1] + ": decode wrapper + prefill wrapper"))
+    if mapped is None and v.sink is None and selected("flex"):  # the baseline where stock cannot compute it
+        out.append(Contender("flex", _mixed_flex(v, t, params), "torch.compile, the step packed into one sequence"))
+    return out
+
+
+def _stock_two_calls(t, kwargs: dict):
+    """What an engine without mixed batches runs: FlashInfer's decode wrapper over the decodes and its paged
+    prefill wrapper over the chunks, each writing its rows of one output."""
+    import flashinfer
+    hq, hkv = HEADS
+    d = t["decodes"]
+    qo, kv_ind, idx, last = t["step"]
+    ws = lambda: torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # noqa: E731
+    dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=hq // hkv >= 4)
+    dec.plan(kv_ind[:d + 1], idx[:int(kv_ind[d])], last[:d], hq, hkv, HEAD_DIM, PAGE, q_data_type=DTYPE,
+             kv_data_type=DTYPE, **kwargs)
+    pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+    pre.plan(qo[d:] - qo[d], kv_ind[d:] - kv_ind[d], idx[int(kv_ind[d]):], last[d:], hq, hkv, HEAD_DIM, PAGE,
+             causal=True, q_data_type=DTYPE, kv_data_type=DTYPE, **kwargs)
+    q, cache = t["q"], t["cache"]
+    out = torch.empty_like(q)
+
+    def run():
+        dec.run(q[:d], cache, out=out[:d])
+        pre.run(q[d:], cache, out=out[d:])
+        return out
+    return run
+
+
+def _mixed_flex(v, t, params, compiled: bool = True):
+    """FlexAttention over the step packed into one sequence (its keys gathered dense from the pages): the block
+    mask keeps each request's own keys, at their positions, ANDed with the variant's mask and causal. compiled
+    False: eager Flex (a CPU test's)."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ...flex import flex_mods
+    hq, hkv = HEADS
+    sm_scale = HEAD_DIM ** -0.5
+    dev = t["q"].device
+    score_inner, mask_inner = flex_mods(v, params, qo_len=1, kv_len=1, num_qo_heads=hq, num_kv_heads=hkv,
+                                        sm_scale=sm_scale, causal=True, device=dev, batch_size=BATCH)
+    new, kv, cached = t["new"], t["kv"], t["cached"]
+    q_req = torch.repeat_interleave(torch.arange(BATCH, device=dev), torch.tensor(new, device=dev))
+    kv_req = torch.repeat_interleave(torch.arange(BATCH, device=dev), torch.tensor(kv, device=dev))
+    q_pos = torch.cat([torch.arange(c, c + n, device=dev) for c, n in zip(cached, new)])
+    kv_pos = torch.cat([torch.arange(n, device=dev) for n in kv])
+    pages = torch.cat([t["table"][b, :-(-n // PAGE)] for b, n in enumerate(kv)]).long()
+    k, vv = (c[pages].reshape(-1, PAGE, hkv, HEAD_DIM) for c in t["cache"])
+    starts = torch.tensor([0] + [-(-n // PAGE) * PAGE for n in kv[:-1]], device=dev).cumsum(0)
+    flat = (starts[kv_req] + kv_pos)  # each key's row in the gathered pages
+    k, vv = (x.reshape(-1, hkv, HEAD_DIM)[flat] for x in (k, vv))
+
+    def mask_mod(b, h, qi, ki):
+        keep = q_req[qi] == kv_req[ki]
+        return keep & mask_inner(q_req[qi], h, q_pos[qi], kv_pos[ki])
+
+    def remapped_score(score, b, h, qi, ki):
+        return score_inner(score, q_req[qi], h, q_pos[qi], kv_pos[ki])
+    score_mod = remapped_score if score_inner is not None else None
+    n_q, n_kv = q_req.numel(), kv_req.numel()
+    block_mask = create_block_mask(mask_mod, None, None, n_q, n_kv, device=dev)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    fa = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    qb = t["q"].transpose(0, 1).unsqueeze(0)
+    kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (k, vv))
+
+    def run():
+        o = fa(qb, kb, vb, score_mod=score_mod, block_mask=block_mask, scale=sm_scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+    return run
+
+
+def _mixed_check(v, t, params):
+    """The first decode and every chunk against the reference."""
+    from ...codegen.torch_ref import reference_attention
+    qo, table = t["step"].qo_indptr.tolist(), t["table"]
+    check_rows = [0] + list(range(t["decodes"], BATCH))
+
+    def check(c: Contender):
+        out = c.fn()
+        outs, refs = [], []
+        for b in check_rows:
+            n = t["kv"][b]
+            pages = table[b, :-(-n // PAGE)].long()
+            k, vv = (x[pages].reshape(-1, HEADS[1], HEAD_DIM)[:n] for x in t["cache"])
+            refs.append(reference_attention(v, t["q"][qo[b]:qo[b + 1]], k, vv, causal=True, params=params,
+                                            batch_idx=b, batch_size=BATCH))
+            outs.append(out[qo[b]:qo[b + 1]])
+        return compare(v.name, f"{c.name} a decode and the chunks", torch.cat(outs), torch.cat(refs), DTYPE)
+    return check
+
+
+def _mixed_modules(name: str):
+    import fivar
+    from ...jit.build import serving_modules
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return []
+    return serving_modules(fivar.load(name), "batch_prefill", "fa3", "bf16", HEAD_DIM)
+
+
+def _mixed_case(name: str, label: str, overrides: dict | None = None) -> Case:
+    chunks = MIXED[label]
+
+    def prepare() -> Prepared:
+        v, t, params = _mixed_problem(name, chunks, overrides)
+        hq, hkv = HEADS
+        # pairs causal keeps (the variant's own mask not counted): a decode its keys, a chunk's row its prefix
+        pairs = sum(c * n + n * (n + 1) // 2 for c, n in zip(t["cached"], t["new"]))
+        nbytes = float(DTYPE.itemsize * HEAD_DIM * (2 * t["q"].shape[0] * hq + 2 * sum(t["kv"]) * hkv))
+        return Prepared(_mixed_contenders(v, t, params), _mixed_check(v, t, params), flops=4.0 * pairs * hq * HEAD_DIM,
+                        nbytes=nbytes, memory_bound=False,
+                        detail={"chunks": [n for _, n in chunks], "decodes": t["decodes"]})
+    shape = {"seqlen": CONTEXT, "batch": BATCH, "chunks": [list(c) for c in chunks], "decodes": BATCH - len(chunks),
+             "heads": f"{HEADS[0]}/{HEADS[1]}", "head_dim": HEAD_DIM, "dtype": "bf16", "causal": True,
+             "page_size": PAGE}
+    return Case("serving", f"{name} mixed {label} + {BATCH - len(chunks)} decodes x{BATCH} ctx{CONTEXT}", "mixed",
+                shape, prepare, baseline=("stock", "flex", "triton"), modules=lambda: _mixed_modules(name))
+
+
+def verify_cases(quick: bool = False) -> list:
     drafts = (16,) if quick else DRAFTS
     return [_case(name, n, form) for name in VARIANTS for n in drafts for form in ("chain", "tree")]
+
+
+def mixed_cases(quick: bool = False) -> list:
+    labels = ("4 chunks",) if quick else tuple(MIXED)
+    return [_mixed_case(name, label) for name in MIXED_VARIANTS for label in labels]
+
+
+def cases(quick: bool = False) -> list:
+    return verify_cases(quick) + mixed_cases(quick)
+
+
+def variant_cases(name: str, op: str, params: dict | None = None) -> list:
+    """`fivar bench NAME --op verify|mixed`: this suite's cases of that op for any variant (its example params, the
+    suite's for the bundled ones, then `params`)."""
+    if op == "verify":
+        cases = [_case(name, n, form, params) for n in DRAFTS for form in ("chain", "tree")]
+    elif op == "mixed":
+        cases = [_mixed_case(name, label, params) for label in MIXED]
+    else:
+        raise ValueError(f"the serving suite has no {op!r} cases (verify, mixed)")
+    for c in cases:  # the rows say which params were set
+        if params:
+            c.shape["params"] = dict(params)
+    return cases
