@@ -1,3 +1,4 @@
 from .build import FivarModule, gen_module
+from .module_key import ModuleKey
 
-__all__ = ["FivarModule", "gen_module"]
+__all__ = ["FivarModule", "ModuleKey", "gen_module"]

@@ -27,18 +27,10 @@ from ..paths import csrc_dir
 from . import locks, pinned_kv_tiles, progress, records, toolchain, unused_headers
 from ..flashinfer_compat.templates import render_template as _render_flashinfer
 from .fa2_tile_split import _fa2_tile_split, _inst_statements, _single_prefill_split_problem, _split_warned
+from .module_key import (DTYPES, FORM_OPTIONS, HEAD_DIMS, KV_DTYPE_OPS, KV_DTYPES, OPS,  # noqa: F401 (re-exported)
+                         TARGETS, ModuleKey, dtype_name)
 from .module import (FivarModule, _VERIFIED, _loaded, _sha256, _verified, check_buildable_paths, library_verified,
                      unsafe_in_build_files, variant_file_sha256)
-
-OPS = ("single_prefill", "batch_prefill", "batch_decode")
-TARGETS = ("fa2", "fa3")
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-#: KV-cache dtypes other than q's (FlashInfer's FA2 paged kernels read them and upcast in shared memory/registers);
-#: the k/v scales are the runtime's (fivar.runtime.attention.fp8_scales).
-KV_DTYPES = {"fp8e4m3": torch.float8_e4m3fn}
-#: the ops that read a paged KV cache, so the only ones a KV dtype applies to
-KV_DTYPE_OPS = ("batch_prefill", "batch_decode")
-HEAD_DIMS = (64, 128, 256)
 
 log = logging.getLogger("fivar")
 
@@ -63,13 +55,6 @@ def _read_only_workspace_log() -> None:
 
 
 _read_only_workspace_log()
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    for k, v in DTYPES.items():
-        if v == dt:
-            return k
-    raise FivarError(f"dtype {dt} is not supported (use one of {sorted(DTYPES)})")
 
 
 def kv_dtype_name(dt: torch.dtype, q_dtype: torch.dtype) -> str | None:
@@ -141,63 +126,48 @@ def fivar_headers(source: str) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
-def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: str = "bf16",
-               head_dim: int = 128, *, kv_segments: bool = False, mask_free: bool = False,
-               tile_list: bool = False, kv_dtype: str | None = None, custom_mask: bool = False,
-               config: FA2BuildConfig | FA3KernelConfig | None = None, **options) -> FivarModule:
-    """All sources of one module. FA3 batch prefill of a mask that is more than a band is the tile-list form
-    (fivar.runtime.fa3_tile_list): the paged kernel alone, with no mask mode but kNone (causal is the block map's);
-    `tile_list` asks for the same form of FA2 batch prefill (fivar.codegen.fa2._tile_list_decl; on FA3 it follows
-    from the variant, op and custom_mask, and a manifest's record of it is only checked). `kv_segments`: FA2
-    batch prefill/decode over trimmed pages or query blocks, each key mapped back to its position
-    (fivar.runtime.decode_pages, fivar.runtime.fa2_blocks). `kv_dtype`: a KV cache of another dtype than q's
-    (KV_DTYPES: "fp8e4m3"), FA2 paged ops only; None: q's dtype. `custom_mask`: FA3 batch prefill in the tile-list
-    form whatever the mask, cut tiles read as bits (an engine's custom mask ANDed into the block map,
-    fivar.runtime.custom_mask). `config`: the target's tuning (fivar.config.FA2BuildConfig or
-    FA3KernelConfig; a None field is chosen by fivar.config's overrides, the environment, then the heuristic).
-    `options`: the same fields as keywords (what a manifest records), over `config`'s:
+def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "fa2", dtype: str = "bf16",
+               head_dim: int = 128, *, config: FA2BuildConfig | FA3KernelConfig | None = None,
+               **options) -> FivarModule:
+    """All sources of one module of the form `op`, a ModuleKey (fivar.jit.module_key: what each form is), or
+    given as (op, target, dtype, head_dim) and the key's form fields as keywords (kv_segments, mask_free,
+    tile_list, kv_dtype, custom_mask, bounded_softmax). FA3 batch prefill of a mask that is more than a band is the
+    tile-list form (fivar.runtime.fa3_tile_list): the paged kernel alone, with no mask mode but kNone (causal is the
+    block map's). `config`: the target's tuning (fivar.config.FA2BuildConfig or FA3KernelConfig; a None field is
+    chosen by fivar.config's overrides, the environment, then the heuristic).
+    `options`: beside the form, the config's fields as keywords (what a manifest records), over `config`'s:
       FA2: split_cta_tiles (one kernel unit per CTA tile, _fa2_tile_split: same kernels, another URI; ~0.7x the
       longest unit for ~1.8x the CPU, so off by default), nvcc_split_compile (toolchain.split_compile_flags),
       pin_kv_tiles (fivar.jit.pinned_kv_tiles), skip_unused_headers (fivar.jit.unused_headers: True, False or a
       list of header names).
       FA3: exp2_emulated_of_8 (fivar.codegen.fa3.exp2_emulated_of_8), cta_tile ("QxKV", "QxKV,QxKV" non-causal then
-      causal, "A|B" per-launch choices, or "flashinfer"; fa3.cta_tiles), bounded_softmax (fa3.softmax_range),
-      schedule ("grid", "persistent" or "grid,persistent"; fa3.schedules).
+      causal, "A|B" per-launch choices, or "flashinfer"; fa3.cta_tiles), bounded_softmax (the key's;
+      fa3.softmax_range), schedule ("grid", "persistent" or "grid,persistent"; fa3.schedules).
       Both: nvcc_parallel_passes (toolchain.parallel_passes_flags).
     FA3 units keep FlashInfer's other flags: they hold one kernel each (fa3.tile_units), and their time is
     cudafe++ and cicc's front end, which --split-compile does not touch."""
+    if isinstance(op, ModuleKey):
+        key = op
+        if "bounded_softmax" in options or set(options) & set(FORM_OPTIONS):
+            raise TypeError("gen_module() takes the form as a ModuleKey or as keywords, not both")
+    else:
+        key, options = ModuleKey.from_options(op, target, dtype, head_dim, options)
     known = {f for cls in (FA2BuildConfig, FA3KernelConfig) for f in cls.__dataclass_fields__}
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"gen_module() got unexpected keyword argument(s) {', '.join(unknown)}")
+    key = key.checked(variant)
+    op, target, dtype, head_dim, on_fa3 = key.op, key.target, key.dtype, key.head_dim, key.fa3
+    if key.bounded_softmax is not None:
+        options["bounded_softmax"] = key.bounded_softmax
     cta_tile, schedule = options.get("cta_tile"), options.get("schedule")
     if config is not None:
         cta_tile = cta_tile if "cta_tile" in options else getattr(config, "cta_tile", None)
         schedule = schedule if "schedule" in options else getattr(config, "schedule", None)
     given = fivar_config.from_options(target, {**({k: v for k, v in vars(config).items() if v is not None}
                                                   if config is not None else {}), **options})
-    if op not in OPS:
-        raise FivarError(f"unknown op '{op}' (choose from {', '.join(OPS)})")
-    if target not in TARGETS:
-        raise FivarError(f"variant '{variant.name}': target '{target}' is not available (have {TARGETS})")
-    if dtype not in DTYPES:
-        raise FivarError(f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})")
-    if head_dim not in HEAD_DIMS:
-        raise FivarError(f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})")
-    if kv_dtype is not None:
-        if kv_dtype not in KV_DTYPES:
-            raise FivarError(f"variant '{variant.name}': kv_dtype '{kv_dtype}' is not supported (use one of "
-                             f"{sorted(KV_DTYPES)}, or None for q's dtype)")
-        if target != "fa2" or op not in KV_DTYPE_OPS:
-            raise FivarError(f"variant '{variant.name}': an FP8 KV cache runs on FA2's paged kernels (batch_prefill, "
-                             f"batch_decode); there is no {target} {op} module for it")
-    if op == "batch_decode" and variant.sink is not None:  # its kernel calls no per-row hook (fivar.codegen.fa2)
-        raise FivarError(f"variant '{variant.name}': a sink runs decode on FA2 batch prefill; there is no "
-                         "batch_decode module for it")
-    if target == "fa3" and op not in FA3_LAYOUT:
-        raise FivarError(f"variant '{variant.name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
     toolchain.ensure_arch_env()
-    if target == "fa3" and "90a" not in toolchain.arch_tag().split("_"):
+    if on_fa3 and "90a" not in toolchain.arch_tag().split("_"):
         raise FivarError(f"variant '{variant.name}': FA3 kernels are Hopper-only (sm_90a), but the target archs are "
                          f"{toolchain.arch_tag()} (FLASHINFER_CUDA_ARCH_LIST or --arch): build target fa2, or add 9.0a")
     from flashinfer.jit import env as jit_env
@@ -207,10 +177,13 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     tiles: dict[str, tuple[tuple[int, int], ...]] = {}
     chosen_schedules: dict[str, str] = {}
     logits_range = None
-    if target == "fa3":
+    custom_mask, tile_list, kv_segments, mask_free, kv_dtype = (key.custom_mask, key.tile_list, key.kv_segments,
+                                                                key.mask_free, key.kv_dtype)
+    fa2_tiles = tile_list and not on_fa3
+    if on_fa3:
         # the tile-list form reading bits evaluates no mask per score: its MUFU ops do not count
         kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not custom_mask and not (
-            fa3.uses_tile_list(variant, op) and fa3.tile_list_bits(variant)))
+            tile_list and fa3.tile_list_bits(variant)))
         exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
         tiles, chosen_schedules = kernel.tiles, kernel.schedules
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
@@ -224,27 +197,14 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
             raise FivarError(f"variant '{variant.name}': schedule={schedule!r}: only FA3 single prefill takes a "
                              "schedule")
         build_config = fivar_config.fa2_build_config(given)
-    if custom_mask and not (target == "fa3" and op == "batch_prefill" and not fa3.mask_reads_head(variant)):
-        raise FivarError(f"variant '{variant.name}': the custom-mask form is FA3 batch prefill of a mask that does "
-                         "not read the head")
-    fa3_tiles = target == "fa3" and (fa3.uses_tile_list(variant, op) or custom_mask)
-    if tile_list and not fa3_tiles and (target != "fa2" or op != "batch_prefill" or not variant.mask or kv_segments
-                                        or kv_dtype):
-        raise FivarError(f"variant '{variant.name}': tile_list=True asks for FA2 batch prefill of a mask in the "
-                         f"tile-list form, with q's dtype in the cache (FA3's batch prefill takes it whenever the mask "
-                         f"is more than a band); got {target} {op}")
-    fa2_tiles = tile_list and target == "fa2"
-    tile_list = fa2_tiles or fa3_tiles
-    if mask_free and not (kv_segments and target == "fa2"):
-        raise FivarError(f"variant '{variant.name}': the mask-free form is FA2's key-segments form")
     decl = (fa3.variant_decl(variant, exp2_emulated_of_8=exp2_emulated_of_8, logits_range=logits_range,
                              tile_list=tile_list, custom_mask=custom_mask)
-            if target == "fa3"
+            if on_fa3
             else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free,  # fa2.KV_SEGMENTS
                                   tile_list=fa2_tiles))
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
-        t_names, t_types, s_names, s_types, is_sm90_template=target == "fa3")
+        t_names, t_types, s_names, s_types, is_sm90_template=on_fa3)
     tdt = DTYPES[dtype]
     kwargs = dict(
         variant_decl=decl.source, variant_name=fa2.struct_name(variant),
@@ -253,24 +213,24 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
         head_dim_qk=head_dim, head_dim_vo=head_dim, pos_encoding_mode="PosEncodingMode::kNone",
         # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it (the tile-list
         # form skips them through its block map; the window would be measured from the tile, not the request)
-        use_sliding_window="true" if (target == "fa3" and variant.kv_band.left is not None and not tile_list)
+        use_sliding_window="true" if (on_fa3 and variant.kv_band.left is not None and not tile_list)
         else "false",
         use_logits_soft_cap="false", use_fp16_qk_reduction="false",
         additional_params_decl=params_decl, additional_func_params=func_params,
         additional_params_setter=params_setter, require_fp4_kv_cache=False,
         paged_kv_stride_mode="runtime", same_kv_strides_values=["true", "false"],
     )
-    config_t, inst_ts, host_files, config_name = (FA3_LAYOUT if target == "fa3" else FA2_LAYOUT)[op]
+    config_t, inst_ts, host_files, config_name = (FA3_LAYOUT if on_fa3 else FA2_LAYOUT)[op]
     config = _render_flashinfer(config_t, **kwargs)
     if tiles:
         config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
     modes = ([fa2.MASK_NONE] if tile_list else
-             fa2.mask_modes(variant, kv_segments=kv_segments, mask_free=mask_free) if target == "fa2"
+             fa2.mask_modes(variant, kv_segments=kv_segments, mask_free=mask_free) if not on_fa3
              else fa3.mask_modes(variant))
     sources = {config_name: config + _dispatch_override(config, variant, modes),
                **fivar_headers(decl.source)}
     has_mask_dispatch = op != "batch_decode"
-    split = (_fa2_tile_split(op, variant, kwargs, modes) if target == "fa2" and build_config.split_cta_tiles
+    split = (_fa2_tile_split(op, variant, kwargs, modes) if not on_fa3 and build_config.split_cta_tiles
              and not fa2_tiles else None)
     host_includes: tuple[str, ...] = ()
     if split is not None:
@@ -302,10 +262,10 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
                                                                            **kwargs)
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
-    if target == "fa3" and "persistent" in chosen_schedules.values():
+    if on_fa3 and "persistent" in chosen_schedules.values():
         sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
     pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), build_config.pin_kv_tiles)
-              if target == "fa2" and op in ("single_prefill", "batch_prefill") else None)
+              if not on_fa3 and op in ("single_prefill", "batch_prefill") else None)
     if pinned:
         for name in [n for n in sources if n.endswith(".cu")]:  # the kernel units (the host unit comes next)
             sources[name] = pinned_kv_tiles.unit_prefix(pinned) + sources[name]
@@ -317,34 +277,27 @@ def gen_module(variant, op: str = "single_prefill", target: str = "fa2", dtype: 
     sources[_host_unit_name(host_units)] = _host_unit(
         {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units}, host_includes)
 
-    skipped = unused_headers.skipped(sources, build_config.skip_unused_headers) if target == "fa2" else []
+    skipped = unused_headers.skipped(sources, build_config.skip_unused_headers) if not on_fa3 else []
     if skipped:
         for name in [n for n in sources if n.endswith(".cu")]:
             sources[name] = unused_headers.prefix(skipped) + sources[name]
         sources.update(unused_headers.stand_in_sources(skipped))
     nvcc_parallel_passes = fivar_config.switch("nvcc_parallel_passes", given.nvcc_parallel_passes,
                                                "nvcc_parallel_passes")
-    if target == "fa3":
+    if on_fa3:
         from flashinfer.jit.core import sm90a_nvcc_flags
         cuda_cflags = list(sm90a_nvcc_flags)
     else:
         nvcc_split_compile = build_config.nvcc_split_compile
         cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
     cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    form = (("_kvsegfree" if mask_free else "_kvseg" if kv_segments else "_tilesmask" if custom_mask
-             else "_tiles" if tile_list else "")
-            + (f"_kv{kv_dtype}" if kv_dtype else ""))
-    uri = (f"fivar_{uri_name(variant.name)}_{target}_{op}{form}_{dtype}_hd{head_dim}_"
-           f"{content_hash(sources, cuda_cflags)}")
+    uri = f"fivar_{uri_name(variant.name)}_{key.uri_part()}_{content_hash(sources, cuda_cflags)}"
     built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
-             if target == "fa3" else
+             if on_fa3 else
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
-    options = {**({"kv_segments": True} if kv_segments else {}), **({"mask_free": True} if mask_free else {}),
-               **({"tile_list": True} if tile_list else {}), **({"custom_mask": True} if custom_mask else {}),
-               **({"kv_dtype": kv_dtype} if kv_dtype else {}), **manifest_options(built)}
     return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
-                       options=options)
+                       options={**key.as_options(), **manifest_options(built)})
 
 
 def manifest_options(built: FA2BuildConfig | FA3KernelConfig) -> dict:
@@ -361,23 +314,23 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
     that is more than a band on FA3: its tile-list form, one module; with the bounded softmax, the
     running-max modules too; decode: also FA2 batch prefill, which runs it once a KV head serves >= 4 query heads
     or without softmax, fivar.runtime.attention.batch_decode)."""
+    asked = ModuleKey(op, target, dtype, head_dim)
     if op == "batch_decode":  # without softmax or with a sink, decode always runs on FA2 batch prefill
-        return ([gen_module(variant, op, target, dtype, head_dim)] if variant.softmax and variant.sink is None
-                else []) + [
-            gen_module(variant, "batch_prefill", "fa2", dtype, head_dim)]
-    op = serving_op(variant, op, target)
-    forms = [{}]  # FA3 batch prefill of a mask beyond a band is the tile-list form: one module
-    if target == "fa2" and op in ("single_prefill", "batch_prefill") and variant.scans_mask:
+        return ([gen_module(variant, asked)] if variant.softmax and variant.sink is None else []) + [
+            gen_module(variant, asked.replace(op="batch_prefill", target="fa2"))]
+    key = asked.replace(op=serving_op(variant, op, target))
+    keys = [key]  # FA3 batch prefill of a mask beyond a band is the tile-list form: one module
+    if not key.fa3 and key.op in ("single_prefill", "batch_prefill") and variant.scans_mask:
         # prefill of a mask beyond a band runs in the tile-list form, a causal batch of segments (documents)
         # mask-free; single prefill runs as a batch of one, so only paged batches of one query a request (decode's
         # trimmed pages, the key-segments form, or the plain kernel) and FP8 caches (the block form) need the rest
-        forms = ([{}, dict(kv_segments=True)] if op == "batch_prefill" else []) + [
-            dict(tile_list=True), dict(kv_segments=True, mask_free=True)]
-    mods = [gen_module(variant, "batch_prefill" if f else op, target, dtype, head_dim, **f) for f in forms]
-    if target == "fa3" and fa3.softmax_range(variant, dtype) is not None:
+        batch = key.replace(op="batch_prefill")
+        keys = ([key, batch.replace(kv_segments=True)] if key.op == "batch_prefill" else []) + [
+            batch.replace(tile_list=True), batch.replace(kv_segments=True, mask_free=True)]
+    if key.fa3 and fa3.softmax_range(variant, dtype) is not None:
         # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
-        mods += [gen_module(variant, op, target, dtype, head_dim, bounded_softmax=False, **f) for f in forms]
-    return mods
+        keys += [k.replace(bounded_softmax=False) for k in keys]
+    return [gen_module(variant, k) for k in keys]
 
 
 def serving_op(variant, op: str, target: str) -> str:
@@ -413,19 +366,16 @@ def content_hash(sources: dict[str, str], cuda_cflags: list[str]) -> str:
     return h.hexdigest()[:12]
 
 
-def module_for(variant, op, target, dtype, head_dim, bounded_softmax: bool | None = None, kv_segments: bool = False,
-               kv_dtype: str | None = None, mask_free: bool = False, tile_list: bool = False,
-               custom_mask: bool = False) -> FivarModule:
-    """gen_module with a per-process memo, so repeated calls skip rendering and hashing."""
-    knobs = fivar_config.state_key()
-    key = (id(variant), op, target, dtype, head_dim, knobs, bounded_softmax, kv_segments, kv_dtype, mask_free,
-           tile_list, custom_mask)
-    m = _memo.get(key)
+def module_for(variant, key: ModuleKey | str, *args, **form) -> FivarModule:
+    """gen_module(variant, key) with a per-process memo, so repeated calls skip rendering and hashing. `key`: a
+    ModuleKey, or its fields as ModuleKey takes them (op, target, dtype, head_dim, then the form)."""
+    if not isinstance(key, ModuleKey):
+        key = ModuleKey(key, *args, **form)
+    memo_key = (id(variant), key, fivar_config.state_key())
+    m = _memo.get(memo_key)
     if m is None or m[0] is not variant:
-        m = (variant, gen_module(variant, op, target, dtype, head_dim, bounded_softmax=bounded_softmax,
-                                 kv_segments=kv_segments, kv_dtype=kv_dtype, mask_free=mask_free,
-                                 tile_list=tile_list, custom_mask=custom_mask))
-        _memo[key] = m
+        m = (variant, gen_module(variant, key))
+        _memo[memo_key] = m
     return m[1]
 
 

@@ -65,6 +65,7 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
     if isinstance(v, str):
         return None, [v]
     from .build import gen_module
+    from .module_key import ModuleKey
     try:
         if getattr(v, "kind", None) == "fusion":
             from ..fusion.build import gen_fusion_module
@@ -72,9 +73,9 @@ def staleness(e: Entry, tc: dict, variants: dict) -> tuple[bool | None, list[str
         else:
             # rendered the way it was built (its recorded config), not as this process's environment would
             # render it now
-            options = dict(man.get("options", {}))
-            now = gen_module(v, op=man["op"], target=man.get("target", "fa2"), dtype=man["dtype"],
-                             head_dim=man["head_dim"], **options).uri
+            key, config = ModuleKey.from_options(man["op"], man.get("target", "fa2"), man["dtype"], man["head_dim"],
+                                                 man.get("options", {}))
+            now = gen_module(v, key, **config).uri
     except Exception as ex:  # noqa: BLE001 - an edited variant may no longer be valid at all
         return True, [f"variant '{man.get('variant')}' no longer builds: {str(ex).splitlines()[0]}"]
     if now != e.uri:

@@ -13,6 +13,7 @@ import torch
 
 from ..codegen import fa2, fa3
 from ..errors import FivarError
+from ..jit.module_key import ModuleKey
 from ..spec.inputs import check_lse
 from .fp8_kv import check_q_dtype, check_scale, fp8_backend, kv_dtype_of, scaled_output
 from . import cold_start, wave_split
@@ -86,7 +87,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
             head_dim=q.shape[-1], dtype=q.dtype, causal=causal, sm_scale=given_scale, backend=target,
             device=q.device, params=params or {}))
         return _into(out, plan.run(q, k, v, return_lse=return_lse), return_lse)
-    fmod = _module(variant, "single_prefill", target, q.dtype, q.shape[-1], bound, sm_scale)
+    fmod = _module(variant, ModuleKey("single_prefill", target, q.dtype, q.shape[-1]), bound, sm_scale)
     module = fmod.load()
     args = kernel_args(variant, bound, sm_scale, _causal_flag(variant, target, causal),
                        lengths=(q.shape[0], k.shape[0]))

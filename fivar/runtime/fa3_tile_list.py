@@ -37,6 +37,7 @@ from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 #: (CTA_KV - 7 + 30) // 32 + 1 from its first (csrc/fivar_tile_mask.cuh), 7 at FA3's widest KV tile (192 keys).
 CUT_WORDS_PAST = 8
 from ..codegen.triton import kernel_arg_values
+from ..jit.module_key import ModuleKey
 from ..jit.triton_module import load_triton_module
 from . import fa2_blocks, position_tables
 from .launch import _module, direct_paged_run, release_wrapper, take_wrapper
@@ -222,8 +223,8 @@ class TileListPrefill:
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
         own_bits = variant.scans_mask and fa3.tile_list_bits(variant)  # the module of the mask already reads bits
-        fmod = _module(variant, "batch_prefill", target, dtype, head_dim, bound, sm_scale, tile_list=target == "fa2",
-                       custom_mask=custom is not None and not own_bits)
+        fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=target == "fa2",
+                                          custom_mask=custom is not None and not own_bits), bound, sm_scale)
         w = take_wrapper("paged", fmod, device, False)
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
         split = {"disable_split_kv": True} if target == "fa2" and not variant.softmax else {}

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import FivarError
-from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..jit.build import DTYPES, HEAD_DIMS, module_for
+from ..jit.module_key import ModuleKey
 from ..spec.inputs import check_lse
 from ..codegen import fa2
 from .attention import _decode_on_tensor_cores, _owns_mask, _paged_args, _split_kwargs, _window_left, choose_target
@@ -94,7 +95,7 @@ class GraphDecodePlan:
         self._kv_indices = torch.zeros(self.max_pages + self.max_batch, **i32)  # room for the padding requests
         self._last_page_len = torch.ones(self.max_batch, **i32)
         if self.tensor_cores:
-            fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale)
+            fmod = _module(variant, ModuleKey("batch_prefill", "fa2", dtype, head_dim), bound, sm_scale)
             self._qo_indptr = torch.arange(self.max_batch + 1, **i32)
             self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self._qo_indptr,
@@ -103,7 +104,7 @@ class GraphDecodePlan:
             self._args = _paged_args(variant, "fa2", bound, sm_scale, self._causal, self._qo_indptr, self._kv_indptr,
                                      self._last_page_len, page_size)
         else:
-            fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim)
+            fmod = module_for(variant, ModuleKey("batch_decode", "fa2", dtype, head_dim))
             self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=False,
                 paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._kv_indices,

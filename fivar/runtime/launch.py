@@ -14,7 +14,8 @@ import torch
 from ..codegen import fa3
 from ..errors import FivarError
 from ..flashinfer_compat.wrappers import DirectPagedRun, attach, direct_paged_run  # noqa: F401 (re-exported)
-from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, dtype_name, module_for
+from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, module_for
+from ..jit.module_key import ModuleKey
 from ..spec import ir
 from ..spec.evaluate import eval_scalar
 from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, _same_device, check_qkv_layout, check_sm_scale
@@ -82,21 +83,17 @@ def _check_output_scale(variant, bound, sm_scale):
                          f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
 
 
-def _module(variant, op, target, dtype, head_dim, bound, sm_scale, kv_segments: bool = False,
-            kv_dtype: str | None = None, mask_free: bool = False, tile_list: bool = False,
-            custom_mask: bool = False):
+def _module(variant, key: ModuleKey, bound, sm_scale):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
     for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
-    dt = dtype_name(dtype)
-    if target == "fa3":
-        rng = fa3.softmax_range(variant, dt)
+    if key.fa3:
+        rng = fa3.softmax_range(variant, key.dtype)
         if rng is not None:
             scale = variant.lowered.output_scale
             factor = 1.0 if scale is None else _invariant(variant, scale, bound, sm_scale)
             if not fa3.bounded_softmax_applies(rng, factor):
-                return module_for(variant, op, target, dt, head_dim, bounded_softmax=False, custom_mask=custom_mask)
-    return module_for(variant, op, target, dt, head_dim, kv_segments=kv_segments, kv_dtype=kv_dtype,
-                      mask_free=mask_free, tile_list=tile_list, custom_mask=custom_mask)
+                return module_for(variant, key.replace(bounded_softmax=False))
+    return module_for(variant, key)
 
 
 def _prepare(variant, params, q, num_kv_heads, batch_size, sm_scale):

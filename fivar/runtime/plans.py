@@ -9,7 +9,8 @@ import torch
 
 from ..codegen import fa2, fa3
 from ..errors import FivarError
-from ..jit.build import DTYPES, HEAD_DIMS, dtype_name, module_for
+from ..jit.build import DTYPES, HEAD_DIMS, module_for
+from ..jit.module_key import ModuleKey
 from ..spec.inputs import check_lse
 from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv_dtype, scaled_output
 from .ops import register_plan
@@ -117,7 +118,7 @@ class DecodePlan(_OwnsWrapper):
         self._kv_dtype = kv_dtype or dtype
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=device)
         bound, sm_scale = _prepare(variant, params, probe, num_kv_heads, kv_indptr.numel() - 1, sm_scale)
-        fmod = module_for(variant, "batch_decode", "fa2", dtype_name(dtype), head_dim, kv_dtype=kv_name)
+        fmod = module_for(variant, ModuleKey("batch_decode", "fa2", dtype, head_dim, kv_dtype=kv_name))
         self._wrapper = take_wrapper("decode", fmod, device, owns_mask=bool(variant.mask))
         self._release = ("decode", fmod, device)
         self._wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -292,8 +293,8 @@ class PagedAttentionPlan(_OwnsWrapper):
                 if block_causal and not bool(layout.causal_mode.all()):
                     rest_segments = layout.subset(~layout.causal_mode)
                 self.keys_read = (layout.keys_read, layout.keys_total)
-        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale,
-                       kv_segments=kv_segments is not None, kv_dtype=kv_name)
+        fmod = _module(variant, ModuleKey("batch_prefill", self.target, dtype, head_dim,
+                                          kv_segments=kv_segments is not None, kv_dtype=kv_name), bound, sm_scale)
         # trimmed pages: the kernel's positions are local, the window would be measured from the wrong key
         window_left = _window_left(variant, self.target, bound) if kv_segments is None else -1
         self._release = ("paged", fmod, self.device)
@@ -363,7 +364,7 @@ class RaggedAttentionPlan(_OwnsWrapper):
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device,
                 target=self.target)
             return
-        fmod = _module(variant, "batch_prefill", self.target, dtype, head_dim, bound, sm_scale)
+        fmod = _module(variant, ModuleKey("batch_prefill", self.target, dtype, head_dim), bound, sm_scale)
         window_left = _window_left(variant, self.target, bound)
         self._wrapper = take_wrapper("ragged", fmod, self.device,
                                      _owns_mask(variant, self.target, causal, window_left))
@@ -388,8 +389,8 @@ class RaggedAttentionPlan(_OwnsWrapper):
         layout = segments.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
         if layout is None:
             return False
-        fmod = _module(variant, "batch_prefill", "fa2", dtype, head_dim, bound, sm_scale, kv_segments=True,
-                       mask_free=True)
+        fmod = _module(variant, ModuleKey("batch_prefill", "fa2", dtype, head_dim, kv_segments=True, mask_free=True),
+                       bound, sm_scale)
         self._wrapper = take_wrapper("ragged", fmod, self.device, False)
         self._release = ("ragged", fmod, self.device)
         self._wrapper.plan(layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device), num_qo_heads,

@@ -172,11 +172,10 @@ def cpu_fa2(monkeypatch):
         plan.variant, plan.device, plan.target, plan.batch = variant, torch.device("cpu"), "fa2", qo_indptr.numel() - 1
         return dtype, qo_indptr, kv_indptr
 
-    def module(variant, op, target, dtype, head_dim, bound, sm_scale, kv_segments=False, kv_dtype=None,
-               mask_free=False, tile_list=False, custom_mask=False):
-        assert not custom_mask  # FA2 takes no custom mask
-        return types.SimpleNamespace(kv_segments=kv_segments, mask_free=mask_free, tile_list=tile_list,
-                                     uri=f"fake_{kv_segments}_{mask_free}_{tile_list}", target=target)
+    def module(variant, key, bound, sm_scale):
+        assert not key.custom_mask  # FA2 takes no custom mask
+        return types.SimpleNamespace(kv_segments=key.kv_segments, mask_free=key.mask_free, tile_list=key.tile_list,
+                                     uri=f"fake_{key.kv_segments}_{key.mask_free}_{key.tile_list}", target=key.target)
 
     def take(kind, fmod, device, owns_mask):
         made.append(fmod)

@@ -219,6 +219,7 @@ def test_flashinfer_finalize_and_rescale_are_the_ones_the_bounded_softmax_relies
 def test_a_launch_whose_params_make_the_range_too_wide_runs_the_running_max_module(monkeypatch):
     import torch
 
+    from fivar.jit.module_key import ModuleKey
     from fivar.runtime.attention import _module
     from fivar.runtime.params import bind_params
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
@@ -227,14 +228,17 @@ def test_a_launch_whose_params_make_the_range_too_wide_runs_the_running_max_modu
         for cap, bounded in ((30.0, True), (33.0, True), (33.3, False), (50.0, False)):
             b = bind_params(softcap, {"softcap": cap}, num_qo_heads=8, num_kv_heads=8, batch_size=1, device="cpu")
             for op in ("single_prefill", "batch_prefill"):
-                m = _module(softcap, op, "fa3", torch.bfloat16, 128, b, 0.088)
+                m = _module(softcap, ModuleKey(op, "fa3", torch.bfloat16, 128), b, 0.088)
                 assert m.options["bounded_softmax"] is bounded, (cap, op)
+            # the swap keeps the rest of the form
+            m = _module(softcap, ModuleKey("batch_prefill", "fa3", torch.bfloat16, 128, custom_mask=True), b, 0.088)
+            assert m.options["bounded_softmax"] is bounded and m.options["custom_mask"] is True, cap
             # fp16 never builds it, so never needs the swap
-            assert _module(softcap, "single_prefill", "fa3", torch.float16, 128, b, 0.088).options[
+            assert _module(softcap, ModuleKey("single_prefill", "fa3", torch.float16, 128), b, 0.088).options[
                 "bounded_softmax"] is False
     b = bind_params(softcap, {"softcap": 30.0}, num_qo_heads=8, num_kv_heads=8, batch_size=1, device="cpu")
     with fa3.bounded_softmax(False):
-        assert _module(softcap, "single_prefill", "fa3", torch.bfloat16, 128, b, 0.088).options[
+        assert _module(softcap, ModuleKey("single_prefill", "fa3", torch.bfloat16, 128), b, 0.088).options[
             "bounded_softmax"] is False
 
 
