@@ -16,7 +16,11 @@ if not torch.cuda.is_available():
     # Triton kernels run in its interpreter. Triton fixes interpreted-vs-compiled when it is first
     # imported/when a kernel is defined, and other tests (FlexAttention) import it early: set it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1":
+# pytest-xdist workers inherit the controller's environment, these directories included: one FlashInfer workspace
+# and fivar cache for the whole run, so each module compiles once whichever worker needs it first (fivar and
+# FlashInfer build a module under a file lock of its own); the controller, which made them, removes them.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1" and not _XDIST_WORKER:
     # A fresh FlashInfer cache per test run, so the build tests really run nvcc (FlashInfer fixes
     # its cache directory at import, which happens after this).
     os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="fivar-test-jit-")
