@@ -41,6 +41,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The files that run nvcc first (their order kept, and each file's): their minutes of compiles then overlap with
+    # the rest, which fills in behind them in small pieces on whichever xdist worker is free.
+    compiles = {item.path for item in items if "nvcc" in item.keywords}
+    items.sort(key=lambda item: item.path not in compiles)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible); run on the GPU host")
