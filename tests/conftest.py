@@ -16,7 +16,11 @@ if not torch.cuda.is_available():
     # Triton kernels run in its interpreter. Triton fixes interpreted-vs-compiled when it is first
     # imported/when a kernel is defined, and other tests (FlexAttention) import it early: set it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1":
+# pytest-xdist workers inherit the controller's environment, these directories included: one FlashInfer workspace
+# and fivar cache for the whole run, so each module compiles once whichever worker needs it first (fivar and
+# FlashInfer build a module under a file lock of its own); the controller, which made them, removes them.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1" and not _XDIST_WORKER:
     # A fresh FlashInfer cache per test run, so the build tests really run nvcc (FlashInfer fixes
     # its cache directory at import, which happens after this).
     os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="fivar-test-jit-")
@@ -37,6 +41,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The files that run nvcc first (their order kept, and each file's): their minutes of compiles then overlap with
+    # the rest, which fills in behind them in small pieces on whichever xdist worker is free.
+    compiles = {item.path for item in items if "nvcc" in item.keywords}
+    items.sort(key=lambda item: item.path not in compiles)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible); run on the GPU host")

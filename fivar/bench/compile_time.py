@@ -12,6 +12,11 @@ neither pays for a cold file cache), each first in every other round (`--repeat`
 4. fresh-process disk hit: a new Python finds the module in the disk cache (milliseconds, import excluded);
 5. optionally, a prewarm of N other modules in one parallel ninja against CPU seconds / cores.
 
+Other modes, each a fresh process of its own with a variant file (`--file`): `--mode build`, a cold `fivar build` of
+it (the modules backend="auto" runs on the arch: on Hopper FA3 prefill and FA2 decode); `--mode first-prefill`, a
+cold first `v.prefill` (the Triton twin answers while the modules build; GPU); `--mode flex`, FlexAttention's first
+call of it (torch.compile and the block mask; GPU). The `compile` suite compares the three.
+
     python -m fivar.bench.compile_time --variant softcap --target fa2 [--json FILE]
     FLASHINFER_CUDA_ARCH_LIST=9.0a python -m fivar.bench.compile_time --no-load     # no GPU: compile only
 
@@ -235,6 +240,133 @@ def measure(variant: str = "softcap", target: str = "fa2", dtype: str = "bf16", 
     return res
 
 
+#: the first-call shape: one request, GQA 32/8 heads (the attention suite's prefill shape, shorter)
+FIRST_CALL = {"seqlen": 4096, "num_qo_heads": 32, "num_kv_heads": 8}
+
+
+def _no_gpu(what: str) -> dict | None:
+    import torch
+    return None if torch.cuda.is_available() else {"skipped": f"{what} needs a CUDA GPU (none visible)"}
+
+
+def measure_build_set(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
+    """A cold `fivar build NAME` of one variant file: the modules backend="auto" runs on the arch being built for
+    (fivar.cli.build.build_modules, `fivar build`'s default ops), in one parallel ninja; wall and CPU seconds, and
+    each module's own seconds inside that ninja. Call in a process with a fresh cache (`main` makes one)."""
+    import fivar
+    from ..cli.build import DEFAULT_OPS, build_modules
+    from ..jit import prewarm, toolchain
+    from ..jit.build import build_many
+    v = fivar.load(variant_file)
+    mods = list({m.uri: m for m in build_modules([v], ["auto"], DEFAULT_OPS, [dtype], [head_dim])}.values())
+    jobs, jobs_why = prewarm.configure_jobs(None)
+    c0, t0 = child_cpu(), time.perf_counter()
+    results = build_many(mods, parallel=True)
+    wall, cpu = time.perf_counter() - t0, child_cpu() - c0
+    warm = [m.uri for m, (kind, _) in zip(mods, results) if kind != "cold"]
+    if warm:
+        raise RuntimeError(f"module(s) already built in a fresh cache: {', '.join(warm)}")
+    log(f"fivar build {v.name}: {len(mods)} module(s), {wall:.1f} s, {cpu:.1f} CPU-s")
+    return {"variant": v.name, "file": str(variant_file), "modules": len(mods), "build_s": wall, "build_cpu_s": cpu,
+            "module_s": {m.uri: s for m, (_, s) in zip(mods, results)}, "targets": sorted({m.target for m in mods}),
+            "jobs": jobs, "jobs_why": jobs_why, "cores": toolchain.cpu_count(), "arch": toolchain.arch_tag(),
+            "nvcc": toolchain.nvcc_version(), "dtype": dtype, "head_dim": head_dim}
+
+
+def _first_call_inputs(v, dtype: str, head_dim: int):
+    """q, k, v of FIRST_CALL's shape, the variant's example params (its defaults where it has none), and causal:
+    a logits-only variant runs causal, a mask carries its own."""
+    import torch
+    from ..jit.build import DTYPES
+    n, hq, hkv = FIRST_CALL["seqlen"], FIRST_CALL["num_qo_heads"], FIRST_CALL["num_kv_heads"]
+    dt = DTYPES[dtype]
+    q, k, vv = (torch.randn(n, h, head_dim, device="cuda", dtype=dt) for h in (hq, hkv, hkv))
+    params = v.example(hq, hkv, 1, n, "cuda") if getattr(v, "example", None) else {}
+    return q, k, vv, params, v.ir.mask is None
+
+
+def measure_first_prefill(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
+    """A cold first `v.prefill` with backend "auto" (fivar.runtime.cold_start): the seconds to its first result (the
+    Triton twin, compiled cold, runs it while the modules build in the background) and until a call runs on the
+    modules auto picks (FA3 on Hopper). Needs a GPU; a fresh fivar cache, FlashInfer workspace and Triton cache."""
+    skipped = _no_gpu("a first call")
+    if skipped:
+        return skipped
+    import torch
+
+    import fivar
+    from .. import config
+    from ..jit.build import dtype_name, serving_modules
+    from ..runtime import cold_start
+    from ..runtime.forms import choose_target
+    v = fivar.load(variant_file)
+    q, k, vv, params, causal = _first_call_inputs(v, dtype, head_dim)
+    target = choose_target(v, "auto", "single_prefill", q.device)[0]
+    with config.override(cold_start="triton"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        first = v.prefill(q, k, vv, causal=causal, **params)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        on_twin = cold_start.runs_triton(v, "single_prefill", target, "auto", q)  # still building: the twin ran
+        cold_start.wait_for_builds()
+        ready_s = time.perf_counter() - t0
+        out = v.prefill(q, k, vv, causal=causal, **params)
+        torch.cuda.synchronize()
+        in_use_s = time.perf_counter() - t0
+        if cold_start.runs_triton(v, "single_prefill", target, "auto", q):
+            raise RuntimeError(f"the {target} modules were not in use after their build")
+    mods = serving_modules(v, "single_prefill", target, dtype_name(q.dtype), head_dim)
+    missing = [m.uri for m in mods if not m.manifest_ok()]
+    if missing:
+        raise RuntimeError(f"the background build left {', '.join(missing)} unbuilt")
+    diff = (first.float() - out.float()).abs().max().item()  # the twin's answer against the module's
+    log(f"fivar first prefill {v.name}: first result {first_s:.1f} s ({'Triton twin' if on_twin else target}), "
+        f"{target} in use {in_use_s:.1f} s")
+    return {"variant": v.name, "target": target, "first_result_s": first_s, "first_ran": "triton" if on_twin else
+            target, "build_done_s": ready_s, "in_use_s": in_use_s, "modules": len(mods), "max_diff": diff,
+            "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
+
+
+def measure_flex_first_call(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
+    """FlexAttention's first forward call of the variant (fivar.flex: its score_mod/mask_mod, torch.compile of
+    flex_attention), block mask creation included, with a fresh Inductor and Triton cache; and the second call."""
+    skipped = _no_gpu("FlexAttention's first call")
+    if skipped:
+        return skipped
+    import torch
+
+    import fivar
+    from ..flex import flex_attention_fn
+    v = fivar.load(variant_file)
+    q, k, vv, params, causal = _first_call_inputs(v, dtype, head_dim)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run = flex_attention_fn(v, params, q, k, vv, causal=causal)  # builds the block mask
+    torch.cuda.synchronize()
+    mask_s = time.perf_counter() - t0
+    run()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    log(f"flex first call {v.name}: {first_s:.1f} s (block mask {mask_s:.2f} s)")
+    return {"variant": v.name, "first_call_s": first_s, "block_mask_s": mask_s,
+            "second_call_ms": (time.perf_counter() - t1) * 1e3, "torch": torch.__version__,
+            "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
+
+
+MODES = {"build": measure_build_set, "first-prefill": measure_first_prefill, "flex": measure_flex_first_call}
+
+
+def _write_json(res: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(res, indent=1))
+        print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fivar.bench.compile_time", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,6 +381,10 @@ def main(argv=None) -> int:
                     "(medians reported)")
     ap.add_argument("--prewarm-count", type=int, default=0, help="modules in a parallel prewarm (0: none)")
     ap.add_argument("--hits", type=int, default=10000, help="in-process hit iterations")
+    ap.add_argument("--mode", default="module", choices=["module", *MODES], help="module: the measurements above; "
+                    "build: a cold `fivar build` of --file; first-prefill: a cold first v.prefill of --file (GPU); "
+                    "flex: FlexAttention's first call of --file (GPU)")
+    ap.add_argument("--file", default=None, help="the variant file (or name) of --mode build/first-prefill/flex")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the temporary workspace and cache")
     args = ap.parse_args(argv)
@@ -258,8 +394,19 @@ def main(argv=None) -> int:
     base = tempfile.mkdtemp(prefix="fivar-compile-time-")
     os.environ["FLASHINFER_WORKSPACE_BASE"] = os.path.join(base, "ws")
     os.environ["FIVAR_CACHE_DIR"] = os.path.join(base, "fivar")
+    # cold compiles of Triton kernels (the twin) and of Inductor's (Flex) too
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(base, "triton")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor")
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     try:
+        if args.mode != "module":
+            if not args.file:
+                ap.error(f"--mode {args.mode} needs --file")
+            res = MODES[args.mode](args.file, args.dtype, args.head_dim, log=lambda s: print(s, flush=True))
+            if "skipped" in res:
+                print(res["skipped"], file=sys.stderr)
+            _write_json(res, args.json_path)
+            return 0
         import torch
         load = not args.no_load
         if load and not torch.cuda.is_available():
@@ -276,10 +423,7 @@ def main(argv=None) -> int:
             print(f"longest unit fivar/FlashInfer: {res['fivar_longest_unit_s']:.1f} s ({res['fivar_longest_unit']}) / "
                   f"{res['flashinfer_longest_unit_s']:.1f} s ({res['flashinfer_longest_unit']}) = "
                   f"{res['fivar_longest_unit_s'] / res['flashinfer_longest_unit_s']:.2f}")
-        if args.json_path:
-            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_path).write_text(json.dumps(res, indent=1))
-            print(f"wrote {args.json_path}")
+        _write_json(res, args.json_path)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -10,12 +10,15 @@ from ..errors import FivarError
 from ._common import (OPS, _build_capabilities, _builds_sm90a, _choices, _escape, _head_dims, _one_line, _set_arch,
                       _split, console, err_console, main, report_load_errors)
 
+#: the ops `fivar build NAME` compiles unless --ops says otherwise
+DEFAULT_OPS = ("single_prefill", "batch_prefill", "batch_decode")
+
 
 @main.command()
 @click.argument("names", nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="every variant on the search path")
 @click.option("--prewarm", is_flag=True, help="build every requested module in one parallel ninja")
-@click.option("--ops", default="single_prefill,batch_prefill,batch_decode", show_default=True)
+@click.option("--ops", default=",".join(DEFAULT_OPS), show_default=True)
 @click.option("--targets", default="auto", show_default=True,
               help="auto (what backend='auto' runs on the target arch: FA3 prefill on sm90a, FA2 otherwise and for "
                    "decode; and fusions), or a comma list of fa2, fa3 (no decode: skipped), triton (writes and "
@@ -68,7 +71,7 @@ def build(names, all_, prewarm, ops, targets, dtypes, head_dims, arch, jobs, lau
 
 def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims, prewarm, jobs, jobs_why, launcher):
     from ..fusion.build import gen_fusion_module
-    from ..jit.build import build_many, serving_modules
+    from ..jit.build import build_many
     from ..jit.prewarm import live_progress
     wrote_twins = "triton" in wanted
     fusions = [n for n, v in variants.items() if getattr(v, "kind", None) == "fusion"]
@@ -80,20 +83,9 @@ def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims,
     if wrote_twins:
         _write_triton_twins([v for n, v in variants.items() if n not in fusions])
         wanted = [t for t in wanted if t != "triton"]
-
-    def targets_for(v, op):
-        if "auto" not in wanted:
-            return wanted
-        from ..runtime.attention import choose_target
-        chosen = {choose_target(v, "auto", op, capability=c)[0] for c in _build_capabilities()}
-        if "fa3" in chosen and not _builds_sm90a():  # a plain 9.0 build lacks what FA3 needs
-            chosen = (chosen - {"fa3"}) | {"fa2"}
-        return sorted(({*wanted} | chosen) - {"auto"})
-    head_dims_ = _head_dims(head_dims)
     modules = [gen_fusion_module(variants[n], dt) for n in fusions if n not in skipped for dt in _split(dtypes)]
-    modules += [m for n, v in variants.items() if n not in fusions for op in ops_ for t in targets_for(v, op)
-                for dt in _split(dtypes) for hd in head_dims_
-                if not (t == "fa3" and op == "batch_decode") for m in serving_modules(v, op, t, dt, hd)]
+    modules += build_modules([v for n, v in variants.items() if n not in fusions], wanted, ops_, _split(dtypes),
+                             _head_dims(head_dims))
     if not modules:
         if wrote_twins:
             return
@@ -115,6 +107,23 @@ def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims,
                               "memory": "[green]hit (memory)[/]"}[kind], f"{secs:.2f}")
     console.print(table)
     console.print(f"total {time.perf_counter() - t0:.1f} s")
+
+
+def build_modules(variants, targets, ops, dtypes, head_dims) -> list:
+    """The attention modules `fivar build` compiles for `variants` (targets: fa2/fa3/auto; auto: what
+    backend='auto' runs on each arch being built for), in order, duplicates kept."""
+    from ..jit.build import serving_modules
+    from ..runtime.attention import choose_target
+
+    def targets_for(v, op):
+        if "auto" not in targets:
+            return list(targets)
+        chosen = {choose_target(v, "auto", op, capability=c)[0] for c in _build_capabilities()}
+        if "fa3" in chosen and not _builds_sm90a():  # a plain 9.0 build lacks what FA3 needs
+            chosen = (chosen - {"fa3"}) | {"fa2"}
+        return sorted(({*targets} | chosen) - {"auto"})
+    return [m for v in variants for op in ops for t in targets_for(v, op) for dt in dtypes for hd in head_dims
+            if not (t == "fa3" and op == "batch_decode") for m in serving_modules(v, op, t, dt, hd)]
 
 
 def _write_triton_twins(variants) -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import fivar
+
 from fivar.bench import render as R
 from fivar.bench.contenders import Contender
 from fivar.bench.runner import (ROW_FIELDS, Case, Measurement, Options, Prepared, add_ratios, gpu_slug, ratio, run,
@@ -366,6 +368,105 @@ def test_compile_time_reads_each_units_seconds_from_ninjas_log(tmp_path):
     assert unit_seconds(tmp_path) == {"single_prefill_sm90_kernel_mask_0.cuda.o": 41.5,
                                       "single_prefill_sm90_jit_binding.cuda.o": 30.0}
     assert unit_seconds(tmp_path / "missing") == {}
+
+
+def _cold_start_reports():
+    build = {"variant": "local_global", "modules": 3, "build_s": 90.0, "build_cpu_s": 600.0, "targets": ["fa2", "fa3"],
+             "module_s": {"m_fa3": 88.0, "m_fa2_prefill": 30.0, "m_fa2_decode": 12.0}, "jobs": 24, "cores": 16,
+             "arch": "90a", "nvcc": "13.0"}
+    first = {"variant": "local_global", "target": "fa3", "first_result_s": 4.0, "first_ran": "triton",
+             "build_done_s": 91.0, "in_use_s": 91.5, "modules": 1, "max_diff": 0.01, "shape": {"seqlen": 4096}}
+    flex = {"variant": "local_global", "first_call_s": 18.0, "block_mask_s": 0.5, "second_call_ms": 1.0,
+            "shape": {"seqlen": 4096}}
+    return {"build": build, "first-prefill": first, "flex": flex}
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_compile_suite_compares_a_cold_fivar_build_and_first_call_with_flexs_first_call(monkeypatch, tmp_path, gpu):
+    """Each not-bundled variant is one case: its cold `fivar build`, cold first prefill and Flex's first call, each
+    from a child process of its own (stood in for), as rows with ratios against Flex; without a GPU the first
+    calls have no rows and nothing runs them."""
+    from fivar.bench.suites import compile as suite
+    reports, asked = _cold_start_reports(), []
+
+    def fake_child(mode, file, timeout_s):
+        asked.append((mode, Path(file).name))
+        return reports[mode]
+    monkeypatch.setattr(suite, "_child", fake_child)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    cases = [c for c in suite.cases() if c.op == "cold_start"]
+    assert [c.shape["variant"] for c in cases] == list(suite.COLD_VARIANTS) and all(c.baseline == "flex" for c in cases)
+    for name in suite.COLD_VARIANTS:  # written as a user would, not bundled
+        from fivar.registry import variant_files
+        assert (suite.variants_dir() / f"{name}.py").is_file() and name not in variant_files()
+    rows = run(cases[:1], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    for r in rows:
+        validate_row(r)
+    by = {(r["contender"], r["metric"]): r for r in rows}
+    assert by[("fivar build", "s")]["value"] == 90.0 and by[("fivar build", "cpu_s")]["value"] == 600.0
+    assert by[("fivar build", "s")]["detail"]["module_s"] == reports["build"]["module_s"]
+    assert by[("fivar build", "s")]["label"].startswith("3 modules (fa2+fa3)")
+    if not gpu:
+        assert asked == [("build", "local_global.py")] and set(by) == {("fivar build", "s"), ("fivar build", "cpu_s")}
+        assert by[("fivar build", "s")]["ratio"] is None  # no Flex row to compare with
+        return
+    assert [m for m, _ in asked] == ["build", "first-prefill", "flex"]
+    assert by[("fivar first call", "s")]["value"] == 4.0 and by[("fivar first call", "s")]["ratio"] == 4.5
+    assert by[("fivar first call", "s")]["detail"]["ran_on"] == "triton"
+    assert by[("fivar fa3 in use", "s")]["value"] == 91.5 and by[("flex", "s")]["ratio"] == 1.0
+    assert by[("fivar build", "s")]["ratio"] == pytest.approx(0.2)
+    assert by[("flex", "s")]["detail"]["block_mask_s"] == 0.5
+
+    reports["flex"] = {"error": "flex: RuntimeError: inductor failed"}  # one contender's failure: its row only
+    rows = run(cases[:1], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    by = {(r["contender"], r["metric"]): r for r in rows}
+    assert by[("flex", "s")]["check"] == "error" and "inductor failed" in by[("flex", "s")]["detail"]["error"]
+    assert by[("fivar build", "s")]["check"] == "pass" and by[("fivar build", "s")]["ratio"] is None
+
+
+def test_compile_time_build_mode_builds_what_fivar_build_builds(monkeypatch):
+    """--mode build takes `fivar build NAME`'s module set (on sm_90a: FA3 prefill, FA2 decode), each once, in one
+    parallel build, and reports each module's own seconds; a module that was not cold is an error, not a row."""
+    from fivar.bench import compile_time as ct
+    from fivar.bench.suites import compile as suite
+    from fivar.cli.build import DEFAULT_OPS, build_modules
+    from fivar.jit import build as jb
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    calls = []
+
+    def fake_build_many(mods, parallel=False, **kw):
+        calls.append(([m.uri for m in mods], parallel))
+        return [("cold", 1.0 + i) for i in range(len(mods))]
+    monkeypatch.setattr(jb, "build_many", fake_build_many)
+    for name in suite.COLD_VARIANTS:
+        file = str(suite.variants_dir() / f"{name}.py")
+        res = ct.measure_build_set(file, log=lambda s: None)
+        expect = list(dict.fromkeys(m.uri for m in build_modules([fivar.load(file)], ["auto"], DEFAULT_OPS, ["bf16"],
+                                                                    [128])))
+        assert calls[-1] == (expect, True) and res["modules"] == len(expect) == len(res["module_s"])
+        assert list(res["module_s"]) == expect and res["targets"] == ["fa2", "fa3"]
+        assert all("_fa2_" in u for u in expect if "decode" in u) and any("_fa3_" in u for u in expect)
+    monkeypatch.setattr(jb, "build_many", lambda mods, **kw: [("disk", 0.0)] * len(mods))
+    with pytest.raises(RuntimeError, match="already built in a fresh cache"):
+        ct.measure_build_set(file, log=lambda s: None)
+
+
+def test_compile_time_first_calls_skip_without_a_gpu(tmp_path, monkeypatch):
+    """The first-call modes need a GPU: without one they report why, exit 0 and run nothing."""
+    from fivar.bench import compile_time as ct
+    from fivar.bench.suites import compile as suite
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    file = str(suite.variants_dir() / "biased_softcap.py")
+    for mode in ("first-prefill", "flex"):
+        assert "needs a CUDA GPU" in ct.MODES[mode](file)["skipped"]
+    # main() picks fresh caches through the environment (restored after the test) and refuses to run once FlashInfer
+    # is imported (it fixes its folders then): as its own process would be
+    for var in ("FLASHINFER_WORKSPACE_BASE", "FIVAR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var))
+    monkeypatch.delitem(__import__("sys").modules, "flashinfer", raising=False)
+    out = tmp_path / "flex.json"
+    assert ct.main(["--mode", "flex", "--file", file, "--json", str(out)]) == 0
+    assert "needs a CUDA GPU" in json.loads(out.read_text())["skipped"]
 
 
 def test_train_rows_are_results_rows_with_ratios_against_flex():
