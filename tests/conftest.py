@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
 # and fivar cache for the whole run, so each module compiles once whichever worker needs it first (fivar and
 # FlashInfer build a module under a file lock of its own); the controller, which made them, removes them.
 _XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if _XDIST_WORKER:
+    # xdist's workers run with COLUMNS=80; the CLI tests read its output as a pipe gets it (fivar.console)
+    os.environ.pop("COLUMNS", None)
 if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1" and not _XDIST_WORKER:
     # A fresh FlashInfer cache per test run, so the build tests really run nvcc (FlashInfer fixes
     # its cache directory at import, which happens after this).

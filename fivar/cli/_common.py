@@ -55,7 +55,7 @@ class FivarGroup(click.Group):
         try:
             return super().invoke(ctx)
         except FivarError as e:
-            err_console.print(f"[bold red]error:[/] {_escape(str(e))}", highlight=False)
+            err_console.print(f"[bold red]error:[/] {_escape(str(e))}", highlight=False, soft_wrap=True)  # one line in logs too
             sys.exit(1)
 
 

@@ -101,6 +101,14 @@ def test_a_path_that_is_no_variant_file_is_one_line(runner, tmp_path, what, make
     assert r.exit_code == 1 and f"{make(tmp_path)}: {what}; a variant is a .py file" in r.output, r.output
 
 
+def test_an_error_stays_one_line_on_a_narrow_console(runner, tmp_path, monkeypatch):
+    """The error line is never broken by the console's width (a log or an 80-column terminal wraps it itself)."""
+    from fivar.cli import _common
+    monkeypatch.setattr(_common.err_console, "width", 40)
+    r = runner.invoke(main, ["show", str(tmp_path / ("a-long-directory-name-" * 4) / "gone.py")])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+
+
 def test_spec_error_is_one_clear_message_not_a_traceback(tmp_path, monkeypatch, runner):
     d = tmp_path / "mine"
     d.mkdir()
