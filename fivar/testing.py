@@ -111,14 +111,20 @@ def _shown(params: dict) -> str:
     return f" {scalars}" if scalars else ""
 
 
-def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params, float_dtype=torch.float32):
-    outs, qo, ko = [], 0, 0
+def _ragged_reference(variant, q, k, v, qo_lens, kv_lens, causal, params, float_dtype=torch.float32,
+                      return_lse: bool = False):
+    """The reference of a ragged batch, request by request (with return_lse: (out, lse))."""
+    from .codegen.torch_ref import reference_attention
+    outs, lses, qo, ko = [], [], 0, 0
     for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
-        from .codegen.torch_ref import reference_attention
-        outs.append(reference_attention(variant, q[qo:qo + lq], k[ko:ko + lk], v[ko:ko + lk], causal=causal,
-                                        params=params, batch_idx=b, batch_size=len(qo_lens), float_dtype=float_dtype))
+        got = reference_attention(variant, q[qo:qo + lq], k[ko:ko + lk], v[ko:ko + lk], causal=causal,
+                                  params=params, batch_idx=b, batch_size=len(qo_lens), float_dtype=float_dtype,
+                                  return_lse=return_lse)
+        outs.append(got[0] if return_lse else got)
+        if return_lse:
+            lses.append(got[1])
         qo, ko = qo + lq, ko + lk
-    return torch.cat(outs)
+    return (torch.cat(outs), torch.cat(lses)) if return_lse else torch.cat(outs)
 
 
 @_kernels_asked_for

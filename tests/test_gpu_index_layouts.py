@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import fivar
-from fivar.testing import INDEX_LAYOUTS, _ragged_reference, _to_paged, compare, example_params
+from fivar.testing import INDEX_LAYOUTS, _ragged_reference, _to_paged, compare
+
+from test_gpu_index_tensors import _indptr, _params as _params_at
 
 pytestmark = pytest.mark.gpu
 
@@ -19,17 +21,6 @@ QO, KV = [37, 1, 130], [200, 64, 130]
 
 def _randn(*shape):
     return torch.randn(*shape, dtype=DTYPE, device="cuda")
-
-
-def _indptr(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-
-
-def _params(v, batch, max_len, hq=HQ, hkv=HKV):
-    p = example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, max_len=max_len, device="cuda")
-    if "window" in v.params:
-        p["window"] = max(2, max_len // 3)
-    return p
 
 
 def _check(name, case, got, want, ref):
@@ -43,7 +34,7 @@ def _check(name, case, got, want, ref):
 def test_ragged_index_layouts(name, backend):
     v = fivar.load(name)
     q, k, vv = _randn(sum(QO), HQ, D), _randn(sum(KV), HKV, D), _randn(sum(KV), HKV, D)
-    params = _params(v, len(QO), max(KV))
+    params = _params_at(v, len(QO), max(KV), HQ, HKV)
     qo, kv = _indptr(QO), _indptr(KV)
     want = v.batch_prefill_ragged(q, k, vv, qo, kv, causal=True, backend=backend, **params)
     ref = _ragged_reference(v, q, k, vv, QO, KV, True, params, float_dtype=torch.float64)
@@ -61,7 +52,7 @@ def test_ragged_index_layouts(name, backend):
 def test_paged_index_layouts(name, backend):
     v = fivar.load(name)
     q, k, vv = _randn(sum(QO), HQ, D), _randn(sum(KV), HKV, D), _randn(sum(KV), HKV, D)
-    params = _params(v, len(QO), max(KV))
+    params = _params_at(v, len(QO), max(KV), HQ, HKV)
     cache, indptr, indices, last = _to_paged(k, vv, KV, page_size=16)
     qo = _indptr(QO)
     want = v.batch_prefill_paged(q, cache, qo, indptr, indices, last, causal=True, backend=backend, **params)
@@ -84,7 +75,7 @@ def test_decode_index_layouts(name, heads):
     hq, hkv = heads
     kv_lens = [16 * n + 5 for n in (0, 4, 12)]
     q, k, vv = _randn(len(kv_lens), hq, D), _randn(sum(kv_lens), hkv, D), _randn(sum(kv_lens), hkv, D)
-    params = _params(v, len(kv_lens), max(kv_lens), hq, hkv)
+    params = _params_at(v, len(kv_lens), max(kv_lens), hq, hkv)
     cache, indptr, indices, last = _to_paged(k, vv, kv_lens, page_size=16)
     ref = _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params, float_dtype=torch.float64)
     for backend in ("fa2", "triton"):

@@ -258,15 +258,8 @@ def test_ragged_causal_forms_match_the_reference(cpu_fa2, mask, segments):
     if segments:  # the mask-free struct: FlashInfer's causal mode is the whole mask
         assert made[-1].kv_segments and made[-1].mask_free and not plan._wrapper.owns_mask
         assert plan._wrapper.p["causal"]
-    from fivar.codegen.torch_ref import reference_attention
-    refs, lses, qo_at, kv_at = [], [], 0, 0
-    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
-        o, l2 = reference_attention(v, q[qo_at:qo_at + lq].float(), k[kv_at:kv_at + lk].float(),
-                                    vv[kv_at:kv_at + lk].float(), causal=True, params=params, batch_idx=b,
-                                    batch_size=3, return_lse=True)
-        refs.append(o), lses.append(l2)
-        qo_at, kv_at = qo_at + lq, kv_at + lk
-    ref, ref_lse = torch.cat(refs), torch.cat(lses)
+    ref, ref_lse = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, True, params,
+                                     return_lse=True)
     out, lse = plan.run(q, k, vv, return_lse=True)
     assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
     assert torch.allclose(lse.double(), ref_lse.double(), atol=1e-3)

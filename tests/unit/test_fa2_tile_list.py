@@ -13,6 +13,8 @@ import zlib
 import pytest
 import torch
 
+from fivar.testing import _ragged_reference
+
 import fivar
 from fivar.codegen import fa3, tile_list
 from fivar.errors import FivarError
@@ -71,15 +73,9 @@ def _run(mask, kv_form, causal, group, rows, seed, monkeypatch, cpu_fa2):  # noq
         assert tiles is None and plan.segments is not None
     else:
         assert tiles is not None and made[-1].tile_list and made[-1].target == "fa2"
-    from fivar.codegen.torch_ref import reference_attention
-    refs, lses, at_q, at_k = [], [], 0, 0
-    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
-        o, l2 = reference_attention(v, q[at_q:at_q + lq].float(), k[at_k:at_k + lk].float(),
-                                    vv[at_k:at_k + lk].float(), causal=causal, params=params, batch_idx=b,
-                                    batch_size=3, return_lse=True)
-        refs.append(o), lses.append(l2)
-        at_q, at_k = at_q + lq, at_k + lk
-    return tiles, out.double(), lse.double(), torch.cat(refs).double(), torch.cat(lses).double()
+    ref, ref_lse = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, causal, params,
+                                     return_lse=True)
+    return tiles, out.double(), lse.double(), ref.double(), ref_lse.double()
 
 
 @pytest.mark.parametrize("kv_form,group", [("ragged", 1), ("paged", 4)])
