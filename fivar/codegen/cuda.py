@@ -7,6 +7,7 @@ are: a param is `fvp_NAME`, a local `fvl_NAME` (fivar.spec.names.user_ident), fi
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from ..spec import ir, positions
@@ -29,6 +30,11 @@ INDEX_INIT = {
     "q_idx": "int32_t(qo_idx) + fv_q_offset",
     "kv_idx": "int32_t(kv_idx)",
 }
+
+
+def source_label(variant) -> str:
+    """The file a generated struct's first comment names: the variant's, or what a shared kernel says instead."""
+    return variant.__dict__.get("source_label") or os.path.basename(variant.source_file or "<unknown>")
 
 
 def param_ident(name: str) -> str:

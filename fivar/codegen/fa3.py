@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 
 from .. import config
 from ..errors import FivarError
 from ..flashinfer_compat import active as coupling_active, fa3_launchers
 from ..spec import ir
-from .cuda import CppEmitter, Member, additional_params
+from .cuda import CppEmitter, Member, additional_params, source_label
 from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 # the tile-list form's tables and struct lines, shared with FA2 (BLOCKS... re-exported: the runtime reads them here)
 from .tile_list import (BLOCKS, CUT_BITS, TILE_FIELDS, TILE_KEYS, TILE_WIDTH, mask_reads_head,  # noqa: F401
@@ -415,7 +414,7 @@ def _struct_source(variant, emit, lowered, members, scale, lines, exp2_emulated_
         value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
     sink = variant.ir.sink
     return render("fa3/variant.cuh.jinja", name=variant.name, struct_name=struct_name(variant),
-                  source=os.path.basename(variant.source_file or "<unknown>"), softmax=variant.softmax,
+                  source=source_label(variant), softmax=variant.softmax,
                   members=members, sm_scale_log2=scale, body="\n    ".join(lines + logit_lines + [f"return {value};"]),
                   tile_list=tile_list, window=window, keep_cut=keep_cut, exp2_emulated_of_8=exp2_split_for(variant, exp2_emulated_of_8),
                   logits_range=logits_range and tuple(repr(float(x)) for x in logits_range),

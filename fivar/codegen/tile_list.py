@@ -12,6 +12,9 @@ differing per head).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 from ..spec import ir
 from .cuda import CppEmitter, Member
 
@@ -22,6 +25,40 @@ def mask_reads_head(variant) -> bool:
     """The mask may keep different keys per head (a window per head)."""
     mask = variant.ir.mask
     return mask is not None and bool({"qo_head", "kv_head"} & ir.uses(mask))
+
+
+#: the name of the variant a bits-reading tile-list module is rendered from (bits_kernel): the module every variant
+#: with the same logits and sink shares, whatever its mask
+BITS_KERNEL = "any_mask"
+
+
+def bits_kernel(variant):
+    """What a tile-list module that reads its cut tiles as bits is rendered from: `variant` without its mask and
+    with only the params its logits and sink read, named BITS_KERNEL. Such a kernel never evaluates the mask (the
+    device block map and CUT_BITS are the mask), so every variant with these logits and sink renders the same
+    sources, one URI: a new mask builds no kernel once one of them is built, only its block map (Triton)."""
+    kernel = variant.__dict__.get("_bits_kernel")
+    if kernel is not None:
+        return kernel
+    vir = variant.ir
+    read = {n.removeprefix("params.") for prog in (vir.logits, vir.sink) if prog is not None
+            for n in ir.uses(prog) if n.startswith("params.")}
+    kernel = copy.copy(variant)  # shares the functions; the caches below are the mask-free variant's own
+    for cached in ("_lowered", "kv_band", "logits_range", "_bits_kernel"):
+        kernel.__dict__.pop(cached, None)
+    kernel.name, kernel.mask, kernel.doc = BITS_KERNEL, None, ""
+    kernel.params = {n: p for n, p in variant.params.items() if n in read}
+    kernel.__dict__["ir"] = dataclasses.replace(vir, mask=None, divisor_scalars={
+        n: w for n, w in vir.divisor_scalars.items() if n in read})
+    kernel.__dict__["source_label"] = "any mask, read as bits"  # not the user's file: the text is shared
+    variant.__dict__["_bits_kernel"] = kernel
+    return kernel
+
+
+def reads_bits(variant, custom_mask: bool = False) -> bool:
+    """A tile-list module of `variant` reads its cut tiles as bits (so is bits_kernel's): a mask not reading the head,
+    or an engine's custom mask."""
+    return custom_mask or (variant.scans_mask and tile_list_bits(variant))
 
 
 def tile_list_bits(variant) -> bool:

@@ -20,6 +20,7 @@ import torch
 
 from .. import config as fivar_config
 from ..codegen import fa2, fa3
+from ..codegen.tile_list import bits_kernel, reads_bits
 from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarError
 from ..flashinfer_layout import FA2_LAYOUT, FA3_LAYOUT
@@ -156,7 +157,9 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"gen_module() got unexpected keyword argument(s) {', '.join(unknown)}")
-    key = key.checked(variant)
+    user_variant, key = variant, key.checked(variant)
+    variant = rendered_from(variant, key)
+    shared = variant is not user_variant
     op, target, dtype, head_dim, on_fa3 = key.op, key.target, key.dtype, key.head_dim, key.fa3
     if key.bounded_softmax is not None:
         options["bounded_softmax"] = key.bounded_softmax
@@ -182,8 +185,9 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
     fa2_tiles = tile_list and not on_fa3
     if on_fa3:
         # the tile-list form reading bits evaluates no mask per score: its MUFU ops do not count
-        kernel = fa3.kernel_config(variant, op, head_dim, dtype, given, mask_per_score=not custom_mask and not (
-            tile_list and fa3.tile_list_bits(variant)))
+        # (the user's variant: its errors name it; a bits-reading module's choice depends on the logits alone)
+        kernel = fa3.kernel_config(user_variant, op, head_dim, dtype, given,
+                                   mask_per_score=not (shared or custom_mask))
         exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
         tiles, chosen_schedules = kernel.tiles, kernel.schedules
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
@@ -198,10 +202,10 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
                              "schedule")
         build_config = fivar_config.fa2_build_config(given)
     decl = (fa3.variant_decl(variant, exp2_emulated_of_8=exp2_emulated_of_8, logits_range=logits_range,
-                             tile_list=tile_list, custom_mask=custom_mask)
+                             tile_list=tile_list, custom_mask=custom_mask or shared)
             if on_fa3
             else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free,  # fa2.KV_SEGMENTS
-                                  tile_list=fa2_tiles))
+                                  tile_list=fa2_tiles, bits=shared))
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=on_fa3)
@@ -296,8 +300,15 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
              if on_fa3 else
              FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
                             skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
-    return FivarModule(variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
-                       options={**key.as_options(), **manifest_options(built)})
+    return FivarModule(user_variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
+                       options={**key.as_options(), **manifest_options(built)}, kernel_variant=variant)
+
+
+def rendered_from(variant, key: ModuleKey):
+    """The variant a module of `variant` of the (checked) form `key` is rendered from. A tile-list module reading
+    bits evaluates no mask: rendered from the mask-free bits_kernel, it is one module for every variant with the
+    same logits and sink (one URI, whichever variant asks, with or without a custom mask)."""
+    return bits_kernel(variant) if key.tile_list and reads_bits(variant, key.custom_mask) else variant
 
 
 def manifest_options(built: FA2BuildConfig | FA3KernelConfig) -> dict:

@@ -210,9 +210,14 @@ def variant_matches_uri(man: dict, uri: str) -> bool:
     """The manifest's variant, target, op, dtype and head dim are the ones its URI was made of (the URI's hash
     covers the sources; its name part is how gen_module names the module): a manifest cannot point a reader at
     another variant than the one its sources were rendered from."""
+    from ..codegen.tile_list import BITS_KERNEL
     from .build import uri_name
     target = man.get("target", "fa2")
-    head = f"fivar_{uri_name(man['variant'])}_{target}_" + ("" if target == "fusion" else f"{man['op']}")
-    return uri.startswith(head) and bool(re.search(rf"_{re.escape(man['dtype'])}_hd{man['head_dim']}_[0-9a-f]{{12}}$",
+    op_part = f"{target}_" + ("" if target == "fusion" else f"{man['op']}")
+    # a tile-list module reading bits is the one every variant of its logits shares (tile_list.bits_kernel): its
+    # manifest names the variant that built it; re-rendering that variant gives this URI (staleness)
+    heads = [f"fivar_{uri_name(man['variant'])}_{op_part}"] + (
+        [f"fivar_{BITS_KERNEL}_{op_part}_tiles_"] if man.get("op") == "batch_prefill" else [])
+    return any(uri.startswith(h) for h in heads) and bool(re.search(rf"_{re.escape(man['dtype'])}_hd{man['head_dim']}_[0-9a-f]{{12}}$",
                                                    uri))
 

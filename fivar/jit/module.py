@@ -40,6 +40,14 @@ class FivarModule:
     options: dict = field(default_factory=dict)
     #: the last cold build's own compile seconds in this process (fivar.jit.progress: its ninja edges' sum)
     compile_seconds: float | None = field(default=None, repr=False, compare=False)
+    #: the variant the struct was rendered from, whose params the kernel takes (fivar.runtime.params.kernel_args):
+    #: `variant` itself, or for a tile-list module reading bits the mask-free kernel it shares with every variant of
+    #: the same logits (fivar.codegen.tile_list.bits_kernel)
+    kernel_variant: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.kernel_variant is None:
+            self.kernel_variant = self.variant
 
     @property
     def gen_dir(self) -> Path:

@@ -109,8 +109,9 @@ class ModuleKey:
 
     def uri_part(self) -> str:
         """What a module's URI says of its form (fivar.jit.build.gen_module: fivar_<name>_<this>_<content hash>)."""
-        form = (("_kvsegfree" if self.mask_free else "_kvseg" if self.kv_segments else "_tilesmask" if self.custom_mask
-                 else "_tiles" if self.tile_list else "")
+        # (a custom mask's module is the bits-reading tile list every mask of the variant's logits shares)
+        form = (("_kvsegfree" if self.mask_free else "_kvseg" if self.kv_segments else "_tiles" if self.tile_list
+                 else "")
                 + (f"_kv{self.kv_dtype}" if self.kv_dtype else ""))
         return f"{self.target}_{self.op}{form}_{self.dtype}_hd{self.head_dim}"
 

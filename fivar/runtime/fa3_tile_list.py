@@ -231,8 +231,8 @@ class TileListPrefill:
         w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices,
                layout.kv_last_page_len.to(device), num_qo_heads, num_kv_heads, head_dim, self.page, causal=False,
                q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype, **split)
-        args = ScaledArgs(lambda s: kernel_args(
-            variant, bound, s, None if bits_of is not None else causal,
+        args = ScaledArgs(lambda s: kernel_args(  # the params the module's struct takes (its kernel_variant's)
+            fmod.kernel_variant, bound, s, None if bits_of is not None else causal,
             tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits}), sm_scale)
         self._launch = (w, args, direct_paged_run(w, variant.name, device, args(1.0)), ("paged", fmod, device))
 

@@ -11,6 +11,7 @@ import torch
 
 from fivar.codegen import fa2, tile_list
 from fivar.codegen.cuda import additional_params
+from fivar.jit import build
 from fivar.runtime import attention, fa3_tile_list, plans
 from fivar.testing import _ragged_reference, _to_paged
 
@@ -73,7 +74,9 @@ class _FakePagedWrapper:
         extra = [fa2.KV_SEGMENTS] if self.fmod.kv_segments else tile_list.tables() if self.fmod.tile_list else []
         mask_free = getattr(self.fmod, "mask_free", False)  # the struct has no mask: kCausal is all there is
         bits = self.fmod.tile_list and tile_list.tile_list_bits(v)  # causal is in the bits
-        t_names, _, s_names, _ = additional_params(v, with_causal_flag=not mask_free and not bits, extra_tensors=extra)
+        # the args of the struct the module was rendered from (a bits-reading tile list: the shared mask-free one)
+        t_names, _, s_names, _ = additional_params(self.fmod.kernel_variant, with_causal_flag=not mask_free and not bits,
+                                                   extra_tensors=extra)
         named = dict(zip(t_names + s_names, args))
         hq, hkv = q.shape[1], k_cache.shape[2]
         out = torch.zeros(q.shape, dtype=q.dtype) if out is None else out
@@ -135,7 +138,7 @@ class _FakePagedWrapper:
                     visited, masked = tiles
                     kept = visited & (~masked | kept)
                 return kept
-            o, l2 = attend(v, named, rows, keys, vals, q_idx, kv_idx, batch, keep)
+            o, l2 = attend(self.fmod.kernel_variant, named, rows, keys, vals, q_idx, kv_idx, batch, keep)
             out[p["qo"][r]:p["qo"][r + 1]] = o.to(out.dtype)
             if return_lse:
                 lse[p["qo"][r]:p["qo"][r + 1]] = l2.to(lse.dtype)
@@ -175,7 +178,8 @@ def cpu_fa2(monkeypatch):
     def module(variant, key, bound, sm_scale):
         assert not key.custom_mask  # FA2 takes no custom mask
         return types.SimpleNamespace(kv_segments=key.kv_segments, mask_free=key.mask_free, tile_list=key.tile_list,
-                                     uri=f"fake_{key.kv_segments}_{key.mask_free}_{key.tile_list}", target=key.target)
+                                     uri=f"fake_{key.kv_segments}_{key.mask_free}_{key.tile_list}", target=key.target,
+                                     kernel_variant=build.rendered_from(variant, key))
 
     def take(kind, fmod, device, owns_mask):
         made.append(fmod)

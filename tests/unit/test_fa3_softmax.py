@@ -233,6 +233,7 @@ def test_a_launch_whose_params_make_the_range_too_wide_runs_the_running_max_modu
             # the swap keeps the rest of the form
             m = _module(softcap, ModuleKey("batch_prefill", "fa3", torch.bfloat16, 128, custom_mask=True), b, 0.088)
             assert m.options["bounded_softmax"] is bounded and m.options["custom_mask"] is True, cap
+            assert m.kernel_variant.name == "any_mask"  # the bits-reading tile list every mask of softcap's shares
             # fp16 never builds it, so never needs the swap
             assert _module(softcap, ModuleKey("single_prefill", "fa3", torch.float16, 128), b, 0.088).options[
                 "bounded_softmax"] is False

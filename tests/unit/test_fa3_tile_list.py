@@ -236,11 +236,11 @@ def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(mo
     units = [m.sources[k] for k in kernels]  # a kernel a unit: both schedules, the ragged stubs in the first
     for unit, same in zip(units, ("true", "false")):
         assert unit.count("template cudaError_t BatchPrefillWithPagedKVCacheDispatched") == 1
-        assert f"/*SAME_SCHEDULER_FOR_ALL_HEADS=*/{same}, Fivar_map_flagged, PagedParams>" in unit
+        assert f"/*SAME_SCHEDULER_FOR_ALL_HEADS=*/{same}, Fivar_any_mask, PagedParams>" in unit
     assert units[0].count("BatchPrefillWithRaggedKVCacheDispatched<") == 2 and "cudaErrorNotSupported" in units[0]
     assert "Ragged" not in units[1]
     struct = m.sources["batch_prefill_sm90_config.inc"]
-    assert "fv_cut_bits" in struct and "fvp_flags[" not in struct.split("REGISTER_LOGITS_TRANSFORM")[1]
+    assert "fv_cut_bits" in struct and "fvp_flags" not in struct  # the mask's tensor is the block map's alone
     per_head = gen_module(heads, "batch_prefill", "fa3").sources["batch_prefill_sm90_config.inc"]
     body = per_head.split("REGISTER_LOGITS_TRANSFORM")[1]
     assert "fv_tiles" in body and "fvp_windows[" in body and "fv_causal" in body

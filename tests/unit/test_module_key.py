@@ -12,7 +12,7 @@ from fivar import config as fivar_config
 from fivar.bench.suites import masks
 from fivar.errors import FivarError
 from fivar.jit import toolchain
-from fivar.jit.build import gen_module, module_for
+from fivar.jit.build import gen_module, module_for, rendered_from
 from fivar.jit.module_key import ModuleKey
 
 #: (variant, op, target, form) -> the URI it renders with the toolchain in PINNED_WITH: forms across both targets
@@ -24,10 +24,10 @@ PINNED = {
     ("document_window", "batch_prefill", "fa2", (("kv_segments", True), ("mask_free", True))):
         "fivar_document_window_fa2_batch_prefill_kvsegfree_bf16_hd128_0314052d8c3b",
     ("document_window", "batch_prefill", "fa2", (("tile_list", True),)):
-        "fivar_document_window_fa2_batch_prefill_tiles_bf16_hd128_e5ec7357a72a",
+        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_fc01d376164a",
     ("document_window", "batch_prefill", "fa3", (("custom_mask", True),)):
-        "fivar_document_window_fa3_batch_prefill_tilesmask_bf16_hd128_7c82a6e9c6e8",
-    ("bigbird", "batch_prefill", "fa3", ()): "fivar_bigbird_fa3_batch_prefill_tiles_bf16_hd128_888d789b4a5c",
+        "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_0bf05887087b",
+    ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_0bf05887087b",
     ("sliding_window", "batch_decode", "fa2", (("kv_dtype", "fp8e4m3"),)):
         "fivar_sliding_window_fa2_batch_decode_kvfp8e4m3_bf16_hd128_25058f85a18d",
     ("sliding_window", "batch_decode", "fa2", (("kv_segments", True),)):
@@ -81,7 +81,9 @@ def test_key_keywords_and_manifest_options_render_one_module(name, op, target, f
     # the same form; bounded_softmax recorded as the config resolved it where the key left it to the config
     assert again.checked(v).replace(bounded_softmax=key.bounded_softmax) == key.checked(v)
     assert (again.bounded_softmax is not None) == (target == "fa3")
-    assert re.fullmatch(rf"fivar_{v.name}_{key.checked(v).uri_part()}_[0-9a-f]{{12}}", m.uri)
+    kernel = rendered_from(v, key.checked(v))  # a bits-reading tile list: the kernel every mask shares
+    assert re.fullmatch(rf"fivar_{kernel.name}_{key.checked(v).uri_part()}_[0-9a-f]{{12}}", m.uri)
+    assert m.kernel_variant is kernel and (kernel is v) == (kernel.name == v.name)
 
 
 def test_module_for_memoizes_on_the_key():
