@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import FivarError
+from ..spec.inputs import same_device
 
 
 class CustomMask(NamedTuple):
@@ -73,8 +74,7 @@ def check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_
     arg = "custom_mask" if custom_mask is not None else "packed_custom_mask"
     if not isinstance(given, torch.Tensor):
         raise FivarError(f"variant '{name}': {arg} must be a tensor, got {_got(given)}")
-    if given.device.type not in ("cpu", torch.device(device).type) or (
-            given.device.type != "cpu" and given.device != torch.device(device)):
+    if given.device.type != "cpu" and not same_device(given.device, device):  # ("cuda" is the current GPU)
         raise FivarError(f"variant '{name}': {arg} is on {given.device}, the inputs are on {device}")
     qo_lens, kv_lens = qo_lens.long().cpu(), kv_lens.long().cpu()
     if custom_mask is not None:

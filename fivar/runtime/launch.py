@@ -18,7 +18,7 @@ from ..jit.build import DTYPES, HEAD_DIMS, KV_DTYPES, module_for
 from ..jit.module_key import ModuleKey
 from ..spec import ir
 from ..spec.evaluate import eval_scalar
-from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, _same_device, check_qkv_layout, check_sm_scale
+from ..spec.inputs import PAGED_KV_LAYOUT, PAGED_KV_NAMES, same_device, check_qkv_layout, check_sm_scale
 from .params import bind_params
 
 
@@ -169,7 +169,7 @@ def _index_device(variant, name: str, t: torch.Tensor, device) -> None:
     """An index tensor lives on the inputs' device or on the host (copied over, as FlashInfer's plans take host
     indptrs); another GPU (or a meta tensor) is a mistake a silent copy would hide. `device` "cpu": a host copy."""
     if t.device.type == "meta" or (t.device.type != "cpu" and torch.device(device).type != "cpu"
-                                   and not _same_device(device, t.device)):
+                                   and not same_device(device, t.device)):
         raise FivarError(f"variant '{variant.name}': {name} is on {t.device}, the inputs are on {device}; pass it "
                          f"on {device} or on the CPU")
 

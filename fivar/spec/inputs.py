@@ -110,7 +110,7 @@ def _describe(p) -> str:
     return f"Tensor({p.dtype}, dims={p.dims})"
 
 
-def _same_device(a, b) -> bool:
+def same_device(a, b) -> bool:
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False
@@ -180,7 +180,7 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
                                  f"{known[dim]}, got {value.shape[d]}")
             if value.shape[d] == 0:
                 raise FivarError(f"variant '{name}': parameter '{pname}' has an empty dimension {d}")
-        if _same_device(device, value.device) is False:
+        if same_device(device, value.device) is False:
             raise FivarError(f"variant '{name}': parameter '{pname}' is on {value.device}, the inputs are "
                              f"on {device}")
         tensors[pname] = value.contiguous()

@@ -277,3 +277,29 @@ def test_the_twin_reads_pages_in_place_from_either_cache_layout():
     masks = [custom.request(b, lq, lk) for b, (lq, lk) in enumerate(zip(qo, kv))]
     ref = _reference(v, q, k, vv, qo, kv, False, params, masks)
     assert (outs[0].double() - ref).abs().max() < 2e-2
+
+
+class _OnGPU(torch.Tensor):
+    """A CPU tensor that says it lives on GPU `index` (the device check reads only `.device`)."""
+    index = 0
+
+    @property
+    def device(self):
+        return torch.device("cuda", self.index)
+
+
+@pytest.mark.parametrize("index,ok", [(0, True), (1, False)])
+def test_a_mask_on_the_current_gpu_is_on_the_inputs_device(monkeypatch, index, ok):
+    """Inputs on "cuda" are on the current GPU: a mask on cuda:0 then is on their device, one on cuda:1 is not (the
+    plan's device is "cuda" where the inputs' is cuda:0)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    v = fivar.load("softcap")
+    qo, kv = torch.tensor([3, 2]), torch.tensor([7, 5])
+    packed = torch.zeros(8, dtype=torch.uint8).as_subclass(_OnGPU)
+    packed.index = index
+    try:
+        check_custom_mask(v, None, packed, None, qo, kv, "cuda")
+        raised = ""
+    except Exception as e:  # past the device check a CPU box has no GPU to copy to
+        raised = str(e)
+    assert ("is on cuda" in raised) != ok, raised
