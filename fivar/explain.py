@@ -67,7 +67,7 @@ def fa3_softmax(v) -> str:
     if not k:
         return f"fa3 softmax: FlashInfer's OnlineSoftmax, every exp2 on the MUFU pipe ({cost}{bounded})"
     unmasked = ""
-    if fa3.uses_tile_list(v, "batch_prefill") and fa3.tile_list_bits(v) and not fa3.exp2_emulated_of_8(v, mask=False):
+    if fa3.uses_tile_list(v, "batch_prefill") and not fa3.exp2_emulated_of_8(v, mask=False):
         unmasked = ("; prefill in the tile-list form reads the mask's bits, evaluates no mask per score and keeps "
                     "FlashInfer's OnlineSoftmax")
     return (f"fa3 softmax: {k} of every 8 score columns compute exp2 on the FMA pipe ({cost}{unmasked}; "

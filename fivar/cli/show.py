@@ -109,10 +109,12 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
                           highlight=False, markup=False)
         return
     from ..codegen import fa2, fa3
+    from ..codegen.tile_list import bits_kernel
     if not sources:
-        decl = (fa3.variant_decl(v, tile_list=fa3.uses_tile_list(v, op), logits_range=fa3.softmax_range(v, dtype))
-                if target == "fa3"
-                else fa2.variant_decl(v, tile_list=fa3.uses_tile_list(v, op)))  # the tile-list form on both
+        tiles = fa3.uses_tile_list(v, op)  # the tile-list form on both, its struct the shared mask-free one
+        s = bits_kernel(v) if tiles else v
+        decl = (fa3.variant_decl(s, tile_list=tiles, logits_range=fa3.softmax_range(v, dtype)) if target == "fa3"
+                else fa2.variant_decl(s, tile_list=tiles))
         _print_code(decl.source)
         return
     _set_arch(arch)

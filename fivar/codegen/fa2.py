@@ -15,7 +15,7 @@ import jinja2
 from ..paths import templates_dir
 from ..spec import ir, optimize
 from .cuda import CppEmitter, Member, additional_params, comment_text, source_label
-from .tile_list import struct_parts as tile_list_struct_parts, tables as tile_list_tables, tile_list_bits
+from .tile_list import struct_parts as tile_list_struct_parts, tables as tile_list_tables
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = "MaskMode::kNone", "MaskMode::kCausal", "MaskMode::kCustom"
 MASK_CODES = {MASK_NONE: 0, MASK_CAUSAL: 1, MASK_CUSTOM: 2}
@@ -121,18 +121,17 @@ NO_SECOND_RUN = 1 << 30
 
 
 def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/variant.cuh.jinja",
-                 kv_segments: bool = False, mask_free: bool = False, tile_list: bool = False,
-                 bits: bool = False) -> VariantDecl:
+                 kv_segments: bool = False, mask_free: bool = False, tile_list: bool = False) -> VariantDecl:
     """`kv_segments`: the key-segments form of batch prefill (KV_SEGMENTS: trimmed decode pages, the block form).
     `mask_free` (with it): the struct without the mask, for segments whose rows keep exactly their keys up to their
     own position (fivar.runtime.segments: FlashInfer's kCausal mode is the whole mask there). Even never called,
     the mask's code in the kCausal tiles costs the kernel registers: FA2's 128-row tile spilled 288 bytes with it
-    and 12 without (stock's), 0.88x stock's time on packed documents (H200). `bits` (tile_list): the cut tiles read
-    CUT_BITS whatever the variant's mask (fivar.codegen.tile_list.bits_kernel's struct)."""
+    and 12 without (stock's), 0.88x stock's time on packed documents (H200). `tile_list`: the tile-list form of a
+    bits_kernel (fivar.codegen.tile_list), its cut tiles read from CUT_BITS."""
     if mask_free and not kv_segments:
         raise ValueError("the mask-free form is a key-segments form")
     if tile_list:
-        return _tile_list_decl(variant, param_ref, template, bits)
+        return _tile_list_decl(variant, param_ref, template)
     lowered = variant.lowered
     if mask_free:
         lowered = dataclasses.replace(lowered, mask=None)
@@ -180,22 +179,21 @@ def variant_decl(variant, param_ref=lambda n: f"params.{n}", template="fa2/varia
         extra_tensors=[KV_SEGMENTS] if kv_segments else []))
 
 
-def _tile_list_decl(variant, param_ref, template, bits: bool = False) -> VariantDecl:
-    """The tile-list form of batch prefill (fivar.codegen.tile_list, planned by fivar.runtime.fa3_tile_list): the
-    struct FA3's form has, run in kNone mode with the mask folded into LogitsTransform as there (FlashInfer's FA2
-    calls LogitsMask in kNone only on a request's last, partial KV tile, for its bound). The hooks' qo_idx and
-    kv_idx are local to the request (a query tile), as FA3's are; causal is the block map's (or the struct's, for a
-    mask it evaluates)."""
-    emit, members, lines, _ = tile_list_struct_parts(variant, param_ref, custom_mask=bits)
+def _tile_list_decl(variant, param_ref, template) -> VariantDecl:
+    """The tile-list form of batch prefill (fivar.codegen.tile_list, planned by fivar.runtime.fa3_tile_list), rendered
+    from a bits_kernel: the struct FA3's form has, run in kNone mode with the cut tiles' bits read per score in
+    LogitsTransform (FA2 has no per-tile hook; FlashInfer's FA2 calls LogitsMask in kNone only on a request's last,
+    partial KV tile, for its bound). The hooks' qo_idx and kv_idx are local to the request (a query tile), as FA3's
+    are; causal is in the bits."""
+    emit, members, lines, _ = tile_list_struct_parts(variant, param_ref)
     lowered = variant.lowered
     sink_members, sink_body = sink_members_and_body(variant, param_ref, emit, "fv_batch_idx")
     logit_lines, value = emit.statements(lowered.logits) if lowered.logits else ([], "logits")
-    if lowered.mask or bits:
-        value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
+    value = f"fv_keep ? {value} : {'-INFINITY' if variant.softmax else '0.f'}"
     source = render(template, name=variant.name, source=source_label(variant),
                     struct_name=struct_name(variant), softmax=variant.softmax, members=members + sink_members,
                     sm_scale_log2=softmax_scale_log2(variant, emit),
                     logits_body="\n    ".join(lines + logit_lines + [f"return {value};"]), mask_body=None,
                     sink_body=sink_body, request_lines=[], tile_list=True)
-    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=not (bits or tile_list_bits(variant)),
+    return VariantDecl(source, lowered, additional_params(variant, with_causal_flag=False,
                                                           extra_tensors=tile_list_tables()))

@@ -26,7 +26,7 @@ from .cuda import CppEmitter, Member, additional_params, source_label
 from .fa2 import MASK_CAUSAL, MASK_CODES, MASK_NONE, VariantDecl, render, softmax_scale_log2, struct_name
 # the tile-list form's tables and struct lines, shared with FA2 (BLOCKS... re-exported: the runtime reads them here)
 from .tile_list import (BLOCKS, CUT_BITS, TILE_FIELDS, TILE_KEYS, TILE_WIDTH, mask_reads_head,  # noqa: F401
-                        struct_parts as tile_list_struct_parts, tables as tile_list_tables, tile_list_bits)
+                        struct_parts as tile_list_struct_parts, tables as tile_list_tables)
 
 
 def uses_tile_list(variant, op: str) -> bool:
@@ -359,27 +359,25 @@ def kernel_causal(variant) -> bool:
     return runs_as_window(variant) and variant.kv_band.causal_window
 
 
-def _tile_list_decl(variant, exp2_emulated_of_8, logits_range, custom_mask: bool = False) -> VariantDecl:
-    """The tile-list form's struct (fivar.codegen.tile_list.struct_parts): where it reads bits, the updater applies
-    them once a KV tile (csrc/fivar_tile_mask.cuh); a mask that reads the head is folded into LogitsTransform.
-    `custom_mask`: cut tiles read bits whatever the variant's mask (none, or a band): an engine's custom mask ANDed
-    into the map (fivar.runtime.custom_mask)."""
+def _tile_list_decl(variant, exp2_emulated_of_8, logits_range) -> VariantDecl:
+    """The tile-list form's struct (fivar.codegen.tile_list.struct_parts), rendered from a bits_kernel: the updater
+    applies the cut tiles' bits once a KV tile (csrc/fivar_tile_mask.cuh); no mask is evaluated."""
     emit, members, lines, keep_cut = tile_list_struct_parts(variant, lambda n: f"params.additional_params.{n}",
-                                                            custom_mask=custom_mask, per_tile=True)
+                                                            per_tile=True)
     scale = softmax_scale_log2(variant, emit)
     source = _struct_source(variant, emit, variant.lowered, members, scale, lines, exp2_emulated_of_8, logits_range,
                             tile_list=True, window=False, keep_cut=keep_cut)
-    return VariantDecl(source, variant.lowered, additional_params(
-        variant, with_causal_flag=not (tile_list_bits(variant) or custom_mask), extra_tensors=tile_list_tables()))
+    return VariantDecl(source, variant.lowered, additional_params(variant, with_causal_flag=False,
+                                                                  extra_tensors=tile_list_tables()))
 
 
 def variant_decl(variant, exp2_emulated_of_8: int | None = None, logits_range: tuple[float, float] | None = None,
-                 tile_list: bool = False, custom_mask: bool = False) -> VariantDecl:
+                 tile_list: bool = False) -> VariantDecl:
     """`logits_range`: the softmax takes its max from it (softmax_range). `tile_list`: the tile-list form
-    (fivar.runtime.fa3_tile_list), batch prefill of a mask that is more than a band; with `custom_mask`, its cut
-    tiles read bits for any variant (a custom mask, fivar.runtime.custom_mask)."""
+    (fivar.runtime.fa3_tile_list) of a bits_kernel (fivar.codegen.tile_list): batch prefill of a mask that is more
+    than a band, or of an engine's custom mask."""
     if tile_list:
-        return _tile_list_decl(variant, exp2_emulated_of_8, logits_range, custom_mask)
+        return _tile_list_decl(variant, exp2_emulated_of_8, logits_range)
     param_ref = lambda n: f"params.additional_params.{n}"  # noqa: E731
     emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx"})
     lowered = variant.lowered

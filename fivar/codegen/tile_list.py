@@ -5,10 +5,11 @@ Each request of the paged batch-prefill kernel is one query tile over the list o
 TILE_WIDTH keys (the device block map's), whole tiles first. FlashInfer calls the struct's hooks with the request's
 local row and key; the struct maps them back through its tables. BLOCKS: int32 [requests, TILE_FIELDS] = (batch,
 q_idx of row 0, the request's first entry in TILE_KEYS, the keys of its whole tiles, every row keeping every one of
-them (-1: the request keeps no key at all), the request's first word in CUT_BITS, the words' row stride);
-TILE_KEYS[entry] is the kv_idx of the listed tile's first key; CUT_BITS holds, per tile after the whole ones and per
-row, the tile's kept keys as one 32-bit word (tile_list_bits: a mask reading the head is evaluated instead, its bits
-differing per head).
+them (-1: the request keeps no key at all), the request's first word in CUT_BITS, the words' row stride, the words
+between two query heads' bits (0: one set for every head, a mask not reading the head)); TILE_KEYS[entry] is the
+kv_idx of the listed tile's first key; CUT_BITS holds, per head, per tile after the whole ones and per row, the
+tile's kept keys as one 32-bit word. The kernel evaluates no mask, whatever it is: the device block map and the bits
+are the mask, so the struct is rendered from the mask-free bits_kernel.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import dataclasses
 from ..spec import ir
 from .cuda import CppEmitter, Member
 
-BLOCKS, TILE_FIELDS, TILE_KEYS, CUT_BITS, TILE_WIDTH = "fv_blocks", 6, "fv_tile_keys", "fv_cut_bits", 32
+BLOCKS, TILE_FIELDS, TILE_KEYS, CUT_BITS, TILE_WIDTH = "fv_blocks", 7, "fv_tile_keys", "fv_cut_bits", 32
 
 
 def mask_reads_head(variant) -> bool:
@@ -56,68 +57,54 @@ def bits_kernel(variant):
 
 
 def reads_bits(variant, custom_mask: bool = False) -> bool:
-    """A tile-list module of `variant` reads its cut tiles as bits (so is bits_kernel's): a mask not reading the head,
-    or an engine's custom mask."""
-    return custom_mask or (variant.scans_mask and tile_list_bits(variant))
+    """A tile-list module of `variant` reads its cut tiles as bits (so is bits_kernel's): any mask, per head where it
+    reads the head, or an engine's custom mask."""
+    return custom_mask or variant.mask is not None
 
 
-def tile_list_bits(variant) -> bool:
-    """Whether the tile-list form reads its cut tiles' pairs from CUT_BITS (one load and a shift per score, whatever
-    the mask costs; FA3's consumer warps are ALU-bound on an integer division per score) rather than evaluating
-    the mask: every mask that does not read the head."""
-    return not mask_reads_head(variant)
-
-
-def struct_parts(variant, param_ref, *, custom_mask: bool = False, per_tile: bool = False
-                 ) -> tuple[CppEmitter, list[Member], list[str], str | None]:
-    """(emitter, members, lines, keep_cut) of the tile-list struct: the request's local key k is kv_idx TILE_KEYS[first
-    + k / 32] + k % 32; the lines set fv_keep where the variant has a mask (a key of a whole tile, k < the whole keys,
-    is kept with one compare; a key of a cut tile reads its bit in CUT_BITS, or evaluates the mask and causal where
-    tile_list_bits says so). The members read the tables of the hook's request `batch_idx`; `param_ref(name)` is how
-    the target's struct reads a param. Sink members are the target's. `custom_mask`: cut tiles read bits whatever the
-    variant's mask (an engine's custom mask ANDed into the map). `per_tile` (FA3, csrc/fivar_tile_mask.cuh): where
-    the struct reads bits, the lines only record the thread's last score's indices and `keep_cut` is the body of
-    fv_cut_word(qo_idx, word), which the updater reads once per KV tile; else keep_cut is None."""
+def struct_parts(variant, param_ref, *, per_tile: bool = False) -> tuple[CppEmitter, list[Member], list[str], str]:
+    """(emitter, members, lines, keep_cut) of the tile-list struct of bits_kernel(...) (no mask of its own): the
+    request's local key k is kv_idx TILE_KEYS[first + k / 32] + k % 32; a key of a whole tile (k < the whole keys) is
+    kept with one compare, a key of a cut tile reads its bit in CUT_BITS, at the query head's bits. The members read
+    the tables of the hook's request `batch_idx`; `param_ref(name)` is how the target's struct reads a param. Sink
+    members are the target's. `per_tile` (FA3, csrc/fivar_tile_mask.cuh): the lines only record the thread's last
+    score's indices and `keep_cut` is the body of fv_cut_word(qo_idx, word), which the updater reads once per KV tile
+    (a CTA serves one query head: its bits are found in the constructor); else the lines set fv_keep per score and
+    keep_cut is empty."""
     block = lambda i: f"{param_ref(BLOCKS)}[{TILE_FIELDS} * batch_idx + {i}]"  # noqa: E731
     shift = TILE_WIDTH.bit_length() - 1
     kv = f"(__ldg(fv_tiles + (int32_t(kv_idx) >> {shift})) + (int32_t(kv_idx) & {TILE_WIDTH - 1}))"
     emit = CppEmitter(variant, param_ref, index_init={"batch": "fv_batch_idx", "kv_idx": kv})
     lowered = variant.lowered
+    if lowered.mask is not None:
+        raise ValueError(f"variant '{variant.name}': the tile-list struct is rendered from bits_kernel (no mask)")
     extra = [lowered.output_scale] if lowered.output_scale is not None else []
     sink = variant.ir.sink
     members = [m for m in emit.members(lowered, extra + (list(sink.exprs()) if sink is not None else []))
                if m.name != "fv_q_offset"]
-    bits = tile_list_bits(variant) or custom_mask
     members[:0] = [Member("int32_t", "fv_batch_idx", block(0)), Member("int32_t", "fv_q_offset", block(1)),
                    Member("const int32_t*", "fv_tiles", f"{param_ref(TILE_KEYS)} + {block(2)}"),
                    Member("int32_t", "fv_whole", block(3))]
-    members += ([Member("const int32_t*", "fv_bits", f"{param_ref(CUT_BITS)} + {block(4)}"),
-                 Member("int32_t", "fv_rows", block(5))] if bits else
-                [Member("bool", "fv_causal", f"{param_ref('fv_causal')} != 0")])
-    outer = emit.prologue(lowered.logits)
-    lines = list(outer)
-    if (lowered.mask or custom_mask) and bits and per_tile:
+    lines = list(emit.prologue(lowered.logits))
+    if per_tile:  # FA3's block coordinate names the CTA's query head
+        members += [Member("const int32_t*", "fv_bits",
+                           f"{param_ref(CUT_BITS)} + {block(4)} + int32_t(qo_head_idx) * {block(6)}"),
+                    Member("int32_t", "fv_rows", block(5))]
         # the updater applies the bits once a KV tile: LogitsTransform only leaves the thread's last score's
         # indices; a word of a whole tile (word < 0) keeps all, a request keeping no key (fv_whole -1) none
         lines += ["fv_kv_last = int32_t(kv_idx);", "fv_q_last = int32_t(qo_idx);"]
         return emit, members, lines, "\n    ".join([
             "if (word < 0) return ~0u;", "if (fv_whole < 0) return 0u;",
             "return uint32_t(__ldg(fv_bits + word * fv_rows + qo_idx));"])
-    if (lowered.mask or custom_mask) and bits:
-        # whole tiles come first in the list: a warp's keys are all below fv_whole or all above (one branch a tile);
-        # a cut tile's pairs are bits (causal folded in), one word a row and tile
-        lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {",
-                  "  const int32_t fv_c = int32_t(kv_idx) - fv_whole;",
-                  f"  fv_keep = (__ldg(fv_bits + (fv_c >> {shift}) * fv_rows + int32_t(qo_idx)) >> "
-                  f"(fv_c & {TILE_WIDTH - 1})) & 1;", "}"]
-    elif lowered.mask:
-        inner = [ln for ln in emit.prologue(lowered.mask) if ln not in outer]
-        mask_lines, keep = emit.statements(lowered.mask)
-        lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {"]
-        lines += ["  " + ln for ln in inner + mask_lines] + [f"  fv_keep = {keep};"]
-        q, k = emit.index_init["q_idx"], kv
-        lines += [f"  if (fv_causal && {k} > {q}) fv_keep = false;", "}"]
-    return emit, members, lines, None
+    members += [Member("const int32_t*", "fv_bits", f"{param_ref(CUT_BITS)} + {block(4)}"),
+                Member("int32_t", "fv_rows", block(5)), Member("int32_t", "fv_head_words", block(6))]
+    # whole tiles come first in the list: a warp's keys are all below fv_whole or all above (one branch a tile);
+    # a cut tile's pairs are bits (causal folded in), one word a row, tile and head
+    lines += ["bool fv_keep = int32_t(kv_idx) < fv_whole;", "if (!fv_keep && fv_whole >= 0) {",
+              "  const int32_t fv_c = int32_t(kv_idx) - fv_whole;",
+              f"  fv_keep = (__ldg(fv_bits + int32_t(qo_head_idx) * fv_head_words + (fv_c >> {shift}) * fv_rows + "
+              f"int32_t(qo_idx)) >> (fv_c & {TILE_WIDTH - 1})) & 1;", "}"]
+    return emit, members, lines, ""
 
 
 def tables() -> list[str]:

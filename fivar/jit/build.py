@@ -202,10 +202,10 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
                              "schedule")
         build_config = fivar_config.fa2_build_config(given)
     decl = (fa3.variant_decl(variant, exp2_emulated_of_8=exp2_emulated_of_8, logits_range=logits_range,
-                             tile_list=tile_list, custom_mask=custom_mask or shared)
+                             tile_list=tile_list)
             if on_fa3
             else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free,  # fa2.KV_SEGMENTS
-                                  tile_list=fa2_tiles, bits=shared))
+                                  tile_list=fa2_tiles))
     t_names, t_types, s_names, s_types = decl.additional
     params_decl, func_params, params_setter = generate_additional_params(
         t_names, t_types, s_names, s_types, is_sm90_template=on_fa3)

@@ -91,9 +91,8 @@ class ModuleKey:
                              "batch_decode module for it")
         if self.fa3 and op not in FA3_LAYOUT:
             raise FivarError(f"variant '{name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
-        if self.custom_mask and not (self.fa3 and op == "batch_prefill" and not fa3.mask_reads_head(variant)):
-            raise FivarError(f"variant '{name}': the custom-mask form is FA3 batch prefill of a mask that does "
-                             "not read the head")
+        if self.custom_mask and not (self.fa3 and op == "batch_prefill"):
+            raise FivarError(f"variant '{name}': the custom-mask form is FA3 batch prefill")
         fa3_tiles = self.fa3 and (fa3.uses_tile_list(variant, op) or self.custom_mask)
         if self.tile_list and not fa3_tiles and (self.fa3 or op != "batch_prefill" or not variant.mask
                                                  or self.kv_segments or self.kv_dtype):

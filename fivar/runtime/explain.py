@@ -66,8 +66,8 @@ def _fa3_form(v) -> str:
 
 
 def _cut_tiles(v) -> str:
-    return ("read their pairs from precomputed bits (one word per row and tile)" if fa3.tile_list_bits(v) else
-            "evaluate the mask, which reads the head (bits would differ per head)")
+    return ("read their pairs from precomputed bits (one word per row and tile"
+            + (", per query head" if fa3.mask_reads_head(v) else "") + ")")
 
 
 def _fa3_short(v) -> str:
@@ -75,7 +75,8 @@ def _fa3_short(v) -> str:
     if form == "tile list":
         return ("fa3 prefill: tile-list form, a request per 128-row query tile over its non-empty 32-key tiles "
                 "(device block map); whole tiles unmasked, cut tiles " + _cut_tiles(v)
-                + (", applied once per KV tile in the softmax updater" if fa3.tile_list_bits(v) else ""))
+                + ", applied once per KV tile in the softmax updater; the kernel evaluates no mask, so every "
+                "variant with the same logits and sink shares its module")
     return "fa3 prefill: " + {
         "no mask": "FlashInfer's kernel; causal skips the upper triangle; no mask",
         "window": ("FlashInfer's sliding window (window_left from the band): skips tiles left of it; only its "

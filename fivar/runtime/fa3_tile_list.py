@@ -11,11 +11,11 @@ transform. This lowering gives them only what the mask keeps, for any mask the s
    largest power of two that the requests' first tokens, or the cache's pages, allow; a page-table entry per page);
 3. the tile-list struct (fivar.codegen.fa3.TILE_FIELDS) keeps every key of a whole tile with one compare, and reads
    a key of the other tiles from their bits (`block_bits_kernel`, one 32-bit word per row and tile, causal folded
-   in); a mask reading the head is evaluated there instead, the key mapped back to its kv_idx through its tile's
-   first key. The struct's logits transform sees the original kv_idx either way.
+   in), the key mapped back to its kv_idx through its tile's first key for the logits transform. The kernel
+   evaluates no mask: one module serves every mask of the same logits (fivar.codegen.tile_list.bits_kernel).
 
 A mask reading the head gets the union of its heads' maps (a tile is whole only where every head keeps all of
-it). A paged batch composes the same keys through its page table. Planning costs one map pass and two
+it) and bits per query head. A paged batch composes the same keys through its page table. Planning costs one map pass and two
 device->host copies; `plan_ragged` / `plan_paged` make it once per batch layout, the one-shot calls once per call
 signature.
 
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codegen import fa3
 from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 
 #: Zero words after the last request's bits: a thread reads every 32-key word its keys of a KV tile touch, up to
@@ -71,17 +70,18 @@ class TileList:
     page: int                 # keys a page: divides TILE_WIDTH, and every listed tile starts a page
     blocks: torch.Tensor      # device int32 [R, TILE_FIELDS]
     tile_keys: torch.Tensor   # device int32 [entries]: kv_idx of each listed tile's first key
-    cut_bits: torch.Tensor    # device int32 [tiles after the whole ones, rows]: their kept pairs, bit j for key j
+    cut_bits: torch.Tensor    # device int32 [heads, tiles after the whole ones, rows]: kept pairs, bit j for key j
     keys_read: int            # keys the requests read (a request with no kept key reads one)
     keys_total: int           # keys an unsplit batch would read: every query tile over all its request's keys
 
 
 def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
-              token_of, bits_of=None, page: int = 1) -> TileList:
+              token_of, bits_of, page: int = 1, heads: int = 1) -> TileList:
     """The requests from a block map `kinds` ([batch, q tiles, key tiles] at `rows` x TILE_WIDTH; head_union's) of a
     batch given by host token indptrs. `token_of(batch, kv_idx)` (device int64 tensors) is the token of a key in the
-    k/v the kernel reads; `bits_of(cut)` (the Triton twin's tile_bits) the bits of the tiles after each request's
-    whole ones (int32 [tiles, 2]: (map row, key tile)), or None where the struct evaluates the mask. `page` (a power
+    k/v the kernel reads; `bits_of(cut)` (block_map's) the bits of the tiles after each request's whole ones
+    (int32 [tiles, 2]: (map row, key tile)) for each of `heads` query heads (1: one set for all), int64 [heads *
+    tiles, rows]. `page` (a power
     of two dividing TILE_WIDTH): the kernel reads k/v as pages of that many keys, so every `page` keys of a tile must
     be `page` consecutive tokens starting at a multiple of `page` (page_size_for); a page table entry per `page` keys
     instead of per key."""
@@ -129,17 +129,19 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
     # the tiles after the whole ones, in list order: the struct finds a key's word as its (key - whole) // T-th
     cut_sel = (pos >= n_whole[:, None]) & (pos < n_list[:, None])
     n_cut = cut_sel.sum(1).cpu()
-    cut_bits = torch.zeros(0, rows, dtype=torch.int32, device=dev)
-    if bits_of is not None and int(n_cut.sum()):
+    cut_bits = torch.zeros(heads, 0, rows, dtype=torch.int32, device=dev)
+    if int(n_cut.sum()):
         req, at = cut_sel.nonzero().unbind(1)
-        map_row = b_dev[req] * kinds.shape[1] + qt_dev[req]  # the map's row of (batch, query tile), one head
+        map_row = b_dev[req] * kinds.shape[1] + qt_dev[req]  # the map's row of (batch, query tile)
         cut = torch.stack([map_row, order[req, at]], 1).to(torch.int32).contiguous()
-        cut_bits = bits_of(cut).view(torch.int32)[:, ::2]  # the low word of each (TILE_WIDTH bits)
+        cut_bits = bits_of(cut).view(torch.int32)[..., ::2].reshape(heads, -1, rows)  # low words (TILE_WIDTH bits)
     # the struct reads every word a thread's keys of a KV tile touch (csrc/fivar_tile_mask.cuh), so a request's last
     # tile can read up to CUT_WORDS_PAST words past its own: zeros there, never memory beyond the tensor
-    cut_bits = torch.cat([cut_bits, cut_bits.new_zeros(CUT_WORDS_PAST, rows)]).contiguous()
+    cut_bits = torch.cat([cut_bits, cut_bits.new_zeros(heads, CUT_WORDS_PAST, rows)], 1).contiguous()
     bit_start = (torch.cumsum(n_cut, 0) - n_cut) * rows
-    blocks = torch.stack([batch, q0, entry_start, whole, bit_start, torch.full_like(batch, rows)], 1).to(torch.int32)
+    head_words = torch.full_like(batch, cut_bits.shape[1] * rows if heads > 1 else 0)  # a head's bits after another's
+    blocks = torch.stack([batch, q0, entry_start, whole, bit_start, torch.full_like(batch, rows), head_words],
+                         1).to(torch.int32)
     rows_h = torch.minimum(qo_lens[batch] - q_tile * rows, torch.tensor(rows))
     return TileList(indptr(rows_h), indptr(n_pages), pages.to(torch.int32).contiguous(),
                     (keys_h - (n_pages - 1) * page).to(torch.int32), page, blocks.to(dev),
@@ -150,8 +152,8 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
 def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim: int,
               causal: bool, sm_scale: float, device, rows: int | None = None, custom=None):
     """(head_union of the Triton twin's block map of this batch at `rows` (else block_rows) x TILE_WIDTH on `device`,
-    bits_of for tile_list: None where the struct evaluates the mask, fivar.codegen.fa3.tile_list_bits). `custom`: a
-    custom mask (fivar.runtime.custom_mask.CustomMask) ANDed into both, which then always gives bits."""
+    bits_of for tile_list, the heads its bits are per: num_qo_heads for a mask reading the head, else 1). `custom`: a
+    custom mask (fivar.runtime.custom_mask.CustomMask) ANDed into both."""
     qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
     qo_d, kv_d, group, block = qo_indptr.to(device), kv_indptr.to(device), num_qo_heads // num_kv_heads, \
@@ -159,10 +161,15 @@ def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_he
     bits = None if custom is None else (custom.packed, custom.indptr)
     kinds = module.tile_kinds(qo_d, kv_d, int(qo_lens.max()), max(int(kv_lens.max()), 1), num_qo_heads, group,
                               causal, args, block, custom=bits)
-    bits_of = ((lambda cut: module.tile_bits(cut, qo_d, kv_d, kinds.shape[2], group, causal, args, block,
-                                             custom=bits))
-               if fa3.tile_list_bits(variant) or custom is not None else None)
-    return head_union(kinds), bits_of
+    heads, n_q = kinds.shape[1], kinds.shape[2]
+
+    def bits_of(cut):  # each cut tile's rows (batch * n_q + q tile) at every head's row of the map
+        b, q = cut[:, 0] // n_q, cut[:, 0] % n_q
+        h = torch.arange(heads, device=cut.device, dtype=cut.dtype)[:, None]
+        at = torch.stack([((b[None, :] * heads + h) * n_q + q[None, :]).reshape(-1),
+                          cut[:, 1].repeat(heads)], 1).contiguous()
+        return module.tile_bits(at, qo_d, kv_d, n_q, group, causal, args, block, custom=bits, heads=heads)
+    return head_union(kinds), bits_of, heads
 
 
 def page_size_for(kv_indptr: torch.Tensor | None = None, cache_page_size: int | None = None) -> int:
@@ -217,14 +224,13 @@ class TileListPrefill:
             return
         rows = block_rows(head_dim) if target == "fa3" else fa2_blocks.tile_list_rows(num_qo_heads // num_kv_heads,
                                                                                       head_dim)
-        kinds, bits_of = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
-                                   sm_scale, device, rows, custom)
-        layout = tile_list(kinds, qo_h, kv_h, rows, token_of, bits_of, self.page)
+        kinds, bits_of, heads = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
+                                          sm_scale, device, rows, custom)
+        layout = tile_list(kinds, qo_h, kv_h, rows, token_of, bits_of, self.page, heads)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
-        own_bits = variant.scans_mask and fa3.tile_list_bits(variant)  # the module of the mask already reads bits
         fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=target == "fa2",
-                                          custom_mask=custom is not None and not own_bits), bound, sm_scale)
+                                          custom_mask=custom is not None and not variant.scans_mask), bound, sm_scale)
         w = take_wrapper("paged", fmod, device, False)
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
         split = {"disable_split_kv": True} if target == "fa2" and not variant.softmax else {}
@@ -232,7 +238,7 @@ class TileListPrefill:
                layout.kv_last_page_len.to(device), num_qo_heads, num_kv_heads, head_dim, self.page, causal=False,
                q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype, **split)
         args = ScaledArgs(lambda s: kernel_args(  # the params the module's struct takes (its kernel_variant's)
-            fmod.kernel_variant, bound, s, None if bits_of is not None else causal,
+            fmod.kernel_variant, bound, s, None,
             tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits}), sm_scale)
         self._launch = (w, args, direct_paged_run(w, variant.name, device, args(1.0)), ("paged", fmod, device))
 

@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from ..codegen import fa2, fa3
+from ..codegen import fa2
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
@@ -177,9 +177,6 @@ def refuse_custom_mask(variant, target: str, kv_name) -> None:
     if target != "fa3" or kv_name is not None:
         raise FivarError(f"variant '{variant.name}': custom_mask runs on backend 'fa3' (sm90, a bf16/fp16 cache) or "
                          f"'triton'; FA2{' (an FP8 cache)' if kv_name is not None else ''} does not take it")
-    if fa3.mask_reads_head(variant):
-        raise FivarError(f"variant '{variant.name}': custom_mask on FA3 needs a mask that does not read the head (its "
-                         "tile list evaluates a per-head mask instead of reading bits); use backend='triton'")
 
 
 def tile_list_form(variant, target: str, one_query: bool = False, kv_dtype: str | None = None) -> bool:

@@ -73,9 +73,9 @@ class _FakePagedWrapper:
         k_cache, v_cache = cache
         extra = [fa2.KV_SEGMENTS] if self.fmod.kv_segments else tile_list.tables() if self.fmod.tile_list else []
         mask_free = getattr(self.fmod, "mask_free", False)  # the struct has no mask: kCausal is all there is
-        bits = self.fmod.tile_list and tile_list.tile_list_bits(v)  # causal is in the bits
-        # the args of the struct the module was rendered from (a bits-reading tile list: the shared mask-free one)
-        t_names, _, s_names, _ = additional_params(self.fmod.kernel_variant, with_causal_flag=not mask_free and not bits,
+        # the args of the struct the module was rendered from (a tile list: the shared mask-free one, causal in its bits)
+        t_names, _, s_names, _ = additional_params(self.fmod.kernel_variant,
+                                                   with_causal_flag=not mask_free and not self.fmod.tile_list,
                                                    extra_tensors=extra)
         named = dict(zip(t_names + s_names, args))
         hq, hkv = q.shape[1], k_cache.shape[2]
@@ -105,7 +105,7 @@ class _FakePagedWrapper:
             listed = None
             if self.fmod.tile_list:  # the struct's fv_blocks row: the request is a query tile over listed key tiles
                 listed = [int(x) for x in named[tile_list.BLOCKS][r]]
-                b, q0, first, _, _, _ = listed
+                b, q0, first = listed[:3]
                 k = local_kv.view(-1)
                 kv_idx = (named[tile_list.TILE_KEYS][first + k // tile_list.TILE_WIDTH].long()
                           + k % tile_list.TILE_WIDTH).view(1, 1, -1)
@@ -113,17 +113,14 @@ class _FakePagedWrapper:
 
             def keep(ev, env, local_q=local_q, local_kv=local_kv, full=seg_full, tiles=tiles, listed=listed):
                 if listed is not None:  # kNone: the struct's keep is all there is
-                    _, _, _, whole, bit0, stride = listed
+                    _, _, _, whole, bit0, stride, head_words = listed
                     if whole < 0:
                         return torch.zeros(1, 1, 1, dtype=torch.bool)
                     c = (local_kv - whole).clamp(min=0)
-                    if bits:
-                        words = named[tile_list.CUT_BITS].view(-1).long() & 0xFFFFFFFF
-                        at = bit0 + (c // tile_list.TILE_WIDTH) * stride + torch.arange(local_q.shape[1]).view(1, -1, 1)
-                        cut = ((words[at.clamp(max=words.numel() - 1)] >> (c % tile_list.TILE_WIDTH)) & 1).bool()
-                    else:
-                        cut = ev.run(v.ir.mask).bool() & (~torch.tensor(bool(named["fv_causal"]))
-                                                          | (env["kv_idx"] <= env["q_idx"]))
+                    words = named[tile_list.CUT_BITS].view(-1).long() & 0xFFFFFFFF
+                    at = (bit0 + env["qo_head"] * head_words + (c // tile_list.TILE_WIDTH) * stride
+                          + torch.arange(local_q.shape[1]).view(1, -1, 1))
+                    cut = ((words[at.clamp(max=words.numel() - 1)] >> (c % tile_list.TILE_WIDTH)) & 1).bool()
                     return (local_kv < whole) | cut
                 if mask_free:
                     return (local_kv <= local_q) if p["causal"] else torch.ones(1, 1, 1, dtype=torch.bool)

@@ -16,8 +16,9 @@ import torch
 from fivar.testing import _ragged_reference
 
 import fivar
-from fivar.codegen import fa3, tile_list
+from fivar.codegen import tile_list
 from fivar.errors import FivarError
+from fivar.spec import AttentionVariant
 from fivar.runtime import attention, explain, fa2_blocks, fa3_tile_list, plans
 from fivar.testing import _to_paged
 
@@ -41,13 +42,20 @@ def _params(gen, group, width):
             "hw": torch.randint(0, 60, (2 * group,), generator=gen).to(torch.int32)}
 
 
-def _run(mask, kv_form, causal, group, rows, seed, monkeypatch, cpu_fa2):  # noqa: F811
+def _distance_bias(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score - 0.002 * (q_idx - kv_idx) * (q_idx - kv_idx)  # not a shift a tile's keys share
+
+
+def _run(mask, kv_form, causal, group, rows, seed, monkeypatch, cpu_fa2, biased=False):  # noqa: F811
     """(plan, out, lse, reference out, reference lse) of a random batch: one request with fewer keys than queries'
-    reach, one of a single query, one over several key tiles with a short last one."""
+    reach, one of a single query, one over several key tiles with a short last one. `biased`: the mask's variant
+    with a logits transform reading kv_idx."""
     current, made = cpu_fa2
     monkeypatch.setattr(fa2_blocks, "tile_list_rows", lambda g, d: rows)  # finer than a GPU's, for more tiles
     gen = torch.Generator().manual_seed(seed)
     v = _variant(mask)
+    if biased:
+        v = AttentionVariant(name=f"{mask.__name__}_biased", mask=mask, logits=_distance_bias, params=v.params)
     current[0] = v
     kv_lens = [int(torch.randint(20, 60, (), generator=gen)), 9, int(torch.randint(100, 200, (), generator=gen))]
     qo_lens = [kv_lens[0] - 3, 1, kv_lens[2] - int(torch.randint(0, 40, (), generator=gen))]
@@ -116,10 +124,12 @@ def _corrupt(kind):
 def test_a_corrupted_tile_list_fails(cpu_fa2, monkeypatch, kind):  # noqa: F811
     """The stand-in reads the tables as the struct does: a plan whose tables are off by one tile, one bit or one
     request's whole count no longer gives the reference's result."""
-    monkeypatch.setattr(fa3_tile_list, "tile_list", _corrupt(kind))
-    # a tile's kv_idx matters where the struct evaluates the mask (or a logits transform reads it): not from bits
+    # a tile's kv_idx reaches the kernel only through a logits transform that reads it (the mask is bits)
     mask = m_per_head_window if kind == "tile" else m_sinks_window
-    _, out, _, ref, _ = _run(mask, "ragged", False, 1, 16, 3, monkeypatch, cpu_fa2)
+    _, out, _, ref, _ = _run(mask, "ragged", False, 1, 16, 3, monkeypatch, cpu_fa2, biased=kind == "tile")
+    assert torch.allclose(out, ref, atol=2e-3)  # the plan as made
+    monkeypatch.setattr(fa3_tile_list, "tile_list", _corrupt(kind))
+    _, out, _, ref, _ = _run(mask, "ragged", False, 1, 16, 3, monkeypatch, cpu_fa2, biased=kind == "tile")
     assert not torch.allclose(out, ref, atol=2e-3)
 
 
@@ -190,9 +200,9 @@ def test_fp8_caches_and_one_query_batches_keep_their_forms():
 
 
 def test_the_module_is_the_paged_kernel_in_knone_alone(monkeypatch):
-    """One FA2 module: FlashInfer's paged kernels in kNone only, the ragged entry points linked to stubs; a mask not
-    reading the head reads bits and evaluates nothing of the mask per score, one reading the head evaluates it (and
-    causal) on cut tiles; the hooks' keys go through the tile list in both."""
+    """One FA2 module: FlashInfer's paged kernels in kNone only, the ragged entry points linked to stubs; every mask
+    reads bits and evaluates nothing of the mask per score, one reading the head at its query head's bits (the same
+    module: the struct is the mask-free bits_kernel's); the hooks' keys go through the tile list."""
     from fivar.jit.build import gen_module, serving_modules
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     holes, heads = _variant(m_hole), _variant(m_per_head_window)
@@ -210,13 +220,10 @@ def test_the_module_is_the_paged_kernel_in_knone_alone(monkeypatch):
     transform = struct.split("REGISTER_LOGITS_TRANSFORM")[1]
     assert "REGISTER_LOGITS_MASK" not in struct and "fv_cut_bits" in struct and "fvp_hole" not in transform
     assert "case MaskMode::kNone" in config and "case MaskMode::kCustom" not in config
-    per_head = gen_module(heads, "batch_prefill", "fa2", tile_list=True).sources["batch_prefill_config.inc"]
-    transform = per_head.split("REGISTER_LOGITS_TRANSFORM")[1]
-    assert "fv_tiles" in transform and "fvp_hw[" in transform and "fv_causal" in transform
-    # the struct's mask lines are FA3's, its table reads FlashInfer FA2's params
-    fa3_struct = fa3.variant_decl(heads, tile_list=True).source.replace("params.additional_params.", "params.")
-    fa2_lines = [ln.strip() for ln in transform.splitlines() if "fv_keep" in ln]
-    assert fa2_lines and all(ln in fa3_struct for ln in fa2_lines)
+    assert "int32_t(qo_head_idx) * fv_head_words" in transform and "fv_causal" not in struct
+    per_head = gen_module(heads, "batch_prefill", "fa2", tile_list=True)
+    assert per_head.uri == m.uri and "fvp_hw" not in per_head.sources["batch_prefill_config.inc"]
+    # the struct's table reads FlashInfer FA2's params (FA3's the same tables, once per KV tile)
     assert "params.fv_blocks[" in struct and "additional_params" not in struct
     prefill = [x.uri for x in serving_modules(holes, "batch_prefill", "fa2")]
     assert m.uri in prefill and len(prefill) == 4
@@ -248,7 +255,7 @@ def test_explain_says_fa2_runs_the_tile_list():
     long = [ln for ln in explain.mask_skipping(v) if ln.startswith("fa2 prefill")]
     assert "kNone" in long[0] and "FP8 cache the block form" in long[0]
     heads = [ln for ln in explain.short_paths(_variant(m_per_head_window)) if ln.startswith("fa2 prefill")]
-    assert "evaluate the mask" in heads[0]
+    assert "per query head" in heads[0] and "per query head" not in short[0]
 
 
 @pytest.mark.nvcc

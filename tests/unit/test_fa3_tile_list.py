@@ -14,10 +14,8 @@ import subprocess
 import pytest
 import torch
 
-from fivar.codegen.fa3 import TILE_WIDTH, tile_list_bits
-from fivar.codegen.triton import kernel_arg_values
-from fivar.jit.triton_module import load_triton_module
-from fivar.runtime.fa3_tile_list import head_union, page_size_for, tile_list
+from fivar.codegen.fa3 import TILE_WIDTH
+from fivar.runtime.fa3_tile_list import block_map, page_size_for, tile_list
 from fivar.runtime.launch import _prepare
 from fivar.spec.sparsity import keep_matrix
 
@@ -40,12 +38,9 @@ def _ind(lens):
 def _plan(v, params, qo, kv, causal, token_of, page=1, rows=ROWS):
     q = torch.zeros(max(sum(qo), 1), HEADS, 16, dtype=torch.float16)
     bound, sm_scale = _prepare(v, params, q, KV_HEADS, len(qo), None)
-    module, args = load_triton_module(v), kernel_arg_values(v, bound, sm_scale)
-    kinds = module.tile_kinds(_ind(qo), _ind(kv), max(qo), max(kv), HEADS, HEADS // KV_HEADS, causal, args,
-                              (rows, TILE_WIDTH))
-    bits_of = ((lambda cut: module.tile_bits(cut, _ind(qo), _ind(kv), kinds.shape[2], HEADS // KV_HEADS, causal,
-                                             args, (rows, TILE_WIDTH))) if tile_list_bits(v) else None)
-    return tile_list(head_union(kinds), _ind(qo), _ind(kv), rows, token_of, bits_of, page), bound
+    kinds, bits_of, heads = block_map(v, bound, _ind(qo), _ind(kv), HEADS, KV_HEADS, 128, causal, sm_scale, "cpu",
+                                      rows)
+    return tile_list(kinds, _ind(qo), _ind(kv), rows, token_of, bits_of, page, heads), bound
 
 
 def list_errors(v, bound, layout, qo, kv, causal, key_at, custom=None) -> list[str]:
@@ -68,10 +63,9 @@ def list_errors(v, bound, layout, qo, kv, causal, key_at, custom=None) -> list[s
         kv_ind.append(len(tokens))
     tile_keys, blocks = layout.tile_keys.tolist(), layout.blocks.tolist()
     words = layout.cut_bits.view(-1).long() & 0xFFFFFFFF
-    bits = tile_list_bits(v) or custom is not None
     errors = []
     rows_of = [0] * len(qo)
-    for r, (b, q0, e0, whole, bit0, stride) in enumerate(blocks):
+    for r, (b, q0, e0, whole, bit0, stride, head_words) in enumerate(blocks):
         n_rows, n_keys = qo_ind[r + 1] - qo_ind[r], kv_ind[r + 1] - kv_ind[r]
         first = q0 - (kv[b] - qo[b])  # the request's first row within its batch entry's queries
         if first != rows_of[b]:
@@ -93,12 +87,11 @@ def list_errors(v, bound, layout, qo, kv, causal, key_at, custom=None) -> list[s
                 if not bool(pairs.all()):
                     errors.append(f"request {r} key {k} (kv_idx {kv_idx}) counts as whole, but not every row keeps it")
                 kept = torch.ones_like(pairs)
-            elif bits:  # the struct reads the word of its row and tile
+            else:  # the struct reads the word of its head, row and tile
                 c = k - whole
-                at = bit0 + (c // TILE_WIDTH) * stride + torch.arange(n_rows)
-                kept = ((words[at] >> (c % TILE_WIDTH)) & 1).bool()[None, :].expand_as(pairs)
-            else:  # the struct evaluates the mask
-                kept = pairs
+                at = (bit0 + torch.arange(HEADS)[:, None] * head_words + (c // TILE_WIDTH) * stride
+                      + torch.arange(n_rows)[None, :])
+                kept = ((words[at] >> (c % TILE_WIDTH)) & 1).bool()
             seen[b][:, first:first + n_rows, kv_idx] += kept.to(torch.int32)
     for b, lq in enumerate(qo):
         if rows_of[b] != lq:
@@ -223,9 +216,9 @@ def test_a_request_keeping_nothing_reads_one_key_and_keeps_none():
 
 
 def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(monkeypatch):
-    """One FA3 module per mask beyond a band: the paged kernel in kNone mode only (causal is the map's), the ragged
-    entry points linked to stubs; a mask not reading the head reads bits and evaluates no mask per score, one
-    reading the head evaluates it on cut tiles."""
+    """One FA3 module for every mask beyond a band of the same logits: the paged kernel in kNone mode only (causal is
+    the map's), the ragged entry points linked to stubs; every mask reads bits and evaluates nothing per score, one
+    reading the head at its CTA's query head's bits."""
     from fivar.jit.build import gen_module, serving_modules
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     flagged, heads = _variant("flagged")[0], _variant("head_window_sinks")[0]
@@ -241,9 +234,8 @@ def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(mo
     assert "Ragged" not in units[1]
     struct = m.sources["batch_prefill_sm90_config.inc"]
     assert "fv_cut_bits" in struct and "fvp_flags" not in struct  # the mask's tensor is the block map's alone
-    per_head = gen_module(heads, "batch_prefill", "fa3").sources["batch_prefill_sm90_config.inc"]
-    body = per_head.split("REGISTER_LOGITS_TRANSFORM")[1]
-    assert "fv_tiles" in body and "fvp_windows[" in body and "fv_causal" in body
+    assert "int32_t(qo_head_idx) * params.additional_params.fv_blocks[7 * batch_idx + 6]" in struct
+    assert gen_module(heads, "batch_prefill", "fa3").uri == m.uri  # a mask reading the head: the same kernel
     assert [x.uri for x in serving_modules(flagged, "single_prefill", "fa3")] == [m.uri]
 
 

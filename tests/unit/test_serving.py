@@ -15,11 +15,9 @@ import torch
 import fivar
 from fivar.codegen.fa3 import TILE_WIDTH
 from fivar.codegen.torch_ref import reference_attention
-from fivar.codegen.triton import kernel_arg_values
 from fivar.integrations.serving import chain_parents, tree_mask, tree_rows
-from fivar.jit.triton_module import load_triton_module
 from fivar.runtime.custom_mask import check_custom_mask, pack
-from fivar.runtime.fa3_tile_list import head_union, page_size_for, tile_list
+from fivar.runtime.fa3_tile_list import block_map, page_size_for, tile_list
 from fivar.runtime.launch import _prepare
 from fivar.runtime.plans import refuse_custom_mask
 from fivar.testing import _to_paged, example_params
@@ -147,17 +145,14 @@ def test_fa3_tile_lists_keep_exactly_the_pairs_of_the_custom_mask(name, causal):
         token_of, key_at = _paged(kv, cache_page)
         probe = torch.zeros(sum(qo), HQ, D, dtype=torch.float16)
         bound, sm_scale = _prepare(v, params, probe, HKV, len(qo), None)
-        module, args = load_triton_module(v), kernel_arg_values(v, bound, sm_scale)
         custom = check_custom_mask(v, torch.cat([m.view(-1) for m in masks]), None, None, torch.tensor(qo),
                                    torch.tensor(kv), "cpu")
         layouts = []
-        for bits in ((custom.packed, custom.indptr), None):
-            kinds = module.tile_kinds(_ind(qo), _ind(kv), max(qo), max(kv), HQ, HQ // HKV, causal, args,
-                                      (ROWS, TILE_WIDTH), custom=bits)
-            bits_of = (lambda cut, kinds=kinds, bits=bits: module.tile_bits(
-                cut, _ind(qo), _ind(kv), kinds.shape[2], HQ // HKV, causal, args, (ROWS, TILE_WIDTH), custom=bits))
-            layouts.append(tile_list(head_union(kinds), _ind(qo), _ind(kv), ROWS, token_of, bits_of,
-                                     page_size_for(cache_page_size=cache_page)))
+        for given in (custom, None):
+            kinds, bits_of, heads = block_map(v, bound, _ind(qo), _ind(kv), HQ, HKV, D, causal, sm_scale, "cpu", ROWS,
+                                              given)
+            layouts.append(tile_list(kinds, _ind(qo), _ind(kv), ROWS, token_of, bits_of,
+                                     page_size_for(cache_page_size=cache_page), heads))
         assert list_errors(v, bound, layouts[0], qo, kv, causal, key_at, custom=masks) == []
         # dropping the custom mask fails the check exactly when it drops pairs the variant (and causal) keep: a
         # document mask or a causal chain may already drop all of them
@@ -208,16 +203,14 @@ def test_bad_custom_masks_are_one_line_errors():
 
 
 def test_backends_without_the_custom_mask_refuse_it_in_one_line():
-    """FA2 and an FP8 cache refuse it; on FA3, a mask reading the head (its tile list evaluates the mask, no bits)."""
+    """FA2 and an FP8 cache refuse it; FA3 takes it for any mask, one reading the head too (bits per head)."""
     from test_block_map import _variant
     for target, kv_name in (("fa2", None), ("fa3", "fp8e4m3")):
         with pytest.raises(fivar.FivarError) as e:
             refuse_custom_mask(fivar.load("softcap"), target, kv_name)
         _one_line(e, "softcap", "custom_mask", "FA2")
-    refuse_custom_mask(fivar.load("document_mask"), "fa3", None)  # reads bits: runs
-    with pytest.raises(fivar.FivarError) as e:
-        refuse_custom_mask(_variant("head_window_sinks")[0], "fa3", None)
-    _one_line(e, "custom_mask", "head")
+    refuse_custom_mask(fivar.load("document_mask"), "fa3", None)
+    refuse_custom_mask(_variant("head_window_sinks")[0], "fa3", None)
 
 
 def test_the_custom_mask_module_of_a_variant_without_a_scanned_mask_reads_bits(monkeypatch):
