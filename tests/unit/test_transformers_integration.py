@@ -40,6 +40,20 @@ def _generate(model, ids, mask=None, new=8):
     return r.sequences, torch.stack(r.logits, 1).float()
 
 
+def _same_greedy_run(ids, tokens, logits, want_tokens, want_logits):
+    """fivar's generation follows eager's: each step's logits within tolerance of eager's, and the same token, until
+    a step where eager's two best logits are within twice that tolerance (float16 rounding may pick either); the
+    runs are compared no further than that step (their inputs differ after it)."""
+    tol = 2e-2 * max(1.0, want_logits.abs().max().item())
+    start = ids.shape[1]
+    for step in range(want_logits.shape[1]):
+        assert (logits[:, step] - want_logits[:, step]).abs().max() < tol, step
+        if not torch.equal(tokens[:, start + step], want_tokens[:, start + step]):
+            top2 = want_logits[:, step].topk(2, -1).values
+            assert bool(((top2[:, 0] - top2[:, 1]) < 2 * tol).any()), f"step {step}: no near-tie, yet another token"
+            return
+
+
 def test_gemma2_generate_matches_eager(monkeypatch):
     from fivar.runtime import attention as triton_attention  # where the entry point calls it
     calls = []
@@ -51,8 +65,7 @@ def test_gemma2_generate_matches_eager(monkeypatch):
     tokens, logits = _generate(_gemma2(name), ids)
     assert set(calls) == {"softcap", "softcap_sliding_window"} and len(calls) == 2 * 8  # 2 layers x 8 steps
     want_tokens, want_logits = _generate(_gemma2("eager"), ids)
-    assert torch.equal(tokens, want_tokens)
-    assert (logits - want_logits).abs().max() < 2e-2 * max(1.0, want_logits.abs().max().item())
+    _same_greedy_run(ids, tokens, logits, want_tokens, want_logits)
 
 
 def test_gemma2_left_padded_batch_matches_eager():
@@ -63,8 +76,7 @@ def test_gemma2_left_padded_batch_matches_eager():
     ids[1, :3] = 0
     tokens, logits = _generate(_gemma2(name), ids, mask, new=5)
     want_tokens, want_logits = _generate(_gemma2("eager"), ids, mask, new=5)
-    assert torch.equal(tokens, want_tokens)
-    assert (logits - want_logits).abs().max() < 2e-2 * max(1.0, want_logits.abs().max().item())
+    _same_greedy_run(ids, tokens, logits, want_tokens, want_logits)
 
 
 def test_the_config_chooses_the_variant():
