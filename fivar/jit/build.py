@@ -251,11 +251,9 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
                     "fa2/tile_list_ragged_stubs.cu.jinja",
                     tiles=sorted({int(t) for t in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", inst)}), **kwargs)
                 continue
-            if tile_list:  # the paged kernel alone, a unit per kernel (fa3/tile_list_unit.cu.jinja)
+            if tile_list:  # the per-head paged kernel alone (fa3/tile_list_unit.cu.jinja), stubs for the rest
                 if "paged" in inst_t:
-                    for i, same in enumerate(("true", "false")):
-                        sources[f"{stem}_mask_0_sched{i}.cu"] = fa3.render(
-                            "fa3/tile_list_unit.cu.jinja", same=same, ragged_stubs=i == 0, **kwargs)
+                    sources[f"{stem}_mask_0.cu"] = fa3.render("fa3/tile_list_unit.cu.jinja", **kwargs)
                 continue
             if tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
                 sources.update(fa3.single_prefill_kernel_units(stem, tiles, chosen_schedules, head_dim, **kwargs))

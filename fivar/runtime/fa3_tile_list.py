@@ -46,6 +46,13 @@ from .params import kernel_args
 from .rows import indptr
 
 
+#: Requests a launch takes at most, per target. FlashInfer's FA3 planner switches to its all-heads-alike schedule (a
+#: second kernel) past 4,096 works a head, ceil(rows / CTA_Q) + requests - 1, at most 2 x requests - 1 here (a request
+#: is one query tile of CTA_Q rows): a batch of more requests runs as several launches, so the module holds only the
+#: per-head kernel (fivar.jit.build: half the compile).
+MAX_REQUESTS = {"fa3": 2048}
+
+
 def block_rows(head_dim: int) -> int:
     """FA3 paged prefill's query tile (CTA_Q): one request per tile wastes no rows."""
     return 192 if head_dim == 64 else 128
@@ -231,32 +238,47 @@ class TileListPrefill:
         self.requests = layout.qo_indptr.numel() - 1
         fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=target == "fa2",
                                           custom_mask=custom is not None and not variant.scans_mask), bound, sm_scale)
-        w = take_wrapper("paged", fmod, device, False)
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
         split = {"disable_split_kv": True} if target == "fa2" and not variant.softmax else {}
-        w.plan(layout.qo_indptr.to(device), layout.kv_indptr.to(device), layout.kv_indices,
-               layout.kv_last_page_len.to(device), num_qo_heads, num_kv_heads, head_dim, self.page, causal=False,
-               q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype, **split)
-        args = ScaledArgs(lambda s: kernel_args(  # the params the module's struct takes (its kernel_variant's)
-            fmod.kernel_variant, bound, s, None,
-            tables={BLOCKS: layout.blocks, TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits}), sm_scale)
-        self._launch = (w, args, direct_paged_run(w, variant.name, device, args(1.0)), ("paged", fmod, device))
+        qo_i, kv_i = layout.qo_indptr, layout.kv_indptr
+        step = MAX_REQUESTS.get(target) or self.requests
+        self._launches = []
+        for r0 in range(0, self.requests, step):  # launches of consecutive requests: rows [qo_i[r0], qo_i[r1])
+            r1 = min(r0 + step, self.requests)
+            w = take_wrapper("paged", fmod, device, False)
+            w.plan((qo_i[r0:r1 + 1] - qo_i[r0]).to(device), (kv_i[r0:r1 + 1] - kv_i[r0]).to(device),
+                   layout.kv_indices[int(kv_i[r0]):int(kv_i[r1])], layout.kv_last_page_len[r0:r1].to(device),
+                   num_qo_heads, num_kv_heads, head_dim, self.page, causal=False, q_data_type=dtype,
+                   kv_data_type=dtype, o_data_type=dtype, **split)
+            # the params the module's struct takes (its kernel_variant's); a launch's requests index BLOCKS from 0
+            tables = {BLOCKS: layout.blocks[r0:r1], TILE_KEYS: layout.tile_keys, CUT_BITS: layout.cut_bits}
+            args = ScaledArgs(lambda s, tables=tables: kernel_args(fmod.kernel_variant, bound, s, None, tables=tables),
+                              sm_scale)
+            self._launches.append((w, args, direct_paged_run(w, variant.name, device, args(1.0)),
+                                   (int(qo_i[r0]), int(qo_i[r1]))))
+        self._launch = ("paged", fmod, device)
 
     def run(self, q, k, v, return_lse: bool = False, k_scale: float = 1.0):
         """`k_scale`: a paged plan's run of a cache holding k / k_scale, folded into sm_scale."""
         if self.empty or self.no_keys:  # every row sees no key
             out = torch.zeros_like(q)
             return (out, empty_lse(q)) if return_lse else out
-        w, scaled, direct, _ = self._launch
-        args = scaled(k_scale)
         # keys as pages of `page` (a view of contiguous k/v or of the cache's own pages)
         k, v = (x.reshape(-1, self.page, *x.shape[-2:]) for x in (k, v))
-        if direct is not None:
-            return direct(q, k, v, args, return_lse)
-        return w.run(q, (k, v), *args, return_lse=return_lse)
+        outs = []
+        for w, scaled, direct, (a, b) in self._launches:
+            args, rows = scaled(k_scale), q if len(self._launches) == 1 else q[a:b]
+            outs.append(direct(rows, k, v, args, return_lse) if direct is not None
+                        else w.run(rows, (k, v), *args, return_lse=return_lse))
+        if len(outs) == 1:
+            return outs[0]
+        if return_lse:
+            return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+        return torch.cat(outs)
 
     def release(self):
-        """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
+        """Hand the wrappers on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
         if self._launch is not None:
-            release_wrapper(*self._launch[3], self._launch[0])
+            for w, *_ in self._launches:
+                release_wrapper(*self._launch, w)
         self._launch = None

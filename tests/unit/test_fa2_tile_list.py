@@ -99,6 +99,21 @@ def test_tile_list_plans_match_the_reference(cpu_fa2, monkeypatch, mask, causal,
         assert tiles.keys_read[0] < tiles.keys_read[1], tiles.keys_read
 
 
+@pytest.mark.parametrize("kv_form", ["ragged", "paged"])
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_a_batch_of_more_requests_than_a_launch_takes_runs_as_several(cpu_fa2, monkeypatch, kv_form, limit):  # noqa: F811
+    """FA3 launches take at most MAX_REQUESTS requests (its planner's all-heads-alike kernel is never built): a batch
+    of more runs as launches of consecutive requests, each indexing its own BLOCKS rows, their rows and LSEs put back
+    in order (FA2 here, its stand-in reading the tables as the struct does, with a limit of `limit` requests)."""
+    monkeypatch.setitem(fa3_tile_list.MAX_REQUESTS, "fa2", limit)
+    seed = zlib.crc32(f"split {kv_form} {limit}".encode())
+    tiles, out, lse, ref, ref_lse = _run(m_per_head_window, kv_form, True, 2, 16, seed, monkeypatch, cpu_fa2)
+    assert len(tiles._launches) == -(-tiles.requests // limit) > 1
+    assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
+    kept = ref_lse > -1e30
+    assert torch.allclose(lse[kept], ref_lse[kept], atol=1e-3), (lse[kept] - ref_lse[kept]).abs().max()
+
+
 def _corrupt(kind):
     def wrapped(*args, **kwargs):
         layout = original(*args, **kwargs)

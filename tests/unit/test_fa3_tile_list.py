@@ -224,14 +224,13 @@ def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(mo
     flagged, heads = _variant("flagged")[0], _variant("head_window_sinks")[0]
     m = gen_module(flagged, "batch_prefill", "fa3")
     kernels = sorted(n for n in m.sources if "kernel" in n)
-    assert kernels == ["batch_prefill_paged_sm90_kernel_mask_0_sched0.cu", "batch_prefill_paged_sm90_kernel_mask_0_sched1.cu"]
+    assert kernels == ["batch_prefill_paged_sm90_kernel_mask_0.cu"]
     assert "_tiles_" in m.uri and m.options["tile_list"]
-    units = [m.sources[k] for k in kernels]  # a kernel a unit: both schedules, the ragged stubs in the first
-    for unit, same in zip(units, ("true", "false")):
-        assert unit.count("template cudaError_t BatchPrefillWithPagedKVCacheDispatched") == 1
-        assert f"/*SAME_SCHEDULER_FOR_ALL_HEADS=*/{same}, Fivar_any_mask, PagedParams>" in unit
-    assert units[0].count("BatchPrefillWithRaggedKVCacheDispatched<") == 2 and "cudaErrorNotSupported" in units[0]
-    assert "Ragged" not in units[1]
+    unit = m.sources[kernels[0]]  # one kernel compiled: the per-head schedule; stubs for the rest
+    assert unit.count("template cudaError_t BatchPrefillWithPagedKVCacheDispatched") == 1
+    assert "/*SAME_SCHEDULER_FOR_ALL_HEADS=*/false, Fivar_any_mask, PagedParams>(\n    PagedParams& params, bool " \
+        "enable_pdl, cudaStream_t stream);" in unit
+    assert unit.count("BatchPrefillWithRaggedKVCacheDispatched<") == 2 and unit.count("cudaErrorNotSupported") == 3
     struct = m.sources["batch_prefill_sm90_config.inc"]
     assert "fv_cut_bits" in struct and "fvp_flags" not in struct  # the mask's tensor is the block map's alone
     assert "int32_t(qo_head_idx) * params.additional_params.fv_blocks[7 * batch_idx + 6]" in struct
@@ -243,7 +242,8 @@ def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(mo
 @pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
 def test_the_module_compiles_and_defines_every_entry_it_links(monkeypatch):
     """The host unit calls the paged and ragged dispatch for kNone with either schedule: the library defines all four
-    (a shared library links with undefined symbols, and would only fail at load on the GPU host)."""
+    (the per-head paged kernel, stubs for the rest; a shared library links with undefined symbols, and would only fail
+    at load on the GPU host)."""
     from fivar.jit.build import gen_module
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     m = gen_module(_variant("flagged")[0], "batch_prefill", "fa3")
