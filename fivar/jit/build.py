@@ -180,14 +180,12 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
     tiles: dict[str, tuple[tuple[int, int], ...]] = {}
     chosen_schedules: dict[str, str] = {}
     logits_range = None
-    custom_mask, tile_list, kv_segments, mask_free, kv_dtype = (key.custom_mask, key.tile_list, key.kv_segments,
-                                                                key.mask_free, key.kv_dtype)
+    tile_list, kv_segments, mask_free, kv_dtype = key.tile_list, key.kv_segments, key.mask_free, key.kv_dtype
     fa2_tiles = tile_list and not on_fa3
     if on_fa3:
-        # the tile-list form reading bits evaluates no mask per score: its MUFU ops do not count
-        # (the user's variant: its errors name it; a bits-reading module's choice depends on the logits alone)
-        kernel = fa3.kernel_config(user_variant, op, head_dim, dtype, given,
-                                   mask_per_score=not (shared or custom_mask))
+        # the tile-list form evaluates no mask per score: its MUFU ops do not count (the user's variant: its errors
+        # name it; the choice depends on the logits alone, so the shared module's sources stay the same)
+        kernel = fa3.kernel_config(user_variant, op, head_dim, dtype, given, mask_per_score=not shared)
         exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
         tiles, chosen_schedules = kernel.tiles, kernel.schedules
         if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher

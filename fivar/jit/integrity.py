@@ -218,6 +218,6 @@ def variant_matches_uri(man: dict, uri: str) -> bool:
     # manifest names the variant that built it; re-rendering that variant gives this URI (staleness)
     heads = [f"fivar_{uri_name(man['variant'])}_{op_part}"] + (
         [f"fivar_{BITS_KERNEL}_{op_part}_tiles_"] if man.get("op") == "batch_prefill" else [])
-    return any(uri.startswith(h) for h in heads) and bool(re.search(rf"_{re.escape(man['dtype'])}_hd{man['head_dim']}_[0-9a-f]{{12}}$",
-                                                   uri))
+    tail = rf"_{re.escape(man['dtype'])}_hd{man['head_dim']}_[0-9a-f]{{12}}$"
+    return any(uri.startswith(h) for h in heads) and bool(re.search(tail, uri))
 

@@ -194,9 +194,8 @@ class TileListPrefill:
     """A batch planned on FA3 (or FA2: `target`) in the tile-list form; `run(q, k, v)` with k/v [tokens, H, D]
     (ragged) or [pages, page_size, H, D] (paged: `pages` = (kv_indices, page_size) on the device, kv_indptr then a
     page indptr and kv_last_page_len given). Checks of the inputs against the plan are the caller's. `custom`: a
-    custom mask (fivar.runtime.custom_mask.CustomMask, checked; FA3 only) ANDed into the map and the bits: a variant
-    whose tile list reads no bits then runs the module built to read them (custom_mask=True); a mask reading the
-    head is refused by the caller."""
+    custom mask (fivar.runtime.custom_mask.CustomMask, checked; FA3 only) ANDed into the map and the bits, which a
+    variant with no mask beyond a band then runs through the same bits-reading module (custom_mask=True)."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal, bound,
                  sm_scale, device, pages=None, kv_last_page_len=None, target: str = "fa3", custom=None):
@@ -237,7 +236,7 @@ class TileListPrefill:
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
         fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=target == "fa2",
-                                          custom_mask=custom is not None and not variant.scans_mask), bound, sm_scale)
+                                          custom_mask=custom is not None), bound, sm_scale)
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
         split = {"disable_split_kv": True} if target == "fa2" and not variant.softmax else {}
         qo_i, kv_i = layout.qo_indptr, layout.kv_indptr
