@@ -93,7 +93,7 @@ def check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_
         if not (isinstance(mask_indptr, torch.Tensor) and not mask_indptr.is_floating_point()
                 and mask_indptr.dtype != torch.bool and mask_indptr.dim() == 1):
             raise FivarError(f"variant '{name}': mask_indptr must be a 1-D integer tensor, got {_got(mask_indptr)}")
-        if mask_indptr.device.type != "cpu" and mask_indptr.device != torch.device(device):
+        if mask_indptr.device.type != "cpu" and not same_device(mask_indptr.device, device):
             raise FivarError(f"variant '{name}': mask_indptr is on {mask_indptr.device}, the inputs are on {device}")
         if mask_indptr.numel() != want.numel() or not torch.equal(mask_indptr.long().cpu(), want):
             raise FivarError(f"variant '{name}': mask_indptr must be each request's first byte, ceil(qo_len * kv_len "

@@ -281,17 +281,24 @@ class _OnGPU(torch.Tensor):
         return torch.device("cuda", self.index)
 
 
+@pytest.mark.parametrize("on_gpu", ["packed_custom_mask", "mask_indptr"])
 @pytest.mark.parametrize("index,ok", [(0, True), (1, False)])
-def test_a_mask_on_the_current_gpu_is_on_the_inputs_device(monkeypatch, index, ok):
-    """Inputs on "cuda" are on the current GPU: a mask on cuda:0 then is on their device, one on cuda:1 is not (the
-    plan's device is "cuda" where the inputs' is cuda:0)."""
+def test_a_mask_on_the_current_gpu_is_on_the_inputs_device(monkeypatch, index, ok, on_gpu):
+    """Inputs on "cuda" are on the current GPU: a mask (or its indptr) on cuda:0 then is on their device, one on
+    cuda:1 is not (the plan's device is "cuda" where the inputs' is cuda:0)."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     v = fivar.load("softcap")
     qo, kv = torch.tensor([3, 2]), torch.tensor([7, 5])
-    packed = torch.zeros(8, dtype=torch.uint8).as_subclass(_OnGPU)
-    packed.index = index
+    packed = torch.zeros(8, dtype=torch.uint8)
+    indptr = torch.tensor([0, 3, 5], dtype=torch.int32)  # ceil(3 * 7 / 8) and ceil(2 * 5 / 8) bytes
+    if on_gpu == "packed_custom_mask":
+        packed = packed.as_subclass(_OnGPU)
+        packed.index = index
+    else:
+        indptr = indptr.as_subclass(_OnGPU)
+        indptr.index = index
     try:
-        check_custom_mask(v, None, packed, None, qo, kv, "cuda")
+        check_custom_mask(v, None, packed, indptr, qo, kv, "cuda")
         raised = ""
     except Exception as e:  # past the device check a CPU box has no GPU to copy to
         raised = str(e)
