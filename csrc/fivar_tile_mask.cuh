@@ -12,8 +12,11 @@
 // A score's indices come from the last one's through the Hopper GMMA accumulator layout (PTX ISA, wgmma D fragment):
 // a thread's fragment ((2, 2, N / 8), 1, 1) holds value (v0, v1, v2) at row +8 v1, key +v0 + 8 v2 from its first; the
 // mainloop's own index loop walks it in that order, so the last score is (1, 1, N / 8 - 1), the thread's largest key.
+// CutBits (fivar_cut_bits.cuh) lines the words up with the fragment once a tile, so each score costs one bit test.
 #pragma once
 #include <cute/tensor.hpp>
+
+#include "fivar_cut_bits.cuh"
 
 namespace fivar {
 
@@ -31,27 +34,22 @@ struct WithTileMask : Updater {
     static_assert(decltype(cute::size<1>(acc_s))::value == 1 && decltype(cute::size<2>(acc_s))::value == 1,
                   "one GMMA atom a thread in each dimension (FA3's consumer warpgroups, 64 rows each)");
     constexpr int N = 8 * decltype(cute::size<0, 2>(acc_s))::value;  // the tile's keys
-    constexpr int SLOTS = (N - 7 + 30) / 32 + 1;  // 32-key words a thread's keys of a tile can touch
+    using Bits = CutBits<N>;
     const int32_t kv_last = fv_variant->fv_kv_last, whole = fv_variant->fv_whole;
     if (kv_last >= whole) {  // warp-uniform: a warp's last keys share one 32-key tile
       const int32_t q_last = fv_variant->fv_q_last;
       const int32_t c_first = kv_last - (N - 7) - whole;  // the thread's first key, counted from the cut tiles
       const int32_t w_first = c_first >> 5;                // its word (negative: a whole tile's)
-      // one load a (row, word) rather than one a score: the thread's two rows, SLOTS words each
-      uint32_t words[2][SLOTS];
+      // one load a (row, word) rather than one a score: the thread's two rows, Bits::RAW words each
+      uint32_t raw[2][Bits::RAW];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int j = 0; j < SLOTS; ++j) words[r][j] = fv_variant->fv_cut_word(q_last - 8 + 8 * r, w_first + j);
+        for (int j = 0; j < Bits::RAW; ++j) raw[r][j] = fv_variant->fv_cut_word(q_last - 8 + 8 * r, w_first + j);
+      const Bits bits(raw, c_first & 31);
 #pragma unroll
-      for (int i = 0; i < cute::size(acc_s); ++i) {
-        const int32_t c = c_first + (i & 1) + 8 * (i >> 2);
-        const int32_t slot = (c >> 5) - w_first;
-        uint32_t w = words[(i >> 1) & 1][0];
-#pragma unroll
-        for (int j = 1; j < SLOTS; ++j) w = slot == j ? words[(i >> 1) & 1][j] : w;
-        if (!((w >> (c & 31)) & 1u)) acc_s(i) = Updater::fill_value;
-      }
+      for (int i = 0; i < cute::size(acc_s); ++i)
+        if (!bits.keeps(i)) acc_s(i) = Updater::fill_value;
     }
     Updater::template update<init>(acc_s);
   }

@@ -443,8 +443,11 @@ def test_an_arch_nvcc_rejects_is_named_not_called_a_fivar_bug(tmp_path, monkeypa
 
 @requires_nvcc
 @pytest.mark.nvcc
-def test_fa3_module_compiles_for_sm90a():
-    """The Hopper struct (mask folded into LogitsTransform, request index from the block coordinate)."""
+def test_fa3_module_compiles_for_sm90a(monkeypatch):
+    """The Hopper struct (mask folded into LogitsTransform, request index from the block coordinate); compiled the
+    few-cores way, the second tile's unit inside its mode's (test_fa3_tiles links the many-cores way)."""
+    from fivar.jit import toolchain
+    monkeypatch.setattr(toolchain, "cpu_count", lambda: 2)
     m = gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3")
     assert sorted(n for n in m.sources if "kernel_mask" in n) == [
         "single_prefill_sm90_kernel_mask_0.cu", "single_prefill_sm90_kernel_mask_0_tile1.cu",
@@ -457,6 +460,8 @@ def test_fa3_module_compiles_for_sm90a():
     if shutil.which("nm"):  # the second tile's launcher is defined in the library, and local to it
         syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True).stdout.splitlines()
         assert [ln.split()[1] for ln in syms if "fivar_single_prefill_mask_0_tile_1(" in ln] == ["t"], syms[:5]
+        assert not [ln for ln in syms if "SinglePrefillWithKVCacheDispatched<" in ln and ln.split()[0] == "U"]
+    assert not list(m.build_dir.glob("*tile1.cuda.o"))  # the tile unit compiled inside its mode's
 
 
 def test_fa3_has_no_decode():

@@ -1,8 +1,11 @@
 """csrc/fivar_tile_mask.cuh's index arithmetic, replayed on the CPU: for every KV tile width FA3 uses, every thread's
 scores of every tile the kernel visits read the right word and bit of CUT_BITS, and no read leaves the words the plan
-writes (a request's own, the next request's, or the CUT_WORDS_PAST zeros after the last)."""
+writes (a request's own, the next request's, or the CUT_WORDS_PAST zeros after the last); and csrc/fivar_cut_bits.cuh
+itself, compiled for the host, finds each score's bit in the words it is given."""
 import random
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -10,12 +13,13 @@ import pytest
 from fivar.paths import csrc_dir
 from fivar.runtime.fa3_tile_list import CUT_WORDS_PAST
 
-HEADER = (csrc_dir() / "fivar_tile_mask.cuh").read_text()
+HEADER = (csrc_dir() / "fivar_cut_bits.cuh").read_text()
+WIDTHS = [64, 80, 96, 112, 128, 160, 176, 192]  # the KV tile widths FA3 runs (fivar's tile choices included)
 
 
 def _slots(n: int) -> int:
-    """SLOTS as the header computes it for a tile of n keys."""
-    expr = re.search(r"constexpr int SLOTS = (.+?);", HEADER).group(1)
+    """The raw words a thread reads for a tile of n keys, as the header computes them."""
+    expr = re.search(r"constexpr int RAW = (.+?);", HEADER).group(1)
     return eval(expr.replace("/", "//"), {"N": n})  # noqa: S307 - the header's own constant expression
 
 
@@ -35,7 +39,7 @@ def _thread_keeps(kv_last: int, whole: int, n: int, words_of) -> dict[int, int]:
     return out
 
 
-@pytest.mark.parametrize("n", [64, 80, 96, 112, 128, 160, 176, 192])
+@pytest.mark.parametrize("n", WIDTHS)
 def test_every_score_reads_its_own_bit_and_no_read_leaves_the_plan(n):
     rng = random.Random(n)
     for _ in range(200):
@@ -70,3 +74,47 @@ def test_too_few_padding_words_fail_the_replay(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "CUT_WORDS_PAST", 2)
     with pytest.raises(AssertionError, match="read past"):
         test_every_score_reads_its_own_bit_and_no_read_leaves_the_plan(192)
+
+
+_DRIVER = r"""
+#include <cstdio>
+#include "fivar_cut_bits.cuh"
+template <int N> void run(int off) {
+  uint32_t raw[2][fivar::CutBits<N>::RAW];
+  for (auto& row : raw) for (auto& w : row) if (std::scanf("%u", &w) != 1) return;
+  const fivar::CutBits<N> bits(raw, off);
+  for (int i = 0; i < N / 2; ++i) std::putchar(bits.keeps(i) ? '1' : '0');
+  std::putchar('\n');
+}
+int main() {
+  int n, off;
+  while (std::scanf("%d %d", &n, &off) == 2) {
+    switch (n) {
+CASES
+      default: return 1;
+    }
+  }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
+def test_cut_bits_finds_every_scores_bit(tmp_path):
+    """CutBits<N> of random raw words and every even offset: fragment value i keeps exactly the bit of its row's
+    key off + (i & 1) + 8 (i >> 2) in that row's words (the thread's first key is even: off <= 30)."""
+    cases = "\n".join(f"      case {n}: run<{n}>(off); break;" for n in WIDTHS)
+    (tmp_path / "driver.cpp").write_text(_DRIVER.replace("CASES", cases))
+    subprocess.run(["g++", "-std=c++17", "-O1", "-I", str(csrc_dir()), "-o", str(tmp_path / "driver"),
+                    str(tmp_path / "driver.cpp")], check=True)
+    rng = random.Random()
+    lines, want = [], []
+    for _ in range(400):
+        n = rng.choice(WIDTHS)
+        off = 2 * rng.randrange(16)
+        raw = [[rng.getrandbits(32) for _ in range(_slots(n))] for _ in range(2)]
+        lines.append(f"{n} {off} " + " ".join(str(w) for row in raw for w in row))
+        stream = [sum(w << (32 * j) for j, w in enumerate(row)) for row in raw]  # a row's words as one integer
+        want.append("".join(str((stream[(i >> 1) & 1] >> (off + (i & 1) + 8 * (i >> 2))) & 1) for i in range(n // 2)))
+    got = subprocess.run([str(tmp_path / "driver")], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert got == want
