@@ -228,41 +228,28 @@ def test_only_fa3_single_prefill_takes_a_tile():
 @pytest.mark.nvcc
 @pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not installed")
 @pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
-def test_the_specialization_compiles_and_links_in_place_of_flashinfers():
-    """The host unit calls SinglePrefillWithKVCacheDispatched<..., kNone|kCausal, ...>: the library must define
-    both (a shared library links with undefined symbols, and would only fail at load on the GPU host), with
-    kernels of the requested tiles."""
-    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3", cta_tile="128x176,192x128")
+def test_the_specialization_and_a_tile_choice_compile_and_link_in_place_of_flashinfers(monkeypatch):
+    """The host unit calls SinglePrefillWithKVCacheDispatched<..., kNone|kCausal, ...>: the library must define both
+    (a shared library links with undefined symbols, and would only fail at load on the GPU host), with kernels of
+    the requested tiles and none of FlashInfer's own. A non-causal choice of two tiles compiled the many-cores way:
+    its second tile is a unit of its own whose launcher is local to it (nm: t); the few-cores way (one translation
+    unit with its mode's) links in test_build's FA3 compile."""
+    from fivar.jit import toolchain
+    monkeypatch.setattr(toolchain, "cpu_count", lambda: 16)
+    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3", cta_tile="128x176|192x128,128x128")
     assert m.build() == "cold"
+    objects = sorted(p.name.split("_single_prefill_")[-1] for p in m.build_dir.glob("*.o"))
+    assert "sm90_kernel_mask_0_tile1.cuda.o" in objects, objects
     syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
     dispatch = [ln for ln in syms.splitlines() if "SinglePrefillWithKVCacheDispatched<" in ln]
     assert not [ln for ln in dispatch if ln.split()[0] == "U"], dispatch
     for mode in ("(flashinfer::MaskMode)0", "(flashinfer::MaskMode)1"):
         assert any(f"SinglePrefillWithKVCacheDispatched<128u, 128u, {mode}" in ln and " T " in ln
                    for ln in dispatch), (mode, dispatch)
-    traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
-    assert traits.format(128, 176) in syms and traits.format(192, 128) in syms
-    assert traits.format(128, 192) not in syms  # FlashInfer's own non-causal tile is not built
-
-
-@pytest.mark.nvcc
-@pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not installed")
-@pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
-def test_a_tile_choice_links_with_its_second_tile_compiled_apart(monkeypatch):
-    """The soft-cap default (a non-causal choice of two tiles): on many cores its second tile is a unit of its own;
-    the library defines the dispatch and both kernels, and the second tile's launcher is local to it (nm: t). The
-    few-cores way (one translation unit with its mode's) links in test_build's FA3 compile."""
-    from fivar.jit import toolchain
-    monkeypatch.setattr(toolchain, "cpu_count", lambda: 16)
-    m = gen_module(fivar.load("softcap"), "single_prefill", "fa3")
-    assert m.build() == "cold"
-    objects = sorted(p.name.split("_single_prefill_")[-1] for p in m.build_dir.glob("*.o"))
-    assert "sm90_kernel_mask_0_tile1.cuda.o" in objects, objects
-    syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
     assert [ln.split()[1] for ln in syms.splitlines() if "fivar_single_prefill_mask_0_tile_1(" in ln] == ["t"]
     traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
-    assert traits.format(192, 64) in syms and traits.format(128, 128) in syms
-    assert not [ln for ln in syms.splitlines() if "SinglePrefillWithKVCacheDispatched<" in ln and ln.split()[0] == "U"]
+    assert all(traits.format(q, kv) in syms for q, kv in ((128, 176), (192, 128), (128, 128)))
+    assert traits.format(128, 192) not in syms  # FlashInfer's own non-causal tile is not built
 
 
 def test_a_flashinfer_whose_dispatch_changed_gets_its_own_tiles(monkeypatch):
