@@ -28,6 +28,7 @@ from ..paths import csrc_dir
 from . import locks, pinned_kv_tiles, progress, records, toolchain, unused_headers
 from ..flashinfer_compat.templates import render_template as _render_flashinfer
 from .fa2_tile_split import _fa2_tile_split, _inst_statements, _single_prefill_split_problem, _split_warned
+from .targets import target_of
 from .module_key import (DTYPES, FORM_OPTIONS, HEAD_DIMS, KV_DTYPE_OPS, KV_DTYPES, OPS,  # noqa: F401 (re-exported)
                          TARGETS, ModuleKey, dtype_name)
 from .module import (FivarModule, _VERIFIED, _loaded, _sha256, _verified, check_buildable_paths, library_verified,
@@ -167,8 +168,8 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
     if config is not None:
         cta_tile = cta_tile if "cta_tile" in options else getattr(config, "cta_tile", None)
         schedule = schedule if "schedule" in options else getattr(config, "schedule", None)
-    given = fivar_config.from_options(target, {**({k: v for k, v in vars(config).items() if v is not None}
-                                                  if config is not None else {}), **options})
+    given = target_of(target).config_of({**({k: v for k, v in vars(config).items() if v is not None}
+                                         if config is not None else {}), **options})
     toolchain.ensure_arch_env()
     if on_fa3 and "90a" not in toolchain.arch_tag().split("_"):
         raise FivarError(f"variant '{variant.name}': FA3 kernels are Hopper-only (sm_90a), but the target archs are "
@@ -343,7 +344,8 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
 def serving_op(variant, op: str, target: str) -> str:
     """The op whose module runs `op` at runtime: FA3 single prefill of a mask that is more than a band runs
     as a batch of one in the tile-list form (fivar.runtime.fa3_tile_list), so builds and prewarms take that."""
-    return "batch_prefill" if (target == "fa3" and op == "single_prefill" and variant.scans_mask) else op
+    return "batch_prefill" if (target_of(target).tile_lists_every_mask and op == "single_prefill"
+                               and variant.scans_mask) else op
 
 
 #: the longest variant name a URI holds whole: a URI names a directory, `<uri>.so`, and objects named

@@ -12,9 +12,10 @@ import torch
 from ..codegen import fa3
 from ..errors import FivarError
 from ..flashinfer_layout import FA3_LAYOUT
+from .targets import FA3, FLASHINFER_TARGETS, target_of
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
-TARGETS = ("fa2", "fa3")
+TARGETS = FLASHINFER_TARGETS
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: KV-cache dtypes other than q's (FlashInfer's FA2 paged kernels read them and upcast in shared memory/registers);
 #: the k/v scales are the runtime's (fivar.runtime.attention.fp8_scales).
@@ -62,7 +63,7 @@ class ModuleKey:
 
     @property
     def fa3(self) -> bool:
-        return self.target == "fa3"
+        return target_of(self.target) is FA3
 
     def replace(self, **changes) -> ModuleKey:
         return dataclasses.replace(self, **changes)
@@ -121,7 +122,7 @@ class ModuleKey:
     @classmethod
     def from_options(cls, op: str, target: str, dtype: str, head_dim: int, options: dict) -> tuple[ModuleKey, dict]:
         """(key, rest): the key of gen_module's keyword options (or a manifest's `options`), and the options left,
-        the target's config (fivar.config.from_options)."""
+        the target's config (fivar.jit.targets.Target.config_of)."""
         rest = dict(options)
         form = {f: rest.pop(f) for f in (*FORM_OPTIONS, "bounded_softmax") if f in rest}
         return cls(op, target, dtype, head_dim, **form), rest
