@@ -40,6 +40,16 @@ def test_the_scan_sees_name_tests():
     assert found == ["target == 'fa3'", "backend in ('fa2', 'x')", "{'triton'} != set(b)", "t is 'fa2'"]
 
 
+def test_no_target_name_tests_outside_the_targets_module():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "jit/targets.py":
+            continue
+        found += [f"{rel}: {t}" for t in name_tests(path.read_text()) if (rel, t) not in NOT_THE_TARGET]
+    assert not found, "tests of target names outside fivar.jit.targets (ask the Target instead):\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("bad", ["fa4", "FA2", "auto", "", None, 3])
 def test_target_of_a_bad_name_is_one_line_naming_it(bad):
     with pytest.raises(FivarError) as e:
