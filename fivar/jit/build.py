@@ -328,14 +328,14 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
             gen_module(variant, asked.replace(op="batch_prefill", target="fa2"))]
     key = asked.replace(op=serving_op(variant, op, target))
     keys = [key]  # FA3 batch prefill of a mask beyond a band is the tile-list form: one module
-    if not key.fa3 and key.op in ("single_prefill", "batch_prefill") and variant.scans_mask:
+    if key.kernels.runs_key_segments and key.op in ("single_prefill", "batch_prefill") and variant.scans_mask:
         # prefill of a mask beyond a band runs in the tile-list form, a causal batch of segments (documents)
         # mask-free; single prefill runs as a batch of one, so only paged batches of one query a request (decode's
         # trimmed pages, the key-segments form, or the plain kernel) and FP8 caches (the block form) need the rest
         batch = key.replace(op="batch_prefill")
         keys = ([key, batch.replace(kv_segments=True)] if key.op == "batch_prefill" else []) + [
             batch.replace(tile_list=True), batch.replace(kv_segments=True, mask_free=True)]
-    if key.fa3 and fa3.softmax_range(variant, dtype) is not None:
+    if key.kernels.bounds_softmax and fa3.softmax_range(variant, dtype) is not None:
         # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
         keys += [k.replace(bounded_softmax=False) for k in keys]
     return [gen_module(variant, k) for k in keys]
