@@ -227,17 +227,6 @@ def state_key() -> tuple:
             tuple(os.environ.get(v, "") for v in ENV.values()))
 
 
-def from_options(target: str, options: dict) -> FA2BuildConfig | FA3KernelConfig:
-    """The config of a target from gen_module's keyword options (a manifest's `options`): fields of the other
-    target's config are not this one's, and are left out."""
-    cls = FA3KernelConfig if target == "fa3" else FA2BuildConfig
-    names = {f.name for f in fields(cls)}
-    values = {k: v for k, v in options.items() if k in names}
-    if cls is FA2BuildConfig and isinstance(values.get("skip_unused_headers"), list):
-        values["skip_unused_headers"] = tuple(values["skip_unused_headers"])
-    return cls(**values)
-
-
 def describe(config) -> str:
     """One line of a config's fields: what --explain and the cache commands print."""
     return ", ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config))

@@ -255,12 +255,13 @@ def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"),
                head_dims=(128,), heads=((32, 8),), backends=("auto",), device="cuda") -> list[CheckResult]:
     """Every op at awkward shapes against the reference. device="cpu": the Triton twin only, run by Triton's
     interpreter (TRITON_INTERPRET=1, set here), in float16, at smaller shapes."""
+    from .jit.targets import AUTO, named, runs_twin
     single, batch_cases, decode_cases = SINGLE_CASES, BATCH_CASES, DECODE_CASES
     head_dims = check_head_dims(head_dims, f"variant '{variant.name}': head_dims")
     if device == "cpu":
-        if set(backends) != {"triton"}:
+        if not backends or not all(runs_twin(b) for b in backends):
             raise FivarError(f"variant '{variant.name}': on the CPU only the Triton twin runs (backend 'triton', "
-                             f"under Triton's interpreter), not {', '.join(b for b in backends if b != 'triton')}")
+                             f"under Triton's interpreter), not {', '.join(b for b in backends if not runs_twin(b))}")
         if torch.bfloat16 in dtypes:
             raise FivarError(f"variant '{variant.name}': bfloat16 on the CPU: Triton's interpreter has no bfloat16 "
                              "arithmetic; check float16")
@@ -286,11 +287,11 @@ def run_checks(variant, ops=("single_prefill", "batch_prefill", "batch_decode"),
                                                                 backend=backend, **kw))
                     if "batch_prefill" in ops:
                         for qo_lens, kv_lens, causal in batch_cases:
-                            for paged in (False,) if backend == "triton" else (False, True):  # no paged twin
+                            for paged in (False,) if runs_twin(backend) else (False, True):  # no paged twin
                                 results.append(check_batch_prefill(variant, qo_lens=qo_lens, kv_lens=kv_lens,
                                                                    paged=paged, causal=causal, backend=backend, **kw))
                 if "batch_decode" in ops:  # FA3 has no decode kernel: `auto` runs FA2's for it
-                    for backend in dict.fromkeys("auto" if b == "fa3" else b for b in backends):
+                    for backend in dict.fromkeys(AUTO if (t := named(b)) and not t.decodes else b for b in backends):
                         for kv_lens in decode_cases:
                             results.append(check_decode(variant, kv_lens=kv_lens, backend=backend, **kw))
     return results

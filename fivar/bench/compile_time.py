@@ -69,11 +69,12 @@ def flashinfer_spec(v, target: str, fivar_uri: str, dtype: str, head_dim: int):
 
     from ..jit import build as jb
     from ..jit import toolchain
+    from ..jit.targets import FA3, target_of
     stub = toolchain.link_flags()  # only on a machine without libcuda (a CPU box)
     if stub:
         os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub)
     dt = jb.DTYPES[dtype]
-    if target == "fa3":
+    if target_of(target) is FA3:  # FlashInfer's stock soft-cap module (above); FA2's takes fivar's declaration
         spec = gen_single_prefill_module("fa3", dt, dt, dt, head_dim, head_dim, 0, False, True, False)
         # the headers a minimal toolkit lacks (curand_kernel.h), found where fivar's modules find them
         spec.extra_include_dirs = [*(spec.extra_include_dirs or []), *map(Path, toolchain.extra_include_paths())] or None

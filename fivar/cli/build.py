@@ -73,7 +73,8 @@ def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims,
     from ..fusion.build import gen_fusion_module
     from ..jit.build import build_many
     from ..jit.prewarm import live_progress
-    wrote_twins = "triton" in wanted
+    from ..jit.targets import runs_twin
+    wrote_twins = any(runs_twin(t) for t in wanted)
     fusions = [n for n, v in variants.items() if getattr(v, "kind", None) == "fusion"]
     skipped = [] if {"auto", "fusion"} & {*wanted} else fusions
     if skipped and not all_:
@@ -82,7 +83,7 @@ def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims,
     wanted = [t for t in wanted if t != "fusion"]  # the attention targets: none for --targets fusion
     if wrote_twins:
         _write_triton_twins([v for n, v in variants.items() if n not in fusions])
-        wanted = [t for t in wanted if t != "triton"]
+        wanted = [t for t in wanted if not runs_twin(t)]
     modules = [gen_fusion_module(variants[n], dt) for n in fusions if n not in skipped for dt in _split(dtypes)]
     modules += build_modules([v for n, v in variants.items() if n not in fusions], wanted, ops_, _split(dtypes),
                              _head_dims(head_dims))
@@ -113,17 +114,18 @@ def build_modules(variants, targets, ops, dtypes, head_dims) -> list:
     """The attention modules `fivar build` compiles for `variants` (targets: fa2/fa3/auto; auto: what
     backend='auto' runs on each arch being built for), in order, duplicates kept."""
     from ..jit.build import serving_modules
+    from ..jit.targets import FA2, target_of
     from ..runtime.attention import choose_target
 
     def targets_for(v, op):
         if "auto" not in targets:
             return list(targets)
         chosen = {choose_target(v, "auto", op, capability=c)[0] for c in _build_capabilities()}
-        if "fa3" in chosen and not _builds_sm90a():  # a plain 9.0 build lacks what FA3 needs
-            chosen = (chosen - {"fa3"}) | {"fa2"}
+        if any(target_of(c).needs_sm90a for c in chosen) and not _builds_sm90a():  # 9.0 without 9.0a: FA2
+            chosen = {FA2.name if target_of(c).needs_sm90a else c for c in chosen}
         return sorted(({*targets} | chosen) - {"auto"})
     return [m for v in variants for op in ops for t in targets_for(v, op) for dt in dtypes for hd in head_dims
-            if not (t == "fa3" and op == "batch_decode") for m in serving_modules(v, op, t, dt, hd)]
+            if op != "batch_decode" or target_of(t).decodes for m in serving_modules(v, op, t, dt, hd)]
 
 
 def _write_triton_twins(variants) -> None:

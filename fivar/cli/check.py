@@ -26,7 +26,8 @@ def check(name, ops, dtypes, head_dims, backends):
     from .. import load
     from ..testing import run_checks
     v = load(name)
-    on_cpu = not torch.cuda.is_available() and _split(backends) == ["triton"]
+    from ..jit.targets import runs_twin
+    on_cpu = not torch.cuda.is_available() and len(_split(backends)) == 1 and runs_twin(_split(backends)[0])
     if dtypes is None:  # Triton's interpreter has no bfloat16 arithmetic
         dtypes = "fp16" if on_cpu else "bf16"
     dts = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in _choices(dtypes, ("bf16", "fp16"), "--dtypes")]

@@ -48,8 +48,11 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
                 _print_code(text)
         return
     from ..jit.build import DTYPES, HEAD_DIMS
-    target = target or "fa2"
-    if target in ("fa2", "fa3") and (dtype not in DTYPES or head_dim not in HEAD_DIMS):  # `build` refuses these
+    from ..jit.targets import FA2, named, runs_twin, target_of
+    target = target or FA2.name
+    kernels = named(target)  # None for --target ir
+    flashinfer = kernels is not None and kernels.is_flashinfer
+    if flashinfer and (dtype not in DTYPES or head_dim not in HEAD_DIMS):  # `build` refuses these
         raise FivarError(f"variant '{v.name}': " + (f"dtype '{dtype}' is not supported (use one of {sorted(DTYPES)})"
                          if dtype not in DTYPES else f"head_dim {head_dim} is not supported (use one of {HEAD_DIMS})"))
     if explain:
@@ -69,7 +72,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
         picks = []
         for o in OPS:
             t, why = choose_target(v, "auto", o, capability=capability)
-            if t == "fa3" and no_sm90a:  # what `fivar build` does with such a list
+            if target_of(t).needs_sm90a and no_sm90a:  # what `fivar build` does with such a list
                 t, why = "fa2", f"{where} {arch} builds no sm_90a code, which FA3 kernels need: FA2 (add 9.0a for FA3)"
             picks.append((o, t, why))
         from ..explain import lines, short
@@ -88,7 +91,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
         for line in lines(v, arch, where):
             console.print(_escape(line))
         return
-    if target == "triton":  # the Triton twin: one Python module with every kernel
+    if runs_twin(target):  # the Triton twin: one Python module with every kernel
         from ..codegen.triton import render_attention
         _print_code(render_attention(v), lexer="python")
         return
@@ -113,8 +116,8 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
     if not sources:
         tiles = fa3.uses_tile_list(v, op)  # the tile-list form on both, its struct the shared mask-free one
         s = bits_kernel(v) if tiles else v
-        decl = (fa3.variant_decl(s, tile_list=tiles, logits_range=fa3.softmax_range(v, dtype)) if target == "fa3"
-                else fa2.variant_decl(s, tile_list=tiles))
+        decl = (fa3.variant_decl(s, tile_list=tiles, logits_range=fa3.softmax_range(v, dtype))
+                if target_of(target).bounds_softmax else fa2.variant_decl(s, tile_list=tiles))
         _print_code(decl.source)
         return
     _set_arch(arch)

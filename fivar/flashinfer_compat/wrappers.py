@@ -28,6 +28,8 @@ PAGED_RUN_ARGS = ("run_args = [ self._float_workspace_buffer, self._int_workspac
 #: the kernels write every row, fivar.flashinfer_compat.wrappers.DirectPagedRun.)
 #: The module arguments that run fills from its own buffers (prepare_jit_additional_args' known names): a module
 #: declaring one keeps the wrapper's run (fivar.runtime.launch.direct_paged_run).
+#: The paged wrapper's `_backend` values (FlashInfer's own spelling) whose run DirectPagedRun mirrors.
+DIRECT_RUN_BACKENDS = frozenset({"fa2", "fa3"})
 PAGED_RUN_FILLED = frozenset({"maybe_custom_mask", "maybe_mask_indptr", "maybe_alibi_slopes", "maybe_prefix_len_ptr",
                               "maybe_token_pos_in_items_ptr", "maybe_max_item_len_ptr", "maybe_k_cache_sf",
                               "maybe_v_cache_sf"})
@@ -181,7 +183,7 @@ def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun
     FA2/FA3, options fivar does not set, or a module taking arguments the wrapper fills in (`args`: the variant's
     arguments as a run passes them; the wrapper appends derived scalars where fewer are given)."""
     w = wrapper
-    if not _active("paged_run_direct") or getattr(w, "_backend", None) not in ("fa2", "fa3"):
+    if not _active("paged_run_direct") or getattr(w, "_backend", None) not in DIRECT_RUN_BACKENDS:
         return None
     if w._jit_module is None or getattr(w, "_prefix_len_ptr", None) is not None or \
             getattr(w, "_eagle_verify_fp8kv_sm90_state", None) is not None or w._kv_layout != "NHD":

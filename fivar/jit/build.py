@@ -28,6 +28,7 @@ from ..paths import csrc_dir
 from . import locks, pinned_kv_tiles, progress, records, toolchain, unused_headers
 from ..flashinfer_compat.templates import render_template as _render_flashinfer
 from .fa2_tile_split import _fa2_tile_split, _inst_statements, _single_prefill_split_problem, _split_warned
+from .targets import target_of
 from .module_key import (DTYPES, FORM_OPTIONS, HEAD_DIMS, KV_DTYPE_OPS, KV_DTYPES, OPS,  # noqa: F401 (re-exported)
                          TARGETS, ModuleKey, dtype_name)
 from .module import (FivarModule, _VERIFIED, _loaded, _sha256, _verified, check_buildable_paths, library_verified,
@@ -167,8 +168,8 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
     if config is not None:
         cta_tile = cta_tile if "cta_tile" in options else getattr(config, "cta_tile", None)
         schedule = schedule if "schedule" in options else getattr(config, "schedule", None)
-    given = fivar_config.from_options(target, {**({k: v for k, v in vars(config).items() if v is not None}
-                                                  if config is not None else {}), **options})
+    given = target_of(target).config_of({**({k: v for k, v in vars(config).items() if v is not None}
+                                         if config is not None else {}), **options})
     toolchain.ensure_arch_env()
     if on_fa3 and "90a" not in toolchain.arch_tag().split("_"):
         raise FivarError(f"variant '{variant.name}': FA3 kernels are Hopper-only (sm_90a), but the target archs are "
@@ -327,14 +328,14 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
             gen_module(variant, asked.replace(op="batch_prefill", target="fa2"))]
     key = asked.replace(op=serving_op(variant, op, target))
     keys = [key]  # FA3 batch prefill of a mask beyond a band is the tile-list form: one module
-    if not key.fa3 and key.op in ("single_prefill", "batch_prefill") and variant.scans_mask:
+    if key.kernels.runs_key_segments and key.op in ("single_prefill", "batch_prefill") and variant.scans_mask:
         # prefill of a mask beyond a band runs in the tile-list form, a causal batch of segments (documents)
         # mask-free; single prefill runs as a batch of one, so only paged batches of one query a request (decode's
         # trimmed pages, the key-segments form, or the plain kernel) and FP8 caches (the block form) need the rest
         batch = key.replace(op="batch_prefill")
         keys = ([key, batch.replace(kv_segments=True)] if key.op == "batch_prefill" else []) + [
             batch.replace(tile_list=True), batch.replace(kv_segments=True, mask_free=True)]
-    if key.fa3 and fa3.softmax_range(variant, dtype) is not None:
+    if key.kernels.bounds_softmax and fa3.softmax_range(variant, dtype) is not None:
         # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
         keys += [k.replace(bounded_softmax=False) for k in keys]
     return [gen_module(variant, k) for k in keys]
@@ -343,7 +344,8 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
 def serving_op(variant, op: str, target: str) -> str:
     """The op whose module runs `op` at runtime: FA3 single prefill of a mask that is more than a band runs
     as a batch of one in the tile-list form (fivar.runtime.fa3_tile_list), so builds and prewarms take that."""
-    return "batch_prefill" if (target == "fa3" and op == "single_prefill" and variant.scans_mask) else op
+    return "batch_prefill" if (target_of(target).tile_lists_every_mask and op == "single_prefill"
+                               and variant.scans_mask) else op
 
 
 #: the longest variant name a URI holds whole: a URI names a directory, `<uri>.so`, and objects named

@@ -12,9 +12,10 @@ import torch
 from ..codegen import fa3
 from ..errors import FivarError
 from ..flashinfer_layout import FA3_LAYOUT
+from .targets import FA3, FLASHINFER_TARGETS, Target, target_of
 
 OPS = ("single_prefill", "batch_prefill", "batch_decode")
-TARGETS = ("fa2", "fa3")
+TARGETS = FLASHINFER_TARGETS
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: KV-cache dtypes other than q's (FlashInfer's FA2 paged kernels read them and upcast in shared memory/registers);
 #: the k/v scales are the runtime's (fivar.runtime.attention.fp8_scales).
@@ -61,8 +62,14 @@ class ModuleKey:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
     @property
+    def kernels(self) -> Target:
+        """The target this module is built for (fivar.jit.targets): what it can run and which forms it takes."""
+        return target_of(self.target)
+
+    @property
     def fa3(self) -> bool:
-        return self.target == "fa3"
+        """Built from FlashInfer's FA3 templates and layout (fivar.jit.build), else FA2's."""
+        return self.kernels is FA3
 
     def replace(self, **changes) -> ModuleKey:
         return dataclasses.replace(self, **changes)
@@ -83,7 +90,7 @@ class ModuleKey:
             if self.kv_dtype not in KV_DTYPES:
                 raise FivarError(f"variant '{name}': kv_dtype '{self.kv_dtype}' is not supported (use one of "
                                  f"{sorted(KV_DTYPES)}, or None for q's dtype)")
-            if self.fa3 or op not in KV_DTYPE_OPS:
+            if not self.kernels.reads_fp8_kv or op not in KV_DTYPE_OPS:
                 raise FivarError(f"variant '{name}': an FP8 KV cache runs on FA2's paged kernels (batch_prefill, "
                                  f"batch_decode); there is no {target} {op} module for it")
         if op == "batch_decode" and variant.sink is not None:  # its kernel calls no per-row hook (fivar.codegen.fa2)
@@ -91,19 +98,20 @@ class ModuleKey:
                              "batch_decode module for it")
         if self.fa3 and op not in FA3_LAYOUT:
             raise FivarError(f"variant '{name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
-        if self.custom_mask and not (self.fa3 and op == "batch_prefill"):
+        t = self.kernels
+        if self.custom_mask and not (t.takes_custom_mask and op == "batch_prefill"):
             raise FivarError(f"variant '{name}': the custom-mask form is FA3 batch prefill")
-        fa3_tiles = self.fa3 and (fa3.uses_tile_list(variant, op) or self.custom_mask)
-        if self.tile_list and not fa3_tiles and (self.fa3 or op != "batch_prefill" or not variant.mask
-                                                 or self.kv_segments or self.kv_dtype):
+        implied_tiles = t.tile_lists_every_mask and (fa3.uses_tile_list(variant, op) or self.custom_mask)
+        if self.tile_list and not implied_tiles and (not t.keys_tile_list or op != "batch_prefill" or not variant.mask
+                                                     or self.kv_segments or self.kv_dtype):
             raise FivarError(f"variant '{name}': tile_list=True asks for FA2 batch prefill of a mask in the "
                              f"tile-list form, with q's dtype in the cache (FA3's batch prefill takes it whenever the "
                              f"mask is more than a band); got {target} {op}")
-        if self.mask_free and not (self.kv_segments and not self.fa3):
+        if self.mask_free and not (self.kv_segments and t.runs_key_segments):
             raise FivarError(f"variant '{name}': the mask-free form is FA2's key-segments form")
         # FA2 has no bounded softmax: a value given for it selects nothing (the FA2 config has no such field)
-        resolved = self.replace(tile_list=self.tile_list or fa3_tiles,
-                                bounded_softmax=self.bounded_softmax if self.fa3 else None)
+        resolved = self.replace(tile_list=self.tile_list or implied_tiles,
+                                bounded_softmax=self.bounded_softmax if t.bounds_softmax else None)
         return resolved
 
     def uri_part(self) -> str:
@@ -121,7 +129,7 @@ class ModuleKey:
     @classmethod
     def from_options(cls, op: str, target: str, dtype: str, head_dim: int, options: dict) -> tuple[ModuleKey, dict]:
         """(key, rest): the key of gen_module's keyword options (or a manifest's `options`), and the options left,
-        the target's config (fivar.config.from_options)."""
+        the target's config (fivar.jit.targets.Target.config_of)."""
         rest = dict(options)
         form = {f: rest.pop(f) for f in (*FORM_OPTIONS, "bounded_softmax") if f in rest}
         return cls(op, target, dtype, head_dim, **form), rest

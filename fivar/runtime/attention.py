@@ -14,6 +14,7 @@ import torch
 from ..codegen import fa2, fa3
 from ..errors import FivarError
 from ..jit.module_key import ModuleKey
+from ..jit.targets import runs_twin, target_of
 from ..spec.inputs import check_lse
 from .fp8_kv import check_q_dtype, check_scale, fp8_backend, kv_dtype_of, scaled_output
 from . import cold_start, wave_split
@@ -52,7 +53,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         from . import ops
         return _into(out, ops.prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, backend=backend,
                                       params=params or {}, return_lse=return_lse), return_lse)
-    if backend == "triton":
+    if runs_twin(backend):
         return triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out, params=params,
                               return_lse=return_lse)
     return_lse = check_lse(variant, return_lse)
@@ -77,7 +78,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     given_scale = sm_scale
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], 1, sm_scale)
     window_left = _window_left(variant, target, bound)
-    if variant.scans_mask or (target == "fa2" and window_left >= 0):
+    if variant.scans_mask or (target_of(target).windows_as_batch and window_left >= 0):
         # A batch of one: FA3's tile-list form, FA2's block form (fivar.runtime.fa2_blocks); for a window, FA2's
         # batch kernel, which starts each query tile's KV loop at the window where the single-prefill kernel
         # visits every tile left of it. Planned once per key.
@@ -93,7 +94,8 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
                        lengths=(q.shape[0], k.shape[0]))
     mask_mode = _codegen(target).runtime_mask_code(variant, causal)
     non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
-    if target == "fa3" and not return_lse and wave_split.applies(variant, causal, window_left, non_causal_schedule):
+    if target_of(target).splits_waves and not return_lse and \
+            wave_split.applies(variant, causal, window_left, non_causal_schedule):
         tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1], q.shape[0])
         split = wave_split.plan_for(variant, q, k, tile)
         if split is not None:
@@ -139,7 +141,7 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
         from . import ops
         return ops.ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal, sm_scale=sm_scale, backend=backend,
                           params=params or {}, return_lse=return_lse)
-    if backend == "triton":
+    if runs_twin(backend):
         return triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
                                            sm_scale=sm_scale, params=params, return_lse=return_lse)
     parts = ("ragged", variant, backend, bool(causal), sm_scale, params or {}, qo_indptr, kv_indptr, _shapes(q, k, v))
@@ -189,7 +191,7 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
                                        params=params or {}, return_lse=return_lse), v_scale, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     backend = _cache_backend(variant, backend, q, k_cache, v_cache)
-    if backend == "triton":
+    if runs_twin(backend):
         return scaled_output(triton_batch_prefill_paged(
             variant, q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal=causal,
             sm_scale=sm_scale, params=params, return_lse=return_lse, custom_mask=custom_mask,
@@ -236,7 +238,7 @@ def batch_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page
                                         kv_last_page_len, sm_scale=sm_scale, backend=backend, params=params or {},
                                         return_lse=return_lse), v_scale, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
-    if backend == "triton":
+    if runs_twin(backend):
         _cache_backend(variant, backend, q, k_cache, v_cache)  # refuses an FP8 cache
         return scaled_output(triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                            sm_scale=sm_scale, params=params, return_lse=return_lse),

@@ -21,6 +21,7 @@ import torch
 
 from ..codegen.triton import kernel_arg_values
 from ..errors import FivarError
+from ..jit.targets import AUTO, runs_twin, target_of
 from ..spec.inputs import LOG2E
 from ..spec.live import variant_by_key
 from .params import BoundParams
@@ -51,7 +52,7 @@ def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # FlashInfer's plans are made on the host and kept by the contents they saw: a CUDA graph replaying a kept plan
     # after new document ids were copied in would attend with the old ones. The target was chosen when the call
     # was traced (torch.compile), so the capture is noticed here: the Triton forward records its pre-pass.
-    if target != "triton" and not capturing():
+    if target_of(target).is_flashinfer and not capturing():
         return _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars)
     with _per_element():
         return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
@@ -230,8 +231,8 @@ def forward_target(variant, backend: str, q, k, causal: bool, late_rows: bool) -
     if backend not in TRAINING_BACKENDS:
         raise FivarError(f"variant '{variant.name}': attention() backend {backend!r} is not available (choose from "
                          f"{', '.join(TRAINING_BACKENDS)})")
-    if backend == "triton":
-        return "triton", "backend='triton' was requested"
+    if runs_twin(backend):
+        return backend, "backend='triton' was requested"
     from ..jit.build import DTYPES, HEAD_DIMS
     from .attention import choose_target
     why_not = None
@@ -245,9 +246,9 @@ def forward_target(variant, backend: str, q, k, causal: bool, late_rows: bool) -
         why_not = "a CUDA graph is being captured and FlashInfer plans on the host"
     elif causal and late_rows:
         why_not = "causal with a request's qo_len > kv_len (rows before the first key)"
-    elif backend != "fa2":  # auto and fa3 need what backend="auto" of inference takes FA3 for (an sm90 GPU)
-        target, reason = choose_target(variant, "auto", "single_prefill", q.device)
-        why_not = None if target == "fa3" else reason
+    elif backend == AUTO or target_of(backend).needs_sm90a:  # what backend="auto" of inference takes FA3 for (sm90)
+        target, reason = choose_target(variant, AUTO, "single_prefill", q.device)
+        why_not = None if target_of(target).needs_sm90a else reason
     if backend == "auto":
         return ("fa3", "FA3 forward") if why_not is None else ("triton", f"Triton forward: {why_not}")
     if why_not is not None:

@@ -15,6 +15,7 @@ import time
 
 from .. import config
 from ..errors import FivarError
+from ..jit.targets import AUTO, named, target_of
 
 #: cold_start's values: run the Triton twin while building, or wait for the build
 MODES = ("triton", "wait")
@@ -59,15 +60,16 @@ def mode() -> str:
 def _expected(modules) -> str:
     """The records' estimate for the slowest of the modules (fivar.jit.progress.expected_text), as a clause."""
     from ..jit.progress import expected_text
-    fa3 = [m for m in modules if m.target == "fa3"]
-    return "; " + expected_text((fa3 or modules)[0]) if modules else ""
+    slowest = [m for m in modules if target_of(m.target).compiles_slowest]
+    return "; " + expected_text((slowest or modules)[0]) if modules else ""
 
 
 def runs_triton(variant, op: str, target: str, backend: str, q) -> bool:
     """Whether this one-shot call runs on the Triton twin because its `target` modules are still building: only a
     default call (backend "auto") on a CUDA device with q in fp16/bf16, in mode "triton". Starts the build the first
     time (and says so); False once it is done, or if it failed (the call then builds, and reports, itself)."""
-    if backend != "auto" or target not in ("fa2", "fa3") or getattr(q, "device", None) is None \
+    t = named(target)
+    if backend != AUTO or t is None or not t.is_flashinfer or getattr(q, "device", None) is None \
             or q.device.type != "cuda" or str(q.dtype).removeprefix("torch.") not in _TWIN_DTYPES:
         return False
     key = (id(variant), op, target, str(q.dtype), q.shape[-1], config.state_key())

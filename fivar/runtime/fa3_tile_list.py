@@ -37,6 +37,7 @@ from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 CUT_WORDS_PAST = 8
 from ..codegen.triton import kernel_arg_values
 from ..jit.module_key import ModuleKey
+from ..jit.targets import target_of
 from ..jit.triton_module import load_triton_module
 from . import fa2_blocks, position_tables
 from .launch import _module, direct_paged_run, release_wrapper, take_wrapper
@@ -228,17 +229,18 @@ class TileListPrefill:
         self.keys_read = None
         if self.empty or self.no_keys:
             return
-        rows = block_rows(head_dim) if target == "fa3" else fa2_blocks.tile_list_rows(num_qo_heads // num_kv_heads,
-                                                                                      head_dim)
+        t = target_of(target)
+        rows = fa2_blocks.tile_list_rows(num_qo_heads // num_kv_heads, head_dim) if t.packs_query_heads \
+            else block_rows(head_dim)
         kinds, bits_of, heads = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
                                           sm_scale, device, rows, custom)
         layout = tile_list(kinds, qo_h, kv_h, rows, token_of, bits_of, self.page, heads)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
-        fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=target == "fa2",
+        fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=t.keys_tile_list,
                                           custom_mask=custom is not None), bound, sm_scale)
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
-        split = {"disable_split_kv": True} if target == "fa2" and not variant.softmax else {}
+        split = {"disable_split_kv": True} if t.splits_kv and not variant.softmax else {}
         qo_i, kv_i = layout.qo_indptr, layout.kv_indptr
         step = MAX_REQUESTS.get(target) or self.requests
         self._launches = []

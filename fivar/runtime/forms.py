@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..codegen import fa2, fa3
+from ..codegen import fa2
 from ..errors import FivarError
+from ..jit.targets import AUTO, FLASHINFER_TARGETS, target_of
 from ..spec import ir
 from ..spec.sparsity import classify_decode
 from .decode_pages import trim_pages
@@ -15,7 +16,7 @@ from .params import kernel_args
 from .position_tables import max_lengths
 
 
-BACKENDS = ("auto", "fa2", "fa3")
+BACKENDS = (AUTO, *FLASHINFER_TARGETS)
 
 
 ALL_BACKENDS = (*BACKENDS, "triton")  # with the Triton twin, which fivar.runtime.triton_attention runs
@@ -28,12 +29,12 @@ def choose_target(variant, backend: str, op: str, device=None, capability=None) 
         raise FivarError(f"variant '{variant.name}': backend '{backend}' is not available "
                          f"(choose from {', '.join(BACKENDS)})")
     if op == "batch_decode":
-        if backend == "fa3":
+        if backend != AUTO and not target_of(backend).decodes:
             raise FivarError(f"variant '{variant.name}': FlashInfer has no FA3 decode kernel; use backend "
                              "'fa2' or 'auto' for decode")
         return "fa2", ("decode runs on FA2 (FlashInfer has no FA3 decode): the tensor-core paged kernel when a "
                        "KV head serves >= 4 query heads (measured faster), else the CUDA-core decode kernel")
-    if backend != "auto":
+    if backend != AUTO:
         return backend, f"backend='{backend}' was requested"
     if capability is not None:
         major, minor = capability
@@ -54,13 +55,13 @@ def _check_backend(variant, backend: str, op: str = "single_prefill", device=Non
 
 
 def _codegen(target: str):
-    return fa3 if target == "fa3" else fa2
+    return target_of(target).emitter
 
 
 def _causal_flag(variant, target: str, causal: bool):
     """FA2 runs masked variants in kCustom mode and applies `causal` inside the mask: a runtime flag (also set in the
     window form's kCausal mode, where the kernel applies causal as well)."""
-    return bool(causal) if (variant.mask and target == "fa2") else None
+    return bool(causal) if (variant.mask and target_of(target).folds_causal_into_mask) else None
 
 
 def _paged_args(variant, target, bound, sm_scale, causal, qo_indptr, kv_indptr, kv_last_page_len, page_size):
@@ -86,18 +87,17 @@ def _window_left(variant, target: str, bound) -> int:
     left = variant.kv_band.left
     if left is None:
         return -1
-    if target == "fa2":
-        return min(max(int(_invariant(variant, left, bound)), 0), 1 << 30)
-    if target != "fa3" or variant.scans_mask:  # the tile-list form skips through its block map
+    lowest = target_of(target).window_floor(variant)  # None: FA3's tile-list form skips through its block map
+    if lowest is None:
         return -1
-    lowest = -(1 << 30) if fa3.runs_as_window(variant) else 0
     return min(max(int(_invariant(variant, left, bound)), lowest), 1 << 30)
 
 
 def _owns_mask(variant, target: str, causal: bool, window_left: int) -> bool:
     """FA2 runs a masked variant in kCustom mode (its wrappers call that the variant owning the mask), except
     the window form called causally, which runs in kCausal mode (fa2.window_form)."""
-    return bool(variant.mask) and target == "fa2" and not fa2.runs_window_mode(variant, causal, window_left)
+    return bool(variant.mask) and target_of(target).folds_causal_into_mask and \
+        not fa2.runs_window_mode(variant, causal, window_left)
 
 
 def _kernel_causal(variant, causal: bool) -> bool:
@@ -118,7 +118,7 @@ def _split_kwargs(variant, target: str, causal: bool = True, window_left: int = 
     have. And FlashInfer's FA2 scheduler sizes a window's KV chunks as window_left + one query tile, a causal window's
     reach: a call keeping keys right of the diagonal (`causal` False; a decode query has none) runs unsplit, each
     query tile from its window's left edge to its last key."""
-    if target == "fa2" and (not variant.softmax or (window_left >= 0 and not causal)):
+    if target_of(target).splits_kv and (not variant.softmax or (window_left >= 0 and not causal)):
         return {"disable_split_kv": True}
     return {}
 

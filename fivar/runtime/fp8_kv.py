@@ -14,6 +14,7 @@ import torch
 
 from ..errors import FivarError
 from ..jit.build import KV_DTYPES, kv_dtype_name
+from ..jit.targets import named
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -48,7 +49,8 @@ def fp8_backend(variant, backend: str, kv_dtype: str | None) -> str:
     """The backend that runs an FP8 cache: FA2 (auto picks it), else a clear refusal."""
     if kv_dtype is None:
         return backend
-    if backend in ("fa3", "triton"):
+    t = named(backend)  # None: auto, which picks FA2 here, or a name the caller's checks report
+    if t is not None and not t.reads_fp8_kv:
         raise FivarError(f"variant '{variant.name}': an FP8 KV cache runs on FA2's paged kernels only; backend "
                          f"'{backend}' reads float16/bfloat16 caches (use backend='fa2' or 'auto')")
     return "fa2"

@@ -32,6 +32,7 @@ import torch
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
+from ..jit.targets import runs_twin
 from ..spec.inputs import check_lse
 from ..codegen import fa2
 from .attention import _decode_on_tensor_cores, _owns_mask, _paged_args, _split_kwargs, _window_left, choose_target
@@ -69,7 +70,7 @@ class GraphDecodePlan:
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise FivarError(f"variant '{name}': a CUDA-graph decode plan needs a CUDA GPU (device "
                              f"{str(self.device)!r}{'' if torch.cuda.is_available() else ', and none is visible'})")
-        if backend == "triton":
+        if runs_twin(backend):
             raise FivarError(f"variant '{name}': cuda_graph=True plans hold FlashInfer's kernels; the Triton twin "
                              "has no plan step (capture its decode directly, its launches take device tensors)")
         choose_target(variant, backend, "batch_decode", self.device)  # names fa3 (no decode kernel) and typos

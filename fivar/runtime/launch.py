@@ -86,7 +86,7 @@ def _check_output_scale(variant, bound, sm_scale):
 def _module(variant, key: ModuleKey, bound, sm_scale):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
     for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
-    if key.fa3:
+    if key.kernels.bounds_softmax:
         rng = fa3.softmax_range(variant, key.dtype)
         if rng is not None:
             scale = variant.lowered.output_scale

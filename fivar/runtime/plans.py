@@ -11,6 +11,7 @@ from ..codegen import fa2
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
+from ..jit.targets import named, runs_twin, target_of
 from ..spec.inputs import check_lse
 from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv_dtype, scaled_output
 from .ops import register_plan
@@ -157,7 +158,9 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
     if not isinstance(kv_indptr, torch.Tensor):  # its length and device are read next: named here, not a traceback
         _check_indptr(variant, "kv_indptr", kv_indptr, device)
     qo_indptr = torch.arange(kv_indptr.numel(), dtype=torch.int32, device=kv_indptr.device)
-    if backend != "fa2" or trims_decode_pages(variant) or _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads):
+    t = named(backend)  # the CUDA-core decode kernel is FA2's: FA3 has none, the twin no plan step
+    if t is None or not (t.is_flashinfer and t.decodes) or trims_decode_pages(variant) or \
+            _decode_on_tensor_cores(variant, num_qo_heads, num_kv_heads):
         return PagedAttentionPlan(variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                   num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, dtype=dtype, kv_dtype=kv_dtype, causal=False, sm_scale=sm_scale,
@@ -174,7 +177,7 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
 
 def refuse_custom_mask(variant, target: str, kv_name) -> None:
     """A custom mask runs on FA3's tile-list form (bits) and the Triton twin; the other forms refuse it."""
-    if target != "fa3" or kv_name is not None:
+    if not target_of(target).takes_custom_mask or kv_name is not None:
         raise FivarError(f"variant '{variant.name}': custom_mask runs on backend 'fa3' (sm90, a bf16/fp16 cache) or "
                          f"'triton'; FA2{' (an FP8 cache)' if kv_name is not None else ''} does not take it")
 
@@ -183,7 +186,7 @@ def tile_list_form(variant, target: str, one_query: bool = False, kv_dtype: str 
     """Whether a batch of a mask beyond a band runs in the tile-list form (fivar.runtime.fa3_tile_list): always on
     FA3; on FA2 but for a batch of one query a request (decode's forms: trimmed pages, else the block form) and an
     FP8 cache (the block form, fivar.runtime.fa2_blocks: the tile-list module reads q's dtype)."""
-    return variant.scans_mask and (target == "fa3" or (not one_query and kv_dtype is None))
+    return variant.scans_mask and (target_of(target).tile_lists_every_mask or (not one_query and kv_dtype is None))
 
 
 def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype, backend,
@@ -196,7 +199,7 @@ def _plan_setup(plan, variant, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
         raise FivarError(f"variant '{variant.name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a "
                          f"multiple of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
     plan.variant, plan.device = variant, torch.device(device)
-    if backend == "triton":
+    if runs_twin(backend):
         raise FivarError(f"variant '{variant.name}': a plan holds FlashInfer's planned kernels (fa2, fa3); the Triton "
                          f"twin has no plan step: call batch_prefill_ragged / decode with backend='triton' instead")
     if plan.device.type != "cuda" or not torch.cuda.is_available():
@@ -241,7 +244,8 @@ class PagedAttentionPlan(_OwnsWrapper):
         if custom is not None:
             refuse_custom_mask(variant, self.target, kv_name)
         one_query = bool((qo_indptr.diff() == 1).all())
-        if not (self.target == "fa2" and one_query and trims_decode_pages(variant)):  # that form keeps the call's
+        runs_segments = target_of(self.target).runs_key_segments  # FA2's trimmed pages and block forms
+        if not (runs_segments and one_query and trims_decode_pages(variant)):  # that form keeps the call's
             # one query per request sits at its last key (decode): causal drops nothing there, and a window form
             # then runs as the kernels' own window (kCausal with window_left), as stock decode does
             causal = _kernel_causal(variant, causal) or (one_query and fa2.window_form(variant))
@@ -259,7 +263,7 @@ class PagedAttentionPlan(_OwnsWrapper):
             self.keys_read = self._tiles.keys_read
             return
         block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest
-        if self.target == "fa2" and trims_decode_pages(variant) and one_query:
+        if runs_segments and trims_decode_pages(variant) and one_query:
             # one query per request (decode): read only the pages holding kept keys, in the key-segments form
             trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
                                             kv_last_page_len.to(self.device), page_size, num_qo_heads, num_kv_heads)
@@ -269,7 +273,7 @@ class PagedAttentionPlan(_OwnsWrapper):
                 kv_segments = trimmed.segments
                 self.pages_read = (trimmed.pages_read, trimmed.pages_total)
                 block_causal = trimmed.causal  # one run of pages a request: kCausal (fivar.runtime.decode_pages)
-        elif self.target == "fa2" and variant.scans_mask:
+        elif runs_segments and variant.scans_mask:
             # a mask that is more than a band: one request per query block over the keys it may keep
             kv_h, last_h = kv_indptr.long().cpu(), kv_last_page_len.long().cpu()
             n_pages = kv_h.diff()
@@ -352,7 +356,7 @@ class RaggedAttentionPlan(_OwnsWrapper):
         self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
         self._tile_list = None
         self.segments = None  # FA2's segments form: how many requests it runs
-        if self.target == "fa2" and variant.scans_mask and causal and self._plan_segments(
+        if target_of(self.target).runs_key_segments and variant.scans_mask and causal and self._plan_segments(
                 variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype):
             return
         if tile_list_form(variant, self.target):

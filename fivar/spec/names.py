@@ -133,14 +133,19 @@ def flashinfer_names() -> frozenset[str]:
     return frozenset(found)
 
 
-def reserved(target: str) -> frozenset[str]:
-    """Identifiers no name derived from a user's may be on `target` ("cuda" or "triton")."""
-    if target == "cuda":
-        return CPP_KEYWORDS | C_MACROS | CUDA_NAMES | flashinfer_names()
-    if target == "triton":
-        return (frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins))
-                | TRITON_LAUNCH_OPTIONS | TRITON_MODULE_NAMES)
-    raise ValueError(target)
+#: The reserved identifiers of each language fivar emits, by its name: CUDA C++ (FA2, FA3) and Triton's Python.
+_RESERVED = {
+    "cuda": lambda: CPP_KEYWORDS | C_MACROS | CUDA_NAMES | flashinfer_names(),
+    "triton": lambda: (frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins))
+                       | TRITON_LAUNCH_OPTIONS | TRITON_MODULE_NAMES),
+}
+
+
+def reserved(language: str) -> frozenset[str]:
+    """Identifiers no name derived from a user's may be in `language` ("cuda" or "triton")."""
+    if language not in _RESERVED:
+        raise ValueError(language)
+    return _RESERVED[language]()
 
 
 def is_reserved_cpp_spelling(ident: str) -> bool:
@@ -148,12 +153,12 @@ def is_reserved_cpp_spelling(ident: str) -> bool:
     return "__" in ident or re.match(r"_[A-Z]", ident) is not None
 
 
-def check_rendered(target: str, idents, variant_name: str) -> None:
-    """Raise if an identifier derived from a user name is reserved on `target`: a fivar bug, never the user's."""
-    bad = sorted(i for i in idents if i in reserved(target) or not i.isascii() or not i.isidentifier()
-                 or keyword.iskeyword(i) or (target == "cuda" and is_reserved_cpp_spelling(i)))
+def check_rendered(language: str, idents, variant_name: str) -> None:
+    """Raise if an identifier derived from a user name is reserved in `language`: a fivar bug, never the user's."""
+    bad = sorted(i for i in idents if i in reserved(language) or not i.isascii() or not i.isidentifier()
+                 or keyword.iskeyword(i) or (language == "cuda" and is_reserved_cpp_spelling(i)))
     if bad:
-        raise FivarError(f"variant '{variant_name}': fivar rendered the reserved {target} identifier(s) "
+        raise FivarError(f"variant '{variant_name}': fivar rendered the reserved {language} identifier(s) "
                          f"{', '.join(bad)} from user names (a fivar bug: please report it)")
 
 

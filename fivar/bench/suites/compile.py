@@ -133,8 +133,9 @@ def measure_cold_start(name: str, timeout_s: float = 3600) -> list[Measurement]:
 
 
 def cases(quick: bool = False) -> list:
+    from ...jit.targets import FLASHINFER_TARGETS
     out = []
-    for target in ("fa2", "fa3"):
+    for target in FLASHINFER_TARGETS:
         out.append(Case("compile", f"{VARIANT} {target} cold build + hits", "build",
                         {"variant": VARIANT, "target": target, "op": "single_prefill", "dtype": "bf16", "head_dim": 128},
                         lambda t=target: Prepared(measure=lambda: measure(t)), baseline="flashinfer"))
