@@ -13,21 +13,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import time
 
 import torch
 
 from .. import config as fivar_config
-from ..codegen import fa2, fa3
+from ..codegen import fa3
 from ..codegen.tile_list import bits_kernel, reads_bits
 from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarError
-from ..flashinfer_layout import FA2_LAYOUT, FA3_LAYOUT
-from ..paths import csrc_dir
-from . import locks, pinned_kv_tiles, progress, records, toolchain, unused_headers
-from ..flashinfer_compat.templates import render_template as _render_flashinfer
-from .fa2_tile_split import _fa2_tile_split, _inst_statements, _single_prefill_split_problem, _split_warned
+from . import locks, progress, records, toolchain
+from ..flashinfer_compat.templates import render_template as _render_flashinfer  # noqa: F401 (re-exported)
+from .fa2_sources import fa2_sources
+from .fa2_tile_split import _inst_statements, _single_prefill_split_problem, _split_warned  # noqa: F401
+from .fa3_sources import fa3_sources
+from .sources import fivar_headers  # noqa: F401 (re-exported)
 from .targets import target_of
 from .module_key import (DTYPES, FORM_OPTIONS, HEAD_DIMS, KV_DTYPE_OPS, KV_DTYPES, OPS,  # noqa: F401 (re-exported)
                          TARGETS, ModuleKey, dtype_name)
@@ -68,64 +68,6 @@ def kv_dtype_name(dt: torch.dtype, q_dtype: torch.dtype) -> str | None:
             return k
     raise FivarError(f"KV-cache dtype {dt} is not supported with q {q_dtype} (use q's dtype, or one of "
                      f"{', '.join(str(v) for v in KV_DTYPES.values())})")
-
-
-def _dispatch_override(config: str, variant, mask_modes: list[str]) -> str:
-    m = re.search(r"#define DISPATCH_context\(([^)]*)\)", config)
-    if not m or "mask_mode" not in config.split("#define DISPATCH_context", 1)[1].split("\n\n", 1)[0]:
-        return ""  # this op has no mask-mode dispatch (decode)
-    args = ", ".join(a.strip() for a in m.group(1).split(",") if a.strip() != "...")
-    return fa2.render("fa2/dispatch.inc.jinja", dispatch_args=args, mask_modes=mask_modes,
-                      variant_name=fa2.struct_name(variant))
-
-
-def _host_unit_name(host_units: list[str]) -> str:
-    """The one host translation unit keeps the binding's name (its object is what the cache tools name)."""
-    return next(h for h in host_units if h.endswith("_jit_binding.cu"))
-
-
-def _host_unit(texts: dict[str, str], includes: tuple[str, ...] = ()) -> str:
-    """FlashInfer's host sources for one op (the launcher wrapper and the tvm-ffi binding) as ONE
-    translation unit whose text is hidden from nvcc's device pass.
-
-    Compile time, not behaviour: each separate host .cu costs a full nvcc run (host preprocessing,
-    cudafe++ and g++ over FlashInfer's and tvm-ffi's headers, plus a device pass that preprocesses the
-    same headers and runs cicc). These files define no kernels and launch none of their own: compiled
-    separately (FlashInfer 0.7.2, every op and target here) their cubins hold only unused internal-linkage
-    header constants (libcu++ CPO objects; curand tables for FA3) and no function. Guarding them with
-    `#ifndef __CUDA_ARCH__` drops those from the device pass, and nvcc derives the host-side registration
-    from that pass, so host and device stay consistent; every kernel unit is untouched (same text, same
-    flags), so the kernels' SASS is unchanged. Measured alone on a 2-core box (bf16, hd128), two host
-    units -> one: FA2 single_prefill 5.6 + 6.3 s -> 4.4 s, batch_prefill 6.7 + 15.2 -> 12.2 s,
-    batch_decode 7.0 + 8.2 -> 8.4 s; FA3 single_prefill 34.6 + 33.0 -> 23.7 s, batch_prefill
-    38.7 + 35.9 -> 28.8 s.
-    """
-    # The binding goes first: it declares the entry points without the default arguments that some
-    # definitions carry (batch_prefill.cu's plan/workspace_size), and tvm-ffi's export macro rejects a
-    # function whose default arguments are visible. Defaults added by the later definition are legal C++.
-    order = sorted(texts, key=lambda n: not n.endswith("_jit_binding.cu"))
-    parts = ["// fivar: FlashInfer's " + ", ".join(order) + " in one host-only translation unit "
-             "(see fivar.jit.build._host_unit).", "#ifndef __CUDA_ARCH__"]
-    for inc in includes:  # fivar's host-side definitions these sources call (see _fa2_tile_split)
-        parts += [f"// ---- {inc} ----", f'#include "{inc}"']
-    for name in order:
-        text = texts[name]
-        parts += [f"// ---- {name} ----", text.rstrip("\n")]
-    parts += ["#endif  // __CUDA_ARCH__", ""]
-    return "\n".join(parts)
-
-
-def fivar_headers(source: str) -> dict[str, str]:
-    """fivar's own headers (csrc/) that `source` includes, directly or through each other: copied into the
-    module's sources, so hashed into its URI (an edit to one rebuilds exactly the modules that include it)."""
-    found: dict[str, str] = {}
-    todo = re.findall(r'#include "(fivar_\w+\.cuh)"', source)
-    while todo:
-        name = todo.pop()
-        if name not in found:
-            found[name] = (csrc_dir() / name).read_text()
-            todo += re.findall(r'#include "(fivar_\w+\.cuh)"', found[name])
-    return dict(sorted(found.items()))
 
 
 def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "fa2", dtype: str = "bf16",
@@ -174,131 +116,13 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
     if on_fa3 and "90a" not in toolchain.arch_tag().split("_"):
         raise FivarError(f"variant '{variant.name}': FA3 kernels are Hopper-only (sm_90a), but the target archs are "
                          f"{toolchain.arch_tag()} (FLASHINFER_CUDA_ARCH_LIST or --arch): build target fa2, or add 9.0a")
-    from flashinfer.jit import env as jit_env
-    from flashinfer.jit.attention.utils import generate_additional_params
-    from flashinfer.jit.utils import dtype_map, mask_mode_literal
-
-    tiles: dict[str, tuple[tuple[int, int], ...]] = {}
-    chosen_schedules: dict[str, str] = {}
-    logits_range = None
-    tile_list, kv_segments, mask_free, kv_dtype = key.tile_list, key.kv_segments, key.mask_free, key.kv_dtype
-    fa2_tiles = tile_list and not on_fa3
-    if on_fa3:
-        # the tile-list form evaluates no mask per score: its MUFU ops do not count (the user's variant: its errors
-        # name it; the choice depends on the logits alone, so the shared module's sources stay the same)
-        kernel = fa3.kernel_config(user_variant, op, head_dim, dtype, given, mask_per_score=not shared)
-        exp2_emulated_of_8, logits_range = kernel.exp2_emulated_of_8, kernel.logits_range
-        tiles, chosen_schedules = kernel.tiles, kernel.schedules
-        if "persistent" in chosen_schedules.values() and not tiles:  # FlashInfer's tiles, through fivar's launcher
-            tiles = {mode: (tile,) for mode, tile in zip((fa2.MASK_NONE, fa2.MASK_CAUSAL),
-                                                          fa3.FLASHINFER_SINGLE_PREFILL_TILES[head_dim])}
-    else:
-        if cta_tile and cta_tile != fa3.FLASHINFER_TILES:
-            raise FivarError(f"variant '{variant.name}': cta_tile={cta_tile!r}: only FA3 single prefill takes a CTA "
-                             "tile")
-        if schedule not in (None, "grid"):
-            raise FivarError(f"variant '{variant.name}': schedule={schedule!r}: only FA3 single prefill takes a "
-                             "schedule")
-        build_config = fivar_config.fa2_build_config(given)
-    decl = (fa3.variant_decl(variant, exp2_emulated_of_8=exp2_emulated_of_8, logits_range=logits_range,
-                             tile_list=tile_list)
-            if on_fa3
-            else fa2.variant_decl(variant, kv_segments=kv_segments, mask_free=mask_free,  # fa2.KV_SEGMENTS
-                                  tile_list=fa2_tiles))
-    t_names, t_types, s_names, s_types = decl.additional
-    params_decl, func_params, params_setter = generate_additional_params(
-        t_names, t_types, s_names, s_types, is_sm90_template=on_fa3)
-    tdt = DTYPES[dtype]
-    kwargs = dict(
-        variant_decl=decl.source, variant_name=fa2.struct_name(variant),
-        dtype_q=dtype_map[tdt], dtype_kv=dtype_map[KV_DTYPES[kv_dtype] if kv_dtype else tdt], dtype_o=dtype_map[tdt],
-        idtype="int32_t",
-        head_dim_qk=head_dim, head_dim_vo=head_dim, pos_encoding_mode="PosEncodingMode::kNone",
-        # A left band in the mask: FA3's sliding-window schedule skips the KV tiles left of it (the tile-list
-        # form skips them through its block map; the window would be measured from the tile, not the request)
-        use_sliding_window="true" if (on_fa3 and variant.kv_band.left is not None and not tile_list)
-        else "false",
-        use_logits_soft_cap="false", use_fp16_qk_reduction="false",
-        additional_params_decl=params_decl, additional_func_params=func_params,
-        additional_params_setter=params_setter, require_fp4_kv_cache=False,
-        paged_kv_stride_mode="runtime", same_kv_strides_values=["true", "false"],
-    )
-    config_t, inst_ts, host_files, config_name = (FA3_LAYOUT if on_fa3 else FA2_LAYOUT)[op]
-    config = _render_flashinfer(config_t, **kwargs)
-    if tiles:
-        config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
-    modes = ([fa2.MASK_NONE] if tile_list else
-             fa2.mask_modes(variant, kv_segments=kv_segments, mask_free=mask_free) if not on_fa3
-             else fa3.mask_modes(variant))
-    sources = {config_name: config + _dispatch_override(config, variant, modes),
-               **fivar_headers(decl.source)}
-    has_mask_dispatch = op != "batch_decode"
-    split = (_fa2_tile_split(op, variant, kwargs, modes) if not on_fa3 and build_config.split_cta_tiles
-             and not fa2_tiles else None)
-    host_includes: tuple[str, ...] = ()
-    if split is not None:
-        units, headers, host_includes = split
-        sources.update(units)
-        sources.update(headers)
-    else:
-        for inst_t in inst_ts:
-            stem = inst_t.removesuffix("_inst.jinja")
-            if fa2_tiles:  # FlashInfer's paged kernels in kNone; the ragged entry point's stubs in a unit of their own
-                code = fa2.MASK_CODES[fa2.MASK_NONE]
-                inst = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs)
-                sources[f"{stem}_mask_{code}.cu"] = inst if "paged" in inst_t else fa2.render(
-                    "fa2/tile_list_ragged_stubs.cu.jinja",
-                    tiles=sorted({int(t) for t in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", inst)}), **kwargs)
-                continue
-            if tile_list:  # the per-head paged kernel alone (fa3/tile_list_unit.cu.jinja), stubs for the rest
-                if "paged" in inst_t:
-                    sources[f"{stem}_mask_0.cu"] = fa3.render("fa3/tile_list_unit.cu.jinja", **kwargs)
-                continue
-            if tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
-                sources.update(fa3.single_prefill_kernel_units(stem, tiles, chosen_schedules, head_dim, **kwargs))
-            elif has_mask_dispatch:
-                for mode in modes:
-                    code = fa2.MASK_CODES[mode]
-                    sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code],
-                                                                           **kwargs)
-            else:
-                sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
-    if on_fa3 and "persistent" in chosen_schedules.values():
-        sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
-    pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), build_config.pin_kv_tiles)
-              if not on_fa3 and op in ("single_prefill", "batch_prefill") else None)
-    if pinned:
-        for name in [n for n in sources if n.endswith(".cu")]:  # the kernel units (the host unit comes next)
-            sources[name] = pinned_kv_tiles.unit_prefix(pinned) + sources[name]
-        sources[pinned_kv_tiles.HEADER] = pinned_kv_tiles.header_text()
-    for host in host_files:
-        if not host.endswith(".cu"):
-            sources[host] = (jit_env.FLASHINFER_CSRC_DIR / host).read_text()
-    host_units = [h for h in host_files if h.endswith(".cu")]
-    sources[_host_unit_name(host_units)] = _host_unit(
-        {h: (jit_env.FLASHINFER_CSRC_DIR / h).read_text() for h in host_units}, host_includes)
-
-    skipped = unused_headers.skipped(sources, build_config.skip_unused_headers) if not on_fa3 else []
-    if skipped:
-        for name in [n for n in sources if n.endswith(".cu")]:
-            sources[name] = unused_headers.prefix(skipped) + sources[name]
-        sources.update(unused_headers.stand_in_sources(skipped))
     nvcc_parallel_passes = fivar_config.switch("nvcc_parallel_passes", given.nvcc_parallel_passes,
                                                "nvcc_parallel_passes")
-    if on_fa3:
-        from flashinfer.jit.core import sm90a_nvcc_flags
-        cuda_cflags = list(sm90a_nvcc_flags)
-    else:
-        nvcc_split_compile = build_config.nvcc_split_compile
-        cuda_cflags = toolchain.split_compile_flags(nvcc_split_compile)
-    cuda_cflags += toolchain.parallel_passes_flags(nvcc_parallel_passes)
-    uri = f"fivar_{uri_name(variant.name)}_{key.uri_part()}_{content_hash(sources, cuda_cflags)}"
-    built = (FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
-             if on_fa3 else
-             FA2BuildConfig(split_cta_tiles=bool(split), nvcc_split_compile=nvcc_split_compile, pin_kv_tiles=bool(pinned),
-                            skip_unused_headers=tuple(h.name for h in skipped), nvcc_parallel_passes=nvcc_parallel_passes))
-    return FivarModule(user_variant, op, target, dtype, head_dim, uri, sources, cuda_cflags, decl.additional,
-                       options={**key.as_options(), **manifest_options(built)}, kernel_variant=variant)
+    r = (fa3_sources(user_variant, variant, key, given, nvcc_parallel_passes, shared) if on_fa3 else
+         fa2_sources(variant, key, given, nvcc_parallel_passes, cta_tile, schedule))
+    uri = f"fivar_{uri_name(variant.name)}_{key.uri_part()}_{content_hash(r.sources, r.cuda_cflags)}"
+    return FivarModule(user_variant, op, target, dtype, head_dim, uri, r.sources, r.cuda_cflags, r.additional,
+                       options={**key.as_options(), **manifest_options(r.built)}, kernel_variant=variant)
 
 
 def rendered_from(variant, key: ModuleKey):
