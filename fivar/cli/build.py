@@ -16,7 +16,7 @@ DEFAULT_OPS = ("single_prefill", "batch_prefill", "batch_decode")
 
 @main.command()
 @click.argument("names", nargs=-1)
-@click.option("--all", "all_", is_flag=True, help="every variant on the search path")
+@click.option("--all", "all_", is_flag=True, help="every variant on the search path (imports, so runs, each file)")
 @click.option("--prewarm", is_flag=True, help="build every requested module in one parallel ninja")
 @click.option("--ops", default=",".join(DEFAULT_OPS), show_default=True)
 @click.option("--targets", default="auto", show_default=True,

@@ -16,7 +16,7 @@ from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilit
 
 @main.command("list")
 def list_cmd():
-    """Variants on the search path (FIVAR_VARIANT_PATH, ./variants, bundled)."""
+    """Variants on the search path (FIVAR_VARIANT_PATH, ./variants, bundled); listing imports, so runs, each file."""
     from ..registry import all_variant_files, describe_search, load_named
     err_console.print(_escape(describe_search("fivar list")), highlight=False, soft_wrap=True)
     table = Table(Column("name", overflow="fold"), "kind", "params", Column("file", overflow="fold"))
