@@ -252,10 +252,10 @@ def _no_gpu(what: str) -> dict | None:
 
 def measure_build_set(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
     """A cold `fivar build NAME` of one variant file: the modules backend="auto" runs on the arch being built for
-    (fivar.cli.build.build_modules, `fivar build`'s default ops), in one parallel ninja; wall and CPU seconds, and
+    (fivar.runtime.build_set.build_modules, `fivar build`'s default ops), in one parallel ninja; wall and CPU seconds, and
     each module's own seconds inside that ninja. Call in a process with a fresh cache (`main` makes one)."""
     import fivar
-    from ..cli.build import DEFAULT_OPS, build_modules
+    from ..runtime.build_set import DEFAULT_OPS, build_modules
     from ..jit import prewarm, toolchain
     from ..jit.build import build_many
     v = fivar.load(variant_file)

@@ -1,7 +1,6 @@
 """What every `fivar` command shares: the group, its error handling, consoles and option parsing."""
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -96,38 +95,13 @@ def _print_code(text: str, lexer: str = "cpp"):
         click.echo(text)
 
 
+from ..runtime.build_set import (arch_capability as _arch_capability,  # noqa: E402,F401 (the commands import them here)
+                                 build_capabilities as _build_capabilities, builds_sm90a as _builds_sm90a)
+
+
 def format_program_expr(e):
     from ..spec.ir import format_expr
     return format_expr(e)
-
-
-def _build_capabilities() -> list:
-    """The GPUs `build --targets auto` builds for: each arch of FLASHINFER_CUDA_ARCH_LIST (or --arch) when one is
-    set, else the visible GPU (None); so `--arch 8.0 9.0a` builds what both would run."""
-    from ..jit.toolchain import ensure_arch_env
-    ensure_arch_env()  # no GPU and no arch list: one line asking for FLASHINFER_CUDA_ARCH_LIST or --arch
-    text = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")  # checked: space-separated
-    if not text:
-        return [None]
-    return [_arch_capability(a) for a in text.split()]
-
-
-def _builds_sm90a(arch_list: str | None = None) -> bool:
-    """Whether modules are built for sm_90a (what FA3 kernels need): `arch_list`, else FlashInfer's."""
-    text = arch_list or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
-    if text:
-        return "9.0a" in text.split()
-    from ..jit.toolchain import arch_tag
-    return "90a" in arch_tag().split("_")
-
-
-def _arch_capability(arch_list: str) -> tuple[int, int]:
-    """(major, minor) of a checked arch list: sm90 if it has 9.0a (what FA3 is built for), else its first arch."""
-    archs = arch_list.split()
-    if "9.0a" in archs:
-        return 9, 0
-    major, minor = archs[0].split(".")
-    return int(major), int(minor.rstrip("abcdefghijklmnopqrstuvwxyz"))
 
 
 def _given(*params: str) -> list[str]:

@@ -7,11 +7,11 @@ import click
 from rich.table import Column, Table
 
 from ..errors import FivarError
-from ._common import (OPS, _build_capabilities, _builds_sm90a, _choices, _escape, _head_dims, _one_line, _set_arch,
+from ..runtime.build_set import DEFAULT_OPS, build_modules
+from ._common import (OPS, _choices, _escape, _head_dims, _one_line, _set_arch,
                       _split, console, err_console, main, report_load_errors)
 
 #: the ops `fivar build NAME` compiles unless --ops says otherwise
-DEFAULT_OPS = ("single_prefill", "batch_prefill", "batch_decode")
 
 
 @main.command()
@@ -108,24 +108,6 @@ def _build_loaded(variants, all_, wanted, ops_, targets, ops, dtypes, head_dims,
                               "memory": "[green]hit (memory)[/]"}[kind], f"{secs:.2f}")
     console.print(table)
     console.print(f"total {time.perf_counter() - t0:.1f} s")
-
-
-def build_modules(variants, targets, ops, dtypes, head_dims) -> list:
-    """The attention modules `fivar build` compiles for `variants` (targets: fa2/fa3/auto; auto: what
-    backend='auto' runs on each arch being built for), in order, duplicates kept."""
-    from ..jit.build import serving_modules
-    from ..jit.targets import FA2, target_of
-    from ..runtime.attention import choose_target
-
-    def targets_for(v, op):
-        if "auto" not in targets:
-            return list(targets)
-        chosen = {choose_target(v, "auto", op, capability=c)[0] for c in _build_capabilities()}
-        if any(target_of(c).needs_sm90a for c in chosen) and not _builds_sm90a():  # 9.0 without 9.0a: FA2
-            chosen = {FA2.name if target_of(c).needs_sm90a else c for c in chosen}
-        return sorted(({*targets} | chosen) - {"auto"})
-    return [m for v in variants for op in ops for t in targets_for(v, op) for dt in dtypes for hd in head_dims
-            if op != "batch_decode" or target_of(t).decodes for m in serving_modules(v, op, t, dt, hd)]
 
 
 def _write_triton_twins(variants) -> None:

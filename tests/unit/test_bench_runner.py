@@ -429,7 +429,7 @@ def test_compile_time_build_mode_builds_what_fivar_build_builds(monkeypatch):
     parallel build, and reports each module's own seconds; a module that was not cold is an error, not a row."""
     from fivar.bench import compile_time as ct
     from fivar.bench.suites import compile as suite
-    from fivar.cli.build import DEFAULT_OPS, build_modules
+    from fivar.runtime.build_set import DEFAULT_OPS, build_modules
     from fivar.jit import build as jb
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     calls = []
