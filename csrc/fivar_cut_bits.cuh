@@ -24,8 +24,15 @@ struct CutBits {
   static constexpr int ALIGNED = (N + 31) / 32;  // words of bits from the thread's first key on
   uint32_t aligned[2][ALIGNED];
 
-  // raw[r][j]: row r's word of keys 32 (c / 32 + j) ..; off: c % 32
-  FIVAR_HOST_DEVICE CutBits(const uint32_t (&raw)[2][RAW], int off) {
+  // the thread's first key of a tile counted from the request's cut keys, from its last score's key (the fragment
+  // walks keys +(i & 1) + 8 (i >> 2), so its last is N - 7 past its first): negative where the tile holds whole keys
+  static FIVAR_HOST_DEVICE int32_t first_key(int32_t kv_last, int32_t whole) { return kv_last - (N - 7) - whole; }
+  // the word holding cut key c (an arithmetic shift: negative, a whole tile's word)
+  static FIVAR_HOST_DEVICE int32_t word_of(int32_t c) { return c >> 5; }
+
+  // raw[r][j]: row r's word word_of(c_first) + j
+  FIVAR_HOST_DEVICE CutBits(const uint32_t (&raw)[2][RAW], int32_t c_first) {
+    const int off = c_first & 31;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll

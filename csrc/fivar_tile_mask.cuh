@@ -38,15 +38,14 @@ struct WithTileMask : Updater {
     const int32_t kv_last = fv_variant->fv_kv_last, whole = fv_variant->fv_whole;
     if (kv_last >= whole) {  // warp-uniform: a warp's last keys share one 32-key tile
       const int32_t q_last = fv_variant->fv_q_last;
-      const int32_t c_first = kv_last - (N - 7) - whole;  // the thread's first key, counted from the cut tiles
-      const int32_t w_first = c_first >> 5;                // its word (negative: a whole tile's)
+      const int32_t c_first = Bits::first_key(kv_last, whole), w_first = Bits::word_of(c_first);
       // one load a (row, word) rather than one a score: the thread's two rows, Bits::RAW words each
       uint32_t raw[2][Bits::RAW];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int j = 0; j < Bits::RAW; ++j) raw[r][j] = fv_variant->fv_cut_word(q_last - 8 + 8 * r, w_first + j);
-      const Bits bits(raw, c_first & 31);
+      const Bits bits(raw, c_first);
 #pragma unroll
       for (int i = 0; i < cute::size(acc_s); ++i)
         if (!bits.keeps(i)) acc_s(i) = Updater::fill_value;

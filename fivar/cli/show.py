@@ -48,7 +48,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
                 _print_code(text)
         return
     from ..jit.build import DTYPES, HEAD_DIMS
-    from ..jit.targets import FA2, named, runs_twin, target_of
+    from ..jit.targets import FA2, FA3, named, runs_twin, target_of
     target = target or FA2.name
     kernels = named(target)  # None for --target ir
     flashinfer = kernels is not None and kernels.is_flashinfer
@@ -117,7 +117,7 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
         tiles = fa3.uses_tile_list(v, op)  # the tile-list form on both, its struct the shared mask-free one
         s = bits_kernel(v) if tiles else v
         decl = (fa3.variant_decl(s, tile_list=tiles, logits_range=fa3.softmax_range(v, dtype))
-                if target_of(target).bounds_softmax else fa2.variant_decl(s, tile_list=tiles))
+                if target_of(target) is FA3 else fa2.variant_decl(s, tile_list=tiles))
         _print_code(decl.source)
         return
     _set_arch(arch)

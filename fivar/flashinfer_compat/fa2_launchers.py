@@ -88,7 +88,7 @@ def inst_statements(text: str) -> list[str]:
 @safe
 def batch_prefill_split_problem() -> str | None:
     """Why FlashInfer's batch-prefill instantiation templates cannot be grouped by tile, or None (each module's
-    units are also checked statement for statement against FlashInfer's, fivar.jit.build._fa2_tile_split)."""
+    units are also checked statement for statement against FlashInfer's, fivar.jit.fa2_tile_split)."""
     from .templates import template_variables, variables_of
     ours = variables_of((templates_dir() / "fa2" / "batch_prefill_tile_inst.jinja").read_text())
     for name in ("batch_prefill_paged_kernel_inst.jinja", "batch_prefill_ragged_kernel_inst.jinja"):

@@ -106,8 +106,10 @@ def host_unit(texts: dict[str, str], includes: tuple[str, ...] = ()) -> str:
     # definitions carry (batch_prefill.cu's plan/workspace_size), and tvm-ffi's export macro rejects a
     # function whose default arguments are visible. Defaults added by the later definition are legal C++.
     order = sorted(texts, key=lambda n: not n.endswith("_jit_binding.cu"))
+    # this text is hashed into every module's URI: kept byte for byte (the function once lived in fivar.jit.build),
+    # so moving code leaves every cache valid
     parts = ["// fivar: FlashInfer's " + ", ".join(order) + " in one host-only translation unit "
-             "(see fivar.jit.sources.host_unit).", "#ifndef __CUDA_ARCH__"]
+             "(see fivar.jit.build._host_unit).", "#ifndef __CUDA_ARCH__"]
     for inc in includes:  # fivar's host-side definitions these sources call (see fivar.jit.fa2_tile_split)
         parts += [f"// ---- {inc} ----", f'#include "{inc}"']
     for name in order:

@@ -33,7 +33,8 @@ import torch
 from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 
 #: Zero words after the last request's bits: a thread reads every 32-key word its keys of a KV tile touch, up to
-#: (CTA_KV - 7 + 30) // 32 + 1 from its first (csrc/fivar_cut_bits.cuh, RAW), 7 at FA3's widest KV tile (192 keys).
+#: (CTA_KV - 7 + 30) // 32 + 1 from its first (csrc/fivar_cut_bits.cuh, RAW): 4 at the paged kernel's 96 keys; 8 past
+#: the last request's words cover any CTA_KV up to 256.
 CUT_WORDS_PAST = 8
 from ..codegen.triton import kernel_arg_values
 from ..jit.module_key import ModuleKey

@@ -177,7 +177,8 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
 
 def refuse_custom_mask(variant, target: str, kv_name) -> None:
     """A custom mask runs on FA3's tile-list form (bits) and the Triton twin; the other forms refuse it."""
-    if not target_of(target).takes_custom_mask or kv_name is not None:
+    t = target_of(target)
+    if not (t.takes_custom_mask and t.is_flashinfer) or kv_name is not None:  # a plan's target: never the twin
         raise FivarError(f"variant '{variant.name}': custom_mask runs on backend 'fa3' (sm90, a bf16/fp16 cache) or "
                          f"'triton'; FA2{' (an FP8 cache)' if kv_name is not None else ''} does not take it")
 

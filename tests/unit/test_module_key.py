@@ -17,21 +17,21 @@ from fivar.jit.module_key import ModuleKey
 
 #: (variant, op, target, form) -> the URI it renders with the toolchain in PINNED_WITH: forms across both targets
 PINNED = {
-    ("softcap", "single_prefill", "fa2", ()): "fivar_softcap_fa2_single_prefill_bf16_hd128_3fced47c9964",
-    ("softcap", "single_prefill", "fa3", ()): "fivar_softcap_fa3_single_prefill_bf16_hd128_80f9d86f8941",
+    ("softcap", "single_prefill", "fa2", ()): "fivar_softcap_fa2_single_prefill_bf16_hd128_a029d4d5357d",
+    ("softcap", "single_prefill", "fa3", ()): "fivar_softcap_fa3_single_prefill_bf16_hd128_d9b4f6cd8f96",
     ("softcap", "single_prefill", "fa3", (("bounded_softmax", False),)):
-        "fivar_softcap_fa3_single_prefill_bf16_hd128_224f6ca04712",
+        "fivar_softcap_fa3_single_prefill_bf16_hd128_d1ea6534f83f",
     ("document_window", "batch_prefill", "fa2", (("kv_segments", True), ("mask_free", True))):
-        "fivar_document_window_fa2_batch_prefill_kvsegfree_bf16_hd128_4fc1b66f9a2d",
+        "fivar_document_window_fa2_batch_prefill_kvsegfree_bf16_hd128_0314052d8c3b",
     ("document_window", "batch_prefill", "fa2", (("tile_list", True),)):
-        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_e388ea850e65",
+        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_069b74a36548",
     ("document_window", "batch_prefill", "fa3", (("custom_mask", True),)):
-        "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_a348ff9472a1",
-    ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_a348ff9472a1",
+        "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_d09d7405452c",
+    ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_d09d7405452c",
     ("sliding_window", "batch_decode", "fa2", (("kv_dtype", "fp8e4m3"),)):
-        "fivar_sliding_window_fa2_batch_decode_kvfp8e4m3_bf16_hd128_d00f95c42a86",
+        "fivar_sliding_window_fa2_batch_decode_kvfp8e4m3_bf16_hd128_25058f85a18d",
     ("sliding_window", "batch_decode", "fa2", (("kv_segments", True),)):
-        "fivar_sliding_window_fa2_batch_decode_kvseg_bf16_hd128_22b19c0523a3",
+        "fivar_sliding_window_fa2_batch_decode_kvseg_bf16_hd128_94841c3baee9",
 }
 PINNED_WITH = ("0.7.2.post1", "13.0.88", "90a")  # FlashInfer, nvcc, target archs: all in the content hash
 

@@ -14,7 +14,9 @@ from fivar.paths import csrc_dir
 from fivar.runtime.fa3_tile_list import CUT_WORDS_PAST
 
 HEADER = (csrc_dir() / "fivar_cut_bits.cuh").read_text()
-WIDTHS = [64, 80, 96, 112, 128, 160, 176, 192]  # the KV tile widths FA3 runs (fivar's tile choices included)
+#: the KV tiles of FA3's paged kernel, which the tile-list form runs (96 keys at head dim 64 and 128, 32 at 256), and
+#: other multiples of 8 the header takes, as a margin
+WIDTHS = [32, 96, 64, 80, 128, 176, 192, 256]
 
 
 def _slots(n: int) -> int:
@@ -24,18 +26,19 @@ def _slots(n: int) -> int:
 
 
 def _thread_keeps(kv_last: int, whole: int, n: int, words_of) -> dict[int, int]:
-    """{kv: kept} for the scores of one thread row of a tile, as the header computes them."""
+    """{kv: kept} for the scores of one thread row of a tile, as the header reads them: RAW words from the thread's
+    first key's, the score's bit at its key's offset from that word's first bit (CutBits' funnel shifts)."""
     c_first = kv_last - (n - 7) - whole
     w_first = c_first >> 5  # an arithmetic shift, as int32 >> in CUDA
-    words = [words_of(w_first + j) for j in range(_slots(n))]
+    raw = [words_of(w_first + j) for j in range(_slots(n))]
+    stream = sum(w << (32 * j) for j, w in enumerate(raw))
     out = {}
     for i in range(n // 8 * 4):  # the fragment ((2, 2, n / 8)): rows i >> 1 & 1 are the same keys
         if (i >> 1) & 1:
             continue
-        c = c_first + (i & 1) + 8 * (i >> 2)
-        slot = (c >> 5) - w_first
-        assert 0 <= slot < len(words), f"score {i}: slot {slot} of {len(words)}"
-        out[c + whole] = (words[slot] >> (c & 31)) & 1
+        p = (c_first & 31) + (i & 1) + 8 * (i >> 2)
+        assert p >> 5 < len(raw), f"score {i}: bit {p} past the {len(raw)} words read"
+        out[c_first + whole + (i & 1) + 8 * (i >> 2)] = (stream >> p) & 1
     return out
 
 
@@ -78,17 +81,28 @@ def test_too_few_padding_words_fail_the_replay(monkeypatch):
 
 _DRIVER = r"""
 #include <cstdio>
+#include <vector>
 #include "fivar_cut_bits.cuh"
-template <int N> void run(int off) {
-  uint32_t raw[2][fivar::CutBits<N>::RAW];
-  for (auto& row : raw) for (auto& w : row) if (std::scanf("%u", &w) != 1) return;
-  const fivar::CutBits<N> bits(raw, off);
+// one thread's tile as fivar_tile_mask.cuh masks it, its two rows' bits given as word lists (fv_cut_word's rules)
+template <int N> void run(int kv_last, int whole, const std::vector<uint32_t> (&rows)[2]) {
+  using Bits = fivar::CutBits<N>;
+  if (kv_last < whole) { std::puts("whole"); return; }  // the updater skips the tile
+  const int32_t c_first = Bits::first_key(kv_last, whole), w_first = Bits::word_of(c_first);
+  uint32_t raw[2][Bits::RAW];
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < Bits::RAW; ++j) {
+      const int32_t w = w_first + j;
+      raw[r][j] = w < 0 ? ~0u : whole < 0 ? 0u : w < int32_t(rows[r].size()) ? rows[r][w] : 0u;
+    }
+  const Bits bits(raw, c_first);
   for (int i = 0; i < N / 2; ++i) std::putchar(bits.keeps(i) ? '1' : '0');
   std::putchar('\n');
 }
 int main() {
-  int n, off;
-  while (std::scanf("%d %d", &n, &off) == 2) {
+  int n, kv_last, whole, words;
+  while (std::scanf("%d %d %d %d", &n, &kv_last, &whole, &words) == 4) {
+    std::vector<uint32_t> rows[2];
+    for (auto& row : rows) { row.resize(words); for (auto& w : row) if (std::scanf("%u", &w) != 1) return 1; }
     switch (n) {
 CASES
       default: return 1;
@@ -99,22 +113,37 @@ CASES
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
-def test_cut_bits_finds_every_scores_bit(tmp_path):
-    """CutBits<N> of random raw words and every even offset: fragment value i keeps exactly the bit of its row's
-    key off + (i & 1) + 8 (i >> 2) in that row's words (the thread's first key is even: off <= 30)."""
-    cases = "\n".join(f"      case {n}: run<{n}>(off); break;" for n in WIDTHS)
+def test_cut_bits_keeps_exactly_each_scores_bit(tmp_path):
+    """csrc/fivar_cut_bits.cuh compiled for the host, driven as fivar_tile_mask.cuh drives it (the thread's last
+    score's key, the request's whole keys, its rows' bit words) over random requests, every KV tile and lane: each
+    fragment value keeps exactly its row's bit of its key (every key of a whole tile, none where the request keeps
+    none)."""
+    cases = "\n".join(f"      case {n}: run<{n}>(kv_last, whole, rows); break;" for n in WIDTHS)
     (tmp_path / "driver.cpp").write_text(_DRIVER.replace("CASES", cases))
     subprocess.run(["g++", "-std=c++17", "-O1", "-I", str(csrc_dir()), "-o", str(tmp_path / "driver"),
                     str(tmp_path / "driver.cpp")], check=True)
     rng = random.Random()
     lines, want = [], []
-    for _ in range(400):
+    for _ in range(60):
         n = rng.choice(WIDTHS)
-        off = 2 * rng.randrange(16)
-        raw = [[rng.getrandbits(32) for _ in range(_slots(n))] for _ in range(2)]
-        lines.append(f"{n} {off} " + " ".join(str(w) for row in raw for w in row))
-        stream = [sum(w << (32 * j) for j, w in enumerate(row)) for row in raw]  # a row's words as one integer
-        want.append("".join(str((stream[(i >> 1) & 1] >> (off + (i & 1) + 8 * (i >> 2))) & 1) for i in range(n // 2)))
+        keys = rng.randrange(1, 700)
+        whole = 32 * rng.randrange(0, keys // 32 + 1) if rng.random() < 0.9 else -1
+        words = 0 if whole < 0 else (keys - whole + 31) // 32
+        rows = [[rng.getrandbits(32) for _ in range(words)] for _ in range(2)]
+        stream = [sum(w << (32 * j) for j, w in enumerate(row)) for row in rows]
+        for tile in range((keys + n - 1) // n):
+            for lane in range(4):
+                kv_last = tile * n + 2 * lane + n - 7
+                lines.append(f"{n} {kv_last} {whole} {words} " + " ".join(str(w) for row in rows for w in row))
+                if kv_last < whole:
+                    want.append("whole")
+                    continue
+                kv0 = kv_last - (n - 7)
+                keep = []
+                for i in range(n // 2):
+                    kv = kv0 + (i & 1) + 8 * (i >> 2)
+                    keep.append(0 if whole < 0 else 1 if kv < whole else (stream[(i >> 1) & 1] >> (kv - whole)) & 1)
+                want.append("".join(map(str, keep)))
     got = subprocess.run([str(tmp_path / "driver")], input="\n".join(lines) + "\n", capture_output=True, text=True,
                          check=True).stdout.split()
     assert got == want
