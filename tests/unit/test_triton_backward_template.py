@@ -15,7 +15,7 @@ BUNDLED = sorted(p.stem for p in bundled_variants_dir().glob("*.py") if p.stem !
 TRITON_PARTS = ["attention_bwd.py.jinja", "bwd/schedule.jinja", "bwd/dkdv.jinja", "bwd/dq.jinja", "bwd/launch.jinja"]
 # a line whose indentation Jinja computes: an indent variable or filter, a run of spaces made by an expression, or a
 # macro handed its indentation as a string of spaces
-COMPUTED_INDENT = re.compile(r"^\{\{-? *(ind|indent|pi)\b|\|\s*indent\b|\bindent\(|\{\{-? *['\"] ['\"] *\*|\(\s*['\"] +['\"]")
+COMPUTED_INDENT = re.compile(r"^\{\{-? *(ind|indent|pi)\b|\|\s*indent\b|\bindent\(|\{\{-? *['\"] ['\"] *\*|[(,]\s*['\"] +['\"]")
 
 
 def _attention_variants():
