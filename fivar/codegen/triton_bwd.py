@@ -8,6 +8,7 @@ backward's, so both share the variant functions and helpers.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..spec import grad, ir, positions
@@ -194,7 +195,8 @@ def render_training(variant) -> str:
                       prescan=variant.scans_mask,
                       has_mask=emit.lowered.mask is not None, gluon_functions=gluon_fns,
                       col_prologue=gluon.read_lines(gluon.col_loads), gl_cols=gluon.function_cols)
-    return forward + "\n\n" + backward
+    # the template's parts are included whole, each followed by blank lines: at most two between definitions
+    return forward + "\n\n" + re.sub(r"\n{4,}", "\n\n\n", backward)
 
 
 def _forward_helpers(variant) -> set[str]:
