@@ -58,6 +58,10 @@ class Target:
     bounds_softmax: bool = False
     #: FA3 modules take the longest to compile: the one a cold start's estimate is about
     compiles_slowest: bool = False
+    #: requests (query tiles) a tile-list launch takes at most (None: any). FlashInfer's FA3 planner switches to its
+    #: all-heads-alike schedule (a second kernel) past 4,096 works a head, ceil(rows / CTA_Q) + requests - 1, at most
+    #: 2 x requests - 1 there: a batch of more runs as several launches, so the module holds only the per-head kernel
+    tile_list_launch_requests: int | None = None
 
     def window_floor(self, variant) -> int | None:
         """The lowest `window_left` this target's kernels take for `variant` (fivar.runtime.forms._window_left),
@@ -87,7 +91,7 @@ FA2 = Target("fa2", "FA2", is_flashinfer=True, config_class=FA2BuildConfig, emit
              windows_as_batch=True, keys_tile_list=True, packs_query_heads=True)
 FA3 = Target("fa3", "FA3", is_flashinfer=True, config_class=FA3KernelConfig, emitter=fa3, needs_sm90a=True,
              decodes=False, takes_custom_mask=True, splits_waves=True, tile_lists_every_mask=True,
-             bounds_softmax=True, compiles_slowest=True)
+             bounds_softmax=True, compiles_slowest=True, tile_list_launch_requests=2048)
 TRITON = Target("triton", "Triton", is_flashinfer=False, config_class=None, emitter=triton, takes_custom_mask=True)
 
 TARGETS: dict[str, Target] = {t.name: t for t in (FA2, FA3, TRITON)}

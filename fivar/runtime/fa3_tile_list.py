@@ -48,12 +48,6 @@ from .params import kernel_args
 from .rows import indptr
 
 
-#: Requests a launch takes at most, per target. FlashInfer's FA3 planner switches to its all-heads-alike schedule (a
-#: second kernel) past 4,096 works a head, ceil(rows / CTA_Q) + requests - 1, at most 2 x requests - 1 here (a request
-#: is one query tile of CTA_Q rows): a batch of more requests runs as several launches, so the module holds only the
-#: per-head kernel (fivar.jit.build: half the compile).
-MAX_REQUESTS = {"fa3": 2048}
-
 
 def block_rows(head_dim: int) -> int:
     """FA3 paged prefill's query tile (CTA_Q): one request per tile wastes no rows."""
@@ -243,7 +237,7 @@ class TileListPrefill:
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
         split = {"disable_split_kv": True} if t.splits_kv and not variant.softmax else {}
         qo_i, kv_i = layout.qo_indptr, layout.kv_indptr
-        step = MAX_REQUESTS.get(target) or self.requests
+        step = t.tile_list_launch_requests or self.requests  # the module's one kernel
         self._launches = []
         for r0 in range(0, self.requests, step):  # launches of consecutive requests: rows [qo_i[r0], qo_i[r1])
             r1 = min(r0 + step, self.requests)

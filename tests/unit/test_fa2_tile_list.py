@@ -6,6 +6,7 @@ them in kNone mode the way the generated struct reads them (each request's local
 fv_blocks and fv_tile_keys, whole tiles kept with one compare, cut tiles from the bits or the mask): the whole batch
 must be the reference's, and corrupted tables must not be. Then the module's sources, and (nvcc) its build.
 """
+import dataclasses
 import shutil
 import subprocess
 import zlib
@@ -18,6 +19,7 @@ from fivar.testing import _ragged_reference
 import fivar
 from fivar.codegen import tile_list
 from fivar.errors import FivarError
+from fivar.jit.targets import FA2, target_of
 from fivar.spec import AttentionVariant
 from fivar.runtime import attention, explain, fa2_blocks, fa3_tile_list, plans
 from fivar.testing import _to_paged
@@ -102,10 +104,12 @@ def test_tile_list_plans_match_the_reference(cpu_fa2, monkeypatch, mask, causal,
 @pytest.mark.parametrize("kv_form", ["ragged", "paged"])
 @pytest.mark.parametrize("limit", [1, 2, 3])
 def test_a_batch_of_more_requests_than_a_launch_takes_runs_as_several(cpu_fa2, monkeypatch, kv_form, limit):  # noqa: F811
-    """FA3 launches take at most MAX_REQUESTS requests (its planner's all-heads-alike kernel is never built): a batch
-    of more runs as launches of consecutive requests, each indexing its own BLOCKS rows, their rows and LSEs put back
-    in order (FA2 here, its stand-in reading the tables as the struct does, with a limit of `limit` requests)."""
-    monkeypatch.setitem(fa3_tile_list.MAX_REQUESTS, "fa2", limit)
+    """FA3 launches take at most Target.tile_list_launch_requests requests (its planner's all-heads-alike kernel is
+    never built): a batch of more runs as launches of consecutive requests, each indexing its own BLOCKS rows, their
+    rows and LSEs put back in order (FA2 here, its stand-in reading the tables as the struct does, with a limit of
+    `limit` requests)."""
+    limited = dataclasses.replace(FA2, tile_list_launch_requests=limit)
+    monkeypatch.setattr(fa3_tile_list, "target_of", lambda name: limited if name == "fa2" else target_of(name))
     seed = zlib.crc32(f"split {kv_form} {limit}".encode())
     tiles, out, lse, ref, ref_lse = _run(m_per_head_window, kv_form, True, 2, 16, seed, monkeypatch, cpu_fa2)
     assert len(tiles._launches) == -(-tiles.requests // limit) > 1

@@ -26,8 +26,8 @@ PINNED = {
     ("document_window", "batch_prefill", "fa2", (("tile_list", True),)):
         "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_069b74a36548",
     ("document_window", "batch_prefill", "fa3", (("custom_mask", True),)):
-        "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_b6a5fea58ea1",
-    ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_b6a5fea58ea1",
+        "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_f517557877b2",
+    ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_f517557877b2",
     ("sliding_window", "batch_decode", "fa2", (("kv_dtype", "fp8e4m3"),)):
         "fivar_sliding_window_fa2_batch_decode_kvfp8e4m3_bf16_hd128_25058f85a18d",
     ("sliding_window", "batch_decode", "fa2", (("kv_segments", True),)):
