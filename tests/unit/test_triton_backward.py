@@ -603,6 +603,9 @@ def test_autotune_timings_kept_on_disk_where_triton_can(monkeypatch):
     from fivar.jit.triton_module import load_triton_module
     if "cache_results" not in inspect.signature(triton.autotune).parameters:
         pytest.skip("this Triton has no autotune cache")
+    # Triton fixes interpreted-or-compiled as it imports: Gluon (which the module imports) is imported interpreted
+    # here, as the rest of Triton was, before the module is loaded as if compiled
+    pytest.importorskip("triton.experimental.gluon")
     monkeypatch.delenv("TRITON_INTERPRET")
     module = load_triton_module(fivar.load("alibi"), training=True)
     for name in ("prefill_kernel", "decode_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
