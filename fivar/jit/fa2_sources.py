@@ -14,7 +14,8 @@ from ..flashinfer_layout import FA2_LAYOUT
 from . import pinned_kv_tiles, toolchain, unused_headers
 from .fa2_tile_split import _fa2_tile_split
 from .module_key import ModuleKey
-from .sources import Rendered, add_host_sources, dispatch_override, fivar_headers, flashinfer_kwargs
+from .sources import (Rendered, add_host_sources, dispatch_override, fivar_headers, flashinfer_kwargs,
+                      mask_mode_units)
 
 
 def fa2_sources(variant, key: ModuleKey, given: FA2BuildConfig, nvcc_parallel_passes: bool, cta_tile=None,
@@ -56,10 +57,7 @@ def fa2_sources(variant, key: ModuleKey, given: FA2BuildConfig, nvcc_parallel_pa
                     "fa2/tile_list_ragged_stubs.cu.jinja",
                     tiles=sorted({int(t) for t in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", inst)}), **kwargs)
             elif op != "batch_decode":  # decode has no mask-mode dispatch
-                for mode in modes:
-                    code = fa2.MASK_CODES[mode]
-                    sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code],
-                                                                           **kwargs)
+                sources.update(mask_mode_units(inst_t, modes, kwargs))
             else:
                 sources[f"{stem}.cu"] = _render_flashinfer(inst_t, **kwargs)
     pinned = (pinned_kv_tiles.pinned_smem(toolchain.target_archs(), build_config.pin_kv_tiles)

@@ -9,7 +9,8 @@ from ..flashinfer_compat.templates import render_template as _render_flashinfer
 from ..flashinfer_layout import FA3_LAYOUT
 from . import toolchain
 from .module_key import ModuleKey
-from .sources import Rendered, add_host_sources, dispatch_override, fivar_headers, flashinfer_kwargs
+from .sources import (Rendered, add_host_sources, dispatch_override, fivar_headers, flashinfer_kwargs,
+                      mask_mode_units)
 
 
 def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, nvcc_parallel_passes: bool,
@@ -17,7 +18,6 @@ def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, n
     """`variant`'s (the struct's: `user_variant` or the shared bits_kernel, `shared`) FA3 module of form `key`;
     `given`: the asked config, resolved here by fa3.kernel_config (tiles, schedules, exp2 split, softmax range)."""
     from flashinfer.jit.core import sm90a_nvcc_flags
-    from flashinfer.jit.utils import mask_mode_literal
 
     op, head_dim = key.op, key.head_dim
     # the tile-list form evaluates no mask per score: its MUFU ops do not count (the user's variant: its errors
@@ -44,10 +44,7 @@ def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, n
         elif tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
             sources.update(fa3.single_prefill_kernel_units(stem, tiles, schedules, head_dim, **kwargs))
         else:
-            for mode in modes:
-                code = fa2.MASK_CODES[mode]
-                sources[f"{stem}_mask_{code}.cu"] = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code],
-                                                                       **kwargs)
+            sources.update(mask_mode_units(inst_t, modes, kwargs))
     if "persistent" in schedules.values():
         sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
     add_host_sources(sources, host_files)

@@ -17,7 +17,7 @@ class Rendered:
     """One module's sources as a target renders them, before its URI."""
     sources: dict[str, str]
     cuda_cflags: list[str]
-    additional: tuple        # the struct's additional params (names and types), as FlivarModule records them
+    additional: tuple        # the struct's additional params (names and types), as FivarModule records them
     built: FA2BuildConfig | FA3KernelConfig  # the config resolved for this module (its manifest's options)
 
 
@@ -44,6 +44,17 @@ def flashinfer_kwargs(variant, key: ModuleKey, decl) -> dict:
         additional_params_setter=params_setter, require_fp4_kv_cache=False,
         paged_kv_stride_mode="runtime", same_kv_strides_values=["true", "false"],
     )
+
+
+def mask_mode_units(inst_t: str, modes: list[str], kwargs: dict) -> dict[str, str]:
+    """FlashInfer's kernel-instantiation template `inst_t` rendered once per mask mode the module compiles."""
+    from flashinfer.jit.utils import mask_mode_literal
+
+    from ..flashinfer_compat.templates import render_template
+
+    stem = inst_t.removesuffix("_inst.jinja")
+    return {f"{stem}_mask_{fa2.MASK_CODES[mode]}.cu": render_template(
+        inst_t, mask_mode=mask_mode_literal[fa2.MASK_CODES[mode]], **kwargs) for mode in modes}
 
 
 def dispatch_override(config: str, variant, mask_modes: list[str]) -> str:
