@@ -84,9 +84,11 @@ def _contenders(v, t, params) -> list[Contender]:
         import flashinfer
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
                                                            "NHD")
-        w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, packed_custom_mask=t["packed"], causal=True, q_data_type=DTYPE,
+        # The bool mask, which the wrapper packs itself: given only packed_custom_mask, FlashInfer 0.7 offsets each
+        # request by its mask's bit count where its kernel reads bytes (an illegal access past a few requests).
+        w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, custom_mask=t["rows"].reshape(-1), causal=True, q_data_type=DTYPE,
                kv_data_type=DTYPE, **mapped[0])
-        out.append(Contender("stock", lambda: w.run(q, cache), mapped[1] + ", packed custom mask"))
+        out.append(Contender("stock", lambda: w.run(q, cache), mapped[1] + ", custom mask"))
     if v.sink is None and selected("flex"):
         out.append(Contender("flex", _flex(v, t, params), "torch.compile, the batch gathered dense"))
     return out
