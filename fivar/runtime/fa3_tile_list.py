@@ -190,7 +190,7 @@ class TileListPrefill:
     """A batch planned on FA3 (or FA2: `target`) in the tile-list form; `run(q, k, v)` with k/v [tokens, H, D]
     (ragged) or [pages, page_size, H, D] (paged: `pages` = (kv_indices, page_size) on the device, kv_indptr then a
     page indptr and kv_last_page_len given). Checks of the inputs against the plan are the caller's. `custom`: a
-    custom mask (fivar.runtime.custom_mask.CustomMask, checked; FA3 only) ANDed into the map and the bits, which a
+    custom mask (fivar.runtime.custom_mask.CustomMask, checked) ANDed into the map and the bits, which a
     variant with no mask beyond a band then runs through the same bits-reading module (custom_mask=True)."""
 
     def __init__(self, variant, qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal, bound,

@@ -176,11 +176,12 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
 
 
 def refuse_custom_mask(variant, target: str, kv_name) -> None:
-    """A custom mask runs on FA3's tile-list form (bits) and the Triton twin; the other forms refuse it."""
+    """A custom mask runs on FA2's and FA3's tile-list forms (bits) and the Triton twin; an FP8 cache (FA2's
+    block form) refuses it."""
     t = target_of(target)
     if not (t.takes_custom_mask and t.is_flashinfer) or kv_name is not None:  # a plan's target: never the twin
-        raise FivarError(f"variant '{variant.name}': custom_mask runs on backend 'fa3' (sm90, a bf16/fp16 cache) or "
-                         f"'triton'; FA2{' (an FP8 cache)' if kv_name is not None else ''} does not take it")
+        raise FivarError(f"variant '{variant.name}': custom_mask runs on a bf16/fp16 cache (backends 'fa2', 'fa3', "
+                         f"'triton'); {'an FP8 cache' if kv_name is not None else t.label} does not take it")
 
 
 def tile_list_form(variant, target: str, one_query: bool = False, kv_dtype: str | None = None) -> bool:
@@ -224,7 +225,7 @@ class PagedAttentionPlan(_OwnsWrapper):
     form (fivar.runtime.fa3_tile_list), on either target; on FA2 a batch of one query a request, or an FP8 cache,
     one request per query block over the pages it may keep (fivar.runtime.fa2_blocks). `keys_read`: keys read and
     the unsplit form's. A custom mask (custom_mask or packed_custom_mask with mask_indptr,
-    fivar.runtime.custom_mask) runs FA3's tile-list form whatever the variant's mask, the custom bits ANDed into
+    fivar.runtime.custom_mask) runs the tile-list form (FA2 or FA3) whatever the variant's mask, the custom bits ANDed into
     the block map and the tiles' bits.
     """
 

@@ -25,6 +25,8 @@ PINNED = {
         "fivar_document_window_fa2_batch_prefill_kvsegfree_bf16_hd128_0314052d8c3b",
     ("document_window", "batch_prefill", "fa2", (("tile_list", True),)):
         "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_069b74a36548",
+    ("document_window", "batch_prefill", "fa2", (("custom_mask", True),)):
+        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_069b74a36548",
     ("document_window", "batch_prefill", "fa3", (("custom_mask", True),)):
         "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_f517557877b2",
     ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_f517557877b2",
@@ -64,6 +66,7 @@ FORMS = [("softcap", "single_prefill", "fa2", {}), ("softcap", "single_prefill",
          ("document_window", "batch_prefill", "fa2", dict(kv_segments=True)),
          ("document_window", "batch_prefill", "fa2", dict(kv_segments=True, mask_free=True)),
          ("document_window", "batch_prefill", "fa2", dict(tile_list=True)),
+         ("document_window", "batch_prefill", "fa2", dict(custom_mask=True)),
          ("document_window", "batch_prefill", "fa3", dict(custom_mask=True)),
          ("bigbird", "batch_prefill", "fa3", {})]
 
@@ -102,7 +105,9 @@ def test_the_key_and_its_keywords_are_not_both_taken():
     (ModuleKey("batch_decode", "fa3"), "no FA3 kernel for batch_decode"),
     (ModuleKey("single_prefill", "fa2", kv_dtype="fp8e4m3"), "FP8 KV cache runs on FA2's paged kernels"),
     (ModuleKey("batch_prefill", "fa2", mask_free=True), "mask-free form is FA2's key-segments form"),
-    (ModuleKey("batch_prefill", "fa2", custom_mask=True), "custom-mask form is FA3 batch prefill"),
+    (ModuleKey("single_prefill", "fa2", custom_mask=True), "custom-mask form is FA2 or FA3 batch prefill"),
+    (ModuleKey("batch_prefill", "fa2", custom_mask=True, kv_dtype="fp8e4m3"), "custom-mask form is FA2 or FA3"),
+    (ModuleKey("batch_prefill", "fa2", custom_mask=True, kv_segments=True), "custom-mask form is FA2 or FA3"),
     (ModuleKey("single_prefill", "fa2", tile_list=True), "tile_list=True asks for FA2 batch prefill"),
     (ModuleKey("single_prefill", "fa4"), "target 'fa4' is not available"),
     (ModuleKey("single_prefill", "fa2", head_dim=96), "head_dim 96 is not supported"),

@@ -17,6 +17,7 @@ from fivar.codegen.fa3 import TILE_WIDTH
 from fivar.codegen.torch_ref import reference_attention
 from fivar.integrations.serving import chain_parents, tree_mask, tree_rows
 from fivar.runtime.custom_mask import check_custom_mask, pack
+from fivar.runtime.fa2_blocks import tile_list_rows
 from fivar.runtime.fa3_tile_list import block_map, page_size_for, tile_list
 from fivar.runtime.launch import _prepare
 from fivar.runtime.plans import refuse_custom_mask
@@ -130,11 +131,14 @@ def test_triton_verify_matches_the_reference(name, causal, page):
             assert (dropped.double() - ref).abs().max() > 5e-2
 
 
+@pytest.mark.parametrize("target", ["fa2", "fa3"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("causal", [False, True])
-def test_fa3_tile_lists_keep_exactly_the_pairs_of_the_custom_mask(name, causal):
-    """The tile list FA3 runs, planned with the custom mask ANDed into the map and the bits, keeps exactly the pairs
-    of the variant's mask, causal and the custom mask; planned without it, the same check fails."""
+def test_tile_lists_keep_exactly_the_pairs_of_the_custom_mask(name, causal, target):
+    """The tile list FA3 (or FA2, at its query tile of a GQA group's packed rows) runs, planned with the custom mask
+    ANDed into the map and the bits, keeps exactly the pairs of the variant's mask, causal and the custom mask;
+    planned without it, the same check fails."""
+    rows = ROWS if target == "fa3" else tile_list_rows(HQ // HKV, D)
     for form in ("chain", "tree"):
         qo, kv, masks, prefixes, parents = _verify_batch(form, causal)
         kv = [k + TILE_WIDTH * random.randint(0, 2) for k in kv]  # longer prefixes: whole tiles and cut ones
@@ -149,9 +153,9 @@ def test_fa3_tile_lists_keep_exactly_the_pairs_of_the_custom_mask(name, causal):
                                    torch.tensor(kv), "cpu")
         layouts = []
         for given in (custom, None):
-            kinds, bits_of, heads = block_map(v, bound, _ind(qo), _ind(kv), HQ, HKV, D, causal, sm_scale, "cpu", ROWS,
+            kinds, bits_of, heads = block_map(v, bound, _ind(qo), _ind(kv), HQ, HKV, D, causal, sm_scale, "cpu", rows,
                                               given)
-            layouts.append(tile_list(kinds, _ind(qo), _ind(kv), ROWS, token_of, bits_of,
+            layouts.append(tile_list(kinds, _ind(qo), _ind(kv), rows, token_of, bits_of,
                                      page_size_for(cache_page_size=cache_page), heads))
         assert list_errors(v, bound, layouts[0], qo, kv, causal, key_at, custom=masks) == []
         # dropping the custom mask fails the check exactly when it drops pairs the variant (and causal) keep: a
@@ -202,15 +206,16 @@ def test_bad_custom_masks_are_one_line_errors():
     _one_line(e, "softcap", "custom_mask", "[3, 10]")
 
 
-def test_backends_without_the_custom_mask_refuse_it_in_one_line():
-    """FA2 and an FP8 cache refuse it; FA3 takes it for any mask, one reading the head too (bits per head)."""
+def test_an_fp8_cache_refuses_the_custom_mask_in_one_line():
+    """An FP8 cache (FA2's block form) refuses it; FA2 and FA3 take it for any mask, one reading the head too (bits
+    per head)."""
     from test_block_map import _variant
-    for target, kv_name in (("fa2", None), ("fa3", "fp8e4m3")):
+    for target in ("fa2", "fa3"):
         with pytest.raises(fivar.FivarError) as e:
-            refuse_custom_mask(fivar.load("softcap"), target, kv_name)
-        _one_line(e, "softcap", "custom_mask", "FA2")
-    refuse_custom_mask(fivar.load("document_mask"), "fa3", None)
-    refuse_custom_mask(_variant("head_window_sinks")[0], "fa3", None)
+            refuse_custom_mask(fivar.load("softcap"), target, "fp8e4m3")
+        _one_line(e, "softcap", "custom_mask", "FP8")
+        refuse_custom_mask(fivar.load("document_mask"), target, None)
+        refuse_custom_mask(_variant("head_window_sinks")[0], target, None)
 
 
 def test_the_custom_mask_module_of_a_variant_without_a_scanned_mask_reads_bits(monkeypatch):
@@ -236,8 +241,14 @@ def test_the_custom_mask_module_of_a_variant_without_a_scanned_mask_reads_bits(m
         assert gen_module(v, "batch_prefill", "fa3", **m.options).uri == m.uri
     tiles = gen_module(fivar.load("document_mask"), "batch_prefill", "fa3")
     assert gen_module(fivar.load("document_mask"), "batch_prefill", "fa3", **tiles.options).uri == tiles.uri
+    # FA2: the tile-list module its logits share with every mask (no logits: a document mask's)
+    plain = gen_module(fivar.load("document_mask"), "batch_prefill", "fa2", tile_list=True).uri
+    for name in ("softcap", "sliding_window"):
+        fa2 = gen_module(fivar.load(name), "batch_prefill", "fa2", custom_mask=True)
+        assert fa2.uri.startswith("fivar_any_mask_fa2_batch_prefill_tiles_") and fa2.options["tile_list"]
+        assert (fa2.uri == plain) == (name == "sliding_window")
     with pytest.raises(fivar.FivarError) as e:
-        gen_module(fivar.load("softcap"), "batch_prefill", "fa2", custom_mask=True)
+        gen_module(fivar.load("softcap"), "single_prefill", "fa2", custom_mask=True)
     _one_line(e, "softcap", "custom-mask")
 
 

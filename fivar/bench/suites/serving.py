@@ -3,9 +3,10 @@ random draft tree, fivar.integrations.serving), batch 32 x 8192 keys of context,
 32/8, causal; soft-cap, sliding window (512) and gpt-oss (a sink per head in a 128-key window).
 
 Contenders: `fivar-fa3` (the one-shot `batch_prefill_paged(..., packed_custom_mask=)`, backend auto: FA3's
-tile-list form on sm90), `fivar-fa3-planned` (`plan_paged` once, then `run`), `triton` (the twin's prefill
+tile-list form on sm90), `fivar-fa3-planned` (`plan_paged` once, then `run`), `fivar-fa2` (the one-shot call on
+FA2's tile-list form), `triton` (the twin's prefill
 reading the pages through the page table and the mask's bits), `stock` (FlashInfer's
-BatchPrefillWithPagedKVCacheWrapper with the same packed mask and `logits_soft_cap` / `window_left`, where those
+BatchPrefillWithPagedKVCacheWrapper with the same mask and `logits_soft_cap` / `window_left`, where those
 compute the variant: not for the sink) and `flex` (FlexAttention over the batch gathered dense, its block mask
 from the variant's mask and the custom mask; no sink either). Ratios against stock, else the Triton twin.
 
@@ -75,6 +76,10 @@ def _contenders(v, t, params) -> list[Contender]:
         plan = v.plan_paged(*paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, page_size=PAGE,
                             dtype=DTYPE, causal=True, backend="fa3", **mask, **params)
         out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, cache), "tile list planned once"))
+    if selected("fivar-fa2"):
+        out.append(Contender("fivar-fa2", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, backend="fa2",
+                                                                        **mask, **params),
+                             "one call, FA2's tile list (a GQA group's rows in one query tile)"))
     if selected("triton"):
         out.append(Contender("triton", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, backend="triton",
                                                                      **mask, **params),
@@ -148,7 +153,8 @@ def _modules(name: str):
         return []
     v = fivar.load(name)
     own = v.scans_mask  # a mask beyond a band keeps its own tile-list module
-    return [gen_module(v, "batch_prefill", "fa3", "bf16", HEAD_DIM, custom_mask=not own)]
+    return [gen_module(v, "batch_prefill", "fa3", "bf16", HEAD_DIM, custom_mask=not own),
+            gen_module(v, "batch_prefill", "fa2", "bf16", HEAD_DIM, custom_mask=True)]
 
 
 def _case(name: str, drafts: int, form: str, overrides: dict | None = None) -> Case:
