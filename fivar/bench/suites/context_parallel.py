@@ -39,7 +39,7 @@ WINDOW = 4096  # Gemma 2's local layers
 DOCS = {SEQ: 8, LONG_SEQ: 32, QUICK_SEQ: 4}  # documents in the packed sequence: sparse enough at 512k to be cheap
 CHECK_BLOCKS, CHECK_ROWS = 3, 32  # reference blocks of query rows (the full reference would not fit)
 LSE_ATOL = 5e-2  # log2 units: dropping or doubling a shard's keys moves a row's LSE by ~1
-CASE_TIMEOUT_S = 420.0
+CASE_TIMEOUT_S = 240.0  # a case takes well under a minute: a group past this waits on a rank that failed
 STRATEGIES = {"fivar-ring": "ring", "fivar-all-gather": "all_gather"}
 SINGLE = "single-gpu"
 
@@ -59,7 +59,7 @@ class Config:
     device: str = "cuda"  # cuda: NCCL, one GPU a rank; cpu: gloo
     contenders: tuple = (SINGLE, *STRATEGIES)
     seed: int = 0
-    budget_s: float = 2.0  # timed seconds per contender, at least MIN_ROUNDS rounds
+    budget_s: float = 1.0  # timed seconds per contender, at least MIN_ROUNDS rounds
     warmup: int = 2
     corrupt: bool = False  # perturb the gathered output before its check (the check's own test)
 
@@ -157,12 +157,12 @@ def _entry(rank: int, world: int, cfg: Config, out: str):
                                 device_id=torch.device("cuda", rank))
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    try:
-        rows = worker(cfg)
-        if rank == 0:
-            Path(out).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+    rows = worker(cfg)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    # only after a clean run: a rank that raised exits at once (tearing down a group whose peers wait in a
+    # collective could hang), and the parent ends the others
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------- one rank's run
@@ -484,6 +484,6 @@ def cases(quick: bool = False) -> list:
     window = Config("softcap_sliding_window", seq, window=WINDOW, seed=2)
     out = [docs, window]
     if not quick:
-        out.append(Config("document_mask", LONG_SEQ, docs=DOCS[LONG_SEQ], seed=3, budget_s=3.0, warmup=1))
+        out.append(Config("document_mask", LONG_SEQ, docs=DOCS[LONG_SEQ], seed=3, budget_s=1.5, warmup=1))
     out += [replace(docs, backward=True), replace(window, backward=True)]
     return [_case(c, quick) for c in out]
