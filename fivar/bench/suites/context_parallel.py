@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import math
 import os
 import socket
 import tempfile
 import time
-import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..runner import Case, Measurement, Prepared
