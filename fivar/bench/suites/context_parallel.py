@@ -245,6 +245,12 @@ def worker(cfg: Config) -> list[dict]:
     from ...distributed.positions import global_variant, shifts
     from ...runtime import attention as runtime
     g = Group(cfg)
+    t0 = time.perf_counter()
+
+    def log(what: str):  # progress on rank 0: a slow or stuck step shows where it is
+        if g.rank == 0:
+            print(f"  [context-parallel W={g.world} {cfg.variant} S={cfg.seqlen}] {time.perf_counter() - t0:.0f} s: "
+                  f"{what[:200]}", flush=True)
     dtype = getattr(torch, cfg.dtype)
     variant = fivar.load(cfg.variant)
     params = params_of(cfg, g.device)
@@ -308,6 +314,7 @@ def worker(cfg: Config) -> list[dict]:
         want = got if err is None else None
         status[SINGLE] = err
     status[SINGLE] = g.broadcast(status.get(SINGLE))
+    log(f"{SINGLE} checked: {status[SINGLE] or 'pass'}")
 
     for name, strategy in STRATEGIES.items():
         if name not in cfg.contenders:
@@ -316,6 +323,7 @@ def worker(cfg: Config) -> list[dict]:
         errs = [e for e in g.objects(err) if e]
         if errs:  # every rank skips it alike
             status[name] = errs[0]
+            log(f"{name}: {errs[0]}")
             continue
         gathered = [g.gather(x, sharding) for x in got]
         err = None
@@ -330,6 +338,7 @@ def worker(cfg: Config) -> list[dict]:
             else:
                 err = "no single-GPU result and no reference to check against"
         status[name] = g.broadcast(err)
+        log(f"{name} checked: {status[name] or 'pass'}")
         del got, gathered
 
     # timing: only what passed; the single-GPU run on rank 0 while the others wait at the barriers
@@ -343,6 +352,7 @@ def worker(cfg: Config) -> list[dict]:
         rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(cfg.budget_s * 1e3 / max(first, 1e-3))))
         samples = [g.max(g.time_ms(on)) for _ in range(rounds)]
         times[name] = samples
+        log(f"{name} timed: median {_median(sorted(samples)):.3f} ms over {rounds} rounds")
 
     if g.rank:
         return []
