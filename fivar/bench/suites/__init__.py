@@ -5,7 +5,7 @@ import importlib
 
 SUITES = {"attention": "attention", "decode": "decode", "zoo": "zoo", "masks": "masks", "fusions": "fusions",
           "triton-ops": "triton_ops", "compile": "compile", "train": "train",
-          "serving": "serving"}
+          "serving": "serving", "context-parallel": "context_parallel"}
 
 
 def cases_of(suite: str, quick: bool = False) -> list:

@@ -1,0 +1,497 @@
+"""Context parallelism (fivar.distributed) on the GPUs of one host: one sequence sharded zigzag over W =
+min(GPUs, 8) processes of an NCCL group, bf16, head dim 128, GQA 32/8, causal. Variants: packed documents
+(`document_mask`, seeded random document lengths) and Gemma 2's soft-capped sliding window
+(`softcap_sliding_window`, window 4096) at S = 128k, documents also at 512k; `--quick`: S = 16k.
+
+Contenders: `fivar-ring` and `fivar-all-gather` (each rank's shard, strategies of fivar.distributed) and
+`single-gpu`, fivar's own prefill of the whole sequence on one GPU (same variant, same backend: FA3 on sm90);
+`scaling_efficiency` = T_single / (W * T_cp) (1: perfect scaling). The `fwd+bwd` cases time forward and backward
+(gradients of q, k and v) instead.
+
+Checks before timing: the single-GPU result against the float32 torch reference on blocks of query rows at global
+positions; each strategy's output and LSE (and gradients), gathered to rank 0, against the single-GPU result (or,
+where that did not run, against the same reference blocks). A contender whose check fails is not timed.
+Timing: CUDA events, a barrier before each call, warm-up first; each sample is the slowest rank's; median over
+rounds. Each case runs in processes of its own (`run_group`), which also run on CPUs with gloo (the unit test).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ..runner import Case, Measurement, Prepared
+
+#: every process of a group gets these (NVLink multicast off: mandatory on the hosts this suite runs on)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+MAX_WORLD = 8
+HEADS, HEAD_DIM = (32, 8), 128
+SEQ, LONG_SEQ, QUICK_SEQ = 131072, 524288, 16384
+WINDOW = 4096  # Gemma 2's local layers
+DOCS = {SEQ: 8, LONG_SEQ: 32, QUICK_SEQ: 4}  # documents in the packed sequence: sparse enough at 512k to be cheap
+CHECK_BLOCKS, CHECK_ROWS = 3, 32  # reference blocks of query rows (the full reference would not fit)
+LSE_ATOL = 5e-2  # log2 units: dropping or doubling a shard's keys moves a row's LSE by ~1
+CASE_TIMEOUT_S = 240.0  # a case takes well under a minute: a group past this waits on a rank that failed
+STRATEGIES = {"fivar-ring": "ring", "fivar-all-gather": "all_gather"}
+SINGLE = "single-gpu"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One case as the worker processes run it (picklable: spawned processes receive it)."""
+    variant: str  # a bundled variant (fivar.load)
+    seqlen: int
+    backward: bool = False  # time forward + backward (gradients of q, k, v)
+    docs: int = 0  # document_mask: this many documents of seeded random lengths
+    window: int = 0  # softcap_sliding_window: the window
+    heads: tuple = HEADS
+    head_dim: int = HEAD_DIM
+    dtype: str = "bfloat16"
+    backend: str = "fa3"  # per pair and for the single-GPU prefill: fa3, fa2, triton or reference
+    device: str = "cuda"  # cuda: NCCL, one GPU a rank; cpu: gloo
+    contenders: tuple = (SINGLE, *STRATEGIES)
+    seed: int = 0
+    budget_s: float = 1.0  # timed seconds per contender, at least MIN_ROUNDS rounds
+    warmup: int = 2
+    corrupt: bool = False  # perturb the gathered output before its check (the check's own test)
+
+
+MIN_ROUNDS, MAX_ROUNDS = 3, 20
+
+
+# ---------------------------------------------------------------------------------------------- the inputs
+
+def doc_lengths(seqlen: int, docs: int, seed: int) -> list[int]:
+    """`docs` lengths summing to seqlen, each at least seqlen / (4 docs), seeded."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    floor = seqlen // (4 * docs)
+    share = torch.rand(docs, generator=gen, dtype=torch.float64)
+    extra = (share / share.sum() * (seqlen - floor * docs)).floor().long()
+    extra[-1] += seqlen - floor * docs - int(extra.sum())
+    return [floor + int(x) for x in extra]
+
+
+def params_of(cfg: Config, device) -> dict:
+    import fivar.testing
+    if cfg.docs:
+        ids = fivar.testing.document_ids(doc_lengths(cfg.seqlen, cfg.docs, cfg.seed))
+        return {"doc_ids": ids.view(1, -1).to(device)}
+    return {"window": cfg.window} if cfg.window else {}
+
+
+# ------------------------------------------------------------------------------------------ the processes
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    """os.environ with `values` while spawning (children inherit it), as it was after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_group(cfg: Config, world: int, timeout_s: float = CASE_TIMEOUT_S) -> list[dict]:
+    """Runs `worker` in `world` spawned processes of one group; rank 0's rows (dicts of Measurement fields). A
+    process that fails or a group that outlives timeout_s gives one error row."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory(prefix="fivar-cp-") as tmp:
+        out = Path(tmp) / "rows.json"
+        with _environ({**NCCL_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}):
+            ctx = mp.start_processes(_entry, args=(world, cfg, str(out)), nprocs=world, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=2):
+                if time.monotonic() > deadline:
+                    return [_error_row(f"the group of {world} processes did not finish within {timeout_s:.0f} s")]
+        except Exception as e:  # a rank raised (its traceback is in the message) or died
+            return [_error_row(_last_line(str(e)))]
+        finally:
+            for p in ctx.processes:  # this group's own processes, by id: none outlives its case
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        if not out.exists():
+            return [_error_row("rank 0 wrote no rows")]
+        return json.loads(out.read_text())
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return (lines[-1] if lines else "failed")[:400]
+
+
+def _error_row(msg: str, contender: str = "*") -> dict:
+    return asdict(Measurement(contender, "ms", None, "error", detail={"error": msg}))
+
+
+def _entry(rank: int, world: int, cfg: Config, out: str):
+    os.environ.update(NCCL_ENV)
+    import torch
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=CASE_TIMEOUT_S)
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    rows = worker(cfg)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    # only after a clean run: a rank that raised exits at once (tearing down a group whose peers wait in a
+    # collective could hang), and the parent ends the others
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------- one rank's run
+
+class Group:
+    """This rank's view of the group: device, barrier, timer, collectives on host values."""
+
+    def __init__(self, cfg: Config):
+        import torch
+        import torch.distributed as dist
+        self.dist, self.torch = dist, torch
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cuda = cfg.device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+
+    def sync(self):
+        """Every rank here, with its queued work done."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        self.dist.barrier()
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def max(self, x: float) -> float:
+        t = self.torch.tensor([x], dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def objects(self, x) -> list:
+        got = [None] * self.world
+        self.dist.all_gather_object(got, x)
+        return got
+
+    def broadcast(self, x):
+        box = [x]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def time_ms(self, fn) -> float:
+        """One call's milliseconds on this rank, started after a barrier."""
+        self.sync()
+        if self.cuda:
+            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def gather(self, x, sharding):
+        """The full-sequence tensor of every rank's rows, on rank 0 (None elsewhere)."""
+        torch = self.torch
+        rows = sharding.max_length
+        buf = x.new_zeros((rows, *x.shape[1:]))
+        buf[:x.shape[0]] = x
+        parts = [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else None
+        self.dist.gather(buf, parts, dst=0)
+        if self.rank:
+            return None
+        return sharding.unshard([p[:sharding.length(r)] for r, p in enumerate(parts)])
+
+
+def _call(fn):
+    """(result, None) or (None, one-line error)."""
+    try:
+        return fn(), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:400]
+
+
+def worker(cfg: Config) -> list[dict]:
+    """One rank's part of a case (every rank of an initialised torch.distributed group calls it): rows (dicts of
+    Measurement fields) on rank 0, [] elsewhere. Collective: every rank reaches the same calls in the same order."""
+    import torch
+
+    import fivar
+    from ...codegen.torch_ref import reference_attention
+    from ...distributed import Sharding, all_gather_attention, ring_attention
+    from ...distributed.positions import global_variant, shifts
+    from ...runtime import attention as runtime
+    g = Group(cfg)
+    t0 = time.perf_counter()
+
+    def log(what: str):  # progress on rank 0: a slow or stuck step shows where it is
+        if g.rank == 0:
+            print(f"  [context-parallel W={g.world} {cfg.variant} S={cfg.seqlen}] {time.perf_counter() - t0:.0f} s: "
+                  f"{what[:200]}", flush=True)
+    dtype = getattr(torch, cfg.dtype)
+    variant = fivar.load(cfg.variant)
+    params = params_of(cfg, g.device)
+    S, (hq, hkv), d = cfg.seqlen, cfg.heads, cfg.head_dim
+    sharding = Sharding.zigzag(S, g.world)
+    # every (query run, key run) pair is a one-shot plan of its own: keep them all between calls
+    runtime._one_shot.capacity = max(runtime._one_shot.capacity, 4 * g.world * g.world + 4)
+
+    # the same inputs on every rank: rank 0's, broadcast
+    gen = torch.Generator(device=g.device).manual_seed(cfg.seed)
+    full = [torch.randn(S, h, d, generator=gen, device=g.device, dtype=dtype) for h in (hq, hkv, hkv)]
+    full.append(torch.randn(S, hq, d, generator=gen, device=g.device, dtype=dtype))  # dout, for the backward
+    for t in full:
+        g.dist.broadcast(t, src=0)
+    q, k, v, dout = full
+    mine = [sharding.shard(t, g.rank).contiguous() for t in full]
+    if g.rank:  # only rank 0 runs the whole sequence
+        q = k = v = dout = full = None
+
+    def single(q_, k_, v_):
+        if cfg.backend == "reference":
+            o, lse = reference_attention(variant, q_, k_, v_, causal=True, params=params, return_lse=True)
+            return o.to(dtype), lse
+        if cfg.backward:
+            return variant.attention(q_, k_, v_, causal=True, backend=cfg.backend, return_lse=True, **params)
+        return variant.prefill(q_, k_, v_, causal=True, backend=cfg.backend, return_lse=True, **params)
+
+    def cp(strategy, q_, k_, v_):
+        fn = ring_attention if strategy == "ring" else all_gather_attention
+        return fn(variant, q_, k_, v_, sharding, causal=True, backend=cfg.backend, return_lse=True, **params)
+
+    def with_grads(fn, inputs, do):
+        """fn's (out, lse), then the gradients of (out * do).sum() in the inputs."""
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        out, lse = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, do)
+        return (out.detach(), lse.detach(), *grads)
+
+    def run_single():
+        if not cfg.backward:
+            return single(q, k, v)
+        return with_grads(single, (q, k, v), dout)
+
+    def run_cp(strategy):
+        if not cfg.backward:
+            return cp(strategy, *mine[:3])
+        return with_grads(lambda *x: cp(strategy, *x), mine[:3], mine[3])
+
+    names = ("out", "lse", "dq", "dk", "dv")
+    status, times = {}, {}  # status[contender]: None (checked, passed) or why not
+    want = refs = None
+    if g.rank == 0:
+        # the single-GPU result (the strategies' check: run even where its row is not wanted), checked against
+        # the reference on blocks of query rows at global positions
+        refs, ref_err = _call(lambda: _reference_blocks(variant, q, k, v, params, reference_attention,
+                                                        global_variant, shifts))
+        got, err = _call(run_single)
+        if err is None:
+            err = _check_blocks_against(variant.name, SINGLE, got, refs, dtype) if refs else \
+                f"no reference to check against ({ref_err})"
+        want = got if err is None else None
+        status[SINGLE] = err
+    status[SINGLE] = g.broadcast(status.get(SINGLE))
+    log(f"{SINGLE} checked: {status[SINGLE] or 'pass'}")
+
+    for name, strategy in STRATEGIES.items():
+        if name not in cfg.contenders:
+            continue
+        got, err = _call(lambda: run_cp(strategy))
+        errs = [e for e in g.objects(err) if e]
+        if errs:  # every rank skips it alike
+            status[name] = errs[0]
+            log(f"{name}: {errs[0]}")
+            continue
+        gathered = [g.gather(x, sharding) for x in got]
+        err = None
+        if g.rank == 0:
+            if cfg.corrupt:  # a wrong output the check must catch: a block of rows scaled
+                gathered[0] = gathered[0].clone()
+                gathered[0][S // 3: S // 3 + max(1, S // 16)] *= 1.5
+            if want is not None:
+                err = _check_full(variant.name, name, gathered, want, dtype, names)
+            elif refs:
+                err = _check_blocks_against(variant.name, name, gathered, refs, dtype)
+            else:
+                err = "no single-GPU result and no reference to check against"
+        status[name] = g.broadcast(err)
+        log(f"{name} checked: {status[name] or 'pass'}")
+        del got, gathered
+
+    # timing: only what passed; the single-GPU run on rank 0 while the others wait at the barriers
+    order = [c for c in (SINGLE, *STRATEGIES) if c in cfg.contenders and status.get(c) is None]
+    for name in order:
+        fn = run_single if name == SINGLE else (lambda s=STRATEGIES[name]: run_cp(s))
+        on = (lambda: fn()) if name != SINGLE or g.rank == 0 else (lambda: None)
+        for _ in range(cfg.warmup):
+            on()
+        first = g.max(g.time_ms(on))
+        rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(cfg.budget_s * 1e3 / max(first, 1e-3))))
+        samples = [g.max(g.time_ms(on)) for _ in range(rounds)]
+        times[name] = samples
+        log(f"{name} timed: median {_median(sorted(samples)):.3f} ms over {rounds} rounds")
+
+    if g.rank:
+        return []
+    rows = []
+    label = f"{'forward+backward' if cfg.backward else 'forward'}, {cfg.backend}, zigzag, W={g.world}"
+    for name in (SINGLE, *STRATEGIES):
+        if name not in cfg.contenders:
+            continue
+        if status.get(name) is not None:
+            check = "fail" if status[name].startswith("FAIL") else "error"
+            rows.append(asdict(Measurement(name, "ms", None, check, label, {"error": status[name]})))
+            continue
+        s = sorted(times[name])
+        rows.append(asdict(Measurement(name, "ms", _median(s), "pass", label,
+                                       {"spread_ms": [s[0], s[-1]], "samples": len(s), "world": g.world})))
+    if SINGLE in times:
+        for name in STRATEGIES:
+            if name in times:
+                t_single, t_cp = _median(sorted(times[SINGLE])), _median(sorted(times[name]))
+                rows.append(asdict(Measurement(name, "scaling_efficiency", t_single / (g.world * t_cp), "pass", label,
+                                               {"single_ms": t_single, "cp_ms": t_cp, "world": g.world})))
+    return rows
+
+
+def _reference_blocks(variant, q, k, v, params, reference_attention, global_variant, shifts):
+    """(starts, [(out, lse)]): the float32 reference of CHECK_ROWS query rows at each start, at global positions
+    (the per-pair variant fivar.distributed derives, causal included), against every key."""
+    S = q.shape[0]
+    derived = global_variant(variant, True)
+    starts = _check_blocks(S)
+    refs = [reference_attention(derived, q[s:s + CHECK_ROWS], k, v, params={**params, **shifts(s, CHECK_ROWS, 0, S)},
+                                return_lse=True) for s in starts]
+    return starts, refs
+
+
+def _median(s: list) -> float:
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _check_blocks(S: int) -> list[int]:
+    """Starts of the reference's query row blocks: the first rows, the middle, the last."""
+    starts = sorted({0, max(0, S // 2 - CHECK_ROWS // 2), S - CHECK_ROWS})
+    return [s for s in starts if s >= 0][:CHECK_BLOCKS]
+
+
+def _lse_check(name: str, lse, ref_lse) -> str | None:
+    import torch
+    if not torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse.to(lse.device))):
+        return f"FAIL {name} lse: rows without keys differ"
+    fin = torch.isfinite(ref_lse)
+    err = float((lse.double() - ref_lse.double().to(lse.device)).abs()[fin].max()) if fin.any() else 0.0
+    return None if err <= LSE_ATOL else f"FAIL {name} lse: max error {err:.3g} > {LSE_ATOL}"
+
+
+def _check_blocks_against(variant: str, name: str, got, want_ref, dtype) -> str | None:
+    """got (out, lse, ...) of the whole sequence against the reference's row blocks: None, or why not."""
+    from ...testing import compare
+    blocks, refs = want_ref
+    for s, (ref, ref_lse) in zip(blocks, refs):
+        rows = slice(s, s + CHECK_ROWS)
+        r = compare(variant, f"{name} rows {s}..{s + CHECK_ROWS}", got[0][rows], ref, dtype)
+        if not r.passed:
+            return str(r)
+        bad = _lse_check(f"{name} rows {s}..", got[1][rows], ref_lse)
+        if bad:
+            return bad
+    return None
+
+
+def _check_full(variant: str, name: str, got, want, dtype, names) -> str | None:
+    """Every output (out, lse, gradients) of the whole sequence against the single-GPU run's: None or why not."""
+    from ...testing import compare
+    for what, x, w in zip(names, got, want):
+        if what == "lse":
+            bad = _lse_check(f"{name} vs {SINGLE}", x, w)
+            if bad:
+                return bad
+            continue
+        r = compare(variant, f"{name} {what} vs {SINGLE}", x, w, dtype)
+        if not r.passed:
+            return str(r)
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the suite
+
+def _target() -> str:
+    """The backend fivar picks by default here (`auto`): FA3 on sm90, else FA2."""
+    import torch
+    return "fa3" if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else "fa2"
+
+
+def modules(cfg: Config, target: str) -> list:
+    """The modules the case runs: the single-GPU prefill's and the per-pair variant's (fivar.distributed derives
+    it from the variant with causal on global positions), listed for the runner's one parallel build."""
+    import fivar
+    from ...distributed.positions import global_variant
+    from ...jit.build import serving_modules
+    if target not in ("fa2", "fa3"):
+        return []
+    v = fivar.load(cfg.variant)
+    out = {}
+    for var in (v, global_variant(v, True)):
+        for m in serving_modules(var, "single_prefill", target, "bf16", cfg.head_dim):
+            out[m.uri] = m
+    return list(out.values())
+
+
+def measure(cfg: Config) -> list[Measurement]:
+    import torch
+
+    from ..contenders import selected
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world = min(gpus, MAX_WORLD)
+    if world < 2:
+        return [Measurement("*", "ms", None, "error", detail={"error": f"context parallelism needs >= 2 CUDA GPUs, "
+                                                                       f"this host has {gpus}"})]
+    cfg = replace(cfg, backend=_target(), contenders=tuple(c for c in cfg.contenders if selected(c)))
+    return [Measurement(**r) for r in run_group(cfg, world)]
+
+
+def _case(cfg: Config, quick: bool) -> Case:
+    what = f"documents({cfg.docs})" if cfg.docs else f"softcap window {cfg.window}"
+    name = f"{cfg.variant} causal S={cfg.seqlen} {'fwd+bwd' if cfg.backward else 'prefill'}"
+    budget = replace(cfg, budget_s=0.5 if quick else cfg.budget_s, warmup=1 if quick else cfg.warmup)
+    shape = {"seqlen": cfg.seqlen, "heads": f"{cfg.heads[0]}/{cfg.heads[1]}", "head_dim": cfg.head_dim,
+             "dtype": "bf16", "causal": True, "sharding": "zigzag", "mask": what}
+    return Case("context-parallel", name, "train" if cfg.backward else "prefill", shape,
+                lambda: Prepared(measure=lambda: measure(budget)), baseline=SINGLE,
+                modules=lambda: modules(cfg, _target()))
+
+
+def cases(quick: bool = False) -> list:
+    seq = QUICK_SEQ if quick else SEQ
+    docs = Config("document_mask", seq, docs=DOCS[seq], seed=1)
+    window = Config("softcap_sliding_window", seq, window=WINDOW, seed=2)
+    out = [docs, window]
+    if not quick:
+        out.append(Config("document_mask", LONG_SEQ, docs=DOCS[LONG_SEQ], seed=3, budget_s=1.5, warmup=1))
+    out += [replace(docs, backward=True), replace(window, backward=True)]
+    return [_case(c, quick) for c in out]

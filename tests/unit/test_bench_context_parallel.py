@@ -1,0 +1,91 @@
+"""The context-parallel benchmark suite's worker on 2 CPU processes (gloo): its checks pass on correct results and
+fail on a corrupted output, its rows follow the runner's protocol, and the suite lists without a GPU."""
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fivar.bench import runner
+from fivar.bench.suites import context_parallel as cp
+
+TINY = dict(heads=(4, 2), head_dim=16, device="cpu", budget_s=0.01, warmup=1)
+
+
+def full_rows(rows: list[dict]) -> list[dict]:
+    """Rows as the runner writes them (environment fields empty), ratios against the suite's baseline."""
+    rows = runner.add_ratios([dict(r) for r in rows], cp.SINGLE)
+    return [{**{k: None for k in runner.ROW_FIELDS}, **r} for r in rows]
+
+
+def test_worker_rows_pass_on_two_gloo_ranks_with_backward():
+    # documents of random lengths, causal, forward + backward through the reference per pair: every contender
+    # checked (out, lse, dq, dk, dv against the single-process run) then timed
+    seqlen = 128
+    cfg = cp.Config("document_mask", seqlen, backward=True, docs=3, dtype="bfloat16", backend="reference",
+                    seed=int(torch.randint(0, 1 << 20, ()).item()), **TINY)
+    rows = full_rows(cp.run_group(cfg, 2, timeout_s=240))
+    for r in rows:
+        runner.validate_row(r)
+    got = {(r["contender"], r["metric"]): r for r in rows}
+    assert set(got) == {(c, "ms") for c in (cp.SINGLE, *cp.STRATEGIES)} | \
+        {(c, "scaling_efficiency") for c in cp.STRATEGIES}, rows
+    for r in rows:
+        assert r["check"] == "pass", r
+        assert math.isfinite(r["value"]) and r["value"] > 0, r
+        assert r["detail"]["world"] == 2
+    for c in cp.STRATEGIES:  # the efficiency is its definition over the two timed rows
+        eff = got[(c, "scaling_efficiency")]
+        assert eff["value"] == pytest.approx(got[(cp.SINGLE, "ms")]["value"] / (2 * got[(c, "ms")]["value"]))
+
+
+def test_a_corrupted_output_fails_its_check_and_is_not_timed():
+    # the Triton twin (interpreted), fp16, a causal soft-capped window: the strategies' gathered output is scaled on
+    # a block of rows before its check, which must fail it; the single-process run still passes and is timed
+    cfg = cp.Config("softcap_sliding_window", 64, window=24, dtype="float16", backend="triton", corrupt=True,
+                    seed=int(torch.randint(0, 1 << 20, ()).item()), **TINY)
+    rows = full_rows(cp.run_group(cfg, 2, timeout_s=240))
+    for r in rows:
+        runner.validate_row(r)
+    by = {r["contender"]: r for r in rows if r["metric"] == "ms"}
+    assert by[cp.SINGLE]["check"] == "pass" and by[cp.SINGLE]["value"] > 0
+    for c in cp.STRATEGIES:
+        assert by[c]["check"] == "fail" and by[c]["value"] is None, by[c]
+        assert by[c]["detail"]["error"].startswith("FAIL"), by[c]
+    assert not [r for r in rows if r["metric"] == "scaling_efficiency"]
+
+
+def test_lse_check_catches_a_shifted_row():
+    lse = torch.randn(40, 4) * 3
+    assert cp._lse_check("x", lse, lse.clone()) is None
+    bad = lse.clone()
+    bad[7, 2] += 0.2
+    assert "max error" in cp._lse_check("x", bad, lse)
+
+
+def test_the_suite_lists_its_cases_and_modules_without_a_gpu(capsys):
+    assert runner.main(["--suite", "context-parallel", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 5 and all("baseline=single-gpu" in x for x in listed)
+    assert any("S=524288" in x for x in listed)
+    quick = cp.cases(quick=True)
+    assert {c.shape["seqlen"] for c in quick} == {cp.QUICK_SEQ}
+    # the prebuild lists the single-GPU prefill's modules and the per-pair (derived, causal) variant's
+    cfg = cp.Config("softcap_sliding_window", cp.SEQ, window=cp.WINDOW)
+    uris = [m.uri for m in cp.modules(cfg, "fa3")]
+    assert any("softcap_sliding_window_cp_causal_fa3" in u for u in uris), uris
+    assert any("softcap_sliding_window_fa3" in u for u in uris), uris
+    assert cp.modules(cfg, "reference") == []
+
+
+def test_fewer_than_two_gpus_gives_one_error_row():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this host has the GPUs the suite needs")
+    rows = cp.measure(replace(cp.Config("document_mask", 256, docs=2), device="cpu"))
+    assert len(rows) == 1 and rows[0].check == "error" and ">= 2 CUDA GPUs" in rows[0].detail["error"]
+
+
+def test_document_lengths_cover_the_sequence():
+    for seqlen, docs in ((131072, 8), (524288, 32), (100, 3)):
+        lengths = cp.doc_lengths(seqlen, docs, seed=5)
+        assert len(lengths) == docs and sum(lengths) == seqlen and min(lengths) >= seqlen // (4 * docs)
