@@ -23,6 +23,7 @@ from ..codegen.tile_list import bits_kernel, reads_bits
 from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarError
 from . import locks, progress, records, toolchain
+from ..flashinfer_compat import jit_log
 from ..flashinfer_compat.templates import render_template as _render_flashinfer  # noqa: F401 (re-exported)
 from .fa2_sources import fa2_sources
 from .fa2_tile_split import _inst_statements, _single_prefill_split_problem, _split_warned  # noqa: F401
@@ -37,26 +38,7 @@ from .module import (FivarModule, _VERIFIED, _loaded, _sha256, _verified, check_
 log = logging.getLogger("fivar")
 
 
-def _read_only_workspace_log() -> None:
-    """FlashInfer opens `<workspace>/flashinfer_jit.log` for appending as it is imported, so a read-only prebuilt
-    workspace (a fleet's mounted cache) fails every import with a raw OSError before a module is even looked at.
-    Where that file cannot be written, its handler opens it only once something is logged (`delay`), which
-    loading prebuilt modules never does. Runs before fivar first imports FlashInfer (fivar.jit imports this)."""
-    if getattr(logging.FileHandler.__init__, "fivar_read_only", False):
-        return
-    plain = logging.FileHandler.__init__
-
-    def init(self, filename, mode="a", encoding=None, delay=False, errors=None):
-        path = os.path.abspath(os.fspath(filename))
-        if not delay and os.path.basename(path) == "flashinfer_jit.log" and \
-                not os.access(path if os.path.exists(path) else os.path.dirname(path), os.W_OK):
-            delay = True
-        plain(self, filename, mode, encoding, delay, errors)
-    init.fivar_read_only = True
-    logging.FileHandler.__init__ = init
-
-
-_read_only_workspace_log()
+jit_log.install()  # before fivar first imports FlashInfer: its log on a read-only workspace
 
 
 def kv_dtype_name(dt: torch.dtype, q_dtype: torch.dtype) -> str | None:

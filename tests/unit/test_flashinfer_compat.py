@@ -97,3 +97,34 @@ def test_a_template_variable_fivar_does_not_pass_is_a_one_line_error():
                        f".*is undefined.*{SUPPORTED[-1]}") as e:
         _render_flashinfer("single_prefill_customize_config.jinja", variant_decl="")
     assert "\n" not in str(e.value)
+
+
+_JIT_LOG_PROBE = """
+import json, logging, os, sys
+plain_init, plain_access = logging.FileHandler.__init__, os.access
+# as on a read-only workspace: FlashInfer's log cannot be written (root ignores modes, so say it here)
+os.access = lambda p, m, **k: False if os.path.basename(str(p)) == "flashinfer_jit.log" else plain_access(p, m, **k)
+if sys.argv[1] == "fivar":
+    import fivar.jit.build  # noqa: F401
+import flashinfer.jit.core as core
+handler = next(h for h in core.logger.handlers if isinstance(h, logging.FileHandler))
+print(json.dumps({"opened": handler.stream is not None, "restored": logging.FileHandler.__init__ is plain_init}))
+"""
+
+
+@pytest.mark.parametrize("first", ["fivar", "flashinfer"])
+def test_flashinfer_log_opens_lazily_where_read_only_and_logging_is_left_as_it_was(first, tmp_path):
+    """With fivar imported first, FlashInfer's log handler on an unwritable log opens nothing until something is
+    logged; logging.FileHandler is the standard one afterwards. FlashInfer imported on its own opens the file."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(fivar.__file__)),
+                                                       os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", _JIT_LOG_PROBE, first], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res == {"opened": first == "flashinfer", "restored": True}
