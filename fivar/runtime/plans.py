@@ -11,14 +11,14 @@ from ..codegen import fa2
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
-from ..jit.targets import named, runs_twin, target_of
+from ..jit.targets import AUTO, FA2, named, runs_twin, target_of
 from ..spec.inputs import check_lse
 from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv_dtype, scaled_output
 from .ops import register_plan
 from . import fa2_blocks, segments
 from .segments import mask_scan
 from .custom_mask import check_custom_mask, paged_kv_lens
-from .fa3_tile_list import TileListPrefill
+from .fa3_tile_list import TileListPrefill, block_rows
 from .launch import (_check_indptr, _check_pages, _check_qkv, _module, _paged_kv, _prepare, direct_paged_run,
                      release_wrapper, take_wrapper)
 from .params import kernel_args
@@ -184,6 +184,15 @@ def refuse_custom_mask(variant, target: str, kv_name) -> None:
                          f"'triton'); {'an FP8 cache' if kv_name is not None else t.label} does not take it")
 
 
+def verify_target(target: str, backend: str, qo_lens: torch.Tensor, head_dim: int) -> str:
+    """The target of a batch with a custom mask: with backend auto, FA2 where every request's queries fill at most a
+    quarter of FA3's query tile. FA3 gives each query head of a request a tile of block_rows(head_dim) rows of its
+    own; FA2's tile packs a GQA group's rows, so a verify step of a few drafts a request wastes little of it."""
+    if backend != AUTO or target_of(target).packs_query_heads or qo_lens.numel() == 0:
+        return target
+    return FA2.name if 4 * int(qo_lens.max()) <= block_rows(head_dim) else target
+
+
 def tile_list_form(variant, target: str, one_query: bool = False, kv_dtype: str | None = None) -> bool:
     """Whether a batch of a mask beyond a band runs in the tile-list form (fivar.runtime.fa3_tile_list): always on
     FA3; on FA2 but for a batch of one query a request (decode's forms: trimmed pages, else the block form) and an
@@ -244,6 +253,7 @@ class PagedAttentionPlan(_OwnsWrapper):
         custom = check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_indptr.diff(),
                                    paged_kv_lens(kv_indptr, kv_last_page_len, page_size), self.device)
         if custom is not None:
+            self.target = verify_target(self.target, backend, qo_indptr.diff(), head_dim)
             refuse_custom_mask(variant, self.target, kv_name)
         one_query = bool((qo_indptr.diff() == 1).all())
         runs_segments = target_of(self.target).runs_key_segments  # FA2's trimmed pages and block forms

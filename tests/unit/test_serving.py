@@ -318,3 +318,19 @@ def test_a_mask_on_the_current_gpu_is_on_the_inputs_device(monkeypatch, index, o
             raised
     else:
         assert f"{on_gpu} is on cuda:1, the inputs are on cuda" in raised, raised
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_auto_runs_a_verify_batch_of_short_requests_on_fa2(head_dim):
+    """Backend auto with a custom mask: FA2 (a GQA group's rows in one query tile) while the longest request fills at
+    most a quarter of FA3's query tile, FA3 past it; a backend asked for is kept, and FA2 stays FA2."""
+    from fivar.runtime.fa3_tile_list import block_rows
+    from fivar.runtime.plans import verify_target
+    edge = block_rows(head_dim) // 4
+    for _ in range(5):
+        lens = torch.randint(1, edge + 1, (random.randint(1, 40),))
+        assert verify_target("fa3", "auto", lens, head_dim) == "fa2"
+        longer = torch.cat([lens, torch.tensor([random.randint(edge + 1, 4 * edge)])])[torch.randperm(lens.numel() + 1)]
+        assert verify_target("fa3", "auto", longer, head_dim) == "fa3"
+        assert verify_target("fa3", "fa3", lens, head_dim) == "fa3"
+        assert verify_target("fa2", "auto", longer, head_dim) == "fa2"
