@@ -2,13 +2,13 @@
 random draft tree, fivar.integrations.serving), batch 32 x 8192 keys of context, page 16, bf16, head dim 128, GQA
 32/8, causal; soft-cap, sliding window (512) and gpt-oss (a sink per head in a 128-key window).
 
-Contenders: `fivar-fa3` (the one-shot `batch_prefill_paged(..., packed_custom_mask=)`, backend auto: FA3's
-tile-list form on sm90), `fivar-fa3-planned` (`plan_paged` once, then `run`), `fivar-fa2` (the one-shot call on
-FA2's tile-list form), `triton` (the twin's prefill
-reading the pages through the page table and the mask's bits), `stock` (FlashInfer's
-BatchPrefillWithPagedKVCacheWrapper with the same mask and `logits_soft_cap` / `window_left`, where those
-compute the variant: not for the sink) and `flex` (FlexAttention over the batch gathered dense, its block mask
-from the variant's mask and the custom mask; no sink either). Ratios against stock, else the Triton twin.
+Contenders: `fivar` (the one-shot `batch_prefill_paged(..., packed_custom_mask=)`, backend auto: FA2's tile list
+for up to 32 drafts, else FA3's), `fivar-fa3` (the same call on FA3's tile-list form), `fivar-fa3-planned`
+(`plan_paged` once on FA3, then `run`), `fivar-fa2` (the one-shot call on FA2's tile-list form), `triton` (the
+twin's prefill reading the pages through the page table and the mask's bits), `stock` (FlashInfer's
+BatchPrefillWithPagedKVCacheWrapper with the same mask and `logits_soft_cap` / `window_left`, where those compute
+the variant: not for the sink) and `flex` (FlexAttention over the batch gathered dense, its block mask from the
+variant's mask and the custom mask; no sink either). Ratios against stock, else the Triton twin.
 
 Mixed steps (op "mixed"): batch 32, two or four prefill chunks of 512-2048 tokens (some after a cached prefix) beside
 decodes over 8192 keys, in one paged batch (fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window,
@@ -69,9 +69,12 @@ def _contenders(v, t, params) -> list[Contender]:
     paged = (t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["last"])
     mask = dict(packed_custom_mask=t["packed"], mask_indptr=t["mask_indptr"])
     out = []
+    if selected("fivar"):
+        out.append(Contender("fivar", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, **mask, **params),
+                             "one call, backend auto (FA2 for short requests, else FA3)"))
     if selected("fivar-fa3"):
-        out.append(Contender("fivar-fa3", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, **mask,
-                                                                        **params), "one call, backend auto"))
+        out.append(Contender("fivar-fa3", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, backend="fa3",
+                                                                        **mask, **params), "one call, FA3's tile list"))
     if selected("fivar-fa3-planned"):
         plan = v.plan_paged(*paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, page_size=PAGE,
                             dtype=DTYPE, causal=True, backend="fa3", **mask, **params)
