@@ -136,8 +136,8 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
 
 #: ops that run the serving suite's cases of one variant (fivar.bench.suites.serving) through the bench runner
 SERVING_OPS = ("verify", "mixed")
-#: the serving suite's contenders: fivar's own always, the others as --vs picks them
-SERVING_OWN = ("fivar-fa3", "fivar-fa3-planned")
+#: the serving suite's contenders: fivar's own always (the default call and each target's), the others as --vs picks
+SERVING_OWN = ("fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned")
 
 
 def serving_cases(name, op, vs, params):

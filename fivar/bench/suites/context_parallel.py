@@ -353,6 +353,8 @@ def worker(cfg: Config) -> list[dict]:
         samples = [g.max(g.time_ms(on)) for _ in range(rounds)]
         times[name] = samples
         log(f"{name} timed: median {_median(sorted(samples)):.3f} ms over {rounds} rounds")
+        if name != SINGLE and SINGLE in times and _median(sorted(samples)) > _median(sorted(times[SINGLE])):
+            _profile_one_call(g, on, log)  # slower than one device for the whole sequence: say where time goes
 
     if g.rank:
         return []
@@ -375,6 +377,27 @@ def worker(cfg: Config) -> list[dict]:
                 rows.append(asdict(Measurement(name, "scaling_efficiency", t_single / (g.world * t_cp), "pass", label,
                                                {"single_ms": t_single, "cp_ms": t_cp, "world": g.world})))
     return rows
+
+
+def _profile_one_call(g, fn, log, rows: int = 12) -> None:
+    """One more call of `fn` on every rank (it is collective), under torch.profiler on rank 0: the ops taking the
+    most host and device time go to the log (not the rows), so a run shows why a strategy does not scale."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    g.sync()
+    if g.rank:
+        fn()
+        g.sync()
+        return
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+        g.sync()
+    avg = prof.key_averages()
+    log("slower than one device for the whole sequence: a profile of one call follows")
+    for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else None):
+        if key is not None:
+            print(f"by {key}:\n{avg.table(sort_by=key, row_limit=rows, max_name_column_width=60)}", flush=True)
 
 
 def _reference_blocks(variant, q, k, v, params, reference_attention, global_variant, shifts):
@@ -440,10 +463,11 @@ def _check_full(variant: str, name: str, got, want, dtype, names) -> str | None:
 
 # ------------------------------------------------------------------------------------------- the suite
 
-def _target() -> str:
-    """The backend fivar picks by default here (`auto`): FA3 on sm90, else FA2."""
-    import torch
-    return "fa3" if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else "fa2"
+def _target(cfg: Config) -> str:
+    """The target fivar's default call (`auto`) picks for the variant's prefill here: FA3 on sm90, else FA2."""
+    import fivar
+    from ...runtime.forms import choose_target
+    return choose_target(fivar.load(cfg.variant), "auto", "single_prefill")[0]
 
 
 def modules(cfg: Config, target: str) -> list:
@@ -452,7 +476,8 @@ def modules(cfg: Config, target: str) -> list:
     import fivar
     from ...distributed.positions import global_variant
     from ...jit.build import serving_modules
-    if target not in ("fa2", "fa3"):
+    from ...jit.targets import named
+    if named(target) is None or not named(target).is_flashinfer:  # the twin, the reference: nothing to build
         return []
     v = fivar.load(cfg.variant)
     out = {}
@@ -471,7 +496,7 @@ def measure(cfg: Config) -> list[Measurement]:
     if world < 2:
         return [Measurement("*", "ms", None, "error", detail={"error": f"context parallelism needs >= 2 CUDA GPUs, "
                                                                        f"this host has {gpus}"})]
-    cfg = replace(cfg, backend=_target(), contenders=tuple(c for c in cfg.contenders if selected(c)))
+    cfg = replace(cfg, backend=_target(cfg), contenders=tuple(c for c in cfg.contenders if selected(c)))
     return [Measurement(**r) for r in run_group(cfg, world)]
 
 
@@ -483,7 +508,7 @@ def _case(cfg: Config, quick: bool) -> Case:
              "dtype": "bf16", "causal": True, "sharding": "zigzag", "mask": what}
     return Case("context-parallel", name, "train" if cfg.backward else "prefill", shape,
                 lambda: Prepared(measure=lambda: measure(budget)), baseline=SINGLE,
-                modules=lambda: modules(cfg, _target()))
+                modules=lambda: modules(cfg, _target(cfg)))
 
 
 def cases(quick: bool = False) -> list:
