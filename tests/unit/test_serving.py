@@ -334,3 +334,22 @@ def test_auto_runs_a_verify_batch_of_short_requests_on_fa2(head_dim):
         assert verify_target("fa3", "auto", longer, head_dim) == "fa3"
         assert verify_target("fa3", "fa3", lens, head_dim) == "fa3"
         assert verify_target("fa2", "auto", longer, head_dim) == "fa2"
+
+
+def test_the_serving_suites_useful_work_counts_the_pairs_the_variant_keeps():
+    """The verify cases' flops count pairs kept by the custom mask, causal and the variant's own mask (brute force
+    over every pair); a window keeps fewer than the custom mask alone."""
+    from fivar.bench.suites.serving import HEADS, kept_pairs
+    hq = HEADS[0]
+    batch, n, kv = 3, 5, 40
+    rows = torch.rand(batch, n, kv) < 0.7
+    window = random.randint(3, 12)
+    want = 0
+    for b in range(batch):
+        for j in range(n):
+            q = kv - n + j
+            want += sum(bool(rows[b, j, t]) and t <= q and q - t < window for t in range(kv))
+    assert kept_pairs(fivar.load("sliding_window"), {"window": window}, rows) == want * hq
+    causal_only = sum(bool(rows[b, j, t]) and t <= kv - n + j for b in range(batch) for j in range(n)
+                      for t in range(kv))
+    assert kept_pairs(fivar.load("softcap"), {"softcap": 30.0}, rows) == causal_only * hq > want * hq

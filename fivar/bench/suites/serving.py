@@ -160,13 +160,38 @@ def _modules(name: str):
             gen_module(v, "batch_prefill", "fa2", "bf16", HEAD_DIM, custom_mask=True)]
 
 
+def kept_pairs(v, params: dict, rows: torch.Tensor) -> float:
+    """(query, key) pairs a verify batch keeps, summed over query heads: its custom mask `rows` [batch, drafts, kv]
+    (queries at the last `drafts` positions), causal and the variant's own mask, every pair evaluated by the torch
+    reference's evaluator (a window keeps a fraction of the custom mask's pairs: its useful work is that much)."""
+    from ...codegen.torch_ref import TorchEvaluator
+    from ...runtime.params import bind_params
+    from ...spec import ir
+    batch, n, kv = rows.shape
+    (hq, hkv), dev = HEADS, rows.device
+    q, k = torch.arange(kv - n, kv, device=dev).view(1, -1, 1), torch.arange(kv, device=dev).view(1, 1, -1)
+    keep = rows & (k <= q)
+    mask = v.ir.mask
+    if mask is None:
+        return float(keep.sum()) * hq
+    bound = bind_params(v, params, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, device=dev)
+    heads = hq if {"qo_head", "kv_head"} & ir.uses(mask) else 1
+    h = torch.arange(heads, device=dev).view(-1, 1, 1)
+    total = 0.0
+    for b in range(batch):
+        env = {"batch": torch.tensor(b, device=dev), "qo_head": h, "kv_head": h // (hq // hkv), "q_idx": q,
+               "kv_idx": k}
+        own = TorchEvaluator(env, {**bound.scalars, **bound.tensors}, torch.float32, dev).run(mask).bool()
+        total += float((own.expand(heads, n, kv) & keep[b]).sum()) * (hq // heads)
+    return total
+
+
 def _case(name: str, drafts: int, form: str, overrides: dict | None = None) -> Case:
     def prepare() -> Prepared:
         v, t, params = _problem(name, drafts, form, overrides)
         hq, hkv = HEADS
         rows = t["rows"]
-        kept = float(rows.sum()) * hq  # pairs the custom mask keeps (the variant's own mask not counted)
-        flops = 4.0 * kept * HEAD_DIM
+        flops = 4.0 * kept_pairs(v, params, rows) * HEAD_DIM
         nbytes = float(DTYPE.itemsize * HEAD_DIM * (2 * t["q"].shape[0] * hq + 2 * BATCH * t["kv"] * hkv))
         return Prepared(_contenders(v, t, params), _check(v, t, params), flops=flops, nbytes=nbytes,
                         memory_bound=drafts < 64, detail={"drafts": drafts, "mask": form})
