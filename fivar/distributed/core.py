@@ -10,12 +10,17 @@ import torch
 
 from ..errors import FivarError
 from ..runtime.lse import empty_lse, merge_states
+from ..runtime.plan_cache import PlanCache
 from ..spec.inputs import bind_params
 from .positions import global_variant, shifts, sink_state
 from .sharding import Sharding
 
 BACKENDS = ("auto", "triton", "fa2", "fa3", "reference")
 LN2 = math.log(2.0)
+#: Plan.keep per call layout: the classification copies tensor params to the host and walks the mask's intervals,
+#: which at 128k positions costs more than a shard's attention; keyed as one-shot plans are (tensors by identity and
+#: version, so an in-place write classifies again; fivar.invalidate_plans clears it too)
+_KEEPS = PlanCache(capacity=32)
 
 
 class Plan:
@@ -65,7 +70,8 @@ class Plan:
         for s, e in sharding.runs[self.rank]:
             self.q_runs.append((s, e, at))
             at += e - s
-        self.keep = self._pairs_to_compute()
+        self.keep = _KEEPS.get(("keep", variant, self.causal, sharding.seq_len, sharding.runs, self.rank,
+                                self.num_qo_heads, self.num_kv_heads, self.params), self._pairs_to_compute)
 
     def _pairs_to_compute(self) -> dict:
         """keep[(q run, owner, kv run)]: False where the mask (with causal) keeps no pair of positions, by fivar's

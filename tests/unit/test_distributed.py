@@ -327,3 +327,35 @@ def _transfer_order(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_posts_each_transfer_before_the_compute_it_overlaps(world):
     spawn(_transfer_order, world)
+
+
+def _classified_once_per_layout(rank, world):
+    import fivar.spec.sparsity as sparsity
+    calls = []
+    plain = sparsity.classify_bounds
+
+    def counted(*a, **k):
+        calls.append(1)
+        return plain(*a, **k)
+    sparsity.classify_bounds = counted
+    seq_len = 24
+    docs = fivar.testing.document_ids([7, 9, 8]).view(1, -1)
+    sharding = Sharding.zigzag(seq_len, world)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(seq_len, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    mine = [sharding.shard(x, rank) for x in (q, k, v)]
+    variant = fivar.load("document_mask")
+    runs = []
+    for _ in range(2):
+        runs.append(ring_attention(variant, *mine, sharding, causal=True, backend="reference", doc_ids=docs))
+    assert len(calls) == 1, calls  # the second call reuses the first call's pairs
+    assert torch.equal(runs[0], runs[1])
+    docs[0, 9:] = docs[0, 9:] + 1  # an in-place write: the documents changed, so must the pairs
+    ring_attention(variant, *mine, sharding, causal=True, backend="reference", doc_ids=docs)
+    assert len(calls) == 2, calls
+    ring_attention(variant, *mine, sharding, causal=False, backend="reference", doc_ids=docs)
+    assert len(calls) == 3, calls  # another call layout
+
+
+def test_the_kept_pairs_are_classified_once_per_call_layout():
+    spawn(_classified_once_per_layout, 2)
