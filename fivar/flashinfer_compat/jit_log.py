@@ -2,7 +2,7 @@
 
 FlashInfer opens `<workspace>/flashinfer_jit.log` for appending while `flashinfer.jit.core` is imported, so a
 read-only prebuilt workspace (a fleet's mounted cache) fails every import with a raw OSError before a module is even
-looked at. `install()` puts a one-shot import hook in front of that one module: while it executes, a log handler
+looked at. `install()` puts an import hook in front of that one module: while it executes, a log handler
 for that file which could not write it opens the file only once something is logged (`delay`), which loading
 prebuilt modules never does. Logging is left as it was once the module is imported; nothing else is touched.
 """
@@ -54,17 +54,25 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    """Stays on sys.meta_path, so a retried import or a reload of MODULE runs inside the patch too."""
+
+    def __init__(self):
+        self._finding = False
+
     def find_spec(self, name, path, target=None):
-        if name != MODULE:
+        if name != MODULE or self._finding:
             return None
-        sys.meta_path.remove(self)  # one import: the finders after it find the module itself
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None:
+        self._finding = True  # the finders after this one find the module itself
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _Loader):
             spec.loader = _Loader(spec.loader)
         return spec
 
 
 def install() -> None:
-    """Before FlashInfer is first imported (fivar.jit calls it): a no-op once MODULE is imported or hooked."""
-    if MODULE not in sys.modules and not any(isinstance(f, _Finder) for f in sys.meta_path):
+    """Before FlashInfer is first imported (fivar.jit calls it); a no-op once hooked."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

@@ -187,7 +187,8 @@ def refuse_custom_mask(variant, target: str, kv_name) -> None:
 def verify_target(target: str, backend: str, qo_lens: torch.Tensor, head_dim: int) -> str:
     """The target of a batch with a custom mask: with backend auto, FA2 where every request's queries fill at most a
     quarter of FA3's query tile. FA3 gives each query head of a request a tile of block_rows(head_dim) rows of its
-    own; FA2's tile packs a GQA group's rows, so a verify step of a few drafts a request wastes little of it."""
+    own; FA2's tile packs a GQA group's rows, so a verify step of a few drafts a request wastes little of it. The
+    quarter is where FA2 won at GQA 32/8 (docs/serving.md); with no group to pack FA2 still picks a 16-row tile."""
     if backend != AUTO or target_of(target).packs_query_heads or qo_lens.numel() == 0:
         return target
     return FA2.name if 4 * int(qo_lens.max()) <= block_rows(head_dim) else target

@@ -234,6 +234,13 @@ def _call(fn):
         return None, f"{type(e).__name__}: {e}".splitlines()[0][:400]
 
 
+def _checked(check) -> str | None:
+    """A check's verdict (None: passed), a check that raises being its contender's error: rank 0 alone runs the
+    checks, and a rank that dies leaves the others waiting for the case's timeout with every row lost."""
+    verdict, crash = _call(check)
+    return crash or verdict
+
+
 def worker(cfg: Config) -> list[dict]:
     """One rank's part of a case (every rank of an initialised torch.distributed group calls it): rows (dicts of
     Measurement fields) on rank 0, [] elsewhere. Collective: every rank reaches the same calls in the same order."""
@@ -309,7 +316,7 @@ def worker(cfg: Config) -> list[dict]:
                                                         global_variant, shifts))
         got, err = _call(run_single)
         if err is None:
-            err = _check_blocks_against(variant.name, SINGLE, got, refs, dtype) if refs else \
+            err = _checked(lambda: _check_blocks_against(variant.name, SINGLE, got, refs, dtype)) if refs else \
                 f"no reference to check against ({ref_err})"
         want = got if err is None else None
         status[SINGLE] = err
@@ -332,9 +339,9 @@ def worker(cfg: Config) -> list[dict]:
                 gathered[0] = gathered[0].clone()
                 gathered[0][S // 3: S // 3 + max(1, S // 16)] *= 1.5
             if want is not None:
-                err = _check_full(variant.name, name, gathered, want, dtype, names)
+                err = _checked(lambda: _check_full(variant.name, name, gathered, want, dtype, names))
             elif refs:
-                err = _check_blocks_against(variant.name, name, gathered, refs, dtype)
+                err = _checked(lambda: _check_blocks_against(variant.name, name, gathered, refs, dtype))
             else:
                 err = "no single-GPU result and no reference to check against"
         status[name] = g.broadcast(err)
@@ -381,23 +388,33 @@ def worker(cfg: Config) -> list[dict]:
 
 def _profile_one_call(g, fn, log, rows: int = 12) -> None:
     """One more call of `fn` on every rank (it is collective), under torch.profiler on rank 0: the ops taking the
-    most host and device time go to the log (not the rows), so a run shows why a strategy does not scale."""
+    most host and device time go to the log (not the rows), so a run shows why a strategy does not scale. A profiler
+    that fails costs only the profile: rank 0 still makes the call the other ranks wait in."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
     g.sync()
-    if g.rank:
-        fn()
-        g.sync()
+    prof = None
+    if g.rank == 0:
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            prof = profile(activities=acts)
+            prof.__enter__()
+        except Exception as e:  # noqa: BLE001 (a diagnostic: never the case's rows)
+            log(f"no profile ({type(e).__name__}: {e})")
+            prof = None
+    fn()
+    g.sync()
+    if prof is None:
         return
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        fn()
-        g.sync()
-    avg = prof.key_averages()
-    log("slower than one device for the whole sequence: a profile of one call follows")
-    for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else None):
-        if key is not None:
-            print(f"by {key}:\n{avg.table(sort_by=key, row_limit=rows, max_name_column_width=60)}", flush=True)
+    try:
+        prof.__exit__(None, None, None)
+        avg = prof.key_averages()
+        log("slower than one device for the whole sequence: a profile of one call follows")
+        for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else None):
+            if key is not None:
+                print(f"by {key}:\n{avg.table(sort_by=key, row_limit=rows, max_name_column_width=60)}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        log(f"no profile ({type(e).__name__}: {e})")
 
 
 def _reference_blocks(variant, q, k, v, params, reference_attention, global_variant, shifts):
