@@ -99,11 +99,10 @@ class ModuleKey:
         if self.fa3 and op not in FA3_LAYOUT:
             raise FivarError(f"variant '{name}': FlashInfer has no FA3 kernel for {op}; use target fa2")
         t = self.kernels
-        if self.custom_mask and not (t.takes_custom_mask and op == "batch_prefill") or \
-                self.custom_mask and (self.kv_segments or self.kv_dtype or self.mask_free):
+        # every target reads a custom mask as bits of the listed tiles: batch prefill with q's dtype in the cache
+        if self.custom_mask and (op != "batch_prefill" or self.kv_segments or self.kv_dtype or self.mask_free):
             raise FivarError(f"variant '{name}': the custom-mask form is FA2 or FA3 batch prefill in the tile-list form, "
                              f"with q's dtype in the cache")
-        # a custom mask is read as bits of the listed tiles on either target
         implied_tiles = self.custom_mask or (t.tile_lists_every_mask and fa3.uses_tile_list(variant, op))
         if self.tile_list and not implied_tiles and (not t.keys_tile_list or op != "batch_prefill" or not variant.mask
                                                      or self.kv_segments or self.kv_dtype):

@@ -33,8 +33,6 @@ class Target:
     decodes: bool = True
     #: reads an FP8 KV cache (FA2's paged kernels only)
     reads_fp8_kv: bool = False
-    #: takes a custom (bit-packed) mask: FA2's and FA3's tile-list forms read its bits, the twin reads it directly
-    takes_custom_mask: bool = False
     #: FA2 runs a masked variant in kCustom mode and applies `causal` inside the mask (a runtime flag)
     folds_causal_into_mask: bool = False
     #: FA2's batch kernels run over key segments mapped back to positions (trimmed decode pages, query blocks,
@@ -88,11 +86,11 @@ class Target:
 
 FA2 = Target("fa2", "FA2", is_flashinfer=True, config_class=FA2BuildConfig, emitter=fa2, reads_fp8_kv=True,
              folds_causal_into_mask=True, window_left_unsigned=True, runs_key_segments=True, splits_kv=True,
-             windows_as_batch=True, keys_tile_list=True, packs_query_heads=True, takes_custom_mask=True)
+             windows_as_batch=True, keys_tile_list=True, packs_query_heads=True)
 FA3 = Target("fa3", "FA3", is_flashinfer=True, config_class=FA3KernelConfig, emitter=fa3, needs_sm90a=True,
-             decodes=False, takes_custom_mask=True, splits_waves=True, tile_lists_every_mask=True,
+             decodes=False, splits_waves=True, tile_lists_every_mask=True,
              bounds_softmax=True, compiles_slowest=True, tile_list_launch_requests=2048)
-TRITON = Target("triton", "Triton", is_flashinfer=False, config_class=None, emitter=triton, takes_custom_mask=True)
+TRITON = Target("triton", "Triton", is_flashinfer=False, config_class=None, emitter=triton)
 
 TARGETS: dict[str, Target] = {t.name: t for t in (FA2, FA3, TRITON)}
 #: the targets FlashInfer's JIT builds, by name (ModuleKey.target)

@@ -177,11 +177,10 @@ def decode_plan(variant, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_head
 
 def refuse_custom_mask(variant, target: str, kv_name) -> None:
     """A custom mask runs on FA2's and FA3's tile-list forms (bits) and the Triton twin; an FP8 cache (FA2's
-    block form) refuses it."""
-    t = target_of(target)
-    if not (t.takes_custom_mask and t.is_flashinfer) or kv_name is not None:  # a plan's target: never the twin
+    block form, which reads no bits) refuses it."""
+    if kv_name is not None:
         raise FivarError(f"variant '{variant.name}': custom_mask runs on a bf16/fp16 cache (backends 'fa2', 'fa3', "
-                         f"'triton'); {'an FP8 cache' if kv_name is not None else t.label} does not take it")
+                         f"'triton'); an FP8 cache ({target_of(target).label}'s block form) does not take it")
 
 
 def verify_target(target: str, backend: str, qo_lens: torch.Tensor, head_dim: int) -> str:
@@ -235,8 +234,8 @@ class PagedAttentionPlan(_OwnsWrapper):
     form (fivar.runtime.fa3_tile_list), on either target; on FA2 a batch of one query a request, or an FP8 cache,
     one request per query block over the pages it may keep (fivar.runtime.fa2_blocks). `keys_read`: keys read and
     the unsplit form's. A custom mask (custom_mask or packed_custom_mask with mask_indptr,
-    fivar.runtime.custom_mask) runs the tile-list form (FA2 or FA3) whatever the variant's mask, the custom bits ANDed into
-    the block map and the tiles' bits.
+    fivar.runtime.custom_mask) runs the tile-list form (FA2 or FA3) whatever the variant's mask, the custom bits
+    ANDed into the block map and the tiles' bits.
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,

@@ -162,28 +162,18 @@ def _modules(name: str):
 
 def kept_pairs(v, params: dict, rows: torch.Tensor) -> float:
     """(query, key) pairs a verify batch keeps, summed over query heads: its custom mask `rows` [batch, drafts, kv]
-    (queries at the last `drafts` positions), causal and the variant's own mask, every pair evaluated by the torch
-    reference's evaluator (a window keeps a fraction of the custom mask's pairs: its useful work is that much)."""
-    from ...codegen.torch_ref import TorchEvaluator
+    (queries at the last `drafts` positions), causal and the variant's own mask, every pair evaluated on the host by
+    fivar.spec.sparsity.keep_matrix (a window keeps a fraction of the custom mask's pairs: its useful work is that)."""
     from ...runtime.params import bind_params
-    from ...spec import ir
+    from ...spec.sparsity import keep_matrix
     batch, n, kv = rows.shape
-    (hq, hkv), dev = HEADS, rows.device
-    q, k = torch.arange(kv - n, kv, device=dev).view(1, -1, 1), torch.arange(kv, device=dev).view(1, 1, -1)
-    keep = rows & (k <= q)
-    mask = v.ir.mask
-    if mask is None:
-        return float(keep.sum()) * hq
-    bound = bind_params(v, params, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, device=dev)
-    heads = hq if {"qo_head", "kv_head"} & ir.uses(mask) else 1
-    h = torch.arange(heads, device=dev).view(-1, 1, 1)
-    total = 0.0
-    for b in range(batch):
-        env = {"batch": torch.tensor(b, device=dev), "qo_head": h, "kv_head": h // (hq // hkv), "q_idx": q,
-               "kv_idx": k}
-        own = TorchEvaluator(env, {**bound.scalars, **bound.tensors}, torch.float32, dev).run(mask).bool()
-        total += float((own.expand(heads, n, kv) & keep[b]).sum()) * (hq // heads)
-    return total
+    hq, hkv = HEADS
+    host = {k: x.cpu() if isinstance(x, torch.Tensor) else x for k, x in params.items()}
+    bound = bind_params(v, host, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, device="cpu")
+    rows = rows.cpu()
+    return float(sum(int((keep_matrix(v.ir.mask, qo_len=n, kv_len=kv, scalars=bound.scalars, tensors=bound.tensors,
+                                      num_qo_heads=hq, num_kv_heads=hkv, batch_idx=b, causal=True) & rows[b]).sum())
+                     for b in range(batch)))
 
 
 def _case(name: str, drafts: int, form: str, overrides: dict | None = None) -> Case:
