@@ -12,7 +12,7 @@ from ..errors import FivarError
 from ..runtime.lse import empty_lse, merge_states
 from ..runtime.plan_cache import PlanCache
 from ..spec.inputs import bind_params
-from .positions import global_variant, shifts, sink_state
+from .positions import KERNEL_CAUSAL, MASK_CAUSAL, global_variant, pair_causality, shifts, sink_state
 from .sharding import Sharding
 
 BACKENDS = ("auto", "triton", "fa2", "fa3", "reference")
@@ -62,7 +62,6 @@ class Plan:
         self.num_qo_heads, self.num_kv_heads = q.shape[1], k.shape[1]
         self.bound = bind_params(variant, self.params, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
                                  batch_size=1, device=q.device)
-        self.derived = global_variant(variant, self.causal)
         self.learnable = [n for n, p in variant.tensor_params.items() if p.learnable
                           and isinstance(self.params.get(n), torch.Tensor) and self.params[n].requires_grad]
         # this rank's query runs, each with where its rows start in q
@@ -104,15 +103,17 @@ class Plan:
     def pair(self, q, k, v, q_start, kv_start, params=None, grad=False):
         """(out, lse) of query rows at q_start.. over keys at kv_start.., on global positions."""
         p = {**(self.params if params is None else params), **shifts(q_start, q.shape[0], kv_start, k.shape[0])}
+        how = pair_causality(self.causal, q_start, q.shape[0], kv_start, k.shape[0])
+        derived = global_variant(self.base, how == MASK_CAUSAL)
+        causal = how == KERNEL_CAUSAL
         if self.backend == "reference":
             from ..codegen.torch_ref import reference_attention
             fdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-            o, lse = reference_attention(self.derived, q, k, v, sm_scale=self.sm_scale, params=p, return_lse=True,
-                                         float_dtype=fdt)
+            o, lse = reference_attention(derived, q, k, v, causal=causal, sm_scale=self.sm_scale, params=p,
+                                         return_lse=True, float_dtype=fdt)
             return o.to(q.dtype), lse
-        if grad:
-            return self.derived.attention(q, k, v, sm_scale=self.sm_scale, backend=self.backend, return_lse=True, **p)
-        return self.derived.prefill(q, k, v, sm_scale=self.sm_scale, backend=self.backend, return_lse=True, **p)
+        call = derived.attention if grad else derived.prefill
+        return call(q, k, v, causal=causal, sm_scale=self.sm_scale, backend=self.backend, return_lse=True, **p)
 
     def pairs_with(self, owner: int):
         """(q run index, q rows, q_start, kv rows slice, kv_start) of every kept pair with the owner's shard."""

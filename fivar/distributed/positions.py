@@ -5,8 +5,14 @@ q_idx = i + kv_len - qo_len (bottom-right aligned). A shard pair needs q_idx = q
 instead. `global_variant` derives, once per variant, a variant whose programs read `q_idx + Q_SHIFT` and
 `kv_idx + KV_SHIFT` wherever the user's read `q_idx` and `kv_idx` (an IR rewrite of the parsed programs, so the
 templates and code generators are untouched), the shifts being two int Scalar params passed per call: one compiled
-module serves every pair. `causal` becomes part of its mask (on global positions), the sink is left out (it is
-merged once per row, `sink_state`), and the call itself runs with causal=False.
+module serves every pair. The sink is left out (it is merged once per row, `sink_state`).
+
+Causal on global positions is the kernels' own causal mode wherever it can be (`pair_causality`): a pair whose keys
+all precede its queries is not causal at all, and a pair whose query and key runs end at the same position is the
+kernels' bottom-right aligned causal square (kCausal, which skips the tiles above the diagonal). The runs of one
+sharding are disjoint, so every pair is one of those two or lies wholly after the diagonal (skipped). A pair
+straddling it any other way would run the variant derived with causal as part of its mask
+(`global_variant(variant, True)`, also the reference's form), on every tile its kernel visits.
 """
 from __future__ import annotations
 
@@ -69,6 +75,22 @@ def global_variant(variant, causal: bool):
     derived.__dict__["ir"] = dataclasses.replace(vir, logits=_shifted(vir.logits), mask=mask, sink=None)
     kept[causal] = derived
     return derived
+
+
+#: How a pair's causal constraint runs (pair_causality)
+NOT_CAUSAL, KERNEL_CAUSAL, MASK_CAUSAL = "not causal", "kernel causal", "mask causal"
+
+
+def pair_causality(causal: bool, q_start: int, qo_len: int, kv_start: int, kv_len: int) -> str:
+    """How the pair of query rows q_start.. and keys kv_start.. applies `causal` on global positions: NOT_CAUSAL
+    (no constraint, or every key at or before every query), KERNEL_CAUSAL (the runs end together, so kv <= q
+    globally is the kernels' bottom-right aligned causal: key j at kv_start + j, query i at the same position as
+    local kv_len - qo_len + i), else MASK_CAUSAL (global_variant(variant, True), causal=False)."""
+    if not causal or kv_start + kv_len - 1 <= q_start:
+        return NOT_CAUSAL
+    if q_start + qo_len == kv_start + kv_len and qo_len <= kv_len:
+        return KERNEL_CAUSAL
+    return MASK_CAUSAL
 
 
 def shifts(q_start: int, qo_len: int, kv_start: int, kv_len: int) -> dict:

@@ -359,3 +359,31 @@ def _classified_once_per_layout(rank, world):
 
 def test_the_kept_pairs_are_classified_once_per_call_layout():
     spawn(_classified_once_per_layout, 2)
+
+
+def test_pair_causality_matches_global_causal_positions():
+    """Random (query run, key run) pairs: NOT_CAUSAL only where every key is at or before every query, KERNEL_CAUSAL
+    only where the kernels' bottom-right aligned causal square (local j <= i + kv_len - qo_len) is exactly
+    kv <= q on global positions; the runs of one sharding never need MASK_CAUSAL."""
+    from fivar.distributed.positions import KERNEL_CAUSAL, MASK_CAUSAL, NOT_CAUSAL, pair_causality
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    seen = set()
+    for _ in range(400):
+        qs, ks = (int(x) for x in torch.randint(0, 40, (2,), generator=gen))
+        ql, kl = (int(x) for x in torch.randint(1, 20, (2,), generator=gen))
+        qpos, kpos = torch.arange(qs, qs + ql), torch.arange(ks, ks + kl)
+        truth = kpos.view(1, -1) <= qpos.view(-1, 1)
+        how = pair_causality(True, qs, ql, ks, kl)
+        seen.add(how)
+        if how == NOT_CAUSAL:
+            assert truth.all()
+        elif how == KERNEL_CAUSAL:
+            local = torch.arange(kl).view(1, -1) <= torch.arange(ql).view(-1, 1) + kl - ql
+            assert torch.equal(local, truth)
+        else:
+            assert not truth.all()
+        assert pair_causality(False, qs, ql, ks, kl) == NOT_CAUSAL
+    assert seen == {NOT_CAUSAL, KERNEL_CAUSAL, MASK_CAUSAL}
+    for sharding in (Sharding.zigzag(37, 4), Sharding.of_lengths([9, 0, 14, 8]), Sharding.contiguous(20, 3)):
+        runs = [r for rank in sharding.runs for r in rank]
+        assert all(pair_causality(True, a, b - a, c, d - c) != MASK_CAUSAL for a, b in runs for c, d in runs if c < b)
