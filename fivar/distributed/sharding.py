@@ -3,6 +3,9 @@
 A rank's shard is a list of contiguous runs [start, end) of the sequence; its q, k and v rows are those runs'
 rows, back to back in run order. `zigzag` balances causal work: with R ranks the sequence is cut into 2R chunks
 and rank r holds chunks r and 2R-1-r, so every rank has as many early (cheap) as late (costly) query rows.
+`balanced` does the same for any mask: its 2R pieces hold equal attention work (the tiles the mask keeps, by fivar's
+interval classification) rather than equal lengths, so packed documents of uneven lengths, a window or a prefix
+split as evenly as causal does under zigzag.
 """
 from __future__ import annotations
 
@@ -11,6 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FivarError
+
+#: `balanced` leaves zigzag's equal rows for equal-work pieces only when that lowers the busiest rank's work by more
+#: than this: uneven rows cost memory and a longer transfer (each is padded to the longest shard)
+BALANCE_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,35 @@ class Sharding:
         return Sharding(seq_len, tuple(tuple(run for run in (chunk[r], chunk[n - 1 - r]) if run[1] > run[0])
                                        for r in range(world_size)))
 
+    @staticmethod
+    def balanced(variant, seq_len: int, world_size: int, *, causal: bool = False, num_qo_heads: int = 1,
+                 num_kv_heads: int = 1, blocks: int = 256, **params) -> "Sharding":
+        """A sharding whose ranks get near-equal attention work under the variant's mask: `zigzag` (equal rows),
+        unless zigzag over pieces of equal work (2R pieces cut at block edges, each holding 1/2R of the tiles the
+        mask keeps with `causal`; rank r holds pieces r and 2R-1-r) lowers the busiest rank's work by more than
+        BALANCE_GAIN. The work is counted over `blocks` x `blocks` tiles by fivar's interval classification; `params`
+        are the variant's, as the call gets them (tensor params read on the host once)."""
+        zig = Sharding.zigzag(seq_len, world_size)
+        if seq_len == 0:
+            return zig
+        n = 2 * world_size
+        edges, work = block_work(variant, seq_len, blocks, causal=causal, num_qo_heads=num_qo_heads,
+                                 num_kv_heads=num_kv_heads, params=params)
+        cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(work.double(), 0)])
+        total = float(cum[-1])
+        if total == 0:
+            return zig
+        cuts = [0]
+        for c in range(1, n):  # the first block edge where the work so far reaches c/n of the total
+            at = int(torch.searchsorted(cum, total * c / n))
+            cuts.append(max(cuts[-1], int(edges[min(at, edges.numel() - 1)])))
+        cuts.append(seq_len)
+        chunk = [(cuts[c], cuts[c + 1]) for c in range(n)]
+        even = Sharding(seq_len, tuple(tuple(run for run in (chunk[r], chunk[n - 1 - r]) if run[1] > run[0])
+                                       for r in range(world_size)))
+        busiest = lambda sh: max(sum(_work_between(edges, cum, s, e) for s, e in runs) for runs in sh.runs)  # noqa: E731
+        return even if busiest(even) < (1 - BALANCE_GAIN) * busiest(zig) else zig
+
     def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s rows of a full-sequence tensor (dim 0 is the position)."""
         self._check_full(x)
@@ -103,3 +139,39 @@ def _check_split(seq_len, world_size):
     if not (isinstance(seq_len, int) and seq_len >= 0 and isinstance(world_size, int) and world_size >= 1):
         raise FivarError(f"sharding: seq_len must be an int >= 0 and world_size an int >= 1, got {seq_len!r} and "
                          f"{world_size!r}")
+
+
+def block_work(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads: int, num_kv_heads: int,
+               params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(edges [m+1], work [m]): the sequence cut into m <= `blocks` equal query blocks, and for each the number of
+    key blocks the mask (with causal) keeps any pair of, by fivar's interval classification (fivar.spec.sparsity,
+    never EMPTY where a pair is kept): the tiles a kernel visits for those rows."""
+    from ..spec import ir
+    from ..spec.inputs import bind_params
+    from ..spec.sparsity import EMPTY, classify_bounds
+    m = max(1, min(blocks, seq_len))
+    edges = torch.tensor([seq_len * b // m for b in range(m + 1)], dtype=torch.int64)
+    edges = torch.unique_consecutive(edges)
+    lo, hi = edges[:-1], edges[1:] - 1
+    program = variant.ir.mask
+    if program is None:
+        if not causal:
+            return edges, torch.full((lo.numel(),), lo.numel(), dtype=torch.int64)
+        program = ir.Program([], ir.Const(ir.BOOL, True))
+    host = {k: t.detach().cpu() if isinstance(t, torch.Tensor) else t for k, t in params.items()}
+    bound = bind_params(variant, host, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
+                        device="cpu")
+    kinds = classify_bounds(program, lo, hi, lo, hi, scalars=dict(bound.scalars),
+                            tensors={k: t.detach().cpu() for k, t in bound.tensors.items()},
+                            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, causal=causal)
+    return edges, (kinds != EMPTY).sum(1).to(torch.int64)
+
+
+def _work_between(edges: torch.Tensor, cum: torch.Tensor, start: int, end: int) -> float:
+    """The work of query rows start..end-1, each block's work spread evenly over its rows (cum[b]: the work of the
+    blocks before edge b)."""
+    def before(x: int) -> float:
+        b = min(max(int(torch.searchsorted(edges, x, right=True)) - 1, 0), edges.numel() - 2)
+        frac = (x - int(edges[b])) / max(1, int(edges[b + 1] - edges[b]))
+        return float(cum[b]) + frac * float(cum[b + 1] - cum[b])
+    return before(end) - before(start)

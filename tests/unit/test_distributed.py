@@ -387,3 +387,34 @@ def test_pair_causality_matches_global_causal_positions():
     for sharding in (Sharding.zigzag(37, 4), Sharding.of_lengths([9, 0, 14, 8]), Sharding.contiguous(20, 3)):
         runs = [r for rank in sharding.runs for r in rank]
         assert all(pair_causality(True, a, b - a, c, d - c) != MASK_CAUSAL for a, b in runs for c, d in runs if c < b)
+
+
+def _rank_work(sharding, keep) -> list[int]:
+    """Each rank's kept (query, key) pairs, counted element by element."""
+    return [sum(int(keep[s:e].sum()) for s, e in runs) for runs in sharding.runs]
+
+
+def test_balanced_sharding_evens_the_work_of_uneven_documents():
+    """Documents of fresh random uneven lengths, causal: `balanced` is a valid sharding whose busiest rank keeps no
+    more pairs than zigzag's busiest (brute force over all pairs), close to an even share; with plain causal or no
+    mask it stays zigzag."""
+    from fivar.spec.sparsity import keep_matrix
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    variant, seq_len = fivar.load("document_mask"), 1536
+    for world in (2, 3):
+        for _ in range(3):
+            big = int(torch.randint(seq_len // 2, seq_len - 40, (), generator=gen))
+            rest = torch.randint(1, 8, (6,), generator=gen).double()
+            small = [max(1, int(x)) for x in (rest / rest.sum() * (seq_len - big)).floor()]
+            lengths = [*small, big]
+            lengths[-1] += seq_len - sum(lengths)
+            params = {"doc_ids": fivar.testing.document_ids(lengths).view(1, -1)}
+            sharding = Sharding.balanced(variant, seq_len, world, causal=True, blocks=128, **params)
+            assert sorted(p for runs in sharding.runs for r in runs for p in range(*r)) == list(range(seq_len))
+            keep = keep_matrix(variant.ir.mask, qo_len=seq_len, kv_len=seq_len, scalars={},
+                               tensors=params, num_qo_heads=1, causal=True).any(0)
+            got, zig = _rank_work(sharding, keep), _rank_work(Sharding.zigzag(seq_len, world), keep)
+            assert max(got) <= max(zig), (lengths, got, zig)
+            assert max(got) <= 1.15 * sum(got) / world, (lengths, got)
+    for v, p in ((fivar.load("softcap"), {}), (WINDOW, {"window": 0})):
+        assert Sharding.balanced(v, 999, 3, causal=True, **p) == Sharding.zigzag(999, 3)

@@ -1,5 +1,6 @@
-"""Context parallelism (fivar.distributed) on the GPUs of one host: one sequence sharded zigzag over W =
-min(GPUs, 8) processes of an NCCL group, bf16, head dim 128, GQA 32/8, causal. Variants: packed documents
+"""Context parallelism (fivar.distributed) on the GPUs of one host: one sequence sharded over W = min(GPUs, 8)
+processes of an NCCL group (`Sharding.balanced`: zigzag, or zigzag over pieces of equal work where the mask leaves
+zigzag uneven), bf16, head dim 128, GQA 32/8, causal. Variants: packed documents
 (`document_mask`, seeded random document lengths) and Gemma 2's soft-capped sliding window
 (`softcap_sliding_window`, window 4096) at S = 128k, documents also at 512k; `--quick`: S = 16k.
 
@@ -258,7 +259,8 @@ def worker(cfg: Config) -> list[dict]:
     variant = fivar.load(cfg.variant)
     params = params_of(cfg, g.device)
     S, (hq, hkv), d = cfg.seqlen, cfg.heads, cfg.head_dim
-    sharding = Sharding.zigzag(S, g.world)
+    sharding = Sharding.balanced(variant, S, g.world, causal=True, num_qo_heads=hq, num_kv_heads=hkv, **params)
+    log(f"sharding {sharding.runs}")
     # every (query run, key run) pair is a one-shot plan of its own: keep them all between calls
     runtime._one_shot.capacity = max(runtime._one_shot.capacity, 4 * g.world * g.world + 4)
 
@@ -363,7 +365,7 @@ def worker(cfg: Config) -> list[dict]:
     if g.rank:
         return []
     rows = []
-    label = f"{'forward+backward' if cfg.backward else 'forward'}, {cfg.backend}, zigzag, W={g.world}"
+    label = f"{'forward+backward' if cfg.backward else 'forward'}, {cfg.backend}, balanced, W={g.world}"
     for name in (SINGLE, *STRATEGIES):
         if name not in cfg.contenders:
             continue
@@ -520,7 +522,7 @@ def _case(cfg: Config, quick: bool) -> Case:
     name = f"{cfg.variant} causal S={cfg.seqlen} {'fwd+bwd' if cfg.backward else 'prefill'}"
     budget = replace(cfg, budget_s=0.5 if quick else cfg.budget_s, warmup=1 if quick else cfg.warmup)
     shape = {"seqlen": cfg.seqlen, "heads": f"{cfg.heads[0]}/{cfg.heads[1]}", "head_dim": cfg.head_dim,
-             "dtype": "bf16", "causal": True, "sharding": "zigzag", "mask": what}
+             "dtype": "bf16", "causal": True, "sharding": "balanced", "mask": what}
     return Case("context-parallel", name, "train" if cfg.backward else "prefill", shape,
                 lambda: Prepared(measure=lambda: measure(budget)), baseline=SINGLE,
                 modules=lambda: modules(cfg, _target(cfg)))
