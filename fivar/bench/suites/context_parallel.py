@@ -328,8 +328,7 @@ def worker(cfg: Config) -> list[dict]:
     if TORCH_CP in cfg.contenders:  # built before any contender's collective call: a failure skips it on every rank
         torch_cp, err = _call(lambda: torch_cp_attention(variant, params, sharding, cfg.heads, d, g.device))
         status[TORCH_CP] = next((e for e in g.objects(err) if e), None)
-        if status[TORCH_CP]:
-            log(f"{TORCH_CP}: {status[TORCH_CP]}")
+        log(f"{TORCH_CP} built: {status[TORCH_CP] or 'ok'}")
 
     for name, strategy in STRATEGIES.items():
         if name not in cfg.contenders or status.get(name):
