@@ -10,6 +10,7 @@ from fivar.bench import runner
 from fivar.bench.suites import context_parallel as cp
 
 TINY = dict(heads=(4, 2), head_dim=16, device="cpu", budget_s=0.01, warmup=1)
+FIVAR = tuple(c for c in cp.STRATEGIES if c != cp.TORCH_CP)
 
 
 def full_rows(rows: list[dict]) -> list[dict]:
@@ -19,22 +20,28 @@ def full_rows(rows: list[dict]) -> list[dict]:
 
 
 def test_worker_rows_pass_on_two_gloo_ranks_with_backward():
-    # documents of random lengths, causal, forward + backward through the reference per pair: every contender
-    # checked (out, lse, dq, dk, dv against the single-process run) then timed
-    seqlen = 128
+    # documents of random lengths, causal, forward + backward through the reference per pair: every fivar contender
+    # checked (out, lse, dq, dk, dv against the single-process run) then timed; PyTorch's CP has no Flex backward on
+    # CPUs: its row says so and the others still run
+    seqlen = 256
     cfg = cp.Config("document_mask", seqlen, backward=True, docs=3, dtype="bfloat16", backend="reference",
                     seed=int(torch.randint(0, 1 << 20, ()).item()), **TINY)
     rows = full_rows(cp.run_group(cfg, 2, timeout_s=240))
     for r in rows:
         runner.validate_row(r)
     got = {(r["contender"], r["metric"]): r for r in rows}
-    assert set(got) == {(c, "ms") for c in (cp.SINGLE, *cp.STRATEGIES)} | \
-        {(c, "scaling_efficiency") for c in cp.STRATEGIES}, rows
-    for r in rows:
+    torch_cp = got.pop((cp.TORCH_CP, "ms"))
+    if torch_cp["check"] == "pass":  # a torch with Flex's backward on CPUs
+        got.pop((cp.TORCH_CP, "scaling_efficiency"))
+    else:
+        assert torch_cp["check"] == "error" and "backward on CPU" in torch_cp["detail"]["error"], torch_cp
+        assert "\n" not in torch_cp["detail"]["error"]
+    assert set(got) == {(c, "ms") for c in (cp.SINGLE, *FIVAR)} | {(c, "scaling_efficiency") for c in FIVAR}, rows
+    for r in got.values():
         assert r["check"] == "pass", r
         assert math.isfinite(r["value"]) and r["value"] > 0, r
         assert r["detail"]["world"] == 2
-    for c in cp.STRATEGIES:  # the efficiency is its definition over the two timed rows
+    for c in FIVAR:  # the efficiency is its definition over the two timed rows
         eff = got[(c, "scaling_efficiency")]
         assert eff["value"] == pytest.approx(got[(cp.SINGLE, "ms")]["value"] / (2 * got[(c, "ms")]["value"]))
 
@@ -49,10 +56,36 @@ def test_a_corrupted_output_fails_its_check_and_is_not_timed():
         runner.validate_row(r)
     by = {r["contender"]: r for r in rows if r["metric"] == "ms"}
     assert by[cp.SINGLE]["check"] == "pass" and by[cp.SINGLE]["value"] > 0
-    for c in cp.STRATEGIES:
+    for c in FIVAR:
         assert by[c]["check"] == "fail" and by[c]["value"] is None, by[c]
         assert by[c]["detail"]["error"].startswith("FAIL"), by[c]
+    # PyTorch's CP block mask takes no sequence of 64 over 2 ranks (128-row blocks): one line saying so
+    assert by[cp.TORCH_CP]["check"] == "error" and "multiple of 2 ranks x 128" in by[cp.TORCH_CP]["detail"]["error"]
     assert not [r for r in rows if r["metric"] == "scaling_efficiency"]
+
+
+@pytest.mark.parametrize("variant,extra,corrupt", [("document_mask", dict(docs=3), False),
+                                                   ("softcap_sliding_window", dict(window=40), False),
+                                                   ("document_mask", dict(docs=3), True)])
+def test_pytorch_context_parallel_is_checked_and_timed(variant, extra, corrupt):
+    # PyTorch's own CP (Flex under _ContextParallel, the variant's mask as its CP block mask) on 2 gloo ranks,
+    # forward: its gathered output and LSE match the single-process run (documents crossing the shards; a window
+    # and soft-capped logits), or, corrupted, fail the check and go untimed
+    cfg = cp.Config(variant, 256, dtype="bfloat16", backend="reference", contenders=(cp.SINGLE, cp.TORCH_CP),
+                    corrupt=corrupt, seed=int(torch.randint(0, 1 << 20, ()).item()), **extra, **TINY)
+    rows = full_rows(cp.run_group(cfg, 2, timeout_s=240))
+    for r in rows:
+        runner.validate_row(r)
+    got = {(r["contender"], r["metric"]): r for r in rows}
+    assert got[(cp.SINGLE, "ms")]["check"] == "pass"
+    row = got[(cp.TORCH_CP, "ms")]
+    if corrupt:
+        assert row["check"] == "fail" and row["detail"]["error"].startswith("FAIL document_mask torch-cp out"), row
+        assert set(got) == {(cp.SINGLE, "ms"), (cp.TORCH_CP, "ms")}
+        return
+    assert row["check"] == "pass" and row["value"] > 0 and row["detail"]["world"] == 2, row
+    eff = got[(cp.TORCH_CP, "scaling_efficiency")]
+    assert eff["value"] == pytest.approx(got[(cp.SINGLE, "ms")]["value"] / (2 * row["value"]))
 
 
 def test_lse_check_catches_a_shifted_row():
@@ -90,3 +123,17 @@ def test_document_lengths_cover_the_sequence():
     for seqlen, docs in ((131072, 8), (524288, 32), (100, 3)):
         lengths = cp.doc_lengths(seqlen, docs, seed=5)
         assert len(lengths) == docs and sum(lengths) == seqlen and min(lengths) >= seqlen // (4 * docs)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_pytorch_head_tail_layout_is_the_zigzag_sharding(world):
+    # torch-cp runs on the zigzag shards as they are: PyTorch's default CP load balancer must lay out the same rows
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from fivar.distributed import Sharding
+    seqlen = world * 128 * int(torch.randint(1, 5, ()).item())
+    theirs = _HeadTailLoadBalancer(seqlen, world, "cpu")._generate_indices()[0].view(world, -1)
+    zigzag = Sharding.zigzag(seqlen, world)
+    for rank in range(world):
+        ours = torch.cat([torch.arange(s, e) for s, e in zigzag.runs[rank]])
+        assert torch.equal(theirs[rank].long(), ours), rank

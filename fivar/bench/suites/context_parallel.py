@@ -6,6 +6,8 @@ zigzag uneven), bf16, head dim 128, GQA 32/8, causal. Variants: packed documents
 
 Contenders: `fivar-ring` and `fivar-all-gather` (each rank's shard, strategies of fivar.distributed) and
 `single-gpu`, fivar's own prefill of the whole sequence on one GPU (same variant, same backend: FA3 on sm90);
+`torch-cp`, PyTorch's own context parallelism on the same shards: FlexAttention with the variant as score_mod and
+BlockMask under `_ContextParallel` (`torch_cp_attention`; PyTorch's SDPA CP takes no mask but is_causal);
 `scaling_efficiency` = T_single / (W * T_cp) (1: perfect scaling). The `fwd+bwd` cases time forward and backward
 (gradients of q, k and v) instead.
 
@@ -39,8 +41,9 @@ WINDOW = 4096  # Gemma 2's local layers
 DOCS = {SEQ: 8, LONG_SEQ: 32, QUICK_SEQ: 4}  # documents in the packed sequence: sparse enough at 512k to be cheap
 CHECK_BLOCKS, CHECK_ROWS = 3, 32  # reference blocks of query rows (the full reference would not fit)
 LSE_ATOL = 5e-2  # log2 units: dropping or doubling a shard's keys moves a row's LSE by ~1
-CASE_TIMEOUT_S = 240.0  # a case takes well under a minute: a group past this waits on a rank that failed
-STRATEGIES = {"fivar-ring": "ring", "fivar-all-gather": "all_gather"}
+CASE_TIMEOUT_S = 420.0  # fivar takes under a minute, torch-cp minutes more to compile: past this a rank failed
+TORCH_CP = "torch-cp"  # PyTorch's own context parallelism (`torch_cp_attention`)
+STRATEGIES = {"fivar-ring": "ring", "fivar-all-gather": "all_gather", TORCH_CP: "torch"}
 SINGLE = "single-gpu"
 
 
@@ -284,6 +287,8 @@ def worker(cfg: Config) -> list[dict]:
         return variant.prefill(q_, k_, v_, causal=True, backend=cfg.backend, return_lse=True, **params)
 
     def cp(strategy, q_, k_, v_):
+        if strategy == "torch":
+            return torch_cp(q_, k_, v_)
         fn = ring_attention if strategy == "ring" else all_gather_attention
         return fn(variant, q_, k_, v_, sharding, causal=True, backend=cfg.backend, return_lse=True, **params)
 
@@ -321,8 +326,14 @@ def worker(cfg: Config) -> list[dict]:
     status[SINGLE] = g.broadcast(status.get(SINGLE))
     log(f"{SINGLE} checked: {status[SINGLE] or 'pass'}")
 
+    torch_cp = None
+    if TORCH_CP in cfg.contenders:  # built before any contender's collective call: a failure skips it on every rank
+        torch_cp, err = _call(lambda: torch_cp_attention(variant, params, sharding, cfg.heads, d, g.device))
+        status[TORCH_CP] = next((e for e in g.objects(err) if e), None)
+        log(f"{TORCH_CP} built: {status[TORCH_CP] or 'ok'}")
+
     for name, strategy in STRATEGIES.items():
-        if name not in cfg.contenders:
+        if name not in cfg.contenders or status.get(name):
             continue
         got, err = _call(lambda: run_cp(strategy))
         errs = [e for e in g.objects(err) if e]
@@ -475,6 +486,66 @@ def _check_full(variant: str, name: str, got, want, dtype, names) -> str | None:
         if not r.passed:
             return str(r)
     return None
+
+
+# ------------------------------------------------------------------------------- PyTorch's context parallelism
+
+def torch_cp_attention(variant, params: dict, sharding, heads: tuple, head_dim: int, device):
+    """PyTorch's own context parallelism: a callable (q, k, v) -> (out, lse) of this rank's zigzag shard ([rows,
+    heads, dim]; lse in log2, as fivar's), collective when called. It is flex_attention inside a module under
+    torch.distributed.tensor.experimental's `_ContextParallel` (AttentionType.FLEX: a forward pre-hook all-gathers
+    K and V, their gradients reduce-scattered), with the variant's score_mod and mask_mod (fivar.flex) as the local
+    BlockMask `_create_cp_block_mask` makes for PyTorch's head-tail load balancer, which is the zigzag sharding.
+    Built once (the block mask is compiled here), every rank alike."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental._context_parallel._attention import (_ContextParallel,
+                                                                                     _create_cp_block_mask)
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, AuxRequest, flex_attention
+
+    from ...errors import FivarError
+    from ...flex import flex_mods
+    from ...spec import ir
+    from ...spec.inputs import LOG2E
+    S, world, rank = sharding.seq_len, sharding.world_size, dist.get_rank()
+    (hq, hkv), vir = heads, variant.ir
+    if S % (world * _DEFAULT_SPARSE_BLOCK_SIZE):
+        raise FivarError(f"{TORCH_CP}: PyTorch's CP block mask needs the sequence ({S}) to be a multiple of "
+                         f"{world} ranks x {_DEFAULT_SPARSE_BLOCK_SIZE}")
+    if vir.logits is not None and {"q_idx", "kv_idx"} & ir.uses(vir.logits):
+        # _ContextParallel rewrites the mask_mod to global positions, never the score_mod
+        raise FivarError(f"{TORCH_CP}: variant '{variant.name}': its logits read positions, and PyTorch's CP hands "
+                         f"the score_mod local ones")
+    balancer = _HeadTailLoadBalancer(S, world, device)
+    theirs = balancer._generate_indices()[0].view(world, -1)[rank].cpu().long()
+    ours = torch.cat([torch.arange(s, e) for s, e in sharding.runs[rank]])
+    if not torch.equal(theirs, ours):
+        raise FivarError(f"{TORCH_CP}: PyTorch's head-tail layout is not the sharding's on rank {rank}")
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    score_mod, mask_mod = flex_mods(variant, params, qo_len=S, kv_len=S, num_qo_heads=hq, num_kv_heads=hkv,
+                                    sm_scale=sm_scale, causal=True, device=device)
+    per_head = vir.mask is not None and bool({"qo_head", "kv_head"} & ir.uses(vir.mask))
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    block_mask = _create_cp_block_mask(mask_mod, 1, hq if per_head else 1, S, S, mesh, load_balancer=balancer)
+    # compiled on GPUs (eager Flex materialises the scores); eager on CPUs (the unit test's tiny shapes)
+    fa = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+
+    class Flex(torch.nn.Module):
+        def forward(self, q, k, v):
+            return fa(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=sm_scale, enable_gqa=hq != hkv,
+                      return_aux=AuxRequest(lse=True))
+    style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
+    module = parallelize_module(Flex(), mesh, style)
+
+    def run(q, k, v):
+        out, aux = module(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # [1, heads, rows, dim]
+        return out.squeeze(0).transpose(0, 1), aux.lse.squeeze(0).transpose(0, 1) * LOG2E
+    return run
 
 
 # ------------------------------------------------------------------------------------------- the suite
