@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..errors import FivarError
-from ..runtime.lse import empty_lse, merge_states
+from ..runtime.lse import merge_states
 from ..runtime.plan_cache import PlanCache
 from ..spec.inputs import bind_params
 from .positions import KERNEL_CAUSAL, MASK_CAUSAL, global_variant, pair_causality, shifts, sink_state
@@ -71,6 +71,8 @@ class Plan:
             at += e - s
         self.keep = _KEEPS.get(("keep", variant, self.causal, sharding.seq_len, sharding.runs, self.rank,
                                 self.num_qo_heads, self.num_kv_heads, self.params), self._pairs_to_compute)
+        #: how many pairs each query run merges
+        self.states = [sum(kept for (i, _, _), kept in self.keep.items() if i == run) for run in range(len(self.q_runs))]
 
     def _pairs_to_compute(self) -> dict:
         """keep[(q run, owner, kv run)]: False where the mask (with causal) keeps no pair of positions, by fivar's
@@ -100,8 +102,9 @@ class Plan:
             yield j, s, e, at
             at += e - s
 
-    def pair(self, q, k, v, q_start, kv_start, params=None, grad=False):
-        """(out, lse) of query rows at q_start.. over keys at kv_start.., on global positions."""
+    def pair(self, q, k, v, q_start, kv_start, params=None, grad=False, out=None):
+        """(out, lse) of query rows at q_start.. over keys at kv_start.., on global positions (written into `out`
+        where the backend takes it)."""
         p = {**(self.params if params is None else params), **shifts(q_start, q.shape[0], kv_start, k.shape[0])}
         how = pair_causality(self.causal, q_start, q.shape[0], kv_start, k.shape[0])
         derived = global_variant(self.base, how == MASK_CAUSAL)
@@ -112,8 +115,36 @@ class Plan:
             o, lse = reference_attention(derived, q, k, v, causal=causal, sm_scale=self.sm_scale, params=p,
                                          return_lse=True, float_dtype=fdt)
             return o.to(q.dtype), lse
-        call = derived.attention if grad else derived.prefill
-        return call(q, k, v, causal=causal, sm_scale=self.sm_scale, backend=self.backend, return_lse=True, **p)
+        if grad:
+            return derived.attention(q, k, v, causal=causal, sm_scale=self.sm_scale, backend=self.backend,
+                                     return_lse=True, **p)
+        return derived.prefill(q, k, v, causal=causal, sm_scale=self.sm_scale, backend=self.backend, out=out,
+                               return_lse=True, **p)
+
+    def pair_grads(self, q, k, v, q_start, kv_start, out, lse, dout, dlse):
+        """(dq, dk, dv, {learnable param: gradient}) of one pair, given its query rows' merged out and lse (over every
+        kept pair) and their gradients. The generated backward takes them as they are: with the merged lse each
+        key's probability is its share of the whole row, so no pair's forward runs again. The reference backend
+        composes autograd instead: the pair's own (out, lse) again, weighted by its share of each row."""
+        if self.backend != "reference":
+            from ..runtime.autograd import attention_grads
+            p = {**self.params, **shifts(q_start, q.shape[0], kv_start, k.shape[0])}
+            how = pair_causality(self.causal, q_start, q.shape[0], kv_start, k.shape[0])
+            return attention_grads(global_variant(self.base, how == MASK_CAUSAL), q, k, v, out, lse, dout, dlse,
+                                   causal=how == KERNEL_CAUSAL, sm_scale=self.sm_scale, params=p)
+        leaves = {n: self.params[n].detach().requires_grad_() for n in self.learnable}
+        qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
+        with torch.enable_grad():
+            o_c, l_c = self.pair(qr, kr, vr, q_start, kv_start, params={**self.params, **leaves}, grad=True)
+        # this pair's share of each row: 2^(lse_c - lse); out = sum_c share_c * out_c, lse = log2 sum 2^lse_c
+        share = torch.where(torch.isfinite(l_c) & torch.isfinite(lse), torch.exp2(l_c.float() - lse),
+                            torch.zeros((), device=q.device))
+        do = dout.float()
+        g_o = (share.unsqueeze(-1) * do).to(o_c.dtype)
+        g_l = share * (LN2 * (do * (o_c.detach().float() - out.float())).sum(-1) + (0 if dlse is None else dlse.float()))
+        grads = torch.autograd.grad((o_c, l_c), [qr, kr, vr, *leaves.values()], (g_o, g_l.to(l_c.dtype)),
+                                    allow_unused=True)
+        return (*grads[:3], dict(zip(leaves, grads[3:])))
 
     def pairs_with(self, owner: int):
         """(q run index, q rows, q_start, kv rows slice, kv_start) of every kept pair with the owner's shard."""
@@ -136,28 +167,69 @@ def padded(k, v, rows: int) -> torch.Tensor:
     return buf
 
 
+class _RunState:
+    """One query run's (out, lse) as its pairs arrive, written in place: a run of one pair straight into the call's
+    output rows; else the first pair into slot 0 of a [2, rows, H, D] buffer, each later one into slot 1 and merged
+    into slot 0 (the last into the output rows), one fused pass each (fivar.triton_ops.merge_states on GPUs)."""
+
+    def __init__(self, pairs: int, out: torch.Tensor, lse: torch.Tensor):
+        self.pairs, self.out, self.lse, self.done = pairs, out, lse, 0
+        self.buf = self.buf_lse = None
+        if pairs > 1:
+            self.buf = out.new_empty((2, *out.shape))
+            self.buf_lse = lse.new_empty((2, *lse.shape))
+
+    def next_slot(self):
+        if self.pairs == 1:
+            return self.out, self.lse
+        slot = min(self.done, 1)
+        return self.buf[slot], self.buf_lse[slot]
+
+    def filled(self, o: torch.Tensor, lse: torch.Tensor) -> None:
+        o_slot, lse_slot = self.next_slot()
+        if o.data_ptr() != o_slot.data_ptr():  # a backend that does not write into `out`
+            o_slot.copy_(o)
+        lse_slot.copy_(lse)
+        self.done += 1
+        if self.done >= 2:  # slot 1 into slot 0, or the last into the output rows
+            last = self.done == self.pairs
+            _merge(self.buf, self.buf_lse, self.out if last else self.buf[0], self.lse if last else self.buf_lse[0])
+
+    def finish(self) -> None:
+        if self.pairs == 0:  # the mask keeps no key of any shard for these rows
+            self.out.zero_()
+            self.lse.fill_(-math.inf)
+
+
+def _merge(o_parts, lse_parts, out, lse_out) -> None:
+    """out, lse_out <- the merge of the parts (out may be o_parts[0]: each row and head is read before written)."""
+    if o_parts.is_cuda:
+        from ..triton_ops.merge_states import merge_states as fused
+        fused(o_parts, lse_parts, out, lse_out)
+        return
+    o, lse = merge_states(o_parts, lse_parts)
+    out.copy_(o)
+    lse_out.copy_(lse)
+
+
 class ContextParallel(torch.autograd.Function):
     """(out, lse) of this rank's queries over every rank's keys (without the sink); backward composes the variant's
     own differentiable attention per pair, given the merged out and lse."""
 
     @staticmethod
     def forward(ctx, plan, transport, q, k, v, *learnable):
-        states = [[] for _ in plan.q_runs]
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        runs = [_RunState(plan.states[i], out[at:at + qe - qs], lse[at:at + qe - qs])
+                for i, (qs, qe, at) in enumerate(plan.q_runs)]
         with torch.no_grad():
             for owner, ko, vo in transport.forward(k, v):
                 for i, qrows, qs, kvrows, ks in plan.pairs_with(owner):
-                    states[i].append(plan.pair(q[qrows], ko[kvrows], vo[kvrows], qs, ks))
-            outs, lses = [], []
-            for (qs, qe, _), st in zip(plan.q_runs, states):
-                if st:
-                    o, lse = merge_states([s[0] for s in st], [s[1].float() for s in st])
-                else:  # the mask keeps no key of any shard for these rows
-                    o = q.new_zeros(qe - qs, q.shape[1], v.shape[2])
-                    lse = empty_lse(o)
-                outs.append(o)
-                lses.append(lse)
-            out = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
-            lse = torch.cat(lses) if lses else empty_lse(out)
+                    o_slot, lse_slot = runs[i].next_slot()
+                    o_c, lse_c = plan.pair(q[qrows], ko[kvrows], vo[kvrows], qs, ks, out=o_slot)
+                    runs[i].filled(o_c, lse_c)
+            for r in runs:
+                r.finish()
         ctx.plan, ctx.transport = plan, transport
         ctx.save_for_backward(q, k, v, out, lse, *learnable)
         return out, lse
@@ -168,31 +240,20 @@ class ContextParallel(torch.autograd.Function):
         q, k, v, out, lse, *learnable = ctx.saved_tensors
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dparams = [torch.zeros_like(t, dtype=torch.float32) for t in learnable]
-        dout = torch.zeros_like(out) if dout is None else dout
-        dlse = torch.zeros_like(lse) if dlse is None else dlse
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dlse = None if dlse is None else dlse.contiguous()  # None: the loss does not read the lse
         for owner, ko, vo, dkv in transport.backward(k, v):
             for _, qrows, qs, kvrows, ks in plan.pairs_with(owner):
-                leaves = [t.detach().requires_grad_() for t in learnable]
-                params = {**plan.params, **dict(zip(plan.learnable, leaves))}
-                qr, kr, vr = (x.detach().requires_grad_() for x in (q[qrows], ko[kvrows], vo[kvrows]))
-                with torch.enable_grad():
-                    o_c, l_c = plan.pair(qr, kr, vr, qs, ks, params=params, grad=True)
-                total, do = lse[qrows], dout[qrows].float()
-                # this pair's share of each row: 2^(lse_c - lse); out = sum_c share_c * out_c, lse = log2 sum 2^lse_c
-                share = torch.where(torch.isfinite(l_c) & torch.isfinite(total), torch.exp2(l_c.float() - total),
-                                    torch.zeros((), device=q.device))
-                g_o = (share.unsqueeze(-1) * do).to(o_c.dtype)
-                g_l = share * (LN2 * (do * (o_c.detach().float() - out[qrows].float())).sum(-1) + dlse[qrows].float())
-                grads = torch.autograd.grad((o_c, l_c), [qr, kr, vr, *leaves], (g_o, g_l.to(l_c.dtype)),
-                                            allow_unused=True)
+                grads = plan.pair_grads(q[qrows], ko[kvrows], vo[kvrows], qs, ks, out[qrows], lse[qrows],
+                                        dout[qrows], None if dlse is None else dlse[qrows])
                 dq[qrows] += grads[0].float()
                 if grads[1] is not None:
                     dkv[0, kvrows] += grads[1].float()
                 if grads[2] is not None:
                     dkv[1, kvrows] += grads[2].float()
-                for acc, g in zip(dparams, grads[3:]):
-                    if g is not None:
-                        acc += g.float()
+                for name, acc in zip(plan.learnable, dparams):
+                    if grads[3].get(name) is not None:
+                        acc += grads[3][name].float()
         dk, dv = transport.result()
         return (None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 *(g.to(t.dtype) for g, t in zip(dparams, learnable)))

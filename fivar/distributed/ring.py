@@ -30,39 +30,47 @@ class RingTransport(Transport):
         self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
         self._dkv = None
 
-    def _exchange(self, send: torch.Tensor):
-        """Starts sending `send` to the next rank and receiving the previous rank's buffer; (requests, buffer)."""
-        recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next, self.plan.group),
-               dist.P2POp(dist.irecv, recv, self.prev, self.plan.group)]
-        return dist.batch_isend_irecv(ops), recv
+    def _exchange(self, *sends: torch.Tensor):
+        """Starts sending `sends` to the next rank and receiving the previous rank's alike; (requests, received)."""
+        recvs = tuple(torch.empty_like(t) for t in sends)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.plan.group) for t in sends] + \
+              [dist.P2POp(dist.irecv, t, self.prev, self.plan.group) for t in recvs]
+        return dist.batch_isend_irecv(ops), recvs
+
+    def _shards(self, k, v):
+        """k and v as the ring sends them, [rows, Hkv, D] each: the caller's own where they are that long (no copy),
+        else zero-padded (every transfer has one shape)."""
+        if k.shape[0] == self.rows and k.is_contiguous() and v.is_contiguous():
+            return k, v
+        buf = padded(k, v, self.rows)
+        return buf[0], buf[1]
 
     def forward(self, k, v):
         plan = self.plan
-        buf = padded(k, v, self.rows)
+        buf = self._shards(k, v)
         for step in range(plan.world):
             owner = (plan.rank - step) % plan.world
-            pending = self._exchange(buf) if step < plan.world - 1 else None
+            pending = self._exchange(*buf) if step < plan.world - 1 else None
             n = plan.sharding.length(owner)
-            yield owner, buf[0, :n], buf[1, :n]
+            yield owner, buf[0][:n], buf[1][:n]
             if pending is not None:
                 _wait(pending[0])
                 buf = pending[1]
 
     def backward(self, k, v):
         plan = self.plan
-        buf = padded(k, v, self.rows)
+        buf = self._shards(k, v)
         arriving = None  # (requests, buffer): the gradients of this step's shard so far, from the previous rank
         dkv = None
         for step in range(plan.world):
             owner = (plan.rank - step) % plan.world
-            pending = self._exchange(buf) if step < plan.world - 1 else None
+            pending = self._exchange(*buf) if step < plan.world - 1 else None
             n = plan.sharding.length(owner)
-            dkv = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
-            yield owner, buf[0, :n], buf[1, :n], dkv
+            dkv = torch.zeros((2, *buf[0].shape), dtype=torch.float32, device=buf[0].device)
+            yield owner, buf[0][:n], buf[1][:n], dkv
             if arriving is not None:  # in flight during this step's compute
                 _wait(arriving[0])
-                dkv += arriving[1]
+                dkv += arriving[1][0]
             # the gradients follow their shard, overlapping the next step's compute; after the last step each is
             # back at its owner
             arriving = self._exchange(dkv) if plan.world > 1 else None
@@ -71,7 +79,7 @@ class RingTransport(Transport):
                 buf = pending[1]
         if arriving is not None:
             _wait(arriving[0])
-            dkv = arriving[1]
+            dkv = arriving[1][0]
         self._dkv = dkv
 
     def result(self):

@@ -264,6 +264,14 @@ def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="auto", 
     with `return_lse` (lse: float32 [qo_tokens, Hq], log2 of each row's softmax denominator in the units of
     `logits * log2(e)`; zeros without softmax). `backend`: the forward's kernel (forward_target); the backward is
     the generated Triton one."""
+    target, call = _call_args(variant, q, k, v, causal, sm_scale, backend, qo_indptr, kv_indptr, params)
+    o, lse = attention_fwd(variant.key, q, k, v, *call, target)
+    return (o, lse) if return_lse else o
+
+
+def _call_args(variant, q, k, v, causal, sm_scale, backend, qo_indptr, kv_indptr, params) -> tuple[str, tuple]:
+    """(the forward's target, the ops' arguments after q, k, v: indptrs, max lengths, causal, sm_scale, tensor and
+    scalar params), checked."""
     from .attention import _check_ragged_indptr, _prepare
     from .triton_attention import _check_inputs, _single_indptr
     _check_inputs(variant, q, k, v)
@@ -283,6 +291,15 @@ def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="auto", 
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     tensors = [bound.tensors[n] for n in variant.tensor_params]  # .contiguous() of the caller's: in its graph
     scalars = [float(bound.scalars[n]) for n in variant.scalar_params]
-    o, lse = attention_fwd(variant.key, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal),
-                           sm_scale, tensors, scalars, target)
-    return (o, lse) if return_lse else o
+    return target, (qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal), sm_scale, tensors, scalars)
+
+
+def attention_grads(variant, q, k, v, o, lse, do, dlse=None, *, causal=False, sm_scale=None, params=None):
+    """(dq, dk, dv, {learnable tensor param: float32 gradient}) of one request's attention given an (o, lse) and
+    their gradients, without running the forward: the generated backward. With o and lse of a row's attention over
+    more keys than k/v (a merge of several parts, as context parallelism has them) each key's probability is its
+    share of the whole row, so the result is these keys' part of the whole row's gradients."""
+    from ..codegen.triton_bwd import learnable_params
+    _, call = _call_args(variant, q, k, v, causal, sm_scale, "triton", None, None, params)
+    dq, dk, dv, dparams = attention_bwd(variant.key, do, q, k, v, o, lse, *call, dlse)
+    return dq, dk, dv, dict(zip(learnable_params(variant), dparams))

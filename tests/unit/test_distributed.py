@@ -218,6 +218,18 @@ def _triton_backward(rank, world):
     for g, w, what in zip(got[:3], want[:3], "qkv"):
         close(g, sharding.shard(w, rank), 2e-2, f"rank {rank} d{what}")
     close(dslope, want[3], 5e-2, f"rank {rank} dslope")
+    # a random mask leaving some rows no key at all (lse -inf): their gradients are zeros, the others' as reference
+    keep = torch.rand(seq_len, seq_len, generator=gen) < 0.25
+    keep[3] = keep[seq_len - 2] = False
+    ref = lambda q_, k_, v_: reference(TABLE, q_, k_, v_, True, {"keep": keep})  # noqa: E731
+    want = grads_of(ref, (q, k, v), (w_out, w_lse))
+    run = lambda q_, k_, v_: ring_attention(  # noqa: E731
+        TABLE, q_, k_, v_, sharding, causal=True, backend="triton", return_lse=True, keep=keep)
+    got = grads_of(run, [sharding.shard(x, rank).half() for x in (q, k, v)],
+                   (sharding.shard(w_out, rank), sharding.shard(w_lse, rank)))
+    for g, w, what in zip(got, want, "qkv"):
+        assert torch.isfinite(g).all(), f"rank {rank} d{what} of the random mask is not finite"
+        close(g, sharding.shard(w, rank), 2e-2, f"rank {rank} d{what} (random mask)")
 
 
 def test_triton_ring_backward_on_two_ranks():
@@ -278,11 +290,11 @@ def _transfer_order(rank, world):
         events.append(("post", n))
         return [Request(r, n) for r in real_batch(ops)]
 
-    def pair(self, q, k, v, q_start, kv_start, params=None, grad=False):
+    def pair(self, q, k, v, q_start, kv_start, **kw):
         owner = next(o for o, runs in enumerate(self.sharding.runs) if any(s <= kv_start < e for s, e in runs))
         if events[-1] != ("compute", owner):
             events.append(("compute", owner))
-        return real_pair(self, q, k, v, q_start, kv_start, params=params, grad=grad)
+        return real_pair(self, q, k, v, q_start, kv_start, **kw)
 
     seq_len, hq, hkv, d = 4 * world + 3, 2, 1, 16
     gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=5)

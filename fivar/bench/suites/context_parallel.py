@@ -274,7 +274,9 @@ def worker(cfg: Config) -> list[dict]:
     for t in full:
         g.dist.broadcast(t, src=0)
     q, k, v, dout = full
-    mine = [sharding.shard(t, g.rank).contiguous() for t in full]
+    # each strategy's rows of them: fivar's on its balanced sharding, PyTorch's on its head-tail layout (zigzag)
+    layouts = {"ring": sharding, "all_gather": sharding, "torch": Sharding.zigzag(S, g.world)}
+    mine = {sh: [sh.shard(t, g.rank).contiguous() for t in full] for sh in set(layouts.values())}
     if g.rank:  # only rank 0 runs the whole sequence
         q = k = v = dout = full = None
 
@@ -305,9 +307,10 @@ def worker(cfg: Config) -> list[dict]:
         return with_grads(single, (q, k, v), dout)
 
     def run_cp(strategy):
+        rows = mine[layouts[strategy]]
         if not cfg.backward:
-            return cp(strategy, *mine[:3])
-        return with_grads(lambda *x: cp(strategy, *x), mine[:3], mine[3])
+            return cp(strategy, *rows[:3])
+        return with_grads(lambda *x: cp(strategy, *x), rows[:3], rows[3])
 
     names = ("out", "lse", "dq", "dk", "dv")
     status, times = {}, {}  # status[contender]: None (checked, passed) or why not
@@ -328,7 +331,8 @@ def worker(cfg: Config) -> list[dict]:
 
     torch_cp = None
     if TORCH_CP in cfg.contenders:  # built before any contender's collective call: a failure skips it on every rank
-        torch_cp, err = _call(lambda: torch_cp_attention(variant, params, sharding, cfg.heads, d, g.device))
+        torch_cp, err = _call(lambda: torch_cp_attention(variant, params, layouts["torch"], cfg.heads, d,
+                                                                g.device))
         status[TORCH_CP] = next((e for e in g.objects(err) if e), None)
         log(f"{TORCH_CP} built: {status[TORCH_CP] or 'ok'}")
 
@@ -341,7 +345,7 @@ def worker(cfg: Config) -> list[dict]:
             status[name] = errs[0]
             log(f"{name}: {errs[0]}")
             continue
-        gathered = [g.gather(x, sharding) for x in got]
+        gathered = [g.gather(x, layouts[strategy]) for x in got]
         err = None
         if g.rank == 0:
             if cfg.corrupt:  # a wrong output the check must catch: a block of rows scaled
