@@ -17,7 +17,7 @@ from ..errors import FivarError
 
 #: `balanced` leaves zigzag's equal rows for equal-work pieces only when that lowers the busiest rank's work by more
 #: than this: uneven rows cost memory and a longer transfer (each is padded to the longest shard)
-BALANCE_GAIN = 0.05
+BALANCE_GAIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -143,12 +143,12 @@ def _check_split(seq_len, world_size):
 
 def block_work(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads: int, num_kv_heads: int,
                params: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(edges [m+1], work [m]): the sequence cut into m <= `blocks` equal query blocks, and for each the number of
-    key blocks the mask (with causal) keeps any pair of, by fivar's interval classification (fivar.spec.sparsity,
-    never EMPTY where a pair is kept): the tiles a kernel visits for those rows."""
+    """(edges [m+1], work [m]): the sequence cut into m <= `blocks` equal query blocks, and for each the key blocks
+    the mask (with causal) keeps, by fivar's interval classification (fivar.spec.sparsity): FULL ones count 1,
+    PARTIAL ones 1/2: about the kernel tiles visited for those rows."""
     from ..spec import ir
     from ..spec.inputs import bind_params
-    from ..spec.sparsity import EMPTY, classify_bounds
+    from ..spec.sparsity import FULL, PARTIAL, classify_bounds
     m = max(1, min(blocks, seq_len))
     edges = torch.tensor([seq_len * b // m for b in range(m + 1)], dtype=torch.int64)
     edges = torch.unique_consecutive(edges)
@@ -156,7 +156,7 @@ def block_work(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads
     program = variant.ir.mask
     if program is None:
         if not causal:
-            return edges, torch.full((lo.numel(),), lo.numel(), dtype=torch.int64)
+            return edges, torch.full((lo.numel(),), float(lo.numel()), dtype=torch.float64)
         program = ir.Program([], ir.Const(ir.BOOL, True))
     host = {k: t.detach().cpu() if isinstance(t, torch.Tensor) else t for k, t in params.items()}
     bound = bind_params(variant, host, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
@@ -164,7 +164,8 @@ def block_work(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads
     kinds = classify_bounds(program, lo, hi, lo, hi, scalars=dict(bound.scalars),
                             tensors={k: t.detach().cpu() for k, t in bound.tensors.items()},
                             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, causal=causal)
-    return edges, (kinds != EMPTY).sum(1).to(torch.int64)
+    # a PARTIAL block (much larger than a kernel's tile) is about half kept tiles: a diagonal, a document's edge
+    return edges, (kinds == FULL).sum(1).double() + 0.5 * (kinds == PARTIAL).sum(1).double()
 
 
 def _work_between(edges: torch.Tensor, cum: torch.Tensor, start: int, end: int) -> float:
