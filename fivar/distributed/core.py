@@ -17,6 +17,8 @@ from .sharding import Sharding
 
 BACKENDS = ("auto", "triton", "fa2", "fa3", "reference")
 LN2 = math.log(2.0)
+#: the query rows a pair's row range is trimmed by (fivar's classification over blocks of this many rows)
+ROW_BLOCK = 512
 #: Plan.keep per call layout: the classification copies tensor params to the host and walks the mask's intervals,
 #: which at 128k positions costs more than a shard's attention; keyed as one-shot plans are (tensors by identity and
 #: version, so an in-place write classifies again; fivar.invalidate_plans clears it too)
@@ -69,14 +71,17 @@ class Plan:
         for s, e in sharding.runs[self.rank]:
             self.q_runs.append((s, e, at))
             at += e - s
-        self.keep = _KEEPS.get(("keep", variant, self.causal, sharding.seq_len, sharding.runs, self.rank,
+        self.rows = _KEEPS.get(("rows", variant, self.causal, sharding.seq_len, sharding.runs, self.rank,
                                 self.num_qo_heads, self.num_kv_heads, self.params), self._pairs_to_compute)
-        #: how many pairs each query run merges
-        self.states = [sum(kept for (i, _, _), kept in self.keep.items() if i == run) for run in range(len(self.q_runs))]
+        #: keep[(q run, owner, kv run)]: whether the pair is computed at all
+        self.keep = {pair: rows is not None for pair, rows in self.rows.items()}
 
     def _pairs_to_compute(self) -> dict:
-        """keep[(q run, owner, kv run)]: False where the mask (with causal) keeps no pair of positions, by fivar's
-        interval classification (fivar.spec.sparsity), which never calls a block empty that keeps a pair."""
+        """rows[(q run, owner, kv run)]: the query rows (lo, hi) within the run that keep any key of the kv run
+        (by fivar's interval classification, fivar.spec.sparsity, which never calls a block empty that keeps a
+        pair, over blocks of ROW_BLOCK rows), None where none does. Only whole blocks are trimmed, and a pair's rows
+        keep the run's last row where the pair is causal (its rows and keys then still end together:
+        pair_causality)."""
         from ..spec import ir
         from ..spec.sparsity import EMPTY, classify_bounds
         kv = [(o, j, s, e) for o in range(self.world) for j, (s, e) in enumerate(self.sharding.runs[o])]
@@ -84,16 +89,29 @@ class Plan:
             return {}
         program = self.base.ir.mask
         if program is None and not self.causal:
-            return {(i, o, j): True for i in range(len(self.q_runs)) for o, j, _, _ in kv}
+            return {(i, o, j): (0, qe - qs) for i, (qs, qe, _) in enumerate(self.q_runs) for o, j, _, _ in kv}
         if program is None:
             program = ir.Program([], ir.Const(ir.BOOL, True))
+        blocks = [(i, b, min(b + ROW_BLOCK, qe - qs)) for i, (qs, qe, _) in enumerate(self.q_runs)
+                  for b in range(0, qe - qs, ROW_BLOCK)]
         kinds = classify_bounds(
-            program, torch.tensor([s for s, _, _ in self.q_runs]), torch.tensor([e - 1 for _, e, _ in self.q_runs]),
+            program, torch.tensor([self.q_runs[i][0] + lo for i, lo, _ in blocks]),
+            torch.tensor([self.q_runs[i][0] + hi - 1 for i, _, hi in blocks]),
             torch.tensor([s for _, _, s, _ in kv]), torch.tensor([e - 1 for _, _, _, e in kv]),
             scalars=dict(self.bound.scalars), tensors={n: t.detach().cpu() for n, t in self.bound.tensors.items()},
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, causal=self.causal)
-        return {(i, o, j): bool(kinds[i, c] != EMPTY) for i in range(len(self.q_runs))
-                for c, (o, j, _, _) in enumerate(kv)}
+        rows = {}
+        for c, (o, j, ks, ke) in enumerate(kv):
+            for i, (qs, qe, _) in enumerate(self.q_runs):
+                kept = [(lo, hi) for b, (bi, lo, hi) in enumerate(blocks) if bi == i and kinds[b, c] != EMPTY]
+                if not kept:
+                    rows[(i, o, j)] = None
+                    continue
+                lo, hi = kept[0][0], kept[-1][1]
+                if pair_causality(self.causal, qs, qe - qs, ks, ke - ks) == KERNEL_CAUSAL:
+                    hi = qe - qs
+                rows[(i, o, j)] = (lo, hi)
+        return rows
 
     def kv_runs(self, owner: int):
         """(index, start, end, row offset in the owner's shard) of each run the owner holds."""
@@ -147,11 +165,13 @@ class Plan:
         return (*grads[:3], dict(zip(leaves, grads[3:])))
 
     def pairs_with(self, owner: int):
-        """(q run index, q rows, q_start, kv rows slice, kv_start) of every kept pair with the owner's shard."""
+        """(q run index, q rows slice, q_start, kv rows slice, kv_start) of every kept pair with the owner's shard: the
+        run's rows that keep any of the pair's keys, q_start the global position of the first."""
         for i, (qs, qe, qat) in enumerate(self.q_runs):
             for j, ks, ke, kat in self.kv_runs(owner):
-                if self.keep[(i, owner, j)]:
-                    yield i, slice(qat, qat + qe - qs), qs, slice(kat, kat + ke - ks), ks
+                rows = self.rows[(i, owner, j)]
+                if rows is not None:
+                    yield i, slice(qat + rows[0], qat + rows[1]), qs + rows[0], slice(kat, kat + ke - ks), ks
 
 
 class Transport:
@@ -167,49 +187,15 @@ def padded(k, v, rows: int) -> torch.Tensor:
     return buf
 
 
-class _RunState:
-    """One query run's (out, lse) as its pairs arrive, written in place: a run of one pair straight into the call's
-    output rows; else the first pair into slot 0 of a [2, rows, H, D] buffer, each later one into slot 1 and merged
-    into slot 0 (the last into the output rows), one fused pass each (fivar.triton_ops.merge_states on GPUs)."""
-
-    def __init__(self, pairs: int, out: torch.Tensor, lse: torch.Tensor):
-        self.pairs, self.out, self.lse, self.done = pairs, out, lse, 0
-        self.buf = self.buf_lse = None
-        if pairs > 1:
-            self.buf = out.new_empty((2, *out.shape))
-            self.buf_lse = lse.new_empty((2, *lse.shape))
-
-    def next_slot(self):
-        if self.pairs == 1:
-            return self.out, self.lse
-        slot = min(self.done, 1)
-        return self.buf[slot], self.buf_lse[slot]
-
-    def filled(self, o: torch.Tensor, lse: torch.Tensor) -> None:
-        o_slot, lse_slot = self.next_slot()
-        if o.data_ptr() != o_slot.data_ptr():  # a backend that does not write into `out`
-            o_slot.copy_(o)
-        lse_slot.copy_(lse)
-        self.done += 1
-        if self.done >= 2:  # slot 1 into slot 0, or the last into the output rows
-            last = self.done == self.pairs
-            _merge(self.buf, self.buf_lse, self.out if last else self.buf[0], self.lse if last else self.buf_lse[0])
-
-    def finish(self) -> None:
-        if self.pairs == 0:  # the mask keeps no key of any shard for these rows
-            self.out.zero_()
-            self.lse.fill_(-math.inf)
-
-
-def _merge(o_parts, lse_parts, out, lse_out) -> None:
-    """out, lse_out <- the merge of the parts (out may be o_parts[0]: each row and head is read before written)."""
-    if o_parts.is_cuda:
-        from ..triton_ops.merge_states import merge_states as fused
-        fused(o_parts, lse_parts, out, lse_out)
+def _merge_into(out, lse, o_new, lse_new) -> None:
+    """(out, lse) <- their merge with (o_new, lse_new), in place (fivar.triton_ops.merge_states on GPUs)."""
+    if out.is_cuda:
+        from ..triton_ops.merge_states import merge_into
+        merge_into(out, lse, o_new, lse_new)
         return
-    o, lse = merge_states(o_parts, lse_parts)
+    o, s = merge_states([out, o_new.to(out.dtype)], [lse, lse_new])
     out.copy_(o)
-    lse_out.copy_(lse)
+    lse.copy_(s)
 
 
 class ContextParallel(torch.autograd.Function):
@@ -220,16 +206,27 @@ class ContextParallel(torch.autograd.Function):
     def forward(ctx, plan, transport, q, k, v, *learnable):
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        runs = [_RunState(plan.states[i], out[at:at + qe - qs], lse[at:at + qe - qs])
-                for i, (qs, qe, at) in enumerate(plan.q_runs)]
+        runs = [slice(at, at + qe - qs) for qs, qe, at in plan.q_runs]
+        started = [False] * len(runs)
         with torch.no_grad():
             for owner, ko, vo in transport.forward(k, v):
                 for i, qrows, qs, kvrows, ks in plan.pairs_with(owner):
-                    o_slot, lse_slot = runs[i].next_slot()
-                    o_c, lse_c = plan.pair(q[qrows], ko[kvrows], vo[kvrows], qs, ks, out=o_slot)
-                    runs[i].filled(o_c, lse_c)
-            for r in runs:
-                r.finish()
+                    if not started[i] and qrows == runs[i]:  # a run's first state over all its rows: in place
+                        o_c, lse_c = plan.pair(q[qrows], ko[kvrows], vo[kvrows], qs, ks, out=out[qrows])
+                        if o_c.data_ptr() != out[qrows].data_ptr():  # a backend that does not write into `out`
+                            out[qrows] = o_c
+                        lse[qrows] = lse_c
+                    else:
+                        if not started[i]:  # the rows this pair leaves out keep nothing so far
+                            out[runs[i]] = 0
+                            lse[runs[i]] = -math.inf
+                        o_c, lse_c = plan.pair(q[qrows], ko[kvrows], vo[kvrows], qs, ks)
+                        _merge_into(out[qrows], lse[qrows], o_c, lse_c.float())
+                    started[i] = True
+            for rows, done in zip(runs, started):
+                if not done:  # the mask keeps no key of any shard for these rows
+                    out[rows] = 0
+                    lse[rows] = -math.inf
         ctx.plan, ctx.transport = plan, transport
         ctx.save_for_backward(q, k, v, out, lse, *learnable)
         return out, lse

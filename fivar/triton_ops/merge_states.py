@@ -101,3 +101,46 @@ def _check_parts(what: str, o, lse_parts, out, lse=None) -> None:
     for k in ("lse", "out lse"):
         if k in tensors and tensors[k].dtype != torch.float32:
             raise FivarError(f"{what}: the {k} must be float32 (log2-sum-exps), got {tensors[k].dtype}")
+
+
+@triton.jit
+def _merge_into_kernel(O, LSE, O_NEW, LSE_NEW, stride_on, stride_oh, stride_ln, stride_lh, stride_pn, stride_ph,
+                       stride_qn, stride_qh, N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.program_id(1).to(tl.int64)
+    keep_row = rows < N
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    keep = keep_row[:, None] & (cols < D)[None, :]
+
+    lse_a = tl.load(LSE + rows * stride_ln + h * stride_lh, mask=keep_row, other=float("-inf"))
+    lse_b = tl.load(LSE_NEW + rows * stride_qn + h * stride_qh, mask=keep_row, other=float("-inf"))
+    top = _reference_lse(tl.maximum(lse_a, lse_b))
+    w_a, w_b = tl.exp2(lse_a - top), tl.exp2(lse_b - top)
+    total = w_a + w_b
+    o_a = tl.load(O + rows[:, None] * stride_on + h * stride_oh + cols[None, :], mask=keep, other=0.0)
+    o_b = tl.load(O_NEW + rows[:, None] * stride_pn + h * stride_ph + cols[None, :], mask=keep, other=0.0)
+    acc = (w_a[:, None] * o_a.to(tl.float32) + w_b[:, None] * o_b.to(tl.float32)) / \
+        tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(O + rows[:, None] * stride_on + h * stride_oh + cols[None, :], acc.to(O.dtype.element_ty), mask=keep)
+    tl.store(LSE + rows * stride_ln + h * stride_lh, tl.where(total > 0, top + tl.log2(total), float("-inf")),
+             mask=keep_row)
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor) -> None:
+    """out [N, H, D] and lse [N, H] (float32, base 2) become the merge of themselves with (o_new, lse_new), in place:
+    one read of each and one write, a block of rows per program (the running merge of states arriving one by one,
+    as context parallelism has them)."""
+    n, h, d = out.shape
+    if o_new.shape != out.shape or lse.shape != (n, h) or lse_new.shape != (n, h):
+        raise FivarError(f"merge_into: out {list(out.shape)}, lse {list(lse.shape)}, o_new {list(o_new.shape)}, "
+                         f"lse_new {list(lse_new.shape)}: expected [N, H, D] twice and [N, H] twice")
+    _check_parts("merge_into", o_new, lse_new, out, lse)
+    if o_new.stride(-1) != 1 or out.stride(-1) != 1:
+        raise FivarError("merge_into: the last dim of out and o_new must be contiguous")
+    if n * h == 0:
+        return
+    block_n, block_d = 16, triton.next_power_of_2(d)
+    _merge_into_kernel[(triton.cdiv(n, block_n), h)](
+        out, lse, o_new, lse_new, out.stride(0), out.stride(1), *lse.stride(), o_new.stride(0), o_new.stride(1),
+        *lse_new.stride(), n, d, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)

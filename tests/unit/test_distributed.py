@@ -430,3 +430,45 @@ def test_balanced_sharding_evens_the_work_of_uneven_documents():
             assert max(got) <= 1.15 * sum(got) / world, (lengths, got)
     for v, p in ((fivar.load("softcap"), {}), (WINDOW, {"window": 0})):
         assert Sharding.balanced(v, 999, 3, causal=True, **p) == Sharding.zigzag(999, 3)
+
+
+def _trimmed_rows(rank, world):
+    """Row blocks of 3: pairs run only the query rows that keep any of their keys (trimmed), states merge over those
+    rows alone; outputs, LSEs and gradients still equal the float64 reference, ring and all-gather, reference and
+    Triton per pair."""
+    from fivar.distributed import core
+    core.ROW_BLOCK = 3
+    seq_len, hq, hkv, d = 40, 2, 1, 16
+    gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=7)
+    sharding = Sharding.zigzag(seq_len, world)
+    w_out = torch.randn(seq_len, hq, d, generator=gen, dtype=torch.float64)
+    w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
+    mine = lambda x: sharding.shard(x, rank)  # noqa: E731
+    trimmed = 0
+    for name, variant, causal, params in cases(seq_len, hq, gen):
+        plan = core.Plan(variant, *map(mine, (q, k, v)), sharding, causal=causal, sm_scale=None, backend="reference",
+                         group=None, params=params, strategy="ring_attention")
+        trimmed += sum(r is not None and r != (0, plan.q_runs[i][1] - plan.q_runs[i][0])
+                       for (i, _, _), r in plan.rows.items())
+        ref = lambda q_, k_, v_: reference(variant, q_, k_, v_, causal, params)  # noqa: E731
+        ref_out, ref_lse = ref(q, k, v)
+        ref_grads = grads_of(ref, (q, k, v), (w_out, w_lse))
+        for strategy, fn in STRATEGIES.items():
+            run = lambda q_, k_, v_: fn(variant, q_, k_, v_, sharding, causal=causal, backend="reference",  # noqa: E731
+                                        return_lse=True, **params)
+            got = grads_of(run, list(map(mine, (q, k, v))), (mine(w_out), mine(w_lse)))
+            out, lse = run(*map(mine, (q, k, v)))
+            close(out, mine(ref_out), 2e-6, f"{name}/{strategy} rank {rank} out")
+            close(lse, mine(ref_lse), 1e-5, f"{name}/{strategy} rank {rank} lse")
+            for g, want, what in zip(got, ref_grads, "qkv"):
+                close(g, mine(want), 1e-5, f"{name}/{strategy} rank {rank} d{what}")
+        if name in ("causal window", "random"):
+            out, lse = ring_attention(variant, *(mine(x).half() for x in (q, k, v)), sharding, causal=causal,
+                                      backend="triton", return_lse=True, **params)
+            close(out, mine(ref_out), 2e-3, f"{name}/triton rank {rank} out")
+            close(lse, mine(ref_lse), 2e-3, f"{name}/triton rank {rank} lse")
+    assert trimmed > 0
+
+
+def test_pairs_run_only_the_rows_that_keep_their_keys():
+    spawn(_trimmed_rows, 2)

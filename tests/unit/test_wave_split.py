@@ -154,3 +154,28 @@ def test_a_bad_setting_names_the_variant_and_the_variable(monkeypatch):
     monkeypatch.setenv(wave_split.ENV, "0")
     assert wave_split.plan_for(fivar.load("softcap"), torch.zeros(1000, 8, 64), torch.zeros(1000, 2, 64),
                                (128, 128)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_into_is_attention_over_both_key_sets(dtype):
+    """The running two-state merge, in place on strided views, against float64 attention over both key sets; rows
+    empty in one state take the other's, rows empty in both are zeros with lse -inf."""
+    from fivar.triton_ops.merge_states import merge_into
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    n, h, d = 37, 3, 80
+    q, k, v = (torch.randn(m, h, d, generator=g, dtype=torch.float64) for m in (n, 50, 50))
+    (o_a, lse_a), (o_b, lse_b) = _attention(q, k[:20], v[:20]), _attention(q, k[20:], v[20:])
+    want, want_lse = _attention(q, k, v)
+    lse_a[3], lse_b[5], lse_a[7], lse_b[7] = float("-inf"), float("-inf"), float("-inf"), float("-inf")
+    want[3], want_lse[3] = o_b[3], lse_b[3]
+    want[5], want_lse[5] = o_a[5], lse_a[5]
+    want[7], want_lse[7] = 0, float("-inf")
+    out = torch.full((n, h + 1, d), float("nan"), dtype=dtype)
+    out[:, :h] = o_a.to(dtype)
+    lse = torch.full((h, n), float("nan")).T  # column-major: strides of its own
+    lse[:] = lse_a.float()
+    merge_into(out[:, :h], lse, o_b.to(dtype), lse_b.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:, :h].double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert out[:, h].isnan().all()
