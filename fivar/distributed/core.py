@@ -1,5 +1,5 @@
 """What the strategies share: the call's checks, the (query run, key run) pairs to compute, one pair's attention on
-global positions, and the autograd function that merges pairs by their LSEs and composes fivar's own backward per
+global positions, and the autograd function that merges pairs by their LSEs and runs fivar's generated backward per
 pair. A strategy (ring, all-gather) only says how the key/value shards reach each rank and how their gradients get
 back (`Transport`)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ BACKENDS = ("auto", "triton", "fa2", "fa3", "reference")
 LN2 = math.log(2.0)
 #: the query rows a pair's row range is trimmed by (fivar's classification over blocks of this many rows)
 ROW_BLOCK = 512
-#: Plan.keep per call layout: the classification copies tensor params to the host and walks the mask's intervals,
+#: Plan.rows per call layout: the classification copies tensor params to the host and walks the mask's intervals,
 #: which at 128k positions costs more than a shard's attention; keyed as one-shot plans are (tensors by identity and
 #: version, so an in-place write classifies again; fivar.invalidate_plans clears it too)
 _KEEPS = PlanCache(capacity=32)
@@ -199,8 +199,8 @@ def _merge_into(out, lse, o_new, lse_new) -> None:
 
 
 class ContextParallel(torch.autograd.Function):
-    """(out, lse) of this rank's queries over every rank's keys (without the sink); backward composes the variant's
-    own differentiable attention per pair, given the merged out and lse."""
+    """(out, lse) of this rank's queries over every rank's keys (without the sink); the backward runs each pair's
+    gradients from the merged out and lse (Plan.pair_grads)."""
 
     @staticmethod
     def forward(ctx, plan, transport, q, k, v, *learnable):
