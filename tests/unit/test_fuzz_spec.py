@@ -300,9 +300,10 @@ def run_spec(r: random.Random, index: int) -> Outcome:
     plain = plain_names(spec)
     twin = render_all(load(fill(spec, plain, "plain doc"), f"fz{index}.py"))
     for target, text in out.renders.items():
-        assert _canonical(_code_only(target, text), names_) == _canonical(_code_only(target, twin[target]), plain), \
+        code = _code_only(target, text)  # once: tokenizing a Triton rendering is most of a spec's time
+        assert _canonical(code, names_) == _canonical(_code_only(target, twin[target]), plain), \
             f"{target} rendering depends on the names or the file name beyond the mangled identifiers:\n{src}"
-        derived = set(re.findall(r"\bfv(?:p|l|size\d+|stride\d+)x?_\w*", _code_only(target, text)))
+        derived = set(re.findall(r"\bfv(?:p|l|size\d+|stride\d+)x?_\w*", code))
         names.check_rendered("cuda" if target != "triton" else "triton", derived, v.name)
     return out
 

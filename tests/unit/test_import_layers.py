@@ -4,6 +4,7 @@ spec -> codegen -> jit -> runtime import only downward, counting the imports fun
 (`v.prefill(...)`, `v.reference(...)`) are added from above the runtime (fivar.runtime.methods), as FusionVariant's
 are (fivar.fusion.variant), so the spec loads, and parses variants, without any kernel layer."""
 import ast
+import functools
 from pathlib import Path
 
 import fivar
@@ -55,6 +56,7 @@ def _imports(path: Path, name: str, modules: set[str], in_functions: bool = Fals
     return {m for m in out if m in modules and m != name}
 
 
+@functools.cache  # parsing every module is the tests' time: once per run for each form (the tests only read it)
 def _graph(in_functions: bool = False) -> dict[str, set[str]]:
     paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(paths)

@@ -25,6 +25,7 @@ from test_fa3_tile_list import _paged, _plan, list_errors
 from test_sparsity import _variant as mask_variant, m_causal_window, m_document, m_sinks_window
 
 HQ, HKV, D = 4, 2, 16
+TWIN_HEADS = (2, 1)  # the interpreted twin's checks: GQA still, half the programs of 4/2
 
 
 def _step(rng: random.Random, chunks=(2, 3), decodes=(2, 4), chunk_len=(5, 40), context=(0, 60)):
@@ -36,7 +37,7 @@ def _step(rng: random.Random, chunks=(2, 3), decodes=(2, 4), chunk_len=(5, 40), 
     return [c for c, _ in reqs], [n for _, n in reqs]
 
 
-def _cache(kv, page, rng: random.Random, pad=2):
+def _cache(kv, page, rng: random.Random, pad=2, heads=HKV):
     """A shuffled page pool and a vLLM-style block table [batch, max_pages] (padded rows: entries past a request's
     last page are junk the step must not read)."""
     n_pages = [-(-n // page) for n in kv]
@@ -47,14 +48,14 @@ def _cache(kv, page, rng: random.Random, pad=2):
     for b, n in enumerate(n_pages):
         table[b, :n] = perm[at:at + n]
         at += n
-    k_cache = torch.randn(sum(n_pages) + pad, page, HKV, D).half()
-    v_cache = torch.randn(sum(n_pages) + pad, page, HKV, D).half()
+    k_cache = torch.randn(sum(n_pages) + pad, page, heads, D).half()
+    v_cache = torch.randn(sum(n_pages) + pad, page, heads, D).half()
     return (k_cache, v_cache), table
 
 
 def _keys(cache, table, b, kv_len, page):
     pages = table[b, :-(-kv_len // page)].long()
-    return tuple(c[pages].reshape(-1, HKV, D)[:kv_len] for c in cache)
+    return tuple(c[pages].reshape(-1, c.shape[2], D)[:kv_len] for c in cache)
 
 
 def _reference(v, q, cache, table, new, kv, page, causal, params, float_dtype=torch.float64):
@@ -127,10 +128,11 @@ def test_triton_mixed_step_matches_the_reference_and_two_calls(name, page):
     v = TWIN_VARIANTS[name]()
     cached, new = _step(rng)
     kv = [c + n for c, n in zip(cached, new)]
-    cache, table = _cache(kv, page, rng)
-    params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=len(new), max_len=max(kv), device="cpu")
+    hq, hkv = TWIN_HEADS
+    cache, table = _cache(kv, page, rng, heads=hkv)
+    params = example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=len(new), max_len=max(kv), device="cpu")
     step = mixed_step(cached, new, table, page)
-    q = torch.randn(sum(new), HQ, D).half()
+    q = torch.randn(sum(new), hq, D).half()
     out, lse = v.batch_prefill_paged(q, cache, *step, causal=True, backend="triton", return_lse=True, **params)
     ref, ref_lse = _reference(v, q, cache, table, new, kv, page, True, params)
     assert (out.double() - ref).abs().max() < 2e-2, (name, cached, new)
@@ -233,7 +235,7 @@ def test_the_suites_mixed_step_its_check_and_its_flex_contender(monkeypatch, nam
     step packed into one sequence (eager) computes the same rows, and a wrong result fails the check."""
     from fivar.bench.contenders import Contender
     from fivar.bench.suites import serving
-    for attr, value in (("BATCH", 5), ("CONTEXT", 40), ("HEADS", (HQ, HKV)), ("HEAD_DIM", D), ("PAGE", 16),
+    for attr, value in (("BATCH", 5), ("CONTEXT", 40), ("HEADS", TWIN_HEADS), ("HEAD_DIM", D), ("PAGE", 16),
                         ("DTYPE", torch.float16)):
         monkeypatch.setattr(serving, attr, value)
     torch.manual_seed(zlib.crc32(name.encode()))

@@ -25,7 +25,7 @@ from fivar.testing import _to_paged, example_params
 
 from test_fa3_tile_list import ROWS, _ind, _paged, list_errors
 
-HQ, HKV, D = 4, 2, 16
+HQ, HKV, D = 2, 1, 16  # GQA; each head is one more interpreted program per block
 VARIANTS = {"softcap": {}, "sliding_window": {"window": 9}, "gpt_oss": {"window": 12}, "document_mask": {}}
 
 

@@ -293,9 +293,9 @@ BAND_AND_DOC = AttentionVariant(name="band_and_doc", mask=_band_and_doc,
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lq,lk", [(100, 100), (37, 100)])
+@pytest.mark.parametrize("lq,lk", [(75, 75), (37, 75)])
 def test_tiles_outside_a_band_are_skipped_exactly(lq, lk, causal):
-    """Several 16-wide tiles per row, windows from empty to wider than the sequence."""
+    """Several 16-wide tiles per row (lengths off the tile), windows from empty to wider than the sequence."""
     q, k, vv = _qkv(lq, lk, 2, 1, 16)
     sw = fivar.load("sliding_window")
     for window in (-2, 0, 1, 5, 16, 33, 200):
@@ -364,8 +364,8 @@ def test_tile_uniform_gathers_match_the_reference(step):
 def test_many_query_blocks_with_documents(causal):
     """Many query blocks (causal runs them last block first), short and long documents: every block is
     computed exactly once, with the pre-pass ranges of its own rows."""
-    q, k, vv = _qkv(290, 330, 2, 1, 16)
-    lengths = [200, 7, 60, 63]
+    q, k, vv = _qkv(150, 180, 2, 1, 16)  # ten query blocks, twelve key tiles
+    lengths = [100, 7, 33, 40]
     doc_ids = document_ids(lengths)
     dm = fivar.load("document_mask")
     p = {"doc_ids": doc_ids[None]}
@@ -392,10 +392,10 @@ def test_other_tile_shapes(block_m, block_n):
     """BLOCK_M != BLOCK_N and tiles larger than the interpreter's own 16 x 16: band edges and full ranges, and a
     block map (the document mask's) made at that tile, combine across the tile."""
     from fivar.jit.triton_module import load_triton_module
-    cases = [("document_mask", {"doc_ids": torch.repeat_interleave(torch.arange(4), torch.tensor([70, 3, 50, 77]))
+    cases = [("document_mask", {"doc_ids": torch.repeat_interleave(torch.arange(4), torch.tensor([50, 3, 30, 57]))
                                 .to(torch.int32)[None]}),
              ("sliding_window", {"window": 37}), ("relative_bias", {"bias": torch.randn(2, 9), "max_distance": 4})]
-    q, k, vv = _qkv(150, 200, 2, 1, 16)
+    q, k, vv = _qkv(100, 140, 2, 1, 16)  # several 64-row and 64-key tiles, none of them whole at the end
     for name, p in cases:
         v = fivar.load(name)
         module = load_triton_module(v)
@@ -532,7 +532,7 @@ def test_one_shot_calls_keep_the_block_map(monkeypatch, ragged):
     monkeypatch.setattr(triton_attention, "_maps", triton_attention.PlanCache(capacity=8, recorded=True))
     torch.manual_seed(5)
     lq = 70
-    q, k, vv = _qkv(lq, lq, 4, 2, 32)
+    q, k, vv = _qkv(lq, lq, 2, 1, 16)
     doc_ids = torch.zeros(1, lq, dtype=torch.int32)
     doc_ids[0, 30:] = 1
 

@@ -88,8 +88,8 @@ def test_full_and_edge_tiles(name, causal):
     v = BANDS[name] if name in BANDS else learnable_copy(fivar.load(name))
     assert name == "softcap" or v.kv_band.exact or v.scans_mask
     qo_len, kv_len = 83, 101
-    q, k, vv = _qkv(qo_len, kv_len, 4, 2, 16)
-    params = _params(v, 4, 2, 1, kv_len)
+    q, k, vv = _qkv(qo_len, kv_len, 2, 1, 16)  # GQA 2/1: the tile structure is per head, the cost per program
+    params = _params(v, 2, 1, 1, kv_len)
     if name == "document_mask":
         params = _documents([37, 5, 50, 9])
     elif name == "sliding_window":
@@ -124,11 +124,11 @@ def test_full_tiles_in_a_ragged_batch(name):
     (for the pre-pass) the programs' order, each program finding its request, block and head from its id."""
     v = {"head_band": HEAD_BAND, **BANDS}.get(name) or fivar.load(name)
     qo_lens, kv_lens = [83, 40, 1], [101, 29, 17]
-    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 4, 2, 16)
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 2, 1, 16)  # GQA 2/1: heads add programs, not tile kinds
     if name == "document_mask":
         params = {"doc_ids": torch.cat([_documents(x)["doc_ids"] for x in ([37, 5, 50, 9], [20, 81], [60, 41])])}
     elif name == "head_band":
-        params = {"left": torch.tensor([70, 45, 33, 100], dtype=torch.int32), "right": 29}
+        params = {"left": torch.tensor([70, 33], dtype=torch.int32), "right": 29}
     else:
         params = {"left": 30, "right": 21}
     r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params, dtype=DTYPE)
@@ -558,8 +558,8 @@ def test_sink_and_window_gradients_skip_the_gap():
         return kv_idx < params.sinks or q_idx - kv_idx < params.window
     v = AttentionVariant(name="sink_window_train", mask=sink_window,
                          params={"sinks": Scalar(int, default=4), "window": Scalar(int, default=24)})
-    for qo_lens in ([130], [70, 130]):
-        q, k, vv = _qkv(sum(qo_lens), sum(qo_lens), 4, 2, 16)
+    for qo_lens in ([110], [37, 110]):  # row groups from 64 on leave whole key tiles in their gap
+        q, k, vv = _qkv(sum(qo_lens), sum(qo_lens), 2, 1, 16)
         r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=qo_lens, causal=True,
                             params={"sinks": 4, "window": 24}, dtype=DTYPE)
         assert r.passed, r

@@ -68,11 +68,12 @@ def test_t5_buckets_match_the_t5_formula():
         return out + min(15, 8 + int(math.log(n / 8) / math.log(128 / 8) * 8))
     n = 200  # offsets past 128: the clamped last bucket is reached both ways
     q = k = torch.zeros(n, 1, n)  # every score 0: the output rows are the softmax of the biases alone
+    buckets = torch.tensor([[bucket(j - i) for j in range(n)] for i in range(n)])  # the formula, once per pair
     for b in range(32):
         table = torch.full((1, 32), -1e4)
         table[0, b] = 0.0
         weights = v.reference(q, k, torch.eye(n).unsqueeze(1), table=table, num_buckets=32)[:, 0, :]  # V = I
-        expect = torch.tensor([[1.0 if bucket(j - i) == b else 0.0 for j in range(n)] for i in range(n)])
+        expect = (buckets == b).float()
         expect = expect / expect.sum(1, keepdim=True).clamp_min(1)
         rows = expect.sum(1) > 0
         torch.testing.assert_close(weights[rows], expect[rows], atol=1e-4, rtol=0)
