@@ -370,9 +370,11 @@ def worker(cfg: Config) -> list[dict]:
             on()
         first = g.max(g.time_ms(on))
         rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(cfg.budget_s * 1e3 / max(first, 1e-3))))
-        samples = [g.max(g.time_ms(on)) for _ in range(rounds)]
+        own = [g.time_ms(on) for _ in range(rounds)]  # this rank's; a sample is the slowest rank's
+        samples = [g.max(t) for t in own]
         times[name] = samples
-        log(f"{name} timed: median {_median(sorted(samples)):.3f} ms over {rounds} rounds")
+        ranks = " ".join(f"{t:.3f}" for t in g.objects(_median(sorted(own))))  # where a rank waits for another
+        log(f"{name} timed: median {_median(sorted(samples)):.3f} ms over {rounds} rounds (each rank's: {ranks})")
         if name != SINGLE and SINGLE in times and \
                 _median(sorted(times[SINGLE])) < PROFILE_BELOW * g.world * _median(sorted(samples)):
             _profile_one_call(g, on, log)  # scaling below PROFILE_BELOW: say where the time goes
