@@ -34,19 +34,17 @@ def _reference_lse(top):
 
 
 @triton.jit
-def _merge_states_kernel(O_PARTS, LSE_PARTS, OUT, LSE_OUT,
+def _merge_states_kernel(O_PARTS, LSE_PARTS, OUT,
                          stride_pc, stride_pn, stride_ph, stride_lc, stride_ln, stride_lh, stride_on, stride_oh,
-                         stride_sn, stride_sh, H, D, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
-                         BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+                         H, D, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     n = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
 
-    chunks = tl.arange(0, CHUNKS_P2)  # padded to a power of two (tl.arange's rule): the padding has weight 0
-    lse = tl.load(LSE_PARTS + chunks * stride_lc + n * stride_ln + h * stride_lh, mask=chunks < CHUNKS,
-                  other=float("-inf"))
+    chunks = tl.arange(0, CHUNKS)
+    lse = tl.load(LSE_PARTS + chunks * stride_lc + n * stride_ln + h * stride_lh)
     top = _reference_lse(tl.max(lse, axis=0))
     total = tl.sum(tl.exp2(lse - top), axis=0)
 
@@ -57,35 +55,27 @@ def _merge_states_kernel(O_PARTS, LSE_PARTS, OUT, LSE_OUT,
         acc += tl.exp2(lse_j - top) * o_j.to(tl.float32)
     acc = tl.where(total > 0, acc / total, 0.0)
     tl.store(OUT + n * stride_on + h * stride_oh + cols, acc.to(OUT.dtype.element_ty), mask=mask)
-    if WRITE_LSE:
-        tl.store(LSE_OUT + n * stride_sn + h * stride_sh, tl.where(total > 0, top + tl.log2(total), float("-inf")))
 
 
-def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor,
-                 lse_out: torch.Tensor | None = None) -> torch.Tensor:
+def merge_states(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Writes the merge of `o_parts` [C, N, H, D] (their lse, base 2: `lse_parts` [C, N, H] float32) into
-    `out` [N, H, D] and returns it; with `lse_out` [N, H] float32, the merged lse there too (-inf where every part
-    is empty, whose rows are zeros)."""
+    `out` [N, H, D] and returns it. C must be a power of two."""
     if o_parts.dim() != 4:
         raise FivarError(f"merge_states: o_parts must be [C, N, H, D], got {list(o_parts.shape)}")
     chunks, n, h, d = o_parts.shape
-    if chunks < 1 or lse_parts.shape != (chunks, n, h) or out.shape != (n, h, d) or \
-            (lse_out is not None and lse_out.shape != (n, h)):
+    if chunks & (chunks - 1) or lse_parts.shape != (chunks, n, h) or out.shape != (n, h, d):
         raise FivarError(f"merge_states: o_parts {list(o_parts.shape)}, lse_parts {list(lse_parts.shape)}, out "
-                         f"{list(out.shape)}{'' if lse_out is None else f', lse_out {list(lse_out.shape)}'}: "
-                         "expected [C, N, H, D], [C, N, H], [N, H, D] (and [N, H]) with C >= 1")
-    _check_parts("merge_states", o_parts, lse_parts, out, lse_out)
+                         f"{list(out.shape)}: expected [C, N, H, D], [C, N, H], [N, H, D] with C a power of two")
+    _check_parts("merge_states", o_parts, lse_parts, out)
     if o_parts.stride(-1) != 1 or out.stride(-1) != 1:
         raise FivarError("merge_states: the last dim of o_parts and out must be contiguous")
     if n * h == 0:
         return out
     block = triton.next_power_of_2(d)
-    lse_strides = (0, 0) if lse_out is None else lse_out.stride()
     _merge_states_kernel[(n * h,)](
-        o_parts, lse_parts, out, out if lse_out is None else lse_out,
-        *o_parts.stride()[:3], *lse_parts.stride(), out.stride(0), out.stride(1), *lse_strides,
-        h, d, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK_D=block,
-        WRITE_LSE=lse_out is not None, num_warps=max(1, min(4, block // 64)))
+        o_parts, lse_parts, out,
+        *o_parts.stride()[:3], *lse_parts.stride(), out.stride(0), out.stride(1),
+        h, d, CHUNKS=chunks, BLOCK_D=block, num_warps=max(1, min(4, block // 64)))
     return out
 
 

@@ -134,6 +134,26 @@ def grads_of(fn, inputs, weights):
     return torch.autograd.grad(loss, leaves)
 
 
+def _against_reference(rank, name, variant, causal, params, sharding, qkv_, weights):
+    """Ring and all-gather on the reference backend per pair: this rank's output, LSE and gradients of q, k, v
+    against the single-process float64 reference of the whole sequence."""
+    q, k, v = qkv_
+    mine = lambda x: sharding.shard(x, rank)  # noqa: E731
+    ref = lambda q_, k_, v_: reference(variant, q_, k_, v_, causal, params)  # noqa: E731
+    ref_out, ref_lse = ref(q, k, v)
+    ref_grads = grads_of(ref, (q, k, v), weights)
+    for strategy, fn in STRATEGIES.items():
+        run = lambda q_, k_, v_: fn(variant, q_, k_, v_, sharding, causal=causal, backend="reference",  # noqa: E731
+                                    return_lse=True, **params)
+        out, lse = run(*map(mine, (q, k, v)))
+        close(out, mine(ref_out), 2e-6, f"{name}/{strategy} rank {rank} out")
+        close(lse, mine(ref_lse), 1e-5, f"{name}/{strategy} rank {rank} lse")
+        got = grads_of(run, list(map(mine, (q, k, v))), tuple(map(mine, weights)))
+        for g, want, what in zip(got, ref_grads, "qkv"):
+            close(g, mine(want), 1e-5, f"{name}/{strategy} rank {rank} d{what}")
+    return ref_out, ref_lse
+
+
 def _four_ranks(rank, world):
     """A rank with no rows, uneven shards: forward and backward of every mask kind, ring and all-gather, on the
     float64 reference per pair; the skipped pairs are really empty; one Triton call over the empty rank too."""
@@ -145,18 +165,7 @@ def _four_ranks(rank, world):
     w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
     mine = lambda x: sharding.shard(x, rank)  # noqa: E731
     for name, variant, causal, params in cases(seq_len, hq, gen):
-        ref = lambda q_, k_, v_: reference(variant, q_, k_, v_, causal, params)  # noqa: E731
-        ref_out, ref_lse = ref(q, k, v)
-        ref_grads = grads_of(ref, (q, k, v), (w_out, w_lse))
-        for strategy, fn in STRATEGIES.items():
-            run = lambda q_, k_, v_: fn(variant, q_, k_, v_, sharding, causal=causal, backend="reference",  # noqa: E731
-                                        return_lse=True, **params)
-            out, lse = run(*map(mine, (q, k, v)))
-            close(out, mine(ref_out), 2e-6, f"{name}/{strategy} rank {rank} out")
-            close(lse, mine(ref_lse), 1e-5, f"{name}/{strategy} rank {rank} lse")
-            got = grads_of(run, list(map(mine, (q, k, v))), (mine(w_out), mine(w_lse)))
-            for g, want, what in zip(got, ref_grads, "qkv"):
-                close(g, mine(want), 1e-5, f"{name}/{strategy} rank {rank} d{what}")
+        ref_out, ref_lse = _against_reference(rank, name, variant, causal, params, sharding, (q, k, v), (w_out, w_lse))
         if name == "sinks + window":  # the Triton twin over the same shards, the empty rank among them
             out, lse = ring_attention(variant, *(mine(x).half() for x in (q, k, v)), sharding, causal=causal,
                                       backend="triton", return_lse=True, **params)
@@ -450,18 +459,7 @@ def _trimmed_rows(rank, world):
                          group=None, params=params, strategy="ring_attention")
         trimmed += sum(r is not None and r != (0, plan.q_runs[i][1] - plan.q_runs[i][0])
                        for (i, _, _), r in plan.rows.items())
-        ref = lambda q_, k_, v_: reference(variant, q_, k_, v_, causal, params)  # noqa: E731
-        ref_out, ref_lse = ref(q, k, v)
-        ref_grads = grads_of(ref, (q, k, v), (w_out, w_lse))
-        for strategy, fn in STRATEGIES.items():
-            run = lambda q_, k_, v_: fn(variant, q_, k_, v_, sharding, causal=causal, backend="reference",  # noqa: E731
-                                        return_lse=True, **params)
-            got = grads_of(run, list(map(mine, (q, k, v))), (mine(w_out), mine(w_lse)))
-            out, lse = run(*map(mine, (q, k, v)))
-            close(out, mine(ref_out), 2e-6, f"{name}/{strategy} rank {rank} out")
-            close(lse, mine(ref_lse), 1e-5, f"{name}/{strategy} rank {rank} lse")
-            for g, want, what in zip(got, ref_grads, "qkv"):
-                close(g, mine(want), 1e-5, f"{name}/{strategy} rank {rank} d{what}")
+        ref_out, ref_lse = _against_reference(rank, name, variant, causal, params, sharding, (q, k, v), (w_out, w_lse))
         if name in ("causal window", "random"):
             out, lse = ring_attention(variant, *(mine(x).half() for x in (q, k, v)), sharding, causal=causal,
                                       backend="triton", return_lse=True, **params)
