@@ -195,3 +195,13 @@ def test_the_spec_imports_no_layer_above_it():
     assert len(list(spec.rglob("*.py"))) > 10
     assert not found, f"fivar/spec imports layers above it: {found}"
 
+
+
+#: A module longer than this is more than one room: split it where its sections already are.
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_longer_than_a_room():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
