@@ -15,7 +15,10 @@ transform. This lowering gives them only what the mask keeps, for any mask the s
    evaluates no mask: one module serves every mask of the same logits (fivar.codegen.tile_list.bits_kernel).
 
 A mask reading the head gets the union of its heads' maps (a tile is whole only where every head keeps all of
-it) and bits per query head. A paged batch composes the same keys through its page table. Planning costs one map pass and two
+it) and bits per query head, or, where its heads keep tiles so different that the union makes every head do much
+more than its own (`head_requests_pay`: a window per head beside global heads), one request per query tile and
+head, each over its own head's tiles (`HeadRequests`: q gathered head-major, k/v read in place through a view whose
+pages hold one KV head's keys). A paged batch composes the same keys through its page table. Planning costs one map pass and two
 device->host copies; `plan_ragged` / `plan_paged` make it once per batch layout, the one-shot calls once per call
 signature.
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
+from ..spec import ir
 
 #: Zero words after the last request's bits: a thread reads every 32-key word its keys of a KV tile touch, up to
 #: (CTA_KV - 7 + 30) // 32 + 1 from its first (csrc/fivar_cut_bits.cuh, RAW): 4 at the paged kernel's 96 keys; 8 past
@@ -153,10 +157,12 @@ def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Ten
 
 
 def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-              causal: bool, sm_scale: float, device, rows: int | None = None, custom=None):
+              causal: bool, sm_scale: float, device, rows: int | None = None, custom=None, per_head: bool = False):
     """(head_union of the Triton twin's block map of this batch at `rows` (else block_rows) x TILE_WIDTH on `device`,
     bits_of for tile_list, the heads its bits are per: num_qo_heads for a mask reading the head, else 1). `custom`: a
-    custom mask (fivar.runtime.custom_mask.CustomMask) ANDed into both."""
+    custom mask (fivar.runtime.custom_mask.CustomMask) ANDed into both. `per_head`: the map of every head instead
+    ([batch, heads, q tiles, key tiles]) and bits_at, the bits of tiles given by their row of that map
+    ((batch * heads + head) * q tiles + q tile, key tile)."""
     qo_lens, kv_lens = qo_indptr.long().diff(), kv_indptr.long().diff()
     module, args = load_triton_module(variant), kernel_arg_values(variant, bound, sm_scale)
     qo_d, kv_d, group, block = qo_indptr.to(device), kv_indptr.to(device), num_qo_heads // num_kv_heads, \
@@ -166,13 +172,103 @@ def block_map(variant, bound, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_he
                               causal, args, block, custom=bits)
     heads, n_q = kinds.shape[1], kinds.shape[2]
 
-    def bits_of(cut):  # each cut tile's rows (batch * n_q + q tile) at every head's row of the map
+    def bits_at(at):
+        return module.tile_bits(at, qo_d, kv_d, n_q, group, causal, args, block, custom=bits, heads=heads)
+    if per_head:
+        return kinds, bits_at, heads
+    return head_union(kinds), union_bits(bits_at, heads, n_q), heads
+
+
+def union_bits(bits_at, heads: int, n_q: int):
+    """bits_of for tile_list over head_union's map: each cut tile (its row batch * n_q + q tile of the union) at
+    every head's row of the per-head map."""
+    def bits_of(cut):
         b, q = cut[:, 0] // n_q, cut[:, 0] % n_q
         h = torch.arange(heads, device=cut.device, dtype=cut.dtype)[:, None]
-        at = torch.stack([((b[None, :] * heads + h) * n_q + q[None, :]).reshape(-1),
-                          cut[:, 1].repeat(heads)], 1).contiguous()
-        return module.tile_bits(at, qo_d, kv_d, n_q, group, causal, args, block, custom=bits, heads=heads)
-    return head_union(kinds), bits_of, heads
+        return bits_at(torch.stack([((b[None, :] * heads + h) * n_q + q[None, :]).reshape(-1),
+                                    cut[:, 1].repeat(heads)], 1).contiguous())
+    return bits_of
+
+
+#: Requests per head when the heads' own non-empty tiles are at most this share of what the union makes them visit:
+#: below it the saved tiles outweigh gathering q and scattering the output (a few microseconds per head at S = 8k).
+HEAD_REQUESTS_WORK = 0.75
+
+
+def head_requests_pay(kinds: torch.Tensor) -> bool:
+    """Whether a per-head map ([batch, heads, q tiles, key tiles]) runs cheaper as a request per query tile and head
+    than as the union of its heads' tiles for every head (one device->host copy)."""
+    if kinds.shape[1] == 1:
+        return False
+    live = kinds > 0
+    own, union = torch.stack([live.sum(), live.any(1).sum() * kinds.shape[1]]).tolist()
+    return own <= HEAD_REQUESTS_WORK * union
+
+
+def reads_heads(variant) -> bool:
+    """Whether the kernel's struct reads the query or KV head (its logits or sink): a request per head runs every
+    head as head 0, so such a variant keeps the union."""
+    return any(p is not None and {"qo_head", "kv_head"} & ir.uses(p)
+               for p in (variant.lowered.logits, variant.ir.sink))
+
+
+@dataclass
+class HeadRequests:
+    """A batch run as a request per (batch entry, query head) and query tile: virtual entry b * heads + h holds the
+    rows of query head h of entry b, gathered head-major (`perm`: each virtual row's row of q flattened to
+    [tokens * heads, D]); each request is planned as one query head over one KV head."""
+    heads: int
+    kv_heads: int
+    perm: torch.Tensor  # device int64 [tokens * heads]
+
+    @classmethod
+    def of(cls, qo_h: torch.Tensor, heads: int, kv_heads: int, device) -> "HeadRequests":
+        lens = qo_h.diff()
+        reps = lens * heads
+        n = int(reps.sum())
+        start = torch.repeat_interleave(qo_h[:-1], reps, output_size=n)  # the entry's first token, per virtual row
+        length = torch.repeat_interleave(lens, reps, output_size=n)
+        i = torch.arange(n) - start * heads  # the row within its entry's block of heads x tokens
+        perm = (start + i % length.clamp(min=1)) * heads + i // length.clamp(min=1)
+        return cls(heads, kv_heads, perm.to(device))
+
+    def indptr(self, host_indptr: torch.Tensor) -> torch.Tensor:
+        """The virtual batch's indptr: each entry's length once per head."""
+        return indptr(host_indptr.diff().repeat_interleave(self.heads))
+
+    def token_of(self, token_of, page: int):
+        """Where virtual entry b * heads + h finds kv_idx in `kv_view`: its token's page of one KV head."""
+        group = self.heads // self.kv_heads
+
+        def at(b, kv_idx):
+            t = token_of(b // self.heads, kv_idx)
+            return ((t // page) * page * self.kv_heads + (b % self.heads) // group) * page + t % page
+        return at
+
+    def kv_view(self, x: torch.Tensor, page: int) -> torch.Tensor:
+        """k or v ([tokens, H, D] or a cache [pages, page_size, H, D]) as pages of `page` keys of one KV head: page
+        (t // page) * page * H + g holds keys t.. of head g, read in place where the tokens are evenly strided."""
+        d = x.shape[-1]
+        s_h = x.stride(-2)
+        even = x.stride(-1) == 1 and x.stride(-3) == self.kv_heads * s_h and \
+            (x.dim() == 3 or x.stride(0) == x.shape[1] * x.stride(1))
+        if not even:
+            x, s_h = x.contiguous(), d
+        tokens = x.numel() // (self.kv_heads * d)
+        return torch.as_strided(x, ((tokens - page + 1) * self.kv_heads, page, 1, d),
+                                (s_h, self.kv_heads * s_h, s_h, 1), x.storage_offset())
+
+    def gather(self, q: torch.Tensor) -> torch.Tensor:
+        return q.reshape(-1, q.shape[-1])[self.perm].view(-1, 1, q.shape[-1])
+
+    def scatter(self, out_v: torch.Tensor, lse_v: torch.Tensor | None, q: torch.Tensor):
+        out = torch.empty(q.shape, dtype=out_v.dtype, device=out_v.device)
+        out.view(-1, q.shape[-1])[self.perm] = out_v.view(-1, q.shape[-1])
+        if lse_v is None:
+            return out
+        lse = torch.empty(q.shape[:2], dtype=lse_v.dtype, device=lse_v.device)
+        lse.view(-1)[self.perm] = lse_v.view(-1)
+        return out, lse
 
 
 def page_size_for(kv_indptr: torch.Tensor | None = None, cache_page_size: int | None = None) -> int:
@@ -227,9 +323,18 @@ class TileListPrefill:
         t = target_of(target)
         rows = fa2_blocks.tile_list_rows(num_qo_heads // num_kv_heads, head_dim) if t.packs_query_heads \
             else block_rows(head_dim)
-        kinds, bits_of, heads = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
-                                          sm_scale, device, rows, custom)
-        layout = tile_list(kinds, qo_h, kv_h, rows, token_of, bits_of, self.page, heads)
+        kinds, bits_at, heads = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
+                                          sm_scale, device, rows, custom, per_head=True)
+        self._heads = None
+        if heads > 1 and not t.packs_query_heads and not reads_heads(variant) and head_requests_pay(kinds):
+            self._heads = h = HeadRequests.of(qo_h, num_qo_heads, num_kv_heads, device)
+            layout = tile_list(kinds.reshape(-1, *kinds.shape[2:]), h.indptr(qo_h), h.indptr(kv_h), rows,
+                               h.token_of(token_of, self.page), bits_at, self.page)
+            layout.blocks[:, 0] //= num_qo_heads  # the struct's batch_idx: the entry's own, for the logits
+            num_qo_heads = num_kv_heads = 1
+        else:
+            layout = tile_list(head_union(kinds), qo_h, kv_h, rows, token_of,
+                               union_bits(bits_at, heads, kinds.shape[2]), self.page, heads)
         self.keys_read = (layout.keys_read, layout.keys_total)
         self.requests = layout.qo_indptr.numel() - 1
         fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=t.keys_tile_list,
@@ -259,18 +364,25 @@ class TileListPrefill:
         if self.empty or self.no_keys:  # every row sees no key
             out = torch.zeros_like(q)
             return (out, empty_lse(q)) if return_lse else out
-        # keys as pages of `page` (a view of contiguous k/v or of the cache's own pages)
-        k, v = (x.reshape(-1, self.page, *x.shape[-2:]) for x in (k, v))
+        q_in, heads = q, self._heads
+        if heads is not None:  # a request per head: q head-major, each page one KV head's keys
+            q, k, v = heads.gather(q), heads.kv_view(k, self.page), heads.kv_view(v, self.page)
+        else:  # keys as pages of `page` (a view of contiguous k/v or of the cache's own pages)
+            k, v = (x.reshape(-1, self.page, *x.shape[-2:]) for x in (k, v))
         outs = []
         for w, scaled, direct, (a, b) in self._launches:
             args, rows = scaled(k_scale), q if len(self._launches) == 1 else q[a:b]
             outs.append(direct(rows, k, v, args, return_lse) if direct is not None
                         else w.run(rows, (k, v), *args, return_lse=return_lse))
         if len(outs) == 1:
-            return outs[0]
-        if return_lse:
-            return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
-        return torch.cat(outs)
+            out = outs[0]
+        elif return_lse:
+            out = torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+        else:
+            out = torch.cat(outs)
+        if heads is None:
+            return out
+        return heads.scatter(*(out if return_lse else (out, None)), q_in)
 
     def release(self):
         """Hand the wrappers on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
