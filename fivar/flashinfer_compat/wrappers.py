@@ -192,3 +192,9 @@ def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun
     if PAGED_RUN_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
         return None
     return DirectPagedRun(w, variant_name, device)
+
+
+def plan_layout(wrapper) -> tuple:
+    """A planned wrapper's launch layout (its plan_info: workspace offsets, padded grid, split): what a captured run
+    replays with, the same for every plan of a `use_cuda_graph=True` wrapper (fivar.runtime.graph_verify)."""
+    return tuple(getattr(wrapper, "_plan_info", None) or ())
