@@ -50,7 +50,8 @@ from .custom_mask import check_custom_mask, paged_kv_lens
 from .fa3_tile_list import CUT_WORDS_PAST, block_map, page_size_for, paged_keys, tile_list, tile_rows
 from .forms import _check_backend, _kernel_causal
 from .fp8_kv import plan_kv_dtype
-from .launch import _check_indptr, _check_pages, _module, _paged_kv, _prepare, _workspace, attach
+from .launch import (_check_indptr, _check_pages, _module, _paged_kv, _prepare, _workspace, attach,
+                     direct_paged_run)
 from .ops import register_plan
 from .params import kernel_args
 from .rows import indptr
@@ -266,6 +267,11 @@ class GraphVerifyPlan:
         self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None, tables=tiles.tables())
         self._plan_wrapper(*tiles.seed())
         self._layout = plan_layout(self._wrapper)  # what a captured launch replays with
+        # the module's paged_run on q of max_tokens rows (the wrapper's run wants qo_indptr[-1] of them)
+        self._direct = direct_paged_run(self._wrapper, name, self.device, self._args, rows=self.max_tokens)
+        if self._direct is None:
+            raise FivarError(f"variant '{name}': a CUDA-graph verify plan launches its module's paged run directly, "
+                             "which this FlashInfer's wrappers do not allow (fivar.flashinfer_compat: paged_run_direct)")
         self.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask=custom_mask,
                   packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr)
 
@@ -311,4 +317,4 @@ class GraphVerifyPlan:
                              f"{tuple(q.shape)}, cache {tuple(k_cache.shape)}, {q.dtype}")
         # keys as pages of the list's `page` (a view of the cache's own pages)
         k, v = (x.reshape(-1, self._tiles.page, hkv, d) for x in (k_cache, v_cache))
-        return self._wrapper.run(q, (k, v), *self._args, return_lse=return_lse)
+        return self._direct(q, k, v, self._args, return_lse)
