@@ -100,7 +100,7 @@ def _gathered(cache, kv_indptr, indices, kv):
                       for b, n in enumerate(kv)])
 
 
-@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "triton"])
 @pytest.mark.parametrize("name", ["softcap", "document_mask"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_verify_step_captured_in_a_cuda_graph_replays_new_steps(backend, name, causal):

@@ -75,8 +75,8 @@ class _Calls:
         capture and replay, `.plan(...)` before each replay (fivar.runtime.graph_verify)."""
         self._check_backend_name(backend)
         if cuda_graph:
-            from .graph_verify import GraphVerifyPlan
-            return GraphVerifyPlan(
+            from .graph_verify import graph_verify_plan
+            return graph_verify_plan(
                 self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
                 num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, max_batch=max_batch,
                 max_qo_len=max_qo_len, max_pages=max_pages, dtype=dtype, causal=causal, sm_scale=sm_scale,

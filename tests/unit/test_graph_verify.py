@@ -53,7 +53,7 @@ class Step:
     """A random verify step: `batch` requests of 1..max_qo drafts (a random tree) after a prefix of up to `prefix`
     keys, in a shuffled pool of pages."""
 
-    def __init__(self, batch, max_qo, prefix, page_size, qo=None, prefixes=None):
+    def __init__(self, batch, max_qo, prefix, page_size, qo=None, prefixes=None, pool=None):
         self.qo = qo or [random.randint(1, max_qo) for _ in range(batch)]
         prefixes = prefixes or [random.randint(0, prefix) for _ in range(batch)]
         parents = [_tree(n) for n in self.qo]
@@ -61,7 +61,7 @@ class Step:
         self.masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), tree_rows(par)], 1)
                       for n, p, par in zip(self.qo, prefixes, parents)]
         n_pages = [math.ceil(k / page_size) for k in self.kv]
-        perm = torch.randperm(sum(n_pages) + 5).tolist()
+        perm = torch.randperm(pool or sum(n_pages) + 5).tolist()
         self.owner, i, table = {}, 0, []
         for b, n in enumerate(n_pages):
             table += perm[i:i + n]
@@ -222,17 +222,65 @@ def test_the_capacity_bounds_the_tile_list_of_any_step_within_the_limits():
         assert used[2] == sum(math.ceil(q / tiles.rows) * math.ceil(k / TILE_WIDTH) for q, k in zip(qo, kv))
 
 
-def test_cuda_graph_plans_refuse_the_twin_and_limits_without_cuda_graph_in_one_line():
+def test_cuda_graph_plans_check_their_device_and_limits_in_one_line():
     v = fivar.load("softcap")
     step = Step(2, 4, 20, 16)
     common = dict(num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=64, page_size=16, **step.mask)
     with pytest.raises(fivar.FivarError) as e:
-        v.plan_paged(*step.args, cuda_graph=True, backend="triton", **common)
-    _one_line(e, "softcap", "Triton")
-    with pytest.raises(fivar.FivarError) as e:
         v.plan_paged(*step.args, max_batch=4, **common)
     _one_line(e, "softcap", "cuda_graph=True", "max_batch")
+    with pytest.raises(fivar.FivarError) as e:  # the CPU's twin runs float16 only
+        v.plan_paged(*step.args, cuda_graph=True, backend="triton", device="cpu", dtype=torch.bfloat16, **common)
+    _one_line(e, "softcap", "float16")
     if not torch.cuda.is_available():
         with pytest.raises(fivar.FivarError) as e:
             v.plan_paged(*step.args, cuda_graph=True, max_batch=4, device="cpu", **common)
         _one_line(e, "softcap", "CUDA GPU")
+
+
+def _gathered(cache, step):
+    kv_pages, table = step.args[1], step.args[2]
+    return torch.cat([cache[table[kv_pages[b]:kv_pages[b + 1]].long()].reshape(-1, *cache.shape[2:])[:n]
+                      for b, n in enumerate(step.kv)])
+
+
+@pytest.mark.parametrize("name", ["softcap", "document_mask", "head_window_sinks"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_twins_graph_plan_runs_new_steps_through_its_fixed_tensors(name, causal):
+    """backend="triton": one launch over max_batch requests at max_qo_len rows, re-planned for steps of other
+    lengths, trees, pages and fewer requests (and one without a custom mask); each step against the float64
+    reference, the rows past its tokens zeros."""
+    from fivar.codegen.torch_ref import reference_attention
+    page_size, pool, max_batch, max_qo = random.choice([1, 16]), 0, 3, 8
+    pool = 3 * math.ceil(60 / page_size) + 4
+    v, params = _setup(name, max_batch, pool * page_size)
+    k_cache = torch.randn(pool, page_size, KV_HEADS, D).half()
+    v_cache = torch.randn(pool, page_size, KV_HEADS, D).half()
+    steps = [Step(3, max_qo, 52, page_size, pool=pool), Step(1, max_qo, 20, page_size, pool=pool),
+             Step(2, max_qo, 52, page_size, pool=pool), Step(2, 3, 10, page_size, pool=pool)]
+    first = steps[0]
+    plan = v.plan_paged(*first.args, cuda_graph=True, backend="triton", device="cpu", max_batch=max_batch,
+                        max_qo_len=max_qo, max_pages=pool, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D,
+                        page_size=page_size, dtype=torch.float16, causal=causal, **first.mask, **params)
+    q_static = torch.zeros(max_batch * max_qo, HEADS, D, dtype=torch.float16)
+    for i, step in enumerate(steps):
+        masked = i < 3
+        if i:
+            plan.plan(*step.args, **(step.mask if masked else {}))
+        n = sum(step.qo)
+        q_static.zero_()
+        q_static[:n] = torch.randn(n, HEADS, D).half()
+        out = plan.run(q_static, (k_cache, v_cache))
+        k, vv = _gathered(k_cache, step), _gathered(v_cache, step)
+        refs, a, b = [], 0, 0
+        for r, (lq, lk) in enumerate(zip(step.qo, step.kv)):
+            refs.append(reference_attention(v, q_static[a:a + lq], k[b:b + lk], vv[b:b + lk], causal=causal,
+                                            params=params, batch_idx=r, batch_size=max_batch,
+                                            float_dtype=torch.float64,
+                                            custom_mask=step.masks[r] if masked else None))
+            a, b = a + lq, b + lk
+        assert (out[:n].double() - torch.cat(refs)).abs().max() < 2e-2, (name, i, step.qo, step.kv)
+        assert not out[n:].any() and plan.batch == len(step.qo)
+    with pytest.raises(fivar.FivarError) as e:
+        plan.plan(*Step(4, 2, 5, page_size, pool=pool).args)
+    _one_line(e, name if name != "head_window_sinks" else "map_head_window_sinks", "max_batch=3 (4)")
