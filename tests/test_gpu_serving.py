@@ -30,11 +30,13 @@ def _batch(form: str):
     return drafts, [p + n for p, n in zip(prefixes, drafts)], prefixes, parents, masks
 
 
-def _reference(v, q, k, vv, qo, kv, causal, params, masks):
+def _reference(v, q, k, vv, qo, kv, causal, params, masks, batch_size=None, float_dtype=torch.float32):
+    """`batch_size`: the params' batch (a CUDA-graph plan's max_batch), else the step's."""
     outs, a, b = [], 0, 0
     for i, (lq, lk) in enumerate(zip(qo, kv)):
         outs.append(reference_attention(v, q[a:a + lq], k[b:b + lk], vv[b:b + lk], causal=causal, params=params,
-                                        batch_idx=i, batch_size=len(qo), custom_mask=masks[i]))
+                                        batch_idx=i, batch_size=batch_size or len(qo), custom_mask=masks[i],
+                                        float_dtype=float_dtype))
         a, b = a + lq, b + lk
     return torch.cat(outs)
 
@@ -71,3 +73,79 @@ def test_verify_matches_the_reference_and_its_plan(backend, name, page):
                                 head_dim=D, page_size=page, dtype=DTYPE, causal=causal, backend=backend,
                                 packed_custom_mask=packed, mask_indptr=mask_indptr, **params)
             assert torch.equal(plan.run(q, cache), out)
+
+
+def _graph_step(batch, max_qo, max_prefix, page, pool):
+    """A verify step over a shared pool of pages: (qo lens, kv lens, masks, (qo_indptr, kv_indptr, kv_indices, last),
+    the packed mask's kwargs), draft trees of 1..max_qo tokens after prefixes of up to max_prefix keys."""
+    drafts = [random.randint(1, max_qo) for _ in range(batch)]
+    prefixes = [random.randint(0, max_prefix) for _ in range(batch)]
+    parents = [[-1] + [random.randrange(-1, j) for j in range(1, n)] for n in drafts]
+    masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), tree_rows(par)], 1).cuda()
+             for n, p, par in zip(drafts, prefixes, parents)]
+    kv = [p + n for p, n in zip(prefixes, drafts)]
+    counts = [-(-n // page) for n in kv]
+    indices = torch.randperm(pool)[:sum(counts)].to(torch.int32).cuda()
+    kv_indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    last = torch.tensor([n - (c - 1) * page for n, c in zip(kv, counts)], dtype=torch.int32, device="cuda")
+    qo_indptr = torch.tensor([0, *torch.tensor(drafts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    packed, mask_indptr = tree_mask(prefixes, parents, device="cuda")
+    return drafts, kv, masks, (qo_indptr, kv_indptr, indices, last), dict(packed_custom_mask=packed,
+                                                                          mask_indptr=mask_indptr)
+
+
+def _gathered(cache, kv_indptr, indices, kv):
+    """Contiguous K (or V) of every request, read back out of its pages."""
+    return torch.cat([cache[indices[kv_indptr[b]:kv_indptr[b + 1]].long()].reshape(-1, *cache.shape[2:])[:n]
+                      for b, n in enumerate(kv)])
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "triton"])
+@pytest.mark.parametrize("name", ["softcap", "document_mask"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_verify_step_captured_in_a_cuda_graph_replays_new_steps(backend, name, causal):
+    """plan_paged(cuda_graph=True): captured once, re-planned and replayed for steps of other lengths, draft trees and
+    pages with fewer requests than the capacity, each against the reference; the rows past a step's are zeros."""
+    if backend == "fa3" and not _sm90():
+        pytest.skip("FA3 needs an sm90 GPU")
+    v = fivar.load(name)
+    max_batch, max_qo, page, pool = 4, 16, 16, 256
+    k_cache = torch.randn(pool, page, HKV, D, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(pool, page, HKV, D, dtype=DTYPE, device="cuda")
+    params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=max_batch, max_len=pool * page,
+                            device="cuda")
+    qo, kv, masks, meta, mask = _graph_step(max_batch, max_qo, 600, page, pool)
+    plan = v.plan_paged(*meta, cuda_graph=True, max_batch=max_batch, max_qo_len=max_qo, max_pages=pool,
+                        num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=page, dtype=DTYPE, causal=causal,
+                        backend=backend, **mask, **params)
+    q_static = torch.zeros(max_batch * max_qo, HQ, D, dtype=DTYPE, device="cuda")
+
+    def check(out, qo, kv, masks, meta, what):
+        n = sum(qo)
+        k, vv = (_gathered(c, meta[1], meta[2], kv) for c in (k_cache, v_cache))
+        ref = _reference(v, q_static[:n], k, vv, qo, kv, causal, params, masks, max_batch, torch.float64)
+        r = compare(v.name, f"verify in a CUDA graph, {what} [{backend}]", out[:n], ref, DTYPE)
+        assert r.passed, r
+        assert not out[n:].any()
+
+    q_static[:sum(qo)].normal_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (module load, lazy allocations)
+        eager = plan.run(q_static, (k_cache, v_cache))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    check(eager, qo, kv, masks, meta, "eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plan.run(q_static, (k_cache, v_cache))
+    for batch, prefix in ((2, 200), (3, 900), (1, 30)):
+        qo, kv, masks, meta, mask = _graph_step(batch, max_qo, prefix, page, pool)
+        plan.plan(*meta, **mask)
+        q_static.zero_()
+        q_static[:sum(qo)].normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        check(captured, qo, kv, masks, meta, f"{batch} of {max_batch} requests")
+    with pytest.raises(fivar.FivarError, match="max_batch=4"):
+        plan.plan(*_graph_step(5, max_qo, 10, page, pool)[3])

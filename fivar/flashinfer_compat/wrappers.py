@@ -147,13 +147,16 @@ class DirectPagedRun:
     fivar never passes on every call: about half the host time of a one-shot decode, which at batch 32 x 32768 is
     longer than the kernel. Made by `direct_paged_run`; valid until the wrapper is planned again."""
 
-    def __init__(self, wrapper, variant_name: str, device):
+    def __init__(self, wrapper, variant_name: str, device, rows: int | None = None):
         from flashinfer.prefill import MaskMode, TensorLayout
         from flashinfer.utils import device_support_pdl
         w = wrapper
         owns_mask = w._custom_mask_buf is not None or getattr(w, "_variant_owns_mask", False)
         mask_mode = (MaskMode.CUSTOM if owns_mask else MaskMode.CAUSAL if w._causal else MaskMode.NON_CAUSAL).value
-        self._name, self._rows = variant_name, w._qo_indptr_last
+        self._name, self._rows = variant_name, w._qo_indptr_last if rows is None else rows
+        # fixed rows (a CUDA-graph plan's, fivar.runtime.graph_verify): its steps' tokens fill a prefix of them, the
+        # rest no query tile writes, so they start as zeros
+        self._alloc = torch.empty if rows is None else torch.zeros
         self._out_dtype = w._cached_o_data_type
         self._paged_run = w._cached_module.paged_run
         self._head = (w._float_workspace_buffer, w._int_workspace_buffer, w._plan_info)
@@ -171,17 +174,18 @@ class DirectPagedRun:
         # writes rows of no chunk) and FA3 stores zeros for a tile with no keys. One exception, covered by its caller:
         # the FA2 block form's kCausal launch skips the rows of its second launch's blocks, which write_rows then
         # fills (fivar.runtime.attention). The LSE comes out log2 [tokens, heads], fivar's convention.
-        out = torch.empty(q.shape, dtype=self._out_dtype, device=q.device)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        out = self._alloc(q.shape, dtype=self._out_dtype, device=q.device)
+        lse = self._alloc(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         self._paged_run(*self._head, q, k_cache, v_cache, *self._buffers, out, lse, *self._flags, *args)
         return (out, lse) if return_lse else out
 
 
-def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun | None:
+def direct_paged_run(wrapper, variant_name: str, device, args, rows: int | None = None) -> DirectPagedRun | None:
     """A DirectPagedRun of a planned paged wrapper, or None where the wrapper's own run must do the work: the installed
     FlashInfer's run is not the one it mirrors (fivar.flashinfer_compat: paged_run_direct), a backend other than
     FA2/FA3, options fivar does not set, or a module taking arguments the wrapper fills in (`args`: the variant's
-    arguments as a run passes them; the wrapper appends derived scalars where fewer are given)."""
+    arguments as a run passes them; the wrapper appends derived scalars where fewer are given). `rows`: q's rows
+    whatever the plan's qo_indptr[-1] (a CUDA-graph plan's fixed capacity; the rows past the plan's come out zeros)."""
     w = wrapper
     if not _active("paged_run_direct") or getattr(w, "_backend", None) not in DIRECT_RUN_BACKENDS:
         return None
@@ -191,4 +195,10 @@ def direct_paged_run(wrapper, variant_name: str, device, args) -> DirectPagedRun
     tensors, scalars = list(w._jit_additional_tensor_names), list(getattr(w, "_jit_additional_scalar_names", []))
     if PAGED_RUN_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
         return None
-    return DirectPagedRun(w, variant_name, device)
+    return DirectPagedRun(w, variant_name, device, rows)
+
+
+def plan_layout(wrapper) -> tuple:
+    """A planned wrapper's launch layout (its plan_info: workspace offsets, padded grid, split): what a captured run
+    replays with, the same for every plan of a `use_cuda_graph=True` wrapper (fivar.runtime.graph_verify)."""
+    return tuple(getattr(wrapper, "_plan_info", None) or ())

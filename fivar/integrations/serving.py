@@ -7,6 +7,10 @@ the tree (`parents[i][j]`: the draft token it continues, -1 for one continuing t
 parents = [-1, 0, 1, ...]: with causal=True it needs no custom mask at all.
 
 A mixed step (`mixed_step`): prefill chunks and decodes of the same variant in one paged batch.
+
+A verify step replayed in a CUDA graph takes the same metadata and masks: `v.plan_paged(..., cuda_graph=True,
+max_batch=, max_qo_len=, max_pages=)` once, then `plan.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+packed_custom_mask=, mask_indptr=)` before each replay (fivar.runtime.graph_verify).
 """
 from __future__ import annotations
 

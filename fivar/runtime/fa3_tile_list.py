@@ -282,6 +282,30 @@ def page_size_for(kv_indptr: torch.Tensor | None = None, cache_page_size: int | 
     return page
 
 
+def tile_rows(target: str, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """A tile-list request's query rows on `target`: FA3's query tile of one head, FA2's of a GQA group's rows."""
+    if target_of(target).packs_query_heads:
+        return fa2_blocks.tile_list_rows(num_qo_heads // num_kv_heads, head_dim)
+    return block_rows(head_dim)
+
+
+def paged_keys(kv_indptr: torch.Tensor, page_table: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int,
+               device):
+    """A paged batch's keys as tile_list takes them: (token_of, int64 host [batch + 1] indptr of the requests' key
+    counts), each key found through the page table (page indptr and last-page lengths on the host)."""
+    kv_h = kv_indptr.long().cpu()
+    n_pages = kv_h.diff()
+    last = kv_last_page_len.long().cpu()
+    kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last, 0)
+    page_start = kv_h.to(device)
+    page_table = page_table.to(device).long()
+
+    def token_of(b, kv_idx):  # (a request of no keys reads any page: the table's last at most)
+        at = (page_start[b] + kv_idx // page_size).clamp(max=page_table.numel() - 1)
+        return page_table[at] * page_size + kv_idx % page_size
+    return token_of, indptr(kv_lens).long()
+
+
 class TileListPrefill:
     """A batch planned on FA3 (or FA2: `target`) in the tile-list form; `run(q, k, v)` with k/v [tokens, H, D]
     (ragged) or [pages, page_size, H, D] (paged: `pages` = (kv_indices, page_size) on the device, kv_indptr then a
@@ -294,16 +318,8 @@ class TileListPrefill:
         qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
         if pages is not None:  # keys as a ragged batch, each key found through the page table
             page_table, page_size = pages
-            n_pages = kv_h.diff()
-            last = kv_last_page_len.long().cpu()
-            kv_lens = (n_pages - 1).clamp(min=0) * page_size + torch.where(n_pages > 0, last, 0)
-            page_start = kv_h.to(device)
-            page_table = page_table.to(device).long()
-
-            def token_of(b, kv_idx):  # (a request of no keys reads any page: the table's last at most)
-                at = (page_start[b] + kv_idx // page_size).clamp(max=page_table.numel() - 1)
-                return page_table[at] * page_size + kv_idx % page_size
-            kv_h = indptr(kv_lens).long()
+            n_pages, last = kv_h.diff(), kv_last_page_len.long().cpu()
+            token_of, kv_h = paged_keys(kv_h, page_table, last, page_size, device)
             lengths = lambda: position_tables.max_lengths(qo_h, indptr(n_pages), last, page_size)  # noqa: E731
             self.page = page_size_for(cache_page_size=page_size)
         else:
@@ -321,8 +337,7 @@ class TileListPrefill:
         if self.empty or self.no_keys:
             return
         t = target_of(target)
-        rows = fa2_blocks.tile_list_rows(num_qo_heads // num_kv_heads, head_dim) if t.packs_query_heads \
-            else block_rows(head_dim)
+        rows = tile_rows(target, num_qo_heads, num_kv_heads, head_dim)
         kinds, bits_at, heads = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
                                           sm_scale, device, rows, custom, per_head=True)
         self._heads = None

@@ -119,3 +119,26 @@ def test_the_wrappers_run_is_kept_where_it_does_more(monkeypatch):
     finally:
         monkeypatch.undo()
         wrappers.paged_run_problem.cache_clear()
+
+
+def test_fixed_rows_take_q_of_that_many_rows_and_zero_the_rest():
+    """rows= (a CUDA-graph plan's capacity): q of those rows whatever the plan's qo_indptr[-1], the buffers and plan
+    handed on as without it, and the output and LSE start as zeros (no query tile writes the rows past the plan's)."""
+    rng = random.Random(1)
+    w = _planned_wrapper(rng, owns_mask=False, causal=False, window_left=-1, tensor_names=["t"], scalar_names=["s"])
+    args = [torch.randn(3), 2.0]
+    rows = w._qo_indptr_last + rng.randint(1, 9)
+    direct = direct_paged_run(w, "v", "cpu", args, rows=rows)
+    plain = direct_paged_run(w, "v", "cpu", args)
+    q = torch.randn(rows, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(64, 16, 2, 64, dtype=torch.bfloat16)
+    out, lse = direct(q, cache, cache, args, True)
+    assert out.shape == q.shape and lse.shape == (rows, 4) and not out.any() and not lse.any()
+    plain(q[:w._qo_indptr_last], cache, cache, args, True)
+    fixed, planned = w._cached_module.calls[-2:]
+    assert fixed[3] is q and len(fixed) == len(planned)
+    for i, (a, b) in enumerate(zip(fixed, planned)):  # the rest as the plan's own rows have it
+        if i not in (3, 10, 11):
+            assert a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b), i
+    with pytest.raises(FivarError, match="variant 'v'.*rows"):
+        direct(q[:w._qo_indptr_last], cache, cache, args, False)

@@ -1,0 +1,477 @@
+"""Speculative verify steps for CUDA graphs: a paged batch of several queries a request, with a custom mask (a draft
+tree), in the tile-list form (fivar.runtime.fa3_tile_list) held in buffers of fixed capacity, re-planned outside
+the graph and replayed inside, as GraphDecodePlan (fivar.runtime.graph) does for decode:
+
+    plan = v.plan_paged(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, cuda_graph=True, max_batch=64,
+                        max_qo_len=16, max_pages=65536, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                        dtype=torch.bfloat16, packed_custom_mask=packed, mask_indptr=mask_indptr)
+    q = torch.empty(64 * 16, 32, 128, ...)        # static input: max_batch * max_qo_len rows
+    out = plan.run(q, cache)                      # warm up (builds/loads the module) on the side
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = plan.run(q, cache)
+    for step ...:
+        plan.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, packed_custom_mask=packed,
+                  mask_indptr=mask_indptr)        # new lengths, pages and draft trees: outside the graph
+        q[:tokens].copy_(new_q)                   # into the static input, request by request
+        g.replay()                                # out[:tokens] holds this step's attention
+
+`plan` (host work and copies): the device block map of the batch with its custom mask ANDed in (the Triton twin's
+map kernel), one device->host copy of the tile list's sizes, the list written into the fixed buffers (zeros past its
+end), and FlashInfer's host scheduler into the fixed workspace of a `use_cuda_graph=True` paged wrapper, whose
+indptr / page-table buffers are the list's. The captured grid never changes: the list always holds `requests`
+tile-list requests, a step's own first and then padding requests of no query rows and no pages, for which
+FlashInfer schedules no work. Capacity: up to max_batch requests of up to max_qo_len queries each over max_pages
+pages in all; the list's key tiles, pages and cut tiles are bounded from those (`capacity`). A step past any limit
+is a one-line FivarError and leaves the plan as it was.
+
+Keep the plan alive as long as the graph may replay (the graph holds its buffers' addresses). Params are bound at
+plan creation (batch size max_batch; tensor params read through their pointers: update them in place). The module is
+the tile-list kernel reading cut tiles as bits (custom_mask=True): a step without a custom mask runs the same module
+over the bits of the variant's mask and causal alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
+from ..codegen.tile_list import TILE_FIELDS, mask_reads_head
+from ..errors import FivarError
+from ..flashinfer_compat.wrappers import plan_layout
+from ..jit.build import DTYPES, HEAD_DIMS
+from ..jit.module_key import ModuleKey
+from ..jit.targets import runs_twin, target_of
+from ..spec.inputs import check_lse
+from . import position_tables
+from .custom_mask import check_custom_mask, paged_kv_lens
+from .fa3_tile_list import CUT_WORDS_PAST, block_map, page_size_for, paged_keys, tile_list, tile_rows
+from .forms import _check_backend, _kernel_causal
+from .fp8_kv import plan_kv_dtype
+from .launch import (_check_indptr, _check_pages, _module, _paged_kv, _prepare, _workspace, attach,
+                     direct_paged_run)
+from .ops import register_plan
+from .params import kernel_args
+from .rows import indptr
+
+
+class Capacity(NamedTuple):
+    """The fixed sizes of a verify plan's tile list."""
+    requests: int  # tile-list requests: max_batch x ceil(max_qo_len / rows) query tiles
+    entries: int   # listed key tiles (and cut tiles, a subset of them)
+    pages: int     # the list's pages of `page` keys
+
+
+def capacity(max_batch: int, max_qo_len: int, max_pages: int, page_size: int, rows: int) -> Capacity:
+    """Bounds of the tile list of any batch within the limits. A request of kv keys lists at most
+    max(1, ceil(kv / TILE_WIDTH)) <= kv / TILE_WIDTH + 1 key tiles per query tile, so all list at most
+    ceil(max_qo_len / rows) x (max_pages * page_size // TILE_WIDTH + max_batch); each listed tile is at most
+    TILE_WIDTH / page pages."""
+    tiles = -(-max_qo_len // rows)
+    entries = tiles * (max_pages * page_size // TILE_WIDTH + max_batch)
+    return Capacity(max_batch * tiles, entries, entries * (TILE_WIDTH // page_size_for(cache_page_size=page_size)))
+
+
+def _check_limits(variant, **limits) -> None:
+    for arg, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FivarError(f"variant '{variant.name}': {arg} must be a positive int, got {value!r}")
+
+
+class VerifyTiles:
+    """The planning half of a CUDA-graph verify plan, on any device (the CPU under TRITON_INTERPRET=1 in tests):
+    fixed buffers of a tile list and `plan`, which refills them for a batch and returns the padded host indptrs
+    FlashInfer's scheduler takes. The buffers keep their addresses for the plan's life."""
+
+    def __init__(self, variant, bound, *, target: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 page_size: int, causal: bool, sm_scale: float, max_batch: int, max_qo_len: int, max_pages: int,
+                 device):
+        name = variant.name
+        _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+        self.variant, self.bound, self.target, self.device = variant, bound, target, torch.device(device)
+        self.heads_kv = (num_qo_heads, num_kv_heads, head_dim)
+        self.page_size, self.causal, self.sm_scale = page_size, causal, sm_scale
+        self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
+        self.rows = tile_rows(target, num_qo_heads, num_kv_heads, head_dim)
+        self.page = page_size_for(cache_page_size=page_size)
+        self.heads = num_qo_heads if mask_reads_head(variant) else 1  # the bits' heads (block_map's)
+        self.capacity = cap = capacity(max_batch, max_qo_len, max_pages, page_size, self.rows)
+        limit = target_of(target).tile_list_launch_requests
+        if limit is not None and cap.requests > limit:  # the graph holds one launch (fivar.jit.targets)
+            raise FivarError(f"variant '{name}': a CUDA-graph verify plan on {target_of(target).label} holds one "
+                             f"launch of at most {limit} tile-list requests; max_batch={max_batch} x "
+                             f"ceil(max_qo_len={max_qo_len} / {self.rows}) = {cap.requests} is past it (lower "
+                             f"max_batch or max_qo_len, or use backend='fa2')")
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.qo_indptr = torch.zeros(cap.requests + 1, **i32)
+        self.kv_indptr = torch.zeros(cap.requests + 1, **i32)
+        self.kv_indices = torch.zeros(cap.pages, **i32)
+        self.kv_last_page_len = torch.zeros(cap.requests, **i32)
+        self.blocks = torch.zeros(cap.requests, TILE_FIELDS, **i32)
+        self.tile_keys = torch.zeros(cap.entries, **i32)
+        self.cut_bits = torch.zeros(self.heads, cap.entries + CUT_WORDS_PAST, self.rows, **i32)
+        self._used = (0, 0, 0, 0)  # what the last plan wrote: pages, requests, entries, cut tiles' words
+        self.requests = self.batch = 0  # this step's tile-list requests (the rest are padding) and requests
+
+    def tables(self) -> dict:
+        """The module's tile-list tables (its struct's params) as the fixed buffers."""
+        return {BLOCKS: self.blocks, TILE_KEYS: self.tile_keys, CUT_BITS: self.cut_bits}
+
+    def seed(self):
+        """(qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of the capacity's largest batch: every request
+        max_qo_len queries over a page. FlashInfer's CUDA-graph planner sizes its schedule by its first plan's rows
+        (its later plans may have fewer, never more)."""
+        tiles = self.capacity.requests // self.max_batch
+        per = [self.rows] * (tiles - 1) + [self.max_qo_len - (tiles - 1) * self.rows]
+        n = self.capacity.requests
+        return (indptr(torch.tensor(per * self.max_batch)), torch.arange(n + 1, dtype=torch.int32),
+                self.kv_indices[:n], torch.ones(n, dtype=torch.int32))
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask=None, packed_custom_mask=None,
+             mask_indptr=None):
+        """Check this step, plan its tile list and write it into the buffers; returns the padded host
+        (qo_indptr, kv_indptr, kv_last_page_len) of `capacity.requests` requests and the list's page count. Nothing
+        is written unless every check passes."""
+        v, name = self.variant, self.variant.name
+        qo = _check_indptr(v, "qo_indptr", qo_indptr, "cpu")
+        kv = _check_indptr(v, "kv_indptr", kv_indptr, "cpu")
+        if kv.numel() != qo.numel():
+            raise FivarError(f"variant '{name}': qo_indptr and kv_indptr must have the same length")
+        batch, pages = qo.numel() - 1, int(kv[-1])
+        longest = int(qo.diff().max()) if batch else 0
+        over = [f"{what}={limit} ({got})" for what, got, limit in (
+            ("max_batch", batch, self.max_batch), ("max_qo_len", longest, self.max_qo_len),
+            ("max_pages", pages, self.max_pages)) if got > limit]
+        if over:
+            raise FivarError(f"variant '{name}': this verify step is past the CUDA-graph plan's capacity: "
+                             f"{', '.join(over)}; plan again with larger limits")
+        kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, self.page_size, self.device)
+        custom = check_custom_mask(v, custom_mask, packed_custom_mask, mask_indptr, qo.diff(),
+                                   paged_kv_lens(kv, last, self.page_size), self.device)
+        layout = None
+        if int(qo[-1]):  # a step of no queries runs padding alone
+            hq, hkv, d = self.heads_kv
+            token_of, kv_h = paged_keys(kv, kv_indices, last, self.page_size, self.device)
+            kinds, bits_of, heads = block_map(v, self.bound, qo, kv_h, hq, hkv, d, self.causal, self.sm_scale,
+                                              self.device, self.rows, custom)
+            layout = tile_list(kinds, qo, kv_h, self.rows, token_of, bits_of, self.page, heads)
+        filled = self._fill(layout)
+        self.batch = batch
+        return filled
+
+    def _fill(self, layout):
+        cap, name = self.capacity, self.variant.name
+        if layout is None:
+            qo, kv = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            last = torch.zeros(0, dtype=torch.int32)
+            sizes = (0, 0, 0, 0)
+        else:
+            qo, kv, last = layout.qo_indptr, layout.kv_indptr, layout.kv_last_page_len
+            if layout.cut_bits.shape[0] != self.heads:
+                raise FivarError(f"variant '{name}': the block map has bits for {layout.cut_bits.shape[0]} heads, the "
+                                 f"plan's buffers for {self.heads} (a fivar bug)")
+            sizes = (int(kv[-1]), qo.numel() - 1, layout.tile_keys.numel(), layout.cut_bits.shape[1])
+        limits = (cap.pages, cap.requests, cap.entries, cap.entries + CUT_WORDS_PAST)
+        if any(s > c for s, c in zip(sizes, limits)):  # the bounds of `capacity` make this unreachable
+            raise FivarError(f"variant '{name}': this step's tile list (pages, requests, key tiles, cut words "
+                             f"{sizes}) is past the plan's buffers {limits} (a fivar bug)")
+        n_pages, n_req, n_entries, n_words = sizes
+        pad = cap.requests - n_req  # padding requests: no query rows, no pages
+        qo = torch.cat([qo, qo[-1:].expand(pad)]).to(torch.int32)
+        kv = torch.cat([kv, kv[-1:].expand(pad)]).to(torch.int32)
+        last = torch.cat([last.to(torch.int32), torch.zeros(pad, dtype=torch.int32)])
+        self.qo_indptr.copy_(qo)
+        self.kv_indptr.copy_(kv)
+        self.kv_last_page_len.copy_(last)
+        old_pages, old_req, old_entries, old_words = self._used
+        if layout is not None:
+            self.kv_indices[:n_pages].copy_(layout.kv_indices)
+            self.blocks[:n_req].copy_(layout.blocks)
+            if self.heads > 1:  # a head's bits start one buffer height after the previous head's
+                self.blocks[:n_req, TILE_FIELDS - 1] = self.cut_bits.shape[1] * self.rows
+            self.tile_keys[:n_entries].copy_(layout.tile_keys)
+            self.cut_bits[:, :n_words].copy_(layout.cut_bits)
+        # zeros past this step's list where the last step's reached: the buffers then hold what a fresh plan of
+        # this step would (no stale tile a padding request or a short last tile could read)
+        self.kv_indices[n_pages:old_pages].zero_()
+        self.blocks[n_req:old_req].zero_()
+        self.tile_keys[n_entries:old_entries].zero_()
+        self.cut_bits[:, n_words:old_words].zero_()
+        self._used, self.requests = sizes, n_req
+        return qo, kv, last, n_pages
+
+
+class GraphVerifyPlan:
+    """A verify step over a paged KV cache with buffers of fixed capacity (this module's docstring)."""
+
+    kv_form = "paged"  # run(q, paged_kv_cache), as fivar.runtime.ops' plan_run calls it
+
+    def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int, max_batch: int | None = None,
+                 max_qo_len: int | None = None, max_pages: int | None = None, dtype=None, causal: bool = False,
+                 sm_scale=None, backend: str = "auto", device="cuda", params=None, kv_dtype=None, custom_mask=None,
+                 packed_custom_mask=None, mask_indptr=None):
+        import flashinfer
+        from .plans import refuse_custom_mask, verify_target
+        register_plan(self)
+        self.variant, self.device = variant, torch.device(device)
+        name = variant.name
+        dtype = dtype or torch.bfloat16
+        if dtype not in DTYPES.values():
+            raise FivarError(f"variant '{name}': dtype must be float16 or bfloat16, got {dtype}")
+        if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
+            raise FivarError(f"variant '{name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a multiple of "
+                             f"num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
+        if runs_twin(backend):
+            raise FivarError(f"variant '{name}': GraphVerifyPlan holds FlashInfer's kernels (fa2, fa3); the Triton "
+                             "twin's is TwinGraphVerifyPlan (plan_paged(cuda_graph=True, backend='triton'))")
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise FivarError(f"variant '{name}': a CUDA-graph verify plan needs a CUDA GPU (device "
+                             f"{str(self.device)!r}{'' if torch.cuda.is_available() else ', and none is visible'})")
+        target = _check_backend(variant, backend, "batch_prefill", self.device)
+        qo_h = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
+        kv_h = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")
+        # limits left out: the first step's
+        max_batch = max_batch if max_batch is not None else qo_h.numel() - 1
+        max_qo_len = max_qo_len if max_qo_len is not None else max(int(qo_h.diff().max()) if qo_h.numel() > 1 else 0, 1)
+        max_pages = max_pages if max_pages is not None else max(int(kv_h[-1]), 1)
+        _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+        # auto: FA2 where the longest request the graph takes fills at most a quarter of FA3's query tile
+        target = verify_target(target, backend, torch.tensor([max_qo_len]), head_dim)
+        refuse_custom_mask(variant, target, plan_kv_dtype(variant, dtype, kv_dtype))
+        self.target = target
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
+        bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, max_batch, sm_scale)
+        causal = _kernel_causal(variant, causal)
+        tiles = VerifyTiles(variant, bound, target=target, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, page_size=page_size, causal=causal, sm_scale=sm_scale,
+                            max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages, device=self.device)
+        # replays change the lengths: position tables cover the capacity (fivar.runtime.position_tables)
+        bound = tiles.bound = position_tables.bind(variant, bound, (max_qo_len, max_pages * page_size))
+        self._tiles = tiles
+        self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
+        self.max_tokens = max_batch * max_qo_len
+        t = target_of(target)
+        fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=t.keys_tile_list,
+                                          custom_mask=True), bound, sm_scale)
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=tiles.qo_indptr,
+            paged_kv_indptr_buf=tiles.kv_indptr, paged_kv_indices_buf=tiles.kv_indices,
+            paged_kv_last_page_len_buf=tiles.kv_last_page_len, backend=target)
+        attach(self._wrapper, fmod.load(), fmod, False)
+        # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
+        self._split = {"disable_split_kv": True} if t.splits_kv and not variant.softmax else {}
+        self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None, tables=tiles.tables())
+        self._plan_wrapper(*tiles.seed())
+        self._layout = plan_layout(self._wrapper)  # what a captured launch replays with
+        # the module's paged_run on q of max_tokens rows (the wrapper's run wants qo_indptr[-1] of them)
+        self._direct = direct_paged_run(self._wrapper, name, self.device, self._args, rows=self.max_tokens)
+        if self._direct is None:
+            raise FivarError(f"variant '{name}': a CUDA-graph verify plan launches its module's paged run directly, "
+                             "which this FlashInfer's wrappers do not allow (fivar.flashinfer_compat: paged_run_direct)")
+        self.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask=custom_mask,
+                  packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr)
+
+    @property
+    def page_size(self) -> int:
+        return self._shape[3]
+
+    def _plan_wrapper(self, qo, kv, indices, last):
+        hq, hkv, d, _, dtype = self._shape
+        self._wrapper.plan(qo, kv, indices, last, hq, hkv, d, self._tiles.page, causal=False, q_data_type=dtype,
+                           kv_data_type=dtype, o_data_type=dtype, **self._split)
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None, packed_custom_mask=None,
+             mask_indptr=None) -> None:
+        """This step's lengths, page table and custom mask (host work and copies into the fixed buffers): call it
+        outside the graph, before each replay. Up to max_batch requests of max_qo_len queries, max_pages pages."""
+        qo, kv, last, n_pages = self._tiles.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
+                                                 packed_custom_mask, mask_indptr)
+        self._plan_wrapper(qo, kv, self._tiles.kv_indices[:n_pages], last)
+        if plan_layout(self._wrapper) != self._layout:
+            raise FivarError(f"variant '{self.variant.name}': FlashInfer planned this verify step with another launch "
+                             "layout than the captured one; a graph of this plan cannot replay it")
+
+    @property
+    def batch(self) -> int:
+        """This step's requests."""
+        return self._tiles.batch
+
+    def run(self, q, paged_kv_cache, *, return_lse: bool = False):
+        """q [max_batch * max_qo_len, Hq, D]: this step's tokens first, request by request (the rows past them are
+        padding); capture this call in the graph. Returns [max_batch * max_qo_len, Hq, D] (zeros past the step's
+        tokens), and the LSE [rows, Hq] with return_lse."""
+        if torch.compiler.is_compiling():  # under torch.compile: the plan_run custom op (fivar.runtime.ops)
+            from . import ops
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
+        return_lse = check_lse(self.variant, return_lse)
+        k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
+        hq, hkv, d, page, dtype = self._shape
+        if q.shape != (self.max_tokens, hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype \
+                or k_cache.dtype != dtype:
+            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self.max_tokens}, {hq}, "
+                             f"{d}] (max_batch * max_qo_len rows), cache [*, {page}, {hkv}, {d}], {dtype}); got q "
+                             f"{tuple(q.shape)}, cache {tuple(k_cache.shape)}, {q.dtype}")
+        # keys as pages of the list's `page` (a view of the cache's own pages)
+        k, v = (x.reshape(-1, self._tiles.page, hkv, d) for x in (k_cache, v_cache))
+        return self._direct(q, k, v, self._args, return_lse)
+
+
+class TwinGraphVerifyPlan:
+    """The Triton twin's verify step for CUDA graphs (backend="triton"): the twin's paged prefill reads its lengths,
+    page table and custom mask through device tensors, so the graph holds one launch over max_batch requests and a
+    grid of max_qo_len rows; `plan` writes the step into those tensors (a request past the step's has no queries and
+    no keys: its programs return at once) and, for a mask beyond a band, the twin's block map of the step into fixed
+    buffers. Runs on the CPU too under TRITON_INTERPRET=1 (float16), where there is nothing to capture."""
+
+    kv_form = "paged"
+
+    def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int, max_batch: int | None = None,
+                 max_qo_len: int | None = None, max_pages: int | None = None, dtype=None, causal: bool = False,
+                 sm_scale=None, device="cuda", params=None, kv_dtype=None, custom_mask=None, packed_custom_mask=None,
+                 mask_indptr=None):
+        import os
+        from ..codegen.triton import kernel_arg_values
+        from ..jit.triton_module import load_triton_module
+        from .triton_attention import TRITON_HEAD_DIMS
+        register_plan(self)
+        self.variant, self.device = variant, torch.device(device)
+        name = variant.name
+        dtype = dtype or torch.bfloat16
+        interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if dtype not in DTYPES.values() or (kv_dtype is not None and kv_dtype != dtype) or \
+                (interpreted and dtype != torch.float16):
+            raise FivarError(f"variant '{name}': the twin's verify plan runs float16 or bfloat16 with the cache in q's "
+                             f"dtype (float16 on the CPU), got {dtype}{f' and a {kv_dtype} cache' if kv_dtype else ''}")
+        if head_dim not in TRITON_HEAD_DIMS or num_qo_heads % num_kv_heads:
+            raise FivarError(f"variant '{name}': head_dim must be one of {TRITON_HEAD_DIMS} and num_qo_heads a multiple "
+                             f"of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
+        if not (interpreted or (self.device.type == "cuda" and torch.cuda.is_available())):
+            raise FivarError(f"variant '{name}': a CUDA-graph verify plan needs a CUDA GPU (device "
+                             f"{str(self.device)!r}; the twin runs on the CPU under TRITON_INTERPRET=1)")
+        qo_h = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
+        kv_h = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")
+        max_batch = max_batch if max_batch is not None else qo_h.numel() - 1
+        max_qo_len = max_qo_len if max_qo_len is not None else max(int(qo_h.diff().max()) if qo_h.numel() > 1 else 0, 1)
+        max_pages = max_pages if max_pages is not None else max(int(kv_h[-1]), 1)
+        _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+        self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
+        self.max_tokens, self._max_kv = max_batch * max_qo_len, max_pages * page_size
+        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
+        bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, max_batch, sm_scale)
+        bound = position_tables.bind(variant, bound, (max_qo_len, self._max_kv))
+        self._causal = bool(causal)
+        self._module = load_triton_module(variant)
+        self._args = kernel_arg_values(variant, bound, sm_scale)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.qo_indptr = torch.zeros(max_batch + 1, **i32)
+        self.kv_indptr = torch.zeros(max_batch + 1, **i32)  # the requests' key counts, as an indptr
+        self.page_indptr = torch.zeros(max_batch + 1, **i32)
+        self.kv_indices = torch.zeros(max_pages, **i32)
+        # each request's bits from a byte of its own: sum ceil(qo * kv / 8) <= max_qo_len * keys / 8 + max_batch
+        self.mask = torch.zeros(max_qo_len * self._max_kv // 8 + max_batch, dtype=torch.uint8, device=self.device)
+        self.mask_indptr = torch.zeros(max_batch + 1, **i32)
+        self._rows = torch.arange(self.max_tokens, device=self.device)
+        self._map = None  # the block map's fixed buffers (a mask beyond a band)
+        self._used = (0, 0)  # mask bytes and cut tiles the last step wrote
+        self.batch = 0
+        self.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask=custom_mask,
+                  packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr)
+
+    @property
+    def page_size(self) -> int:
+        return self._shape[3]
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None, packed_custom_mask=None,
+             mask_indptr=None) -> None:
+        """This step's lengths, page table and custom mask, written into the plan's tensors (outside the graph)."""
+        from .custom_mask import mask_indptr_for
+        v, name = self.variant, self.variant.name
+        qo = _check_indptr(v, "qo_indptr", qo_indptr, "cpu")
+        kv = _check_indptr(v, "kv_indptr", kv_indptr, "cpu")
+        if kv.numel() != qo.numel():
+            raise FivarError(f"variant '{name}': qo_indptr and kv_indptr must have the same length")
+        batch, pages = qo.numel() - 1, int(kv[-1])
+        longest = int(qo.diff().max()) if batch else 0
+        over = [f"{what}={limit} ({got})" for what, got, limit in (
+            ("max_batch", batch, self.max_batch), ("max_qo_len", longest, self.max_qo_len),
+            ("max_pages", pages, self.max_pages)) if got > limit]
+        if over:
+            raise FivarError(f"variant '{name}': this verify step is past the CUDA-graph plan's capacity: "
+                             f"{', '.join(over)}; plan again with larger limits")
+        page_size = self.page_size
+        kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, page_size, self.device)
+        kv_lens = paged_kv_lens(kv, last, page_size)
+        custom = check_custom_mask(v, custom_mask, packed_custom_mask, mask_indptr, qo.diff(), kv_lens, self.device)
+        pad = self.max_batch - batch  # padding requests: no queries, no keys, no pages, no mask bytes
+        mask_ind = mask_indptr_for(qo.diff(), kv_lens)
+        n_bytes = int(mask_ind[-1])
+
+        def padded(t):
+            return torch.cat([t.long(), t[-1:].long().expand(pad)]).to(torch.int32)
+        self.qo_indptr.copy_(padded(qo))
+        self.kv_indptr.copy_(padded(indptr(kv_lens)))
+        self.page_indptr.copy_(padded(kv))
+        self.kv_indices[:pages].copy_(kv_indices[:pages])
+        self.kv_indices[pages:].zero_()
+        self.mask_indptr.copy_(padded(mask_ind))
+        if custom is None:  # every pair kept: the mask and causal decide
+            self.mask[:n_bytes].fill_(0xFF)
+        else:
+            self.mask[:n_bytes].copy_(custom.packed[:n_bytes])
+        self.mask[n_bytes:self._used[0]].zero_()
+        n_cut = self._used[1]
+        if hasattr(self._module, "block_map"):  # the twin's map of the step, at the plan's grid
+            hq, hkv = self._shape[:2]
+            fresh = self._module.block_map(self.qo_indptr, self.kv_indptr, self.max_qo_len, self._max_kv, hq,
+                                           hq // hkv, self._causal, self._args)
+            if self._map is None:  # the map's shapes follow from the plan's grid; its cut tiles are bounded by
+                # max(1, ceil(kv / keys)) a row of tiles, as the tile list's (capacity)
+                heads, n_q = fresh.tiles.shape[1:3]
+                cap = heads * n_q * (self._max_kv // fresh.block[1] + self.max_batch)
+                self._map = fresh._replace(**{f: getattr(fresh, f).clone() for f in ("tiles", "counts", "slots",
+                                                                                    "kinds")},
+                                           bits=fresh.bits.new_zeros(cap, fresh.block[0]))
+            n_cut = fresh.bits.shape[0]
+            if n_cut > self._map.bits.shape[0]:  # bounded as graph_verify.capacity bounds the tile list's
+                raise FivarError(f"variant '{name}': this step's block map has {n_cut} cut tiles, the plan's buffer "
+                                 f"{self._map.bits.shape[0]} (a fivar bug)")
+            for field in ("tiles", "counts", "slots", "kinds"):
+                getattr(self._map, field).copy_(getattr(fresh, field))
+            self._map.bits[:n_cut].copy_(fresh.bits)
+            self._map.bits[n_cut:self._used[1]].zero_()
+        self._used, self.batch = (n_bytes, n_cut), batch
+
+    def run(self, q, paged_kv_cache, *, return_lse: bool = False):
+        """As GraphVerifyPlan.run: q [max_batch * max_qo_len, Hq, D], the step's tokens first; zeros past them."""
+        from .triton_attention import _check_inputs
+        return_lse = check_lse(self.variant, return_lse)
+        k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
+        _check_inputs(self.variant, q, k_cache, v_cache, paged=True)
+        hq, hkv, d, page, dtype = self._shape
+        if q.shape != (self.max_tokens, hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype:
+            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self.max_tokens}, {hq}, "
+                             f"{d}] (max_batch * max_qo_len rows), cache [*, {page}, {hkv}, {d}], {dtype}); got q "
+                             f"{tuple(q.shape)}, cache {tuple(k_cache.shape)}, {q.dtype}")
+        result = self._module.prefill(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr, self.max_qo_len,
+                                      self._causal, self._args, return_lse, plan=self._map,
+                                      custom=(self.mask, self.mask_indptr),
+                                      pages=(self.kv_indices, self.page_indptr, self._max_kv))
+        past = self._rows >= self.qo_indptr[-1]  # rows no program writes: zeros, on the device (no sync)
+        out, lse = result if return_lse else (result, None)
+        out.masked_fill_(past[:, None, None], 0)
+        if return_lse:
+            lse.masked_fill_(past[:, None], 0)
+        return result
+
+
+def graph_verify_plan(variant, *args, backend: str = "auto", **kwargs):
+    """v.plan_paged(..., cuda_graph=True): the twin's plan for backend="triton", else FlashInfer's (GraphVerifyPlan)."""
+    if runs_twin(backend):
+        return TwinGraphVerifyPlan(variant, *args, **kwargs)
+    return GraphVerifyPlan(variant, *args, backend=backend, **kwargs)
