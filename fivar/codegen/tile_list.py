@@ -56,6 +56,15 @@ def bits_kernel(variant):
     return kernel
 
 
+def runs_unmapped(variant) -> bool:
+    """Whether bits_kernel(variant) computes the same function whatever rows and keys a request starts at: its logits
+    and sink read no position and no batch entry. A causal batch of segments (documents, chunks) then runs it as a
+    request per segment in the kernel's causal mode with nothing mapping a request back to its positions (FA3, whose
+    struct has no key-segments table; fivar.runtime.segments)."""
+    return not any(p is not None and {"q_idx", "kv_idx", "batch"} & ir.uses(p)
+                   for p in (variant.lowered.logits, variant.ir.sink))
+
+
 def reads_bits(variant, custom_mask: bool = False) -> bool:
     """A tile-list module of `variant` reads its cut tiles as bits (so is bits_kernel's): any mask, per head where it
     reads the head, or an engine's custom mask."""

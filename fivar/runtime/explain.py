@@ -8,7 +8,9 @@ long (--verbose).
 from __future__ import annotations
 
 from ..codegen import fa2, fa3
+from ..codegen.tile_list import runs_unmapped
 from .attention import trims_decode_pages
+from .fa3_tile_list import reads_heads
 from ..spec import sparsity
 from ..spec.ir import format_expr
 from ..spec.params import Scalar
@@ -75,8 +77,9 @@ def _fa3_short(v) -> str:
     if form == "tile list":
         return ("fa3 prefill: tile-list form, a request per 128-row query tile over its non-empty 32-key tiles "
                 "(device block map); whole tiles unmasked, cut tiles " + _cut_tiles(v)
-                + ", applied once per KV tile in the softmax updater; the kernel evaluates no mask, so every "
-                "variant with the same logits and sink shares its module")
+                + " once per KV tile; no mask in the kernel: one module per logits and sink"
+                + ("; causal documents as segments (kCausal)" if runs_unmapped(v) else "")
+                + ("; a request per head where heads differ" if fa3.mask_reads_head(v) and not reads_heads(v) else ""))
     return "fa3 prefill: " + {
         "no mask": "FlashInfer's kernel; causal skips the upper triangle; no mask",
         "window": ("FlashInfer's sliding window (window_left from the band): skips tiles left of it; only its "

@@ -8,6 +8,7 @@ import types
 import torch
 
 from ..codegen import fa2
+from ..codegen.tile_list import bits_kernel, runs_unmapped
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
@@ -367,9 +368,10 @@ class RaggedAttentionPlan(_OwnsWrapper):
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
         self._tile_list = None
-        self.segments = None  # FA2's segments form: how many requests it runs
-        if target_of(self.target).runs_key_segments and variant.scans_mask and causal and self._plan_segments(
-                variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype):
+        self.segments = None  # the segments form: how many requests it runs
+        if variant.scans_mask and causal and (target_of(self.target).runs_key_segments or runs_unmapped(variant)) \
+                and self._plan_segments(variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
+                                        head_dim, dtype):
             return
         if tile_list_form(variant, self.target):
             self._tile_list = TileListPrefill(
@@ -392,26 +394,31 @@ class RaggedAttentionPlan(_OwnsWrapper):
 
     def _plan_segments(self, variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim,
                        dtype) -> bool:
-        """FA2, causal: when the mask cuts the batch into segments (documents, chunks), a request of FlashInfer's
-        ragged kernel per segment in kCausal mode, the struct's key segments mapping each back to its positions
-        (fivar.runtime.segments): stock FA2's request per document, no mask evaluated. False
-        when the mask is more than segments on this batch."""
+        """Causal: when the mask cuts the batch into segments (documents, chunks), a request of FlashInfer's ragged
+        kernel per segment in kCausal mode (fivar.runtime.segments), as stock FlashInfer runs documents, no mask
+        evaluated: on FA2 the struct's key segments map each request back to its positions; on FA3 the mask-free
+        kernel of the logits (bits_kernel), which reads no position (runs_unmapped). False when the mask is more than
+        segments on this batch."""
         max_qo_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
         _, kind, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads,
                                   sm_scale, self.device)
         layout = segments.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
         if layout is None:
             return False
-        fmod = _module(variant, ModuleKey("batch_prefill", "fa2", dtype, head_dim, kv_segments=True, mask_free=True),
-                       bound, sm_scale)
+        if target_of(self.target).runs_key_segments:
+            kernel, tables = variant, {fa2.KV_SEGMENTS: layout.segments.to(self.device)}
+            key = ModuleKey("batch_prefill", self.target, dtype, head_dim, kv_segments=True, mask_free=True)
+        else:
+            kernel, tables = bits_kernel(variant), None
+            key = ModuleKey("batch_prefill", self.target, dtype, head_dim)
+        fmod = _module(kernel, key, bound, sm_scale)
         self._wrapper = take_wrapper("ragged", fmod, self.device, False)
         self._release = ("ragged", fmod, self.device)
         self._wrapper.plan(layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device), num_qo_heads,
                            num_kv_heads, head_dim, causal=True, q_data_type=dtype, kv_data_type=dtype,
-                           o_data_type=dtype, **_split_kwargs(variant, "fa2", True))
-        self._args = kernel_args(variant, bound, sm_scale, None,  # kCausal is the whole mask: the struct has none
-                                 tables={fa2.KV_SEGMENTS: layout.segments.to(self.device)},
-                                 lengths=lambda: max_lengths(qo_indptr, kv_indptr))
+                           o_data_type=dtype, **_split_kwargs(variant, self.target, True))
+        self._args = kernel_args(kernel, bound, sm_scale, None,  # kCausal is the whole mask: the struct has none
+                                 tables=tables, lengths=lambda: max_lengths(qo_indptr, kv_indptr))
         self.segments = layout.qo_indptr.numel() - 1
         return True
 
