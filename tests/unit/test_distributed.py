@@ -276,9 +276,10 @@ def test_zigzag_shards_round_trip():
 
 
 def _transfer_order(rank, world):
-    """Every ring transfer is posted before the compute it overlaps and waited for after it: the next key/value
-    shard's in the forward and the backward, and in the backward a step's gradient buffer, posted after its own step's
-    compute and waited for after the next step's. Recorded through wrappers of batch_isend_irecv, the requests'
+    """Every ring transfer is posted before the compute it overlaps and waited for after it: the next step's key/value
+    slices in the forward and the backward, and in the backward a step's gradients on their way back to their owner
+    (with those arriving for this rank's own slices), posted after the step's compute and waited for after the next
+    step's. Recorded through wrappers of batch_isend_irecv, the requests'
     wait and the per-pair compute, with results still the reference's."""
     import fivar.distributed.ring as ring
     from fivar.distributed.core import Plan
@@ -327,21 +328,22 @@ def _transfer_order(rank, world):
     fwd = []  # kv_s is exchange s
     for s, o in enumerate(owners):
         fwd += ([("post", s)] if s < world - 1 else []) + [("compute", o)] + ([("wait", s)] if s < world - 1 else [])
-    bwd, n, grads = [], world - 1, []  # in the backward the exchanges are numbered in posting order
+    bwd, n, grads = [], world - 1, None  # in the backward the exchanges are numbered in posting order
     for s, o in enumerate(owners):
         kv = None
         if s < world - 1:
             kv, n = n, n + 1
             bwd.append(("post", kv))
         bwd.append(("compute", o))
-        if grads:
-            bwd.append(("wait", grads[-1]))
-        grads.append(n)
-        n += 1
-        bwd.append(("post", grads[-1]))
+        if grads is not None:
+            bwd.append(("wait", grads))
+        grads = None
+        if s:  # the own shard's gradients stay here
+            grads, n = n, n + 1
+            bwd.append(("post", grads))
         if kv is not None:
             bwd.append(("wait", kv))
-    bwd.append(("wait", grads[-1]))
+    bwd.append(("wait", grads))
     assert events[1:] == fwd + bwd, f"rank {rank}: {events[1:]}"
 
 
