@@ -106,7 +106,8 @@ class RingTransport(Transport):
 def ring_attention(variant, q, k, v, sharding, *, causal: bool = False, sm_scale: float | None = None,
                    backend: str = "auto", group=None, return_lse: bool = False, **params):
     """Context-parallel prefill of `variant` over the ranks of `group`: q/k/v are this rank's rows of one sequence
-    (`sharding` says which positions), positions are global, shards the mask empties are skipped. Returns this
+    (`sharding` says which positions), positions are global, each rank gets only the keys its rows keep (pairs
+    the mask empties are skipped). Returns this
     rank's out [rows, Hq, D] (and lse [rows, Hq], log2, with return_lse). Differentiable in q, k, v and the
     learnable tensor params (their gradient is this rank's share: sum it over the group, as for any replicated
     weight)."""
