@@ -25,6 +25,10 @@ KEY_BLOCK = 512
 #: blocks grow past ROW_BLOCK / KEY_BLOCK so that neither axis has more than this many: the classification of every
 #: rank's rows against every rank's keys is quadratic in them (1024 x 1024 blocks: under a second on the host)
 MAX_BLOCKS = 1024
+#: another rank's keys travel in pieces: kept keys at least MIN_GAP keys apart go apart (a gap that long costs more
+#: to send than one more kernel call over the later piece), at most MAX_PIECES per run of the sender's shard
+MIN_GAP = 2048
+MAX_PIECES = 4
 #: Plan.rows per call layout: the classification copies tensor params to the host and walks the mask's intervals,
 #: which at 128k positions costs more than a shard's attention; keyed as one-shot plans are (tensors by identity and
 #: version, so an in-place write classifies again; fivar.invalidate_plans clears it too)
@@ -79,12 +83,17 @@ class Plan:
             at += e - s
         # every rank classifies every rank's pairs alike: a sender sizes each transfer as its receiver does
         self.table, self.slices = _KEEPS.get(("pairs", variant, self.causal, sharding.seq_len, sharding.runs,
-                                              self.num_qo_heads, self.num_kv_heads, self.params), self._classify)
-        mine = {(i, o, j): p for (r, i, o, j), p in self.table.items() if r == self.rank}
-        #: rows[(q run, owner, kv run)]: the query rows (lo, hi) within the run that keep any of the pair's keys,
-        #: None where none does; keys[...]: the pair's key range (start, end) in global positions
-        self.rows = {pair: None if p is None else p[0] for pair, p in mine.items()}
-        self.keys = {pair: None if p is None else p[1] for pair, p in mine.items()}
+                                              self.num_qo_heads, self.num_kv_heads, self.params,
+                                              (ROW_BLOCK, KEY_BLOCK, MIN_GAP, MAX_PIECES)), self._classify)
+        #: pieces[(q run, owner, kv run)]: ((lo, hi), (start, end)) per kernel call of the pair: its query rows
+        #: within the run and its keys in global positions; empty where the pair keeps nothing
+        self.pieces = {(i, o, j): p or () for (r, i, o, j), p in self.table.items() if r == self.rank}
+        #: rows[...]: the query rows (lo, hi) within the run that keep any of the pair's keys, None where none does;
+        #: keys[...]: the pair's key range (start, end) in global positions, every piece's keys within it
+        self.rows = {pair: (min(r[0] for r, _ in p), max(r[1] for r, _ in p)) if p else None
+                     for pair, p in self.pieces.items()}
+        self.keys = {pair: (min(k[0] for _, k in p), max(k[1] for _, k in p)) if p else None
+                     for pair, p in self.pieces.items()}
         #: keep[(q run, owner, kv run)]: whether the pair is computed at all
         self.keep = {pair: rows is not None for pair, rows in self.rows.items()}
         self._starts = [[at for _, _, _, at in self.kv_runs(o)] for o in range(self.world)]
@@ -93,13 +102,14 @@ class Plan:
         """(table, slices) for every rank's pairs, by fivar's interval classification (fivar.spec.sparsity, which
         never calls a block empty that keeps a pair) of every rank's query blocks against every rank's key blocks.
 
-        table[(rank, q run, owner, kv run)]: ((lo, hi) the run's rows from the first to the last block keeping any
-        of the pair's keys, (start, end) the global keys from the first to the last block any of those rows keep),
-        None where no block keeps any. Where the pair is the kernels' causal square (a run with itself,
+        table[(rank, q run, owner, kv run)]: the pair's pieces, each ((lo, hi) the run's rows from the first to the
+        last block keeping any of the piece's keys, (start, end) global keys from a kept block to a kept block),
+        None where no block keeps any. Another rank's keys come in pieces (`split`: kept blocks MIN_GAP keys apart
+        go apart); the own shard's in one, and where that pair is the kernels' causal square (a run with itself,
         pair_causality) its rows and keys keep ending together, and its keys start no later than its rows, so it
-        stays that square. slices[(receiver, owner)], receiver != owner: per kv run j of the owner that the
-        receiver keeps any key of, (j, start, end): the bounding range of the keys its pairs with run j run over,
-        which is what the owner sends it."""
+        stays that square. slices[(receiver, owner)], receiver != owner: (j, start, end) per piece of every kv run
+        j of the owner that the receiver keeps any key of: its pairs' pieces with run j, split alike, which is what
+        the owner sends it."""
         from ..spec import ir
         from ..spec.sparsity import EMPTY, classify_bounds
         runs, n = self.sharding.runs, self.sharding.seq_len
@@ -108,7 +118,7 @@ class Plan:
             return {}, {}
         program = self.base.ir.mask
         if program is None and not self.causal:
-            table = {(r, i, o, j): ((0, qe - qs), (ks, ke)) for r, i, qs, qe in flat for o, j, ks, ke in flat}
+            table = {(r, i, o, j): (((0, qe - qs), (ks, ke)),) for r, i, qs, qe in flat for o, j, ks, ke in flat}
         else:
             if program is None:
                 program = ir.Program([], ir.Const(ir.BOOL, True))
@@ -130,22 +140,28 @@ class Plan:
             table = {}
             for (r, i, qs, qe), (qa, qb) in zip(flat, qspans):
                 for (o, j, ks, ke), (ka, kb) in zip(flat, kspans):
-                    sub = kept[qa:qb, ka:kb]
-                    rows, keys = sub.any(1).nonzero().view(-1), sub.any(0).nonzero().view(-1)
-                    if rows.numel() == 0:
+                    sub, starts, ends = kept[qa:qb, ka:kb], k_lo[ka:kb], k_hi[ka:kb] + 1
+                    cols = sub.any(0).nonzero().view(-1).tolist()
+                    if not cols:
                         table[(r, i, o, j)] = None
                         continue
-                    lo, hi = int(q_lo[qa + rows[0]]) - qs, int(q_hi[qa + rows[-1]]) + 1 - qs
-                    start, end = int(k_lo[ka + keys[0]]), int(k_hi[ka + keys[-1]]) + 1
-                    if pair_causality(self.causal, qs, qe - qs, ks, ke - ks) == KERNEL_CAUSAL:
-                        hi, end, start = qe - qs, ke, min(start, qs + lo)
-                    table[(r, i, o, j)] = ((lo, hi), (start, end))
-        bounds = {}  # (receiver, owner, kv run) -> the bounding range of its pairs' keys
+                    if r == o:
+                        ranges = [(int(starts[cols[0]]), int(ends[cols[-1]]))]
+                    else:
+                        ranges = split([(int(starts[c]), int(ends[c])) for c in cols])
+                    got = []
+                    for a, b in ranges:
+                        rows = sub[:, (starts >= a) & (ends <= b)].any(1).nonzero().view(-1)
+                        lo, hi = int(q_lo[qa + rows[0]]) - qs, int(q_hi[qa + rows[-1]]) + 1 - qs
+                        if pair_causality(self.causal, qs, qe - qs, ks, ke - ks) == KERNEL_CAUSAL:
+                            hi, b, a = qe - qs, ke, min(a, qs + lo)
+                        got.append(((lo, hi), (a, b)))
+                    table[(r, i, o, j)] = tuple(got)
+        keys = {}  # (receiver, owner, kv run) -> its pairs' pieces' keys
         for (r, _, o, j), p in table.items():
             if p is not None and r != o:
-                s, e = bounds.get((r, o, j), p[1])
-                bounds[(r, o, j)] = (min(s, p[1][0]), max(e, p[1][1]))
-        slices = {(r, o): tuple((j, *bounds[(r, o, j)]) for j in range(len(runs[o])) if (r, o, j) in bounds)
+                keys.setdefault((r, o, j), []).extend(k for _, k in p)
+        slices = {(r, o): tuple((j, a, b) for j in range(len(runs[o])) for a, b in split(keys.get((r, o, j), ())))
                   for r in range(self.world) for o in range(self.world) if r != o}
         return table, slices
 
@@ -201,13 +217,14 @@ class Plan:
         return (*grads[:3], dict(zip(leaves, grads[3:])))
 
     def held(self, owner: int) -> dict:
-        """This rank's copy of the owner's keys, as a strategy yields it: {kv run: (global position of its first
-        row, its row in the copy)}. The own shard whole; another rank's, the slices it sends this rank back to back."""
+        """This rank's copy of the owner's keys, as a strategy yields it: {kv run: [(start, end, row in the copy)]}
+        of the global keys it holds. The own shard whole; another rank's, the slices it sends this rank (`slices`)
+        back to back."""
         if owner == self.rank:
-            return {j: (s, at) for j, s, _, at in self.kv_runs(owner)}
+            return {j: [(s, e, at)] for j, s, e, at in self.kv_runs(owner)}
         held, at = {}, 0
         for j, s, e in self.slices[(self.rank, owner)]:
-            held[j] = (s, at)
+            held.setdefault(j, []).append((s, e, at))
             at += e - s
         return held
 
@@ -224,16 +241,30 @@ class Plan:
         return out
 
     def pairs_with(self, owner: int):
-        """(q run index, q rows slice, q_start, kv rows slice, kv_start) of every kept pair with the owner's keys:
-        the run's rows that keep any of the pair's keys, q_start the global position of the first; the pair's keys
-        as rows of this rank's copy of them (`held`), kv_start the global position of the first."""
+        """(q run index, q rows slice, q_start, kv rows slice, kv_start) of every piece of every kept pair with the
+        owner's keys: the run's rows that keep any of the piece's keys, q_start the global position of the first;
+        the piece's keys as rows of this rank's copy of them (`held`), kv_start the global position of the first."""
         held = self.held(owner)
         for i, (qs, qe, qat) in enumerate(self.q_runs):
             for j in range(len(self.sharding.runs[owner])):
-                rows = self.rows[(i, owner, j)]
-                if rows is not None:
-                    (s, e), (g, at) = self.keys[(i, owner, j)], held[j]
-                    yield i, slice(qat + rows[0], qat + rows[1]), qs + rows[0], slice(at + s - g, at + e - g), s
+                for (lo, hi), (a, b) in self.pieces[(i, owner, j)]:
+                    s, _, at = next(h for h in held[j] if h[0] <= a and b <= h[1])
+                    yield i, slice(qat + lo, qat + hi), qs + lo, slice(at + a - s, at + b - s), a
+
+
+def split(ranges) -> list[tuple[int, int]]:
+    """Key ranges (start, end) as pieces: sorted, merged where they overlap, touch or lie less than MIN_GAP keys
+    apart, then the nearest neighbours merged until at most MAX_PIECES remain."""
+    out = []
+    for s, e in sorted(ranges):
+        if out and s - out[-1][1] < max(MIN_GAP, 1):
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    while len(out) > MAX_PIECES:
+        g = min(range(len(out) - 1), key=lambda x: out[x + 1][0] - out[x][1])
+        out[g:g + 2] = [(out[g][0], out[g + 1][1])]
+    return out
 
 
 class Transport:

@@ -69,7 +69,7 @@ def cases(seq_len: int, heads: int, gen: torch.Generator):
         ("prefix", PREFIX, False, {"prefix": 4}),
         ("distance table", DISTANCE, True, {}),
         ("random", TABLE, False, {"keep": torch.rand(seq_len, seq_len, generator=gen) < 0.3}),
-        ("first keys + window", FIRST_KEYS, True, {"first": 3, "window": 5}),
+        ("first keys + window", FIRST_KEYS, True, {"first": 2, "window": 4}),
     ]
 
 
@@ -460,30 +460,35 @@ def test_balanced_sharding_evens_the_work_of_uneven_documents():
 
 def _trimmed_rows(rank, world):
     """Row and key blocks of 3: pairs run only the query rows that keep any of their keys and the keys those rows
-    keep (trimmed, the keys at their global positions), states merge over those rows alone; outputs, LSEs and
-    gradients still equal the float64 reference, ring and all-gather, reference and Triton per pair."""
+    keep (trimmed, in pieces apart from each other, the keys at their global positions), states merge over those
+    rows alone; outputs, LSEs and gradients still equal the float64 reference, ring and all-gather, reference and
+    Triton per pair."""
     from fivar.distributed import core
     core.ROW_BLOCK = core.KEY_BLOCK = 3
+    core.MIN_GAP = 1  # another rank's keys travel in pieces wherever a kept block is apart from the next
     seq_len, hq, hkv, d = 40, 2, 1, 16
     gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=7)
     sharding = Sharding.zigzag(seq_len, world)
     w_out = torch.randn(seq_len, hq, d, generator=gen, dtype=torch.float64)
     w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
     mine = lambda x: sharding.shard(x, rank)  # noqa: E731
-    trimmed = keys_trimmed = 0
+    trimmed = keys_trimmed = split = 0
     for name, variant, causal, params in cases(seq_len, hq, gen):
         plan = core.Plan(variant, *map(mine, (q, k, v)), sharding, causal=causal, sm_scale=None, backend="reference",
                          group=None, params=params, strategy="ring_attention")
         trimmed += sum(r is not None and r != (0, plan.q_runs[i][1] - plan.q_runs[i][0])
                        for (i, _, _), r in plan.rows.items())
         keys_trimmed += sum(r is not None and r != sharding.runs[o][j] for (_, o, j), r in plan.keys.items())
+        split += sum(len(p) > 1 for p in plan.pieces.values())
         ref_out, ref_lse = _against_reference(rank, name, variant, causal, params, sharding, (q, k, v), (w_out, w_lse))
-        if name in ("causal window", "random"):
+        if name in ("causal window", "random", "first keys + window"):
             out, lse = ring_attention(variant, *(mine(x).half() for x in (q, k, v)), sharding, causal=causal,
                                       backend="triton", return_lse=True, **params)
             close(out, mine(ref_out), 2e-3, f"{name}/triton rank {rank} out")
             close(lse, mine(ref_lse), 2e-3, f"{name}/triton rank {rank} lse")
-    assert trimmed > 0 and keys_trimmed > 0
+    counts = torch.tensor([trimmed, keys_trimmed, split])
+    dist.all_reduce(counts)  # over the group: rank 1 alone gets the first keys and the window apart
+    assert bool((counts > 0).all()), counts
 
 
 def test_pairs_run_only_the_rows_that_keep_their_keys():
@@ -524,32 +529,40 @@ class Recorder:
         [2, rows, Hkv, D] part per destination."""
         parts = self.sent.get(peer, [])
         if strategy == "ring":
-            return torch.cat(parts[0::2] or [torch.empty(0, hkv, d)]), torch.cat(parts[1::2] or [torch.empty(0, hkv, d)])
+            none = [torch.empty(0, hkv, d)]
+            return torch.cat(parts[0::2] or none), torch.cat(parts[1::2] or none)
         flat = torch.cat(parts or [torch.empty(0)]).view(2, -1, hkv, d)
         return flat[0], flat[1]
 
 
-def kept_slices(sharding, truth, receiver: int, owner: int) -> list[tuple[int, int]]:
-    """Brute force: per run of the owner, the bounding global range of its keys that any of the receiver's rows
-    keeps (truth [position, key], causal included)."""
+def kept_slices(sharding, truth, receiver: int, owner: int, min_gap: int = 1) -> list[tuple[int, int]]:
+    """Brute force: per run of the owner, the runs of consecutive keys that any of the receiver's rows keeps
+    (truth [position, key], causal included), runs less than min_gap keys apart as one."""
     rows = torch.tensor([p for s, e in sharding.runs[receiver] for p in range(s, e)], dtype=torch.int64)
     out = []
     for s, e in sharding.runs[owner]:
-        kept = truth[rows][:, s:e].any(0).nonzero().view(-1) if rows.numel() else torch.empty(0)
-        if kept.numel():
-            out.append((s + int(kept[0]), s + int(kept[-1]) + 1))
+        kept = truth[rows][:, s:e].any(0).nonzero().view(-1).tolist() if rows.numel() else []
+        pieces = []
+        for key in kept:
+            if pieces and s + key - pieces[-1][1] < min_gap:
+                pieces[-1][1] = s + key + 1
+            else:
+                pieces.append([s + key, s + key + 1])
+        out += [tuple(p) for p in pieces]
     return out
 
 
 def _sent_keys(rank, world):
-    """Blocks of one row and key: each rank sends each other rank exactly the keys and values of the bounding ranges
-    (per run of its shard) of the keys the receiver's rows keep, counted element by element against the brute force
-    and compared value by value, ring and all-to-all, nothing where a pair keeps none; the gradients going back are
-    as many rows; outputs, LSEs and gradients still equal the float64 reference. A transfer shifted by one row
-    (a mutated plan) fails the comparison."""
+    """Blocks of one row and key, pieces as apart as they are: each rank sends each other rank exactly the keys and
+    values of the runs of consecutive keys (per run of its shard) that the receiver's rows keep, counted element by
+    element against the brute force and compared value by value, ring and all-to-all, nothing where a pair keeps
+    none; the gradients going back are as many rows; outputs, LSEs and gradients still equal the float64 reference.
+    Pieces closer than MIN_GAP travel as one. A transfer shifted by one row (a mutated plan) fails the
+    comparison."""
     from fivar.distributed import core
     from fivar.spec.sparsity import keep_matrix
-    core.ROW_BLOCK = core.KEY_BLOCK = 1
+    core.ROW_BLOCK = core.KEY_BLOCK = core.MIN_GAP = 1  # every run of kept keys a piece of its own
+    core.MAX_PIECES = 1 << 20
     seq_len, hq, hkv, d = (29, 2, 1, 16) if world == 2 else (31, 2, 1, 16)
     sharding = Sharding.zigzag(seq_len, world) if world == 2 else Sharding.of_lengths([9, 0, 14, 8])
     gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=11 + world)
@@ -557,13 +570,13 @@ def _sent_keys(rank, world):
     w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
     mine = lambda x: sharding.shard(x, rank)  # noqa: E731
     chosen = ("causal window", "documents", "random", "first keys + window")
-    checked = partial = 0
+    checked = partial = split = 0
 
     def check(rec, strategy, truth, what):
         for peer in range(world):
             if peer == rank:
                 continue
-            want = kept_slices(sharding, truth, peer, rank)
+            want = kept_slices(sharding, truth, peer, rank, core.MIN_GAP)
             got_k, got_v = rec.keys(strategy, peer, hkv, d)
             n = sum(e - s for s, e in want)
             assert got_k.numel() + got_v.numel() == 2 * n * hkv * d, \
@@ -593,9 +606,24 @@ def _sent_keys(rank, world):
                 assert back == 2 * n * hkv * d, f"{name}/{strategy} rank {rank}: {back} gradients to rank {owner}"
             checked += 1
         for peer in range(world):
-            sizes = [e - s for s, e in kept_slices(sharding, truth, peer, rank)] if peer != rank else []
-            partial += 0 < sum(sizes) < sharding.length(rank)
+            want = kept_slices(sharding, truth, peer, rank) if peer != rank else []
+            partial += 0 < sum(e - s for s, e in want) < sharding.length(rank)
+            split += len(want) > len({next(j for j, (s, e) in enumerate(sharding.runs[rank]) if s <= a < e)
+                                      for a, _ in want})
     assert checked == 2 * len(chosen)
+    if world == 2 and rank == 0:
+        assert split, "no transfer in pieces: the first keys and the window's keys of one run should be two"
+    if world == 2:  # pieces closer than MIN_GAP travel as one
+        core.MIN_GAP = 3
+        name, variant, causal, params = next(c for c in cases(seq_len, hq, gen) if c[0] == "first keys + window")
+        truth = keep_matrix(variant.ir.mask, qo_len=seq_len, kv_len=seq_len, scalars=params, num_qo_heads=hq,
+                            causal=causal).any(0)
+        for strategy, fn in STRATEGIES.items():
+            with Recorder() as rec, torch.no_grad():
+                out = fn(variant, *map(mine, (q, k, v)), sharding, causal=causal, backend="reference", **params)
+            check(rec, strategy, truth, f"{name}/{strategy} min gap 3 rank {rank}")
+            close(out, mine(reference(variant, q, k, v, causal, params)[0]), 2e-6, f"{name}/{strategy} min gap 3")
+        core.MIN_GAP = 1
     if world == 2:  # a slice shifted by one row: the same count, other keys; the comparison must see it
         assert partial, f"rank {rank} sends no partial shard to shift"
         name, variant, causal, params = next(c for c in cases(seq_len, hq, gen) if c[0] == "causal window")
@@ -621,3 +649,35 @@ def _sent_keys(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_transfers_carry_only_the_keys_the_receiver_keeps(world):
     spawn(_sent_keys, world)
+
+
+def test_pieces_merge_when_close_and_stay_few():
+    """Fresh random key ranges: `split` covers every key of them and none past their ends, its pieces at least
+    MIN_GAP apart and at most MAX_PIECES; below that many, exactly the runs of covered keys merged across gaps
+    under MIN_GAP (brute force over the keys)."""
+    from fivar.distributed import core
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    saved = core.MIN_GAP, core.MAX_PIECES
+    try:
+        for _ in range(300):
+            n = int(torch.randint(1, 12, (), generator=gen))
+            ranges = [(s, s + int(torch.randint(1, 20, (), generator=gen)))
+                      for s in torch.randint(0, 200, (n,), generator=gen).tolist()]
+            core.MIN_GAP, core.MAX_PIECES = (int(x) for x in (torch.randint(1, 30, (), generator=gen),
+                                                                 torch.randint(1, 5, (), generator=gen)))
+            got = core.split(ranges)
+            covered = sorted({p for s, e in ranges for p in range(s, e)})
+            assert set(covered) <= {p for s, e in got for p in range(s, e)}, (ranges, got)
+            assert len(got) <= core.MAX_PIECES and all(a < b for a, b in got), (ranges, got)
+            assert all(got[x + 1][0] - got[x][1] >= core.MIN_GAP for x in range(len(got) - 1)), (ranges, got)
+            assert all(a in {s for s, _ in ranges} and b in {e for _, e in ranges} for a, b in got), (ranges, got)
+            runs = []
+            for p in covered:
+                if runs and p - runs[-1][1] < core.MIN_GAP:
+                    runs[-1][1] = p + 1
+                else:
+                    runs.append([p, p + 1])
+            if len(runs) <= core.MAX_PIECES:
+                assert got == [tuple(r) for r in runs], (ranges, got)
+    finally:
+        core.MIN_GAP, core.MAX_PIECES = saved
