@@ -29,7 +29,7 @@ MAX_BLOCKS = 1024
 #: to send than one more kernel call over the later piece), at most MAX_PIECES per run of the sender's shard
 MIN_GAP = 2048
 MAX_PIECES = 4
-#: Plan.rows per call layout: the classification copies tensor params to the host and walks the mask's intervals,
+#: Plan.table per call layout: the classification copies tensor params to the host and walks the mask's intervals,
 #: which at 128k positions costs more than a shard's attention; keyed as one-shot plans are (tensors by identity and
 #: version, so an in-place write classifies again; fivar.invalidate_plans clears it too)
 _KEEPS = PlanCache(capacity=32)
@@ -293,7 +293,7 @@ def p2p_ready(group, device) -> None:
     g = group if group is not None else dist.group.WORLD
     if g in _READY:
         return
-    if dist.get_backend(g) == "nccl":
+    if torch.device(device).type == "cuda" and "nccl" in str(dist.get_backend(g)):
         dist.all_reduce(torch.zeros(1, device=device), group=group)
     _READY.add(g)
 
