@@ -54,6 +54,9 @@ FIRST_KEYS = AttentionVariant(name="cp_first_keys", mask=first_keys_mask,
 TABLE = AttentionVariant(name="cp_table", mask=table_mask, params={"keep": Tensor("bool", ("position", "key"))})
 ALIBI = AttentionVariant(name="cp_alibi", logits=alibi_logits,
                          params={"slope": Tensor("float32", ("qo_head",), learnable=True)})
+ALIBI_FIRST_KEYS = AttentionVariant(name="cp_alibi_first_keys", logits=alibi_logits, mask=first_keys_mask,
+                                    params={"slope": Tensor("float32", ("qo_head",), learnable=True),
+                                            "first": Scalar(int), "window": Scalar(int)})
 DISTANCE = AttentionVariant(name="cp_distance", logits=distance_logits)
 SIGMOID = AttentionVariant(name="cp_sigmoid", logits=sigmoid_logits, softmax=False)
 
@@ -461,8 +464,8 @@ def test_balanced_sharding_evens_the_work_of_uneven_documents():
 def _trimmed_rows(rank, world):
     """Row and key blocks of 3: pairs run only the query rows that keep any of their keys and the keys those rows
     keep (trimmed, in pieces apart from each other, the keys at their global positions), states merge over those
-    rows alone; outputs, LSEs and gradients still equal the float64 reference, ring and all-gather, reference and
-    Triton per pair."""
+    rows alone; outputs, LSEs and gradients (a learnable slope's summed over the group too) still equal the float64
+    reference, ring and all-gather, reference and Triton per pair."""
     from fivar.distributed import core
     core.ROW_BLOCK = core.KEY_BLOCK = 3
     core.MIN_GAP = 1  # another rank's keys travel in pieces wherever a kept block is apart from the next
@@ -486,6 +489,20 @@ def _trimmed_rows(rank, world):
                                       backend="triton", return_lse=True, **params)
             close(out, mine(ref_out), 2e-3, f"{name}/triton rank {rank} out")
             close(lse, mine(ref_lse), 2e-3, f"{name}/triton rank {rank} lse")
+    # a learnable slope over trimmed pieces: its gradient, summed over the group, is the reference's
+    slope = torch.rand(hq, generator=gen) * 0.5
+    ref = lambda q_, k_, v_, s_: reference(ALIBI_FIRST_KEYS, q_, k_, v_, True,  # noqa: E731
+                                           {"slope": s_, "first": 2, "window": 4})
+    want = grads_of(ref, (q, k, v, slope), (w_out, w_lse))
+    for strategy, fn in STRATEGIES.items():
+        run = lambda q_, k_, v_, s_: fn(ALIBI_FIRST_KEYS, q_, k_, v_, sharding, causal=True,  # noqa: E731
+                                        backend="reference", return_lse=True, slope=s_, first=2, window=4)
+        got = grads_of(run, [mine(x) for x in (q, k, v)] + [slope], (mine(w_out), mine(w_lse)))
+        dslope = got[3].clone()
+        dist.all_reduce(dslope)
+        for g, w, what in zip(got[:3], want[:3], "qkv"):
+            close(g, mine(w), 1e-5, f"alibi + first keys/{strategy} rank {rank} d{what}")
+        close(dslope, want[3], 1e-5, f"alibi + first keys/{strategy} rank {rank} dslope")
     counts = torch.tensor([trimmed, keys_trimmed, split])
     dist.all_reduce(counts)  # over the group: rank 1 alone gets the first keys and the window apart
     assert bool((counts > 0).all()), counts
