@@ -88,7 +88,8 @@ class AllGatherTransport(Transport):
 
 def all_gather_attention(variant, q, k, v, sharding, *, causal: bool = False, sm_scale: float | None = None,
                          backend: str = "auto", group=None, return_lse: bool = False, **params):
-    """As `ring_attention` (same arguments and results), with the key/value shards gathered by one all_gather."""
+    """As `ring_attention` (same arguments and results), with the key/value slices each rank keeps moved at once
+    (one all_to_all_single; the gradients back by one more)."""
     plan = Plan(variant, q, k, v, sharding, causal=causal, sm_scale=sm_scale, backend=backend, group=group,
                 params=params, strategy="all_gather_attention")
     return run(plan, AllGatherTransport(plan), q, k, v, return_lse)
