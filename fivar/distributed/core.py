@@ -5,6 +5,7 @@ back (`Transport`)."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -19,7 +20,16 @@ BACKENDS = ("auto", "triton", "fa2", "fa3", "reference")
 LN2 = math.log(2.0)
 #: the query rows a pair's row range is trimmed by (fivar's classification over blocks of this many rows)
 ROW_BLOCK = 512
-#: Plan.rows per call layout: the classification copies tensor params to the host and walks the mask's intervals,
+#: likewise the keys a pair's key range, and so each transfer, is trimmed by
+KEY_BLOCK = 512
+#: blocks grow past ROW_BLOCK / KEY_BLOCK so that neither axis has more than this many: the classification of every
+#: rank's rows against every rank's keys is quadratic in them (1024 x 1024 blocks: under a second on the host)
+MAX_BLOCKS = 1024
+#: another rank's keys travel in pieces: kept keys at least MIN_GAP keys apart go apart (a gap that long costs more
+#: to send than one more kernel call over the later piece), at most MAX_PIECES per run of the sender's shard
+MIN_GAP = 2048
+MAX_PIECES = 4
+#: Plan.table per call layout: the classification copies tensor params to the host and walks the mask's intervals,
 #: which at 128k positions costs more than a shard's attention; keyed as one-shot plans are (tensors by identity and
 #: version, so an in-place write classifies again; fivar.invalidate_plans clears it too)
 _KEEPS = PlanCache(capacity=32)
@@ -71,47 +81,89 @@ class Plan:
         for s, e in sharding.runs[self.rank]:
             self.q_runs.append((s, e, at))
             at += e - s
-        self.rows = _KEEPS.get(("rows", variant, self.causal, sharding.seq_len, sharding.runs, self.rank,
-                                self.num_qo_heads, self.num_kv_heads, self.params), self._pairs_to_compute)
+        # every rank classifies every rank's pairs alike: a sender sizes each transfer as its receiver does
+        self.table, self.slices = _KEEPS.get(("pairs", variant, self.causal, sharding.seq_len, sharding.runs,
+                                              self.num_qo_heads, self.num_kv_heads, self.params,
+                                              (ROW_BLOCK, KEY_BLOCK, MIN_GAP, MAX_PIECES)), self._classify)
+        #: pieces[(q run, owner, kv run)]: ((lo, hi), (start, end)) per kernel call of the pair: its query rows
+        #: within the run and its keys in global positions; empty where the pair keeps nothing
+        self.pieces = {(i, o, j): p or () for (r, i, o, j), p in self.table.items() if r == self.rank}
+        #: rows[...]: the query rows (lo, hi) within the run that keep any of the pair's keys, None where none does;
+        #: keys[...]: the pair's key range (start, end) in global positions, every piece's keys within it
+        self.rows = {pair: (min(r[0] for r, _ in p), max(r[1] for r, _ in p)) if p else None
+                     for pair, p in self.pieces.items()}
+        self.keys = {pair: (min(k[0] for _, k in p), max(k[1] for _, k in p)) if p else None
+                     for pair, p in self.pieces.items()}
         #: keep[(q run, owner, kv run)]: whether the pair is computed at all
         self.keep = {pair: rows is not None for pair, rows in self.rows.items()}
+        self._starts = [[at for _, _, _, at in self.kv_runs(o)] for o in range(self.world)]
 
-    def _pairs_to_compute(self) -> dict:
-        """rows[(q run, owner, kv run)]: the query rows (lo, hi) within the run that keep any key of the kv run
-        (by fivar's interval classification, fivar.spec.sparsity, which never calls a block empty that keeps a
-        pair, over blocks of ROW_BLOCK rows), None where none does. Only whole blocks are trimmed, and a pair's rows
-        keep the run's last row where the pair is causal (its rows and keys then still end together:
-        pair_causality)."""
+    def _classify(self) -> tuple[dict, dict]:
+        """(table, slices) for every rank's pairs, by fivar's interval classification (fivar.spec.sparsity, which
+        never calls a block empty that keeps a pair) of every rank's query blocks against every rank's key blocks.
+
+        table[(rank, q run, owner, kv run)]: the pair's pieces, each ((lo, hi) the run's rows from the first to the
+        last block keeping any of the piece's keys, (start, end) global keys from a kept block to a kept block),
+        None where no block keeps any. Another rank's keys come in pieces (`split`: kept blocks MIN_GAP keys apart
+        go apart); the own shard's in one, and where that pair is the kernels' causal square (a run with itself,
+        pair_causality) its rows and keys keep ending together, and its keys start no later than its rows, so it
+        stays that square. slices[(receiver, owner)], receiver != owner: (j, start, end) per piece of every kv run
+        j of the owner that the receiver keeps any key of: its pairs' pieces with run j, split alike, which is what
+        the owner sends it."""
         from ..spec import ir
         from ..spec.sparsity import EMPTY, classify_bounds
-        kv = [(o, j, s, e) for o in range(self.world) for j, (s, e) in enumerate(self.sharding.runs[o])]
-        if not self.q_runs or not kv:
-            return {}
+        runs, n = self.sharding.runs, self.sharding.seq_len
+        flat = [(r, i, s, e) for r in range(self.world) for i, (s, e) in enumerate(runs[r])]
+        if not flat:
+            return {}, {}
         program = self.base.ir.mask
         if program is None and not self.causal:
-            return {(i, o, j): (0, qe - qs) for i, (qs, qe, _) in enumerate(self.q_runs) for o, j, _, _ in kv}
-        if program is None:
-            program = ir.Program([], ir.Const(ir.BOOL, True))
-        blocks = [(i, b, min(b + ROW_BLOCK, qe - qs)) for i, (qs, qe, _) in enumerate(self.q_runs)
-                  for b in range(0, qe - qs, ROW_BLOCK)]
-        kinds = classify_bounds(
-            program, torch.tensor([self.q_runs[i][0] + lo for i, lo, _ in blocks]),
-            torch.tensor([self.q_runs[i][0] + hi - 1 for i, _, hi in blocks]),
-            torch.tensor([s for _, _, s, _ in kv]), torch.tensor([e - 1 for _, _, _, e in kv]),
-            scalars=dict(self.bound.scalars), tensors={n: t.detach().cpu() for n, t in self.bound.tensors.items()},
-            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, causal=self.causal)
-        rows = {}
-        for c, (o, j, ks, ke) in enumerate(kv):
-            for i, (qs, qe, _) in enumerate(self.q_runs):
-                kept = [(lo, hi) for b, (bi, lo, hi) in enumerate(blocks) if bi == i and kinds[b, c] != EMPTY]
-                if not kept:
-                    rows[(i, o, j)] = None
-                    continue
-                lo, hi = kept[0][0], kept[-1][1]
-                if pair_causality(self.causal, qs, qe - qs, ks, ke - ks) == KERNEL_CAUSAL:
-                    hi = qe - qs
-                rows[(i, o, j)] = (lo, hi)
-        return rows
+            table = {(r, i, o, j): (((0, qe - qs), (ks, ke)),) for r, i, qs, qe in flat for o, j, ks, ke in flat}
+        else:
+            if program is None:
+                program = ir.Program([], ir.Const(ir.BOOL, True))
+
+            def blocks(size):  # (first block, end block) per run, and every block's global (lo, hi) inclusive
+                size = max(size, -(-n // MAX_BLOCKS))
+                spans, lo, hi = [], [], []
+                for _, _, s, e in flat:
+                    starts = range(s, e, size)
+                    spans.append((len(lo), len(lo) + len(starts)))
+                    lo += starts
+                    hi += [min(b + size, e) - 1 for b in starts]
+                return spans, torch.tensor(lo), torch.tensor(hi)
+            (qspans, q_lo, q_hi), (kspans, k_lo, k_hi) = blocks(ROW_BLOCK), blocks(KEY_BLOCK)
+            kept = classify_bounds(
+                program, q_lo, q_hi, k_lo, k_hi, scalars=dict(self.bound.scalars),
+                tensors={name: t.detach().cpu() for name, t in self.bound.tensors.items()},
+                num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, causal=self.causal) != EMPTY
+            table = {}
+            for (r, i, qs, qe), (qa, qb) in zip(flat, qspans):
+                for (o, j, ks, ke), (ka, kb) in zip(flat, kspans):
+                    sub, starts, ends = kept[qa:qb, ka:kb], k_lo[ka:kb], k_hi[ka:kb] + 1
+                    cols = sub.any(0).nonzero().view(-1).tolist()
+                    if not cols:
+                        table[(r, i, o, j)] = None
+                        continue
+                    if r == o:
+                        ranges = [(int(starts[cols[0]]), int(ends[cols[-1]]))]
+                    else:
+                        ranges = split([(int(starts[c]), int(ends[c])) for c in cols])
+                    got = []
+                    for a, b in ranges:
+                        rows = sub[:, (starts >= a) & (ends <= b)].any(1).nonzero().view(-1)
+                        lo, hi = int(q_lo[qa + rows[0]]) - qs, int(q_hi[qa + rows[-1]]) + 1 - qs
+                        if pair_causality(self.causal, qs, qe - qs, ks, ke - ks) == KERNEL_CAUSAL:
+                            hi, b, a = qe - qs, ke, min(a, qs + lo)
+                        got.append(((lo, hi), (a, b)))
+                    table[(r, i, o, j)] = tuple(got)
+        keys = {}  # (receiver, owner, kv run) -> its pairs' pieces' keys
+        for (r, _, o, j), p in table.items():
+            if p is not None and r != o:
+                keys.setdefault((r, o, j), []).extend(k for _, k in p)
+        slices = {(r, o): tuple((j, a, b) for j in range(len(runs[o])) for a, b in split(keys.get((r, o, j), ())))
+                  for r in range(self.world) for o in range(self.world) if r != o}
+        return table, slices
 
     def kv_runs(self, owner: int):
         """(index, start, end, row offset in the owner's shard) of each run the owner holds."""
@@ -164,27 +216,86 @@ class Plan:
                                     allow_unused=True)
         return (*grads[:3], dict(zip(leaves, grads[3:])))
 
+    def held(self, owner: int) -> dict:
+        """This rank's copy of the owner's keys, as a strategy yields it: {kv run: [(start, end, row in the copy)]}
+        of the global keys it holds. The own shard whole; another rank's, the slices it sends this rank (`slices`)
+        back to back."""
+        if owner == self.rank:
+            return {j: [(s, e, at)] for j, s, e, at in self.kv_runs(owner)}
+        held, at = {}, 0
+        for j, s, e in self.slices[(self.rank, owner)]:
+            held.setdefault(j, []).append((s, e, at))
+            at += e - s
+        return held
+
+    def transfer(self, receiver: int, owner: int) -> list[tuple[int, int]]:
+        """The rows (a, b) of the owner's shard it sends the receiver, slices adjacent in the shard merged (one
+        message each for k and v); what the receiver gets is them back to back."""
+        out = []
+        for j, s, e in self.slices[(receiver, owner)]:
+            a = self._starts[owner][j] + s - self.sharding.runs[owner][j][0]
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], a + e - s)
+            else:
+                out.append((a, a + e - s))
+        return out
+
     def pairs_with(self, owner: int):
-        """(q run index, q rows slice, q_start, kv rows slice, kv_start) of every kept pair with the owner's shard: the
-        run's rows that keep any of the pair's keys, q_start the global position of the first."""
+        """(q run index, q rows slice, q_start, kv rows slice, kv_start) of every piece of every kept pair with the
+        owner's keys: the run's rows that keep any of the piece's keys, q_start the global position of the first;
+        the piece's keys as rows of this rank's copy of them (`held`), kv_start the global position of the first."""
+        held = self.held(owner)
         for i, (qs, qe, qat) in enumerate(self.q_runs):
-            for j, ks, ke, kat in self.kv_runs(owner):
-                rows = self.rows[(i, owner, j)]
-                if rows is not None:
-                    yield i, slice(qat + rows[0], qat + rows[1]), qs + rows[0], slice(kat, kat + ke - ks), ks
+            for j in range(len(self.sharding.runs[owner])):
+                for (lo, hi), (a, b) in self.pieces[(i, owner, j)]:
+                    s, _, at = next(h for h in held[j] if h[0] <= a and b <= h[1])
+                    yield i, slice(qat + lo, qat + hi), qs + lo, slice(at + a - s, at + b - s), a
+
+
+def split(ranges) -> list[tuple[int, int]]:
+    """Key ranges (start, end) as pieces: sorted, merged where they overlap, touch or lie less than MIN_GAP keys
+    apart, then the nearest neighbours merged until at most MAX_PIECES remain."""
+    out = []
+    for s, e in sorted(ranges):
+        if out and s - out[-1][1] < max(MIN_GAP, 1):
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    while len(out) > MAX_PIECES:
+        g = min(range(len(out) - 1), key=lambda x: out[x + 1][0] - out[x][1])
+        out[g:g + 2] = [(out[g][0], out[g + 1][1])]
+    return out
 
 
 class Transport:
-    """How key/value shards travel: `forward(k, v)` yields (owner, k, v) for every rank's shard; `backward(k, v)`
-    yields (owner, k, v, dkv) where dkv [2, rows, Hkv, D] float32 takes the owner's gradient contributions, and
-    after the loop `result()` is this rank's own dk/dv summed over all ranks."""
+    """How key/value shards travel: `forward(k, v)` yields (owner, k, v) for every rank, k and v this rank's copy of
+    the owner's keys (`Plan.held`: its own shard, another's the slices this rank's rows keep); `backward(k, v)`
+    yields (owner, k, v, dkv) where dkv [2, rows of that copy, Hkv, D] float32 takes the gradient contributions to
+    them, and after the loop `result()` is this rank's own dk/dv summed over all ranks."""
 
 
-def padded(k, v, rows: int) -> torch.Tensor:
-    """k and v stacked [2, rows, Hkv, D], zero rows after the shard's own: every transfer has one shape."""
-    buf = k.new_zeros((2, rows, *k.shape[1:]))
-    buf[0, :k.shape[0]], buf[1, :v.shape[0]] = k, v
-    return buf
+def add_returned(acc: torch.Tensor, back: torch.Tensor, rows) -> None:
+    """acc [2, shard rows, ...] += the gradients `back` [2, n, ...] of the shard rows a receiver was sent (`rows`,
+    Plan.transfer, back to back in `back`)."""
+    at = 0
+    for a, b in rows:
+        acc[:, a:b] += back[:, at:at + b - a]
+        at += b - a
+
+
+_READY = weakref.WeakSet()
+
+
+def p2p_ready(group, device) -> None:
+    """NCCL creates a group's communicator at its first collective, with every rank taking part; a batch of
+    point-to-point ops that only some ranks post (a pair keeping no keys sends nothing) must not be that first one."""
+    import torch.distributed as dist
+    g = group if group is not None else dist.group.WORLD
+    if g in _READY:
+        return
+    if torch.device(device).type == "cuda" and "nccl" in str(dist.get_backend(g)):
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _READY.add(g)
 
 
 def _merge_into(out, lse, o_new, lse_new) -> None:

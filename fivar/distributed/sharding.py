@@ -16,7 +16,7 @@ import torch
 from ..errors import FivarError
 
 #: `balanced` leaves zigzag's equal rows for equal-work pieces only when that lowers the busiest rank's work by more
-#: than this: uneven rows cost memory and a longer transfer (each is padded to the longest shard)
+#: than this: uneven rows cost memory and uneven transfers (the longest shard's ranks send the most)
 BALANCE_GAIN = 0.02
 
 

@@ -27,6 +27,10 @@ def prefix_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return kv_idx < params.prefix or kv_idx <= q_idx
 
 
+def first_keys_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return kv_idx < params.first or q_idx - kv_idx < params.window
+
+
 def table_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return params.keep[q_idx, kv_idx]
 
@@ -45,9 +49,14 @@ def sigmoid_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
 
 WINDOW = AttentionVariant(name="cp_window", mask=window_mask, params={"window": Scalar(int)})
 PREFIX = AttentionVariant(name="cp_prefix", mask=prefix_mask, params={"prefix": Scalar(int)})
+FIRST_KEYS = AttentionVariant(name="cp_first_keys", mask=first_keys_mask,
+                              params={"first": Scalar(int), "window": Scalar(int)})
 TABLE = AttentionVariant(name="cp_table", mask=table_mask, params={"keep": Tensor("bool", ("position", "key"))})
 ALIBI = AttentionVariant(name="cp_alibi", logits=alibi_logits,
                          params={"slope": Tensor("float32", ("qo_head",), learnable=True)})
+ALIBI_FIRST_KEYS = AttentionVariant(name="cp_alibi_first_keys", logits=alibi_logits, mask=first_keys_mask,
+                                    params={"slope": Tensor("float32", ("qo_head",), learnable=True),
+                                            "first": Scalar(int), "window": Scalar(int)})
 DISTANCE = AttentionVariant(name="cp_distance", logits=distance_logits)
 SIGMOID = AttentionVariant(name="cp_sigmoid", logits=sigmoid_logits, softmax=False)
 
@@ -63,6 +72,7 @@ def cases(seq_len: int, heads: int, gen: torch.Generator):
         ("prefix", PREFIX, False, {"prefix": 4}),
         ("distance table", DISTANCE, True, {}),
         ("random", TABLE, False, {"keep": torch.rand(seq_len, seq_len, generator=gen) < 0.3}),
+        ("first keys + window", FIRST_KEYS, True, {"first": 2, "window": 4}),
     ]
 
 
@@ -174,8 +184,9 @@ def _four_ranks(rank, world):
 
 
 def _skips_only_empty_pairs(rank, world):
-    """Zigzag causal shards: the upper-triangle pairs are skipped, and every skipped pair of every mask kind keeps
-    no (query, key) pair when evaluated element by element."""
+    """Zigzag causal shards: the upper-triangle pairs are skipped, every skipped pair of every mask kind keeps no
+    (query, key) pair when evaluated element by element, and a kept pair's trimmed rows and keys hold every one it
+    keeps."""
     from fivar.distributed.core import Plan
     from fivar.spec.sparsity import keep_matrix
     seq_len, hq = 33, 2
@@ -193,12 +204,19 @@ def _skips_only_empty_pairs(rank, world):
             if not keep:
                 skipped += 1
                 assert not truth[qs:qe, ks:ke].any(), f"{name}: pair {(qs, qe)} x {(ks, ke)} skipped but keeps keys"
+                continue
+            (lo, hi), (a, b) = plan.rows[(i, owner, j)], plan.keys[(i, owner, j)]
+            kept = truth[qs:qe, ks:ke].clone()
+            kept[lo:hi, a - ks:b - ks] = False
+            assert not kept.any(), f"{name}: pair {(qs, qe)} x {(ks, ke)} trimmed to rows {(lo, hi)} keys {(a, b)}"
         if name == "causal window":
             assert sum(not kept for kept in plan.keep.values()) >= world, f"{name}: causal pairs were not skipped"
     assert skipped > 0
 
 
 def _four_ranks_and_skips(rank, world):
+    from fivar.distributed import core
+    core.ROW_BLOCK = core.KEY_BLOCK = 2  # pairs trim their rows and keys, transfers their slices
     _four_ranks(rank, world)
     _skips_only_empty_pairs(rank, world)
 
@@ -276,9 +294,10 @@ def test_zigzag_shards_round_trip():
 
 
 def _transfer_order(rank, world):
-    """Every ring transfer is posted before the compute it overlaps and waited for after it: the next key/value
-    shard's in the forward and the backward, and in the backward a step's gradient buffer, posted after its own step's
-    compute and waited for after the next step's. Recorded through wrappers of batch_isend_irecv, the requests'
+    """Every ring transfer is posted before the compute it overlaps and waited for after it: the next step's key/value
+    slices in the forward and the backward, and in the backward a step's gradients on their way back to their owner
+    (with those arriving for this rank's own slices), posted after the step's compute and waited for after the next
+    step's. Recorded through wrappers of batch_isend_irecv, the requests'
     wait and the per-pair compute, with results still the reference's."""
     import fivar.distributed.ring as ring
     from fivar.distributed.core import Plan
@@ -327,21 +346,22 @@ def _transfer_order(rank, world):
     fwd = []  # kv_s is exchange s
     for s, o in enumerate(owners):
         fwd += ([("post", s)] if s < world - 1 else []) + [("compute", o)] + ([("wait", s)] if s < world - 1 else [])
-    bwd, n, grads = [], world - 1, []  # in the backward the exchanges are numbered in posting order
+    bwd, n, grads = [], world - 1, None  # in the backward the exchanges are numbered in posting order
     for s, o in enumerate(owners):
         kv = None
         if s < world - 1:
             kv, n = n, n + 1
             bwd.append(("post", kv))
         bwd.append(("compute", o))
-        if grads:
-            bwd.append(("wait", grads[-1]))
-        grads.append(n)
-        n += 1
-        bwd.append(("post", grads[-1]))
+        if grads is not None:
+            bwd.append(("wait", grads))
+        grads = None
+        if s:  # the own shard's gradients stay here
+            grads, n = n, n + 1
+            bwd.append(("post", grads))
         if kv is not None:
             bwd.append(("wait", kv))
-    bwd.append(("wait", grads[-1]))
+    bwd.append(("wait", grads))
     assert events[1:] == fwd + bwd, f"rank {rank}: {events[1:]}"
 
 
@@ -442,31 +462,239 @@ def test_balanced_sharding_evens_the_work_of_uneven_documents():
 
 
 def _trimmed_rows(rank, world):
-    """Row blocks of 3: pairs run only the query rows that keep any of their keys (trimmed), states merge over those
-    rows alone; outputs, LSEs and gradients still equal the float64 reference, ring and all-gather, reference and
-    Triton per pair."""
+    """Row and key blocks of 3: pairs run only the query rows that keep any of their keys and the keys those rows
+    keep (trimmed, in pieces apart from each other, the keys at their global positions), states merge over those
+    rows alone; outputs, LSEs and gradients (a learnable slope's summed over the group too) still equal the float64
+    reference, ring and all-gather, reference and Triton per pair."""
     from fivar.distributed import core
-    core.ROW_BLOCK = 3
+    core.ROW_BLOCK = core.KEY_BLOCK = 3
+    core.MIN_GAP = 1  # another rank's keys travel in pieces wherever a kept block is apart from the next
     seq_len, hq, hkv, d = 40, 2, 1, 16
     gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=7)
     sharding = Sharding.zigzag(seq_len, world)
     w_out = torch.randn(seq_len, hq, d, generator=gen, dtype=torch.float64)
     w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
     mine = lambda x: sharding.shard(x, rank)  # noqa: E731
-    trimmed = 0
+    trimmed = keys_trimmed = split = 0
     for name, variant, causal, params in cases(seq_len, hq, gen):
         plan = core.Plan(variant, *map(mine, (q, k, v)), sharding, causal=causal, sm_scale=None, backend="reference",
                          group=None, params=params, strategy="ring_attention")
         trimmed += sum(r is not None and r != (0, plan.q_runs[i][1] - plan.q_runs[i][0])
                        for (i, _, _), r in plan.rows.items())
+        keys_trimmed += sum(r is not None and r != sharding.runs[o][j] for (_, o, j), r in plan.keys.items())
+        split += sum(len(p) > 1 for p in plan.pieces.values())
         ref_out, ref_lse = _against_reference(rank, name, variant, causal, params, sharding, (q, k, v), (w_out, w_lse))
-        if name in ("causal window", "random"):
+        if name in ("causal window", "random", "first keys + window"):
             out, lse = ring_attention(variant, *(mine(x).half() for x in (q, k, v)), sharding, causal=causal,
                                       backend="triton", return_lse=True, **params)
             close(out, mine(ref_out), 2e-3, f"{name}/triton rank {rank} out")
             close(lse, mine(ref_lse), 2e-3, f"{name}/triton rank {rank} lse")
-    assert trimmed > 0
+    # a learnable slope over trimmed pieces: its gradient, summed over the group, is the reference's
+    slope = torch.rand(hq, generator=gen) * 0.5
+    ref = lambda q_, k_, v_, s_: reference(ALIBI_FIRST_KEYS, q_, k_, v_, True,  # noqa: E731
+                                           {"slope": s_, "first": 2, "window": 4})
+    want = grads_of(ref, (q, k, v, slope), (w_out, w_lse))
+    for strategy, fn in STRATEGIES.items():
+        run = lambda q_, k_, v_, s_: fn(ALIBI_FIRST_KEYS, q_, k_, v_, sharding, causal=True,  # noqa: E731
+                                        backend="reference", return_lse=True, slope=s_, first=2, window=4)
+        got = grads_of(run, [mine(x) for x in (q, k, v)] + [slope], (mine(w_out), mine(w_lse)))
+        dslope = got[3].clone()
+        dist.all_reduce(dslope)
+        for g, w, what in zip(got[:3], want[:3], "qkv"):
+            close(g, mine(w), 1e-5, f"alibi + first keys/{strategy} rank {rank} d{what}")
+        close(dslope, want[3], 1e-5, f"alibi + first keys/{strategy} rank {rank} dslope")
+    counts = torch.tensor([trimmed, keys_trimmed, split])
+    dist.all_reduce(counts)  # over the group: rank 1 alone gets the first keys and the window apart
+    assert bool((counts > 0).all()), counts
 
 
 def test_pairs_run_only_the_rows_that_keep_their_keys():
     spawn(_trimmed_rows, 2)
+
+
+class Recorder:
+    """What this rank's strategies hand torch.distributed to send: every isend of a batch_isend_irecv and every
+    all_to_all_single's input cut per destination, as {destination: [tensors]} in sending order."""
+
+    def __init__(self):
+        self.sent = {}
+
+    def __enter__(self):
+        self.batch, self.a2a = dist.batch_isend_irecv, dist.all_to_all_single
+
+        def batch(ops):
+            for op in ops:
+                if op.op is dist.isend:
+                    self.sent.setdefault(op.peer, []).append(op.tensor.clone())
+            return self.batch(ops)
+
+        def a2a(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+            at = 0
+            for peer, n in enumerate(input_split_sizes):
+                if n:
+                    self.sent.setdefault(peer, []).append(input[at:at + n].clone())
+                at += n
+            return self.a2a(output, input, output_split_sizes, input_split_sizes, **kw)
+        dist.batch_isend_irecv, dist.all_to_all_single = batch, a2a
+        return self
+
+    def __exit__(self, *exc):
+        dist.batch_isend_irecv, dist.all_to_all_single = self.batch, self.a2a
+
+    def keys(self, strategy: str, peer: int, hkv: int, d: int):
+        """(k, v) this rank sent `peer`: the ring sends k and v of each slice in turn, the all-to-all one flat
+        [2, rows, Hkv, D] part per destination."""
+        parts = self.sent.get(peer, [])
+        if strategy == "ring":
+            none = [torch.empty(0, hkv, d)]
+            return torch.cat(parts[0::2] or none), torch.cat(parts[1::2] or none)
+        flat = torch.cat(parts or [torch.empty(0)]).view(2, -1, hkv, d)
+        return flat[0], flat[1]
+
+
+def kept_slices(sharding, truth, receiver: int, owner: int, min_gap: int = 1) -> list[tuple[int, int]]:
+    """Brute force: per run of the owner, the runs of consecutive keys that any of the receiver's rows keeps
+    (truth [position, key], causal included), runs less than min_gap keys apart as one."""
+    rows = torch.tensor([p for s, e in sharding.runs[receiver] for p in range(s, e)], dtype=torch.int64)
+    out = []
+    for s, e in sharding.runs[owner]:
+        kept = truth[rows][:, s:e].any(0).nonzero().view(-1).tolist() if rows.numel() else []
+        pieces = []
+        for key in kept:
+            if pieces and s + key - pieces[-1][1] < min_gap:
+                pieces[-1][1] = s + key + 1
+            else:
+                pieces.append([s + key, s + key + 1])
+        out += [tuple(p) for p in pieces]
+    return out
+
+
+def _sent_keys(rank, world):
+    """Blocks of one row and key, pieces as apart as they are: each rank sends each other rank exactly the keys and
+    values of the runs of consecutive keys (per run of its shard) that the receiver's rows keep, counted element by
+    element against the brute force and compared value by value, ring and all-to-all, nothing where a pair keeps
+    none; the gradients going back are as many rows; outputs, LSEs and gradients still equal the float64 reference.
+    Pieces closer than MIN_GAP travel as one. A transfer shifted by one row (a mutated plan) fails the
+    comparison."""
+    from fivar.distributed import core
+    from fivar.spec.sparsity import keep_matrix
+    core.ROW_BLOCK = core.KEY_BLOCK = core.MIN_GAP = 1  # every run of kept keys a piece of its own
+    core.MAX_PIECES = 1 << 20
+    seq_len, hq, hkv, d = (29, 2, 1, 16) if world == 2 else (31, 2, 1, 16)
+    sharding = Sharding.zigzag(seq_len, world) if world == 2 else Sharding.of_lengths([9, 0, 14, 8])
+    gen, (q, k, v) = qkv(seq_len, hq, hkv, d, seed=11 + world)
+    w_out = torch.randn(seq_len, hq, d, generator=gen, dtype=torch.float64)
+    w_lse = torch.randn(seq_len, hq, generator=gen, dtype=torch.float64)
+    mine = lambda x: sharding.shard(x, rank)  # noqa: E731
+    chosen = ("causal window", "documents", "random", "first keys + window")
+    checked = partial = split = 0
+
+    def check(rec, strategy, truth, what):
+        for peer in range(world):
+            if peer == rank:
+                continue
+            want = kept_slices(sharding, truth, peer, rank, core.MIN_GAP)
+            got_k, got_v = rec.keys(strategy, peer, hkv, d)
+            n = sum(e - s for s, e in want)
+            assert got_k.numel() + got_v.numel() == 2 * n * hkv * d, \
+                f"{what}: {got_k.shape[0]} rows sent to rank {peer}, its rows keep {n} ({want})"
+            for got, full in ((got_k, k), (got_v, v)):
+                assert torch.equal(got, torch.cat([full[s:e] for s, e in want] or [full[:0]])), \
+                    f"{what}: the rows sent to rank {peer} are not {want}"
+    for name, variant, causal, params in cases(seq_len, hq, gen):
+        if name not in chosen:
+            continue
+        truth = keep_matrix(variant.ir.mask, qo_len=seq_len, kv_len=seq_len,
+                            scalars={n: x for n, x in params.items() if not isinstance(x, torch.Tensor)},
+                            tensors={n: x for n, x in params.items() if isinstance(x, torch.Tensor)},
+                            num_qo_heads=hq, causal=causal).any(0)
+        _against_reference(rank, name, variant, causal, params, sharding, (q, k, v), (w_out, w_lse))
+        for strategy, fn in STRATEGIES.items():
+            call = lambda q_, k_, v_: fn(variant, q_, k_, v_, sharding, causal=causal,  # noqa: E731
+                                         backend="reference", return_lse=True, **params)
+            with Recorder() as rec, torch.no_grad():
+                call(*map(mine, (q, k, v)))
+            check(rec, strategy, truth, f"{name}/{strategy} rank {rank}")
+            with Recorder() as rec:
+                grads_of(call, list(map(mine, (q, k, v))), tuple(map(mine, (w_out, w_lse))))
+            for owner in range(world):  # the gradients of what this rank got go back to its owner, as many rows
+                back = sum(t.numel() for t in rec.sent.get(owner, []) if t.dtype == torch.float32)
+                n = sum(e - s for s, e in kept_slices(sharding, truth, rank, owner)) if owner != rank else 0
+                assert back == 2 * n * hkv * d, f"{name}/{strategy} rank {rank}: {back} gradients to rank {owner}"
+            checked += 1
+        for peer in range(world):
+            want = kept_slices(sharding, truth, peer, rank) if peer != rank else []
+            partial += 0 < sum(e - s for s, e in want) < sharding.length(rank)
+            split += len(want) > len({next(j for j, (s, e) in enumerate(sharding.runs[rank]) if s <= a < e)
+                                      for a, _ in want})
+    assert checked == 2 * len(chosen)
+    if world == 2 and rank == 0:
+        assert split, "no transfer in pieces: the first keys and the window's keys of one run should be two"
+    if world == 2:  # pieces closer than MIN_GAP travel as one
+        core.MIN_GAP = 3
+        name, variant, causal, params = next(c for c in cases(seq_len, hq, gen) if c[0] == "first keys + window")
+        truth = keep_matrix(variant.ir.mask, qo_len=seq_len, kv_len=seq_len, scalars=params, num_qo_heads=hq,
+                            causal=causal).any(0)
+        for strategy, fn in STRATEGIES.items():
+            with Recorder() as rec, torch.no_grad():
+                out = fn(variant, *map(mine, (q, k, v)), sharding, causal=causal, backend="reference", **params)
+            check(rec, strategy, truth, f"{name}/{strategy} min gap 3 rank {rank}")
+            close(out, mine(reference(variant, q, k, v, causal, params)[0]), 2e-6, f"{name}/{strategy} min gap 3")
+        core.MIN_GAP = 1
+    if world == 2:  # a slice shifted by one row: the same count, other keys; the comparison must see it
+        assert partial, f"rank {rank} sends no partial shard to shift"
+        name, variant, causal, params = next(c for c in cases(seq_len, hq, gen) if c[0] == "causal window")
+        truth = keep_matrix(variant.ir.mask, qo_len=seq_len, kv_len=seq_len, scalars=params, num_qo_heads=hq,
+                            causal=causal).any(0)
+        real = core.Plan.transfer
+
+        def shifted(self, receiver, owner):
+            n = self.sharding.length(owner)
+            return [(a - 1, b - 1) if a > 0 else (a + 1, b + 1) if b < n else (a, b)
+                    for a, b in real(self, receiver, owner)]
+        core.Plan.transfer = shifted
+        try:
+            for strategy, fn in STRATEGIES.items():
+                with Recorder() as rec, torch.no_grad():
+                    fn(variant, *map(mine, (q, k, v)), sharding, causal=causal, backend="reference", **params)
+                with pytest.raises(AssertionError, match="are not"):
+                    check(rec, strategy, truth, f"mutated {strategy}")
+        finally:
+            core.Plan.transfer = real
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transfers_carry_only_the_keys_the_receiver_keeps(world):
+    spawn(_sent_keys, world)
+
+
+def test_pieces_merge_when_close_and_stay_few():
+    """Fresh random key ranges: `split` covers every key of them and none past their ends, its pieces at least
+    MIN_GAP apart and at most MAX_PIECES; below that many, exactly the runs of covered keys merged across gaps
+    under MIN_GAP (brute force over the keys)."""
+    from fivar.distributed import core
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    saved = core.MIN_GAP, core.MAX_PIECES
+    try:
+        for _ in range(300):
+            n = int(torch.randint(1, 12, (), generator=gen))
+            ranges = [(s, s + int(torch.randint(1, 20, (), generator=gen)))
+                      for s in torch.randint(0, 200, (n,), generator=gen).tolist()]
+            core.MIN_GAP, core.MAX_PIECES = (int(x) for x in (torch.randint(1, 30, (), generator=gen),
+                                                                 torch.randint(1, 5, (), generator=gen)))
+            got = core.split(ranges)
+            covered = sorted({p for s, e in ranges for p in range(s, e)})
+            assert set(covered) <= {p for s, e in got for p in range(s, e)}, (ranges, got)
+            assert len(got) <= core.MAX_PIECES and all(a < b for a, b in got), (ranges, got)
+            assert all(got[x + 1][0] - got[x][1] >= core.MIN_GAP for x in range(len(got) - 1)), (ranges, got)
+            assert all(a in {s for s, _ in ranges} and b in {e for _, e in ranges} for a, b in got), (ranges, got)
+            runs = []
+            for p in covered:
+                if runs and p - runs[-1][1] < core.MIN_GAP:
+                    runs[-1][1] = p + 1
+                else:
+                    runs.append([p, p + 1])
+            if len(runs) <= core.MAX_PIECES:
+                assert got == [tuple(r) for r in runs], (ranges, got)
+    finally:
+        core.MIN_GAP, core.MAX_PIECES = saved
