@@ -19,7 +19,7 @@ import torch
 
 from .. import config as fivar_config
 from ..codegen import fa3
-from ..codegen.tile_list import bits_kernel, reads_bits
+from ..codegen.tile_list import bits_kernel, reads_bits, runs_unmapped
 from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarError
 from . import locks, progress, records, toolchain
@@ -110,8 +110,10 @@ def gen_module(variant, op: str | ModuleKey = "single_prefill", target: str = "f
 def rendered_from(variant, key: ModuleKey):
     """The variant a module of `variant` of the (checked) form `key` is rendered from. A tile-list module reading
     bits evaluates no mask: rendered from the mask-free bits_kernel, it is one module for every variant with the
-    same logits and sink (one URI, whichever variant asks, with or without a custom mask)."""
-    return bits_kernel(variant) if key.tile_list and reads_bits(variant, key.custom_mask) else variant
+    same logits and sink (one URI, whichever variant asks, with or without a custom mask); so is FA3's mask-free
+    segments form (the logits alone)."""
+    shared = (key.tile_list and reads_bits(variant, key.custom_mask)) or (key.mask_free and not key.kv_segments)
+    return bits_kernel(variant) if shared else variant
 
 
 def manifest_options(built: FA2BuildConfig | FA3KernelConfig) -> dict:
@@ -141,6 +143,9 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
         batch = key.replace(op="batch_prefill")
         keys = ([key, batch.replace(kv_segments=True)] if key.op == "batch_prefill" else []) + [
             batch.replace(tile_list=True), batch.replace(kv_segments=True, mask_free=True)]
+    if key.kernels.tile_lists_every_mask and key.op == "batch_prefill" and variant.scans_mask and \
+            runs_unmapped(variant):  # a causal batch of segments: the logits' mask-free kernel (runtime.plans)
+        keys.append(key.replace(mask_free=True, tile_list=False))
     if key.kernels.bounds_softmax and fa3.softmax_range(variant, dtype) is not None:
         # a launch whose params make the range too wide runs the running-max module (fa3.bounded_softmax_applies)
         keys += [k.replace(bounded_softmax=False) for k in keys]

@@ -214,10 +214,12 @@ def variant_matches_uri(man: dict, uri: str) -> bool:
     from .build import uri_name
     target = man.get("target", "fa2")
     op_part = f"{target}_" + ("" if target == "fusion" else f"{man['op']}")
-    # a tile-list module reading bits is the one every variant of its logits shares (tile_list.bits_kernel): its
-    # manifest names the variant that built it; re-rendering that variant gives this URI (staleness)
+    # a tile-list module reading bits, and FA3's mask-free segments module, are the ones every variant of its logits
+    # shares (tile_list.bits_kernel): the manifest names the variant that built it; re-rendering that variant gives
+    # this URI (staleness)
     heads = [f"fivar_{uri_name(man['variant'])}_{op_part}"] + (
-        [f"fivar_{BITS_KERNEL}_{op_part}_tiles_"] if man.get("op") == "batch_prefill" else [])
+        [f"fivar_{BITS_KERNEL}_{op_part}_tiles_", f"fivar_{BITS_KERNEL}_{op_part}_free_"]
+        if man.get("op") == "batch_prefill" else [])
     tail = rf"_{re.escape(man['dtype'])}_hd{man['head_dim']}_[0-9a-f]{{12}}$"
     return any(uri.startswith(h) for h in heads) and bool(re.search(tail, uri))
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen import fa3
+from ..codegen.tile_list import runs_unmapped
 from ..errors import FivarError
 from ..flashinfer_layout import FA3_LAYOUT
 from .targets import FA3, FLASHINFER_TARGETS, Target, target_of
@@ -42,7 +43,8 @@ class ModuleKey:
     bounded softmax (fivar.codegen.fa3.softmax_range) forced on or off; None: the config decides. `kv_segments`:
     FA2 batch prefill/decode over trimmed pages or query blocks, each key mapped back to its position
     (fivar.runtime.decode_pages, fivar.runtime.fa2_blocks); `mask_free`: that form with no mask (a causal batch of
-    segments). `kv_dtype`: a KV cache of another dtype than q's (KV_DTYPES), FA2 paged ops only; None: q's dtype.
+    segments), or on FA3 alone, batch prefill of the variant's logits without its mask (the segments form of a
+    variant whose logits read no position, fivar.codegen.tile_list.runs_unmapped). `kv_dtype`: a KV cache of another dtype than q's (KV_DTYPES), FA2 paged ops only; None: q's dtype.
     `tile_list`: FA2 batch prefill of a mask in the tile-list form (fivar.codegen.fa2._tile_list_decl); on FA3 it
     follows from the variant, op and custom_mask (`checked`), and a given True is only checked. `custom_mask`: FA3
     batch prefill in the tile-list form whatever the mask, cut tiles read as bits (fivar.runtime.custom_mask)."""
@@ -103,14 +105,18 @@ class ModuleKey:
         if self.custom_mask and (op != "batch_prefill" or self.kv_segments or self.kv_dtype or self.mask_free):
             raise FivarError(f"variant '{name}': the custom-mask form is FA2 or FA3 batch prefill in the tile-list form, "
                              f"with q's dtype in the cache")
-        implied_tiles = self.custom_mask or (t.tile_lists_every_mask and fa3.uses_tile_list(variant, op))
+        implied_tiles = self.custom_mask or (t.tile_lists_every_mask and fa3.uses_tile_list(variant, op)
+                                             and not self.mask_free)
         if self.tile_list and not implied_tiles and (not t.keys_tile_list or op != "batch_prefill" or not variant.mask
                                                      or self.kv_segments or self.kv_dtype):
             raise FivarError(f"variant '{name}': tile_list=True asks for FA2 batch prefill of a mask in the "
                              f"tile-list form, with q's dtype in the cache (FA3's batch prefill takes it whenever the "
                              f"mask is more than a band); got {target} {op}")
-        if self.mask_free and not (self.kv_segments and t.runs_key_segments):
-            raise FivarError(f"variant '{name}': the mask-free form is FA2's key-segments form")
+        unmapped = t.tile_lists_every_mask and op == "batch_prefill" and not self.kv_segments and \
+            variant.scans_mask and runs_unmapped(variant)
+        if self.mask_free and not ((self.kv_segments and t.runs_key_segments) or unmapped):
+            raise FivarError(f"variant '{name}': the mask-free form is FA2's key-segments form, or FA3 batch "
+                             "prefill of a mask beyond a band whose logits and sink read no position or batch entry")
         # FA2 has no bounded softmax: a value given for it selects nothing (the FA2 config has no such field)
         resolved = self.replace(tile_list=self.tile_list or implied_tiles,
                                 bounded_softmax=self.bounded_softmax if t.bounds_softmax else None)
@@ -119,8 +125,8 @@ class ModuleKey:
     def uri_part(self) -> str:
         """What a module's URI says of its form (fivar.jit.build.gen_module: fivar_<name>_<this>_<content hash>)."""
         # (a custom mask's module is the bits-reading tile list every mask of the variant's logits shares)
-        form = (("_kvsegfree" if self.mask_free else "_kvseg" if self.kv_segments else "_tiles" if self.tile_list
-                 else "")
+        form = (("_kvsegfree" if self.mask_free and self.kv_segments else "_free" if self.mask_free
+                 else "_kvseg" if self.kv_segments else "_tiles" if self.tile_list else "")
                 + (f"_kv{self.kv_dtype}" if self.kv_dtype else ""))
         return f"{self.target}_{self.op}{form}_{self.dtype}_hd{self.head_dim}"
 

@@ -8,7 +8,7 @@ import types
 import torch
 
 from ..codegen import fa2
-from ..codegen.tile_list import bits_kernel, runs_unmapped
+from ..codegen.tile_list import runs_unmapped
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
@@ -405,19 +405,16 @@ class RaggedAttentionPlan(_OwnsWrapper):
         layout = segments.segment_layout(runs, qo_indptr, kv_indptr) if kind == 1 else None
         if layout is None:
             return False
-        if target_of(self.target).runs_key_segments:
-            kernel, tables = variant, {fa2.KV_SEGMENTS: layout.segments.to(self.device)}
-            key = ModuleKey("batch_prefill", self.target, dtype, head_dim, kv_segments=True, mask_free=True)
-        else:
-            kernel, tables = bits_kernel(variant), None
-            key = ModuleKey("batch_prefill", self.target, dtype, head_dim)
-        fmod = _module(kernel, key, bound, sm_scale)
+        fa2_form = target_of(self.target).runs_key_segments
+        tables = {fa2.KV_SEGMENTS: layout.segments.to(self.device)} if fa2_form else None
+        fmod = _module(variant, ModuleKey("batch_prefill", self.target, dtype, head_dim, kv_segments=fa2_form,
+                                          mask_free=True), bound, sm_scale)
         self._wrapper = take_wrapper("ragged", fmod, self.device, False)
         self._release = ("ragged", fmod, self.device)
         self._wrapper.plan(layout.qo_indptr.to(self.device), layout.kv_indptr.to(self.device), num_qo_heads,
                            num_kv_heads, head_dim, causal=True, q_data_type=dtype, kv_data_type=dtype,
                            o_data_type=dtype, **_split_kwargs(variant, self.target, True))
-        self._args = kernel_args(kernel, bound, sm_scale, None,  # kCausal is the whole mask: the struct has none
+        self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None,  # kCausal is the whole mask
                                  tables=tables, lengths=lambda: max_lengths(qo_indptr, kv_indptr))
         self.segments = layout.qo_indptr.numel() - 1
         return True

@@ -12,6 +12,7 @@ from fivar.bench.suites import masks as battery, random_masks
 from fivar.codegen.cuda import additional_args, param_ident
 from fivar.codegen.tile_list import BITS_KERNEL, bits_kernel, mask_reads_head
 from fivar.jit.build import gen_module, serving_modules
+from fivar.errors import FivarError
 from fivar.jit.integrity import variant_matches_uri
 
 
@@ -54,11 +55,14 @@ def test_every_mask_of_a_random_battery_shares_one_fa3_module():
         # the kernel reads the block map and bits, never the mask's params, and names no user file
         assert not any(param_ident(n) in text for n in _mask_params(v)), (v.name, seed)
         assert v.source_file is None or v.source_file.rsplit("/", 1)[-1] not in text
-        # what a build or prewarm compiles for single prefill too: that one module
-        assert [x.uri for x in serving_modules(v, "single_prefill", "fa3")] == [m.uri]
-        # a manifest naming the variant that built it vouches for the shared URI (fivar.jit.integrity)
+        # what a build or prewarm compiles for single prefill too: that module, and the logits' mask-free one a
+        # causal batch of segments runs (shared as well: no mask, no position read)
+        free = gen_module(v, "batch_prefill", "fa3", mask_free=True)
+        assert free.uri.startswith(f"fivar_{BITS_KERNEL}_fa3_batch_prefill_free_") and free.kernel_variant.mask is None
+        assert [x.uri for x in serving_modules(v, "single_prefill", "fa3")] == [m.uri, free.uri]
+        # a manifest naming the variant that built it vouches for the shared URIs (fivar.jit.integrity)
         man = {"variant": v.name, "target": "fa3", "op": "batch_prefill", "dtype": "bf16", "head_dim": 128}
-        assert variant_matches_uri(man, m.uri)
+        assert variant_matches_uri(man, m.uri) and variant_matches_uri(man, free.uri)
         assert not variant_matches_uri({**man, "op": "single_prefill"}, m.uri)
 
 
@@ -103,3 +107,23 @@ def test_a_mask_reading_the_head_shares_the_module_too():
     m = gen_module(v, "batch_prefill", "fa3")
     assert mask_reads_head(v) and m.kernel_variant.name == BITS_KERNEL
     assert m.uri == gen_module(other, "batch_prefill", "fa3").uri
+
+
+def test_fa3_segments_take_the_logits_alone_where_they_read_no_position(tmp_path):
+    """FA3's mask-free segments module (a causal batch of documents or chunks in kCausal mode) is the logits'
+    kernel without the mask: shared by masks of the same logits, refused where the logits read a position or the
+    batch entry (its requests are segments: nothing maps them back)."""
+    a = _write(tmp_path, "docs_cap", "p.doc[0, q] == p.doc[0, k]", logits="30.0 * fivar.tanh(s / 30.0)",
+               params="'doc': fivar.Tensor('int32', ('batch', 'position'))")
+    b = _write(tmp_path, "chunks_cap", "(q // p.c) == (k // p.c)", logits="30.0 * fivar.tanh(s / 30.0)",
+               params="'c': fivar.Scalar(int, default=64)")
+    fa, fb = (gen_module(v, "batch_prefill", "fa3", mask_free=True) for v in (a, b))
+    assert fa.uri == fb.uri and "_free_" in fa.uri and fa.kernel_variant.mask is None
+    config = "".join(fa.sources.values())
+    assert not any(param_ident(n) in config for n in ("doc", "c"))
+    biased = _write(tmp_path, "docs_alibi", "p.doc[0, q] == p.doc[0, k]", logits="s - 0.5 * (q - k)",
+                    params="'doc': fivar.Tensor('int32', ('batch', 'position'))")
+    with pytest.raises(FivarError, match="mask-free form"):
+        gen_module(biased, "batch_prefill", "fa3", mask_free=True)
+    assert [m.options.get("mask_free", False) for m in serving_modules(biased, "batch_prefill", "fa3")] == [False]
+

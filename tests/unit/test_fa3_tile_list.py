@@ -235,7 +235,8 @@ def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(mo
     assert "fv_cut_bits" in struct and "fvp_flags" not in struct  # the mask's tensor is the block map's alone
     assert "int32_t(qo_head_idx) * params.additional_params.fv_blocks[7 * batch_idx + 6]" in struct
     assert gen_module(heads, "batch_prefill", "fa3").uri == m.uri  # a mask reading the head: the same kernel
-    assert [x.uri for x in serving_modules(flagged, "single_prefill", "fa3")] == [m.uri]
+    free = gen_module(flagged, "batch_prefill", "fa3", mask_free=True)  # a causal batch of segments runs it
+    assert [x.uri for x in serving_modules(flagged, "single_prefill", "fa3")] == [m.uri, free.uri]
 
 
 @pytest.mark.nvcc
