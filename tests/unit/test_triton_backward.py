@@ -723,4 +723,4 @@ def test_gluon_functions_take_the_key_reads_as_arguments():
     source = render_training(v)
     dkdv = source[source.index("def gl_bwd_dkdv_kernel"):source.index("def gl_bwd_dq_kernel")]
     for name in reads:
-        assert dkdv.index(f"{name} = tl.load(") < dkdv.index("for fv_tile in range(")
+        assert dkdv.index(f"{name} = tl.load(") < dkdv.index("for fv_run in range(")  # before the runs of tiles
