@@ -174,6 +174,7 @@ def cpu_fa2(monkeypatch):
 
     def module(variant, key, bound, sm_scale):
         assert not key.custom_mask  # FA2 takes no custom mask
+        key = key.replace(head_dim=128).checked(variant)  # as gen_module resolves it (FA3: the tile list)
         return types.SimpleNamespace(kv_segments=key.kv_segments, mask_free=key.mask_free, tile_list=key.tile_list,
                                      uri=f"fake_{key.kv_segments}_{key.mask_free}_{key.tile_list}", target=key.target,
                                      kernel_variant=build.rendered_from(variant, key))
@@ -264,6 +265,40 @@ def test_ragged_causal_forms_match_the_reference(cpu_fa2, mask, segments):
     out, lse = plan.run(q, k, vv, return_lse=True)
     assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
     assert torch.allclose(lse.double(), ref_lse.double(), atol=1e-3)
+
+
+@pytest.mark.parametrize("mask,segments", [(m_document, True), (m_chunk_causal, True), (m_sinks_window, False)],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_fa3_runs_documents_as_segments_on_the_logits_alone(cpu_fa2, monkeypatch, mask, segments):
+    """FA3, called causally: documents and chunks run as a ragged request per segment in causal mode on the logits'
+    mask-free kernel (no key-segments table: a mask-only variant reads no position), the rest in the tile list."""
+    current, made = cpu_fa2
+    setup = plans._plan_setup
+
+    def on_fa3(plan, *a):
+        out = setup(plan, *a)
+        plan.target = "fa3"
+        return out
+    monkeypatch.setattr(plans, "_plan_setup", on_fa3)
+    gen = torch.Generator().manual_seed(6)
+    v, qo_lens, kv_lens, params = _case(mask, gen)
+    current[0] = v
+    q, k, vv = _qkv(qo_lens, kv_lens, gen)
+    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                                         dtype=torch.float16, causal=True, backend="fa3", device="cpu",
+                                         params=params)
+    assert (plan.segments is not None) == segments
+    if segments:
+        key = made[-1]
+        assert key.target == "fa3" and key.mask_free and not key.kv_segments and plan._wrapper.p["causal"]
+        assert key.kernel_variant.mask is None and key.kernel_variant.name == tile_list.BITS_KERNEL
+    else:
+        assert made[-1].tile_list and plan._tile_list is not None
+    ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, True, params)
+    out = plan.run(q, k, vv)
+    assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
 
 
 def _brute_runs(v, params, qo_lens, kv_lens, heads):
