@@ -65,6 +65,13 @@ def runs_unmapped(variant) -> bool:
                    for p in (variant.lowered.logits, variant.ir.sink))
 
 
+def reads_heads(variant) -> bool:
+    """Whether the kernel's struct reads the query or KV head (its logits or sink): the tile list's request per head
+    (fivar.runtime.fa3_tile_list.HeadRequests) runs every head as head 0, so such a variant keeps the union."""
+    return any(p is not None and {"qo_head", "kv_head"} & ir.uses(p)
+               for p in (variant.lowered.logits, variant.ir.sink))
+
+
 def reads_bits(variant, custom_mask: bool = False) -> bool:
     """A tile-list module of `variant` reads its cut tiles as bits (so is bits_kernel's): any mask, per head where it
     reads the head, or an engine's custom mask."""

@@ -8,9 +8,8 @@ long (--verbose).
 from __future__ import annotations
 
 from ..codegen import fa2, fa3
-from ..codegen.tile_list import runs_unmapped
+from ..codegen.tile_list import reads_heads, runs_unmapped
 from .attention import trims_decode_pages
-from .fa3_tile_list import reads_heads
 from ..spec import sparsity
 from ..spec.ir import format_expr
 from ..spec.params import Scalar

@@ -15,12 +15,12 @@ transform. This lowering gives them only what the mask keeps, for any mask the s
    evaluates no mask: one module serves every mask of the same logits (fivar.codegen.tile_list.bits_kernel).
 
 A mask reading the head gets the union of its heads' maps (a tile is whole only where every head keeps all of
-it) and bits per query head, or, where its heads keep tiles so different that the union makes every head do much
-more than its own (`head_requests_pay`: a window per head beside global heads), one request per query tile and
-head, each over its own head's tiles (`HeadRequests`: q gathered head-major, k/v read in place through a view whose
-pages hold one KV head's keys). A paged batch composes the same keys through its page table. Planning costs one map pass and two
-device->host copies; `plan_ragged` / `plan_paged` make it once per batch layout, the one-shot calls once per call
-signature.
+it) and bits per query head, or, in a ragged batch whose heads keep tiles so different that the union makes every
+head do much more than its own (`head_requests_pay`: a window per head beside global heads), one request per query
+tile and head, each over its own head's tiles (`HeadRequests`: q gathered head-major, k/v read through a view whose
+pages hold one KV head's keys). A paged batch composes the same keys through its page table. Planning costs one map
+pass and two device->host copies (three for a mask reading the head); `plan_ragged` / `plan_paged` make it once per
+batch layout, the one-shot calls once per call signature.
 
 FA2 batch prefill runs the same plan (TileListPrefill's `target`): its paged kernel calls the struct's hooks with the
 request's local row and key as FA3's does (fivar.codegen.fa2._tile_list_decl), at FA2's query tile
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
-from ..spec import ir
+from ..codegen.tile_list import reads_heads
 
 #: Zero words after the last request's bits: a thread reads every 32-key word its keys of a KV tile touch, up to
 #: (CTA_KV - 7 + 30) // 32 + 1 from its first (csrc/fivar_cut_bits.cuh, RAW): 4 at the paged kernel's 96 keys; 8 past
@@ -84,7 +84,8 @@ class TileList:
 
 def tile_list(kinds: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, rows: int,
               token_of, bits_of, page: int = 1, heads: int = 1) -> TileList:
-    """The requests from a block map `kinds` ([batch, q tiles, key tiles] at `rows` x TILE_WIDTH; head_union's) of a
+    """The requests from a block map `kinds` ([batch, q tiles, key tiles] at `rows` x TILE_WIDTH: head_union's, or a
+    per-head map as a batch of batch x heads entries, HeadRequests) of a
     batch given by host token indptrs. `token_of(batch, kv_idx)` (device int64 tensors) is the token of a key in the
     k/v the kernel reads; `bits_of(cut)` (block_map's) the bits of the tiles after each request's whole ones
     (int32 [tiles, 2]: (map row, key tile)) for each of `heads` query heads (1: one set for all), int64 [heads *
@@ -205,13 +206,6 @@ def head_requests_pay(kinds: torch.Tensor) -> bool:
     return own <= HEAD_REQUESTS_WORK * union
 
 
-def reads_heads(variant) -> bool:
-    """Whether the kernel's struct reads the query or KV head (its logits or sink): a request per head runs every
-    head as head 0, so such a variant keeps the union."""
-    return any(p is not None and {"qo_head", "kv_head"} & ir.uses(p)
-               for p in (variant.lowered.logits, variant.ir.sink))
-
-
 @dataclass
 class HeadRequests:
     """A batch run as a request per (batch entry, query head) and query tile: virtual entry b * heads + h holds the
@@ -246,15 +240,14 @@ class HeadRequests:
         return at
 
     def kv_view(self, x: torch.Tensor, page: int) -> torch.Tensor:
-        """k or v ([tokens, H, D] or a cache [pages, page_size, H, D]) as pages of `page` keys of one KV head: page
-        (t // page) * page * H + g holds keys t.. of head g, read in place where the tokens are evenly strided."""
+        """k or v ([tokens, H, D]) as pages of `page` keys of one KV head: page (t // page) * page * H + g holds keys
+        t.. of head g, read in place where the heads of a token are its row (else this call's k/v are copied once, a
+        slice of packed qkv for one)."""
         d = x.shape[-1]
         s_h = x.stride(-2)
-        even = x.stride(-1) == 1 and x.stride(-3) == self.kv_heads * s_h and \
-            (x.dim() == 3 or x.stride(0) == x.shape[1] * x.stride(1))
-        if not even:
+        if x.stride(-1) != 1 or x.stride(-3) != self.kv_heads * s_h:
             x, s_h = x.contiguous(), d
-        tokens = x.numel() // (self.kv_heads * d)
+        tokens = x.shape[0]
         return torch.as_strided(x, ((tokens - page + 1) * self.kv_heads, page, 1, d),
                                 (s_h, self.kv_heads * s_h, s_h, 1), x.storage_offset())
 
@@ -341,7 +334,10 @@ class TileListPrefill:
         kinds, bits_at, heads = block_map(variant, bound, qo_h, kv_h, num_qo_heads, num_kv_heads, head_dim, causal,
                                           sm_scale, device, rows, custom, per_head=True)
         self._heads = None
-        if heads > 1 and not t.packs_query_heads and not reads_heads(variant) and head_requests_pay(kinds):
+        # (not on a paged cache: its pages are strided by the cache's layout, often k and v interleaved, which a view
+        # of one KV head's pages could only read after copying the whole cache)
+        if heads > 1 and pages is None and not t.packs_query_heads and not reads_heads(variant) and \
+                head_requests_pay(kinds):
             self._heads = h = HeadRequests.of(qo_h, num_qo_heads, num_kv_heads, device)
             layout = tile_list(kinds.reshape(-1, *kinds.shape[2:]), h.indptr(qo_h), h.indptr(kv_h), rows,
                                h.token_of(token_of, self.page), bits_at, self.page)

@@ -301,6 +301,44 @@ def test_fa3_runs_documents_as_segments_on_the_logits_alone(cpu_fa2, monkeypatch
     assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
 
 
+def _batch_scaled(score, b, h, kh, q, kv, p):
+    return score * (1.0 + 0.5 * b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_requests_per_head_run_through_the_plan(cpu_fa2, monkeypatch, causal):
+    """A ragged FA3 batch of a mask reading the head, planned as a request per head (forced here): q gathered
+    head-major, one KV head's pages through the view, logits reading the batch entry (the struct's batch index is the
+    entry's, not the virtual one's), output and LSE scattered back, against the reference."""
+    from fivar import AttentionVariant
+    current, made = cpu_fa2
+    setup = plans._plan_setup
+
+    def on_fa3(plan, *a):
+        out = setup(plan, *a)
+        plan.target = "fa3"
+        return out
+    monkeypatch.setattr(plans, "_plan_setup", on_fa3)
+    chosen = []
+    monkeypatch.setattr(fa3_tile_list, "head_requests_pay", lambda kinds: chosen.append(kinds.shape[1]) or True)
+    gen = torch.Generator().manual_seed(7)
+    base, qo_lens, kv_lens, params = _case(m_per_head_window, gen)
+    v = AttentionVariant(name="head_window_scaled", mask=m_per_head_window, logits=_batch_scaled, params=base.params)
+    current[0] = v
+    q, k, vv = _qkv(qo_lens, kv_lens, gen)
+    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                                         dtype=torch.float16, causal=causal, backend="fa3", device="cpu",
+                                         params=params)
+    assert chosen == [4] and plan._tile_list._heads is not None
+    ref, ref_lse = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, causal, params,
+                                     return_lse=True)
+    out, lse = plan.run(q, k, vv, return_lse=True)
+    assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
+    assert torch.allclose(lse.double(), ref_lse.double(), atol=1e-3)
+
+
 def _brute_runs(v, params, qo_lens, kv_lens, heads):
     """The pre-pass's row runs from the mask evaluated on every (row, key, head): [batch, heads, max_qo_len, 4],
     [a0, a1, b0, b1) per row, a0 = -1 for rows keeping more than two runs."""

@@ -2,8 +2,8 @@
 very different tiles is planned as one request per query tile and head; q gathered head-major, k/v read in place
 through pages of one KV head. The plan is run here the way the generated struct and FlashInfer's paged kernel read it
 (keys through the page table of the view, whole keys kept, the others from their bits), in float64, and the output
-scattered back must equal float64 attention under the torch reference's evaluator, for ragged and paged batches with
-GQA, lengths off every tile and a request without queries.
+scattered back must equal float64 attention under the torch reference's evaluator, for ragged batches with
+GQA, lengths off every tile and a request without queries, k/v contiguous or slices of packed qkv.
 """
 import random
 
@@ -12,8 +12,8 @@ import torch
 
 from fivar import AttentionVariant, Scalar, Tensor
 from fivar.codegen.fa3 import TILE_WIDTH
-from fivar.runtime.fa3_tile_list import (HeadRequests, block_map, head_requests_pay, page_size_for, reads_heads,
-                                        tile_list)
+from fivar.codegen.tile_list import reads_heads
+from fivar.runtime.fa3_tile_list import HeadRequests, block_map, head_requests_pay, page_size_for, tile_list
 from fivar.runtime.launch import _prepare
 from fivar.spec.sparsity import keep_matrix
 
@@ -93,23 +93,14 @@ def _case(kv_form, causal, mutate=None):
     params = {"windows": windows[torch.randperm(HEADS)], "sinks": random.randint(0, 3)}
     q = torch.randn(max(sum(qo), 1), HEADS, DIM, dtype=torch.float16)
     bound, sm_scale = _prepare(VARIANT, params, q, KV_HEADS, len(qo), None)
-    if kv_form == "ragged":
-        page = page_size_for(_ind(kv))
-        k, v = (torch.randn(sum(kv), KV_HEADS, DIM, dtype=torch.float16) for _ in range(2))
-        starts = _ind(kv).long()
-        token_of = lambda b, kv_idx: starts[b] + kv_idx  # noqa: E731
-        key_of = lambda x, b, g, n: x[int(starts[b]):int(starts[b]) + n, g]  # noqa: E731
-    else:  # a cache of pages of `page_size` keys in a random order
-        page_size = random.choice([1, 2, 4, 6])
-        page = page_size_for(cache_page_size=page_size)
-        n_pages = [(x + page_size - 1) // page_size for x in kv]
-        perm = torch.randperm(sum(n_pages) + 2)
-        table = [perm[sum(n_pages[:b]):sum(n_pages[:b + 1])] for b in range(3)]
-        k, v = (torch.randn(sum(n_pages) + 2, page_size, KV_HEADS, DIM, dtype=torch.float16) for _ in range(2))
-        width = max(n_pages)
-        flat = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in table])
-        token_of = lambda b, kv_idx: flat[b, kv_idx // page_size] * page_size + kv_idx % page_size  # noqa: E731
-        key_of = lambda x, b, g, n: x[table[b], :, g].reshape(-1, DIM)[:n]  # noqa: E731
+    starts = _ind(kv).long()
+    page = page_size_for(_ind(kv))
+    k, v = (torch.randn(sum(kv), KV_HEADS, DIM, dtype=torch.float16) for _ in range(2))
+    if kv_form == "packed":  # k and v as slices of packed qkv: each token's heads a row, tokens further apart
+        qkv = torch.randn(sum(kv), HEADS + 2 * KV_HEADS, DIM, dtype=torch.float16)
+        k, v = qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+    token_of = lambda b, kv_idx: starts[b] + kv_idx  # noqa: E731
+    key_of = lambda x, b, g, n: x[int(starts[b]):int(starts[b]) + n, g]  # noqa: E731
     kinds, bits_at, heads = block_map(VARIANT, bound, _ind(qo), _ind(kv), HEADS, KV_HEADS, 128, causal, sm_scale,
                                       "cpu", ROWS, per_head=True)
     assert heads == HEADS  # run per head whatever head_requests_pay would choose
@@ -125,7 +116,7 @@ def _case(kv_form, causal, mutate=None):
     return got, _reference(q, k, v, qo, kv, bound, causal, sm_scale, key_of)
 
 
-@pytest.mark.parametrize("kv_form", ["ragged", "paged"])
+@pytest.mark.parametrize("kv_form", ["ragged", "packed"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_requests_per_head_compute_the_masked_attention(kv_form, causal):
     for _ in range(2):
