@@ -23,7 +23,8 @@ indptr / page-table buffers are the list's. The captured grid never changes: the
 tile-list requests, a step's own first and then padding requests of no query rows and no pages, for which
 FlashInfer schedules no work. Capacity: up to max_batch requests of up to max_qo_len queries each over max_pages
 pages in all; the list's key tiles, pages and cut tiles are bounded from those (`capacity`). A step past any limit
-is a one-line FivarError and leaves the plan as it was.
+is a one-line FivarError before anything is written; should FlashInfer plan a step with another launch layout than
+the captured one (also a one-line error), the plan is not to be replayed again: make a new one.
 
 Keep the plan alive as long as the graph may replay (the graph holds its buffers' addresses). Params are bound at
 plan creation (batch size max_batch; tensor params read through their pointers: update them in place). The module is
@@ -32,7 +33,6 @@ over the bits of the variant's mask and causal alone.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -56,6 +56,43 @@ from .ops import register_plan
 from .params import kernel_args
 from .rows import indptr
 
+
+
+def _limits(variant, qo_h, kv_h, max_batch, max_qo_len, max_pages) -> tuple[int, int, int]:
+    """A verify plan's capacity: the limits given, the first step's where left out; checked."""
+    max_batch = max_batch if max_batch is not None else qo_h.numel() - 1
+    max_qo_len = max_qo_len if max_qo_len is not None else max(int(qo_h.diff().max()) if qo_h.numel() > 1 else 0, 1)
+    max_pages = max_pages if max_pages is not None else max(int(kv_h[-1]), 1)
+    _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+    return max_batch, max_qo_len, max_pages
+
+
+def _check_step(variant, qo_indptr, kv_indptr, max_batch: int, max_qo_len: int, max_pages: int):
+    """(qo, kv) host indptrs of a step within the plan's capacity, or its one-line FivarError."""
+    name = variant.name
+    qo = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
+    kv = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")
+    if kv.numel() != qo.numel():
+        raise FivarError(f"variant '{name}': qo_indptr and kv_indptr must have the same length")
+    batch, pages = qo.numel() - 1, int(kv[-1])
+    longest = int(qo.diff().max()) if batch else 0
+    over = [f"{what}={limit} ({got})" for what, got, limit in (
+        ("max_batch", batch, max_batch), ("max_qo_len", longest, max_qo_len), ("max_pages", pages, max_pages))
+        if got > limit]
+    if over:
+        raise FivarError(f"variant '{name}': this verify step is past the CUDA-graph plan's capacity: "
+                         f"{', '.join(over)}; plan again with larger limits")
+    return qo, kv
+
+
+def _check_run(plan, q, k_cache, check_kv_dtype: bool = True) -> None:
+    """q and the cache of a verify plan's run: q of max_tokens rows, the cache's pages as planned."""
+    hq, hkv, d, page, dtype = plan._shape
+    if q.shape != (plan.max_tokens, hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype \
+            or (check_kv_dtype and k_cache.dtype != dtype):
+        raise FivarError(f"variant '{plan.variant.name}': inputs do not match the plan (q [{plan.max_tokens}, {hq}, "
+                         f"{d}] (max_batch * max_qo_len rows), cache [*, {page}, {hkv}, {d}], {dtype}); got q "
+                         f"{tuple(q.shape)}, cache {tuple(k_cache.shape)}, {q.dtype}")
 
 class Capacity(NamedTuple):
     """The fixed sizes of a verify plan's tile list."""
@@ -134,19 +171,9 @@ class VerifyTiles:
         """Check this step, plan its tile list and write it into the buffers; returns the padded host
         (qo_indptr, kv_indptr, kv_last_page_len) of `capacity.requests` requests and the list's page count. Nothing
         is written unless every check passes."""
-        v, name = self.variant, self.variant.name
-        qo = _check_indptr(v, "qo_indptr", qo_indptr, "cpu")
-        kv = _check_indptr(v, "kv_indptr", kv_indptr, "cpu")
-        if kv.numel() != qo.numel():
-            raise FivarError(f"variant '{name}': qo_indptr and kv_indptr must have the same length")
-        batch, pages = qo.numel() - 1, int(kv[-1])
-        longest = int(qo.diff().max()) if batch else 0
-        over = [f"{what}={limit} ({got})" for what, got, limit in (
-            ("max_batch", batch, self.max_batch), ("max_qo_len", longest, self.max_qo_len),
-            ("max_pages", pages, self.max_pages)) if got > limit]
-        if over:
-            raise FivarError(f"variant '{name}': this verify step is past the CUDA-graph plan's capacity: "
-                             f"{', '.join(over)}; plan again with larger limits")
+        v = self.variant
+        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages)
+        batch = qo.numel() - 1
         kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, self.page_size, self.device)
         custom = check_custom_mask(v, custom_mask, packed_custom_mask, mask_indptr, qo.diff(),
                                    paged_kv_lens(kv, last, self.page_size), self.device)
@@ -214,7 +241,7 @@ class GraphVerifyPlan:
                  sm_scale=None, backend: str = "auto", device="cuda", params=None, kv_dtype=None, custom_mask=None,
                  packed_custom_mask=None, mask_indptr=None):
         import flashinfer
-        from .plans import refuse_custom_mask, verify_target
+        from .plans import verify_target
         register_plan(self)
         self.variant, self.device = variant, torch.device(device)
         name = variant.name
@@ -233,14 +260,12 @@ class GraphVerifyPlan:
         target = _check_backend(variant, backend, "batch_prefill", self.device)
         qo_h = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
         kv_h = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")
-        # limits left out: the first step's
-        max_batch = max_batch if max_batch is not None else qo_h.numel() - 1
-        max_qo_len = max_qo_len if max_qo_len is not None else max(int(qo_h.diff().max()) if qo_h.numel() > 1 else 0, 1)
-        max_pages = max_pages if max_pages is not None else max(int(kv_h[-1]), 1)
-        _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+        max_batch, max_qo_len, max_pages = _limits(variant, qo_h, kv_h, max_batch, max_qo_len, max_pages)
         # auto: FA2 where the longest request the graph takes fills at most a quarter of FA3's query tile
         target = verify_target(target, backend, torch.tensor([max_qo_len]), head_dim)
-        refuse_custom_mask(variant, target, plan_kv_dtype(variant, dtype, kv_dtype))
+        if plan_kv_dtype(variant, dtype, kv_dtype) is not None:
+            raise FivarError(f"variant '{name}': a CUDA-graph verify plan reads a cache in q's dtype ({dtype}), not "
+                             f"{kv_dtype}")
         self.target = target
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
@@ -309,12 +334,8 @@ class GraphVerifyPlan:
             return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
         return_lse = check_lse(self.variant, return_lse)
         k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
-        hq, hkv, d, page, dtype = self._shape
-        if q.shape != (self.max_tokens, hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype \
-                or k_cache.dtype != dtype:
-            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self.max_tokens}, {hq}, "
-                             f"{d}] (max_batch * max_qo_len rows), cache [*, {page}, {hkv}, {d}], {dtype}); got q "
-                             f"{tuple(q.shape)}, cache {tuple(k_cache.shape)}, {q.dtype}")
+        _check_run(self, q, k_cache)
+        hkv, d = self._shape[1:3]
         # keys as pages of the list's `page` (a view of the cache's own pages)
         k, v = (x.reshape(-1, self._tiles.page, hkv, d) for x in (k_cache, v_cache))
         return self._direct(q, k, v, self._args, return_lse)
@@ -355,10 +376,7 @@ class TwinGraphVerifyPlan:
                              f"{str(self.device)!r}; the twin runs on the CPU under TRITON_INTERPRET=1)")
         qo_h = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
         kv_h = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")
-        max_batch = max_batch if max_batch is not None else qo_h.numel() - 1
-        max_qo_len = max_qo_len if max_qo_len is not None else max(int(qo_h.diff().max()) if qo_h.numel() > 1 else 0, 1)
-        max_pages = max_pages if max_pages is not None else max(int(kv_h[-1]), 1)
-        _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+        max_batch, max_qo_len, max_pages = _limits(variant, qo_h, kv_h, max_batch, max_qo_len, max_pages)
         self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
         self.max_tokens, self._max_kv = max_batch * max_qo_len, max_pages * page_size
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
@@ -392,18 +410,8 @@ class TwinGraphVerifyPlan:
         """This step's lengths, page table and custom mask, written into the plan's tensors (outside the graph)."""
         from .custom_mask import mask_indptr_for
         v, name = self.variant, self.variant.name
-        qo = _check_indptr(v, "qo_indptr", qo_indptr, "cpu")
-        kv = _check_indptr(v, "kv_indptr", kv_indptr, "cpu")
-        if kv.numel() != qo.numel():
-            raise FivarError(f"variant '{name}': qo_indptr and kv_indptr must have the same length")
+        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages)
         batch, pages = qo.numel() - 1, int(kv[-1])
-        longest = int(qo.diff().max()) if batch else 0
-        over = [f"{what}={limit} ({got})" for what, got, limit in (
-            ("max_batch", batch, self.max_batch), ("max_qo_len", longest, self.max_qo_len),
-            ("max_pages", pages, self.max_pages)) if got > limit]
-        if over:
-            raise FivarError(f"variant '{name}': this verify step is past the CUDA-graph plan's capacity: "
-                             f"{', '.join(over)}; plan again with larger limits")
         page_size = self.page_size
         kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, page_size, self.device)
         kv_lens = paged_kv_lens(kv, last, page_size)
@@ -453,11 +461,7 @@ class TwinGraphVerifyPlan:
         return_lse = check_lse(self.variant, return_lse)
         k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
         _check_inputs(self.variant, q, k_cache, v_cache, paged=True)
-        hq, hkv, d, page, dtype = self._shape
-        if q.shape != (self.max_tokens, hq, d) or k_cache.shape[1:] != (page, hkv, d) or q.dtype != dtype:
-            raise FivarError(f"variant '{self.variant.name}': inputs do not match the plan (q [{self.max_tokens}, {hq}, "
-                             f"{d}] (max_batch * max_qo_len rows), cache [*, {page}, {hkv}, {d}], {dtype}); got q "
-                             f"{tuple(q.shape)}, cache {tuple(k_cache.shape)}, {q.dtype}")
+        _check_run(self, q, k_cache, check_kv_dtype=False)
         result = self._module.prefill(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr, self.max_qo_len,
                                       self._causal, self._args, return_lse, plan=self._map,
                                       custom=(self.mask, self.mask_indptr),
