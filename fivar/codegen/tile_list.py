@@ -57,12 +57,12 @@ def bits_kernel(variant):
 
 
 def runs_unmapped(variant) -> bool:
-    """Whether bits_kernel(variant) computes the same function whatever rows and keys a request starts at: its logits
-    and sink read no position and no batch entry. A causal batch of segments (documents, chunks) then runs it as a
+    """Whether a causal batch that the mask cuts into segments (documents, chunks) may run bits_kernel(variant) as a
     request per segment in the kernel's causal mode with nothing mapping a request back to its positions (FA3, whose
-    struct has no key-segments table; fivar.runtime.segments)."""
-    return not any(p is not None and {"q_idx", "kv_idx", "batch"} & ir.uses(p)
-                   for p in (variant.lowered.logits, variant.ir.sink))
+    struct has no key-segments table; fivar.runtime.segments): its logits and sink read no position and no batch
+    entry, and its mask keeps the same keys for every head (a segment is the batch's, not a head's)."""
+    return not mask_reads_head(variant) and not any(
+        p is not None and {"q_idx", "kv_idx", "batch"} & ir.uses(p) for p in (variant.lowered.logits, variant.ir.sink))
 
 
 def reads_heads(variant) -> bool:

@@ -43,8 +43,9 @@ class ModuleKey:
     bounded softmax (fivar.codegen.fa3.softmax_range) forced on or off; None: the config decides. `kv_segments`:
     FA2 batch prefill/decode over trimmed pages or query blocks, each key mapped back to its position
     (fivar.runtime.decode_pages, fivar.runtime.fa2_blocks); `mask_free`: that form with no mask (a causal batch of
-    segments), or on FA3 alone, batch prefill of the variant's logits without its mask (the segments form of a
-    variant whose logits read no position, fivar.codegen.tile_list.runs_unmapped). `kv_dtype`: a KV cache of another dtype than q's (KV_DTYPES), FA2 paged ops only; None: q's dtype.
+    segments), or on FA3 alone, batch prefill of the variant's logits without its mask (the segments form,
+    fivar.codegen.tile_list.runs_unmapped). `kv_dtype`: a KV cache of another dtype than q's (KV_DTYPES), FA2 paged
+    ops only; None: q's dtype.
     `tile_list`: FA2 batch prefill of a mask in the tile-list form (fivar.codegen.fa2._tile_list_decl); on FA3 it
     follows from the variant, op and custom_mask (`checked`), and a given True is only checked. `custom_mask`: FA3
     batch prefill in the tile-list form whatever the mask, cut tiles read as bits (fivar.runtime.custom_mask)."""
@@ -115,8 +116,9 @@ class ModuleKey:
         unmapped = t.tile_lists_every_mask and op == "batch_prefill" and not self.kv_segments and \
             variant.scans_mask and runs_unmapped(variant)
         if self.mask_free and not ((self.kv_segments and t.runs_key_segments) or unmapped):
-            raise FivarError(f"variant '{name}': the mask-free form is FA2's key-segments form, or FA3 batch "
-                             "prefill of a mask beyond a band whose logits and sink read no position or batch entry")
+            raise FivarError(f"variant '{name}': the mask-free form is FA2's key-segments form, or FA3 batch prefill "
+                             "of a mask beyond a band keeping the same keys for every head, whose logits and sink read "
+                             "no position or batch entry")
         # FA2 has no bounded softmax: a value given for it selects nothing (the FA2 config has no such field)
         resolved = self.replace(tile_list=self.tile_list or implied_tiles,
                                 bounded_softmax=self.bounded_softmax if t.bounds_softmax else None)

@@ -49,6 +49,20 @@ def _check_step_tensors(variant, kv_indices, kv_last_page_len) -> None:
             raise FivarError(f"variant '{variant.name}': {arg} must be a 1-D int32 tensor, got {got}")
 
 
+def check_graph_plan(variant, dtype, head_dim: int, num_qo_heads: int, num_kv_heads: int, device, what: str) -> None:
+    """What every CUDA-graph plan of FlashInfer's kernels (`what`: decode, verify) needs: a float16/bfloat16 q, a head
+    dim FlashInfer builds, whole GQA groups, and a CUDA GPU; else one line naming the variant."""
+    name = variant.name
+    if dtype not in DTYPES.values():
+        raise FivarError(f"variant '{name}': dtype must be float16 or bfloat16, got {dtype}")
+    if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
+        raise FivarError(f"variant '{name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a multiple of "
+                         f"num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise FivarError(f"variant '{name}': a CUDA-graph {what} plan needs a CUDA GPU (device "
+                         f"{str(device)!r}{'' if torch.cuda.is_available() else ', and none is visible'})")
+
+
 class GraphDecodePlan:
     """Decode over a paged KV cache with buffers of fixed capacity (this module's docstring)."""
 
@@ -62,14 +76,7 @@ class GraphDecodePlan:
         self.variant, self.device = variant, torch.device(device)
         name = variant.name
         dtype = dtype or torch.bfloat16
-        if dtype not in DTYPES.values():
-            raise FivarError(f"variant '{name}': dtype must be float16 or bfloat16, got {dtype}")
-        if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
-            raise FivarError(f"variant '{name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a multiple of "
-                             f"num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise FivarError(f"variant '{name}': a CUDA-graph decode plan needs a CUDA GPU (device "
-                             f"{str(self.device)!r}{'' if torch.cuda.is_available() else ', and none is visible'})")
+        check_graph_plan(variant, dtype, head_dim, num_qo_heads, num_kv_heads, self.device, "decode")
         if runs_twin(backend):
             raise FivarError(f"variant '{name}': cuda_graph=True plans hold FlashInfer's kernels; the Triton twin "
                              "has no plan step (capture its decode directly, its launches take device tensors)")

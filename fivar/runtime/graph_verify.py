@@ -41,7 +41,7 @@ from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 from ..codegen.tile_list import TILE_FIELDS, mask_reads_head
 from ..errors import FivarError
 from ..flashinfer_compat.wrappers import plan_layout
-from ..jit.build import DTYPES, HEAD_DIMS
+from ..jit.build import DTYPES
 from ..jit.module_key import ModuleKey
 from ..jit.targets import runs_twin, target_of
 from ..spec.inputs import check_lse
@@ -49,6 +49,7 @@ from . import position_tables
 from .custom_mask import check_custom_mask, paged_kv_lens
 from .fa3_tile_list import CUT_WORDS_PAST, block_map, page_size_for, paged_keys, tile_list, tile_rows
 from .forms import _check_backend, _kernel_causal
+from .graph import check_graph_plan
 from .fp8_kv import plan_kv_dtype
 from .launch import (_check_indptr, _check_pages, _module, _paged_kv, _prepare, _workspace, attach,
                      direct_paged_run)
@@ -246,17 +247,10 @@ class GraphVerifyPlan:
         self.variant, self.device = variant, torch.device(device)
         name = variant.name
         dtype = dtype or torch.bfloat16
-        if dtype not in DTYPES.values():
-            raise FivarError(f"variant '{name}': dtype must be float16 or bfloat16, got {dtype}")
-        if head_dim not in HEAD_DIMS or num_qo_heads % num_kv_heads:
-            raise FivarError(f"variant '{name}': head_dim must be one of {HEAD_DIMS} and num_qo_heads a multiple of "
-                             f"num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
         if runs_twin(backend):
             raise FivarError(f"variant '{name}': GraphVerifyPlan holds FlashInfer's kernels (fa2, fa3); the Triton "
                              "twin's is TwinGraphVerifyPlan (plan_paged(cuda_graph=True, backend='triton'))")
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise FivarError(f"variant '{name}': a CUDA-graph verify plan needs a CUDA GPU (device "
-                             f"{str(self.device)!r}{'' if torch.cuda.is_available() else ', and none is visible'})")
+        check_graph_plan(variant, dtype, head_dim, num_qo_heads, num_kv_heads, self.device, "verify")
         target = _check_backend(variant, backend, "batch_prefill", self.device)
         qo_h = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
         kv_h = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")

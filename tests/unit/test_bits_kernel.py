@@ -55,14 +55,19 @@ def test_every_mask_of_a_random_battery_shares_one_fa3_module():
         # the kernel reads the block map and bits, never the mask's params, and names no user file
         assert not any(param_ident(n) in text for n in _mask_params(v)), (v.name, seed)
         assert v.source_file is None or v.source_file.rsplit("/", 1)[-1] not in text
-        # what a build or prewarm compiles for single prefill too: that module, and the logits' mask-free one a
-        # causal batch of segments runs (shared as well: no mask, no position read)
-        free = gen_module(v, "batch_prefill", "fa3", mask_free=True)
-        assert free.uri.startswith(f"fivar_{BITS_KERNEL}_fa3_batch_prefill_free_") and free.kernel_variant.mask is None
-        assert [x.uri for x in serving_modules(v, "single_prefill", "fa3")] == [m.uri, free.uri]
-        # a manifest naming the variant that built it vouches for the shared URIs (fivar.jit.integrity)
+        # what a build or prewarm compiles for single prefill too: that module, and where the mask keeps the same
+        # keys for every head, the logits' mask-free one a causal batch of segments runs (shared as well)
         man = {"variant": v.name, "target": "fa3", "op": "batch_prefill", "dtype": "bf16", "head_dim": 128}
-        assert variant_matches_uri(man, m.uri) and variant_matches_uri(man, free.uri)
+        built = [x.uri for x in serving_modules(v, "single_prefill", "fa3")]
+        if mask_reads_head(v):
+            assert built == [m.uri]
+        else:
+            free = gen_module(v, "batch_prefill", "fa3", mask_free=True)
+            assert free.uri.startswith(f"fivar_{BITS_KERNEL}_fa3_batch_prefill_free_")
+            assert free.kernel_variant.mask is None and built == [m.uri, free.uri]
+            assert variant_matches_uri(man, free.uri)
+        # a manifest naming the variant that built it vouches for the shared URIs (fivar.jit.integrity)
+        assert variant_matches_uri(man, m.uri)
         assert not variant_matches_uri({**man, "op": "single_prefill"}, m.uri)
 
 
@@ -126,4 +131,9 @@ def test_fa3_segments_take_the_logits_alone_where_they_read_no_position(tmp_path
     with pytest.raises(FivarError, match="mask-free form"):
         gen_module(biased, "batch_prefill", "fa3", mask_free=True)
     assert [m.options.get("mask_free", False) for m in serving_modules(biased, "batch_prefill", "fa3")] == [False]
+    heads = _write(tmp_path, "docs_heads", "p.doc[0, q] == p.doc[0, k] and q - k < p.w[h]",
+                   params="'doc': fivar.Tensor('int32', ('batch', 'position')), "
+                   "'w': fivar.Tensor('int32', ('qo_head',))")
+    with pytest.raises(FivarError, match="same keys for every head"):  # a segment is the batch's, not a head's
+        gen_module(heads, "batch_prefill", "fa3", mask_free=True)
 

@@ -211,6 +211,27 @@ def _qkv(qo_lens, kv_lens, gen):
     return q, k, torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
 
 
+def _ragged_plan(v, qo_lens, kv_lens, params, causal, backend="fa2"):
+    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
+    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    return attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                                         dtype=torch.float16, causal=causal, backend=backend, device="cpu",
+                                         params=params)
+
+
+@pytest.fixture
+def cpu_fa3(cpu_fa2, monkeypatch):
+    """cpu_fa2's stand-ins with the plans on FA3 (its struct and tile list; the stand-in runs its kernels alike)."""
+    setup = plans._plan_setup
+
+    def on_fa3(plan, *a):
+        out = setup(plan, *a)
+        plan.target = "fa3"
+        return out
+    monkeypatch.setattr(plans, "_plan_setup", on_fa3)
+    return cpu_fa2
+
+
 @pytest.mark.parametrize("form", ["tile list", "blocks"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask", [m_document, m_chunk_causal, m_sinks_window, m_prefix_lm],
@@ -251,11 +272,7 @@ def test_ragged_causal_forms_match_the_reference(cpu_fa2, mask, segments):
     v, qo_lens, kv_lens, params = _case(mask, gen)
     current[0] = v
     q, k, vv = _qkv(qo_lens, kv_lens, gen)
-    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
-                                         dtype=torch.float16, causal=True, backend="fa2", device="cpu",
-                                         params=params)
+    plan = _ragged_plan(v, qo_lens, kv_lens, params, True)
     assert (plan.segments is not None) == segments
     if segments:  # the mask-free struct: FlashInfer's causal mode is the whole mask
         assert made[-1].kv_segments and made[-1].mask_free and not plan._wrapper.owns_mask
@@ -269,26 +286,15 @@ def test_ragged_causal_forms_match_the_reference(cpu_fa2, mask, segments):
 
 @pytest.mark.parametrize("mask,segments", [(m_document, True), (m_chunk_causal, True), (m_sinks_window, False)],
                          ids=lambda x: getattr(x, "__name__", str(x)))
-def test_fa3_runs_documents_as_segments_on_the_logits_alone(cpu_fa2, monkeypatch, mask, segments):
+def test_fa3_runs_documents_as_segments_on_the_logits_alone(cpu_fa3, mask, segments):
     """FA3, called causally: documents and chunks run as a ragged request per segment in causal mode on the logits'
     mask-free kernel (no key-segments table: a mask-only variant reads no position), the rest in the tile list."""
-    current, made = cpu_fa2
-    setup = plans._plan_setup
-
-    def on_fa3(plan, *a):
-        out = setup(plan, *a)
-        plan.target = "fa3"
-        return out
-    monkeypatch.setattr(plans, "_plan_setup", on_fa3)
+    current, made = cpu_fa3
     gen = torch.Generator().manual_seed(6)
     v, qo_lens, kv_lens, params = _case(mask, gen)
     current[0] = v
     q, k, vv = _qkv(qo_lens, kv_lens, gen)
-    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
-                                         dtype=torch.float16, causal=True, backend="fa3", device="cpu",
-                                         params=params)
+    plan = _ragged_plan(v, qo_lens, kv_lens, params, True, "fa3")
     assert (plan.segments is not None) == segments
     if segments:
         key = made[-1]
@@ -306,19 +312,12 @@ def _batch_scaled(score, b, h, kh, q, kv, p):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fa3_requests_per_head_run_through_the_plan(cpu_fa2, monkeypatch, causal):
+def test_fa3_requests_per_head_run_through_the_plan(cpu_fa3, monkeypatch, causal):
     """A ragged FA3 batch of a mask reading the head, planned as a request per head (forced here): q gathered
     head-major, one KV head's pages through the view, logits reading the batch entry (the struct's batch index is the
     entry's, not the virtual one's), output and LSE scattered back, against the reference."""
     from fivar import AttentionVariant
-    current, made = cpu_fa2
-    setup = plans._plan_setup
-
-    def on_fa3(plan, *a):
-        out = setup(plan, *a)
-        plan.target = "fa3"
-        return out
-    monkeypatch.setattr(plans, "_plan_setup", on_fa3)
+    current, made = cpu_fa3
     chosen = []
     monkeypatch.setattr(fa3_tile_list, "head_requests_pay", lambda kinds: chosen.append(kinds.shape[1]) or True)
     gen = torch.Generator().manual_seed(7)
@@ -326,11 +325,7 @@ def test_fa3_requests_per_head_run_through_the_plan(cpu_fa2, monkeypatch, causal
     v = AttentionVariant(name="head_window_scaled", mask=m_per_head_window, logits=_batch_scaled, params=base.params)
     current[0] = v
     q, k, vv = _qkv(qo_lens, kv_lens, gen)
-    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
-                                         dtype=torch.float16, causal=causal, backend="fa3", device="cpu",
-                                         params=params)
+    plan = _ragged_plan(v, qo_lens, kv_lens, params, causal, "fa3")
     assert chosen == [4] and plan._tile_list._heads is not None
     ref, ref_lse = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, causal, params,
                                      return_lse=True)
@@ -446,11 +441,7 @@ def test_ragged_tile_list_reads_keys_as_the_largest_pages_that_align(cpu_fa2, ma
     v, qo_lens, _, params = _case(mask, gen)
     current[0] = v
     q, k, vv = _qkv(qo_lens, kv_lens, gen)
-    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    plan = attention.RaggedAttentionPlan(v, qo, kv, num_qo_heads=4, num_kv_heads=2, head_dim=16,
-                                         dtype=torch.float16, causal=False, backend="fa2", device="cpu",
-                                         params=params)
+    plan = _ragged_plan(v, qo_lens, kv_lens, params, False)
     assert plan._tile_list is not None and plan._tile_list.page == page and made[-1].tile_list
     ref = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, False, params).double()
     out = plan.run(q, k, vv).double()

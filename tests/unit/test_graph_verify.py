@@ -23,6 +23,7 @@ from fivar.testing import example_params
 
 from test_block_map import HEADS, KV_HEADS, _variant
 from test_fa3_tile_list import _ind, list_errors
+from test_serving import _tree
 
 D = 16
 BUFFERS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "blocks", "tile_keys", "cut_bits")
@@ -33,10 +34,6 @@ def interpret():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         yield
-
-
-def _tree(n: int) -> list[int]:
-    return [-1] + [random.randrange(-1, j) for j in range(1, n)]
 
 
 def _setup(name, max_batch, max_len):
