@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from ..errors import FivarError
-from ..runtime.lse import merge_states
+from ..runtime.lse import merge_into
 from ..runtime.plan_cache import PlanCache
 from ..spec.inputs import bind_params
 from .positions import KERNEL_CAUSAL, MASK_CAUSAL, global_variant, pair_causality, shifts, sink_state
@@ -298,17 +298,6 @@ def p2p_ready(group, device) -> None:
     _READY.add(g)
 
 
-def _merge_into(out, lse, o_new, lse_new) -> None:
-    """(out, lse) <- their merge with (o_new, lse_new), in place (fivar.triton_ops.merge_states on GPUs)."""
-    if out.is_cuda:
-        from ..triton_ops.merge_states import merge_into
-        merge_into(out, lse, o_new, lse_new)
-        return
-    o, s = merge_states([out, o_new.to(out.dtype)], [lse, lse_new])
-    out.copy_(o)
-    lse.copy_(s)
-
-
 class ContextParallel(torch.autograd.Function):
     """(out, lse) of this rank's queries over every rank's keys (without the sink); the backward runs each pair's
     gradients from the merged out and lse (Plan.pair_grads)."""
@@ -332,7 +321,7 @@ class ContextParallel(torch.autograd.Function):
                             out[runs[i]] = 0
                             lse[runs[i]] = -math.inf
                         o_c, lse_c = plan.pair(q[qrows], ko[kvrows], vo[kvrows], qs, ks)
-                        _merge_into(out[qrows], lse[qrows], o_c, lse_c.float())
+                        merge_into(out[qrows], lse[qrows], o_c, lse_c.float())
                     started[i] = True
             for rows, done in zip(runs, started):
                 if not done:  # the mask keeps no key of any shard for these rows

@@ -77,7 +77,8 @@ def _fa3_short(v) -> str:
         return ("fa3 prefill: tile-list form, a request per 128-row query tile over its non-empty 32-key tiles "
                 "(device block map); whole tiles unmasked, cut tiles " + _cut_tiles(v)
                 + " once per KV tile; no mask in the kernel: one module per logits and sink"
-                + ("; causal documents as segments (kCausal)" if runs_unmapped(v) else "")
+                + ("; causal documents as segments (kCausal); a non-causal prefix as rectangles (kNone) and "
+                   "triangles (kCausal), merged" if runs_unmapped(v) else "")
                 + ("; a request per head where heads differ" if fa3.mask_reads_head(v) and not reads_heads(v) else ""))
     return "fa3 prefill: " + {
         "no mask": "FlashInfer's kernel; causal skips the upper triangle; no mask",

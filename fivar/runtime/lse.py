@@ -57,6 +57,18 @@ def merge_states(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
     return merged.to(o.dtype), lse
 
 
+def merge_into(out: torch.Tensor, lse: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor) -> None:
+    """(out, lse) <- their merge with (o_new, lse_new), in place: one fused pass on a GPU
+    (fivar.triton_ops.merge_states), merge_states elsewhere."""
+    if out.is_cuda:
+        from ..triton_ops.merge_states import merge_into as fused
+        fused(out, lse, o_new, lse_new)
+        return
+    o, s = merge_states([out, o_new.to(out.dtype)], [lse, lse_new])
+    out.copy_(o)
+    lse.copy_(s)
+
+
 def _stacked(parts, what: str) -> torch.Tensor:
     """The C parts (a sequence of tensors, or one tensor [C, ...]) as one tensor, every part of one shape, floating
     dtype and device, else one line naming the part that differs (torch.stack would promote mixed dtypes)."""

@@ -91,3 +91,71 @@ def mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, nu
         kernel_arg_values(variant, bound, sm_scale), row_runs=True)
     kind = run_kind(runs)
     return ranges.cpu(), kind, {0: None, 1: runs[..., :2].contiguous(), 2: runs}[kind]
+
+
+@dataclass
+class SplitLayout:
+    """A non-causal batch whose every row keeps one run of keys [a, e) that ends past the row (e > p: a prefix-LM,
+    documents seen bidirectionally up to a bound and causally after it) as two launches of the mask-free kernel:
+    kNone over the rectangles [a, B) and kCausal over the triangles [B, p], merged by their LSEs. A launch is
+    (qo_indptr, kv_indptr) on the host, None when it has no keys; each covers every row (a request of no keys gives
+    its rows zeros and LSE -inf)."""
+    rectangles: tuple[torch.Tensor, torch.Tensor] | None
+    triangles: tuple[torch.Tensor, torch.Tensor] | None
+
+
+class _Launch:
+    """One launch's requests, built in row order: keys must not go back (a ragged request's keys are the span up to
+    the next one's), a gap of keys becomes a request of no rows."""
+
+    def __init__(self, row0: int, key0: int):
+        self.qo, self.kv, self.keys = [row0], [key0], 0
+
+    def add(self, row_end: int, lo: int, hi: int) -> bool:
+        if hi <= lo:  # rows with no key in this launch
+            lo = hi = self.kv[-1]
+        if lo < self.kv[-1]:
+            return False
+        if lo > self.kv[-1]:
+            self.qo.append(self.qo[-1]), self.kv.append(lo)
+        self.qo.append(row_end), self.kv.append(hi)
+        self.keys += hi - lo
+        return True
+
+    def indptrs(self):
+        if not self.keys:
+            return None
+        return torch.tensor(self.qo, dtype=torch.int32), torch.tensor(self.kv, dtype=torch.int32)
+
+
+def split_layout(runs: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor) -> SplitLayout | None:
+    """The rectangles and triangles of a non-causal batch, or None when the mask is not that on it. `runs` as for
+    segment_layout. Row r of a request sits at p = r + kv_len - qo_len and keeps [a0, a1): a1 = p + 1 makes it a
+    triangle row, a1 > p + 1 a rectangle row (a1 < p + 1 is neither). Consecutive rows with the same a0 form a
+    segment whose rectangle rows come first and share their a1 = B; its rectangle is [a0, B) for all its rows, its
+    triangle [B, p] (B = a0 when it has no rectangle rows)."""
+    runs = runs.cpu().long()
+    if runs.shape[-1] >= 4 and not bool((runs[..., 2] == runs[..., 3]).all()):
+        return None  # a row keeps two runs
+    if not bool((runs[:, :1, :, :2] == runs[..., :2]).all()):
+        return None  # heads keep different keys
+    qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
+    rect, tri = _Launch(int(qo_h[0]), int(kv_h[0])), _Launch(int(qo_h[0]), int(kv_h[0]))
+    for b in range(qo_h.numel() - 1):
+        qo_len, kv_len, q0, k0 = int(qo_h[b + 1] - qo_h[b]), int(kv_h[b + 1] - kv_h[b]), int(qo_h[b]), int(kv_h[b])
+        a0, a1 = runs[b, 0, :qo_len, 0], runs[b, 0, :qo_len, 1]
+        p = torch.arange(qo_len) + (kv_len - qo_len)
+        wide = a1 > p + 1
+        if not bool(((a0 < a1) & (a1 >= p + 1)).all()):
+            return None  # a row keeping no key, or ending before itself
+        start = torch.ones(qo_len, dtype=torch.bool)
+        start[1:] = (a0[1:] != a0[:-1]) | (wide[1:] & (~wide[:-1] | (a1[1:] != a1[:-1])))
+        first = torch.nonzero(start).flatten().tolist() + [qo_len]
+        for r0, r1 in zip(first[:-1], first[1:]):
+            lo, bound = int(a0[r0]), int(a1[r0]) if bool(wide[r0]) else int(a0[r0])
+            narrow = torch.nonzero(~wide[r0:r1]).flatten()
+            if narrow.numel() and int(p[r0 + int(narrow[0])]) + 1 < bound:  # a triangle row inside the rectangle
+                return None
+            if not (rect.add(q0 + r1, k0 + lo, k0 + bound) and tri.add(q0 + r1, k0 + bound, k0 + int(p[r1 - 1]) + 1)):
+                return None
+    return SplitLayout(rect.indptrs(), tri.indptrs())
