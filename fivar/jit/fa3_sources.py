@@ -18,6 +18,7 @@ def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, n
     """`variant`'s (the struct's: `user_variant` or the shared bits_kernel, `shared`) FA3 module of form `key`;
     `given`: the asked config, resolved here by fa3.kernel_config (tiles, schedules, exp2 split, softmax range)."""
     from flashinfer.jit.core import sm90a_nvcc_flags
+    from flashinfer.jit.utils import mask_mode_literal
 
     op, head_dim = key.op, key.head_dim
     # the tile-list form evaluates no mask per score: its MUFU ops do not count (the user's variant: its errors
@@ -41,6 +42,9 @@ def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, n
         if key.tile_list:  # the per-head paged kernel alone (fa3/tile_list_unit.cu.jinja), stubs for the rest
             if "paged" in inst_t:
                 sources[f"{stem}_mask_0.cu"] = fa3.render("fa3/tile_list_unit.cu.jinja", **kwargs)
+        elif key.mask_free and "paged" in inst_t:  # it runs ragged requests alone (fivar.runtime.segments)
+            sources[f"{stem}_stubs.cu"] = fa3.render("fa3/paged_stubs_unit.cu.jinja", mask_modes=[
+                mask_mode_literal[fa2.MASK_CODES[m]] for m in modes], **kwargs)
         elif tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
             sources.update(fa3.single_prefill_kernel_units(stem, tiles, schedules, head_dim, **kwargs))
         else:
