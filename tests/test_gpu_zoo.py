@@ -89,3 +89,31 @@ def test_zoo_per_head_windows_on_fa3(causal):
         r = compare("per_head_window", f"per-head windows, request {b}", out[s:e], ref, torch.bfloat16)
         assert r.passed, r
         assert torch.allclose(lse[s:e].float(), ref_lse.float(), atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_zoo_prefix_lm_as_rectangles_and_triangles_on_fa3():
+    """A non-causal prefix-LM batch on FA3: the mask-free kernel's kNone rectangles and kCausal triangles merged by
+    LSE. Prefixes of no key, one key, past every key (the triangle request has no keys: its rows are zeros, -inf)
+    and inside; requests of one row and with more keys than rows; output and LSE against the reference, planned and
+    one-shot."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FA3 needs Hopper")
+    from fivar.testing import _ragged_reference
+    torch.manual_seed(4)
+    v = load_file(zoo_dir() / "prefix_lm.py")
+    hq, qo_lens, kv_lens = 8, [300, 1, 129, 77, 500], [300, 40, 260, 77, 700]
+    params = {"prefix_len": torch.tensor([0, 1, 999, 30, 333], dtype=torch.int32, device="cuda")}
+    qo = torch.tensor([0] + qo_lens, device="cuda").cumsum(0).to(torch.int32)
+    kv = torch.tensor([0] + kv_lens, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(qo_lens), hq, 128, dtype=torch.bfloat16, device="cuda")
+    k, vv = (torch.randn(sum(kv_lens), 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    ref, ref_lse = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, False, params, return_lse=True)
+    plan = v.plan_ragged(qo, kv, num_qo_heads=hq, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                         backend="fa3", **params)
+    assert plan.segments is not None and plan._merged is not None  # both launches
+    for out, lse in (plan.run(q, k, vv, return_lse=True),
+                     v.batch_prefill_ragged(q, k, vv, qo, kv, backend="fa3", return_lse=True, **params)):
+        r = compare("prefix_lm", "fa3 rectangles + triangles", out, ref, torch.bfloat16)
+        assert r.passed, r
+        assert torch.allclose(lse.float(), ref_lse.float(), atol=2e-2, rtol=0)
