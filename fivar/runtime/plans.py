@@ -8,7 +8,7 @@ import types
 import torch
 
 from ..codegen import fa2
-from ..codegen.tile_list import runs_unmapped
+from ..codegen.tile_list import runs_split, runs_unmapped
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
@@ -403,7 +403,7 @@ class RaggedAttentionPlan(_OwnsWrapper):
         keep one run ending at or past themselves (a prefix-LM) as rectangles and triangles (segments.split_layout).
         False when the mask is more than that on this batch."""
         fa2_form = target_of(self.target).runs_key_segments
-        if not causal and fa2_form:
+        if not causal and (fa2_form or not runs_split(variant)):
             return False
         max_qo_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
         _, kind, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads,
@@ -439,6 +439,8 @@ class RaggedAttentionPlan(_OwnsWrapper):
                        sm_scale)
         launches = [(indptrs, causal) for indptrs, causal in ((layout.triangles, True), (layout.rectangles, False))
                     if indptrs is not None]
+        if not launches:  # no query rows
+            return False
         wrappers = []
         for (qo, kv), causal in launches:
             w = take_wrapper("ragged", fmod, self.device, False)

@@ -311,14 +311,15 @@ def test_fa3_runs_documents_as_segments_on_the_logits_alone(cpu_fa3, mask, segme
 @pytest.mark.parametrize("mask,launches", [(m_prefix_lm, ({True, False}, set())), (m_document, ({False}, set())),
                                            (m_document_causal, ({True}, {False})), (m_sinks_window, None)],
                          ids=lambda x: getattr(x, "__name__", str(x)))
-def test_fa3_runs_a_non_causal_prefix_as_rectangles_and_triangles(cpu_fa3, mask, launches):
+@pytest.mark.parametrize("seed", range(3))
+def test_fa3_runs_a_non_causal_prefix_as_rectangles_and_triangles(cpu_fa3, mask, launches, seed):
     """FA3, not causal: rows keeping one run that ends at or past themselves (a prefix-LM, documents seen both ways
     or causally) run on the logits' mask-free kernel as a kCausal launch of triangles and a kNone launch of
     rectangles, merged by LSE; out and LSE equal the reference's, with every random draw of the batch."""
     current, made = cpu_fa3
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    gen = torch.Generator().manual_seed(20 + seed)
     v, qo_lens, kv_lens, params = _case(mask, gen)
-    params["prefix"] = torch.randint(1, 60, (3,), generator=gen).to(torch.int32)
+    params["prefix"] = torch.randint(2, 60, (3,), generator=gen).to(torch.int32)  # request 0 keeps a rectangle
     current[0] = v
     q, k, vv = _qkv(qo_lens, kv_lens, gen)
     plan = _ragged_plan(v, qo_lens, kv_lens, params, False, "fa3")
@@ -335,6 +336,39 @@ def test_fa3_runs_a_non_causal_prefix_as_rectangles_and_triangles(cpu_fa3, mask,
     assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
     assert torch.allclose(lse.double(), ref_lse.double(), atol=1e-3)
     assert torch.allclose(plan.run(q, k, vv).double(), out.double())
+
+
+def _prefix_lm_with(**extra):
+    from fivar import AttentionVariant, Tensor
+    from test_sparsity import _params
+    params = {**_params(), "sinks": Tensor("float32", ("qo_head",))} if "sink" in extra else _params()
+    name = "prefix_lm_" + "_".join(sorted(extra))
+    return AttentionVariant(name=name, mask=m_prefix_lm, params=params, **extra)
+
+
+@pytest.mark.parametrize("extra", [dict(sink=lambda qo_head, params: params.sinks[qo_head]), dict(softmax=False)],
+                         ids=["sink", "no softmax"])
+def test_fa3_keeps_a_prefix_with_a_sink_or_no_softmax_in_the_tile_list(cpu_fa3, extra):
+    """Rectangles and triangles merge by LSE, once per row: a sink would join each launch's denominator, and without a
+    softmax there is no LSE to merge by; such a prefix-LM runs in the tile list."""
+    current, made = cpu_fa3
+    v = _prefix_lm_with(**extra)
+    current[0] = v
+    gen = torch.Generator().manual_seed(7)
+    _, qo_lens, kv_lens, params = _case(m_prefix_lm, gen)
+    if "sink" in extra:
+        params["sinks"] = torch.randn(4, generator=gen)
+    plan = _ragged_plan(v, qo_lens, kv_lens, params, False, "fa3")
+    assert plan.segments is None and plan._merged is None and plan._tile_list is not None
+
+
+def test_fa3_plans_a_non_causal_prefix_batch_of_no_rows(cpu_fa3):
+    """Every request empty of queries: no launch has rows, and the plan does not take the split layout."""
+    current, made = cpu_fa3
+    current[0] = v = _variant(m_prefix_lm)
+    _, _, _, params = _case(m_prefix_lm, torch.Generator().manual_seed(8))
+    plan = _ragged_plan(v, [0, 0, 0], [37, 90, 150], params, False, "fa3")
+    assert plan._merged is None
 
 
 def _batch_scaled(score, b, h, kh, q, kv, p):
@@ -514,6 +548,43 @@ def test_split_layout_computes_exactly_the_kept_pairs(mask, seed):
     tri = _launch_keeps(layout.triangles, True, *want.shape)
     assert not bool((rect & tri).any())
     assert torch.equal(rect | tri, want)
+
+
+def _one_request_runs(a0, a1):
+    """The pre-pass's runs ([1, 1, rows, 2]) of one request whose rows keep [a0[r], a1[r])."""
+    return torch.tensor([a0, a1], dtype=torch.int32).T.reshape(1, 1, -1, 2)
+
+
+#: four rows over 12 keys sit at positions 8..11
+@pytest.mark.parametrize("a0,a1,kv_len", [
+    ([0, 0, 0, 0], [11, 12, 11, 12], 12),  # rectangle rows of growing bounds (11, 12): overlapping rectangles
+    ([0, 0, 0, 0], [11, 10, 11, 12], 12),  # a triangle row (p = 9) inside its segment's rectangle [0, 11)
+    ([0, 0, 0, 0], [11, 9, 11, 12], 12),   # a row ending before itself
+])
+def test_split_layout_refuses_what_two_launches_cannot_compute(a0, a1, kv_len):
+    """Rows whose runs are not one rectangle then one triangle per segment give no layout, and a layout given for
+    them would compute other pairs than they keep (checked against the brute force when one is given)."""
+    from fivar.runtime.segments import split_layout
+    rows = len(a0)
+    qo, kv = torch.tensor([0, rows], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32)
+    assert split_layout(_one_request_runs(a0, a1), qo, kv) is None
+
+
+def test_split_layout_splits_a_rectangle_then_a_triangle_and_a_new_bound():
+    """Rows keeping [0, 6) then [0, p] (p >= 5), then a segment starting at 6: its rows keep [6, 9) then [6, p]."""
+    from fivar.runtime.segments import split_layout
+    kv_len, rows = 12, 12
+    p = list(range(rows))
+    a0 = [0] * 6 + [6] * 6
+    a1 = [6, 6, 6, 6, 6, 6, 9, 9, 9, 10, 11, 12]
+    layout = split_layout(_one_request_runs(a0, a1), torch.tensor([0, rows]), torch.tensor([0, kv_len]))
+    want = torch.zeros(rows, kv_len, dtype=torch.bool)
+    for r in range(rows):
+        want[r, a0[r]:a1[r]] = True
+    assert p[5] + 1 == a1[5]
+    rect = _launch_keeps(layout.rectangles, False, rows, kv_len)
+    tri = _launch_keeps(layout.triangles, True, rows, kv_len)
+    assert not bool((rect & tri).any()) and torch.equal(rect | tri, want)
 
 
 @pytest.mark.parametrize("kv_lens,page", [([48, 80, 160], 16), ([40, 88, 152], 8), ([38, 90, 150], 2)])
