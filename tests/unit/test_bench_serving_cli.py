@@ -54,12 +54,14 @@ def test_mixed_runs_the_mixed_cases_with_the_contenders_asked_for(ran, tmp_path)
     assert r.exit_code == 0, r.output
     names = [c.name for c in ran["cases"]]
     assert names == ["document_mask mixed 2 chunks + 30 decodes x32 ctx8192",
-                     "document_mask mixed 4 chunks + 28 decodes x32 ctx8192"]
+                     "document_mask mixed 4 chunks + 28 decodes x32 ctx8192",
+                     "document_mask mixed 4 x 2048 + 64 decodes x68 ctx8192"]
     assert ran["cases"][1].shape["chunks"] == [[0, 512], [2048, 1024], [4096, 1536], [6144, 2048]]
+    assert ran["cases"][2].shape["batch"] == 68 and ran["cases"][2].shape["decodes"] == 64
     assert all(c.shape["page_size"] == 16 and c.shape["heads"] == "32/8" and c.op == "mixed" for c in ran["cases"])
     assert ran["selected"] == {"fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned", "triton"}
     rows = json.loads(path.read_text())
-    assert len(rows) == 6 and {r["case"] for r in rows} == set(names)
+    assert len(rows) == 9 and {r["case"] for r in rows} == set(names)
 
 
 def test_params_set_on_the_command_line_reach_the_cases(ran):

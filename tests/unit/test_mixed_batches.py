@@ -239,7 +239,7 @@ def test_the_suites_mixed_step_its_check_and_its_flex_contender(monkeypatch, nam
                         ("DTYPE", torch.float16)):
         monkeypatch.setattr(serving, attr, value)
     torch.manual_seed(zlib.crc32(name.encode()))
-    v, t, params = serving._mixed_problem(name, ((0, 19), (9, 30)), device="cpu")
+    v, t, params = serving._mixed_problem(name, ((0, 19), (9, 30)), 3, device="cpu")
     assert t["decodes"] == 3 and t["new"] == [1, 1, 1, 19, 30] and t["kv"] == [40, 40, 40, 19, 39]
     check = serving._mixed_check(v, t, params)
     twin = lambda: v.batch_prefill_paged(t["q"], t["cache"], *t["step"], causal=True, backend="triton",  # noqa: E731

@@ -10,8 +10,8 @@ BatchPrefillWithPagedKVCacheWrapper with the same mask and `logits_soft_cap` / `
 the variant: not for the sink) and `flex` (FlexAttention over the batch gathered dense, its block mask from the
 variant's mask and the custom mask; no sink either). Ratios against stock, else the Triton twin.
 
-Mixed steps (op "mixed"): batch 32, two or four prefill chunks of 512-2048 tokens (some after a cached prefix) beside
-decodes over 8192 keys, in one paged batch (fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window,
+Mixed steps (op "mixed"): two or four prefill chunks of 512-2048 tokens (some after a cached prefix) beside
+decodes over 8192 keys to 32 requests, and four 2048-token chunks beside 64 decodes, in one paged batch (fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window,
 gpt-oss and documents. Contenders `fivar-fa3`, `fivar-fa3-planned` and `triton` run the step in one call; `stock`
 runs it as an engine without mixed batches does, FlashInfer's decode wrapper over the decodes and its paged prefill
 wrapper over the chunks (soft-cap and the window); `flex`, where stock cannot compute the variant (documents; no
@@ -195,36 +195,39 @@ def _case(name: str, drafts: int, form: str, overrides: dict | None = None) -> C
 
 # ------------------------------------------------------------------------------------------------ mixed steps
 
-#: a mixed step's prefill chunks, (cached prefix, new tokens) each, beside decodes over CONTEXT keys to BATCH requests
-MIXED = {"2 chunks": ((0, 2048), (6144, 2048)),
-         "4 chunks": ((0, 512), (2048, 1024), (4096, 1536), (6144, 2048))}
+#: a mixed step: its prefill chunks, (cached prefix, new tokens) each, and how many decodes over CONTEXT keys beside
+#: them (the last: four 2048-token chunks of 8192-token prompts beside 64 decodes)
+MIXED = {"2 chunks": (((0, 2048), (6144, 2048)), BATCH - 2),
+         "4 chunks": (((0, 512), (2048, 1024), (4096, 1536), (6144, 2048)), BATCH - 4),
+         "4 x 2048": (((0, 2048), (2048, 2048), (4096, 2048), (6144, 2048)), 64)}
 MIXED_VARIANTS = {"softcap": {}, "sliding_window": {"window": 512}, "gpt_oss": {"window": 128}, "document_mask": {}}
 
 
-def _mixed_problem(name: str, chunks, overrides: dict | None = None, device="cuda"):
+def _mixed_problem(name: str, chunks, decodes: int, overrides: dict | None = None, device="cuda"):
     """The step in an engine's order (decodes first, then the chunks), over a shuffled page pool."""
     import fivar
     from ...integrations.serving import mixed_step
     from ...testing import example_params
     v = fivar.load(name)
     hq, hkv = HEADS
-    decodes = BATCH - len(chunks)
+    batch = decodes + len(chunks)
     cached = [CONTEXT - 1] * decodes + [c for c, _ in chunks]
     new = [1] * decodes + [n for _, n in chunks]
     kv = [c + n for c, n in zip(cached, new)]
     n_pages = [-(-n // PAGE) for n in kv]
     perm = torch.randperm(sum(n_pages), device=device).to(torch.int32)
-    table = torch.zeros(BATCH, max(n_pages), dtype=torch.int32, device=device)
+    table = torch.zeros(batch, max(n_pages), dtype=torch.int32, device=device)
     at = 0
     for b, n in enumerate(n_pages):
         table[b, :n] = perm[at:at + n]
         at += n
     cache = tuple(torch.randn(sum(n_pages), PAGE, hkv, HEAD_DIM, dtype=DTYPE, device=device) for _ in range(2))
     q = torch.randn(sum(new), hq, HEAD_DIM, dtype=DTYPE, device=device)
-    params = {**example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=BATCH, max_len=max(kv),
+    params = {**example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=batch, max_len=max(kv),
                                device=device), **MIXED_VARIANTS.get(name, {}), **(overrides or {})}
     step = mixed_step(cached, new, table, PAGE, device=device)
-    return v, dict(q=q, cache=cache, table=table, step=step, cached=cached, new=new, kv=kv, decodes=decodes), params
+    return v, dict(q=q, cache=cache, table=table, step=step, cached=cached, new=new, kv=kv, decodes=decodes,
+                   batch=batch), params
 
 
 def _mixed_contenders(v, t, params) -> list[Contender]:
@@ -284,11 +287,12 @@ def _mixed_flex(v, t, params, compiled: bool = True):
     hq, hkv = HEADS
     sm_scale = HEAD_DIM ** -0.5
     dev = t["q"].device
+    batch = t["batch"]
     score_inner, mask_inner = flex_mods(v, params, qo_len=1, kv_len=1, num_qo_heads=hq, num_kv_heads=hkv,
-                                        sm_scale=sm_scale, causal=True, device=dev, batch_size=BATCH)
+                                        sm_scale=sm_scale, causal=True, device=dev, batch_size=batch)
     new, kv, cached = t["new"], t["kv"], t["cached"]
-    q_req = torch.repeat_interleave(torch.arange(BATCH, device=dev), torch.tensor(new, device=dev))
-    kv_req = torch.repeat_interleave(torch.arange(BATCH, device=dev), torch.tensor(kv, device=dev))
+    q_req = torch.repeat_interleave(torch.arange(batch, device=dev), torch.tensor(new, device=dev))
+    kv_req = torch.repeat_interleave(torch.arange(batch, device=dev), torch.tensor(kv, device=dev))
     q_pos = torch.cat([torch.arange(c, c + n, device=dev) for c, n in zip(cached, new)])
     kv_pos = torch.cat([torch.arange(n, device=dev) for n in kv])
     pages = torch.cat([t["table"][b, :-(-n // PAGE)] for b, n in enumerate(kv)]).long()
@@ -321,7 +325,7 @@ def _mixed_check(v, t, params):
     """The first decode and every chunk against the reference."""
     from ...codegen.torch_ref import reference_attention
     qo, table = t["step"].qo_indptr.tolist(), t["table"]
-    check_rows = [0] + list(range(t["decodes"], BATCH))
+    check_rows = [0] + list(range(t["decodes"], t["batch"]))
 
     def check(c: Contender):
         out = c.fn()
@@ -331,7 +335,7 @@ def _mixed_check(v, t, params):
             pages = table[b, :-(-n // PAGE)].long()
             k, vv = (x[pages].reshape(-1, HEADS[1], HEAD_DIM)[:n] for x in t["cache"])
             refs.append(reference_attention(v, t["q"][qo[b]:qo[b + 1]], k, vv, causal=True, params=params,
-                                            batch_idx=b, batch_size=BATCH))
+                                            batch_idx=b, batch_size=t["batch"]))
             outs.append(out[qo[b]:qo[b + 1]])
         return compare(v.name, f"{c.name} a decode and the chunks", torch.cat(outs), torch.cat(refs), DTYPE)
     return check
@@ -346,10 +350,11 @@ def _mixed_modules(name: str):
 
 
 def _mixed_case(name: str, label: str, overrides: dict | None = None) -> Case:
-    chunks = MIXED[label]
+    chunks, decodes = MIXED[label]
+    batch = decodes + len(chunks)
 
     def prepare() -> Prepared:
-        v, t, params = _mixed_problem(name, chunks, overrides)
+        v, t, params = _mixed_problem(name, chunks, decodes, overrides)
         hq, hkv = HEADS
         # pairs causal keeps (the variant's own mask not counted): a decode its keys, a chunk's row its prefix
         pairs = sum(c * n + n * (n + 1) // 2 for c, n in zip(t["cached"], t["new"]))
@@ -357,10 +362,10 @@ def _mixed_case(name: str, label: str, overrides: dict | None = None) -> Case:
         return Prepared(_mixed_contenders(v, t, params), _mixed_check(v, t, params), flops=4.0 * pairs * hq * HEAD_DIM,
                         nbytes=nbytes, memory_bound=False,
                         detail={"chunks": [n for _, n in chunks], "decodes": t["decodes"]})
-    shape = {"seqlen": CONTEXT, "batch": BATCH, "chunks": [list(c) for c in chunks], "decodes": BATCH - len(chunks),
+    shape = {"seqlen": CONTEXT, "batch": batch, "chunks": [list(c) for c in chunks], "decodes": decodes,
              "heads": f"{HEADS[0]}/{HEADS[1]}", "head_dim": HEAD_DIM, "dtype": "bf16", "causal": True,
              "page_size": PAGE}
-    return Case("serving", f"{name} mixed {label} + {BATCH - len(chunks)} decodes x{BATCH} ctx{CONTEXT}", "mixed",
+    return Case("serving", f"{name} mixed {label} + {decodes} decodes x{batch} ctx{CONTEXT}", "mixed",
                 shape, prepare, baseline=("stock", "flex", "triton"), modules=lambda: _mixed_modules(name))
 
 
