@@ -149,7 +149,7 @@ def test_a_step_past_a_limit_is_one_line_and_writes_nothing():
     tiles.plan(*step.args, **step.mask)
     before = _snapshot(tiles)
     for big, limit in ((Step(5, 4, 10, 16), "max_batch=4 (5)"), (Step(2, 0, 10, 16, qo=[3, 13]), "max_qo_len=12 (13)"),
-                       (Step(4, 12, 0, 16, prefixes=[90] * 4), "max_pages=24")):
+                       (Step(4, 12, 0, 16, prefixes=[100] * 4), "max_pages=24")):  # 7 pages each
         with pytest.raises(fivar.FivarError) as e:
             tiles.plan(*big.args, **big.mask)
         _one_line(e, "softcap", limit)

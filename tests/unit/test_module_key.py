@@ -28,8 +28,8 @@ PINNED = {
     ("document_window", "batch_prefill", "fa2", (("custom_mask", True),)):
         "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_069b74a36548",
     ("document_window", "batch_prefill", "fa3", (("custom_mask", True),)):
-        "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_f517557877b2",
-    ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_f517557877b2",
+        "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_ed6ee3400f1f",
+    ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_ed6ee3400f1f",
     ("sliding_window", "batch_decode", "fa2", (("kv_dtype", "fp8e4m3"),)):
         "fivar_sliding_window_fa2_batch_decode_kvfp8e4m3_bf16_hd128_25058f85a18d",
     ("sliding_window", "batch_decode", "fa2", (("kv_segments", True),)):
