@@ -11,8 +11,8 @@ the variant: not for the sink) and `flex` (FlexAttention over the batch gathered
 variant's mask and the custom mask; no sink either). Ratios against stock, else the Triton twin.
 
 Mixed steps (op "mixed"): two or four prefill chunks of 512-2048 tokens (some after a cached prefix) beside
-decodes over 8192 keys to 32 requests, and four 2048-token chunks beside 64 decodes, in one paged batch (fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window,
-gpt-oss and documents. Contenders `fivar-fa3`, `fivar-fa3-planned` and `triton` run the step in one call; `stock`
+decodes over 8192 keys to 32 requests, and four 2048-token chunks beside 64 decodes, in one paged batch
+(fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window, gpt-oss and documents. Contenders `fivar-fa3`, `fivar-fa3-planned` and `triton` run the step in one call; `stock`
 runs it as an engine without mixed batches does, FlashInfer's decode wrapper over the decodes and its paged prefill
 wrapper over the chunks (soft-cap and the window); `flex`, where stock cannot compute the variant (documents; no
 sink), runs the step packed into one sequence.
