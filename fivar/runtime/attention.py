@@ -94,23 +94,28 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
                        lengths=(q.shape[0], k.shape[0]))
     mask_mode = _codegen(target).runtime_mask_code(variant, causal)
     non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
+    from flashinfer.utils import SINGLE_KERNEL_TMP_SIZE, TensorLayout
+
+    # the module's run as FlashInfer's single_prefill_with_kv_cache_with_jit_module calls it (its arguments checked
+    # by flashinfer_compat), into `out` itself where it can take it: no copy of the output; one workspace for every
+    # launch of a wave split (FlashInfer 0.7's sm90 single prefill never touches it)
+    tmp = torch.empty(SINGLE_KERNEL_TMP_SIZE, dtype=torch.uint8, device=q.device)
+
+    def launch(q_, k_, v_, o_, lse_):
+        module.run(q_, k_, v_, tmp, o_, lse_, mask_mode, TensorLayout.NHD.value, window_left, *args)
     if target_of(target).splits_waves and not return_lse and \
             wave_split.applies(variant, causal, window_left, non_causal_schedule):
         tile = fa3.non_causal_tile(fmod.options.get("cta_tile"), q.shape[-1], q.shape[0])
         split = wave_split.plan_for(variant, q, k, tile)
         if split is not None:
-            from flashinfer.utils import SINGLE_KERNEL_TMP_SIZE, TensorLayout
-
-            # one workspace for every launch: FlashInfer 0.7's sm90 single prefill never touches it
-            tmp = torch.empty(SINGLE_KERNEL_TMP_SIZE, dtype=torch.uint8, device=q.device)
-
-            def launch(q_, k_, v_, o_, lse_):
-                module.run(q_, k_, v_, tmp, o_, lse_, mask_mode, TensorLayout.NHD.value, window_left, *args)
             return wave_split.run(launch, q, k, v, out if out is not None else torch.empty_like(q), split, tile[1])
-    from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
-    o = single_prefill_with_kv_cache_with_jit_module(module, q, k, v, *args, kv_layout="NHD", mask_mode=mask_mode,
-                                                     window_left=window_left, return_lse=return_lse)
-    return _into(out, o, return_lse)
+    shape = q.shape[:-1] + v.shape[-1:]
+    direct = out is not None and out.shape == shape and out.dtype == q.dtype and out.device == q.device and \
+        out.is_contiguous()
+    o = out if direct else torch.empty(shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    launch(q, k, v, o, lse)
+    return _into(None if direct else out, (o, lse) if return_lse else o, return_lse)
 
 
 # --- batch entry points: FlashInfer's own wrappers plan and launch, running fivar's module -------------
