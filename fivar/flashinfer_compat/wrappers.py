@@ -98,8 +98,10 @@ COUPLINGS = [
              "_jit_additional_tensor_names, ...) that its jit_args path sets",
              "batch prefill and decode on fivar's modules", "none: the batch entry points refuse to run",
              attach_problem, required=True),
-    Coupling("fa3_wave_split_launch", "a single-prefill module's run(...) argument order",
-             "the FA3 single-prefill last-wave split", "the last wave runs unsplit", single_prefill_run_problem),
+    Coupling("single_prefill_run", "a single-prefill module's run(...) argument order",
+             "single prefill writing into the caller's `out` itself; the FA3 single-prefill last-wave split",
+             "FlashInfer's single_prefill_with_kv_cache_with_jit_module and a copy into `out`; the last wave runs "
+             "unsplit", single_prefill_run_problem),
     Coupling("paged_run_direct", "BatchPrefillWithPagedKVCacheWrapper.run's call of its module's paged_run "
              "(argument order, log2 LSE)",
              "planned paged runs and one-shot decode without the wrapper's per-call Python",

@@ -109,13 +109,28 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         split = wave_split.plan_for(variant, q, k, tile)
         if split is not None:
             return wave_split.run(launch, q, k, v, out if out is not None else torch.empty_like(q), split, tile[1])
+    from ..flashinfer_compat import active
+    if not active("single_prefill_run"):  # the run's arguments changed: FlashInfer's helper, and a copy
+        from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
+        return _into(out, single_prefill_with_kv_cache_with_jit_module(
+            module, q, k, v, *args, kv_layout="NHD", mask_mode=mask_mode, window_left=window_left,
+            return_lse=return_lse), return_lse)
     shape = q.shape[:-1] + v.shape[-1:]
+    # an `out` sharing memory with q, k or v is written after the kernel, which reads them all the while
     direct = out is not None and out.shape == shape and out.dtype == q.dtype and out.device == q.device and \
-        out.is_contiguous()
+        out.is_contiguous() and not _shares_storage(out, q, k, v)
     o = out if direct else torch.empty(shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     launch(q, k, v, o, lse)
-    return _into(None if direct else out, (o, lse) if return_lse else o, return_lse)
+    if direct:
+        torch.autograd.graph.increment_version(out)  # written through its pointer: autograd must see it
+        return (out, lse) if return_lse else out
+    return _into(out, (o, lse) if return_lse else o, return_lse)
+
+
+def _shares_storage(out: torch.Tensor, *tensors) -> bool:
+    storage = out.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == storage for t in tensors)
 
 
 # --- batch entry points: FlashInfer's own wrappers plan and launch, running fivar's module -------------

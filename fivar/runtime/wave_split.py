@@ -54,7 +54,7 @@ def applies(variant, causal: bool, window_left: int, schedule: str = "grid") -> 
             or variant.sink is not None:  # each launch over a slice of the keys would add the sink again
         return False
     from ..flashinfer_compat import active
-    if not (active("fa3_wave_split_launch") and active("fa3_flashinfer_tiles")):  # launches and plans as FlashInfer
+    if not (active("single_prefill_run") and active("fa3_flashinfer_tiles")):  # launches and plans as FlashInfer
         return False
     return low.logits is None or ir.uses(low.logits) <= {"score", *(f"params.{n}" for n in variant.scalar_params)}
 

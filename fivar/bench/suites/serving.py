@@ -12,9 +12,10 @@ variant's mask and the custom mask; no sink either). Ratios against stock, else 
 
 Mixed steps (op "mixed"): two or four prefill chunks of 512-2048 tokens (some after a cached prefix) beside
 decodes over 8192 keys to 32 requests, and four 2048-token chunks beside 64 decodes, in one paged batch
-(fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window, gpt-oss and documents. Contenders `fivar-fa3`, `fivar-fa3-planned` and `triton` run the step in one call; `stock`
-runs it as an engine without mixed batches does, FlashInfer's decode wrapper over the decodes and its paged prefill
-wrapper over the chunks (soft-cap and the window); `flex`, where stock cannot compute the variant (documents; no
+(fivar.integrations.serving.mixed_step), causal; soft-cap, sliding window, gpt-oss and documents. Contenders
+`fivar-fa3`, `fivar-fa3-planned` and `triton` run the step in one call; `stock` runs it as an engine without
+mixed batches does, FlashInfer's decode wrapper over the decodes and its paged prefill wrapper over the chunks
+(soft-cap and the window); `flex`, where stock cannot compute the variant (documents; no
 sink), runs the step packed into one sequence.
 Ratios against stock, else Flex, else the Triton twin.
 """
