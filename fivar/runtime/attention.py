@@ -94,11 +94,16 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
                        lengths=(q.shape[0], k.shape[0]))
     mask_mode = _codegen(target).runtime_mask_code(variant, causal)
     non_causal_schedule = fmod.options.get("schedule", "grid").split(",")[0]
+    from ..flashinfer_compat import active
+    if not active("single_prefill_run"):  # FlashInfer changed the run's arguments: its own helper, and a copy
+        from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
+        return _into(out, single_prefill_with_kv_cache_with_jit_module(
+            module, q, k, v, *args, kv_layout="NHD", mask_mode=mask_mode, window_left=window_left,
+            return_lse=return_lse), return_lse)
     from flashinfer.utils import SINGLE_KERNEL_TMP_SIZE, TensorLayout
 
-    # the module's run as FlashInfer's single_prefill_with_kv_cache_with_jit_module calls it (its arguments checked
-    # by flashinfer_compat), into `out` itself where it can take it: no copy of the output; one workspace for every
-    # launch of a wave split (FlashInfer 0.7's sm90 single prefill never touches it)
+    # the module's run as FlashInfer's helper calls it, into `out` itself where it can take it (no copy of the
+    # output); one workspace for every launch of a wave split (FlashInfer 0.7's sm90 single prefill never touches it)
     tmp = torch.empty(SINGLE_KERNEL_TMP_SIZE, dtype=torch.uint8, device=q.device)
 
     def launch(q_, k_, v_, o_, lse_):
@@ -109,12 +114,6 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         split = wave_split.plan_for(variant, q, k, tile)
         if split is not None:
             return wave_split.run(launch, q, k, v, out if out is not None else torch.empty_like(q), split, tile[1])
-    from ..flashinfer_compat import active
-    if not active("single_prefill_run"):  # the run's arguments changed: FlashInfer's helper, and a copy
-        from flashinfer.prefill import single_prefill_with_kv_cache_with_jit_module
-        return _into(out, single_prefill_with_kv_cache_with_jit_module(
-            module, q, k, v, *args, kv_layout="NHD", mask_mode=mask_mode, window_left=window_left,
-            return_lse=return_lse), return_lse)
     shape = q.shape[:-1] + v.shape[-1:]
     # an `out` sharing memory with q, k or v is written after the kernel, which reads them all the while
     direct = out is not None and out.shape == shape and out.dtype == q.dtype and out.device == q.device and \
@@ -124,8 +123,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
     launch(q, k, v, o, lse)
     if direct:
         torch.autograd.graph.increment_version(out)  # written through its pointer: autograd must see it
-        return (out, lse) if return_lse else out
-    return _into(out, (o, lse) if return_lse else o, return_lse)
+    return _into(None if direct else out, (o, lse) if return_lse else o, return_lse)
 
 
 def _shares_storage(out: torch.Tensor, *tensors) -> bool:

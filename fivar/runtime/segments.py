@@ -36,22 +36,31 @@ class SegmentLayout:
 
 
 
+def _one_run_a_row(runs: torch.Tensor) -> torch.Tensor | None:
+    """The pre-pass's row runs ([batch, heads, rows, 2 or 4]) as [batch, rows, 2] on the host, or None when a row
+    keeps two runs or the heads keep different keys (a segment is the batch's, not a head's)."""
+    runs = runs.cpu().long()
+    if runs.shape[-1] >= 4 and not bool((runs[..., 2] == runs[..., 3]).all()):
+        return None
+    if not bool((runs[:, :1, :, :2] == runs[..., :2]).all()):
+        return None
+    return runs[:, 0, :, :2]
+
+
 def segment_layout(runs: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor) -> SegmentLayout | None:
     """The segments of a causal batch, or None when the mask is not segments on it. `runs`: the mask pre-pass's
     row runs ([batch, heads, max_qo_len, 2 or 4], relative to each request's keys, causal not applied). Row r of a
     request sits at p = r + kv_len - qo_len; it is in a segment when every head keeps one run of keys [a0, a1) with
     a0 <= p < a1, so that causal leaves it [a0, p]. Consecutive rows with the same a0 form one segment; a new
     segment must start at its first row's own position (a0 = p), so that the segments' keys do not overlap."""
-    runs = runs.cpu().long()
-    if runs.shape[-1] >= 4 and not bool((runs[..., 2] == runs[..., 3]).all()):
-        return None  # a row keeps two runs
-    if not bool((runs[:, :1, :, :2] == runs[..., :2]).all()):
-        return None  # heads keep different keys
+    runs = _one_run_a_row(runs)
+    if runs is None:
+        return None
     qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
     q_rows, kv_keys, batch, first_key = [0], [int(kv_h[0])], [], []
     for b in range(qo_h.numel() - 1):
         qo_len, kv_len = int(qo_h[b + 1] - qo_h[b]), int(kv_h[b + 1] - kv_h[b])
-        a0, a1 = runs[b, 0, :qo_len, 0], runs[b, 0, :qo_len, 1]
+        a0, a1 = runs[b, :qo_len, 0], runs[b, :qo_len, 1]
         p = torch.arange(qo_len) + (kv_len - qo_len)
         if not bool(((a0 <= p) & (p < a1)).all()):
             return None
@@ -134,16 +143,14 @@ def split_layout(runs: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.T
     triangle row, a1 > p + 1 a rectangle row (a1 < p + 1 is neither). Consecutive rows with the same a0 form a
     segment whose rectangle rows come first and share their a1 = B; its rectangle is [a0, B) for all its rows, its
     triangle [B, p] (B = a0 when it has no rectangle rows)."""
-    runs = runs.cpu().long()
-    if runs.shape[-1] >= 4 and not bool((runs[..., 2] == runs[..., 3]).all()):
-        return None  # a row keeps two runs
-    if not bool((runs[:, :1, :, :2] == runs[..., :2]).all()):
-        return None  # heads keep different keys
+    runs = _one_run_a_row(runs)
+    if runs is None:
+        return None
     qo_h, kv_h = qo_indptr.long().cpu(), kv_indptr.long().cpu()
     rect, tri = _Launch(int(qo_h[0]), int(kv_h[0])), _Launch(int(qo_h[0]), int(kv_h[0]))
     for b in range(qo_h.numel() - 1):
         qo_len, kv_len, q0, k0 = int(qo_h[b + 1] - qo_h[b]), int(kv_h[b + 1] - kv_h[b]), int(qo_h[b]), int(kv_h[b])
-        a0, a1 = runs[b, 0, :qo_len, 0], runs[b, 0, :qo_len, 1]
+        a0, a1 = runs[b, :qo_len, 0], runs[b, :qo_len, 1]
         p = torch.arange(qo_len) + (kv_len - qo_len)
         wide = a1 > p + 1
         if not bool(((a0 < a1) & (a1 >= p + 1)).all()):
