@@ -167,7 +167,8 @@ class DirectPagedRun:
         self._flags = (mask_mode, TensorLayout[w._kv_layout].value, w._window_left,
                        device_support_pdl(torch.device(device)))
 
-    def __call__(self, q, k_cache, v_cache, args, return_lse: bool):
+    def __call__(self, q, k_cache, v_cache, args, return_lse: bool, into=None):
+        """`into`: (out, lse or None) to write, contiguous, of q's rows (a part of a larger output); else new ones."""
         if q.shape[0] != self._rows:
             raise FivarError(f"variant '{self._name}': q has {q.shape[0]} rows, the plan's qo_indptr[-1] is "
                              f"{self._rows}")
@@ -176,8 +177,11 @@ class DirectPagedRun:
         # writes rows of no chunk) and FA3 stores zeros for a tile with no keys. One exception, covered by its caller:
         # the FA2 block form's kCausal launch skips the rows of its second launch's blocks, which write_rows then
         # fills (fivar.runtime.attention). The LSE comes out log2 [tokens, heads], fivar's convention.
-        out = self._alloc(q.shape, dtype=self._out_dtype, device=q.device)
-        lse = self._alloc(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        if into is not None and self._alloc is torch.empty:
+            out, lse = into
+        else:
+            out = self._alloc(q.shape, dtype=self._out_dtype, device=q.device)
+            lse = self._alloc(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         self._paged_run(*self._head, q, k_cache, v_cache, *self._buffers, out, lse, *self._flags, *args)
         return (out, lse) if return_lse else out
 

@@ -241,8 +241,20 @@ def mask_skipping(v) -> list[str]:
         ("one-shot calls (v.prefill, v.batch_prefill_*, v.decode): the plan of a call is kept (8 most recent) and "
          "reused for the same shapes, dtype, device, flags, scalar params and the same index/param tensors "
          "unchanged (identity and version counter: a tensor written in place is planned again)"),
+        _mixed_line(v),
         _position_tables_line(v),
     ]
+
+
+def _mixed_line(v) -> str:
+    """How an auto paged batch of short and long requests runs (fivar.runtime.mixed)."""
+    from .mixed import reads_batch
+    if reads_batch(v):
+        return ("paged batches, backend auto: one plan on FA3 (sm90) whatever the requests' query counts (the variant "
+                "reads the request's index, which a part of the batch would renumber); short requests alone: FA2")
+    return ("paged batches, backend auto: requests of at most a quarter of FA3's query tile (decodes, drafts) run as "
+            "an FA2 plan, which packs a GQA group's rows in one tile, the rest as an FA3 plan, each writing its rows of "
+            "one output; short requests alone: FA2")
 
 
 def short_paths(v) -> list[str]:

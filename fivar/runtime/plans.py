@@ -16,7 +16,7 @@ from ..jit.targets import AUTO, FA2, named, runs_twin, target_of
 from ..spec.inputs import check_lse
 from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv_dtype, scaled_output
 from .ops import register_plan
-from . import fa2_blocks, segments
+from . import fa2_blocks, mixed, segments
 from .lse import merge_into
 from .segments import mask_scan
 from .custom_mask import check_custom_mask, paged_kv_lens
@@ -37,12 +37,14 @@ class _OwnsWrapper:
     _rest = None  # (wrapper, ScaledArgs) of a second launch writing the rows the first skips (fa2_blocks)
     _direct = (None, None)  # DirectPagedRun of the wrapper and of _rest's (a paged plan's; None: wrapper.run)
     _tiles = None  # FA3's tile-list form of a paged plan (fivar.runtime.fa3_tile_list), which then runs it all
+    _mixed = None  # a paged batch of short and long requests as two plans (fivar.runtime.mixed), which run it all
 
     def release(self):
         """Hand the wrapper on (the one-shot plan cache, on dropping this plan); the plan is unusable after."""
-        if self._tiles is not None:
-            self._tiles.release()
-            return
+        for whole in (self._tiles, self._mixed):
+            if whole is not None:
+                whole.release()
+                return
         release_wrapper(*self._release, self._wrapper)
         if self._rest is not None:
             release_wrapper(*self._release, self._rest[0])
@@ -66,12 +68,16 @@ class _OwnsWrapper:
                              f"{tuple(k_cache.shape)}, {q.dtype}")
         return scaled_output(self._launch(q, k_cache, v_cache, k_scale, return_lse), v_scale, return_lse)
 
-    def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
-        """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key)."""
+    def _launch(self, q, k_cache, v_cache, k_scale: float, return_lse: bool, into=None):
+        """The kernels, on inputs checked against the plan (by run, or by a one-shot call's key). `into`: (out, lse)
+        to write where the launch can take them (a direct run of one launch); the result says where it went."""
         if self._tiles is not None:
             return self._tiles.run(q, k_cache, v_cache, return_lse, k_scale)
+        if self._mixed is not None:
+            return self._mixed.run(q, k_cache, v_cache, k_scale, return_lse)
         direct, rest_direct = self._direct
-        result = _launch_one(direct, self._wrapper, self._args, q, k_cache, v_cache, k_scale, return_lse)
+        result = _launch_one(direct, self._wrapper, self._args, q, k_cache, v_cache, k_scale, return_lse,
+                             into if self._rest is None else None)
         if self._rest is not None:  # the blocks the first launch skipped: their rows, written over theirs
             wrapper, args = self._rest
             part = _launch_one(rest_direct, wrapper, args, q.index_select(0, self._rest_rows), k_cache, v_cache,
@@ -103,10 +109,10 @@ def explicit_plan(make):
     return plan
 
 
-def _launch_one(direct, wrapper, args, q, k_cache, v_cache, k_scale: float, return_lse: bool):
+def _launch_one(direct, wrapper, args, q, k_cache, v_cache, k_scale: float, return_lse: bool, into=None):
     """One wrapper's launch: its direct run where it has one (fivar.flashinfer_compat.wrappers.DirectPagedRun), else its run."""
     if direct is not None:
-        return direct(q, k_cache, v_cache, args(k_scale), return_lse)
+        return direct(q, k_cache, v_cache, args(k_scale), return_lse, into)
     return wrapper.run(q, (k_cache, v_cache), *args(k_scale), return_lse=return_lse)
 
 
@@ -254,8 +260,20 @@ class PagedAttentionPlan(_OwnsWrapper):
                                                     page_size, self.device)
         custom = check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_indptr.diff(),
                                    paged_kv_lens(kv_indptr, kv_last_page_len, page_size), self.device)
+        qo_lens = qo_indptr.diff().cpu()
+        if custom is None and mixed.splits(variant, backend, self.target, qo_lens, head_dim):
+            def part(*meta, backend):  # the call's own arguments, over the part's requests
+                return PagedAttentionPlan(variant, *meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                          head_dim=head_dim, page_size=page_size, dtype=dtype, causal=causal,
+                                          sm_scale=sm_scale, backend=backend, device=self.device, params=params,
+                                          kv_dtype=kv_dtype)
+            self._mixed = mixed.MixedPaged(part, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, head_dim,
+                                           self.target)
+            self._kv_dtype, self.pages_read, self.keys_read = kv_dtype or dtype, None, None
+            self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+            return
+        self.target = verify_target(self.target, backend, qo_lens, head_dim)  # short requests alone: FA2
         if custom is not None:
-            self.target = verify_target(self.target, backend, qo_indptr.diff(), head_dim)
             refuse_custom_mask(variant, self.target, kv_name)
         one_query = bool((qo_indptr.diff() == 1).all())
         runs_segments = target_of(self.target).runs_key_segments  # FA2's trimmed pages and block forms

@@ -142,3 +142,31 @@ def test_fixed_rows_take_q_of_that_many_rows_and_zero_the_rest():
             assert a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b), i
     with pytest.raises(FivarError, match="variant 'v'.*rows"):
         direct(q[:w._qo_indptr_last], cache, cache, args, False)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_run_into_given_rows_hands_the_module_those_tensors(return_lse):
+    """into= (a part of a larger output, fivar.runtime.mixed): the module writes the given out and LSE themselves,
+    nothing else changes in its call; a fixed-rows run (zeros past the plan's rows) keeps allocating its own."""
+    rng = random.Random(2)
+    w = _planned_wrapper(rng, owns_mask=False, causal=True, window_left=-1, tensor_names=["t"], scalar_names=["s"])
+    args = [torch.randn(3), 2.0]
+    direct = direct_paged_run(w, "v", "cpu", args)
+    rows = w._qo_indptr_last
+    q = torch.randn(rows, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(64, 16, 2, 64, dtype=torch.bfloat16)
+    whole_out = torch.empty(rows + 5, 4, 64, dtype=torch.bfloat16)
+    whole_lse = torch.empty(rows + 5, 4)
+    into = (whole_out[3:3 + rows], whole_lse[3:3 + rows] if return_lse else None)
+    got = direct(q, cache, cache, args, return_lse, into)
+    direct(q, cache, cache, args, return_lse)
+    given, plain = w._cached_module.calls[-2:]
+    assert given[10] is into[0] and (given[11] is into[1] if return_lse else given[11] is None)
+    assert (got[0] if return_lse else got) is into[0]
+    for i, (a, b) in enumerate(zip(given, plain)):
+        if i not in (10, 11):
+            assert a is b or a == b, i
+    fixed = direct_paged_run(w, "v", "cpu", args, rows=rows + 2)
+    q2 = torch.randn(rows + 2, 4, 64, dtype=torch.bfloat16)
+    out = fixed(q2, cache, cache, args, False, (torch.empty_like(q2), None))
+    assert not out.any()

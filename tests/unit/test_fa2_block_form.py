@@ -124,10 +124,10 @@ class _FakePagedWrapper:
                     return (local_kv < whole) | cut
                 if mask_free:
                     return (local_kv <= local_q) if p["causal"] else torch.ones(1, 1, 1, dtype=torch.bool)
-                kept = ev.run(v.ir.mask).bool()
+                kept = ev.run(v.ir.mask).bool() if v.ir.mask is not None else torch.ones(1, 1, 1, dtype=torch.bool)
                 if full is not None:  # the struct's full range: the mask is skipped there (kept)
                     kept = kept | ((local_kv >= full[0]) & (local_kv < full[1]))
-                if named["fv_causal"]:  # the struct's guard: mapped positions in the key-segments form, local else
+                if named.get("fv_causal"):  # (a variant with no mask has no guard)  # the struct's guard: mapped positions in the key-segments form, local else
                     kept = kept & ((env["kv_idx"] <= env["q_idx"]) if full is not None else (local_kv <= local_q))
                 if p["causal"]:
                     kept = kept & (local_kv <= local_q)

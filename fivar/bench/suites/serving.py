@@ -240,8 +240,8 @@ def _mixed_contenders(v, t, params) -> list[Contender]:
                              "one call, backend auto"))
     if selected("fivar-fa3-planned"):
         plan = v.plan_paged(*step, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, page_size=PAGE,
-                            dtype=DTYPE, causal=True, backend="fa3", **params)
-        out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, cache), "planned once a step"))
+                            dtype=DTYPE, causal=True, **params)
+        out.append(Contender("fivar-fa3-planned", lambda: plan.run(q, cache), "planned once a step, backend auto"))
     if selected("triton"):
         out.append(Contender("triton", lambda: v.batch_prefill_paged(q, cache, *step, causal=True, backend="triton",
                                                                      **params), "the twin's prefill over the pages"))

@@ -1,0 +1,92 @@
+"""A paged batch of short and long requests on backend auto (an engine's step: prefill chunks beside decodes or
+verify drafts): the short requests as one FA2 plan, the long ones as one FA3 plan, each writing its rows of one output.
+
+FA3 gives each query head of a request a query tile of its own (block_rows rows), so a request of a few query tokens
+fills a sliver of it and the kernel computes the rest of the tile for nothing over every key: 30 decodes over 8192 keys
+cost about 1 ms of tensor-core time that way, where FA2's kernel, which packs a GQA group's rows into one tile (the
+kernel of FlashInfer's tensor-core decode), reads the same keys at memory speed. An engine without mixed batches runs
+the two kinds through two wrappers; an auto plan does the same in one plan. Only where no program reads `batch`: a
+part renumbers its requests from 0 (fivar.runtime.mixed.reads_batch).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..jit.targets import AUTO, FA2, target_of
+from ..spec import ir
+from .fa3_tile_list import block_rows
+
+
+def short_requests(qo_lens: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """bool [batch]: requests whose queries fill at most a quarter of FA3's query tile (where FA2 won at GQA 32/8,
+    docs/serving.md)."""
+    return 4 * qo_lens <= block_rows(head_dim)
+
+
+def reads_batch(variant) -> bool:
+    """Whether a program reads the request's index, or a tensor param is sized by the batch."""
+    vir = variant.ir
+    return any(p is not None and "batch" in ir.uses(p) for p in (vir.mask, vir.logits, vir.sink)) or \
+        any("batch" in getattr(p, "dims", ()) for p in variant.params.values())
+
+
+def splits(variant, backend: str, target: str, qo_lens: torch.Tensor, head_dim: int) -> bool:
+    """Whether an auto plan of this paged batch runs as a short part on FA2 and a long part on `target`."""
+    if backend != AUTO or target_of(target).packs_query_heads or reads_batch(variant):
+        return False
+    short = short_requests(qo_lens, head_dim)
+    return bool(short.any()) and not bool(short.all())
+
+
+def _part(requests: torch.Tensor, qo: torch.Tensor, kv: torch.Tensor, kv_indices: torch.Tensor,
+          kv_last_page_len: torch.Tensor):
+    """The paged metadata of `requests` (int64, host) as a batch of their own, and their rows of q (a slice where
+    they are consecutive, else an index tensor)."""
+    qo_lens, n_pages = qo.diff()[requests], kv.diff()[requests]
+    zero = torch.zeros(1, dtype=torch.int64)
+    sub_qo, sub_kv = torch.cat([zero, qo_lens.cumsum(0)]), torch.cat([zero, n_pages.cumsum(0)])
+    # each request's pages, gathered: page j of part request i is kv_indices[kv[requests[i]] + j]
+    page_of = torch.repeat_interleave(kv[:-1][requests] - sub_kv[:-1], n_pages) + torch.arange(int(sub_kv[-1]))
+    rows = torch.repeat_interleave(qo[:-1][requests] - sub_qo[:-1], qo_lens) + torch.arange(int(sub_qo[-1]))
+    first = int(rows[0]) if rows.numel() else 0
+    if torch.equal(rows, torch.arange(first, first + rows.numel())):
+        rows = slice(first, first + rows.numel())
+    return (sub_qo.to(torch.int32), sub_kv.to(torch.int32), kv_indices.cpu()[page_of],
+            kv_last_page_len.cpu()[requests]), rows
+
+
+class MixedPaged:
+    """The two parts of a split paged batch: (plan, rows) each, run one after the other into one output."""
+
+    def __init__(self, make_plan, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, head_dim: int, target: str):
+        qo, kv = qo_indptr.long().cpu(), kv_indptr.long().cpu()
+        short = short_requests(qo.diff(), head_dim)
+        self.parts = []
+        for backend, chosen in ((FA2.name, short), (target, ~short)):
+            meta, rows = _part(chosen.nonzero().view(-1), qo, kv, kv_indices, kv_last_page_len)
+            self.parts.append((make_plan(*meta, backend=backend), rows))
+
+    def release(self):
+        for plan, _ in self.parts:
+            plan.release()
+
+    def run(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        for plan, rows in self.parts:
+            if isinstance(rows, slice):  # consecutive rows (an engine's order): q's view, written in place
+                into = (out[rows], lse[rows] if return_lse else None)
+                got = plan._launch(q[rows], k_cache, v_cache, k_scale, return_lse, into=into)
+                got_out, got_lse = got if return_lse else (got, None)
+                if got_out is not into[0]:
+                    into[0].copy_(got_out)
+                    if return_lse:
+                        into[1].copy_(got_lse)
+                continue
+            index = rows.to(q.device)
+            got = plan._launch(q.index_select(0, index), k_cache, v_cache, k_scale, return_lse)
+            got_out, got_lse = got if return_lse else (got, None)
+            out.index_copy_(0, index, got_out)
+            if return_lse:
+                lse.index_copy_(0, index, got_lse)
+        return (out, lse) if return_lse else out
