@@ -347,7 +347,9 @@ def _mixed_modules(name: str):
     from ...jit.build import serving_modules
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         return []
-    return serving_modules(fivar.load(name), "batch_prefill", "fa3", "bf16", HEAD_DIM)
+    v = fivar.load(name)  # auto: the chunks on FA3, the decodes on FA2 as decode runs them (fivar.runtime.mixed)
+    return serving_modules(v, "batch_prefill", "fa3", "bf16", HEAD_DIM) + \
+        serving_modules(v, "batch_decode", "fa2", "bf16", HEAD_DIM)
 
 
 def _mixed_case(name: str, label: str, overrides: dict | None = None) -> Case:
