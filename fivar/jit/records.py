@@ -84,10 +84,13 @@ def connect(path: Path | None = None) -> sqlite3.Connection:
     deadline = time.monotonic() + BUSY_TIMEOUT_S
     while True:
         con = None
+        # a file removed since this process set it up (`cache clear --records`, a deleted cache dir) comes back
+        # empty: set it up again, or the next write finds no table
+        fresh = not path.exists()
         try:
             con = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
             con.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
-            if str(path) not in _schema_ready:
+            if fresh or str(path) not in _schema_ready:
                 _set_up(con, path)
             break
         except sqlite3.OperationalError as e:
