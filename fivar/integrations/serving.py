@@ -6,7 +6,8 @@ prefix, so kv_len_i = p_i + n_i and qo_len_i = n_i. Draft token j sees the whole
 the tree (`parents[i][j]`: the draft token it continues, -1 for one continuing the prefix). A chain is
 parents = [-1, 0, 1, ...]: with causal=True it needs no custom mask at all.
 
-A mixed step (`mixed_step`): prefill chunks and decodes of the same variant in one paged batch.
+A mixed step (`mixed_step`): prefill chunks and decodes of the same variant in one paged batch; with backend "auto"
+its decodes run on FA2 and its chunks on FA3, in one plan (fivar.runtime.mixed).
 
 A verify step replayed in a CUDA graph takes the same metadata and masks: `v.plan_paged(..., cuda_graph=True,
 max_batch=, max_qo_len=, max_pages=)` once, then `plan.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
