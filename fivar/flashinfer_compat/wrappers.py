@@ -177,7 +177,8 @@ class DirectPagedRun:
         # writes rows of no chunk) and FA3 stores zeros for a tile with no keys. One exception, covered by its caller:
         # the FA2 block form's kCausal launch skips the rows of its second launch's blocks, which write_rows then
         # fills (fivar.runtime.attention). The LSE comes out log2 [tokens, heads], fivar's convention.
-        if into is not None and self._alloc is torch.empty:
+        if into is not None and self._alloc is torch.empty and into[0].is_contiguous() and \
+                (into[1] is None or into[1].is_contiguous()):  # FA2's kernel assumes a contiguous output
             out, lse = into
         else:
             out = self._alloc(q.shape, dtype=self._out_dtype, device=q.device)

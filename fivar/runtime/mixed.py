@@ -71,7 +71,7 @@ class MixedPaged:
             plan.release()
 
     def run(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's layout: FA2 assumes it
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         for plan, rows in self.parts:
             if isinstance(rows, slice):  # consecutive rows (an engine's order): q's view, written in place

@@ -168,5 +168,9 @@ def test_a_run_into_given_rows_hands_the_module_those_tensors(return_lse):
             assert a is b or a == b, i
     fixed = direct_paged_run(w, "v", "cpu", args, rows=rows + 2)
     q2 = torch.randn(rows + 2, 4, 64, dtype=torch.bfloat16)
-    out = fixed(q2, cache, cache, args, False, (torch.empty_like(q2), None))
+    out = fixed(q2, cache, cache, args, False, (torch.ones_like(q2), None))
     assert not out.any()
+    # an `into` that is not contiguous (every other head of a wider output) is not handed on: FA2 assumes contiguity
+    permuted = torch.empty(rows, 8, 64, dtype=torch.bfloat16)[:, ::2]
+    got = direct(q, cache, cache, args, False, (permuted, None))
+    assert got is not permuted and got.is_contiguous() and w._cached_module.calls[-1][10] is got

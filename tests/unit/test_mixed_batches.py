@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fivar import AttentionVariant, Scalar, Tensor, tanh
+from fivar.codegen.torch_ref import reference_attention
 from fivar.runtime import attention, mixed, plans
 from fivar.testing import _ragged_reference, _to_paged
 
@@ -68,6 +69,18 @@ def _step(rng: random.Random, order: str):
     return qo_lens, [n + rng.randint(0, 60) for n in qo_lens]
 
 
+def _reference(v, q, k, vv, qo_lens, kv_lens, params, sm_scale):
+    """float64 reference of the whole batch, request by request, causal: (out, log2 lse)."""
+    outs, lses, a, b0 = [], [], 0, 0
+    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
+        o, lse = reference_attention(v, q[a:a + lq].double(), k[b0:b0 + lk].double(), vv[b0:b0 + lk].double(),
+                                     causal=True, sm_scale=sm_scale, params=params, batch_idx=b,
+                                     batch_size=len(qo_lens), float_dtype=torch.float64, return_lse=True)
+        outs.append(o), lses.append(lse)
+        a, b0 = a + lq, b0 + lk
+    return torch.cat(outs), torch.cat(lses)
+
+
 @pytest.mark.parametrize("order", ["decodes first", "chunks first", "interleaved"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("seed", [0, 1])
@@ -79,6 +92,9 @@ def test_a_mixed_step_runs_in_two_parts_equal_to_the_reference(by_backend, name,
     current[0] = v
     qo_lens, kv_lens = _step(rng, order)
     params = {"hw": torch.randint(1, 40, (4,), generator=gen, dtype=torch.int32)} if "hw" in v.params else {}
+    if "cap" in v.params:  # not the default: each part must get the call's params and scale
+        params["cap"] = rng.choice([1.5, 6.0])
+    sm_scale = rng.choice([0.11, 0.4])
     q = torch.randn(sum(qo_lens), 4, 16, generator=gen).half()
     k = torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
     vv = torch.randn(sum(kv_lens), 2, 16, generator=gen).half()
@@ -87,14 +103,13 @@ def test_a_mixed_step_runs_in_two_parts_equal_to_the_reference(by_backend, name,
     qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
     plan = attention.PagedAttentionPlan(v, qo_indptr, kv_indptr, kv_indices, last, num_qo_heads=4, num_kv_heads=2,
                                         head_dim=16, page_size=page, dtype=torch.float16, causal=True,
-                                        backend="auto", device="cpu", params=params)
+                                        sm_scale=sm_scale, backend="auto", device="cpu", params=params)
     assert plan._mixed is not None
     (short_plan, short_rows), (long_plan, long_rows) = plan._mixed.parts
     assert short_plan.target == "fa2" and long_plan.target == "fa3"
     assert short_plan.batch + long_plan.batch == len(qo_lens)
     assert isinstance(short_rows, slice) == (order != "interleaved")
-    ref, ref_lse = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, True, params,
-                                     return_lse=True)
+    ref, ref_lse = _reference(v, q, k, vv, qo_lens, kv_lens, params, sm_scale)
     out, lse = plan.run(q, (k_cache, v_cache), return_lse=True)
     assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
     assert torch.allclose(lse.double(), ref_lse.double(), atol=1e-3)
