@@ -1,14 +1,10 @@
 """Context-parallel attention (fivar.distributed) on CPU ranks: gloo process groups of 2 and 4 spawned processes,
 the Triton twin under the interpreter and the torch reference per pair, checked against the single-process float64
 reference of the whole sequence (outputs, LSEs, gradients)."""
-import datetime
-import os
-import socket
-
+import gloo_group
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fivar
 import fivar.testing
@@ -76,86 +72,12 @@ def cases(seq_len: int, heads: int, gen: torch.Generator):
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Group:
-    """`world` spawned processes of one gloo group, kept for this file's tests (starting one costs seconds on a small
-    machine): run(fn, *args) calls fn(rank, world, *args) on every rank, each call starting from what a fresh
-    process would hold (fivar.distributed.core's constants as imported, no kept plans); a failed assertion in any
-    rank fails the test, and the group is then ended, not reused (its other ranks may wait in a collective)."""
-
-    def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
-        self.world, self.results = world, ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world)]
-        port = free_port()
-        self.procs = [ctx.Process(target=_serve, args=(rank, world, port, self.tasks[rank], self.results),
-                                  daemon=True) for rank in range(world)]
-        for p in self.procs:
-            p.start()
-
-    def run(self, fn, *args, timeout_s: float = 300):
-        for q in self.tasks:
-            q.put((fn, args))
-        done = set()
-        while len(done) < self.world:
-            try:
-                rank, error = self.results.get(timeout=timeout_s)
-            except Exception:
-                self.close()
-                raise AssertionError(f"{fn.__name__}: ranks {sorted(set(range(self.world)) - done)} did not finish "
-                                     f"within {timeout_s:.0f} s") from None
-            if error is not None:
-                self.close()
-                raise AssertionError(f"{fn.__name__} failed on rank {rank}:\n{error}")
-            done.add(rank)
-
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
-
-    def close(self):
-        for p in self.procs:  # this group's own processes, by id: nothing of theirs is needed any more
-            p.kill()
-        for p in self.procs:
-            p.join(10)
-
-
-def _serve(rank, world, port, tasks, results):
-    import traceback
-
-    from fivar.distributed import core
-    from fivar.runtime.plan_cache import invalidate_plans
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    constants = {k: v for k, v in vars(core).items() if k.isupper()}
-    while True:
-        fn, args = tasks.get()
-        try:
-            fn(rank, world, *args)
-            results.put((rank, None))
-        except BaseException:
-            results.put((rank, traceback.format_exc()))
-        finally:  # the next call sees the module as imported (tests change its blocks) and plans no earlier call made
-            vars(core).update(constants)
-            invalidate_plans()
-
-
 @pytest.fixture(scope="module")
 def groups():
-    """groups(world): this file's process group of `world` ranks, started on first use (again after a failure)."""
-    started: dict[int, Group] = {}
-
-    def get(world: int) -> Group:
-        if world not in started or not started[world].alive():
-            started[world] = Group(world)
-        return started[world]
-    yield get
-    for g in started.values():
-        g.close()
+    """groups(world): this file's process group of `world` ranks (gloo_group.Group), started on first use (again
+    after a failure)."""
+    with gloo_group.Groups() as get:
+        yield get
 
 
 def qkv(seq_len, hq, hkv, d, seed):
