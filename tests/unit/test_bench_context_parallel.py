@@ -1,8 +1,10 @@
 """The context-parallel benchmark suite's worker on 2 CPU processes (gloo): its checks pass on correct results and
 fail on a corrupted output, its rows follow the runner's protocol, and the suite lists without a GPU."""
+import json
 import math
 from dataclasses import replace
 
+import gloo_group
 import pytest
 import torch
 
@@ -13,20 +15,38 @@ TINY = dict(heads=(4, 2), head_dim=16, device="cpu", budget_s=0.01, warmup=1)
 FIVAR = tuple(c for c in cp.STRATEGIES if c != cp.TORCH_CP)
 
 
+@pytest.fixture(scope="module")
+def group():
+    """Two gloo ranks kept for this file's cases that run the suite's worker directly (cp.worker, which run_group's
+    spawned processes call after joining their group): the spawn and torch's first compile are paid once. run_group
+    itself is run by the corrupted-output test."""
+    with gloo_group.Groups() as get:
+        yield lambda: get(2)
+
+
+def _worker(rank, world, cfg):
+    return cp.worker(cfg)
+
+
+def worker_rows(group, cfg) -> list[dict]:
+    """Rank 0's rows of cfg run by the kept group, through JSON as run_group hands them over."""
+    return json.loads(json.dumps(group().run(_worker, cfg, timeout_s=240)[0]))
+
+
 def full_rows(rows: list[dict]) -> list[dict]:
     """Rows as the runner writes them (environment fields empty), ratios against the suite's baseline."""
     rows = runner.add_ratios([dict(r) for r in rows], cp.SINGLE)
     return [{**{k: None for k in runner.ROW_FIELDS}, **r} for r in rows]
 
 
-def test_worker_rows_pass_on_two_gloo_ranks_with_backward():
+def test_worker_rows_pass_on_two_gloo_ranks_with_backward(group):
     # documents of random lengths, causal, forward + backward through the reference per pair: every fivar contender
     # checked (out, lse, dq, dk, dv against the single-process run) then timed; PyTorch's CP has no Flex backward on
     # CPUs: its row says so and the others still run
     seqlen = 256
     cfg = cp.Config("document_mask", seqlen, backward=True, docs=3, dtype="bfloat16", backend="reference",
                     seed=int(torch.randint(0, 1 << 20, ()).item()), **TINY)
-    rows = full_rows(cp.run_group(cfg, 2, timeout_s=240))
+    rows = full_rows(worker_rows(group, cfg))
     for r in rows:
         runner.validate_row(r)
     got = {(r["contender"], r["metric"]): r for r in rows}
@@ -67,13 +87,13 @@ def test_a_corrupted_output_fails_its_check_and_is_not_timed():
 @pytest.mark.parametrize("variant,extra,corrupt", [("document_mask", dict(docs=3), False),
                                                    ("softcap_sliding_window", dict(window=40), False),
                                                    ("document_mask", dict(docs=3), True)])
-def test_pytorch_context_parallel_is_checked_and_timed(variant, extra, corrupt):
+def test_pytorch_context_parallel_is_checked_and_timed(group, variant, extra, corrupt):
     # PyTorch's own CP (Flex under _ContextParallel, the variant's mask as its CP block mask) on 2 gloo ranks,
     # forward: its gathered output and LSE match the single-process run (documents crossing the shards; a window
     # and soft-capped logits), or, corrupted, fail the check and go untimed
     cfg = cp.Config(variant, 256, dtype="bfloat16", backend="reference", contenders=(cp.SINGLE, cp.TORCH_CP),
                     corrupt=corrupt, seed=int(torch.randint(0, 1 << 20, ()).item()), **extra, **TINY)
-    rows = full_rows(cp.run_group(cfg, 2, timeout_s=240))
+    rows = full_rows(worker_rows(group, cfg))
     for r in rows:
         runner.validate_row(r)
     got = {(r["contender"], r["metric"]): r for r in rows}

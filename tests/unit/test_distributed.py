@@ -1,14 +1,10 @@
 """Context-parallel attention (fivar.distributed) on CPU ranks: gloo process groups of 2 and 4 spawned processes,
 the Triton twin under the interpreter and the torch reference per pair, checked against the single-process float64
 reference of the whole sequence (outputs, LSEs, gradients)."""
-import datetime
-import os
-import socket
-
+import gloo_group
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fivar
 import fivar.testing
@@ -76,24 +72,12 @@ def cases(seq_len: int, heads: int, gen: torch.Generator):
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, world: int, *args):
-    """Runs fn(rank, world, *args) in `world` processes of one gloo group; a failed assertion in any fails the test."""
-    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world)
-
-
-def _worker(rank, world, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+@pytest.fixture(scope="module")
+def groups():
+    """groups(world): this file's process group of `world` ranks (gloo_group.Group), started on first use (again
+    after a failure)."""
+    with gloo_group.Groups() as get:
+        yield get
 
 
 def qkv(seq_len, hq, hkv, d, seed):
@@ -131,8 +115,8 @@ def _triton_forward(rank, world):
             close(lse, sharding.shard(ref_lse, rank), 2e-3, f"{name}/{strategy} rank {rank} lse")
 
 
-def test_triton_twin_matches_reference_on_two_ranks():
-    spawn(_triton_forward, 2)
+def test_triton_twin_matches_reference_on_two_ranks(groups):
+    groups(2).run(_triton_forward)
 
 
 def grads_of(fn, inputs, weights):
@@ -221,8 +205,8 @@ def _four_ranks_and_skips(rank, world):
     _skips_only_empty_pairs(rank, world)
 
 
-def test_four_ranks_with_an_empty_rank_and_skipped_pairs():
-    spawn(_four_ranks_and_skips, 4)  # one group of 4 processes: starting one costs seconds on a small machine
+def test_four_ranks_with_an_empty_rank_and_skipped_pairs(groups):
+    groups(4).run(_four_ranks_and_skips)  # one group of 4 processes: starting one costs seconds on a small machine
 
 
 def _triton_backward(rank, world):
@@ -259,8 +243,8 @@ def _triton_backward(rank, world):
         close(g, sharding.shard(w, rank), 2e-2, f"rank {rank} d{what} (random mask)")
 
 
-def test_triton_ring_backward_on_two_ranks():
-    spawn(_triton_backward, 2)
+def test_triton_ring_backward_on_two_ranks(groups):
+    groups(2).run(_triton_backward)
 
 
 def _bad_inputs(rank, world):
@@ -272,8 +256,8 @@ def _bad_inputs(rank, world):
         ring_attention(WINDOW, q, k, v, Sharding.contiguous(8, 3), window=3, backend="reference")
 
 
-def test_bad_inputs_are_one_line_errors():
-    spawn(_bad_inputs, 2)
+def test_bad_inputs_are_one_line_errors(groups):
+    groups(2).run(_bad_inputs)
     sharding = Sharding.zigzag(8, 2)
     q = torch.randn(4, 1, 16)
     with pytest.raises(FivarError, match="softmax=False"):
@@ -366,8 +350,8 @@ def _transfer_order(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ring_posts_each_transfer_before_the_compute_it_overlaps(world):
-    spawn(_transfer_order, world)
+def test_ring_posts_each_transfer_before_the_compute_it_overlaps(groups, world):
+    groups(world).run(_transfer_order)
 
 
 def _classified_once_per_layout(rank, world):
@@ -379,27 +363,30 @@ def _classified_once_per_layout(rank, world):
         calls.append(1)
         return plain(*a, **k)
     sparsity.classify_bounds = counted
-    seq_len = 24
-    docs = fivar.testing.document_ids([7, 9, 8]).view(1, -1)
-    sharding = Sharding.zigzag(seq_len, world)
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(seq_len, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
-    mine = [sharding.shard(x, rank) for x in (q, k, v)]
-    variant = fivar.load("document_mask")
-    runs = []
-    for _ in range(2):
-        runs.append(ring_attention(variant, *mine, sharding, causal=True, backend="reference", doc_ids=docs))
-    assert len(calls) == 1, calls  # the second call reuses the first call's pairs
-    assert torch.equal(runs[0], runs[1])
-    docs[0, 9:] = docs[0, 9:] + 1  # an in-place write: the documents changed, so must the pairs
-    ring_attention(variant, *mine, sharding, causal=True, backend="reference", doc_ids=docs)
-    assert len(calls) == 2, calls
-    ring_attention(variant, *mine, sharding, causal=False, backend="reference", doc_ids=docs)
-    assert len(calls) == 3, calls  # another call layout
+    try:
+        seq_len = 24
+        docs = fivar.testing.document_ids([7, 9, 8]).view(1, -1)
+        sharding = Sharding.zigzag(seq_len, world)
+        gen = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(seq_len, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+        mine = [sharding.shard(x, rank) for x in (q, k, v)]
+        variant = fivar.load("document_mask")
+        runs = []
+        for _ in range(2):
+            runs.append(ring_attention(variant, *mine, sharding, causal=True, backend="reference", doc_ids=docs))
+        assert len(calls) == 1, calls  # the second call reuses the first call's pairs
+        assert torch.equal(runs[0], runs[1])
+        docs[0, 9:] = docs[0, 9:] + 1  # an in-place write: the documents changed, so must the pairs
+        ring_attention(variant, *mine, sharding, causal=True, backend="reference", doc_ids=docs)
+        assert len(calls) == 2, calls
+        ring_attention(variant, *mine, sharding, causal=False, backend="reference", doc_ids=docs)
+        assert len(calls) == 3, calls  # another call layout
+    finally:
+        sparsity.classify_bounds = plain
 
 
-def test_the_kept_pairs_are_classified_once_per_call_layout():
-    spawn(_classified_once_per_layout, 2)
+def test_the_kept_pairs_are_classified_once_per_call_layout(groups):
+    groups(2).run(_classified_once_per_layout)
 
 
 def test_pair_causality_matches_global_causal_positions():
@@ -508,8 +495,8 @@ def _trimmed_rows(rank, world):
     assert bool((counts > 0).all()), counts
 
 
-def test_pairs_run_only_the_rows_that_keep_their_keys():
-    spawn(_trimmed_rows, 2)
+def test_pairs_run_only_the_rows_that_keep_their_keys(groups):
+    groups(2).run(_trimmed_rows)
 
 
 class Recorder:
@@ -664,8 +651,8 @@ def _sent_keys(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_transfers_carry_only_the_keys_the_receiver_keeps(world):
-    spawn(_sent_keys, world)
+def test_transfers_carry_only_the_keys_the_receiver_keeps(groups, world):
+    groups(world).run(_sent_keys)
 
 
 def test_pieces_merge_when_close_and_stay_few():
