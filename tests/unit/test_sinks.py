@@ -384,15 +384,29 @@ def _generate(model, ids):
     return r.sequences, torch.stack(r.logits, 1).float()
 
 
-def test_gpt_oss_generate_matches_eager_with_the_sinks_in_the_kernel(monkeypatch):
+def test_gpt_oss_generate_matches_eager_with_the_sinks_in_the_kernel():
     """A tiny random gpt-oss (a sliding-window layer, a full one, both with sinks) generates eager attention's greedy
-    tokens with close logits through the Triton twin; its sinks are the variants' own (gpt_oss, attention_sink)."""
+    tokens with close logits through the Triton twin; its sinks are the variants' own (gpt_oss, attention_sink).
+    In a process of its own: transformers' attention registry and generation state are process-wide, and other test
+    files in the same worker register and compile through them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(__file__).parent
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent.parent)!r}]; "
+            f"import {Path(__file__).stem} as t; t._generate_matches_eager()")
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def _generate_matches_eager():
     import fivar.integrations.transformers as fivar_hf
     from fivar.runtime import attention as triton_attention  # where the entry point calls it
     calls = []
     run = triton_attention.triton_batch_prefill_ragged
-    monkeypatch.setattr(triton_attention, "triton_batch_prefill_ragged",
-                        lambda v, *a, **kw: calls.append((v.name, kw["return_lse"])) or run(v, *a, **kw))
+    triton_attention.triton_batch_prefill_ragged = \
+        lambda v, *a, **kw: calls.append((v.name, kw["return_lse"])) or run(v, *a, **kw)
     name = fivar_hf.register("fivar_triton", backend="triton")
     ids = torch.randint(1, 256, (1, 9))
     tokens, logits = _generate(_gpt_oss_model(name), ids)
