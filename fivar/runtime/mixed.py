@@ -15,6 +15,7 @@ import torch
 from ..jit.targets import AUTO, FA2, target_of
 from ..spec import ir
 from .fa3_tile_list import block_rows
+from .rows import write_rows
 
 
 def short_requests(qo_lens: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -84,9 +85,6 @@ class MixedPaged:
                         into[1].copy_(got_lse)
                 continue
             index = rows.to(q.device)
-            got = plan._launch(q.index_select(0, index), k_cache, v_cache, k_scale, return_lse)
-            got_out, got_lse = got if return_lse else (got, None)
-            out.index_copy_(0, index, got_out)
-            if return_lse:
-                lse.index_copy_(0, index, got_lse)
+            write_rows((out, lse) if return_lse else out, index,
+                       plan._launch(q.index_select(0, index), k_cache, v_cache, k_scale, return_lse), return_lse)
         return (out, lse) if return_lse else out

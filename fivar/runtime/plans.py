@@ -20,7 +20,7 @@ from . import fa2_blocks, mixed, segments
 from .lse import merge_into
 from .segments import mask_scan
 from .custom_mask import check_custom_mask, paged_kv_lens
-from .fa3_tile_list import TileListPrefill, block_rows
+from .fa3_tile_list import TileListPrefill
 from .launch import (_check_indptr, _check_pages, _check_qkv, _module, _paged_kv, _prepare, direct_paged_run,
                      release_wrapper, take_wrapper)
 from .params import kernel_args
@@ -198,7 +198,7 @@ def verify_target(target: str, backend: str, qo_lens: torch.Tensor, head_dim: in
     quarter is where FA2 won at GQA 32/8 (docs/serving.md); with no group to pack FA2 still picks a 16-row tile."""
     if backend != AUTO or target_of(target).packs_query_heads or qo_lens.numel() == 0:
         return target
-    return FA2.name if 4 * int(qo_lens.max()) <= block_rows(head_dim) else target
+    return FA2.name if bool(mixed.short_requests(qo_lens, head_dim).all()) else target
 
 
 def tile_list_form(variant, target: str, one_query: bool = False, kv_dtype: str | None = None) -> bool:
