@@ -208,35 +208,47 @@ def head_requests_pay(kinds: torch.Tensor) -> bool:
 
 @dataclass
 class HeadRequests:
-    """A batch run as a request per (batch entry, query head) and query tile: virtual entry b * heads + h holds the
-    rows of query head h of entry b, gathered head-major (`perm`: each virtual row's row of q flattened to
-    [tokens * heads, D]); each request is planned as one query head over one KV head."""
+    """A batch run as a request per (query head, batch entry) and query tile: virtual entry h * batch + b holds the
+    rows of query head h of entry b, head-major, so q's rows for the requests are one permuted copy ([heads, tokens,
+    D]) and the output one copy back (a row gather and scatter ran at a fifth of that speed); each request is
+    planned as one query head over one KV head."""
     heads: int
     kv_heads: int
-    perm: torch.Tensor  # device int64 [tokens * heads]
+    batch: int
+    tokens: int
 
     @classmethod
-    def of(cls, qo_h: torch.Tensor, heads: int, kv_heads: int, device) -> "HeadRequests":
-        lens = qo_h.diff()
-        reps = lens * heads
-        n = int(reps.sum())
-        start = torch.repeat_interleave(qo_h[:-1], reps, output_size=n)  # the entry's first token, per virtual row
-        length = torch.repeat_interleave(lens, reps, output_size=n)
-        i = torch.arange(n) - start * heads  # the row within its entry's block of heads x tokens
-        perm = (start + i % length.clamp(min=1)) * heads + i // length.clamp(min=1)
-        return cls(heads, kv_heads, perm.to(device))
+    def of(cls, qo_h: torch.Tensor, heads: int, kv_heads: int) -> "HeadRequests":
+        return cls(heads, kv_heads, qo_h.numel() - 1, int(qo_h[-1]))
 
     def indptr(self, host_indptr: torch.Tensor) -> torch.Tensor:
-        """The virtual batch's indptr: each entry's length once per head."""
-        return indptr(host_indptr.diff().repeat_interleave(self.heads))
+        """The virtual batch's indptr: every entry's length, once per head."""
+        return indptr(host_indptr.diff().repeat(self.heads))
+
+    def entry(self, v: torch.Tensor) -> torch.Tensor:
+        """The batch entry of virtual entries `v`."""
+        return v % self.batch
+
+    def map(self, kinds: torch.Tensor) -> torch.Tensor:
+        """A per-head map [batch, heads, q tiles, key tiles] as the virtual batch's [heads * batch, ...]."""
+        return kinds.transpose(0, 1).reshape(-1, *kinds.shape[2:])
+
+    def bits_of(self, bits_at, n_q: int):
+        """tile_list's bits_of over map(): each cut tile (virtual row v * n_q + q tile) at its row of the per-head
+        map (block_map's bits_at: (b * heads + h) * n_q + q tile)."""
+        def at(cut):
+            v, qt = cut[:, 0] // n_q, cut[:, 0] % n_q
+            row = (self.entry(v) * self.heads + v // self.batch) * n_q + qt
+            return bits_at(torch.stack([row, cut[:, 1]], 1).contiguous())
+        return at
 
     def token_of(self, token_of, page: int):
-        """Where virtual entry b * heads + h finds kv_idx in `kv_view`: its token's page of one KV head."""
+        """Where virtual entry h * batch + b finds kv_idx in `kv_view`: its token's page of one KV head."""
         group = self.heads // self.kv_heads
 
-        def at(b, kv_idx):
-            t = token_of(b // self.heads, kv_idx)
-            return ((t // page) * page * self.kv_heads + (b % self.heads) // group) * page + t % page
+        def at(v, kv_idx):
+            t = token_of(self.entry(v), kv_idx)
+            return ((t // page) * page * self.kv_heads + (v // self.batch) // group) * page + t % page
         return at
 
     def kv_view(self, x: torch.Tensor, page: int) -> torch.Tensor:
@@ -252,15 +264,17 @@ class HeadRequests:
                                 (s_h, self.kv_heads * s_h, s_h, 1), x.storage_offset())
 
     def gather(self, q: torch.Tensor) -> torch.Tensor:
-        return q.reshape(-1, q.shape[-1])[self.perm].view(-1, 1, q.shape[-1])
+        """q [tokens, heads, D] as the virtual batch's rows [heads * tokens, 1, D]."""
+        return q[:self.tokens].transpose(0, 1).reshape(-1, 1, q.shape[-1])
 
     def scatter(self, out_v: torch.Tensor, lse_v: torch.Tensor | None, q: torch.Tensor):
-        out = torch.empty(q.shape, dtype=out_v.dtype, device=out_v.device)
-        out.view(-1, q.shape[-1])[self.perm] = out_v.view(-1, q.shape[-1])
+        out = torch.zeros(q.shape, dtype=out_v.dtype, device=out_v.device) if q.shape[0] > self.tokens else \
+            torch.empty(q.shape, dtype=out_v.dtype, device=out_v.device)
+        out[:self.tokens].copy_(out_v.view(self.heads, self.tokens, q.shape[-1]).transpose(0, 1))
         if lse_v is None:
             return out
         lse = torch.empty(q.shape[:2], dtype=lse_v.dtype, device=lse_v.device)
-        lse.view(-1)[self.perm] = lse_v.view(-1)
+        lse[:self.tokens].copy_(lse_v.view(self.heads, self.tokens).t())
         return out, lse
 
 
@@ -338,10 +352,10 @@ class TileListPrefill:
         # of one KV head's pages could only read after copying the whole cache)
         if heads > 1 and pages is None and not t.packs_query_heads and not reads_heads(variant) and \
                 head_requests_pay(kinds):
-            self._heads = h = HeadRequests.of(qo_h, num_qo_heads, num_kv_heads, device)
-            layout = tile_list(kinds.reshape(-1, *kinds.shape[2:]), h.indptr(qo_h), h.indptr(kv_h), rows,
-                               h.token_of(token_of, self.page), bits_at, self.page)
-            layout.blocks[:, 0] //= num_qo_heads  # the struct's batch_idx: the entry's own, for the logits
+            self._heads = h = HeadRequests.of(qo_h, num_qo_heads, num_kv_heads)
+            layout = tile_list(h.map(kinds), h.indptr(qo_h), h.indptr(kv_h), rows, h.token_of(token_of, self.page),
+                               h.bits_of(bits_at, kinds.shape[2]), self.page)
+            layout.blocks[:, 0] = h.entry(layout.blocks[:, 0])  # the struct's batch_idx: the entry's own, for the logits
             num_qo_heads = num_kv_heads = 1
         else:
             layout = tile_list(head_union(kinds), qo_h, kv_h, rows, token_of,

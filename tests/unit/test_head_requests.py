@@ -104,15 +104,16 @@ def _case(kv_form, causal, mutate=None):
     kinds, bits_at, heads = block_map(VARIANT, bound, _ind(qo), _ind(kv), HEADS, KV_HEADS, 128, causal, sm_scale,
                                       "cpu", ROWS, per_head=True)
     assert heads == HEADS  # run per head whatever head_requests_pay would choose
-    h = HeadRequests.of(_ind(qo).long(), HEADS, KV_HEADS, "cpu")
+    h = HeadRequests.of(_ind(qo).long(), HEADS, KV_HEADS)
     at = h.token_of(token_of, page)
     if mutate == "kv_head":  # every request reads KV head 0
-        at = lambda b, kv_idx, f=at: f(b - b % HEADS, kv_idx)  # noqa: E731
-    layout = tile_list(kinds.reshape(-1, *kinds.shape[2:]), h.indptr(_ind(qo).long()), h.indptr(_ind(kv).long()),
-                       ROWS, at, bits_at, page)
-    if mutate == "perm":  # two heads' rows swapped
-        h.perm = h.perm.view(-1, 1).roll(1, 0).view(-1)
-    got = h.scatter(_run_as_kernel(layout, h.gather(q), h.kv_view(k, page), h.kv_view(v, page), sm_scale), None, q)
+        at = lambda b, kv_idx, f=at: f(h.entry(b), kv_idx)  # noqa: E731
+    layout = tile_list(h.map(kinds), h.indptr(_ind(qo).long()), h.indptr(_ind(kv).long()), ROWS, at,
+                       h.bits_of(bits_at, kinds.shape[2]), page)
+    q_v = h.gather(q)
+    if mutate == "perm":  # the heads' rows moved round by one head
+        q_v = q_v.roll(sum(qo), 0)
+    got = h.scatter(_run_as_kernel(layout, q_v, h.kv_view(k, page), h.kv_view(v, page), sm_scale), None, q)
     return got, _reference(q, k, v, qo, kv, bound, causal, sm_scale, key_of)
 
 
