@@ -6,6 +6,7 @@ import torch
 
 import fivar
 from fivar import AttentionVariant, Scalar
+from fivar.bench.suites.train import BATTERY
 from fivar.bench.train import learnable_copy
 from fivar.testing import check_gradients, example_params
 
@@ -114,4 +115,20 @@ def test_sink_and_window_skips_the_gap(qo_lens):
     q, k, vv = _qkv(sum(qo_lens), sum(qo_lens))
     r = check_gradients(SINK_WINDOW, q, k, vv, qo_lens=qo_lens, kv_lens=qo_lens, causal=True,
                         params={"sinks": 4, "window": 200}, dtype=DTYPE, backend="triton")
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("name", BATTERY)
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_training_battery(backend, name):
+    """The train suite's battery (benchmarks/train/*.py, loaded as a user's files: learnable per-head functions of
+    distance, a learnable table, learned sinks, a document window, a strided mask): a ragged causal batch with a
+    request of one query and one longer than its keys' tiles, every gradient against float64 autograd."""
+    from fivar.bench.suites.train import load
+    v = load(name)
+    qo_lens, kv_lens = [17, 300, 1, 700], [40, 300, 129, 700]
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens))
+    r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True,
+                        params=example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=len(qo_lens),
+                                              max_len=max(kv_lens), device="cuda"), dtype=DTYPE, backend=backend)
     assert r.passed, r

@@ -39,8 +39,10 @@ def load(name: str):
 
 
 def _measure(name: str, seqlen: int):
-    from ..train import bench_train, measurements
-    return measurements(bench_train(load(name), seqlen=seqlen, causal=True))
+    from ..contenders import selected
+    from ..train import TRAIN_CONTENDERS, bench_train, measurements
+    wanted = tuple(c for c in TRAIN_CONTENDERS if selected(c))  # --contender: the others never compile
+    return measurements(bench_train(load(name), seqlen=seqlen, causal=True, wanted=wanted))
 
 
 def _forward_modules(name: str) -> list:
