@@ -44,6 +44,9 @@ def gen_float(r: random.Random, depth: int) -> str:
         lambda: f"clamp({f()}, -1.5, 2.5)", lambda: f"({f()} if {gen_bool(r, d)} else {f()})",
         lambda: f"where({gen_bool(r, d)}, {f()}, {f()})", lambda: f"p.t[clamp({i()}, 0, {TABLE_LEN - 1})]",
         lambda: f"({f()} // (abs({f()}) + 0.5))", lambda: f"float({i()})",
+        lambda: f"(clamp({f()}, -4.0, 4.0) ** {r.randint(0, 4)})",
+        lambda: f"((abs(clamp({f()}, -4.0, 4.0)) + 0.5) ** {r.choice(['-2', '0.5', '1.5', '-0.75'])})",
+        lambda: f"((abs(clamp({f()}, -4.0, 4.0)) + 0.5) ** clamp({f()}, -3.0, 3.0))",
     ])()
 
 
@@ -58,7 +61,7 @@ def gen_int(r: random.Random, depth: int) -> str:
         lambda: f"({i()} // (abs({i()}) + 1))", lambda: f"({i()} % (abs({i()}) + 1))",
         lambda: f"abs({i()})", lambda: f"minimum({i()}, {i()})", lambda: f"maximum({i()}, {i()})",
         lambda: f"int(clamp({gen_float(r, d)}, -50.0, 50.0))",
-        lambda: f"({i()} if {gen_bool(r, d)} else {i()})",
+        lambda: f"({i()} if {gen_bool(r, d)} else {i()})", lambda: f"(clamp({i()}, -9, 9) ** {r.randint(0, 3)})",
     ])()
 
 
@@ -227,7 +230,7 @@ def test_generator_covers_the_grammar():
     text = " ".join(gen_float(r, 4) for _ in range(400))
     for token in ["tanh", "sigmoid", "exp(", "exp2", "log", "sqrt", "floor", "minimum", "maximum", "clamp",
                   "where", " if ", "//", "%", "int(", "float(", "p.t[", "p.a", "p.n", "qi", "ki", "and", "or",
-                  "not", "==", "!=", "<=", "abs("]:
+                  "not", "==", "!=", "<=", "abs(", "**"]:
         assert token in text, token
 
 
@@ -249,3 +252,26 @@ def test_reference_keeps_nan_where_the_kernels_do_and_zeros_rows_with_no_key():
     assert (ref[:3] == 0).all() and (out[:3] == 0).all()  # rows 0..2 see no key (q_idx = i - 3)
     finite = ~ref.isnan()
     assert torch.allclose(out[finite], ref[finite], atol=2e-2)
+
+
+def _pow_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return (float(q_idx - kv_idx) * params.a) ** params.t[qo_head]
+
+
+def test_power_with_an_exponent_known_at_run_time_is_torch_pow():
+    """`x ** y` with y a param (the general lowering: exp and log, and the edges by branch): torch.pow's values
+    (float64) over negative, zero and positive bases and integer (odd, even, zero) and fractional exponents, NaN
+    exactly where torch.pow gives NaN (a negative base, a fractional exponent), and inf at 0 ** -y."""
+    v = AttentionVariant(name="pw", logits=_pow_logits, params={"a": Scalar(float), "t": Tensor("float32", ("n",))})
+    expo = torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0, -2.0, 0.5, 1.7, -0.3], dtype=torch.float64)
+    a = float(torch.rand(1)) + 0.1
+    qi, ki = torch.arange(-6, 7)[None, :, None], torch.arange(0, 1)[None, None, :]
+    h = torch.arange(len(expo))[:, None, None]
+    env = {"score": torch.zeros(()), "sm_scale": 1.0, "batch": torch.tensor(0), "qo_head": h, "kv_head": h,
+           "q_idx": qi, "kv_idx": ki}
+    got = TorchEvaluator(env, {"a": a, "t": expo}, torch.float64).run(v.ir.logits)
+    want = torch.pow((qi - ki).double() * a, expo[:, None, None])
+    assert torch.equal(got.isnan(), want.isnan()) and bool(want.isnan().any())
+    assert torch.equal(got.isinf(), want.isinf()) and bool(want.isinf().any())
+    ok = ~want.isnan()
+    torch.testing.assert_close(got[ok], want[ok], rtol=1e-12, atol=0)

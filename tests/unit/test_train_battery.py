@@ -119,9 +119,45 @@ def _power_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score - params.r1[qo_head] * float(abs(kv_idx - q_idx)) ** params.r2[qo_head]
 
 
-@pytest.mark.xfail(strict=True, reason="variant functions have no `**`: KERPLE's power form is written "
-                   "exp(r2 * log(d)) in benchmarks/train/kerple_power.py")
-def test_kerple_power_as_the_paper_writes_it_parses():
-    v = AttentionVariant(name="kerple_power_pow", logits=_power_logits, params={
-        "r1": Tensor("float32", ("qo_head",), learnable=True), "r2": Tensor("float32", ("qo_head",), learnable=True)})
-    assert v.ir.logits is not None
+POWER = AttentionVariant(name="kerple_power_pow", logits=_power_logits, params={
+    "r1": Tensor("float32", ("qo_head",), learnable=True), "r2": Tensor("float32", ("qo_head",), learnable=True)})
+
+
+def _power_params(hq):
+    """r2 at the exponent's edges as well: 0 (x ** 0 is 1, 0 ** 0 too), integers, fractions below and above 1."""
+    r2 = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.7, 0.25, 3.0, 0.8])[torch.randperm(8)[:hq]]
+    return {"r1": torch.rand(hq) + 0.1, "r2": r2 + 0.01 * torch.rand(hq) * (r2 != r2.round())}
+
+
+def test_kerple_power_as_the_paper_writes_it_matches_torch_pow():
+    """`d ** r2` (the paper's form, d = |kv - q| >= 0 with d = 0 on the diagonal) in float64: the reference of the
+    parsed function against attention written with torch.pow, outputs and the gradients of q, k, v, r1 and r2
+    (torch's pow gives 0 for the exponent's gradient at a zero base; a lowering through log(0) would give NaN)."""
+    from fivar.codegen.torch_ref import reference_attention
+    hq, hkv, d, n = 4, 2, 8, 19
+    q, k, vv = (torch.randn(n, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
+    prm = {name: t.requires_grad_(True) for name, t in _power_params(hq).items()}  # float32, as declared
+    got = reference_attention(POWER, q, k, vv, causal=True, params=prm, float_dtype=torch.float64)
+    dist = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs().double()
+    logits = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(hq // hkv, 1)) / d ** 0.5
+    r1, r2 = (prm[name].double()[:, None, None] for name in ("r1", "r2"))
+    logits = logits - r1 * torch.pow(dist[None], r2)
+    logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(logits, -1), vv.repeat_interleave(hq // hkv, 1))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    up = torch.randn_like(want)
+    leaves = [q, k, vv, prm["r1"], prm["r2"]]
+    for a, b in zip(torch.autograd.grad(got, leaves, up), torch.autograd.grad(want, leaves, up)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_kerple_power_as_the_paper_writes_it_trains(interpret):
+    """The kernels of `d ** r2` (the Triton twin's forward and the generated backward): every gradient against
+    float64 autograd, the exponents at their edges."""
+    q = torch.randn(21, 4, 16, dtype=DTYPE)
+    k, vv = (torch.randn(37, 2, 16, dtype=DTYPE) for _ in range(2))
+    r = check_gradients(POWER, q, k, vv, qo_lens=[21], kv_lens=[37], causal=True, params=_power_params(4),
+                        dtype=DTYPE)
+    assert {"dr1", "dr2"} <= {x.case for x in r.results}
+    assert r.passed, r
