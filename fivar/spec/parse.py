@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .. import lang
 from ..errors import FivarSpecError
-from . import ir
+from . import ir, power
 from .ir import BOOL, F32, I32, NUMERIC
 from .params import Tensor, out_of_range
 
@@ -38,8 +38,6 @@ SINK_HEAD_ARGS = ("qo_head", "params")
 
 _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv",
            ast.Mod: "mod"}
-#: `x ** n` for a literal integer |n| up to this is products of x (exact, any sign of x); past it exp and log
-_POW_PRODUCT_MAX = 64
 _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
 _MODULE_FUNCS = {  # functions reachable as module.attr, mapped to fivar's names
     "math": {"tanh": "tanh", "exp": "exp", "log": "log", "sqrt": "sqrt", "floor": "floor",
@@ -401,53 +399,11 @@ class _FunctionParser:
         return ir.Binary(I32, op, a, b)
 
     def power(self, node, x: ir.Expr, y: ir.Expr) -> ir.Expr:
-        """`x ** y`, lowered to what every target has: products for a literal integer exponent (as Python computes
-        an int to a non-negative int power, and 1 / x**n for -n), else exp(y * log(|x|)) with Python's and torch's
-        values at the edges: 1 where y == 0, 0 or inf at x == 0, the sign of an odd integer y for x < 0 and NaN
-        for a fractional one (torch.pow's)."""
         for v, n in ((x, node.left), (y, node.right)):
             if v.type == BOOL:
                 raise self.error(n, "`**` on a bool; use `a if cond else b` to turn a condition into a number",
                                  "bool arithmetic")
-        if isinstance(y, ir.Const) and float(y.value).is_integer() and abs(y.value) <= _POW_PRODUCT_MAX:
-            n = int(abs(y.value))
-            base = x if y.type == I32 else self.to_f32(x)
-            out, sq = None, base
-            while n:  # square-and-multiply: at most 2 log2(n) products
-                if n & 1:
-                    out = sq if out is None else ir.Binary(base.type, "mul", out, sq)
-                n >>= 1
-                if n:
-                    sq = ir.Binary(base.type, "mul", sq, sq)
-            out = out if out is not None else ir.Const(base.type, 1 if base.type == I32 else 1.0)
-            if y.value < 0:  # Python: an int to a negative power is a float
-                return ir.Binary(F32, "div", ir.Const(F32, 1.0), self.to_f32(out))
-            return out
-        x, y = self.to_f32(x), self.to_f32(y)
-        if isinstance(y, ir.Const) and y.value == 0.5:
-            return ir.Call(F32, "sqrt", (x,))
-        zero, one, inf = ir.Const(F32, 0.0), ir.Const(F32, 1.0), ir.Const(F32, math.inf)
-        # x == 0 is a branch of its own and the others never take log(0): a gradient through a branch not taken is
-        # still computed (0 * -inf would be NaN where torch's is 0)
-        is_zero = ir.Binary(BOOL, "eq", x, zero)
-
-        def exp_log(base):
-            return ir.Call(F32, "exp", (ir.Binary(F32, "mul", y, ir.Call(F32, "log", (ir.Select(F32, is_zero, one,
-                                                                                                  base),))),))
-        if isinstance(y, ir.Const):  # a fractional literal: NaN below 0, which log gives by itself
-            return ir.Select(F32, is_zero, zero if y.value > 0 else inf, exp_log(x))
-        magnitude = exp_log(x if _non_negative(x) else ir.Call(F32, "abs", (x,)))
-        if _non_negative(x):  # a distance, an abs(): no branch for a negative base
-            at_zero = ir.Select(F32, ir.Binary(BOOL, "gt", y, zero), zero, inf)
-            return ir.Select(F32, ir.Binary(BOOL, "eq", y, zero), one, ir.Select(F32, is_zero, at_zero, magnitude))
-        integer = ir.Binary(BOOL, "eq", ir.Call(F32, "floor", (y,)), y)
-        half = ir.Binary(F32, "mul", y, ir.Const(F32, 0.5))
-        odd = ir.Binary(BOOL, "ne", ir.Call(F32, "floor", (half,)), half)
-        below = ir.Select(F32, integer, ir.Select(F32, odd, ir.Unary(F32, "neg", magnitude), magnitude),
-                          ir.Call(F32, "log", (ir.Select(F32, is_zero, one, x),)))  # log of a negative: NaN
-        at_zero = ir.Select(F32, ir.Binary(BOOL, "gt", y, zero), zero, inf)
-        return ir.Select(F32, ir.Binary(BOOL, "eq", y, zero), one, ir.Select(
-            F32, is_zero, at_zero, ir.Select(F32, ir.Binary(BOOL, "lt", x, zero), below, magnitude)))
+        return power.lower(x, y, self.to_f32)
 
     def where(self, node) -> str:
         line, col = self.location(node)
@@ -603,15 +559,6 @@ class _FunctionParser:
         if a.type in NUMERIC and b.type in NUMERIC and a.type != b.type:
             return self.to_f32(a), self.to_f32(b)
         return a, b
-
-
-def _non_negative(e: ir.Expr) -> bool:
-    """Whether `e` is >= 0 by its form (an abs, exp, sqrt, sigmoid, a non-negative literal, a cast of one)."""
-    if isinstance(e, ir.Cast):
-        return _non_negative(e.x)
-    if isinstance(e, ir.Const):
-        return e.value >= 0
-    return isinstance(e, ir.Call) and e.fn in ("abs", "exp", "exp2", "sqrt", "sigmoid")
 
 
 class _ParamsMarker:

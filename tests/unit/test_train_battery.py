@@ -125,7 +125,8 @@ POWER = AttentionVariant(name="kerple_power_pow", logits=_power_logits, params={
 
 def _power_params(hq):
     """r2 at the exponent's edges as well: 0 (x ** 0 is 1, 0 ** 0 too), integers, fractions below and above 1."""
-    r2 = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.7, 0.25, 3.0, 0.8])[torch.randperm(8)[:hq]]
+    r2 = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.7, 0.25, 3.0, 0.8])[torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                           torch.randperm(7)[:hq - 1] + 1])]
     return {"r1": torch.rand(hq) + 0.1, "r2": r2 + 0.01 * torch.rand(hq) * (r2 != r2.round())}
 
 
