@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fivar
-from fivar import AttentionVariant, Scalar, Tensor, clamp, log, tanh
+from fivar import AttentionVariant, Scalar, Tensor, clamp, log, maximum, minimum, tanh
 from fivar.bench.train import learnable_copy
 from fivar.codegen.triton import kernel_arg_values
 from fivar.runtime.params import bind_params
@@ -254,6 +254,31 @@ def _scattered_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
 
 SCATTERED = AttentionVariant(name="learnable_scattered", logits=_scattered_logits, params={
     "t": Tensor("float32", ("qo_head", "n"), learnable=True), "u": Tensor("float32", ("m",), learnable=True)})
+
+
+def _bucket_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    # a table of distance buckets 24 wide, the last for every distance past 72: a 16 x 16 tile that far from the
+    # diagonal reads one entry on all its diagonals, a nearer one several
+    return score + params.table[minimum(maximum(q_idx - kv_idx, 0) // 24, 3), qo_head]
+
+
+BUCKETS = AttentionVariant(name="learnable_buckets", logits=_bucket_logits, params={
+    "table": Tensor("float32", ("bucket", "qo_head"), learnable=True)})
+
+
+def test_distance_buckets_far_and_near():
+    """A learnable table read by a bucket of the distance (T5's form): tiles whose diagonals all read one entry add
+    the tile's sum once, the others a sum per diagonal; the table's gradient against float64 autograd."""
+    from fivar.codegen.triton_bwd import render_training
+    from fivar.config import override
+    with override(position_tables="off"):  # as training renders it: every term per element
+        dq = render_training(BUCKETS).split("def bwd_dq_kernel")[1]
+    assert dq.count("if fv_first == fv_last:") == 1 and "fv_diag" in dq  # the diagonal form, with the one-entry test
+    q, k, vv = _qkv(150, 150, 2, 1, 16)
+    r = check_gradients(BUCKETS, q, k, vv, qo_lens=[150], kv_lens=[150], causal=True,
+                        params={"table": torch.randn(4, 2)}, dtype=DTYPE)
+    assert "dtable" in {x.case for x in r.results}
+    assert r.passed, r
 
 
 @pytest.mark.parametrize("causal", [False, True])
