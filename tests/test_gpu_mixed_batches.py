@@ -60,8 +60,8 @@ def test_mixed_step_matches_the_reference_and_its_plan(backend, name, page):
         pytest.skip("needs a CUDA GPU")
     if backend == "fa3" and not _sm90():
         pytest.skip("FA3 needs an sm90 GPU")
-    # auto on sm90: the decodes as an FA2 plan, the chunks as an FA3 plan (fivar.runtime.mixed), but for
-    # document_mask, whose mask reads the request's index
+    # auto on sm90: the decodes as an FA2 plan, the chunks as an FA3 plan (fivar.runtime.mixed); document_mask's
+    # parts each take their requests' rows of doc_ids
     v = fivar.load(name)
     cached, new, kv, table, cache = _step(page)
     params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=len(new), max_len=max(kv),
@@ -79,4 +79,4 @@ def test_mixed_step_matches_the_reference_and_its_plan(backend, name, page):
         planned, planned_lse = plan.run(q, cache, return_lse=True)
         assert torch.equal(planned, out) and torch.equal(planned_lse, lse)
         if backend == "auto" and _sm90():
-            assert (plan._mixed is not None) == (name != "document_mask")
+            assert plan._mixed is not None

@@ -248,13 +248,16 @@ def mask_skipping(v) -> list[str]:
 
 def _mixed_line(v) -> str:
     """How an auto paged batch of short and long requests runs (fivar.runtime.mixed)."""
-    from .mixed import reads_batch
-    if reads_batch(v):
+    from .mixed import batch_dims
+    dims = batch_dims(v)
+    if dims is None:
         return ("paged batches, backend auto: one plan on FA3 (sm90) whatever the requests' query counts (the variant "
-                "reads the request's index, which a part of the batch would renumber); short requests alone: FA2")
+                "reads the request's index other than as a batch-sized tensor's row, which a part of the batch would "
+                "renumber); short requests alone: FA2")
+    rows = f" (each part with its requests' rows of {', '.join(sorted(dims))})" if dims else ""
     return ("paged batches, backend auto: requests of at most a quarter of FA3's query tile (decodes, drafts) run as "
             "an FA2 plan, which packs a GQA group's rows in one tile, the rest as an FA3 plan, each writing its rows of "
-            "one output; short requests alone: FA2")
+            f"one output{rows}; short requests alone: FA2")
 
 
 def short_paths(v) -> list[str]:

@@ -5,8 +5,8 @@ FA3 gives each query head of a request a query tile of its own (block_rows rows)
 fills a sliver of it and the kernel computes the rest of the tile for nothing over every key: 30 decodes over 8192 keys
 cost about 1 ms of tensor-core time that way, where FA2's kernel, which packs a GQA group's rows into one tile (the
 kernel of FlashInfer's tensor-core decode), reads the same keys at memory speed. An engine without mixed batches runs
-the two kinds through two wrappers; an auto plan does the same in one plan. Only where no program reads `batch`: a
-part renumbers its requests from 0 (fivar.runtime.mixed.reads_batch).
+the two kinds through two wrappers; an auto plan does the same in one plan. A part renumbers its requests from 0, so
+a program may read `batch` only to index a batch-sized tensor, whose rows a part then takes (batch_dims).
 """
 from __future__ import annotations
 
@@ -24,16 +24,44 @@ def short_requests(qo_lens: torch.Tensor, head_dim: int) -> torch.Tensor:
     return 4 * qo_lens <= block_rows(head_dim)
 
 
-def reads_batch(variant) -> bool:
-    """Whether a program reads the request's index, or a tensor param is sized by the batch."""
+def batch_dims(variant) -> dict[str, tuple[int, ...]] | None:
+    """The tensor params a part's own are sliced from, each with its dimensions named "batch", where the programs
+    read the request's index only as those indices (`doc_ids[batch, q_idx]`: a part's request i is the batch's
+    request requests[i], so its row of each such tensor is that request's); None where a program reads `batch`
+    any other way (a part would renumber it) or indexes a batch dimension by anything else."""
+    sized = {n: tuple(i for i, d in enumerate(getattr(p, "dims", ())) if d == "batch") for n, p in
+             variant.params.items()}
+    sized = {n: dims for n, dims in sized.items() if dims}
     vir = variant.ir
-    return any(p is not None and "batch" in ir.uses(p) for p in (vir.mask, vir.logits, vir.sink)) or \
-        any("batch" in getattr(p, "dims", ()) for p in variant.params.values())
+
+    def clean(e: ir.Expr) -> bool:  # `batch` read only as a batch index of a batch-sized tensor
+        if isinstance(e, ir.Index):
+            return e.name != "batch"
+        if isinstance(e, ir.Load) and e.param in sized:
+            return all((isinstance(x, ir.Index) and x.name == "batch") if i in sized[e.param] else clean(x)
+                       for i, x in enumerate(e.indices))
+        return all(clean(c) for c in e.children())
+    programs = [p for p in (vir.mask, vir.logits, vir.sink) if p is not None]
+    return sized if all(clean(e) for p in programs for e in p.exprs()) else None
+
+
+def part_params(params: dict | None, dims: dict, requests: torch.Tensor) -> dict | None:
+    """The call's params for a part of its requests: each batch-sized tensor's rows of those requests."""
+    if not dims or not params:
+        return params
+    out = dict(params)
+    for name, at in dims.items():
+        t = params.get(name)
+        if isinstance(t, torch.Tensor):
+            for d in at:
+                t = t.index_select(d, requests.to(t.device))
+            out[name] = t
+    return out
 
 
 def splits(variant, backend: str, target: str, qo_lens: torch.Tensor, head_dim: int) -> bool:
     """Whether an auto plan of this paged batch runs as a short part on FA2 and a long part on `target`."""
-    if backend != AUTO or target_of(target).packs_query_heads or reads_batch(variant):
+    if backend != AUTO or target_of(target).packs_query_heads or batch_dims(variant) is None:
         return False
     short = short_requests(qo_lens, head_dim)
     return bool(short.any()) and not bool(short.all())
@@ -59,13 +87,16 @@ def _part(requests: torch.Tensor, qo: torch.Tensor, kv: torch.Tensor, kv_indices
 class MixedPaged:
     """The two parts of a split paged batch: (plan, rows) each, run one after the other into one output."""
 
-    def __init__(self, make_plan, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, head_dim: int, target: str):
+    def __init__(self, make_plan, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, head_dim: int, target: str,
+                 variant, params: dict | None):
         qo, kv = qo_indptr.long().cpu(), kv_indptr.long().cpu()
         short = short_requests(qo.diff(), head_dim)
+        dims = batch_dims(variant)
         self.parts = []
         for backend, chosen in ((FA2.name, short), (target, ~short)):
-            meta, rows = _part(chosen.nonzero().view(-1), qo, kv, kv_indices, kv_last_page_len)
-            self.parts.append((make_plan(*meta, backend=backend), rows))
+            requests = chosen.nonzero().view(-1)
+            meta, rows = _part(requests, qo, kv, kv_indices, kv_last_page_len)
+            self.parts.append((make_plan(*meta, backend=backend, params=part_params(params, dims, requests)), rows))
 
     def release(self):
         for plan, _ in self.parts:

@@ -262,13 +262,13 @@ class PagedAttentionPlan(_OwnsWrapper):
                                    paged_kv_lens(kv_indptr, kv_last_page_len, page_size), self.device)
         qo_lens = qo_indptr.diff().cpu()
         if custom is None and mixed.splits(variant, backend, self.target, qo_lens, head_dim):
-            def part(*meta, backend):  # the call's own arguments, over the part's requests
+            def part(*meta, backend, params):  # the call's own arguments, over the part's requests
                 return PagedAttentionPlan(variant, *meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                           head_dim=head_dim, page_size=page_size, dtype=dtype, causal=causal,
                                           sm_scale=sm_scale, backend=backend, device=self.device, params=params,
                                           kv_dtype=kv_dtype)
             self._mixed = mixed.MixedPaged(part, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, head_dim,
-                                           self.target)
+                                           self.target, variant, params)
             self._kv_dtype, self.pages_read, self.keys_read = kv_dtype or dtype, None, None
             self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
             return

@@ -31,6 +31,18 @@ def _batch_scaled(score, b, h, kh, q, kv, p):
     return score * (1.0 + 0.25 * b)
 
 
+def _documents(b, h, kh, q, kv, p):
+    return p.doc[b, q] == p.doc[b, kv]
+
+
+def _per_request_temperature(score, b, h, kh, q, kv, p):
+    return score * p.temp[b]
+
+
+def _first_request_documents(b, h, kh, q, kv, p):
+    return p.doc[0, q] == p.doc[0, kv]
+
+
 VARIANTS = {
     "softcap": lambda: AttentionVariant(name="mx_softcap", logits=_softcap, params={"cap": Scalar(float, default=3.0)}),
     "sinks_window": lambda: AttentionVariant(name="mx_sinks_window", mask=_sinks_window,
@@ -38,6 +50,10 @@ VARIANTS = {
     "head_window_softcap": lambda: AttentionVariant(
         name="mx_head_window", mask=_head_window, logits=_softcap,
         params={"hw": Tensor("int32", ("qo_head",)), "cap": Scalar(float, default=3.0)}),
+    # `batch` read only as the row of batch-sized tensors: each part takes its requests' rows
+    "documents_temperature": lambda: AttentionVariant(
+        name="mx_documents", mask=_documents, logits=_per_request_temperature,
+        params={"doc": Tensor("int32", ("batch", "position")), "temp": Tensor("float32", ("batch",))}),
 }
 
 
@@ -92,6 +108,10 @@ def test_a_mixed_step_runs_in_two_parts_equal_to_the_reference(by_backend, name,
     current[0] = v
     qo_lens, kv_lens = _step(rng, order)
     params = {"hw": torch.randint(1, 40, (4,), generator=gen, dtype=torch.int32)} if "hw" in v.params else {}
+    if "doc" in v.params:  # each request's own documents (ids rising along its positions) and temperature
+        steps = torch.rand(len(qo_lens), max(kv_lens), generator=gen) < 0.04
+        params["doc"] = steps.to(torch.int32).cumsum(1).to(torch.int32)
+        params["temp"] = torch.rand(len(qo_lens), generator=gen) + 0.5
     if "cap" in v.params:  # not the default: each part must get the call's params and scale
         params["cap"] = rng.choice([1.5, 6.0])
     sm_scale = rng.choice([0.11, 0.4])
@@ -130,9 +150,12 @@ def test_what_splits_and_what_does_not(by_backend):
     assert not mixed.splits(softcap, "auto", "fa3", lens(49, 60), 64)
     reads = AttentionVariant(name="mx_batch_scaled", logits=_batch_scaled)
     assert not mixed.splits(reads, "auto", "fa3", lens(1, 2048), 128)  # a part would renumber its requests
-    sized = AttentionVariant(name="mx_sized", logits=_softcap, params={
-        "cap": Scalar(float, default=3.0), "per_request": Tensor("float32", ("batch",))})
-    assert not mixed.splits(sized, "auto", "fa3", lens(1, 2048), 128)
+    rows = VARIANTS["documents_temperature"]()  # `batch` only as the row of batch-sized tensors: the parts take theirs
+    assert mixed.splits(rows, "auto", "fa3", lens(1, 2048), 128)
+    assert mixed.batch_dims(rows) == {"doc": (0,), "temp": (0,)}
+    first = AttentionVariant(name="mx_first_documents", mask=_first_request_documents,
+                             params={"doc": Tensor("int32", ("batch", "position"))})
+    assert not mixed.splits(first, "auto", "fa3", lens(1, 2048), 128)  # request 0's row: not a part's own
 
 
 def test_short_requests_alone_plan_on_fa2_and_a_batch_read_keeps_one_plan(by_backend):
