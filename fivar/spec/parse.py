@@ -403,7 +403,28 @@ class _FunctionParser:
             if v.type == BOOL:
                 raise self.error(n, "`**` on a bool; use `a if cond else b` to turn a condition into a number",
                                  "bool arithmetic")
+        if isinstance(x, ir.Const) and isinstance(y, ir.Const):  # folded as Python would, then range-checked
+            return self.folded_power(node, x, y)
         return power.lower(x, y, self.to_f32)
+
+    def folded_power(self, node, x: ir.Const, y: ir.Const) -> ir.Const:
+        at = self.location(node)
+        if x.type == I32 and y.type == I32 and y.value >= 0:
+            # past 64 bits it is out of int32's range whatever it is: no need to compute a huge int
+            value = x.value ** y.value if abs(x.value) < 2 or y.value < 64 else 2 ** 64
+            return ir.Const(I32, value, at)
+        try:
+            value = float(x.value) ** float(y.value)
+        except OverflowError:
+            value = math.inf
+        except ZeroDivisionError:
+            raise self.error(node, f"`{ast.unparse(node)}`: 0 to a negative power", "division by zero") from None
+        if isinstance(value, complex):
+            raise self.error(node, f"`{ast.unparse(node)}` is not a real number", "complex power")
+        if math.isinf(value):
+            raise self.const_error(ir.Const(F32, value, at), f"`{ast.unparse(node)}` is past float64's range, far "
+                                   "outside the kernels' 32-bit floats")
+        return ir.Const(F32, value, at)
 
     def where(self, node) -> str:
         line, col = self.location(node)

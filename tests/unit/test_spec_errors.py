@@ -150,10 +150,32 @@ def test_keyword_arguments():
     _expect(logits, match="keyword arguments")
 
 
-def test_power_operator():
+def test_power_of_constants_is_range_checked():
+    def big_int(s, b, h, kh, qi, ki, p):
+        return s + float(10 ** 40)  # BAD
+    _expect(big_int, match="does not fit the kernels' 32-bit ints")
+
+    def big_float(s, b, h, kh, qi, ki, p):
+        return s + 10.0 ** 39  # BAD
+    _expect(big_float, match="does not fit the kernels' 32-bit floats")
+
+    def past_float64(s, b, h, kh, qi, ki, p):
+        return s + 10.0 ** 400  # BAD
+    _expect(past_float64, match="past float64's range")
+
+    def zero_to_negative(s, b, h, kh, qi, ki, p):
+        return s + 0.0 ** -1  # BAD
+    _expect(zero_to_negative, match="0 to a negative power")
+
+    def complex_power(s, b, h, kh, qi, ki, p):
+        return s + (-8.0) ** 0.5  # BAD
+    _expect(complex_power, match="not a real number")
+
+
+def test_power_of_a_bool():
     def logits(s, b, h, kh, qi, ki, p):
-        return s ** 2  # BAD
-    _expect(logits, match="`**` is not supported")
+        return s ** (qi < ki)  # BAD
+    _expect(logits, match="`**` on a bool")
 
 
 def test_missing_return():
