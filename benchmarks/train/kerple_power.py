@@ -1,6 +1,6 @@
 """KERPLE, power variant (Chi et al. 2022): each head subtracts r1 * |kv - q| ** r2 from the score, r1 > 0 and
 r2 in (0, 2] learnable per head. d ** r2 written out as exp(r2 * log(d)), the distance 0 (where d ** r2 is 0) a
-branch of its own so that no log(0) reaches the gradient: what `d ** r2` itself lowers to."""
+branch of its own so that no log(0) reaches the gradient (`d ** r2` computes the same for r2 > 0)."""
 import torch
 
 from fivar import AttentionVariant, Tensor, exp, log, maximum, where

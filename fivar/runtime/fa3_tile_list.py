@@ -273,7 +273,8 @@ class HeadRequests:
         out[:self.tokens].copy_(out_v.view(self.heads, self.tokens, q.shape[-1]).transpose(0, 1))
         if lse_v is None:
             return out
-        lse = torch.empty(q.shape[:2], dtype=lse_v.dtype, device=lse_v.device)
+        lse = torch.full(q.shape[:2], -math.inf, dtype=lse_v.dtype, device=lse_v.device) \
+            if q.shape[0] > self.tokens else torch.empty(q.shape[:2], dtype=lse_v.dtype, device=lse_v.device)
         lse[:self.tokens].copy_(lse_v.view(self.heads, self.tokens).t())
         return out, lse
 

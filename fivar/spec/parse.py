@@ -405,6 +405,10 @@ class _FunctionParser:
                                  "bool arithmetic")
         if isinstance(x, ir.Const) and isinstance(y, ir.Const):  # folded as Python would, then range-checked
             return self.folded_power(node, x, y)
+        if x.type == I32 and y.type == I32 and not (isinstance(y, ir.Const) and abs(y.value) <= power.PRODUCT_MAX):
+            raise self.error(node, f"`{ast.unparse(node)}`: an int to an int power known only at run time has no "
+                             "exact form here; write float(...) ** ... for a float power, or a literal exponent",
+                             "int power")
         return power.lower(x, y, self.to_f32)
 
     def folded_power(self, node, x: ir.Const, y: ir.Const) -> ir.Const:

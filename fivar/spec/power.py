@@ -7,17 +7,21 @@ import math
 from . import ir
 from .ir import BOOL, F32, I32
 
-#: `x ** n` for a literal integer |n| up to this is products of x (exact, any sign of x); past it exp and log
-PRODUCT_MAX = 64
+#: `x ** n` for a literal integer |n| up to this is products of x (exact for an int, any sign of x), at most
+#: 2 log2 |n| of them; past it a float power (an int base to such a power is past int32 whatever it is)
+PRODUCT_MAX = 1 << 16
 
 
 def lower(x: ir.Expr, y: ir.Expr, to_f32) -> ir.Expr:
-    """Products for a literal integer exponent (an int to a non-negative int power stays an int, as in Python;
-    1 / x**n for -n), else exp(y * log(|x|)) with torch.pow's values and gradients at the edges: 0, 1 or inf at
-    x == 0, the sign of an odd integer y for x < 0 and NaN for a fractional one. `to_f32`: the parser's
-    conversion (it range-checks literals)."""
+    """Products for a literal integer exponent (an int to a non-negative int power stays an int, as in Python, and
+    wraps in 32 bits as every int does; a negative one is 1 / x**n in float), else exp(y * log(|x|)) with
+    torch.pow's values at the edges: 0, 1 or inf at x == 0, the sign of an odd integer y for x < 0, NaN for a
+    fractional one. Gradients: torch.pow's, but where it is infinite or NaN (the base's at x == 0 for 0 < y < 1,
+    the exponent's for x < 0) it is 0 and that of +-|x| ** y. An int to an exponent known only at run time is the
+    parser's to refuse (a float power is not exact). `to_f32`: the parser's conversion (it range-checks literals)."""
     if isinstance(y, ir.Const) and float(y.value).is_integer() and abs(y.value) <= PRODUCT_MAX:
-        return _products(x if y.type == I32 else to_f32(x), int(y.value), to_f32)
+        n = int(y.value)
+        return _products(x if x.type == I32 and y.type == I32 and n >= 0 else to_f32(x), n)
     x, y = to_f32(x), to_f32(y)
     if isinstance(y, ir.Const) and y.value == 0.5:
         return ir.Call(F32, "sqrt", (x,))
@@ -29,11 +33,13 @@ def lower(x: ir.Expr, y: ir.Expr, to_f32) -> ir.Expr:
     def exp_log(base):
         safe = ir.Select(F32, is_zero, one, base)
         return ir.Call(F32, "exp", (ir.Binary(F32, "mul", y, ir.Call(F32, "log", (safe,))),))
-    if isinstance(y, ir.Const):  # a fractional literal: NaN below 0, which log gives by itself
+    if isinstance(y, ir.Const) and not float(y.value).is_integer():  # a fractional literal: log's NaN below 0
         return ir.Select(F32, is_zero, zero if y.value > 0 else inf, exp_log(x))
-    # 0 ** y: 0, 1 or inf by the sign of y (elsewhere y == 0 gives exp(0) = 1 with the gradient log|x|, torch's)
-    at_zero = ir.Select(F32, ir.Binary(BOOL, "gt", y, zero), zero,
-                        ir.Select(F32, ir.Binary(BOOL, "eq", y, zero), one, inf))
+    # 0 ** y: 0, 1 or inf by the sign of y, and the base's gradient y * 0 ** (y - 1) where it is finite and not 0
+    # (y == 1); elsewhere y == 0 gives exp(0) = 1 with the exponent's gradient log|x|, as torch's
+    at_zero = ir.Binary(F32, "add", ir.Select(F32, ir.Binary(BOOL, "gt", y, zero), zero,
+                                              ir.Select(F32, ir.Binary(BOOL, "eq", y, zero), one, inf)),
+                        ir.Binary(F32, "mul", x, ir.Select(F32, ir.Binary(BOOL, "eq", y, one), one, zero)))
     if non_negative(x):  # a distance, an abs(): no branch for a negative base
         rest = exp_log(x)
     else:
@@ -47,8 +53,8 @@ def lower(x: ir.Expr, y: ir.Expr, to_f32) -> ir.Expr:
     return ir.Select(F32, is_zero, at_zero, rest)
 
 
-def _products(base: ir.Expr, n: int, to_f32) -> ir.Expr:
-    """base ** n by square-and-multiply (at most 2 log2 |n| products)."""
+def _products(base: ir.Expr, n: int) -> ir.Expr:
+    """base ** n by square-and-multiply (a float base where n < 0)."""
     out, square, k = None, base, abs(n)
     while k:
         if k & 1:
@@ -57,7 +63,7 @@ def _products(base: ir.Expr, n: int, to_f32) -> ir.Expr:
         if k:
             square = ir.Binary(base.type, "mul", square, square)
     out = out if out is not None else ir.Const(base.type, 1 if base.type == I32 else 1.0)
-    return ir.Binary(F32, "div", ir.Const(F32, 1.0), to_f32(out)) if n < 0 else out
+    return ir.Binary(F32, "div", ir.Const(F32, 1.0), out) if n < 0 else out
 
 
 def non_negative(e: ir.Expr) -> bool:

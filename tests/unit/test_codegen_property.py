@@ -255,23 +255,52 @@ def test_reference_keeps_nan_where_the_kernels_do_and_zeros_rows_with_no_key():
 
 
 def _pow_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return (float(q_idx - kv_idx) * params.a) ** params.t[qo_head]
+    return (float(q_idx - kv_idx) * params.a + params.t0[qo_head]) ** params.t[qo_head]
+
+
+def _pow_literals(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return float(q_idx - kv_idx) ** 65 + q_idx ** -3 + float((q_idx - kv_idx) ** 3)
+
+
+def _env(qi, ki, heads):
+    h = torch.arange(heads)[:, None, None]
+    return {"score": torch.zeros(()), "sm_scale": 1.0, "batch": torch.tensor(0), "qo_head": h, "kv_head": h,
+            "q_idx": qi, "kv_idx": ki}
 
 
 def test_power_with_an_exponent_known_at_run_time_is_torch_pow():
     """`x ** y` with y a param (the general lowering: exp and log, and the edges by branch): torch.pow's values
-    (float64) over negative, zero and positive bases and integer (odd, even, zero) and fractional exponents, NaN
-    exactly where torch.pow gives NaN (a negative base, a fractional exponent), and inf at 0 ** -y."""
-    v = AttentionVariant(name="pw", logits=_pow_logits, params={"a": Scalar(float), "t": Tensor("float32", ("n",))})
+    (float64) over negative, zero and positive bases and integer (odd, even, zero, one) and fractional exponents, NaN
+    exactly where torch.pow gives NaN (a negative base, a fractional exponent), inf at 0 ** -y; and the gradients of
+    base and exponent at every point where torch's are finite (each point reads its own exponent and shift)."""
+    v = AttentionVariant(name="pw", logits=_pow_logits, params={
+        "a": Scalar(float), "t": Tensor("float32", ("n",)), "t0": Tensor("float32", ("n",))})
     expo = torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0, -2.0, 0.5, 1.7, -0.3], dtype=torch.float64)
+    steps = torch.arange(-6, 7)
+    e_of, q_of = expo.repeat_interleave(len(steps)), steps.repeat(len(expo))  # point p: (its exponent, its q_idx)
+    shift = (torch.rand(len(e_of), dtype=torch.float64) < 0.3) * 0.25  # a few bases off the grid
     a = float(torch.rand(1)) + 0.1
-    qi, ki = torch.arange(-6, 7)[None, :, None], torch.arange(0, 1)[None, None, :]
-    h = torch.arange(len(expo))[:, None, None]
-    env = {"score": torch.zeros(()), "sm_scale": 1.0, "batch": torch.tensor(0), "qo_head": h, "kv_head": h,
-           "q_idx": qi, "kv_idx": ki}
-    got = TorchEvaluator(env, {"a": a, "t": expo}, torch.float64).run(v.ir.logits)
-    want = torch.pow((qi - ki).double() * a, expo[:, None, None])
+    point = torch.arange(len(e_of))
+    env = {**_env(q_of, torch.zeros((), dtype=torch.long), 1), "qo_head": point, "kv_head": point}
+    leaves, ref_leaves = ([x.clone().requires_grad_(True) for x in (e_of, shift)] for _ in range(2))
+    got = TorchEvaluator(env, {"a": a, "t": leaves[0], "t0": leaves[1]}, torch.float64).run(v.ir.logits)
+    want = torch.pow(q_of.double() * a + ref_leaves[1], ref_leaves[0])
     assert torch.equal(got.isnan(), want.isnan()) and bool(want.isnan().any())
     assert torch.equal(got.isinf(), want.isinf()) and bool(want.isinf().any())
-    ok = ~want.isnan()
+    ok = want.isfinite()
     torch.testing.assert_close(got[ok], want[ok], rtol=1e-12, atol=0)
+    for g, w in zip(torch.autograd.grad(got[ok].sum(), leaves), torch.autograd.grad(want[ok].sum(), ref_leaves)):
+        finite = w.isfinite() & ok
+        assert finite.sum() >= 40 and g[ok].isfinite().all()
+        torch.testing.assert_close(g[finite], w[finite], rtol=1e-10, atol=1e-12)
+
+
+def test_power_of_literal_integers_is_exact():
+    """Literal integer exponents are products: a large one on a negative base keeps its sign, a negative one on an
+    int is a float power of the float (no 32-bit wrap first), an int to a positive one stays an int."""
+    v = AttentionVariant(name="pw_lit", logits=_pow_literals)
+    qi, ki = torch.tensor([1, 2, 7, 1291])[None, :, None], torch.tensor([0, 3, 9])[None, None, :]
+    got = TorchEvaluator(_env(qi, ki, 1), {}, torch.float64).run(v.ir.logits)
+    d = (qi - ki).double()
+    want = d ** 65 + qi.double() ** -3 + d ** 3
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

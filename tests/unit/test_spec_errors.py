@@ -172,6 +172,12 @@ def test_power_of_constants_is_range_checked():
     _expect(complex_power, match="not a real number")
 
 
+def test_int_to_a_run_time_int_power():
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + float(qi // 2 ** p.level)  # BAD
+    _expect(logits, match="an int to an int power known only at run time", level=Scalar(int, default=2))
+
+
 def test_power_of_a_bool():
     def logits(s, b, h, kh, qi, ki, p):
         return s ** (qi < ki)  # BAD
