@@ -215,11 +215,10 @@ class HeadRequests:
     heads: int
     kv_heads: int
     batch: int
-    tokens: int
 
     @classmethod
     def of(cls, qo_h: torch.Tensor, heads: int, kv_heads: int) -> "HeadRequests":
-        return cls(heads, kv_heads, qo_h.numel() - 1, int(qo_h[-1]))
+        return cls(heads, kv_heads, qo_h.numel() - 1)
 
     def indptr(self, host_indptr: torch.Tensor) -> torch.Tensor:
         """The virtual batch's indptr: every entry's length, once per head."""
@@ -264,18 +263,17 @@ class HeadRequests:
                                 (s_h, self.kv_heads * s_h, s_h, 1), x.storage_offset())
 
     def gather(self, q: torch.Tensor) -> torch.Tensor:
-        """q [tokens, heads, D] as the virtual batch's rows [heads * tokens, 1, D]."""
-        return q[:self.tokens].transpose(0, 1).reshape(-1, 1, q.shape[-1])
+        """q [tokens, heads, D] (the plan's rows: its callers check) as the virtual batch's [heads * tokens, 1, D]."""
+        return q.transpose(0, 1).reshape(-1, 1, q.shape[-1])
 
     def scatter(self, out_v: torch.Tensor, lse_v: torch.Tensor | None, q: torch.Tensor):
-        out = torch.zeros(q.shape, dtype=out_v.dtype, device=out_v.device) if q.shape[0] > self.tokens else \
-            torch.empty(q.shape, dtype=out_v.dtype, device=out_v.device)
-        out[:self.tokens].copy_(out_v.view(self.heads, self.tokens, q.shape[-1]).transpose(0, 1))
+        tokens = q.shape[0]
+        out = torch.empty(q.shape, dtype=out_v.dtype, device=out_v.device)
+        out.copy_(out_v.view(self.heads, tokens, q.shape[-1]).transpose(0, 1))
         if lse_v is None:
             return out
-        lse = torch.full(q.shape[:2], -math.inf, dtype=lse_v.dtype, device=lse_v.device) \
-            if q.shape[0] > self.tokens else torch.empty(q.shape[:2], dtype=lse_v.dtype, device=lse_v.device)
-        lse[:self.tokens].copy_(lse_v.view(self.heads, self.tokens).t())
+        lse = torch.empty(q.shape[:2], dtype=lse_v.dtype, device=lse_v.device)
+        lse.copy_(lse_v.view(self.heads, tokens).t())
         return out, lse
 
 
@@ -356,7 +354,7 @@ class TileListPrefill:
             self._heads = h = HeadRequests.of(qo_h, num_qo_heads, num_kv_heads)
             layout = tile_list(h.map(kinds), h.indptr(qo_h), h.indptr(kv_h), rows, h.token_of(token_of, self.page),
                                h.bits_of(bits_at, kinds.shape[2]), self.page)
-            layout.blocks[:, 0] = h.entry(layout.blocks[:, 0])  # the struct's batch_idx: the entry's own, for the logits
+            layout.blocks[:, 0] = h.entry(layout.blocks[:, 0])  # the struct's batch_idx (the entry's), for the logits
             num_qo_heads = num_kv_heads = 1
         else:
             layout = tile_list(head_union(kinds), qo_h, kv_h, rows, token_of,

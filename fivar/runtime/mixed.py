@@ -61,10 +61,10 @@ def part_params(params: dict | None, dims: dict, requests: torch.Tensor) -> dict
 
 def splits(variant, backend: str, target: str, qo_lens: torch.Tensor, head_dim: int) -> bool:
     """Whether an auto plan of this paged batch runs as a short part on FA2 and a long part on `target`."""
-    if backend != AUTO or target_of(target).packs_query_heads or batch_dims(variant) is None:
+    if backend != AUTO or target_of(target).packs_query_heads:
         return False
-    short = short_requests(qo_lens, head_dim)
-    return bool(short.any()) and not bool(short.all())
+    short = short_requests(qo_lens, head_dim)  # before the IR walk: most batches are all short or all long
+    return bool(short.any()) and not bool(short.all()) and batch_dims(variant) is not None
 
 
 def _part(requests: torch.Tensor, qo: torch.Tensor, kv: torch.Tensor, kv_indices: torch.Tensor,
