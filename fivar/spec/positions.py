@@ -74,7 +74,7 @@ class Analysis:
             return True
         if isinstance(e, ir.Index):
             return e.name in HEADS
-        if isinstance(e, (ir.Score, ir.RawScore, ir.Hoisted)):
+        if isinstance(e, (ir.Score, ir.RawScore)):
             return False
         if isinstance(e, ir.Local):
             return self._local("pos", e.name, self.position_only)

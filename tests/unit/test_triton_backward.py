@@ -258,12 +258,13 @@ SCATTERED = AttentionVariant(name="learnable_scattered", logits=_scattered_logit
 
 def _bucket_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     # a table of distance buckets 24 wide, the last for every distance past 72: a 16 x 16 tile that far from the
-    # diagonal reads one entry on all its diagonals, a nearer one several
-    return score + params.table[minimum(maximum(q_idx - kv_idx, 0) // 24, 3), qo_head]
+    # diagonal reads one entry on all its diagonals, a nearer one several. The width is computed once per launch
+    # (a hoisted value, as T5's log(128 / 16) is): the index still reads positions only
+    return score + params.table[minimum(maximum(q_idx - kv_idx, 0) // (params.half_width * 2), 3), qo_head]
 
 
 BUCKETS = AttentionVariant(name="learnable_buckets", logits=_bucket_logits, params={
-    "table": Tensor("float32", ("bucket", "qo_head"), learnable=True)})
+    "table": Tensor("float32", ("bucket", "qo_head"), learnable=True), "half_width": Scalar(int, default=12)})
 
 
 def test_distance_buckets_far_and_near():
