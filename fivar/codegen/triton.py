@@ -426,8 +426,9 @@ def reads_mask_bits(variant) -> bool:
     return variant.scans_mask and TritonEmitter(variant).mask_element_cost() > MASK_BITS_COST
 
 
-def render_attention(variant) -> str:
-    """The whole Python module of the variant's Triton twin (prefill and decode kernels, launchers)."""
+def render_attention(variant, extra_helpers=()) -> str:
+    """The whole Python module of the variant's Triton twin (prefill and decode kernels, launchers).
+    `extra_helpers`: helper functions to define beyond the forward's own (the training module's backward uses them)."""
     emit = TritonEmitter(variant)
     logits = emit.lowered.logits
     logits_fn = emit.function(logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
@@ -439,7 +440,7 @@ def render_attention(variant) -> str:
     source = os.path.basename(variant.source_file or "<unknown>")
     return render("triton/attention.py.jinja", name=variant.name, source=source, doc=variant.doc.strip(),
                   softmax=variant.softmax, logits_fn=logits_fn, mask_fn=mask_fn, sink_fn=sink_fn,
-                  helpers=sorted(emit.helpers),
+                  helpers=sorted(emit.helpers | set(extra_helpers)),
                   prologue=prologue, row_prologue=row_prologue, kernel_args=[a.name for a in emit.args],
                   band_left=band.left and ir.format_expr(band.left),
                   band_right=band.right and ir.format_expr(band.right),

@@ -119,15 +119,17 @@ class _GluonEmitter(_BackwardEmitter):
         return list(self._used_cols)
 
 
-def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]]) -> tuple[list[str], _GluonEmitter]:
+def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]], logits: ir.Program
+                     ) -> tuple[list[str], _GluonEmitter]:
     """The functions the Gluon kernels call, prefixed gl_: the logits, the mask (if any) and `derivatives` (name,
-    program, arguments: the backward's own functions); and their emitter (col_loads, function_cols)."""
+    program, arguments: the backward's own functions, derived from `logits`); and their emitter (col_loads,
+    function_cols)."""
     emit = _GluonEmitter(variant)
     fns = [emit.function(emit.lowered.logits, "gl_variant_logits", ("qk",) + ir.INDEX_VARS)]
     if emit.lowered.mask:
         fns.append(emit.function(emit.lowered.mask, "gl_variant_mask", ir.INDEX_VARS))
     for name, program, args in derivatives:
-        emit.let_exprs = dict(emit.lowered.logits.lets)
+        emit.let_exprs = dict(logits.lets)
         fns.append(emit.function(program, "gl_" + name, args))
     return fns, emit
 
@@ -154,11 +156,41 @@ def learnable_params(variant) -> list[str]:
     return [name for name, p in variant.tensor_params.items() if p.learnable and p.ir_type == ir.F32]
 
 
+def _per_element_logits(variant) -> ir.Program | None:
+    """The logits with every term per element and launch constants written out (hoisted names are the forward's
+    own): what the gradients are derived from where the forward's logits read position tables. None where the two
+    lowerings fold out different softmax scales."""
+    from ..spec.optimize import lower
+    per_element = lower(variant.ir, variant.softmax, "off", tuple(variant.params))
+    scales = [None if s is None else _inline(s, h) for s, h in ((per_element.output_scale, per_element.hoisted),
+                                                                 (variant.lowered.output_scale, variant.lowered.hoisted))]
+    if scales[0] != scales[1]:
+        return None
+    logits = per_element.logits
+    return ir.Program([(n, _inline(e, per_element.hoisted)) for n, e in logits.lets],
+                      _inline(logits.result, per_element.hoisted))
+
+
+def _inline(e: ir.Expr, hoisted: dict) -> ir.Expr:
+    """`e` with each hoisted name replaced by the expression it stands for."""
+    if isinstance(e, ir.Hoisted):
+        return _inline(hoisted[e.name], hoisted)
+    kids = tuple(_inline(c, hoisted) for c in e.children())
+    return ir.rebuild(e, kids) if kids != e.children() else e
+
+
 def render_training(variant) -> str:
-    """The forward twin's module followed by the backward kernels and their launcher."""
-    forward = render_attention(variant)
+    """The forward twin's module followed by the backward kernels and their launcher. Where the lowering reads
+    position tables (fivar.spec.positions), the backward recomputes the logits from the same tables (a table read
+    per pair, not the term's transcendentals) while the learnable reads and every derivative come from the logits
+    evaluated per element (fivar.spec.grad needs the params' own reads): the tables hold values only, no gradient
+    passes through them."""
     emit = _BackwardEmitter(variant)
     logits = emit.lowered.logits
+    if emit.lowered.position_tables:
+        logits = _per_element_logits(variant)
+        if logits is None:
+            raise AssertionError("training with position tables needs the same softmax scale per element")
     derivatives = [("fv_dlogits_dqk", _derivative(logits, grad.WRT_QK), ("qk",) + ir.INDEX_VARS)]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
     tile_fns, reads = [], []
@@ -182,10 +214,9 @@ def render_training(variant) -> str:
         emit.let_exprs = dict(logits.lets)
         fns.append(emit.function(program, name, args))
     fns += tile_fns
-    # the derivatives only use functions the logits use, so the forward module defines every helper they need
-    if not emit.helpers <= _forward_helpers(variant):
-        raise AssertionError(f"backward helpers {sorted(emit.helpers)} missing from the forward module")
-    gluon_fns, gluon = _gluon_functions(variant, derivatives)
+    gluon_fns, gluon = _gluon_functions(variant, derivatives, logits)
+    # the module's helper functions (_py_mod & co.) are the forward's: it defines those the derivatives use too
+    forward = render_attention(variant, extra_helpers=emit.helpers | gluon.helpers)
     band = variant.kv_band
     backward = render("triton/attention_bwd.py.jinja", name=variant.name, softmax=variant.softmax,
                       functions=fns, prologue=prologue, row_prologue=row_prologue,
@@ -197,13 +228,3 @@ def render_training(variant) -> str:
                       col_prologue=gluon.read_lines(gluon.col_loads), gl_cols=gluon.function_cols)
     # the template's parts are included whole, each followed by blank lines: at most two between definitions
     return forward + "\n\n" + re.sub(r"\n{4,}", "\n\n\n", backward)
-
-
-def _forward_helpers(variant) -> set[str]:
-    emit = TritonEmitter(variant)
-    emit.function(emit.lowered.logits, "variant_logits", ("qk",) + ir.INDEX_VARS)
-    if emit.lowered.mask:
-        emit.function(emit.lowered.mask, "variant_mask", ir.INDEX_VARS)
-    emit.prologue()
-    emit.row_prologue()
-    return emit.helpers

@@ -282,6 +282,33 @@ def test_distance_buckets_far_and_near():
     assert r.passed, r
 
 
+def _kerple_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    # learnable per-head parameters inside a term of the distance alone, which the lowering tabulates (a log)
+    return score - params.r1[qo_head] * log(1.0 + params.r2[qo_head] * float(abs(kv_idx - q_idx)))
+
+
+KERPLE = AttentionVariant(name="learnable_kerple", logits=_kerple_logits, params={
+    "r1": Tensor("float32", ("qo_head",), learnable=True), "r2": Tensor("float32", ("qo_head",), learnable=True)})
+
+
+@pytest.mark.parametrize("mode", ["costly", "off"])
+def test_learnable_terms_inside_position_tables(mode):
+    """Where the lowering tabulates a term that reads learnable params, the backward recomputes the logits from the
+    table (no log per pair) and derives every gradient from the logits per element; float64 autograd's gradients
+    either way, ragged and with a request whose keys outnumber its queries."""
+    from fivar.codegen.triton_bwd import render_training
+    from fivar.config import override
+    with override(position_tables=mode):
+        recompute = render_training(KERPLE).split("def variant_logits")[1].split("@triton.jit")[0]
+        assert ("tl.log" in recompute) == (mode == "off")
+        q, k, vv = _qkv(23 + 40, 31 + 40, 2, 1, 16)
+        params = {"r1": torch.rand(2) + 0.2, "r2": torch.rand(2) * 2 + 0.1}
+        r = check_gradients(KERPLE, q, k, vv, qo_lens=[23, 40], kv_lens=[31, 40], causal=True, params=params,
+                            dtype=DTYPE)
+    assert {"dr1", "dr2"} <= {x.case for x in r.results}
+    assert r.passed, r
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_kind_of_learnable_read(causal):
     q, k, vv = _qkv(19, 40, 2, 1, 16)
