@@ -60,8 +60,10 @@ class LoweringConfig:
     """How the compiled targets' IR passes rewrite a variant (fivar.spec.optimize). position_tables: which logits terms
     of only the head and kv_idx - q_idx become a per-call table (fivar.spec.positions): "costly" (a transcendental, a
     floor/int conversion, a gather whose index is itself gathered or costly), "all" (any such term of the distance,
-    even `slope * distance`) or "off"."""
+    even `slope * distance`) or "off". training: the lowering the training module is generated from (the backward's
+    derivative programs too; set by fivar.runtime.autograd through override(training=True), never the environment)."""
     position_tables: str = "costly"
+    training: bool = False
 
 
 POSITION_TABLE_MODES = ("costly", "all", "off")
@@ -201,7 +203,8 @@ def lowering_config() -> LoweringConfig:
     text, where = setting("position_tables")
     if text and text not in POSITION_TABLE_MODES:
         raise FivarError(f"{where}={text!r}: expected one of {', '.join(POSITION_TABLE_MODES)}")
-    return LoweringConfig(position_tables=text or LoweringConfig.position_tables)
+    return LoweringConfig(position_tables=text or LoweringConfig.position_tables,
+                          training=bool(_overrides.get().get("training", False)))
 
 
 def variant_path() -> list[str]:

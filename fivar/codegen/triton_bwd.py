@@ -1,7 +1,8 @@
 """IR -> Triton backward: the variant's training module, the forward twin plus FlashAttention-2 backward kernels.
 
 The backward kernels inline the same lowered programs as the forward (through the same `TritonEmitter`), plus
-their derivatives from `fivar.spec.grad`: `fv_dlogits_dqk` (d logits / d unscaled q.k) and, per read of a
+the training lowering's derivatives (fivar.spec.optimize with fivar.spec.grad): `fv_dlogits_dqk` (d logits /
+d unscaled q.k) and, per read of a
 learnable tensor parameter, `fv_dlogits_dload<i>` with `fv_grad_offset<i>`, the clamped element the read
 came from, where its gradient is scattered. The module is the forward module's text followed by the
 backward's, so both share the variant functions and helpers.
@@ -11,8 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..spec import grad, ir, positions
+from ..config import override
+from ..spec import ir, positions
 from ..spec.ir import I32
+from ..spec.optimize import needed_lets
 from .fa2 import render
 from .cuda import size_ident
 from .triton import TritonEmitter, read_without, render_attention
@@ -119,36 +122,19 @@ class _GluonEmitter(_BackwardEmitter):
         return list(self._used_cols)
 
 
-def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]], logits: ir.Program
+def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]], logits: ir.Program | None = None
                      ) -> tuple[list[str], _GluonEmitter]:
     """The functions the Gluon kernels call, prefixed gl_: the logits, the mask (if any) and `derivatives` (name,
-    program, arguments: the backward's own functions, derived from `logits`); and their emitter (col_loads,
+    program, arguments: the backward's own functions, derived from `logits`, by default the lowered ones); and their emitter (col_loads,
     function_cols)."""
     emit = _GluonEmitter(variant)
     fns = [emit.function(emit.lowered.logits, "gl_variant_logits", ("qk",) + ir.INDEX_VARS)]
     if emit.lowered.mask:
         fns.append(emit.function(emit.lowered.mask, "gl_variant_mask", ir.INDEX_VARS))
     for name, program, args in derivatives:
-        emit.let_exprs = dict(logits.lets)
+        emit.let_exprs = dict((logits or emit.lowered.logits).lets)
         fns.append(emit.function(program, "gl_" + name, args))
     return fns, emit
-
-
-def _needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.Expr]]:
-    """The lets `roots` use, directly or through other lets (an index's lets never need the score)."""
-    need = {n.name for r in roots for n in ir.walk(r) if isinstance(n, ir.Local)}
-    kept = []
-    for name, e in reversed(lets):
-        if name in need:
-            kept.append((name, e))
-            need |= {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
-    return kept[::-1]
-
-
-def _derivative(program: ir.Program, wrt) -> ir.Program:
-    """grad.derivative with only the lets the derivative uses (a let it does not need may hold a gather)."""
-    d = grad.derivative(program, wrt)
-    return ir.Program(_needed_lets(d.lets, [d.result]), d.result, d.hoisted)
 
 
 def learnable_params(variant) -> list[str]:
@@ -156,56 +142,32 @@ def learnable_params(variant) -> list[str]:
     return [name for name, p in variant.tensor_params.items() if p.learnable and p.ir_type == ir.F32]
 
 
-def _per_element_logits(variant) -> ir.Program | None:
-    """The logits with every term per element and launch constants written out (hoisted names are the forward's
-    own): what the gradients are derived from where the forward's logits read position tables. None where the two
-    lowerings fold out different softmax scales."""
-    from ..spec.optimize import lower
-    per_element = lower(variant.ir, variant.softmax, "off", tuple(variant.params))
-    scales = [None if s is None else _inline(s, h) for s, h in ((per_element.output_scale, per_element.hoisted),
-                                                                 (variant.lowered.output_scale, variant.lowered.hoisted))]
-    if scales[0] != scales[1]:
-        return None
-    logits = per_element.logits
-    return ir.Program([(n, _inline(e, per_element.hoisted)) for n, e in logits.lets],
-                      _inline(logits.result, per_element.hoisted))
-
-
-def _inline(e: ir.Expr, hoisted: dict) -> ir.Expr:
-    """`e` with each hoisted name replaced by the expression it stands for."""
-    if isinstance(e, ir.Hoisted):
-        return _inline(hoisted[e.name], hoisted)
-    kids = tuple(_inline(c, hoisted) for c in e.children())
-    return ir.rebuild(e, kids) if kids != e.children() else e
-
-
 def render_training(variant) -> str:
-    """The forward twin's module followed by the backward kernels and their launcher. Where the lowering reads
-    position tables (fivar.spec.positions), the backward recomputes the logits from the same tables (a table read
-    per pair, not the term's transcendentals) while the learnable reads and every derivative come from the logits
-    evaluated per element (fivar.spec.grad needs the params' own reads): the tables hold values only, no gradient
-    passes through them."""
+    """The forward twin's module followed by the backward kernels and their launcher, from the training lowering
+    (fivar.spec.optimize: the derivative programs, their terms of the distance read from position tables like the
+    logits'; the learnable reads and every derivative are those of the logits per element)."""
+    with override(training=True):
+        return _render_training(variant)
+
+
+def _render_training(variant) -> str:
     emit = _BackwardEmitter(variant)
-    logits = emit.lowered.logits
-    if emit.lowered.position_tables:
-        logits = _per_element_logits(variant)
-        if logits is None:
-            raise AssertionError("training with position tables needs the same softmax scale per element")
-    derivatives = [("fv_dlogits_dqk", _derivative(logits, grad.WRT_QK), ("qk",) + ir.INDEX_VARS)]
+    lowered = emit.lowered
+    logits = lowered.gradient_logits
+    derivatives = [(name, program, ("qk",) + ir.INDEX_VARS) for name, program in lowered.gradients]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
     tile_fns, reads = [], []
-    for i, load in enumerate(grad.learnable_loads(logits, variant.params, names=set(learnable_params(variant)))):
+    for i, load in enumerate(lowered.learnable_loads):
         emit.let_exprs = dict(logits.lets)  # read_kind and tile_ranges follow the index through the lets
         kind = emit.read_kind(load)
         tile_test = kind == "element" and emit.tile_ranges(load) is not None
         by_distance = positions.Analysis(dict(logits.lets))
         diagonal = kind == "element" and all(by_distance.position_only(i) for i in load.indices)
         reads.append(LearnableRead(i, load.param, kind, ir.format_expr(load), tile_test, diagonal))
-        index_lets = _needed_lets(logits.lets, load.indices)
+        index_lets = needed_lets(logits.lets, load.indices)
         # an element read's index may depend on the score (then its offset function takes the tile's q.k)
         offset_args = ir.INDEX_VARS + (("qk",) if kind == "element" else ())  # not first: no tile broadcast
-        derivatives += [(f"fv_dlogits_dload{i}", _derivative(logits, load), ("qk",) + ir.INDEX_VARS),
-                        (f"fv_grad_offset{i}", ir.Program(index_lets, _GradOffset(I32, load)), offset_args)]
+        derivatives.append((f"fv_grad_offset{i}", ir.Program(index_lets, _GradOffset(I32, load)), offset_args))
         if tile_test:
             tile_fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
                                           ir.INDEX_VARS))

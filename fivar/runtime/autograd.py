@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..codegen.triton import kernel_arg_values
+from ..config import override
 from ..errors import FivarError
 from ..jit.targets import AUTO, runs_twin, target_of
 from ..spec.inputs import LOG2E
@@ -31,13 +32,19 @@ from .triton_attention import kept_block_map
 
 
 def _bound(variant, tensors: list, scalars: list, lengths=None, heads=(1, 1), device=None) -> BoundParams:
-    """The op's params as bound params; with `lengths` (longest query and key runs), the lowering's position tables
-    (fivar.runtime.position_tables) added, evaluated from them: values only, the backward derives every gradient
-    from the logits per element (fivar.codegen.triton_bwd)."""
+    """The op's params as bound params; with `lengths` (longest query and key runs), the position tables of the
+    lowering in force (fivar.runtime.position_tables) added, evaluated from them: values only, the backward derives
+    every gradient from the logits per element (fivar.spec.optimize, training)."""
     tnames, snames = list(variant.tensor_params), list(variant.scalar_params)
     values = {n: (int(x) if variant.params[n].dtype is int else float(x)) for n, x in zip(snames, scalars)}
     bound = BoundParams(values, dict(zip(tnames, tensors)), *heads, device)
     return bound if lengths is None else position_tables.bind(variant, bound, lengths)
+
+
+def _training():
+    """The training lowering (fivar.spec.optimize): the Triton training module's kernels, their arguments and
+    tables (the derivatives' own beside the logits')."""
+    return override(training=True)
 
 
 def _module(variant):
@@ -59,7 +66,9 @@ def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # was traced (torch.compile), so the capture is noticed here: the Triton forward records its pre-pass.
     if target_of(target).is_flashinfer and not capturing():
         return _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars)
-    return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars)
+    with _training():
+        return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
+                        scalars)
 
 
 def _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars):
@@ -143,15 +152,17 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
     loss's gradient of the forward's lse, None where the loss does not read it."""
     from ..codegen.triton_bwd import learnable_params
     var = variant_by_key(variant)
-    bound = _bound(var, tensors, scalars, (max_qo_len, max_kv_len), (q.shape[1], k.shape[1]), q.device)
-    grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
-             for n in learnable_params(var)}
-    module, args = _module(var), kernel_arg_values(var, bound, sm_scale)
-    kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars, args)
-    # without softmax the lse is zeros, a constant: a loss reading it adds nothing
-    delta = module.softmax_delta(o, do, dlse) if var.softmax else None
-    dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
-                                 grads, delta=delta, **({} if kept is None else kept.backward_args()))
+    with _training():
+        bound = _bound(var, tensors, scalars, (max_qo_len, max_kv_len), (q.shape[1], k.shape[1]), q.device)
+        grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
+                 for n in learnable_params(var)}
+        module, args = _module(var), kernel_arg_values(var, bound, sm_scale)
+        kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars,
+                       args)
+        # without softmax the lse is zeros, a constant: a loss reading it adds nothing
+        delta = module.softmax_delta(o, do, dlse) if var.softmax else None
+        dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
+                                     grads, delta=delta, **({} if kept is None else kept.backward_args()))
     if var.ir.sink is not None and grads:
         _add_sink_grads(var, bound, lse, delta, qo_indptr, grads)
     return dq, dk, dv, list(grads.values())

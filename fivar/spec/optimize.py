@@ -10,12 +10,15 @@ Users write against the scaled `score`; these passes turn that into what stock k
   Signs the spec fixes (`-score`, `-2 * tanh(...)`) stay in the logits; the runtime checks that what remains
   is > 0 for the params of a launch (a non-positive factor would flip the softmax max).
 * `positions.tabulate` (first): a logits term of only the head and kv_idx - q_idx becomes a per-call table read.
+* `training=True` adds what the generated backward inlines (`Lowered.gradients`): the derivatives of the logits per
+  element (fivar.spec.grad), their position-only terms tabulated like the logits' (values only: no gradient passes
+  through a table; the learnable reads are those of the logits per element).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import ir, positions
+from . import grad, ir, positions
 from .ir import F32
 
 SM_SCALE = ir.ScalarParam(F32, "sm_scale")
@@ -108,10 +111,20 @@ class Lowered:
     #: Position-only terms the logits read from per-call tables (fivar.spec.positions), and the params they add.
     position_tables: tuple = ()
     params: dict = field(default_factory=dict)
+    #: training only: the logits per element (launch constants written out where tables stand in the logits),
+    #: which the learnable reads and derivatives come from
+    gradient_logits: ir.Program | None = None
+    #: training only: (function name, program) of d logits / d q.k (`fv_dlogits_dqk`) and per learnable read
+    #: (`fv_dlogits_dload<i>`), and those reads (`learnable_loads`), in that order
+    gradients: tuple = ()
+    learnable_loads: tuple = ()
 
 
-def lower(variant_ir, softmax: bool, position_tables: str = "off", param_names=()) -> Lowered:
-    """`position_tables`: LoweringConfig's mode; `param_names`: the variant's own, which synthesized params avoid."""
+def lower(variant_ir, softmax: bool, position_tables: str = "off", param_names=(), learnable=None) -> Lowered:
+    """`position_tables`: LoweringConfig's mode; `param_names`: the variant's own, which synthesized params avoid;
+    `learnable` (training): the params whose reads get gradients, {name: declaration}."""
+    if learnable is not None:
+        return _with_gradients(variant_ir, softmax, position_tables, param_names, learnable)
     hoister = _Hoister("h")
     output_scale = None
     programs = []
@@ -132,3 +145,59 @@ def lower(variant_ir, softmax: bool, position_tables: str = "off", param_names=(
         output_scale = hoister(output_scale)
     return Lowered(programs[0], programs[1], hoister.table, output_scale, tables,
                    positions.synthesized_params(tables, offset))
+
+
+def _with_gradients(variant_ir, softmax: bool, mode: str, param_names, learnable: dict) -> Lowered:
+    """The lowering plus the backward's derivative programs (Lowered.gradients)."""
+    base = lower(variant_ir, softmax, mode, param_names)
+    logits = base.logits
+    if base.position_tables:  # the derivatives need the params' own reads: the logits per element, constants inlined
+        per_element = lower(variant_ir, softmax, "off", param_names)
+        scales = [None if s is None else _inline(s, h) for s, h in ((per_element.output_scale, per_element.hoisted),
+                                                                     (base.output_scale, base.hoisted))]
+        if scales[0] != scales[1]:
+            raise AssertionError("the lowering with and without position tables fold out different softmax scales")
+        lets, result = per_element.logits.lets, per_element.logits.result
+        logits = ir.Program([(n, _inline(e, per_element.hoisted)) for n, e in lets], _inline(result, per_element.hoisted))
+    loads = grad.learnable_loads(logits, learnable)
+    programs = [("fv_dlogits_dqk", _derivative(logits, grad.WRT_QK))]
+    programs += [(f"fv_dlogits_dload{i}", _derivative(logits, load)) for i, load in enumerate(loads)]
+    tables = list(base.position_tables)
+    if tables:  # the derivatives' own terms of the distance, tabulated beside the logits' (one offset for all)
+        offset = next(n for n in base.params if not positions.is_table(n))
+        taken = set(param_names) | set(base.params)
+        for i, (name, program) in enumerate(programs):
+            program, more, _ = positions.tabulate(program, mode, taken, offset=offset)
+            taken |= {t.name for t in more}
+            tables += more
+            programs[i] = (name, program)
+        params = positions.synthesized_params(tuple(tables), offset)
+    else:
+        params = base.params
+    return Lowered(base.logits, base.mask, base.hoisted, base.output_scale, tuple(tables), params, logits,
+                   tuple(programs), tuple(loads))
+
+
+def _derivative(program: ir.Program, wrt) -> ir.Program:
+    """grad.derivative with only the lets the derivative uses (a let it does not need may hold a gather)."""
+    d = grad.derivative(program, wrt)
+    return ir.Program(needed_lets(d.lets, [d.result]), d.result, d.hoisted)
+
+
+def needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.Expr]]:
+    """The lets `roots` use, directly or through other lets (an index's lets never need the score)."""
+    need = {n.name for r in roots for n in ir.walk(r) if isinstance(n, ir.Local)}
+    kept = []
+    for name, e in reversed(lets):
+        if name in need:
+            kept.append((name, e))
+            need |= {n.name for n in ir.walk(e) if isinstance(n, ir.Local)}
+    return kept[::-1]
+
+
+def _inline(e: ir.Expr, hoisted: dict) -> ir.Expr:
+    """`e` with each hoisted name replaced by the expression it stands for."""
+    if isinstance(e, ir.Hoisted):
+        return _inline(hoisted[e.name], hoisted)
+    kids = tuple(_inline(c, hoisted) for c in e.children())
+    return ir.rebuild(e, kids) if kids != e.children() else e

@@ -152,14 +152,16 @@ def _fresh(prefix: str, taken: set[str]) -> str:
     return f"{prefix}{i}"
 
 
-def tabulate(program: ir.Program | None, mode: str, taken=()) -> tuple[ir.Program | None, tuple[PositionTable, ...],
-                                                                       str | None]:
+def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None = None
+             ) -> tuple[ir.Program | None, tuple[PositionTable, ...], str | None]:
     """(program with its maximal tabulable terms replaced, the tables, the offset param's name or None). `taken`:
-    the variant's own param names, which the synthesized ones avoid."""
+    the param names the synthesized ones avoid (the variant's own); `offset`: an offset param already made (the
+    backward's derivative tables share the logits')."""
     if program is None or mode == "off":
         return program, (), None
     taken = set(taken)
-    offset = OFFSET_NAME if OFFSET_NAME not in taken else _fresh(OFFSET_NAME, taken)
+    if offset is None:
+        offset = OFFSET_NAME if OFFSET_NAME not in taken else _fresh(OFFSET_NAME, taken)
     taken.add(offset)
     order = [n for n, _ in program.lets]
     analysis = Analysis(dict(program.lets))

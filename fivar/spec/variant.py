@@ -148,12 +148,15 @@ class AttentionVariant:
     def lowered(self):
         """The IR after the compiled targets' passes (see fivar.spec.optimize), for the lowering config in force."""
         from ..config import lowering_config
+        from . import ir
         from .optimize import lower
-        mode = lowering_config().position_tables
+        config = lowering_config()
         memo = self.__dict__.setdefault("_lowered", {})
-        if mode not in memo:
-            memo[mode] = lower(self.ir, self.softmax, mode, tuple(self.params))
-        return memo[mode]
+        if config not in memo:
+            learnable = {n: p for n, p in self.tensor_params.items() if p.learnable and p.ir_type == ir.F32} \
+                if config.training else None
+            memo[config] = lower(self.ir, self.softmax, config.position_tables, tuple(self.params), learnable)
+        return memo[config]
 
     @property
     def compiled_params(self) -> dict:

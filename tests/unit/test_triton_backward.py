@@ -294,13 +294,15 @@ KERPLE = AttentionVariant(name="learnable_kerple", logits=_kerple_logits, params
 @pytest.mark.parametrize("mode", ["costly", "off"])
 def test_learnable_terms_inside_position_tables(mode):
     """Where the lowering tabulates a term that reads learnable params, the backward recomputes the logits from the
-    table (no log per pair) and derives every gradient from the logits per element; float64 autograd's gradients
-    either way, ragged and with a request whose keys outnumber its queries."""
+    table (no log per pair) and derives every gradient from the logits per element, its own terms of the distance
+    tabulated too (r1's derivative, a log); float64 autograd's gradients either way, ragged and with a request whose
+    keys outnumber its queries."""
     from fivar.codegen.triton_bwd import render_training
     from fivar.config import override
     with override(position_tables=mode):
-        recompute = render_training(KERPLE).split("def variant_logits")[1].split("@triton.jit")[0]
-        assert ("tl.log" in recompute) == (mode == "off")
+        text = render_training(KERPLE)
+        for fn in ("variant_logits", "fv_dlogits_dload0"):  # the logits, d logits / d r1
+            assert ("tl.log" in text.split(f"def {fn}(")[1].split("@triton.jit")[0]) == (mode == "off"), fn
         q, k, vv = _qkv(23 + 40, 31 + 40, 2, 1, 16)
         params = {"r1": torch.rand(2) + 0.2, "r2": torch.rand(2) * 2 + 0.1}
         r = check_gradients(KERPLE, q, k, vv, qo_lens=[23, 40], kv_lens=[31, 40], causal=True, params=params,
