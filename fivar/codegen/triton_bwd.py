@@ -125,8 +125,8 @@ class _GluonEmitter(_BackwardEmitter):
 def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]], logits: ir.Program | None = None
                      ) -> tuple[list[str], _GluonEmitter]:
     """The functions the Gluon kernels call, prefixed gl_: the logits, the mask (if any) and `derivatives` (name,
-    program, arguments: the backward's own functions, derived from `logits`, by default the lowered ones); and their emitter (col_loads,
-    function_cols)."""
+    program, arguments: the backward's own functions, derived from `logits`, by default the lowered ones); and
+    their emitter (col_loads, function_cols)."""
     emit = _GluonEmitter(variant)
     fns = [emit.function(emit.lowered.logits, "gl_variant_logits", ("qk",) + ir.INDEX_VARS)]
     if emit.lowered.mask:
