@@ -148,34 +148,45 @@ def lower(variant_ir, softmax: bool, position_tables: str = "off", param_names=(
 
 
 def _with_gradients(variant_ir, softmax: bool, mode: str, param_names, learnable: dict) -> Lowered:
-    """The lowering plus the backward's derivative programs (Lowered.gradients)."""
+    """The lowering plus the backward's derivative programs (Lowered.gradients); the mask's costly terms of the
+    distance tabulated too (the backward evaluates the mask per pair on every cut tile: a table read there, not a
+    modulo)."""
     base = lower(variant_ir, softmax, mode, param_names)
-    logits = base.logits
+    tables, offset = list(base.position_tables), next((n for n in base.params if not positions.is_table(n)), None)
+    taken = set(param_names) | set(base.params)
+
+    def tabulated(program: ir.Program, types=(F32,)) -> ir.Program | None:
+        nonlocal offset
+        program, more, made = positions.tabulate(program, mode, taken, offset=offset, types=types)
+        if not more:
+            return None
+        offset = made
+        taken.update([made] + [t.name for t in more])
+        tables.extend(more)
+        return program
+
+    per_element = lower(variant_ir, softmax, "off", param_names)
+    logits, mask = base.logits, base.mask
     if base.position_tables:  # the derivatives need the params' own reads: the logits per element, constants inlined
-        per_element = lower(variant_ir, softmax, "off", param_names)
         scales = [None if s is None else _inline(s, h) for s, h in ((per_element.output_scale, per_element.hoisted),
                                                                      (base.output_scale, base.hoisted))]
         if scales[0] != scales[1]:
             raise AssertionError("the lowering with and without position tables fold out different softmax scales")
-        lets, result = per_element.logits.lets, per_element.logits.result
-        logits = ir.Program([(n, _inline(e, per_element.hoisted)) for n, e in lets], _inline(result, per_element.hoisted))
+        logits = _inlined(per_element.logits, per_element.hoisted)
+    if mask is not None:
+        mask = tabulated(_inlined(per_element.mask, per_element.hoisted), (F32, ir.BOOL)) or mask
     loads = grad.learnable_loads(logits, learnable)
     programs = [("fv_dlogits_dqk", _derivative(logits, grad.WRT_QK))]
     programs += [(f"fv_dlogits_dload{i}", _derivative(logits, load)) for i, load in enumerate(loads)]
-    tables = list(base.position_tables)
     if tables:  # the derivatives' own terms of the distance, tabulated beside the logits' (one offset for all)
-        offset = next(n for n in base.params if not positions.is_table(n))
-        taken = set(param_names) | set(base.params)
-        for i, (name, program) in enumerate(programs):
-            program, more, _ = positions.tabulate(program, mode, taken, offset=offset)
-            taken |= {t.name for t in more}
-            tables += more
-            programs[i] = (name, program)
-        params = positions.synthesized_params(tuple(tables), offset)
-    else:
-        params = base.params
-    return Lowered(base.logits, base.mask, base.hoisted, base.output_scale, tuple(tables), params, logits,
+        programs = [(name, tabulated(program) or program) for name, program in programs]
+    params = positions.synthesized_params(tuple(tables), offset)
+    return Lowered(base.logits, mask, base.hoisted, base.output_scale, tuple(tables), params, logits,
                    tuple(programs), tuple(loads))
+
+
+def _inlined(program: ir.Program, hoisted: dict) -> ir.Program:
+    return ir.Program([(n, _inline(e, hoisted)) for n, e in program.lets], _inline(program.result, hoisted))
 
 
 def _derivative(program: ir.Program, wrt) -> ir.Program:

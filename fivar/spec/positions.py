@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import ir
-from .ir import F32, I32
+from .ir import BOOL, F32, I32
 from .params import Scalar, Tensor
 
 TABLE_PREFIX, OFFSET_NAME = "fv_pos_table", "fv_pos_offset"
@@ -128,9 +128,10 @@ class Analysis:
         return [n for n in order if n in seen]
 
 
-def tabulable(e: ir.Expr, analysis: Analysis, mode: str) -> bool:
-    """Whether `e` is a term to replace by a table read under `mode` ("costly", "all" or "off")."""
-    if mode == "off" or e.type != F32 or isinstance(e, (ir.Const, ir.ScalarParam)):
+def tabulable(e: ir.Expr, analysis: Analysis, mode: str, types=(F32,)) -> bool:
+    """Whether `e` is a term to replace by a table read under `mode` ("costly", "all" or "off"); `types`: the terms'
+    types that may be (a mask's booleans are held as 1.0 and 0.0)."""
+    if mode == "off" or e.type not in types or isinstance(e, (ir.Const, ir.ScalarParam)):
         return False
     if isinstance(e, ir.Cast) and is_distance(e.x):  # float(kv_idx - q_idx): a subtraction beats any read
         return False
@@ -152,11 +153,12 @@ def _fresh(prefix: str, taken: set[str]) -> str:
     return f"{prefix}{i}"
 
 
-def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None = None
+def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None = None, types=(F32,)
              ) -> tuple[ir.Program | None, tuple[PositionTable, ...], str | None]:
     """(program with its maximal tabulable terms replaced, the tables, the offset param's name or None). `taken`:
     the param names the synthesized ones avoid (the variant's own); `offset`: an offset param already made (the
-    backward's derivative tables share the logits')."""
+    backward's derivative tables share the logits'); `types`: tabulable's (BOOL too for a mask: the table holds 1.0
+    where the term is true, read back as `!= 0`)."""
     if program is None or mode == "off":
         return program, (), None
     taken = set(taken)
@@ -168,7 +170,7 @@ def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None
     tables: dict[ir.Expr, PositionTable] = {}
 
     def replace(e: ir.Expr) -> ir.Expr:
-        if tabulable(e, analysis, mode):
+        if tabulable(e, analysis, mode, types):
             if e not in tables:
                 name = _fresh(TABLE_PREFIX, taken)
                 taken.add(name)
@@ -176,7 +178,8 @@ def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None
                 tables[e] = PositionTable(name, ir.Program(lets, e), analysis.reads_head(e))
             t = tables[e]
             head = ir.Index(I32, "qo_head") if t.per_head else ir.Const(I32, 0)
-            return ir.Load(F32, t.name, (head, distance_index(offset)))
+            read = ir.Load(F32, t.name, (head, distance_index(offset)))
+            return read if e.type == F32 else ir.Binary(BOOL, "ne", read, ir.Const(F32, 0.0))
         kids = tuple(replace(c) for c in e.children())
         return ir.rebuild(e, kids) if kids != e.children() else e
 

@@ -311,6 +311,28 @@ def test_learnable_terms_inside_position_tables(mode):
     assert r.passed, r
 
 
+def _strided_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return q_idx - kv_idx < params.stride or (q_idx - kv_idx) % params.stride == 0
+
+
+STRIDED = AttentionVariant(name="strided_train", mask=_strided_mask, params={"stride": Scalar(int, default=5)})
+
+
+@pytest.mark.parametrize("mode", ["costly", "off"])
+def test_a_mask_of_the_distance_reads_a_table_in_training(mode):
+    """The training module reads a mask that is a costly function of the distance (a modulo) from a table of the
+    training lowering (the inference module keeps evaluating it); float64 autograd's gradients either way, ragged."""
+    from fivar.codegen.triton_bwd import render_training
+    from fivar.config import override
+    with override(position_tables=mode):
+        mask_fn = render_training(STRIDED).split("def variant_mask(")[1].split("@triton.jit")[0]
+        assert ("fv_pos_table" in mask_fn) == (mode == "costly") and ("_py_mod" in mask_fn) == (mode == "off")
+        q, k, vv = _qkv(37 + 50, 37 + 61, 2, 1, 16)
+        r = check_gradients(STRIDED, q, k, vv, qo_lens=[37, 50], kv_lens=[37, 61], causal=True,
+                            params={"stride": 7}, dtype=DTYPE)
+    assert r.passed, r
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_kind_of_learnable_read(causal):
     q, k, vv = _qkv(19, 40, 2, 1, 16)
