@@ -258,14 +258,34 @@ def render_all(v) -> dict:
             "triton": render_attention(v)}
 
 
+# A Python comment, or a string literal kept whole (a '#' or a quote inside one is not code). For a rendering that
+# compiles, the comments it finds are tokenize's COMMENT tokens
+# (test_the_comments_code_only_drops_are_pythons_comment_tokens), in a twentieth of tokenize's time, which was most
+# of a fuzzed spec's.
+_PY_STRINGS = (r"'''(?:[^'\\]|\\.|'(?!''))*'''", r'"""(?:[^"\\]|\\.|"(?!""))*"""', r"'(?:[^'\\\n]|\\.)*'",
+               r'"(?:[^"\\\n]|\\.)*"')
+_PY_COMMENT_OR_STRING = re.compile(r"(#[^\r\n]*)|(?:" + "|".join(_PY_STRINGS) + ")", re.S)
+
+
+def _python_comments(text: str) -> tuple[str, list[str]]:
+    """`text` without its comments, and the comments."""
+    found = []
+
+    def drop(m):
+        if m.group(1) is None:
+            return m.group(0)
+        found.append(m.group(1))
+        return ""
+    return _PY_COMMENT_OR_STRING.sub(drop, text), found
+
+
 def _code_only(target: str, text: str) -> str:
     """The code of a rendering: comments and blank lines dropped (a docstring of more lines has more comment lines)."""
     if target == "triton":
-        toks = tokenize.generate_tokens(io.StringIO(text).readline)
-        text = tokenize.untokenize((t.type, t.string) for t in toks if t.type != tokenize.COMMENT)
+        text = _python_comments(text)[0]
     else:
         text = re.sub(r"//[^\n]*", "", text)
-    return "\n".join(line for line in text.splitlines() if line.strip())
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
 def _canonical(text: str, names_: dict) -> str:
@@ -300,7 +320,7 @@ def run_spec(r: random.Random, index: int) -> Outcome:
     plain = plain_names(spec)
     twin = render_all(load(fill(spec, plain, "plain doc"), f"fz{index}.py"))
     for target, text in out.renders.items():
-        code = _code_only(target, text)  # once: tokenizing a Triton rendering is most of a spec's time
+        code = _code_only(target, text)
         assert _canonical(code, names_) == _canonical(_code_only(target, twin[target]), plain), \
             f"{target} rendering depends on the names or the file name beyond the mangled identifiers:\n{src}"
         derived = set(re.findall(r"\bfv(?:p|l|size\d+|stride\d+)x?_\w*", code))
@@ -587,6 +607,35 @@ def test_triton_twin_takes_params_named_like_launch_options(hostile):
     out = hostile.prefill(q, k, v, backend="triton", **params)
     result = compare("hostile", "launch-option names", out, hostile.reference(q, k, v, **params), torch.float16)
     assert result.passed, result
+
+
+# quotes, backslashes and '#' where only a tokenizer tells a comment from a string
+_TRICKY_PY = "\n".join([
+    r'x = "a # b"  # one',
+    r'''y = 'it\'s # not' + "\"#\""  # two "quoted" 'and' \ ''',
+    'z = """doc # "" ' + r"''' \"" + ' still',
+    r'# inside"""  # three',
+    r"""w = (r'\\', '#', f"{x!r}#", '\\')  # four '''""",
+    ""])
+
+
+def test_the_comments_code_only_drops_are_pythons_comment_tokens(hostile):
+    """_code_only's comment scanner against Python's tokenizer, on a text of strings and comments that hold each
+    other's characters and on the Triton renderings of the hostile spec and of fuzzed ones: the comments it drops are
+    tokenize's COMMENT tokens, and what it keeps is the same tokens."""
+    texts = [_TRICKY_PY, render_all(hostile)["triton"]]
+    r = random.Random(11)
+    texts += [o.renders["triton"] for o in (run_spec(r, 110000 + i) for i in range(12)) if o.renders]
+    assert len(texts) > 8
+
+    def tokens(text):
+        return list(tokenize.generate_tokens(io.StringIO(text).readline))
+    for text in texts:
+        code, comments = _python_comments(text)
+        toks = tokens(text)
+        assert comments == [t.string for t in toks if t.type == tokenize.COMMENT]
+        assert [(t.type, t.string) for t in tokens(code) if t.type != tokenize.NL] == \
+            [(t.type, t.string) for t in toks if t.type not in (tokenize.COMMENT, tokenize.NL)]
 
 
 def test_a_file_name_with_a_newline_stays_inside_the_comment(hostile):
