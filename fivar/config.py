@@ -61,7 +61,8 @@ class LoweringConfig:
     of only the head and kv_idx - q_idx become a per-call table (fivar.spec.positions): "costly" (a transcendental, a
     floor/int conversion, a gather whose index is itself gathered or costly), "all" (any such term of the distance,
     even `slope * distance`) or "off". training: the lowering the training module is generated from (the backward's
-    derivative programs too; set by fivar.runtime.autograd through override(training=True), never the environment)."""
+    derivative programs too): set through override(training=True) where that module is rendered and run
+    (fivar.codegen.triton_bwd, fivar.runtime.autograd), never by the environment."""
     position_tables: str = "costly"
     training: bool = False
 

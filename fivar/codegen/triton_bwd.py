@@ -2,9 +2,8 @@
 
 The backward kernels inline the same lowered programs as the forward (through the same `TritonEmitter`), plus
 the training lowering's derivatives (fivar.spec.optimize with fivar.spec.grad): `fv_dlogits_dqk` (d logits /
-d unscaled q.k) and, per read of a
-learnable tensor parameter, `fv_dlogits_dload<i>` with `fv_grad_offset<i>`, the clamped element the read
-came from, where its gradient is scattered. The module is the forward module's text followed by the
+d unscaled q.k) and, per read of a learnable tensor parameter, `fv_dlogits_dload<i>` with `fv_grad_offset<i>`, the
+clamped element the read came from, where its gradient is scattered. The module is the forward module's text followed by the
 backward's, so both share the variant functions and helpers.
 """
 from __future__ import annotations
@@ -139,7 +138,7 @@ def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]], 
 
 def learnable_params(variant) -> list[str]:
     """The variant's tensor parameters that get gradients: float tensors declared `learnable=True`."""
-    return [name for name, p in variant.tensor_params.items() if p.learnable and p.ir_type == ir.F32]
+    return list(variant.learnable_params)
 
 
 def render_training(variant) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from . import grad, ir, positions
 from .ir import F32
+from .params import Scalar
 
 SM_SCALE = ir.ScalarParam(F32, "sm_scale")
 
@@ -152,40 +153,71 @@ def _with_gradients(variant_ir, softmax: bool, mode: str, param_names, learnable
     distance tabulated too (the backward evaluates the mask per pair on every cut tile: a table read there, not a
     modulo)."""
     base = lower(variant_ir, softmax, mode, param_names)
-    tables, offset = list(base.position_tables), next((n for n in base.params if not positions.is_table(n)), None)
+    tables = list(base.position_tables)
+    offset = next((n for n, p in base.params.items() if isinstance(p, Scalar)), None)
     taken = set(param_names) | set(base.params)
 
     def tabulated(program: ir.Program, types=(F32,)) -> ir.Program | None:
         nonlocal offset
-        program, more, made = positions.tabulate(program, mode, taken, offset=offset, types=types)
-        if not more:
+        program, made, offset_made = positions.tabulate(program, mode, taken, offset=offset, types=types,
+                                                        reuse=tuple(tables))
+        if not made:
             return None
-        offset = made
-        taken.update([made] + [t.name for t in more])
-        tables.extend(more)
+        offset = offset_made
+        new = [t for t in made if t not in tables]
+        taken.update([offset_made] + [t.name for t in new])
+        tables.extend(new)
         return program
 
-    per_element = lower(variant_ir, softmax, "off", param_names)
-    logits, mask = base.logits, base.mask
-    if base.position_tables:  # the derivatives need the params' own reads: the logits per element, constants inlined
-        scales = [None if s is None else _inline(s, h) for s, h in ((per_element.output_scale, per_element.hoisted),
-                                                                     (base.output_scale, base.hoisted))]
-        if scales[0] != scales[1]:
-            raise AssertionError("the lowering with and without position tables fold out different softmax scales")
-        logits = _inlined(per_element.logits, per_element.hoisted)
-    if mask is not None:
-        mask = tabulated(_inlined(per_element.mask, per_element.hoisted), (F32, ir.BOOL)) or mask
+    # the derivatives need the params' own reads: the logits with each table read replaced by the term it holds
+    logits = _untabulated(base.logits, base.position_tables)
+    mask = base.mask
+    if mask is not None:  # evaluated per pair at every cut tile of the backward (launch constants written out)
+        mask = tabulated(_inline_program(mask, base.hoisted), (F32, ir.BOOL)) or mask
     loads = grad.learnable_loads(logits, learnable)
     programs = [("fv_dlogits_dqk", _derivative(logits, grad.WRT_QK))]
     programs += [(f"fv_dlogits_dload{i}", _derivative(logits, load)) for i, load in enumerate(loads)]
     if tables:  # the derivatives' own terms of the distance, tabulated beside the logits' (one offset for all)
-        programs = [(name, tabulated(program) or program) for name, program in programs]
+        programs = [(name, tabulated(_inline_program(program, base.hoisted)) or program)
+                    for name, program in programs]
     params = positions.synthesized_params(tuple(tables), offset)
     return Lowered(base.logits, mask, base.hoisted, base.output_scale, tuple(tables), params, logits,
                    tuple(programs), tuple(loads))
 
 
-def _inlined(program: ir.Program, hoisted: dict) -> ir.Program:
+def _untabulated(program: ir.Program, tables) -> ir.Program:
+    """`program` with each read of one of `tables` replaced by the term the table holds: the term's lets come
+    first, renamed after their table (their values are those of the program's lets of the same name, but the
+    lowering may have dropped or rewritten those)."""
+    by_name = {t.name: t for t in tables}
+    lets, terms = [], {}
+
+    def term(t) -> ir.Expr:
+        if t.name not in terms:
+            names = {n: f"{t.name}_{n}" for n, _ in t.term.lets}
+            lets.extend((names[n], _renamed(e, names)) for n, e in t.term.lets)
+            terms[t.name] = _renamed(t.term.result, names)
+        return terms[t.name]
+
+    def sub(e: ir.Expr) -> ir.Expr:
+        if isinstance(e, ir.Load) and e.param in by_name:
+            return term(by_name[e.param])
+        kids = tuple(sub(c) for c in e.children())
+        return ir.rebuild(e, kids) if kids != e.children() else e
+    body = [(n, sub(e)) for n, e in program.lets]
+    result = sub(program.result)
+    return ir.Program(lets + body, result, program.hoisted)
+
+
+def _renamed(e: ir.Expr, names: dict) -> ir.Expr:
+    if isinstance(e, ir.Local) and e.name in names:
+        return ir.Local(e.type, names[e.name])
+    kids = tuple(_renamed(c, names) for c in e.children())
+    return ir.rebuild(e, kids) if kids != e.children() else e
+
+
+def _inline_program(program: ir.Program, hoisted: dict) -> ir.Program:
+    """`program` with launch constants written out: a table's term is evaluated outside the kernels."""
     return ir.Program([(n, _inline(e, hoisted)) for n, e in program.lets], _inline(program.result, hoisted))
 
 

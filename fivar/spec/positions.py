@@ -16,6 +16,7 @@ The distance is recognised syntactically, after the lets it goes through are fol
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import replace as _replace
 
 from . import ir
 from .ir import BOOL, F32, I32
@@ -76,6 +77,8 @@ class Analysis:
             return e.name in HEADS
         if isinstance(e, (ir.Score, ir.RawScore)):
             return False
+        if isinstance(e, ir.ScalarParam) and e.name == "sm_scale":  # a call's, not the table's (tables are per plan)
+            return False
         if isinstance(e, ir.Local):
             return self._local("pos", e.name, self.position_only)
         return all(self.position_only(c) for c in e.children())
@@ -109,6 +112,15 @@ class Analysis:
             return self._local("cost", e.name, self.costly)
         return any(self.costly(c) for c in e.children())
 
+    def divides_by_distance(self, e: ir.Expr) -> bool:
+        """An integer // or % whose divisor reads the distance: the table evaluates every distance, 0 too, while
+        the kernels evaluate it only where the user's `or`/`where` guards it."""
+        if isinstance(e, ir.Binary) and e.op in ("floordiv", "mod") and self.reads_distance(e.b):
+            return True
+        if isinstance(e, ir.Local):
+            return self._local("div", e.name, self.divides_by_distance)
+        return any(self.divides_by_distance(c) for c in e.children())
+
     def gathers(self, e: ir.Expr) -> bool:
         if isinstance(e, ir.Load):
             return True
@@ -135,7 +147,7 @@ def tabulable(e: ir.Expr, analysis: Analysis, mode: str, types=(F32,)) -> bool:
         return False
     if isinstance(e, ir.Cast) and is_distance(e.x):  # float(kv_idx - q_idx): a subtraction beats any read
         return False
-    if not (analysis.position_only(e) and analysis.reads_distance(e)):
+    if not (analysis.position_only(e) and analysis.reads_distance(e)) or analysis.divides_by_distance(e):
         return False
     return mode == "all" or analysis.costly(e)
 
@@ -153,12 +165,13 @@ def _fresh(prefix: str, taken: set[str]) -> str:
     return f"{prefix}{i}"
 
 
-def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None = None, types=(F32,)
+def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None = None, types=(F32,), reuse=()
              ) -> tuple[ir.Program | None, tuple[PositionTable, ...], str | None]:
-    """(program with its maximal tabulable terms replaced, the tables, the offset param's name or None). `taken`:
-    the param names the synthesized ones avoid (the variant's own); `offset`: an offset param already made (the
-    backward's derivative tables share the logits'); `types`: tabulable's (BOOL too for a mask: the table holds 1.0
-    where the term is true, read back as `!= 0`)."""
+    """(program with its maximal tabulable terms replaced, the tables it reads, the offset param's name or None).
+    `taken`: the param names the synthesized ones avoid (the variant's own); `offset`: an offset param already made
+    (the backward's derivative tables share the logits'); `types`: tabulable's (BOOL too for a mask: the table holds
+    1.0 where the term is true, read back as `!= 0`); `reuse`: tables already made, read again where a term is one
+    of theirs."""
     if program is None or mode == "off":
         return program, (), None
     taken = set(taken)
@@ -172,10 +185,12 @@ def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None
     def replace(e: ir.Expr) -> ir.Expr:
         if tabulable(e, analysis, mode, types):
             if e not in tables:
-                name = _fresh(TABLE_PREFIX, taken)
-                taken.add(name)
                 lets = [(n, analysis.lets[n]) for n in analysis.needed_lets(e, order)]
-                tables[e] = PositionTable(name, ir.Program(lets, e), analysis.reads_head(e))
+                made = PositionTable("", ir.Program(lets, e), analysis.reads_head(e))
+                same = [t for t in reuse if (t.term, t.per_head) == (made.term, made.per_head)]
+                name = same[0].name if same else _fresh(TABLE_PREFIX, taken)
+                taken.add(name)
+                tables[e] = _replace(made, name=name)
             t = tables[e]
             head = ir.Index(I32, "qo_head") if t.per_head else ir.Const(I32, 0)
             read = ir.Load(F32, t.name, (head, distance_index(offset)))

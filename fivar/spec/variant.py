@@ -148,15 +148,19 @@ class AttentionVariant:
     def lowered(self):
         """The IR after the compiled targets' passes (see fivar.spec.optimize), for the lowering config in force."""
         from ..config import lowering_config
-        from . import ir
         from .optimize import lower
         config = lowering_config()
         memo = self.__dict__.setdefault("_lowered", {})
         if config not in memo:
-            learnable = {n: p for n, p in self.tensor_params.items() if p.learnable and p.ir_type == ir.F32} \
-                if config.training else None
-            memo[config] = lower(self.ir, self.softmax, config.position_tables, tuple(self.params), learnable)
+            memo[config] = lower(self.ir, self.softmax, config.position_tables, tuple(self.params),
+                                 self.learnable_params if config.training else None)
         return memo[config]
+
+    @property
+    def learnable_params(self) -> dict:
+        """The tensor params that get gradients in training: float tensors declared `learnable=True`."""
+        from . import ir
+        return {n: p for n, p in self.tensor_params.items() if p.learnable and p.ir_type == ir.F32}
 
     @property
     def compiled_params(self) -> dict:

@@ -17,7 +17,7 @@ from fivar.testing import check_gradients
 
 DTYPE = torch.float16
 HEADS, TABLE = 2, 6
-SEEDS = range(6)
+SEEDS = range(8)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,7 +48,9 @@ def _term(r: random.Random, depth: int) -> str:
 
 def _variant(seed: int) -> AttentionVariant:
     r = random.Random(seed)
-    score = r.choice(["score", "2.0 * tanh(score / 2.0)", "score * 0.75"])
+    # a score scaled by a term of the distance: d logits / d q.k is sm_scale times a table's value
+    score = r.choice(["score", "2.0 * tanh(score / 2.0)", "score * 0.75",
+                      "score * (1.0 + tanh(float(abs(ki - qi)) / 8.0))"])
     # the last term is always one the lowering tabulates (a log of the distance, a learnable factor)
     body = f"{score} - clamp({_term(r, 3)} + p.w[h] * log(1.0 + float({_distance(r)})), -4.0, 4.0)"
     src = f"def logits_{seed}(score, b, h, kh, qi, ki, p):\n    return {body}\n"
@@ -80,3 +82,22 @@ def test_random_variant_trains_with_the_training_lowerings_tables(seed):
         r = check_gradients(v, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=True, params=params, dtype=DTYPE)
     assert tables, "the draw's log of the distance is a term the lowering tabulates"
     assert r.passed, ("".join(linecache.getlines(f"<training_lowering_{seed}>")), r)
+
+
+def _guarded_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    # a modulo by the distance, guarded by `or` where the distance is 0: never tabulated (a table holds every
+    # distance, 0 too), evaluated per pair as the user wrote it
+    return q_idx - kv_idx == 0 or 12 % (q_idx - kv_idx) == 0 or q_idx - kv_idx < 3
+
+
+GUARDED = AttentionVariant(name="guarded_modulo", mask=_guarded_mask)
+
+
+def test_a_mask_dividing_by_the_distance_is_evaluated_per_pair():
+    with override(position_tables="costly"):
+        with override(training=True):
+            assert not GUARDED.lowered.position_tables
+        q = torch.randn(45, HEADS, 16).to(DTYPE)
+        k, vv = (torch.randn(45, 1, 16).to(DTYPE) for _ in range(2))
+        r = check_gradients(GUARDED, q, k, vv, qo_lens=[45], kv_lens=[45], causal=True, params={}, dtype=DTYPE)
+    assert r.passed, r
