@@ -416,6 +416,9 @@ class _FunctionParser:
         if x.type == I32 and y.type == I32 and y.value >= 0:
             # past 64 bits it is out of int32's range whatever it is: no need to compute a huge int
             value = x.value ** y.value if abs(x.value) < 2 or y.value < 64 else 2 ** 64
+            why = out_of_range(value, I32)  # as a literal that large is: an int here is int32 in every target
+            if why:
+                raise self.const_error(ir.Const(I32, value, at), f"`{ast.unparse(node)}` = {why}")
             return ir.Const(I32, value, at)
         try:
             value = float(x.value) ** float(y.value)

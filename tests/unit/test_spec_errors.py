@@ -155,6 +155,10 @@ def test_power_of_constants_is_range_checked():
         return s + float(10 ** 40)  # BAD
     _expect(big_int, match="does not fit the kernels' 32-bit ints")
 
+    def just_past_int32(s, b, h, kh, qi, ki, p):  # an int, whatever the float it is added to
+        return s + 2 ** 31  # BAD
+    _expect(just_past_int32, match="does not fit the kernels' 32-bit ints")
+
     def big_float(s, b, h, kh, qi, ki, p):
         return s + 10.0 ** 39  # BAD
     _expect(big_float, match="does not fit the kernels' 32-bit floats")
