@@ -106,7 +106,9 @@ def cli(*args) -> tuple[str, str]:
     if r.exit_code == 2 and out.count("Error: ") == 1 and "Traceback" not in out:  # click's usage error
         return "clean", out.strip().splitlines()[-1]
     # one error, which the console may wrap at the terminal's width
-    if r.exit_code == 1 and "Traceback" not in out and out.startswith("error:") and out.count("error:") == 1:
+    # (a line that starts with "error:"; the message itself may quote one, as a zlib error does)
+    if r.exit_code == 1 and "Traceback" not in out and out.startswith("error:") and \
+            sum(line.startswith("error:") for line in out.splitlines()) == 1:
         return "clean", " ".join(out.split())
     return "traceback", f"exit {r.exit_code}: {out[-400:]}"
 
