@@ -21,12 +21,15 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _step(page: int):
+def _step(page: int, engine_order: bool = False):
     """Three chunks (one continuing a cached prefix, two from scratch), five decodes over contexts up to 2000 keys,
-    shuffled; a shuffled page pool and a padded block table."""
+    shuffled (engine_order: the decodes first, as engines order a step); a shuffled page pool and a padded block
+    table."""
     reqs = [(random.randint(1, 900), random.randint(100, 600)), (0, random.randint(130, 500)), (0, 77)]
     reqs += [(random.randint(1, 2000), 1) for _ in range(5)]
     random.shuffle(reqs)
+    if engine_order:
+        reqs.sort(key=lambda r: r[1] > 1)
     cached, new = [c for c, _ in reqs], [n for _, n in reqs]
     kv = [c + n for c, n in zip(cached, new)]
     n_pages = [-(-n // page) for n in kv]
@@ -52,7 +55,7 @@ def _reference(v, q, cache, table, new, kv, page, params):
     return torch.cat(outs), torch.cat(lses)
 
 
-@pytest.mark.parametrize("backend", ["auto", "fa3", "fa2", "triton"])
+@pytest.mark.parametrize("backend", ["auto", "fa3", "fa2", "triton", "auto-engine-order"])
 @pytest.mark.parametrize("name", ["softcap", "sliding_window", "gpt_oss", "document_mask"])
 @pytest.mark.parametrize("page", [16, 1])
 def test_mixed_step_matches_the_reference_and_its_plan(backend, name, page):
@@ -62,8 +65,11 @@ def test_mixed_step_matches_the_reference_and_its_plan(backend, name, page):
         pytest.skip("FA3 needs an sm90 GPU")
     # auto on sm90: the decodes as an FA2 plan, the chunks as an FA3 plan (fivar.runtime.mixed); document_mask's
     # parts each take their requests' rows of doc_ids
+    # auto-engine-order: the decodes' rows before the chunks', so the two parts run at once on two streams
+    engine_order = backend == "auto-engine-order"
+    backend = "auto" if engine_order else backend
     v = fivar.load(name)
-    cached, new, kv, table, cache = _step(page)
+    cached, new, kv, table, cache = _step(page, engine_order)
     params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=len(new), max_len=max(kv),
                             device="cuda")
     step = mixed_step(cached, new, table, page, device="cuda")

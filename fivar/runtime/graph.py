@@ -106,7 +106,7 @@ class GraphDecodePlan:
             fmod = _module(variant, ModuleKey("batch_prefill", "fa2", dtype, head_dim), bound, sm_scale)
             self._qo_indptr = torch.arange(self.max_batch + 1, **i32)
             self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self._qo_indptr,
+                _workspace(self.device, "fa2"), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self._qo_indptr,
                 paged_kv_indptr_buf=self._kv_indptr, paged_kv_indices_buf=self._kv_indices,
                 paged_kv_last_page_len_buf=self._last_page_len, backend="fa2")
             self._args = _paged_args(variant, "fa2", bound, sm_scale, self._causal, self._qo_indptr, self._kv_indptr,
@@ -114,7 +114,7 @@ class GraphDecodePlan:
         else:
             fmod = module_for(variant, ModuleKey("batch_decode", "fa2", dtype, head_dim))
             self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=False,
+                _workspace(self.device, "fa2"), kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=False,
                 paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._kv_indices,
                 paged_kv_last_page_len_buffer=self._last_page_len, backend="fa2")
             self._args = kernel_args(variant, bound, sm_scale, False if variant.mask else None)

@@ -277,7 +277,7 @@ class GraphVerifyPlan:
         fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=t.keys_tile_list,
                                           custom_mask=True), bound, sm_scale)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            _workspace(self.device), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=tiles.qo_indptr,
+            _workspace(self.device, target), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=tiles.qo_indptr,
             paged_kv_indptr_buf=tiles.kv_indptr, paged_kv_indices_buf=tiles.kv_indices,
             paged_kv_last_page_len_buf=tiles.kv_last_page_len, backend=target)
         attach(self._wrapper, fmod.load(), fmod, False)

@@ -119,10 +119,13 @@ _WORKSPACE_BYTES = 128 << 20
 _workspaces: dict = {}
 
 
-def _workspace(device):
-    ws = _workspaces.get(device)
+def _workspace(device, target: str):
+    """The float workspace (split-KV partial outputs) of FlashInfer wrappers running `target` on `device`: one per
+    backend, since the two parts of a mixed batch (FA2 and FA3, fivar.runtime.mixed) run at once on two streams."""
+    key = (str(torch.device(device)), target)
+    ws = _workspaces.get(key)
     if ws is None:
-        ws = _workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = _workspaces[key] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return ws
 
 
@@ -140,7 +143,7 @@ def take_wrapper(kind: str, fmod, device, owns_mask: bool):
         w = free.pop()
     else:
         import flashinfer
-        ws = _workspace(device)
+        ws = _workspace(device, fmod.target)
         if kind == "ragged":
             w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend=fmod.target)
         elif kind == "paged":

@@ -105,17 +105,44 @@ class MixedPaged:
     def run(self, q, k_cache, v_cache, k_scale: float, return_lse: bool):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's layout: FA2 assumes it
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        for plan, rows in self.parts:
-            if isinstance(rows, slice):  # consecutive rows (an engine's order): q's view, written in place
-                into = (out[rows], lse[rows] if return_lse else None)
-                got = plan._launch(q[rows], k_cache, v_cache, k_scale, return_lse, into=into)
-                got_out, got_lse = got if return_lse else (got, None)
-                if got_out is not into[0]:
-                    into[0].copy_(got_out)
-                    if return_lse:
-                        into[1].copy_(got_lse)
-                continue
-            index = rows.to(q.device)
-            write_rows((out, lse) if return_lse else out, index,
-                       plan._launch(q.index_select(0, index), k_cache, v_cache, k_scale, return_lse), return_lse)
+        (short, short_rows), long = self.parts
+        if q.is_cuda and isinstance(short_rows, slice) and isinstance(long[1], slice):
+            # the short part's memory-bound kernel on a stream of its own, beside the long part's tensor-core kernel
+            # (each has its own workspace: fivar.runtime.launch._workspace); a CUDA graph captures the fork and join
+            main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                _run_part(short, short_rows, q, k_cache, v_cache, k_scale, out, lse)
+            _run_part(*long, q, k_cache, v_cache, k_scale, out, lse)
+            main.wait_stream(side)
+        else:
+            for plan, rows in self.parts:
+                _run_part(plan, rows, q, k_cache, v_cache, k_scale, out, lse)
         return (out, lse) if return_lse else out
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    key = str(device)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device)
+    return _side_streams[key]
+
+
+def _run_part(plan, rows, q, k_cache, v_cache, k_scale: float, out, lse):
+    """A part's plan run on its rows of q, written into its rows of out (and lse, where not None)."""
+    return_lse = lse is not None
+    if isinstance(rows, slice):  # consecutive rows (an engine's order): q's view, written in place
+        into = (out[rows], lse[rows] if return_lse else None)
+        got = plan._launch(q[rows], k_cache, v_cache, k_scale, return_lse, into=into)
+        got_out, got_lse = got if return_lse else (got, None)
+        if got_out is not into[0]:
+            into[0].copy_(got_out)
+            if return_lse:
+                into[1].copy_(got_lse)
+        return
+    index = rows.to(q.device)
+    write_rows((out, lse) if return_lse else out, index,
+               plan._launch(q.index_select(0, index), k_cache, v_cache, k_scale, return_lse), return_lse)
