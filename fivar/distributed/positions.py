@@ -39,13 +39,15 @@ def _shifted(program: ir.Program | None) -> ir.Program | None:
         return None
     shift = {"q_idx": ir.ScalarParam(I32, Q_SHIFT), "kv_idx": ir.ScalarParam(I32, KV_SHIFT)}
 
-    def walk(e: ir.Expr) -> ir.Expr:
+    def shifted(e: ir.Expr) -> ir.Expr | None:
         if is_distance(e):
             return ir.Binary(I32, "add", e, ir.Binary(I32, "sub", shift[e.a.name], shift[e.b.name]))
         if isinstance(e, ir.Index) and e.name in shift:
             return ir.Binary(I32, "add", e, shift[e.name])
-        kids = tuple(walk(c) for c in e.children())
-        return ir.rebuild(e, kids) if kids != e.children() else e
+        return None
+
+    def walk(e: ir.Expr) -> ir.Expr:
+        return ir.substitute(e, shifted)
     return ir.Program([(n, walk(e)) for n, e in program.lets], walk(program.result), dict(program.hoisted))
 
 

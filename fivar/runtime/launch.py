@@ -65,10 +65,8 @@ def _invariant(variant, expr, bound, sm_scale: float = 1.0) -> float:
 
 def _expanded(variant, e: ir.Expr) -> ir.Expr:
     """`e` with the lowered programs' hoisted names put back, for messages."""
-    if isinstance(e, ir.Hoisted):
-        return _expanded(variant, variant.lowered.hoisted[e.name])
-    kids = tuple(_expanded(variant, c) for c in e.children())
-    return ir.rebuild(e, kids) if kids != e.children() else e
+    return ir.substitute(e, lambda n: _expanded(variant, variant.lowered.hoisted[n.name])
+                         if isinstance(n, ir.Hoisted) else None)
 
 
 def _check_output_scale(variant, bound, sm_scale):

@@ -162,6 +162,16 @@ def rebuild(e: Expr, kids: tuple[Expr, ...]) -> Expr:
     return e
 
 
+def substitute(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
+    """Top-down replacement: `fn(node)` first; a node it replaces is not visited further, `None` visits the
+    node's children (and rebuilds it only where one changed)."""
+    out = fn(e)
+    if out is not None:
+        return out
+    kids = tuple(substitute(c, fn) for c in e.children())
+    return rebuild(e, kids) if kids != e.children() else e
+
+
 def rewrite(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
     """Bottom-up rewrite: children first, then `fn(node)`; `None` keeps the node."""
     kids = tuple(rewrite(c, fn) for c in e.children())

@@ -44,11 +44,10 @@ def _scaled_factor(e: ir.Expr) -> ir.Expr | None:
 
 
 def fold_score_scale(e: ir.Expr) -> ir.Expr:
-    k = _scaled_factor(e)
-    if k is not None:
-        return ir.Binary(F32, "mul", ir.RawScore(F32), k)
-    kids = tuple(fold_score_scale(c) for c in e.children())
-    return ir.rebuild(e, kids) if kids != e.children() else e
+    def folded(n: ir.Expr) -> ir.Expr | None:
+        k = _scaled_factor(n)
+        return None if k is None else ir.Binary(F32, "mul", ir.RawScore(F32), k)
+    return ir.substitute(e, folded)
 
 
 def _pull_sign(e: ir.Expr) -> tuple[bool, ir.Expr]:
@@ -91,14 +90,17 @@ class _Hoister:
         self.prefix, self.table, self.names = prefix, {}, {}
 
     def __call__(self, e: ir.Expr) -> ir.Expr:
-        if ir.is_invariant(e) and not isinstance(e, (ir.Const, ir.ScalarParam, ir.Hoisted)):
-            if e not in self.names:
-                name = f"{self.prefix}{len(self.names)}"
-                self.names[e] = name
-                self.table[name] = e
-            return ir.Hoisted(e.type, self.names[e])
-        kids = tuple(self(c) for c in e.children())
-        return ir.rebuild(e, kids) if kids != e.children() else e
+        return ir.substitute(e, self._hoisted)
+
+    def _hoisted(self, e: ir.Expr) -> ir.Expr | None:
+        """A name for `e` where it is an invariant worth hoisting (the largest such subtree)."""
+        if not ir.is_invariant(e) or isinstance(e, (ir.Const, ir.ScalarParam, ir.Hoisted)):
+            return None
+        if e not in self.names:
+            name = f"{self.prefix}{len(self.names)}"
+            self.names[e] = name
+            self.table[name] = e
+        return ir.Hoisted(e.type, self.names[e])
 
 
 @dataclass
@@ -200,20 +202,16 @@ def _untabulated(program: ir.Program, tables) -> ir.Program:
         return terms[t.name]
 
     def sub(e: ir.Expr) -> ir.Expr:
-        if isinstance(e, ir.Load) and e.param in by_name:
-            return term(by_name[e.param])
-        kids = tuple(sub(c) for c in e.children())
-        return ir.rebuild(e, kids) if kids != e.children() else e
+        return ir.substitute(e, lambda n: term(by_name[n.param]) if isinstance(n, ir.Load) and n.param in by_name
+                             else None)
     body = [(n, sub(e)) for n, e in program.lets]
     result = sub(program.result)
     return ir.Program(lets + body, result, program.hoisted)
 
 
 def _renamed(e: ir.Expr, names: dict) -> ir.Expr:
-    if isinstance(e, ir.Local) and e.name in names:
-        return ir.Local(e.type, names[e.name])
-    kids = tuple(_renamed(c, names) for c in e.children())
-    return ir.rebuild(e, kids) if kids != e.children() else e
+    return ir.substitute(e, lambda n: ir.Local(n.type, names[n.name]) if isinstance(n, ir.Local) and n.name in names
+                         else None)
 
 
 def _inline_program(program: ir.Program, hoisted: dict) -> ir.Program:
@@ -240,7 +238,4 @@ def needed_lets(lets: list[tuple[str, ir.Expr]], roots) -> list[tuple[str, ir.Ex
 
 def _inline(e: ir.Expr, hoisted: dict) -> ir.Expr:
     """`e` with each hoisted name replaced by the expression it stands for."""
-    if isinstance(e, ir.Hoisted):
-        return _inline(hoisted[e.name], hoisted)
-    kids = tuple(_inline(c, hoisted) for c in e.children())
-    return ir.rebuild(e, kids) if kids != e.children() else e
+    return ir.substitute(e, lambda n: _inline(hoisted[n.name], hoisted) if isinstance(n, ir.Hoisted) else None)

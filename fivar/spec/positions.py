@@ -182,7 +182,8 @@ def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None
     analysis = Analysis(dict(program.lets))
     tables: dict[ir.Expr, PositionTable] = {}
 
-    def replace(e: ir.Expr) -> ir.Expr:
+    def read(e: ir.Expr) -> ir.Expr | None:
+        """A read of the table holding `e`, where `e` is a term to tabulate."""
         if tabulable(e, analysis, mode, types):
             if e not in tables:
                 lets = [(n, analysis.lets[n]) for n in analysis.needed_lets(e, order)]
@@ -193,10 +194,12 @@ def tabulate(program: ir.Program | None, mode: str, taken=(), offset: str | None
                 tables[e] = _replace(made, name=name)
             t = tables[e]
             head = ir.Index(I32, "qo_head") if t.per_head else ir.Const(I32, 0)
-            read = ir.Load(F32, t.name, (head, distance_index(offset)))
-            return read if e.type == F32 else ir.Binary(BOOL, "ne", read, ir.Const(F32, 0.0))
-        kids = tuple(replace(c) for c in e.children())
-        return ir.rebuild(e, kids) if kids != e.children() else e
+            value = ir.Load(F32, t.name, (head, distance_index(offset)))
+            return value if e.type == F32 else ir.Binary(BOOL, "ne", value, ir.Const(F32, 0.0))
+        return None
+
+    def replace(e: ir.Expr) -> ir.Expr:
+        return ir.substitute(e, read)
 
     # from the result back: a let only a table's term read is dropped, not rewritten (no table of its own)
     result = replace(program.result)
