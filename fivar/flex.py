@@ -24,7 +24,8 @@ def flex_mods(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: 
                          "variant has no Flex equivalent")
     if variant.sink is not None:
         raise FivarError(f"variant '{variant.name}': FlexAttention's score_mod cannot add a sink to the softmax "
-                         "denominator, so a variant with a sink has no Flex equivalent")
+                         "denominator, so a variant with a sink has no Flex equivalent of its own: run Flex of "
+                         "fivar.flex.without_sink(variant) with return_lse=True, then fivar.flex.join_sink")
     bound = bind_params(variant, params, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                         batch_size=batch_size, device=device)
     values = {**bound.scalars, **bound.tensors}

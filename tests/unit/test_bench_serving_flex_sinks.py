@@ -37,11 +37,13 @@ def _eager_flex(run):
 
 def _verify_reference(v, t, params, batch):
     n, kv = t["drafts"], t["kv"]
-    f64 = lambda x, s: x[s].double()  # noqa: E731
-    return torch.cat([reference_attention(v, f64(t["q"], slice(b * n, (b + 1) * n)), f64(t["k"], slice(b * kv, (b + 1) * kv)),
-                                          f64(t["v"], slice(b * kv, (b + 1) * kv)), causal=True, params=params,
-                                          batch_idx=b, batch_size=batch, custom_mask=t["rows"][b],
-                                          float_dtype=torch.float64) for b in range(batch)])
+    refs = []
+    for b in range(batch):
+        qs, ks = slice(b * n, (b + 1) * n), slice(b * kv, (b + 1) * kv)
+        refs.append(reference_attention(v, t["q"][qs].double(), t["k"][ks].double(), t["v"][ks].double(),
+                                        causal=True, params=params, batch_idx=b, batch_size=batch,
+                                        custom_mask=t["rows"][b], float_dtype=torch.float64))
+    return torch.cat(refs)
 
 
 def _mixed_reference(v, t, params):
