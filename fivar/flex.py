@@ -2,7 +2,9 @@
 
 Both are the torch reference evaluator applied to the index tensors FlexAttention passes, so Flex runs
 exactly the function the kernels were generated from. Flex always normalises with softmax, so
-no-softmax variants (sigmoid attention) have no Flex equivalent.
+no-softmax variants (sigmoid attention) have no Flex equivalent. A sink, which score_mod cannot add to the
+denominator, joins after: Flex runs the variant without it (without_sink) with its log-sum-exp, and join_sink
+scales each row by what the sink takes of it (flex_sink evaluates the sink per request and head).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ def flex_mods(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: 
                          "variant has no Flex equivalent")
     if variant.sink is not None:
         raise FivarError(f"variant '{variant.name}': FlexAttention's score_mod cannot add a sink to the softmax "
-                         "denominator, so a variant with a sink has no Flex equivalent")
+                         "denominator, so a variant with a sink has no Flex equivalent of its own: run Flex of "
+                         "fivar.flex.without_sink(variant) with return_lse=True, then fivar.flex.join_sink")
     bound = bind_params(variant, params, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                         batch_size=batch_size, device=device)
     values = {**bound.scalars, **bound.tensors}
@@ -47,6 +50,41 @@ def flex_mods(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: 
                 keep = keep & TorchEvaluator(env(b, h, q_idx, kv_idx), values, torch.float32).run(vir.mask)
             return keep
     return score_mod, mask_mod
+
+
+def _keeps_every_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return True
+
+
+def without_sink(variant):
+    """What Flex runs of a variant with a sink: the variant without it (join_sink adds it after); a variant needs
+    a function, so one with a sink alone keeps every key. A variant without a sink is returned as it is."""
+    if variant.sink is None:
+        return variant
+    from dataclasses import replace
+    return replace(variant, sink=None, mask=variant.mask or _keeps_every_key)
+
+
+def flex_sink(variant, params: dict, *, num_qo_heads: int, num_kv_heads: int, device, batch_size: int = 1):
+    """The variant's sink logit of each (request, query head), float32 [batch_size, num_qo_heads], its program
+    evaluated as the reference evaluates it (any expression of the request, the head and params); None without."""
+    if variant.sink is None:
+        return None
+    bound = bind_params(variant, params, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                        batch_size=batch_size, device=device)
+    heads = torch.arange(num_qo_heads, device=device).view(1, -1)
+    env = {"batch": torch.arange(batch_size, device=device).view(-1, 1), "qo_head": heads,
+           "kv_head": heads // (num_qo_heads // num_kv_heads)}
+    sink = TorchEvaluator(env, {**bound.scalars, **bound.tensors}, torch.float32, device).run(variant.ir.sink)
+    return torch.broadcast_to(sink.float(), (batch_size, num_qo_heads))
+
+
+def join_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """The variant's output from Flex's of the rest, out [..., rows, D], and its log-sum-exp [..., rows] (natural
+    log: flex_attention returns it so, its kernels' log2 converted) with `sink` the sink logit of each row
+    (broadcast to lse): with S = exp(lse), out * S / (S + exp(sink)) = out * sigmoid(lse - sink). A row that keeps
+    no key (lse -inf) stays zero."""
+    return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
 
 
 def flex_block_mask(variant, mask_mod, qo_len: int, kv_len: int, num_qo_heads: int, device):

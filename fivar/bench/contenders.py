@@ -2,8 +2,9 @@
 FlexAttention and SDPA. Each contender is a zero-argument callable plus how its output is checked.
 
 "stock" is the closest built-in FlashInfer kernel: soft-capping and sliding windows map onto FlashInfer's
-`logits_soft_cap` / `window_left`; a document mask onto FlashInfer's ragged batch prefill with one request per
-document (the same output, no mask); anything else runs plain attention, labelled as such and checked
+`logits_soft_cap` / `window_left`; gpt-oss's sinks onto FlashInfer's attention-sink wrapper (paged, serving
+suite); a document mask onto FlashInfer's ragged batch prefill with one request per document (the same output, no
+mask); anything else runs plain attention, labelled as such and checked
 against a plain-attention reference (it computes a different function, it is only a speed yardstick).
 """
 from __future__ import annotations
@@ -64,6 +65,49 @@ def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
         return ({"logits_soft_cap": float(params["softcap"]), "window_left": int(params["window"]) - 1},
                 "stock logits_soft_cap + window_left")
     return None
+
+
+@dataclass(frozen=True)
+class SinkStock:
+    """FlashInfer's attention-sink wrapper (flashinfer.BatchAttentionWithAttentionSinkWrapper) computing a sink
+    variant: its kernel adds exp(sink[h]) to each row's denominator (natural-log units, not scaled by sm_scale, as
+    fivar's `sink`) and keeps q - kv <= window_left (fivar's q - kv < window). Its mask hook is that window alone: it
+    reads no custom mask (given one it would drop causal too), so it verifies chain drafts only (causal, no mask)."""
+    window_left: int
+    sink: torch.Tensor  # float32 [num_qo_heads]
+    label: str
+
+    def wrapper(self, head_dim: int, dtype, backend: str = "auto", device="cuda", **cuda_graph_buffers):
+        """A wrapper for this variant (built for its dtypes and window: the constructor compiles them in, and an
+        auto backend is picked there, without a mask: FA3 on sm90); plan it with `plan_kwargs`, call it by `run`."""
+        return sink_wrapper(head_dim, dtype, backend, device, window_left=self.window_left, **cuda_graph_buffers)
+
+    @property
+    def plan_kwargs(self) -> dict:
+        return {"window_left": self.window_left}  # run checks it is the one the wrapper was planned with
+
+    def run(self, wrapper, q, paged_kv_cache, **kw):
+        """The JIT module's extra tensor ("sink") and scalar ("sm_scale", fivar's default 1/sqrt(head_dim))
+        positionally, after the cache."""
+        return wrapper.run(q, paged_kv_cache, self.sink, q.shape[-1] ** -0.5, **kw)
+
+
+def sink_wrapper(head_dim: int, dtype, backend: str = "auto", device="cuda", window_left: int = -1,
+                 **cuda_graph_buffers):
+    """A BatchAttentionWithAttentionSinkWrapper, NHD, its JIT module built (or loaded) here."""
+    import flashinfer
+    return flashinfer.BatchAttentionWithAttentionSinkWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD", backend=backend, q_data_type=dtype,
+        kv_data_type=dtype, head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window_left, **cuda_graph_buffers)
+
+
+def stock_sink(variant, params: dict) -> SinkStock | None:
+    """The stock sink wrapper computing exactly this variant (gpt-oss: a sink per query head in a causal window),
+    or None (stock_mapping covers the variants without a sink)."""
+    if variant.name != "gpt_oss" or int(params["window"]) < 1:  # window_left = -1 would be no window at all
+        return None
+    return SinkStock(int(params["window"]) - 1, params["sinks"].float().contiguous(),
+                     "stock attention-sink wrapper, window_left")
 
 
 @dataclass(frozen=True)

@@ -29,26 +29,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _keeps_every_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return True
-
-
 def flex_with_sink_fn(variant, params, q, k, v, *, causal, compile=True):
     """fivar.flex.flex_attention_fn, and for a variant with a sink (which Flex's score_mod cannot add to the
-    denominator) Flex of the rest with its log-sum-exp, the sink joined after: o * sigmoid(lse - sink), so that
-    its gradients reach the sink's tensors too."""
+    denominator) Flex of the rest with its log-sum-exp, the sink joined after: o * sigmoid(lse - sink)
+    (fivar.flex.join_sink), so that its gradients reach the sink's tensors too."""
     import math
-    from dataclasses import replace
 
-    from ..flex import flex_attention_fn, flex_block_mask, flex_mods
+    from ..flex import flex_attention_fn, flex_block_mask, flex_mods, flex_sink, join_sink, without_sink
     if variant.sink is None:
         return flex_attention_fn(variant, params, q, k, v, causal=causal, compile=compile)
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    from ..codegen.torch_ref import TorchEvaluator
-    from ..runtime.params import bind_params
-    rest = replace(variant, sink=None, mask=variant.mask or _keeps_every_key)  # a variant needs one function
+    rest = without_sink(variant)
     (qo_len, hq, d), (kv_len, hkv, _) = q.shape, k.shape
     scale = 1.0 / math.sqrt(d)
     score_mod, mask_mod = flex_mods(rest, params, qo_len=qo_len, kv_len=kv_len, num_qo_heads=hq, num_kv_heads=hkv,
@@ -57,16 +50,12 @@ def flex_with_sink_fn(variant, params, q, k, v, *, causal, compile=True):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)  # as flex_attention_fn
     fa = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    heads = torch.arange(hq, device=q.device).view(hq, 1, 1)
 
-    def run():
-        bound = bind_params(variant, params, num_qo_heads=hq, num_kv_heads=hkv, batch_size=1, device=q.device)
-        env = {"batch": torch.tensor(0, device=q.device), "qo_head": heads, "kv_head": heads // (hq // hkv)}
-        sink = TorchEvaluator(env, {**bound.scalars, **bound.tensors}, torch.float32).run(variant.ir.sink)
+    def run():  # the sink evaluated in the step: its gradient reaches the params it reads
+        sink = flex_sink(variant, params, num_qo_heads=hq, num_kv_heads=hkv, device=q.device)  # [1, heads]
         out, lse = fa(qb, kb, vb, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv,
                       return_lse=True)  # lse: natural log, [1, heads, queries]
-        out = out * torch.sigmoid(lse - sink.float().expand(hq, 1, 1).view(1, hq, 1)).unsqueeze(-1).to(out.dtype)
-        return out.squeeze(0).transpose(0, 1)
+        return join_sink(out, lse, sink.unsqueeze(-1)).squeeze(0).transpose(0, 1)
     return run
 
 
