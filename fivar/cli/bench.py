@@ -39,7 +39,8 @@ from ._common import (CHECK_OPS_DEFAULT, OPS, _arch_capability, _build_capabilit
 @click.option("--arch", default=None, help="--compile without a GPU: e.g. 9.0a (default: FLASHINFER_CUDA_ARCH_LIST)")
 @click.option("--cuda-graph", "cuda_graph", is_flag=True, help="decode: also replay fivar's plan_decode(cuda_graph=True) "
               "and stock FlashInfer's use_cuda_graph decode from CUDA graphs (fivar-graph vs stock-graph), at batch "
-              "1, 8 and 64 unless --batch is given")
+              "1, 8 and 64 unless --batch is given; verify: the verify steps replayed from CUDA graphs too "
+              "(plan_paged(cuda_graph=True) vs stock's use_cuda_graph wrapper)")
 def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, sustained_s, param_texts, json_path,
           plot_path, compile_, arch, cuda_graph):
     """Benchmark a variant against stock FlashInfer, its Triton twin and FlexAttention (needs a GPU)."""
@@ -47,9 +48,9 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
 
     import torch
 
-    if cuda_graph and op != "decode":
-        raise FivarError(f"--cuda-graph replays decode plans from CUDA graphs; it applies to --op decode only (got "
-                         f"--op {op})")
+    if cuda_graph and op not in ("decode", "verify"):
+        raise FivarError(f"--cuda-graph replays decode and verify plans from CUDA graphs; it applies to --op decode "
+                         f"and --op verify only (got --op {op})")
     if compile_:
         ignored = _given("vs", "op", "seqlens", "batch", "heads", "causal", "rounds", "sustained_s", "param_texts",
                          "plot_path", "cuda_graph")
@@ -85,14 +86,14 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
         raise FivarError("--sustained times each contender once, for SECONDS; --rounds sets interleaved rounds: "
                          "give one of them")
     if op in SERVING_OPS:
-        serving_cases(name, op, vs, params)  # its refusals on any machine
+        serving_cases(name, op, vs, params, cuda_graph)  # its refusals on any machine
     if not torch.cuda.is_available():
         raise FivarError("fivar bench times kernels, so it needs a CUDA GPU (without one: fivar bench NAME --compile "
                          "--arch 9.0a measures build latency)")
     if arch:
         raise FivarError("--arch applies to --compile only: a timed run uses the visible GPU")
     if op in SERVING_OPS:
-        return _bench_serving(name, op, vs, params, rounds, json_path)
+        return _bench_serving(name, op, vs, params, rounds, json_path, cuda_graph)
     from ..bench import ceilings as ceil_mod
     from ..bench.harness import run
     try:
@@ -140,9 +141,10 @@ SERVING_OPS = ("verify", "mixed")
 SERVING_OWN = ("fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned")
 
 
-def serving_cases(name, op, vs, params):
+def serving_cases(name, op, vs, params, cuda_graph: bool = False):
     """(cases, contender names) of `fivar bench NAME --op verify|mixed`; refuses the options those fixed shapes
-    ignore, in one line."""
+    ignore, in one line. cuda_graph (verify): the steps replayed from CUDA graphs too (fivar-graph, and stock-graph
+    where stock is asked for)."""
     ignored = _given("seqlens", "batch", "heads", "head_dim", "dtype", "causal", "sustained_s", "plot_path")
     if ignored:
         from ..bench.suites.serving import BATCH, CONTEXT, HEADS, PAGE
@@ -154,10 +156,12 @@ def serving_cases(name, op, vs, params):
         raise FivarError(f"--op {op} has no SDPA contender (--vs stock, triton or flex)")
     from ..bench.suites.serving import variant_cases
     contenders = SERVING_OWN + tuple(vs or ("stock", "triton", "flex"))
-    return variant_cases(name, op, params), contenders
+    if cuda_graph:
+        contenders += ("fivar-graph",) + (("stock-graph",) if "stock" in contenders else ())
+    return variant_cases(name, op, params, graph=cuda_graph), contenders
 
 
-def _bench_serving(name, op, vs, params, rounds, json_path) -> None:
+def _bench_serving(name, op, vs, params, rounds, json_path, cuda_graph: bool = False) -> None:
     """The serving suite's cases of this variant, run as `python -m fivar.bench --suite serving` runs them (built in
     one parallel pass, each contender checked, then timed), their rows printed; --json writes the rows."""
     import json as _json
@@ -165,7 +169,7 @@ def _bench_serving(name, op, vs, params, rounds, json_path) -> None:
 
     from ..bench import runner
     from ..bench.contenders import SELECTED
-    cases, contenders = serving_cases(name, op, vs, params)
+    cases, contenders = serving_cases(name, op, vs, params, cuda_graph)
     token = SELECTED.set(frozenset(contenders))
     try:
         with tempfile.TemporaryDirectory() as tmp:  # rows of an ad-hoc run stay out of benchmarks/results

@@ -64,6 +64,20 @@ def test_mixed_runs_the_mixed_cases_with_the_contenders_asked_for(ran, tmp_path)
     assert len(rows) == 9 and {r["case"] for r in rows} == set(names)
 
 
+def test_verify_with_cuda_graph_adds_the_replayed_steps(ran):
+    r, _ = _invoke("sliding_window", "--op", "verify", "--cuda-graph", "--vs", "stock")
+    assert r.exit_code == 0, r.output
+    names = [c.name for c in ran["cases"]]
+    plain = [f"sliding_window verify {form} {n} x32 ctx8192" for n in (8, 16, 64) for form in ("chain", "tree")]
+    graph = [f"sliding_window verify graph {form} {n} x32 ctx8192" for n in (8, 16, 64) for form in ("chain", "tree")]
+    assert names == plain + graph
+    assert all(c.shape.get("cuda_graph") for c in ran["cases"][6:]) and not any(c.shape.get("cuda_graph")
+                                                                              for c in ran["cases"][:6])
+    assert {"fivar-graph", "stock-graph"} <= ran["selected"]
+    r, out = _invoke("sliding_window", "--op", "mixed", "--cuda-graph")
+    assert r.exit_code == 1 and "--op decode and --op verify only" in out
+
+
 def test_params_set_on_the_command_line_reach_the_cases(ran):
     r, _ = _invoke("sliding_window", "--op", "mixed", "--param", "window=64")
     assert r.exit_code == 0, r.output

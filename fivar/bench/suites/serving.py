@@ -526,11 +526,12 @@ def cases(quick: bool = False) -> list:
     return verify_cases(quick) + mixed_cases(quick)
 
 
-def variant_cases(name: str, op: str, params: dict | None = None) -> list:
+def variant_cases(name: str, op: str, params: dict | None = None, graph: bool = False) -> list:
     """`fivar bench NAME --op verify|mixed`: this suite's cases of that op for any variant (its example params, the
-    suite's for the bundled ones, then `params`)."""
+    suite's for the bundled ones, then `params`); graph (verify): the steps replayed from CUDA graphs too."""
     if op == "verify":
-        cases = [_case(name, n, form, params) for n in DRAFTS for form in ("chain", "tree")]
+        cases = [_case(name, n, form, params, graph=g) for g in ((False, True) if graph else (False,))
+                 for n in DRAFTS for form in ("chain", "tree")]
     elif op == "mixed":
         cases = [_mixed_case(name, label, params) for label in MIXED]
     else:
