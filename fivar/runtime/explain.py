@@ -257,7 +257,8 @@ def _mixed_line(v) -> str:
     rows = f" (each part with its requests' rows of {', '.join(sorted(dims))})" if dims else ""
     return ("paged batches, backend auto: requests of at most a quarter of FA3's query tile (decodes, drafts) run as "
             "an FA2 plan, which packs a GQA group's rows in one tile, the rest as an FA3 plan, each writing its rows of "
-            f"one output{rows}; short requests alone: FA2")
+            f"one output{rows}, the FA2 part on a second stream where each part's rows are consecutive; short "
+            "requests alone: FA2")
 
 
 def short_paths(v) -> list[str]:
