@@ -6,8 +6,9 @@ fills a sliver of it and the kernel computes the rest of the tile for nothing ov
 cost about 1 ms of tensor-core time that way, where FA2's kernel, which packs a GQA group's rows into one tile (the
 kernel of FlashInfer's tensor-core decode), reads the same keys at memory speed. An engine without mixed batches runs
 the two kinds through two wrappers, one after the other; an auto plan runs both in one plan, at once where each
-part's rows are consecutive (the FA2 part on a second stream: its memory-bound kernel fills what FA3's leaves idle). A part renumbers its requests from 0, so
-a program may read `batch` only to index a batch-sized tensor, whose rows a part then takes (batch_dims).
+part's rows are consecutive (the FA2 part on a second stream: its memory-bound kernel fills what FA3's leaves idle).
+A part renumbers its requests from 0, so a program may read `batch` only to index a batch-sized tensor, whose rows a
+part then takes (batch_dims).
 """
 from __future__ import annotations
 
