@@ -197,6 +197,12 @@ class _FunctionParser:
                 if len(targets) != 1 or not isinstance(targets[0], ast.Name) or stmt.value is None:
                     raise self.unsupported(stmt, "this assignment form (only `name = expr`)")
                 self.bind(targets[0].id, self.expr(stmt.value), stmt)
+            elif isinstance(stmt, ast.AugAssign):  # `x += e` is `x = x + e`
+                if not isinstance(stmt.target, ast.Name):
+                    raise self.unsupported(stmt, "this assignment form (only `name = expr` and `name op= expr`)")
+                read = ast.copy_location(ast.Name(id=stmt.target.id, ctx=ast.Load()), stmt.target)
+                value = ast.copy_location(ast.BinOp(left=read, op=stmt.op, right=stmt.value), stmt)
+                self.bind(stmt.target.id, self.expr(value), stmt)
             elif isinstance(stmt, ast.Pass):
                 continue
             else:

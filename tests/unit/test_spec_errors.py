@@ -46,6 +46,20 @@ def test_if_statement():
     assert "allowed:" in str(err)
 
 
+def test_augmented_assignment_to_an_argument():
+    def logits(s, b, h, kh, qi, ki, p):
+        s += 1.0  # BAD
+        return s
+    _expect(logits, match="cannot assign to argument `s`")
+
+
+def test_augmented_assignment_to_an_attribute():
+    def logits(s, b, h, kh, qi, ki, p):
+        p.cap += 1.0  # BAD
+        return s
+    _expect(logits, match="only `name = expr` and `name op= expr`", cap=Scalar(float))
+
+
 def test_for_loop():
     def logits(s, b, h, kh, qi, ki, p):
         for _ in range(3):  # BAD
