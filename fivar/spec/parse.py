@@ -6,6 +6,7 @@ Only a small, explicit subset of Python is accepted (see ALLOWED). Everything el
 from __future__ import annotations
 
 import ast
+import difflib
 import math
 import builtins
 import dataclasses
@@ -347,14 +348,19 @@ class _FunctionParser:
                 "numbers defined outside the function, and the functions "
                 f"{' '.join(lang.FUNCTIONS)} abs min max float int")
 
+    def unknown_param(self, node, name: str):
+        """`params.NAME` of a name not declared (read or indexed): the declared names, the closest first."""
+        close = difflib.get_close_matches(name, list(self.variant.params), n=1)
+        known = ", ".join(self.variant.params) or "none declared"
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        return self.error(node, f"unknown parameter `{name}` ({hint}declared: {known})", "unknown parameter")
+
     def expr_Attribute(self, node):
         base = node.value
         if isinstance(base, ast.Name) and self.env.get(base.id) is _PARAMS:
             p = self.variant.params.get(node.attr)
             if p is None:
-                known = ", ".join(self.variant.params) or "none declared"
-                raise self.error(node, f"unknown parameter `{node.attr}` (declared: {known})",
-                                 "unknown parameter")
+                raise self.unknown_param(node, node.attr)
             if isinstance(p, Tensor):
                 raise self.error(node, f"tensor parameter `{node.attr}` must be indexed, e.g. "
                                  f"params.{node.attr}[{', '.join(p.dims)}]", "unindexed tensor")
@@ -367,6 +373,8 @@ class _FunctionParser:
                 and self.env.get(base.value.id) is _PARAMS):
             raise self.unsupported(node, "indexing anything but a tensor parameter")
         p = self.variant.params.get(base.attr)
+        if p is None:
+            raise self.unknown_param(base, base.attr)
         if not isinstance(p, Tensor):
             raise self.error(node, f"`{base.attr}` is not a tensor parameter, it cannot be indexed",
                              "indexing a scalar")

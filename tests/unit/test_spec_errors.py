@@ -80,6 +80,19 @@ def test_unknown_param():
     _expect(logits, match="unknown parameter `nope`", cap=Scalar(float))
 
 
+def test_unknown_param_indexed_is_unknown_not_a_scalar():
+    """A typo in an indexed tensor's name is an unknown parameter, with the declared name it is closest to."""
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.slope[h]  # BAD
+    _expect(logits, match="unknown parameter `slope` (did you mean `slopes`? declared: window, slopes)",
+            window=Scalar(int), slopes=Tensor("float32", ("qo_head",)))
+
+    def mask(b, h, kh, qi, ki, p):
+        return qi - ki < p.windw  # BAD
+    _expect(mask, role="mask", match="unknown parameter `windw` (did you mean `window`?",
+            window=Scalar(int), slopes=Tensor("float32", ("qo_head",)))
+
+
 def test_tensor_param_used_without_index():
     def logits(s, b, h, kh, qi, ki, p):
         return s + p.slopes  # BAD
