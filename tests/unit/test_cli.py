@@ -25,6 +25,28 @@ def test_list_shows_bundled_variants(runner):
         assert name in r.output
 
 
+def test_list_names_what_each_variant_changes(runner, tmp_path, monkeypatch):
+    """The kind column names the logits, mask and sink a variant defines (a sink alone was a blank)."""
+    head = "from fivar import AttentionVariant, Tensor, sigmoid\n\n\n"
+    files = {
+        "only_sink": "variant = AttentionVariant(name='only_sink', sink=lambda qo_head, params: params.s[qo_head],\n"
+                     "                           params={'s': Tensor('float32', ('qo_head',))})\n",
+        "window_sink": "def mask(batch, qo_head, kv_head, q_idx, kv_idx, params):\n    return q_idx - kv_idx < 8\n\n\n"
+                       "variant = AttentionVariant(name='window_sink', mask=mask, sink=lambda qo_head, params: 1.0)\n",
+        "sig_only": "def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):\n    return sigmoid(score)\n\n\n"
+                    "variant = AttentionVariant(name='sig_only', logits=logits, softmax=False)\n",
+    }
+    for name, body in files.items():
+        (tmp_path / f"{name}.py").write_text(head + body)
+    monkeypatch.setenv("FIVAR_VARIANT_PATH", str(tmp_path))
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    for name, kind in (("only_sink", "sink"), ("window_sink", "mask + sink"),
+                       ("sig_only", "logits (no softmax)")):
+        assert f"│ {name} │ {kind} │" in flat, (name, r.output)
+
+
 def test_show_prints_the_fa2_struct(runner):
     r = runner.invoke(main, ["show", "softcap"])
     assert r.exit_code == 0, r.output
