@@ -458,3 +458,20 @@ def _ctrl_c_cases(tmp_path, fivar):
     f2.write_text("raise KeyboardInterrupt\n")
     with pytest.raises(fivar.FivarSpecError, match="raised KeyboardInterrupt"):
         fivar.load(str(f2))
+
+
+def test_explain_without_a_gpu_or_an_arch_says_so(runner, monkeypatch):
+    """Without a GPU and without --arch, the answer is FA2 everywhere; the first line says it is that case and how
+    to ask about a GPU's, and the verbose rules give why."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
+    r = runner.invoke(main, ["show", "alibi", "--explain"])
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.startswith("no GPU visible and no target arch (--arch 9.0a"), first
+    assert "single_prefill fa2" in first and "fa3" not in first, first
+    r = runner.invoke(main, ["show", "alibi", "--explain", "--arch", "9.0a"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("no GPU visible: as on sm90 (--arch 9.0a)"), r.output
+    assert "single_prefill fa3" in r.output.splitlines()[0], r.output
