@@ -407,6 +407,11 @@ class _FunctionParser:
                 raise self.error(n, "arithmetic on a bool; use `a if cond else b` to turn a condition "
                                  "into a number", "bool arithmetic")
         if op == "div" or a.type == F32 or b.type == F32:
+            if op in ("div", "floordiv", "mod"):  # a zero divisor written in the spec: Python would raise here
+                value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+                if isinstance(value, ir.Const) and value.value == 0:
+                    sym = {"div": "/", "floordiv": "//", "mod": "%"}[op]
+                    raise self.error(node.right, f"`{ast.unparse(node)}`: `{sym}` by zero", "division by zero")
             return ir.Binary(F32, op, self.to_f32(a), self.to_f32(b))
         if op in ("floordiv", "mod"):
             return ir.Binary(I32, op, a, self.integer_divisor(b, node), where=self.where(node))

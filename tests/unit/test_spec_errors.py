@@ -410,6 +410,40 @@ def test_integer_division_by_literal_zero():
     _expect(mask, role="mask", match="integer `//` by zero")
 
 
+ZERO_F = 0.0
+
+
+def test_float_division_by_a_zero_written_in_the_spec():
+    """A float `/`, `//` or `%` by a literal zero (through a module constant or a local too) is refused at its line, as
+    Python refuses it: the reference gave NaN, the Triton twin refused the folded softmax factor without a line."""
+    def logits(s, b, h, kh, qi, ki, p):
+        return s / ZERO_F  # BAD
+    _expect(logits, match="`s / ZERO_F`: `/` by zero")
+
+    def logits2(s, b, h, kh, qi, ki, p):
+        z = 0.0
+        return s + float(ki) % z  # BAD
+    _expect(logits2, match="`%` by zero")
+
+    def logits3(s, b, h, kh, qi, ki, p):
+        return s + (s // -0.0)  # BAD
+    _expect(logits3, match="`//` by zero")
+
+
+def test_float_division_by_a_nonzero_constant_is_fine():
+    import torch
+
+    def logits(s, b, h, kh, qi, ki, p):
+        return s / 0.5 + float(ki) % 2.5
+
+    v = AttentionVariant(name="okdiv", logits=logits)
+    q, k = torch.randn(6, 1, 16, dtype=torch.float64), torch.randn(11, 1, 16, dtype=torch.float64)
+    from fivar.codegen.torch_ref import reference_attention
+    out = reference_attention(v, q, k, k, params={}, float_dtype=torch.float64)
+    s = torch.einsum("qhd,khd->hqk", q, k) / 4.0 / 0.5 + torch.remainder(torch.arange(11.0), 2.5).view(1, 1, -1)
+    torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), k))
+
+
 def test_integer_modulo_by_a_scalar_whose_default_is_zero():
     def mask(b, h, kh, qi, ki, p):
         c = p.chunk
