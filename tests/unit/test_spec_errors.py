@@ -751,3 +751,45 @@ def test_json_nested_too_deep_is_read_as_unreadable_not_a_recursion_error(tmp_pa
     build._verified.pop(str(lib), None)
     assert build.library_verified(lib, lib.stat(), build._sha256(lib))
     assert json.loads((lib.parent / build._VERIFIED).read_text())["sha256"] == build._sha256(lib)
+
+
+# --- a variant's `example`: what it returns is checked against the declarations, naming the example's line --------
+
+def _example_variant(example):
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.slopes[h] * float(p.w)
+    return AttentionVariant(name="exv", logits=logits, example=example,
+                            params={"slopes": Tensor("float32", ("qo_head",)), "w": Scalar(int, default=2)})
+
+
+@pytest.mark.parametrize("case, says", [
+    ("typo", "returned unknown parameter(s) slope (declared: slopes, w)"),
+    ("dtype", "returned 'slopes' as torch.float64 of shape (4,); it is declared torch.float32 with dims ('qo_head',)"),
+    ("rank", "returned 'slopes' as torch.float32 of shape (1, 4); it is declared torch.float32"),
+    ("missing", "returned no 'slopes', which has no default"),
+    ("scalar", "returned 2.5 for 'w' (parameter 'w' is an int parameter, got 2.5)"),
+    ("list", "returned a list, not a dict of params"),
+])
+def test_a_bad_example_is_named_with_its_line(case, says):
+    import torch
+    from fivar.testing import example_params
+
+    def example(num_qo_heads, num_kv_heads, batch_size, max_len, device):
+        s = torch.rand(num_qo_heads)
+        return {"typo": {"slope": s}, "dtype": {"slopes": s.double()}, "rank": {"slopes": s[None]}, "missing": {"w": 3},
+                "scalar": {"slopes": s, "w": 2.5}, "list": [s]}[case]
+    line = inspect.getsourcelines(example)[1]
+    with pytest.raises(fivar.FivarError) as info:
+        example_params(_example_variant(example), num_qo_heads=4, num_kv_heads=2, batch_size=1, max_len=8, device="cpu")
+    text = str(info.value)
+    assert text.startswith(f"{__file__}:{line}: variant 'exv': its example() ") and says in text, text
+    assert "\n" not in text
+
+
+def test_a_good_example_is_returned_as_it_is():
+    import torch
+    from fivar.testing import example_params
+    slopes = torch.rand(4)
+    got = example_params(_example_variant(lambda num_qo_heads, num_kv_heads, batch_size, max_len, device: {
+        "slopes": slopes}), num_qo_heads=4, num_kv_heads=2, batch_size=1, max_len=8, device="cpu")
+    assert got.keys() == {"slopes"} and got["slopes"] is slopes
