@@ -32,8 +32,8 @@ def example_params(variant, *, num_qo_heads: int, num_kv_heads: int, batch_size:
                    device, generator: torch.Generator | None = None) -> dict:
     """Fresh random params: the variant's own `example` if it has one, else drawn from the declarations."""
     if variant.example is not None:
-        return variant.example(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=batch_size,
-                               max_len=max_len, device=device)
+        return _checked_example(variant, variant.example(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                                         batch_size=batch_size, max_len=max_len, device=device))
     sizes = {"qo_head": num_qo_heads, "kv_head": num_kv_heads, "batch": batch_size}
     out = {}
     for name, p in variant.params.items():
@@ -54,6 +54,36 @@ def example_params(variant, *, num_qo_heads: int, num_kv_heads: int, batch_size:
                 t = torch.randint(0, 4, shape)
             out[name] = t.to(dt).to(device)
     return out
+
+
+def _checked_example(variant, params):
+    """The params a variant's `example` returned, refused naming the example's file and line where their names, dtypes
+    or ranks are not the declarations' (the kernels' own checks would name only the parameter, and a reader looks
+    for it in the spec, not in the example)."""
+    from .spec.inputs import checked_scalar
+    code = getattr(variant.example, "__code__", None)
+    where = f"{code.co_filename}:{code.co_firstlineno}: " if code is not None else ""
+    head = f"{where}variant '{variant.name}': its example() returned"
+    if not isinstance(params, dict):
+        raise FivarError(f"{head} a {type(params).__name__}, not a dict of params")
+    unknown = sorted(set(params) - set(variant.params))
+    if unknown:
+        raise FivarError(f"{head} unknown parameter(s) {', '.join(unknown)} (declared: {', '.join(variant.params)})")
+    for name, p in variant.params.items():
+        value = params.get(name)
+        if value is None:
+            if isinstance(p, Tensor) or p.default is None:
+                raise FivarError(f"{head} no '{name}', which has no default")
+        elif isinstance(p, Scalar):
+            try:
+                checked_scalar(variant, name, value)
+            except FivarError as e:
+                raise FivarError(f"{head} {value!r} for '{name}' ({str(e).split(': ', 1)[-1]})") from None
+        elif not isinstance(value, torch.Tensor) or value.dtype != getattr(torch, p.dtype) or value.dim() != p.ndim:
+            got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+                type(value).__name__
+            raise FivarError(f"{head} '{name}' as {got}; it is declared torch.{p.dtype} with dims {p.dims}")
+    return params
 
 
 @dataclass

@@ -36,12 +36,15 @@ def list_cmd():
         if getattr(v, "kind", None) == "fusion":
             table.add_row(name, "fusion", _escape(v.describe()), shown)
             continue
-        kind = " + ".join(k for k in ("logits" if v.logits else "", "mask" if v.mask else "") if k)
-        if not v.softmax:
-            kind += " (no softmax)"
-        table.add_row(name, kind, ", ".join(v.params) or "-", shown)
+        table.add_row(name, _attention_kind(v), ", ".join(v.params) or "-", shown)
     console.print(table)
     report_load_errors(errors)
+
+
+def _attention_kind(v) -> str:
+    """What an attention variant changes, as `fivar list` shows it: its logits, mask and sink (one at least)."""
+    kind = " + ".join(k for k, has in (("logits", v.logits), ("mask", v.mask), ("sink", v.sink)) if has)
+    return kind if v.softmax else kind + " (no softmax)"
 
 
 @main.command("new-variant")

@@ -69,6 +69,8 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
             capability = _arch_capability(arch)
             no_sm90a = not _builds_sm90a(arch)
             as_on = f"no GPU visible: as on sm{capability[0]}{capability[1]} ({where} {arch})"
+        elif not arch and not torch.cuda.is_available():  # the answer for no GPU at all, not what a GPU would run
+            as_on = "no GPU visible and no target arch (--arch 9.0a: what an sm90 GPU runs)"
         picks = []
         for o in OPS:
             t, why = choose_target(v, "auto", o, capability=capability)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..codegen import fa2, fa3
 from ..codegen.tile_list import reads_heads, runs_split, runs_unmapped
 from .attention import trims_decode_pages
-from ..spec import sparsity
+from ..spec import ir, sparsity
 from ..spec.ir import format_expr
 from ..spec.params import Scalar
 
@@ -32,7 +32,9 @@ def _block_map_shares(v, causal: bool = True) -> dict[str, str] | str | None:
     where it depends on tensors or params without defaults; None without a mask."""
     if v.ir.mask is None:
         return None
-    if v.tensor_params or any(p.default is None for p in v.params.values() if isinstance(p, Scalar)):
+    read = {e.name if isinstance(e, ir.ScalarParam) else e.param for root in v.ir.mask.exprs() for e in ir.walk(root)
+            if isinstance(e, (ir.ScalarParam, ir.Load))}  # the params the mask reads (the logits' do not matter)
+    if any(not isinstance(v.params[n], Scalar) or v.params[n].default is None for n in read):
         return "per call"
     scalars = {n: p.default for n, p in v.scalar_params.items()}
     bm = sparsity.classify(v.ir.mask, qo_len=SAMPLE_LEN, kv_len=SAMPLE_LEN, q_block=SAMPLE_Q_BLOCK,

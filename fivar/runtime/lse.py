@@ -14,7 +14,10 @@ Attention over keys K = K_0 ∪ K_1 ∪ ... (disjoint) is then exactly
     lse = log2( sum_c 2^lse_c ),        out = sum_c 2^(lse_c - lse) * out_c,
 
 which `merge_states` computes: cascade attention (a shared prefix plus per-request suffixes), context
-parallelism, and chunked prefill merge partial results this way. Only a softmax makes outputs mergeable: a
+parallelism, and chunked prefill merge partial results this way. A variant with a `sink` adds exp(sink) to every
+call's denominator, so each part's lse counts it and a merge of parts counts it once per part: its parts must be
+computed without the sink and the sink's own state (zeros, sink * log2(e)) merged once, as fivar.distributed does
+(fivar.distributed.positions.sink_state). Only a softmax makes outputs mergeable: a
 variant with `softmax=False` has no normaliser, and asking it for an LSE is an error (fivar.spec.inputs.check_lse,
 which the reference shares, as it does LOG2E).
 """

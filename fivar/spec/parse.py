@@ -6,6 +6,7 @@ Only a small, explicit subset of Python is accepted (see ALLOWED). Everything el
 from __future__ import annotations
 
 import ast
+import difflib
 import math
 import builtins
 import dataclasses
@@ -197,6 +198,12 @@ class _FunctionParser:
                 if len(targets) != 1 or not isinstance(targets[0], ast.Name) or stmt.value is None:
                     raise self.unsupported(stmt, "this assignment form (only `name = expr`)")
                 self.bind(targets[0].id, self.expr(stmt.value), stmt)
+            elif isinstance(stmt, ast.AugAssign):  # `x += e` is `x = x + e`
+                if not isinstance(stmt.target, ast.Name):
+                    raise self.unsupported(stmt, "this assignment form (only `name = expr` and `name op= expr`)")
+                read = ast.copy_location(ast.Name(id=stmt.target.id, ctx=ast.Load()), stmt.target)
+                value = ast.copy_location(ast.BinOp(left=read, op=stmt.op, right=stmt.value), stmt)
+                self.bind(stmt.target.id, self.expr(value), stmt)
             elif isinstance(stmt, ast.Pass):
                 continue
             else:
@@ -341,14 +348,19 @@ class _FunctionParser:
                 "numbers defined outside the function, and the functions "
                 f"{' '.join(lang.FUNCTIONS)} abs min max float int")
 
+    def unknown_param(self, node, name: str):
+        """`params.NAME` of a name not declared (read or indexed): the declared names, the closest first."""
+        close = difflib.get_close_matches(name, list(self.variant.params), n=1)
+        known = ", ".join(self.variant.params) or "none declared"
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        return self.error(node, f"unknown parameter `{name}` ({hint}declared: {known})", "unknown parameter")
+
     def expr_Attribute(self, node):
         base = node.value
         if isinstance(base, ast.Name) and self.env.get(base.id) is _PARAMS:
             p = self.variant.params.get(node.attr)
             if p is None:
-                known = ", ".join(self.variant.params) or "none declared"
-                raise self.error(node, f"unknown parameter `{node.attr}` (declared: {known})",
-                                 "unknown parameter")
+                raise self.unknown_param(node, node.attr)
             if isinstance(p, Tensor):
                 raise self.error(node, f"tensor parameter `{node.attr}` must be indexed, e.g. "
                                  f"params.{node.attr}[{', '.join(p.dims)}]", "unindexed tensor")
@@ -361,6 +373,8 @@ class _FunctionParser:
                 and self.env.get(base.value.id) is _PARAMS):
             raise self.unsupported(node, "indexing anything but a tensor parameter")
         p = self.variant.params.get(base.attr)
+        if p is None:
+            raise self.unknown_param(base, base.attr)
         if not isinstance(p, Tensor):
             raise self.error(node, f"`{base.attr}` is not a tensor parameter, it cannot be indexed",
                              "indexing a scalar")
@@ -393,6 +407,11 @@ class _FunctionParser:
                 raise self.error(n, "arithmetic on a bool; use `a if cond else b` to turn a condition "
                                  "into a number", "bool arithmetic")
         if op == "div" or a.type == F32 or b.type == F32:
+            if op in ("div", "floordiv", "mod"):  # a zero divisor written in the spec: Python would raise here
+                value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+                if isinstance(value, ir.Const) and value.value == 0:
+                    sym = {"div": "/", "floordiv": "//", "mod": "%"}[op]
+                    raise self.error(node.right, f"`{ast.unparse(node)}`: `{sym}` by zero", "division by zero")
             return ir.Binary(F32, op, self.to_f32(a), self.to_f32(b))
         if op in ("floordiv", "mod"):
             return ir.Binary(I32, op, a, self.integer_divisor(b, node), where=self.where(node))

@@ -25,6 +25,28 @@ def test_list_shows_bundled_variants(runner):
         assert name in r.output
 
 
+def test_list_names_what_each_variant_changes(runner, tmp_path, monkeypatch):
+    """The kind column names the logits, mask and sink a variant defines (a sink alone was a blank)."""
+    head = "from fivar import AttentionVariant, Tensor, sigmoid\n\n\n"
+    files = {
+        "only_sink": "variant = AttentionVariant(name='only_sink', sink=lambda qo_head, params: params.s[qo_head],\n"
+                     "                           params={'s': Tensor('float32', ('qo_head',))})\n",
+        "window_sink": "def mask(batch, qo_head, kv_head, q_idx, kv_idx, params):\n    return q_idx - kv_idx < 8\n\n\n"
+                       "variant = AttentionVariant(name='window_sink', mask=mask, sink=lambda qo_head, params: 1.0)\n",
+        "sig_only": "def logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):\n    return sigmoid(score)\n\n\n"
+                    "variant = AttentionVariant(name='sig_only', logits=logits, softmax=False)\n",
+    }
+    for name, body in files.items():
+        (tmp_path / f"{name}.py").write_text(head + body)
+    monkeypatch.setenv("FIVAR_VARIANT_PATH", str(tmp_path))
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    for name, kind in (("only_sink", "sink"), ("window_sink", "mask + sink"),
+                       ("sig_only", "logits (no softmax)")):
+        assert f"│ {name} │ {kind} │" in flat, (name, r.output)
+
+
 def test_show_prints_the_fa2_struct(runner):
     r = runner.invoke(main, ["show", "softcap"])
     assert r.exit_code == 0, r.output
@@ -436,3 +458,20 @@ def _ctrl_c_cases(tmp_path, fivar):
     f2.write_text("raise KeyboardInterrupt\n")
     with pytest.raises(fivar.FivarSpecError, match="raised KeyboardInterrupt"):
         fivar.load(str(f2))
+
+
+def test_explain_without_a_gpu_or_an_arch_says_so(runner, monkeypatch):
+    """Without a GPU and without --arch, the answer is FA2 everywhere; the first line says it is that case and how
+    to ask about a GPU's, and the verbose rules give why."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
+    r = runner.invoke(main, ["show", "alibi", "--explain"])
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.startswith("no GPU visible and no target arch (--arch 9.0a"), first
+    assert "single_prefill fa2" in first and "fa3" not in first, first
+    r = runner.invoke(main, ["show", "alibi", "--explain", "--arch", "9.0a"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("no GPU visible: as on sm90 (--arch 9.0a)"), r.output
+    assert "single_prefill fa3" in r.output.splitlines()[0], r.output

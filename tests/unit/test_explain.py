@@ -103,3 +103,39 @@ def test_short_fa3_choices_follow_the_environment():
 def test_verbose_without_explain_is_refused():
     r = CliRunner().invoke(main, ["show", "softcap", "--verbose"])
     assert r.exit_code != 0 and "--verbose goes with --explain" in r.output and "Traceback" not in r.output
+
+
+def test_block_map_shares_depend_only_on_what_the_mask_reads():
+    """A mask of a defaulted scalar alone has its block map at the defaults, whatever tensors the logits read (they
+    were taken for the mask's, so every such variant said "made per call"); the shares against a count of every
+    tile of the pairs the mask and causal keep. A mask reading a tensor stays per call."""
+    import torch
+
+    from fivar import AttentionVariant, Scalar, Tensor
+    from fivar.runtime.explain import SAMPLE_KV_BLOCK, SAMPLE_LEN, SAMPLE_Q_BLOCK, short_paths
+
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.bias[h] * float(ki - qi)
+
+    def mask(b, h, kh, qi, ki, p):
+        return qi - ki < p.window
+
+    window = int(torch.randint(50, 3000, ()))
+    v = AttentionVariant(name="win_bias", logits=logits, mask=mask,
+                         params={"bias": Tensor("float32", ("qo_head",)), "window": Scalar(int, default=window)})
+    q = torch.arange(SAMPLE_LEN).view(-1, 1)
+    k = torch.arange(SAMPLE_LEN).view(1, -1)
+    kept = ((k <= q) & (q - k < window)).view(SAMPLE_LEN // SAMPLE_Q_BLOCK, SAMPLE_Q_BLOCK,
+                                              SAMPLE_LEN // SAMPLE_KV_BLOCK, SAMPLE_KV_BLOCK)
+    per_tile = kept.sum((1, 3))
+    tiles = per_tile.numel()
+    empty = 100.0 * int((per_tile == 0).sum()) / tiles
+    full = 100.0 * int((per_tile == SAMPLE_Q_BLOCK * SAMPLE_KV_BLOCK).sum()) / tiles
+    line = short_paths(v)[0]
+    assert f"{empty:.1f}% of {SAMPLE_Q_BLOCK}x{SAMPLE_KV_BLOCK} tiles empty, {full:.1f}% full" in line, (window, line)
+
+    def flagged(b, h, kh, qi, ki, p):
+        return p.keep[b, ki] > 0
+
+    per_call = AttentionVariant(name="flags", mask=flagged, params={"keep": Tensor("int32", ("batch", "n"))})
+    assert "block map made per call" in short_paths(per_call)[0]

@@ -141,3 +141,44 @@ def test_bundled_variants_parse(name):
     import fivar
     v = fivar.load(name)
     assert v.ir.logits is not None or v.ir.mask is not None
+
+
+def test_augmented_assignment_is_a_reassignment():
+    """`x += e` (and every `op=`) means `x = x op e`, in logits and mask alike, checked on the reference against a
+    dense float64 computation of the same function."""
+    import torch
+
+    def logits(score, b, h, kvh, qi, ki, p):
+        d = ki - qi
+        d += p.shift
+        d //= 3
+        d %= 7
+        x = score
+        x *= p.gain
+        x -= 0.25 * float(d)
+        x /= 2.0
+        x **= 2
+        return x
+
+    def mask(b, h, kvh, qi, ki, p):
+        e = qi - ki
+        e += 1
+        return e > 0
+
+    v = AttentionVariant(name="aug", logits=logits, mask=mask,
+                         params={"shift": Scalar(int, default=5), "gain": Scalar(float, default=1.5)})
+    assert [n for n, _ in v.ir.logits.lets] == ["d", "d_2", "d_3", "d_4", "x", "x_2", "x_3", "x_4", "x_5"]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    qo_len, kv_len, heads, dim = 9, 23, 2, 16
+    q, k, val = (torch.randn(n, heads, dim, generator=g) for n in (qo_len, kv_len, kv_len))
+    shift, gain = int(torch.randint(-9, 9, (), generator=g)), 0.5 + float(torch.rand((), generator=g))
+    out = v.reference(q, k, val, shift=shift, gain=gain)
+    qi = torch.arange(qo_len).view(-1, 1) + (kv_len - qo_len)
+    ki = torch.arange(kv_len).view(1, -1)
+    d = torch.remainder(torch.div(ki - qi + shift, 3, rounding_mode="floor"), 7).double()
+    keep = qi - ki + 1 > 0
+    for h in range(heads):
+        s = (q[:, h].double() @ k[:, h].double().T) / math.sqrt(dim)
+        x = ((s * gain - 0.25 * d) / 2.0) ** 2
+        want = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1) @ val[:, h].double()
+        torch.testing.assert_close(out[:, h].double(), want, rtol=1e-4, atol=1e-4)

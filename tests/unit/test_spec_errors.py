@@ -46,6 +46,20 @@ def test_if_statement():
     assert "allowed:" in str(err)
 
 
+def test_augmented_assignment_to_an_argument():
+    def logits(s, b, h, kh, qi, ki, p):
+        s += 1.0  # BAD
+        return s
+    _expect(logits, match="cannot assign to argument `s`")
+
+
+def test_augmented_assignment_to_an_attribute():
+    def logits(s, b, h, kh, qi, ki, p):
+        p.cap += 1.0  # BAD
+        return s
+    _expect(logits, match="only `name = expr` and `name op= expr`", cap=Scalar(float))
+
+
 def test_for_loop():
     def logits(s, b, h, kh, qi, ki, p):
         for _ in range(3):  # BAD
@@ -64,6 +78,19 @@ def test_unknown_param():
     def logits(s, b, h, kh, qi, ki, p):
         return s * p.nope  # BAD
     _expect(logits, match="unknown parameter `nope`", cap=Scalar(float))
+
+
+def test_unknown_param_indexed_is_unknown_not_a_scalar():
+    """A typo in an indexed tensor's name is an unknown parameter, with the declared name it is closest to."""
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.slope[h]  # BAD
+    _expect(logits, match="unknown parameter `slope` (did you mean `slopes`? declared: window, slopes)",
+            window=Scalar(int), slopes=Tensor("float32", ("qo_head",)))
+
+    def mask(b, h, kh, qi, ki, p):
+        return qi - ki < p.windw  # BAD
+    _expect(mask, role="mask", match="unknown parameter `windw` (did you mean `window`?",
+            window=Scalar(int), slopes=Tensor("float32", ("qo_head",)))
 
 
 def test_tensor_param_used_without_index():
@@ -383,6 +410,40 @@ def test_integer_division_by_literal_zero():
     _expect(mask, role="mask", match="integer `//` by zero")
 
 
+ZERO_F = 0.0
+
+
+def test_float_division_by_a_zero_written_in_the_spec():
+    """A float `/`, `//` or `%` by a literal zero (through a module constant or a local too) is refused at its line, as
+    Python refuses it: the reference gave NaN, the Triton twin refused the folded softmax factor without a line."""
+    def logits(s, b, h, kh, qi, ki, p):
+        return s / ZERO_F  # BAD
+    _expect(logits, match="`s / ZERO_F`: `/` by zero")
+
+    def logits2(s, b, h, kh, qi, ki, p):
+        z = 0.0
+        return s + float(ki) % z  # BAD
+    _expect(logits2, match="`%` by zero")
+
+    def logits3(s, b, h, kh, qi, ki, p):
+        return s + (s // -0.0)  # BAD
+    _expect(logits3, match="`//` by zero")
+
+
+def test_float_division_by_a_nonzero_constant_is_fine():
+    import torch
+
+    def logits(s, b, h, kh, qi, ki, p):
+        return s / 0.5 + float(ki) % 2.5
+
+    v = AttentionVariant(name="okdiv", logits=logits)
+    q, k = torch.randn(6, 1, 16, dtype=torch.float64), torch.randn(11, 1, 16, dtype=torch.float64)
+    from fivar.codegen.torch_ref import reference_attention
+    out = reference_attention(v, q, k, k, params={}, float_dtype=torch.float64)
+    s = torch.einsum("qhd,khd->hqk", q, k) / 4.0 / 0.5 + torch.remainder(torch.arange(11.0), 2.5).view(1, 1, -1)
+    torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), k))
+
+
 def test_integer_modulo_by_a_scalar_whose_default_is_zero():
     def mask(b, h, kh, qi, ki, p):
         c = p.chunk
@@ -690,3 +751,45 @@ def test_json_nested_too_deep_is_read_as_unreadable_not_a_recursion_error(tmp_pa
     build._verified.pop(str(lib), None)
     assert build.library_verified(lib, lib.stat(), build._sha256(lib))
     assert json.loads((lib.parent / build._VERIFIED).read_text())["sha256"] == build._sha256(lib)
+
+
+# --- a variant's `example`: what it returns is checked against the declarations, naming the example's line --------
+
+def _example_variant(example):
+    def logits(s, b, h, kh, qi, ki, p):
+        return s + p.slopes[h] * float(p.w)
+    return AttentionVariant(name="exv", logits=logits, example=example,
+                            params={"slopes": Tensor("float32", ("qo_head",)), "w": Scalar(int, default=2)})
+
+
+@pytest.mark.parametrize("case, says", [
+    ("typo", "returned unknown parameter(s) slope (declared: slopes, w)"),
+    ("dtype", "returned 'slopes' as torch.float64 of shape (4,); it is declared torch.float32 with dims ('qo_head',)"),
+    ("rank", "returned 'slopes' as torch.float32 of shape (1, 4); it is declared torch.float32"),
+    ("missing", "returned no 'slopes', which has no default"),
+    ("scalar", "returned 2.5 for 'w' (parameter 'w' is an int parameter, got 2.5)"),
+    ("list", "returned a list, not a dict of params"),
+])
+def test_a_bad_example_is_named_with_its_line(case, says):
+    import torch
+    from fivar.testing import example_params
+
+    def example(num_qo_heads, num_kv_heads, batch_size, max_len, device):
+        s = torch.rand(num_qo_heads)
+        return {"typo": {"slope": s}, "dtype": {"slopes": s.double()}, "rank": {"slopes": s[None]}, "missing": {"w": 3},
+                "scalar": {"slopes": s, "w": 2.5}, "list": [s]}[case]
+    line = inspect.getsourcelines(example)[1]
+    with pytest.raises(fivar.FivarError) as info:
+        example_params(_example_variant(example), num_qo_heads=4, num_kv_heads=2, batch_size=1, max_len=8, device="cpu")
+    text = str(info.value)
+    assert text.startswith(f"{__file__}:{line}: variant 'exv': its example() ") and says in text, text
+    assert "\n" not in text
+
+
+def test_a_good_example_is_returned_as_it_is():
+    import torch
+    from fivar.testing import example_params
+    slopes = torch.rand(4)
+    got = example_params(_example_variant(lambda num_qo_heads, num_kv_heads, batch_size, max_len, device: {
+        "slopes": slopes}), num_qo_heads=4, num_kv_heads=2, batch_size=1, max_len=8, device="cpu")
+    assert got.keys() == {"slopes"} and got["slopes"] is slopes
