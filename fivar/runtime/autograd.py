@@ -15,6 +15,7 @@ attention); a loss that reads it gets its gradient too (folded into the softmax 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -297,7 +298,26 @@ def _call_args(variant, q, k, v, causal, sm_scale, backend, qo_indptr, kv_indptr
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
     tensors = [bound.tensors[n] for n in variant.tensor_params]  # .contiguous() of the caller's: in its graph
     scalars = [float(bound.scalars[n]) for n in variant.scalar_params]
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        _warn_unlearnable(variant, tensors)
     return target, (qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal), sm_scale, tensors, scalars)
+
+
+_warned: set = set()
+
+
+def _warn_unlearnable(variant, tensors) -> None:
+    """A tensor param that requires grad but is not declared learnable gets no gradient (a frozen table may well
+    require grad elsewhere in a model, so this is not an error): said once per variant and param, since an optimizer
+    would otherwise never move it and nothing else would show it."""
+    from ..codegen.triton_bwd import learnable_params
+    learnable = set(learnable_params(variant))
+    for name, t in zip(variant.tensor_params, tensors):
+        if t.requires_grad and name not in learnable and (variant.key, name) not in _warned:
+            _warned.add((variant.key, name))
+            warnings.warn(f"variant '{variant.name}': tensor param '{name}' requires grad but is not declared "
+                          f"learnable, so attention() gives it no gradient (declare it Tensor(..., learnable=True) "
+                          f"to train it)", stacklevel=4)
 
 
 def attention_grads(variant, q, k, v, o, lse, do, dlse=None, *, causal=False, sm_scale=None, params=None):

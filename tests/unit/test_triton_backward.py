@@ -1,6 +1,8 @@
 """Training through the Triton twin, run by Triton's interpreter on the CPU: dq, dk, dv and the gradients of
 learnable tensor params against float64 autograd of the torch reference, at tiny float16 shapes (lengths off
 the 16-wide tiles, qo_len != kv_len, GQA, ragged batches, causal or not)."""
+import warnings
+
 import pytest
 import torch
 
@@ -437,8 +439,14 @@ def test_gradients_reach_only_learnable_tensors():
     v = fivar.load("relative_bias")
     q, k, vv = (x.requires_grad_(True) for x in _qkv(8, 8, 2, 2, 16))
     bias = torch.randn(2, 13, requires_grad=True)
-    v.attention(q, k, vv, bias=bias, max_distance=6).sum().backward()
+    with pytest.warns(UserWarning, match="'relative_bias': tensor param 'bias' requires grad but is not declared "
+                                         "learnable"):
+        v.attention(q, k, vv, bias=bias, max_distance=6).sum().backward()
     assert bias.grad is None and q.grad is not None
+    with warnings.catch_warnings():  # said once per variant and param; a table without requires_grad says nothing
+        warnings.simplefilter("error")
+        v.attention(q, k, vv, bias=bias, max_distance=6).sum().backward()
+        v.attention(q, k, vv, bias=bias.detach(), max_distance=6).sum().backward()
 
 
 def test_learnable_needs_a_float_tensor():
