@@ -346,7 +346,7 @@ class _FunctionParser:
         local = [n for n, e in self.env.items() if isinstance(e, ir.Local)]
         return (f"the arguments ({', '.join(args)}), locals assigned above ({', '.join(local) or 'none yet'}), "
                 "numbers defined outside the function, and the functions "
-                f"{' '.join(lang.FUNCTIONS)} abs min max float int")
+                f"{' '.join(dict.fromkeys([*lang.FUNCTIONS, 'abs', 'min', 'max', 'float', 'int']))}")
 
     def unknown_param(self, node, name: str):
         """`params.NAME` of a name not declared (read or indexed): the declared names, the closest first."""
