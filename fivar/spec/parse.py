@@ -10,10 +10,7 @@ import difflib
 import math
 import builtins
 import dataclasses
-import inspect
-import linecache
 import textwrap
-import types
 from dataclasses import dataclass, field
 
 from .. import lang
@@ -21,6 +18,7 @@ from ..errors import FivarSpecError
 from . import ir, power
 from .ir import BOOL, F32, I32, NUMERIC
 from .params import Tensor, out_of_range
+from .source import function_source, sink_lambda
 
 ALLOWED = ("arithmetic (+ - * / // %), comparisons, and/or/not, `a if c else b`, local assignments, "
            "numbers, params.NAME, params.TABLE[i, ...], and the functions "
@@ -39,6 +37,7 @@ SINK_HEAD_ARGS = ("qo_head", "params")
 
 _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv",
            ast.Mod: "mod"}
+_SYMBOLS = {"div": "/", "floordiv": "//", "mod": "%"}
 _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
 _MODULE_FUNCS = {  # functions reachable as module.attr, mapped to fivar's names
     "math": {"tanh": "tanh", "exp": "exp", "log": "log", "sqrt": "sqrt", "floor": "floor",
@@ -80,21 +79,12 @@ def _node_name(node: ast.AST) -> str:
 class _FunctionParser:
     def __init__(self, variant, fn, role: str):
         self.variant, self.fn, self.role = variant, fn, role
-        if not isinstance(fn, types.FunctionType):
-            raise FivarSpecError(f"`{role}` must be a plain Python function (def), got {type(fn).__name__}",
-                                 variant=variant.name)
+        self.source, self.first_line, self.col_offset = function_source(variant, fn, role)  # checks fn is a def
         self.filename = fn.__code__.co_filename
-        try:
-            lines, self.first_line = inspect.getsourcelines(fn)
-        except (OSError, TypeError) as e:
-            raise FivarSpecError(f"cannot read the source of `{role}` ({e}); define it in a .py file",
-                                 variant=variant.name, filename=self.filename,
-                                 line=fn.__code__.co_firstlineno) from None
-        self.source = "".join(lines)
-        self.col_offset = len(lines[0]) - len(lines[0].lstrip())
         self.lambda_node: ast.Lambda | None = None
         if fn.__name__ == "<lambda>" and role == "sink":
-            self.lambda_node = self.find_lambda()
+            self.lambda_node, self.source = sink_lambda(variant, fn)
+            self.first_line, self.col_offset = 1, 0
         self.env: dict[str, ir.Expr] = {}  # python name -> expr (args) or Local
         self.lets: list[tuple[str, ir.Expr]] = []
         self.let_names: set[str] = set()
@@ -120,29 +110,6 @@ class _FunctionParser:
         what = what or _node_name(node)
         return self.error(node, f"{what} is not supported in a variant function", construct=what,
                           allowed=ALLOWED)
-
-    def find_lambda(self) -> ast.Lambda:
-        """The sink's lambda in its file: `inspect` gives only the lines around it, which need not parse alone
-        (`sink=lambda qo_head, params: ...,` inside a call), so the whole file is parsed and the lambda is the one
-        on the code's first line with its argument names."""
-        code = self.fn.__code__
-        try:
-            linecache.checkcache(self.filename)  # the file as it is now, as inspect reads a def
-            text = "".join(linecache.getlines(self.filename)) or inspect.getsource(inspect.getmodule(self.fn))
-            tree = ast.parse(text)
-        except (OSError, TypeError, SyntaxError, RecursionError, MemoryError) as e:
-            raise FivarSpecError(f"cannot read the source of the `sink` lambda ({e}); define it in a .py file",
-                                 variant=self.variant.name, filename=self.filename,
-                                 line=code.co_firstlineno) from None
-        names = list(code.co_varnames[:code.co_argcount])
-        found = [n for n in ast.walk(tree) if isinstance(n, ast.Lambda) and n.lineno == code.co_firstlineno
-                 and [a.arg for a in n.args.args] == names]
-        if len(found) != 1:
-            raise FivarSpecError(f"cannot tell which lambda on line {code.co_firstlineno} is the `sink` "
-                                 f"({len(found)} match its arguments); define it with `def`",
-                                 variant=self.variant.name, filename=self.filename, line=code.co_firstlineno)
-        self.source, self.first_line, self.col_offset = text, 1, 0
-        return found[0]
 
     # --- entry ---------------------------------------------------------------------------------
     def parse(self) -> ir.Program:
@@ -193,33 +160,26 @@ class _FunctionParser:
                     raise self.error(stmt, "`return` needs a value")
                 result = self.expr(stmt.value)
                 self.check_depth(result, stmt)
-            elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 if len(targets) != 1 or not isinstance(targets[0], ast.Name) or stmt.value is None:
-                    raise self.unsupported(stmt, "this assignment form (only `name = expr`)")
-                self.bind(targets[0].id, self.expr(stmt.value), stmt)
-            elif isinstance(stmt, ast.AugAssign):  # `x += e` is `x = x + e`
-                if not isinstance(stmt.target, ast.Name):
                     raise self.unsupported(stmt, "this assignment form (only `name = expr` and `name op= expr`)")
-                read = ast.copy_location(ast.Name(id=stmt.target.id, ctx=ast.Load()), stmt.target)
-                value = ast.copy_location(ast.BinOp(left=read, op=stmt.op, right=stmt.value), stmt)
-                self.bind(stmt.target.id, self.expr(value), stmt)
+                value = stmt.value
+                if isinstance(stmt, ast.AugAssign):  # `x += e` is `x = x + e`
+                    read = ast.copy_location(ast.Name(id=targets[0].id, ctx=ast.Load()), stmt.target)
+                    value = ast.copy_location(ast.BinOp(left=read, op=stmt.op, right=stmt.value), stmt)
+                self.bind(targets[0].id, self.expr(value), stmt)
             elif isinstance(stmt, ast.Pass):
                 continue
             else:
                 raise self.unsupported(stmt)
         if result is None:
             raise self.error(fdef, f"`{self.role}` must end with a `return`", "missing return")
-        if self.role == "logits":
+        if self.role in ("logits", "sink"):
             if result.type == BOOL:
-                raise self.error(body[-1], "`logits` must return a number, but this returns a bool "
-                                 "(a condition belongs in a `mask` function)", "bool result")
-            if result.type == I32:
-                result = ir.Cast(F32, result)
-        elif self.role == "sink":
-            if result.type == BOOL:
-                raise self.error(body[-1], "`sink` must return a number (a logit), but this returns a bool",
-                                 "bool result")
+                raise self.error(body[-1], f"`{self.role}` must return a number"
+                                 + (", but this returns a bool (a condition belongs in a `mask` function)"
+                                    if self.role == "logits" else " (a logit), but this returns a bool"), "bool result")
             if result.type == I32:
                 result = ir.Cast(F32, result)
         elif result.type != BOOL:
@@ -407,11 +367,8 @@ class _FunctionParser:
                 raise self.error(n, "arithmetic on a bool; use `a if cond else b` to turn a condition "
                                  "into a number", "bool arithmetic")
         if op == "div" or a.type == F32 or b.type == F32:
-            if op in ("div", "floordiv", "mod"):  # a zero divisor written in the spec: Python would raise here
-                value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
-                if isinstance(value, ir.Const) and value.value == 0:
-                    sym = {"div": "/", "floordiv": "//", "mod": "%"}[op]
-                    raise self.error(node.right, f"`{ast.unparse(node)}`: `{sym}` by zero", "division by zero")
+            if op in ("div", "floordiv", "mod") and self.zero(b):  # written in the spec: Python would raise here
+                raise self.error(node.right, f"`{ast.unparse(node)}`: `{_SYMBOLS[op]}` by zero", "division by zero")
             return ir.Binary(F32, op, self.to_f32(a), self.to_f32(b))
         if op in ("floordiv", "mod"):
             return ir.Binary(I32, op, a, self.integer_divisor(b, node), where=self.where(node))
@@ -460,16 +417,21 @@ class _FunctionParser:
         """A literal zero is refused here, an unguarded Scalar divisor on every call (`divisor_scalars`: under a
         condition, `q_idx % params.w if params.w > 0 else 0`, a 0 can be what the spec means); any other divisor
         is the spec's promise, which the reference checks where the result is used (fivar.codegen.torch_ref)."""
-        op = "//" if isinstance(node.op, ast.FloorDiv) else "%"
         value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
-        if isinstance(value, ir.Const) and value.value == 0:
-            raise self.error(node.right, f"integer `{op}` by zero", "division by zero")
+        if self.zero(b):
+            raise self.error(node.right, f"integer `{'//' if isinstance(node.op, ast.FloorDiv) else '%'}` by zero",
+                             "division by zero")
         if isinstance(value, ir.ScalarParam) and not self.guards:
             if self.variant.params[value.name].default == 0:
                 raise self.error(node.right, f"params.{value.name} divides (`{ast.unparse(node)}`) but its "
                                  "default is 0 (under a condition that excludes 0 it may be)", "division by zero")
             self.divisor_scalars.setdefault(value.name, self.where(node))
         return b
+
+    def zero(self, b: ir.Expr) -> bool:
+        """Whether divisor `b` is a zero written in the spec (a literal, a module constant, a local holding one)."""
+        value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+        return isinstance(value, ir.Const) and value.value == 0
 
     def expr_UnaryOp(self, node):
         x = self.expr(node.operand)

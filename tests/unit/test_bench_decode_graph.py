@@ -17,7 +17,8 @@ def test_cuda_graph_is_refused_off_decode_in_one_line(op):
     r = CliRunner().invoke(main, ["bench", "softcap", "--op", op, "--cuda-graph"])
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert r.exit_code == 1 and len(lines) == 1, r.output
-    assert "--cuda-graph replays decode plans from CUDA graphs; it applies to --op decode only" in lines[0]
+    assert ("--cuda-graph replays decode and verify plans from CUDA graphs; it applies to --op decode and --op "
+            "verify only") in lines[0]
     assert f"--op {op}" in lines[0]
 
 
