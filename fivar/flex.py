@@ -52,8 +52,9 @@ def flex_mods(variant, params: dict, *, qo_len: int, kv_len: int, num_qo_heads: 
     return score_mod, mask_mod
 
 
-def _keeps_every_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return True
+def keep_every_key(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    """A mask keeping every key (plain attention, and what a variant with only a sink keeps)."""
+    return kv_idx >= 0
 
 
 def without_sink(variant):
@@ -62,7 +63,7 @@ def without_sink(variant):
     if variant.sink is None:
         return variant
     from dataclasses import replace
-    return replace(variant, sink=None, mask=variant.mask or _keeps_every_key)
+    return replace(variant, sink=None, mask=variant.mask or keep_every_key)
 
 
 def flex_sink(variant, params: dict, *, num_qo_heads: int, num_kv_heads: int, device, batch_size: int = 1):

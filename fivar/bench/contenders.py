@@ -67,6 +67,11 @@ def stock_mapping(variant, params: dict) -> tuple[dict, str] | None:
     return None
 
 
+def stock_workspace(device="cuda") -> torch.Tensor:
+    """A float workspace of its own for a stock FlashInfer wrapper (what FlashInfer's examples allocate)."""
+    return torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+
 @dataclass(frozen=True)
 class SinkStock:
     """FlashInfer's attention-sink wrapper (flashinfer.BatchAttentionWithAttentionSinkWrapper) computing a sink
@@ -97,7 +102,7 @@ def sink_wrapper(head_dim: int, dtype, backend: str = "auto", device="cuda", win
     """A BatchAttentionWithAttentionSinkWrapper, NHD, its JIT module built (or loaded) here."""
     import flashinfer
     return flashinfer.BatchAttentionWithAttentionSinkWrapper(
-        torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD", backend=backend, q_data_type=dtype,
+        stock_workspace(device), "NHD", backend=backend, q_data_type=dtype,
         kv_data_type=dtype, head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window_left, **cuda_graph_buffers)
 
 
@@ -290,7 +295,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
             mapped = stock_mapping(variant, prm)
             kw, label = mapped if mapped else ({}, f"stock plain attention (no built-in for {variant.name})")
             w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                torch.empty(256 << 20, dtype=torch.uint8, device=p.device), "NHD")
+                stock_workspace(p.device), "NHD")
             w.plan(ind, ind, p.num_qo_heads, p.num_kv_heads, p.head_dim, causal=p.causal, q_data_type=q.dtype,
                    kv_data_type=k.dtype, **kw)
             out.append(Contender("stock", lambda: w.run(q, k, v), label, checks_variant=mapped is not None))
@@ -317,7 +322,7 @@ def contenders(variant, p: Problem, wanted: list[str], stock: Stock | None | str
             kw, label = (st.kwargs, st.label) if st else ({}, f"stock plain attention (no built-in for {variant.name})")
             # FA2 named: with an FP8 cache FlashInfer's auto would look for another backend
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(256 << 20, dtype=torch.uint8, device=p.device), "NHD", use_tensor_cores=True,
+                stock_workspace(p.device), "NHD", use_tensor_cores=True,
                 backend="fa2")
             w.plan(ind, idx, last, p.num_qo_heads, p.num_kv_heads, p.head_dim, 16, q_data_type=q.dtype,
                    kv_data_type=kv_dtype, **kw)
@@ -343,7 +348,7 @@ def graph_contenders(variant, p: Problem, stock=AUTO) -> list[Contender]:
     bufs = (torch.empty(p.batch + 1, **i32), torch.empty(idx.numel(), **i32), torch.empty(p.batch, **i32))
     # the kernel fivar's plan runs (tensor cores once a KV head serves >= 4 query heads): stock runs the same one
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True,
+        stock_workspace(dev), "NHD", use_cuda_graph=True,
         use_tensor_cores=plan.tensor_cores, paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
         paged_kv_last_page_len_buffer=bufs[2], backend="fa2")
     w.plan(ind, idx, last, hq, hkv, d, 16, q_data_type=p.dtype, kv_data_type=p.dtype, **kw)
@@ -376,16 +381,13 @@ def _replayed(fn):
     return replay
 
 
-def _keep_all(batch, qo_head, kv_head, q_idx, kv_idx, params):
-    return kv_idx >= 0
-
-
 def plain(variant=None):
     """Plain softmax attention: the reference for contenders that compute it instead of the variant."""
+    from ..flex import keep_every_key
     from ..spec import AttentionVariant
     global _PLAIN
     if _PLAIN is None:
-        _PLAIN = AttentionVariant(name="plain", mask=_keep_all)
+        _PLAIN = AttentionVariant(name="plain", mask=keep_every_key)
     return _PLAIN
 
 

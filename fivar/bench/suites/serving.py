@@ -32,7 +32,7 @@ import random
 
 import torch
 
-from ..contenders import Contender, _replayed, selected, stock_mapping, stock_sink
+from ..contenders import Contender, _replayed, selected, stock_mapping, stock_sink, stock_workspace
 from ..runner import Case, Prepared
 from ...testing import compare
 
@@ -152,7 +152,7 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
         def build():
             import flashinfer
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", **bufs)
+                stock_workspace(), "NHD", **bufs)
             # The bool mask, which the wrapper packs itself: given only packed_custom_mask, FlashInfer 0.7 offsets
             # each request by its mask's bit count where its kernel reads bytes (an illegal access past a few).
             w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, custom_mask=t["rows"].reshape(-1), **kw, **mapped[0])
@@ -379,14 +379,13 @@ def _stock_two_calls(t, kwargs: dict, sink=None):
     hq, hkv = HEADS
     d = t["decodes"]
     qo, kv_ind, idx, last = t["step"]
-    ws = lambda: torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # noqa: E731
     kw = dict(q_data_type=DTYPE, kv_data_type=DTYPE, **kwargs)
     decodes = (kv_ind[:d + 1], idx[:int(kv_ind[d])], last[:d], hq, hkv, HEAD_DIM, PAGE)
     chunks = (qo[d:] - qo[d], kv_ind[d:] - kv_ind[d], idx[int(kv_ind[d]):], last[d:], hq, hkv, HEAD_DIM, PAGE)
     if sink is None:
-        dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=hq // hkv >= 4)
+        dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(stock_workspace(), "NHD", use_tensor_cores=hq // hkv >= 4)
         dec.plan(*decodes, **kw)
-        pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+        pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(stock_workspace(), "NHD")
         call = lambda w, q, cache, out: w.run(q, cache, out=out)  # noqa: E731
     else:
         dec = sink.wrapper(HEAD_DIM, DTYPE, _sink_backend(1))
