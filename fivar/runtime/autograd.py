@@ -310,10 +310,13 @@ def _warn_unlearnable(variant, tensors) -> None:
     """A tensor param that requires grad but is not declared learnable gets no gradient (a frozen table may well
     require grad elsewhere in a model, so this is not an error): said once per variant and param, since an optimizer
     would otherwise never move it and nothing else would show it."""
+    asking = [n for n, t in zip(variant.tensor_params, tensors) if t.requires_grad and (variant.key, n) not in _warned]
+    if not asking:  # the common call: nothing to look up
+        return
     from ..codegen.triton_bwd import learnable_params
     learnable = set(learnable_params(variant))
-    for name, t in zip(variant.tensor_params, tensors):
-        if t.requires_grad and name not in learnable and (variant.key, name) not in _warned:
+    for name in asking:
+        if name not in learnable:
             _warned.add((variant.key, name))
             warnings.warn(f"variant '{variant.name}': tensor param '{name}' requires grad but is not declared "
                           f"learnable, so attention() gives it no gradient (declare it Tensor(..., learnable=True) "
