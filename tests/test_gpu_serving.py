@@ -75,10 +75,11 @@ def test_verify_matches_the_reference_and_its_plan(backend, name, page):
             assert torch.equal(plan.run(q, cache), out)
 
 
-def _graph_step(batch, max_qo, max_prefix, page, pool):
+def _graph_step(batch, max_qo, max_prefix, page, pool, uniform: bool = False):
     """A verify step over a shared pool of pages: (qo lens, kv lens, masks, (qo_indptr, kv_indptr, kv_indices, last),
-    the packed mask's kwargs), draft trees of 1..max_qo tokens after prefixes of up to max_prefix keys."""
-    drafts = [random.randint(1, max_qo) for _ in range(batch)]
+    the packed mask's kwargs), draft trees of 1..max_qo tokens (uniform: max_qo each) after prefixes of up to
+    max_prefix keys."""
+    drafts = [max_qo if uniform else random.randint(1, max_qo) for _ in range(batch)]
     prefixes = [random.randint(0, max_prefix) for _ in range(batch)]
     parents = [[-1] + [random.randrange(-1, j) for j in range(1, n)] for n in drafts]
     masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), tree_rows(par)], 1).cuda()
@@ -106,18 +107,30 @@ def _gathered(cache, kv_indptr, indices, kv):
 def test_a_verify_step_captured_in_a_cuda_graph_replays_new_steps(backend, name, causal):
     """plan_paged(cuda_graph=True): captured once, re-planned and replayed for steps of other lengths, draft trees and
     pages with fewer requests than the capacity, each against the reference; the rows past a step's are zeros."""
+    _replays_new_steps(backend, name, causal, uniform=False)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "triton"])
+@pytest.mark.parametrize("name", ["softcap", "gpt_oss", "document_mask"])
+def test_a_uniform_verify_plan_replays_steps_of_fewer_requests(backend, name):
+    """uniform_qo_len=True (every request max_qo_len drafts; on FA2 padding requests of those rows and no keys cover
+    q's rows past a step's): replays against the reference, the rows past a step's zeros."""
+    _replays_new_steps(backend, name, True, uniform=True)
+
+
+def _replays_new_steps(backend, name, causal, uniform):
     if backend == "fa3" and not _sm90():
         pytest.skip("FA3 needs an sm90 GPU")
     v = fivar.load(name)
-    max_batch, max_qo, page, pool = 4, 16, 16, 256
+    max_batch, max_qo, page, pool = 4, (random.randint(2, 12) if uniform else 16), 16, 256
     k_cache = torch.randn(pool, page, HKV, D, dtype=DTYPE, device="cuda")
     v_cache = torch.randn(pool, page, HKV, D, dtype=DTYPE, device="cuda")
     params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=max_batch, max_len=pool * page,
                             device="cuda")
-    qo, kv, masks, meta, mask = _graph_step(max_batch, max_qo, 600, page, pool)
+    qo, kv, masks, meta, mask = _graph_step(max_batch, max_qo, 600, page, pool, uniform)
     plan = v.plan_paged(*meta, cuda_graph=True, max_batch=max_batch, max_qo_len=max_qo, max_pages=pool,
                         num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=page, dtype=DTYPE, causal=causal,
-                        backend=backend, **mask, **params)
+                        backend=backend, uniform_qo_len=uniform, **mask, **params)
     q_static = torch.zeros(max_batch * max_qo, HQ, D, dtype=DTYPE, device="cuda")
 
     def check(out, qo, kv, masks, meta, what):
@@ -140,7 +153,7 @@ def test_a_verify_step_captured_in_a_cuda_graph_replays_new_steps(backend, name,
     with torch.cuda.graph(graph):
         captured = plan.run(q_static, (k_cache, v_cache))
     for batch, prefix in ((2, 200), (3, 900), (1, 30)):
-        qo, kv, masks, meta, mask = _graph_step(batch, max_qo, prefix, page, pool)
+        qo, kv, masks, meta, mask = _graph_step(batch, max_qo, prefix, page, pool, uniform)
         plan.plan(*meta, **mask)
         q_static.zero_()
         q_static[:sum(qo)].normal_()

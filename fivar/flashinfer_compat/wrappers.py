@@ -149,7 +149,7 @@ class DirectPagedRun:
     fivar never passes on every call: about half the host time of a one-shot decode, which at batch 32 x 32768 is
     longer than the kernel. Made by `direct_paged_run`; valid until the wrapper is planned again."""
 
-    def __init__(self, wrapper, variant_name: str, device, rows: int | None = None):
+    def __init__(self, wrapper, variant_name: str, device, rows: int | None = None, planned_rows: bool = False):
         from flashinfer.prefill import MaskMode, TensorLayout
         from flashinfer.utils import device_support_pdl
         w = wrapper
@@ -157,8 +157,8 @@ class DirectPagedRun:
         mask_mode = (MaskMode.CUSTOM if owns_mask else MaskMode.CAUSAL if w._causal else MaskMode.NON_CAUSAL).value
         self._name, self._rows = variant_name, w._qo_indptr_last if rows is None else rows
         # fixed rows (a CUDA-graph plan's, fivar.runtime.graph_verify): its steps' tokens fill a prefix of them, the
-        # rest no query tile writes, so they start as zeros
-        self._alloc = torch.empty if rows is None else torch.zeros
+        # rest no query tile writes, so they start as zeros; planned_rows: padding tiles of no keys cover the rest
+        self._alloc = torch.empty if rows is None or planned_rows else torch.zeros
         self._out_dtype = w._cached_o_data_type
         self._paged_run = w._cached_module.paged_run
         self._head = (w._float_workspace_buffer, w._int_workspace_buffer, w._plan_info)
@@ -187,12 +187,14 @@ class DirectPagedRun:
         return (out, lse) if return_lse else out
 
 
-def direct_paged_run(wrapper, variant_name: str, device, args, rows: int | None = None) -> DirectPagedRun | None:
+def direct_paged_run(wrapper, variant_name: str, device, args, rows: int | None = None,
+                     planned_rows: bool = False) -> DirectPagedRun | None:
     """A DirectPagedRun of a planned paged wrapper, or None where the wrapper's own run must do the work: the installed
     FlashInfer's run is not the one it mirrors (fivar.flashinfer_compat: paged_run_direct), a backend other than
     FA2/FA3, options fivar does not set, or a module taking arguments the wrapper fills in (`args`: the variant's
     arguments as a run passes them; the wrapper appends derived scalars where fewer are given). `rows`: q's rows
-    whatever the plan's qo_indptr[-1] (a CUDA-graph plan's fixed capacity; the rows past the plan's come out zeros)."""
+    whatever the plan's qo_indptr[-1] (a CUDA-graph plan's fixed capacity; the rows past the plan's come out zeros);
+    planned_rows: the plan's query tiles cover all `rows` (padding tiles of no keys write zeros past a step's)."""
     w = wrapper
     if not _active("paged_run_direct") or getattr(w, "_backend", None) not in DIRECT_RUN_BACKENDS:
         return None
@@ -202,7 +204,17 @@ def direct_paged_run(wrapper, variant_name: str, device, args, rows: int | None 
     tensors, scalars = list(w._jit_additional_tensor_names), list(getattr(w, "_jit_additional_scalar_names", []))
     if PAGED_RUN_FILLED.intersection(tensors) or len(args) != len(tensors) + len(scalars):
         return None
-    return DirectPagedRun(w, variant_name, device, rows)
+    return DirectPagedRun(w, variant_name, device, rows, planned_rows)
+
+
+def uniform_plan_kwargs(wrapper, rows: int | None) -> dict:
+    """A paged wrapper's plan kwargs promising every request `rows` query rows (FlashInfer's `uniform_q_len`: its FA2
+    CUDA-graph scheduler then sizes the query tile for them, not for the ragged worst case), where this FlashInfer's
+    plan takes the promise; {} for None or an older plan."""
+    import inspect
+    if rows is None or "uniform_q_len" not in inspect.signature(type(wrapper).plan).parameters:
+        return {}
+    return {"uniform_q_len": rows}
 
 
 def plan_layout(wrapper) -> tuple:

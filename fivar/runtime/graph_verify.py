@@ -26,6 +26,12 @@ pages in all; the list's key tiles, pages and cut tiles are bounded from those (
 is a one-line FivarError before anything is written; should FlashInfer plan a step with another launch layout than
 the captured one (also a one-line error), the plan is not to be replayed again: make a new one.
 
+uniform_qo_len=True promises every request of every step max_qo_len queries (a fixed draft count, as EAGLE's
+target verify): on FA2, for requests shorter than its query tile, each request is then one tile-list request of
+max_qo_len rows, padding requests too (over q's rows past the step's, no keys: zeros), and FlashInfer's scheduler is
+told so (`uniform_q_len`): it sizes its query tile for those rows instead of for one request holding every row of
+the capacity. A step breaking the promise is a one-line FivarError.
+
 Keep the plan alive as long as the graph may replay (the graph holds its buffers' addresses). Params are bound at
 plan creation (batch size max_batch; tensor params read through their pointers: update them in place). The module is
 the tile-list kernel reading cut tiles as bits (custom_mask=True): a step without a custom mask runs the same module
@@ -40,7 +46,7 @@ import torch
 from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 from ..codegen.tile_list import TILE_FIELDS, mask_reads_head
 from ..errors import FivarError
-from ..flashinfer_compat.wrappers import plan_layout
+from ..flashinfer_compat.wrappers import plan_layout, uniform_plan_kwargs
 from ..jit.build import DTYPES
 from ..jit.module_key import ModuleKey
 from ..jit.targets import runs_twin, target_of
@@ -68,8 +74,10 @@ def _limits(variant, qo_h, kv_h, max_batch, max_qo_len, max_pages) -> tuple[int,
     return max_batch, max_qo_len, max_pages
 
 
-def _check_step(variant, qo_indptr, kv_indptr, max_batch: int, max_qo_len: int, max_pages: int):
-    """(qo, kv) host indptrs of a step within the plan's capacity, or its one-line FivarError."""
+def _check_step(variant, qo_indptr, kv_indptr, max_batch: int, max_qo_len: int, max_pages: int,
+                uniform: bool = False):
+    """(qo, kv) host indptrs of a step within the plan's capacity, or its one-line FivarError. uniform: every
+    request must hold exactly max_qo_len queries (the plan's promise, uniform_qo_len=True)."""
     name = variant.name
     qo = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
     kv = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")
@@ -83,6 +91,11 @@ def _check_step(variant, qo_indptr, kv_indptr, max_batch: int, max_qo_len: int, 
     if over:
         raise FivarError(f"variant '{name}': this verify step is past the CUDA-graph plan's capacity: "
                          f"{', '.join(over)}; plan again with larger limits")
+    if uniform and batch and bool((qo.diff() != max_qo_len).any()):
+        lens = qo.diff()
+        raise FivarError(f"variant '{name}': the CUDA-graph plan was made with uniform_qo_len=True (every request "
+                         f"max_qo_len={max_qo_len} queries); this step has requests of {int(lens.min())}.."
+                         f"{int(lens.max())}")
     return qo, kv
 
 
@@ -125,7 +138,7 @@ class VerifyTiles:
 
     def __init__(self, variant, bound, *, target: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, causal: bool, sm_scale: float, max_batch: int, max_qo_len: int, max_pages: int,
-                 device):
+                 device, uniform: bool = False):
         name = variant.name
         _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
         self.variant, self.bound, self.target, self.device = variant, bound, target, torch.device(device)
@@ -133,6 +146,13 @@ class VerifyTiles:
         self.page_size, self.causal, self.sm_scale = page_size, causal, sm_scale
         self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
         self.rows = tile_rows(target, num_qo_heads, num_kv_heads, head_dim)
+        # uniform (every step's requests hold max_qo_len queries) and shorter than FA2's query tile: each request is
+        # one tile-list request of max_qo_len rows, padding requests too, and FlashInfer's FA2 CUDA-graph scheduler,
+        # told so, sizes its query tile for them, not for one request holding every row of the capacity (8 drafts x
+        # 4 heads in a 128-row tile: a quarter of its work used). Longer requests fill whole tiles either way.
+        self.uniform = uniform
+        self.uniform_rows = max_qo_len if uniform and target_of(target).packs_query_heads \
+            and max_qo_len < self.rows else None
         self.page = page_size_for(cache_page_size=page_size)
         self.heads = num_qo_heads if mask_reads_head(variant) else 1  # the bits' heads (block_map's)
         self.capacity = cap = capacity(max_batch, max_qo_len, max_pages, page_size, self.rows)
@@ -162,7 +182,7 @@ class VerifyTiles:
         max_qo_len queries over a page. FlashInfer's CUDA-graph planner sizes its schedule by its first plan's rows
         (its later plans may have fewer, never more)."""
         tiles = self.capacity.requests // self.max_batch
-        per = [self.rows] * (tiles - 1) + [self.max_qo_len - (tiles - 1) * self.rows]
+        per = [self.rows] * (tiles - 1) + [self.max_qo_len - (tiles - 1) * self.rows]  # uniform_rows: one tile
         n = self.capacity.requests
         return (indptr(torch.tensor(per * self.max_batch)), torch.arange(n + 1, dtype=torch.int32),
                 self.kv_indices[:n], torch.ones(n, dtype=torch.int32))
@@ -173,7 +193,8 @@ class VerifyTiles:
         (qo_indptr, kv_indptr, kv_last_page_len) of `capacity.requests` requests and the list's page count. Nothing
         is written unless every check passes."""
         v = self.variant
-        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages)
+        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages,
+                             self.uniform)
         batch = qo.numel() - 1
         kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, self.page_size, self.device)
         custom = check_custom_mask(v, custom_mask, packed_custom_mask, mask_indptr, qo.diff(),
@@ -206,8 +227,13 @@ class VerifyTiles:
             raise FivarError(f"variant '{name}': this step's tile list (pages, requests, key tiles, cut words "
                              f"{sizes}) is past the plan's buffers {limits} (a fivar bug)")
         n_pages, n_req, n_entries, n_words = sizes
-        pad = cap.requests - n_req  # padding requests: no query rows, no pages
-        qo = torch.cat([qo, qo[-1:].expand(pad)]).to(torch.int32)
+        pad = cap.requests - n_req  # padding requests: no pages, and no query rows (uniform_rows: q's rows past
+        # the step's, whose outputs come out zeros: no keys)
+        step = self.uniform_rows or 0
+        if step and bool((qo.diff() != step).any()):
+            raise FivarError(f"variant '{name}': a uniform verify step's tile list has requests of other than "
+                             f"{step} rows (a fivar bug)")
+        qo = torch.cat([qo, qo[-1:] + step * torch.arange(1, pad + 1, dtype=qo.dtype)]).to(torch.int32)
         kv = torch.cat([kv, kv[-1:].expand(pad)]).to(torch.int32)
         last = torch.cat([last.to(torch.int32), torch.zeros(pad, dtype=torch.int32)])
         self.qo_indptr.copy_(qo)
@@ -240,7 +266,7 @@ class GraphVerifyPlan:
                  num_kv_heads: int, head_dim: int, page_size: int, max_batch: int | None = None,
                  max_qo_len: int | None = None, max_pages: int | None = None, dtype=None, causal: bool = False,
                  sm_scale=None, backend: str = "auto", device="cuda", params=None, kv_dtype=None, custom_mask=None,
-                 packed_custom_mask=None, mask_indptr=None):
+                 packed_custom_mask=None, mask_indptr=None, uniform_qo_len: bool = False):
         import flashinfer
         from .plans import verify_target
         register_plan(self)
@@ -267,7 +293,8 @@ class GraphVerifyPlan:
         causal = _kernel_causal(variant, causal)
         tiles = VerifyTiles(variant, bound, target=target, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, page_size=page_size, causal=causal, sm_scale=sm_scale,
-                            max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages, device=self.device)
+                            max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages, device=self.device,
+                            uniform=uniform_qo_len)
         # replays change the lengths: position tables cover the capacity (fivar.runtime.position_tables)
         bound = tiles.bound = position_tables.bind(variant, bound, (max_qo_len, max_pages * page_size))
         self._tiles = tiles
@@ -281,13 +308,15 @@ class GraphVerifyPlan:
             paged_kv_indptr_buf=tiles.kv_indptr, paged_kv_indices_buf=tiles.kv_indices,
             paged_kv_last_page_len_buf=tiles.kv_last_page_len, backend=target)
         attach(self._wrapper, fmod.load(), fmod, False)
+        self._uniform = uniform_plan_kwargs(self._wrapper, tiles.uniform_rows)
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
         self._split = {"disable_split_kv": True} if t.splits_kv and not variant.softmax else {}
         self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None, tables=tiles.tables())
         self._plan_wrapper(*tiles.seed())
         self._layout = plan_layout(self._wrapper)  # what a captured launch replays with
         # the module's paged_run on q of max_tokens rows (the wrapper's run wants qo_indptr[-1] of them)
-        self._direct = direct_paged_run(self._wrapper, name, self.device, self._args, rows=self.max_tokens)
+        self._direct = direct_paged_run(self._wrapper, name, self.device, self._args, rows=self.max_tokens,
+                                        planned_rows=tiles.uniform_rows is not None)
         if self._direct is None:
             raise FivarError(f"variant '{name}': a CUDA-graph verify plan launches its module's paged run directly, "
                              "which this FlashInfer's wrappers do not allow (fivar.flashinfer_compat: paged_run_direct)")
@@ -301,7 +330,7 @@ class GraphVerifyPlan:
     def _plan_wrapper(self, qo, kv, indices, last):
         hq, hkv, d, _, dtype = self._shape
         self._wrapper.plan(qo, kv, indices, last, hq, hkv, d, self._tiles.page, causal=False, q_data_type=dtype,
-                           kv_data_type=dtype, o_data_type=dtype, **self._split)
+                           kv_data_type=dtype, o_data_type=dtype, **self._split, **self._uniform)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None, packed_custom_mask=None,
              mask_indptr=None) -> None:
@@ -348,7 +377,7 @@ class TwinGraphVerifyPlan:
                  num_kv_heads: int, head_dim: int, page_size: int, max_batch: int | None = None,
                  max_qo_len: int | None = None, max_pages: int | None = None, dtype=None, causal: bool = False,
                  sm_scale=None, device="cuda", params=None, kv_dtype=None, custom_mask=None, packed_custom_mask=None,
-                 mask_indptr=None):
+                 mask_indptr=None, uniform_qo_len: bool = False):
         import os
         from ..codegen.triton import kernel_arg_values
         from ..jit.triton_module import load_triton_module
@@ -389,6 +418,7 @@ class TwinGraphVerifyPlan:
         self.mask = torch.zeros(max_qo_len * self._max_kv // 8 + max_batch, dtype=torch.uint8, device=self.device)
         self.mask_indptr = torch.zeros(max_batch + 1, **i32)
         self._rows = torch.arange(self.max_tokens, device=self.device)
+        self._uniform = uniform_qo_len  # checked on each step; the twin's grid is max_qo_len rows either way
         self._map = None  # the block map's fixed buffers (a mask beyond a band)
         self._used = (0, 0)  # mask bytes and cut tiles the last step wrote
         self.batch = 0
@@ -404,7 +434,8 @@ class TwinGraphVerifyPlan:
         """This step's lengths, page table and custom mask, written into the plan's tensors (outside the graph)."""
         from .custom_mask import mask_indptr_for
         v, name = self.variant, self.variant.name
-        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages)
+        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages,
+                             self._uniform)
         batch, pages = qo.numel() - 1, int(kv[-1])
         page_size = self.page_size
         kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, page_size, self.device)
@@ -470,6 +501,10 @@ class TwinGraphVerifyPlan:
 
 def graph_verify_plan(variant, *args, backend: str = "auto", **kwargs):
     """v.plan_paged(..., cuda_graph=True): the twin's plan for backend="triton", else FlashInfer's (GraphVerifyPlan)."""
+    uniform = kwargs.get("uniform_qo_len", False)
+    if not isinstance(uniform, bool):
+        raise FivarError(f"variant '{variant.name}': uniform_qo_len is True (every request of every step holds "
+                         f"max_qo_len queries) or False, got {uniform!r}")
     if runs_twin(backend):
         return TwinGraphVerifyPlan(variant, *args, **kwargs)
     return GraphVerifyPlan(variant, *args, backend=backend, **kwargs)

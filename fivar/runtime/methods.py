@@ -66,13 +66,15 @@ class _Calls:
                    sm_scale: float | None = None, backend: str = "auto", device="cuda", kv_dtype=None,
                    custom_mask=None, packed_custom_mask=None, mask_indptr=None, cuda_graph: bool = False,
                    max_batch: int | None = None, max_qo_len: int | None = None, max_pages: int | None = None,
-                   **params):
+                   uniform_qo_len: bool = False, **params):
         """Plan a paged batch once, then `.run(q, paged_kv_cache)` per layer (FlashInfer's plan/run split).
         kv_dtype=torch.float8_e4m3fn: an FP8 cache, run with `.run(q, cache, k_scale=, v_scale=)`. A plan reads its
         index tensors and tensor params when made: after writing one in place, call `.invalidate()`.
         custom_mask / packed_custom_mask / mask_indptr: as batch_prefill_paged's, planned with the batch.
         cuda_graph=True (with max_batch=, max_qo_len=, max_pages=): a verify step's tile list in fixed buffers for
-        capture and replay, `.plan(...)` before each replay (fivar.runtime.graph_verify)."""
+        capture and replay, `.plan(...)` before each replay (fivar.runtime.graph_verify); uniform_qo_len=True promises
+        every step's requests max_qo_len queries each (a fixed draft count), which lets FA2 size its query tile
+        for them (a step breaking the promise is refused)."""
         self._check_backend_name(backend)
         if cuda_graph:
             from .graph_verify import graph_verify_plan
@@ -81,10 +83,10 @@ class _Calls:
                 num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, max_batch=max_batch,
                 max_qo_len=max_qo_len, max_pages=max_pages, dtype=dtype, causal=causal, sm_scale=sm_scale,
                 backend=backend, device=device, params=params, kv_dtype=kv_dtype, custom_mask=custom_mask,
-                packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr)
-        if (max_batch, max_qo_len, max_pages) != (None, None, None):
-            raise FivarError(f"variant '{self.name}': max_batch, max_qo_len and max_pages size a cuda_graph=True "
-                             "plan; pass cuda_graph=True with them")
+                packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr, uniform_qo_len=uniform_qo_len)
+        if (max_batch, max_qo_len, max_pages, uniform_qo_len) != (None, None, None, False):
+            raise FivarError(f"variant '{self.name}': max_batch, max_qo_len, max_pages and uniform_qo_len shape a "
+                             "cuda_graph=True plan; pass cuda_graph=True with them")
         rt = _runtime()
         return rt.explicit_plan(lambda: rt.PagedAttentionPlan(
             self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,

@@ -201,4 +201,4 @@ CALL_KWARGS = frozenset({
     "backend", "batch_idx", "batch_size", "causal", "cuda_graph", "custom_mask", "device", "dtype", "head_dim", "k",
     "k_scale", "kv_dtype", "kv_indices", "kv_indptr", "kv_last_page_len", "mask_indptr", "max_batch", "max_pages",
     "max_qo_len", "num_kv_heads", "num_qo_heads", "out", "packed_custom_mask", "page_size", "paged_kv_cache", "q",
-    "qo_indptr", "return_lse", "self", "sm_scale", "v", "v_scale"})
+    "qo_indptr", "return_lse", "self", "sm_scale", "uniform_qo_len", "v", "v_scale"})

@@ -194,6 +194,57 @@ def test_padding_requests_compute_nothing_and_the_seed_is_the_capacity(target):
     assert int(got_kv[-1]) == pages
 
 
+@pytest.mark.parametrize("target", ["fa2", "fa3"])
+def test_a_uniform_plan_gives_every_request_and_padding_its_drafts_and_refuses_a_ragged_step(target):
+    """uniform_qo_len=True on FA2 with drafts shorter than its query tile: each request one tile-list request of
+    max_qo_len rows, padding requests too (q's rows past the step's, no pages), the step's part the list a
+    non-uniform plan makes; FA3 (no scheduler hint) pads with requests of no rows. A step whose requests do not
+    all hold max_qo_len queries is refused in one line, writing nothing."""
+    max_batch, max_qo, page_size = 4, random.randint(2, 7), 16
+    v, params = _setup("sliding_window", max_batch, 400)
+    q = torch.zeros(1, HEADS, D, dtype=torch.float16)
+    bound, sm_scale = _prepare(v, params, q, KV_HEADS, max_batch, None)
+
+    def tiles(uniform):
+        return VerifyTiles(v, bound, target=target, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D,
+                           page_size=page_size, causal=True, sm_scale=sm_scale, max_batch=max_batch,
+                           max_qo_len=max_qo, max_pages=40, device="cpu", uniform=uniform)
+    uniform, ragged = tiles(True), tiles(False)
+    assert max_qo < uniform.rows  # the tile is larger than the drafts: the case the promise serves
+    rows = max_qo if target == "fa2" else None
+    assert uniform.uniform_rows == rows and ragged.uniform_rows is None
+    seed_qo = uniform.seed()[0]
+    assert seed_qo.numel() - 1 == max_batch and (seed_qo.diff() == max_qo).all()
+    step = Step(2, max_qo, 150, page_size, qo=[max_qo, max_qo])
+    got_qo, got_kv, got_last, pages = uniform.plan(*step.args, **step.mask)
+    want_qo, want_kv, want_last, want_pages = ragged.plan(*step.args, **step.mask)
+    r = uniform.requests
+    assert r == ragged.requests == 2 and pages == want_pages
+    assert torch.equal(got_kv, want_kv) and torch.equal(got_last, want_last)  # padding: no pages either way
+    assert torch.equal(got_qo[:r + 1], want_qo[:r + 1])
+    for n in BUFFERS[2:]:
+        assert torch.equal(getattr(uniform, n), getattr(ragged, n)), n
+    if rows:  # padding rows cover the rest of q: every row of the capacity lies in a request
+        assert (got_qo.diff() == max_qo).all() and int(got_qo[-1]) == max_batch * max_qo
+    else:
+        assert (got_qo[r:] == 2 * max_qo).all()
+    before = _snapshot(uniform)
+    short = Step(2, max_qo, 40, page_size, qo=[max_qo, max_qo - 1])
+    with pytest.raises(fivar.FivarError) as e:
+        uniform.plan(*short.args, **short.mask)
+    _one_line(e, "sliding_window", "uniform_qo_len=True", f"max_qo_len={max_qo}")
+    assert all(torch.equal(getattr(uniform, n), before[n]) for n in BUFFERS)
+    ragged.plan(*short.args, **short.mask)  # a plan without the promise takes it
+    with pytest.raises(fivar.FivarError) as e:
+        v.plan_paged(*step.args, cuda_graph=True, uniform_qo_len=max_qo, num_qo_heads=HEADS, num_kv_heads=KV_HEADS,
+                     head_dim=64, page_size=page_size, device="cpu", **step.mask, **params)
+    _one_line(e, "sliding_window", "uniform_qo_len is True")
+    with pytest.raises(fivar.FivarError) as e:
+        v.plan_paged(*step.args, uniform_qo_len=True, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=64,
+                     page_size=page_size, device="cpu", **step.mask, **params)
+    _one_line(e, "sliding_window", "cuda_graph=True")
+
+
 def test_the_capacity_bounds_the_tile_list_of_any_step_within_the_limits():
     """Steps at the limits, every tile kept (no mask, not causal): the list fits the capacity, which is what the
     buffers hold."""

@@ -13,9 +13,9 @@ its block mask from the variant's mask and the custom mask; a sink joined after 
 against stock, else the Triton twin.
 
 Verify replayed from CUDA graphs ("verify graph" cases, the same steps): `fivar-graph` (`plan_paged(...,
-cuda_graph=True)` with the case's batch, drafts and pages as its capacity, `run` captured) against `stock-graph`
-(stock's wrapper above with use_cuda_graph and fixed buffers, `run` captured), each timed as its graph's replay;
-ratios against stock-graph.
+cuda_graph=True, uniform_qo_len=True)` with the case's batch, drafts and pages as its capacity, `run` captured)
+against `stock-graph` (stock's wrapper above with use_cuda_graph, fixed buffers and `uniform_q_len` = the drafts,
+`run` captured), each timed as its graph's replay; ratios against stock-graph.
 
 Mixed steps (op "mixed"): two or four prefill chunks of 512-2048 tokens (some after a cached prefix) beside
 decodes over 8192 keys to 32 requests, and four 2048-token chunks beside 64 decodes, in one paged batch
@@ -34,6 +34,7 @@ import torch
 
 from ..contenders import Contender, _replayed, selected, stock_mapping, stock_sink, stock_workspace
 from ..runner import Case, Prepared
+from ...flashinfer_compat.wrappers import uniform_plan_kwargs
 from ...testing import compare
 
 BATCH, CONTEXT, PAGE = 32, 8192, 16
@@ -135,13 +136,16 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
                 paged_kv_indices_buf=torch.empty(t["kv_indices"].numel(), **i32),
                 paged_kv_last_page_len_buf=torch.empty(BATCH, **i32)) if cuda_graph else {}
     kw = dict(causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
+
+    def uniform(w):  # every request the case's drafts: the promise a graph's FA2 scheduler sizes its tiles by
+        return uniform_plan_kwargs(w, t["drafts"]) if cuda_graph else {}
     if sunk is not None:
         backend = _sink_backend(t["drafts"])
         label = f"{sunk.label} ({backend}), causal: the chain's mask"
 
         def build():
             w = sunk.wrapper(HEAD_DIM, DTYPE, backend, **bufs)
-            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, **kw, **sunk.plan_kwargs)
+            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, **kw, **sunk.plan_kwargs, **uniform(w))
             return lambda: sunk.run(w, q, cache)
     else:
         label = mapped[1] + ", custom mask"
@@ -155,7 +159,8 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
                 stock_workspace(), "NHD", **bufs)
             # The bool mask, which the wrapper packs itself: given only packed_custom_mask, FlashInfer 0.7 offsets
             # each request by its mask's bit count where its kernel reads bytes (an illegal access past a few).
-            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, custom_mask=t["rows"].reshape(-1), **kw, **mapped[0])
+            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, custom_mask=t["rows"].reshape(-1), **kw, **mapped[0],
+                   **uniform(w))
             return lambda: w.run(q, cache)
     if cuda_graph:
         return label + ", use_cuda_graph, replayed", lambda: _replayed(build())
@@ -211,7 +216,8 @@ def _graph_contenders(v, t, params) -> list[Contender]:
     if selected("fivar-graph"):
         def build():
             plan = v.plan_paged(*paged, cuda_graph=True, max_batch=BATCH, max_qo_len=t["drafts"],
-                                max_pages=t["kv_indices"].numel(), num_qo_heads=hq, num_kv_heads=hkv,
+                                max_pages=t["kv_indices"].numel(), uniform_qo_len=True, num_qo_heads=hq,
+                                num_kv_heads=hkv,
                                 head_dim=HEAD_DIM, page_size=PAGE, dtype=DTYPE, causal=True,
                                 packed_custom_mask=t["packed"], mask_indptr=t["mask_indptr"], **params)
             return _replayed(lambda: plan.run(q, cache))
