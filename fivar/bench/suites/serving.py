@@ -163,7 +163,7 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
                    **uniform(w))
             return lambda: w.run(q, cache)
     if cuda_graph:
-        return label + ", use_cuda_graph, replayed", lambda: _replayed(build())
+        return label + ", use_cuda_graph, uniform_q_len, replayed", lambda: _replayed(build())
     return label, build
 
 
@@ -221,7 +221,8 @@ def _graph_contenders(v, t, params) -> list[Contender]:
                                 head_dim=HEAD_DIM, page_size=PAGE, dtype=DTYPE, causal=True,
                                 packed_custom_mask=t["packed"], mask_indptr=t["mask_indptr"], **params)
             return _replayed(lambda: plan.run(q, cache))
-        out.append(_built("fivar-graph", "plan_paged(cuda_graph=True), backend auto, replayed", build))
+        out.append(_built("fivar-graph", "plan_paged(cuda_graph=True, uniform_qo_len=True), backend auto, "
+                          "replayed", build))
     stock = _stock_verify(v, t, params, cuda_graph=True) if selected("stock-graph") else None
     if stock is not None:
         out.append(_built("stock-graph", *stock))
