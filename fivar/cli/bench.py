@@ -138,7 +138,7 @@ def bench(name, vs, op, seqlens, batch, heads, head_dim, dtype, causal, rounds, 
 #: ops that run the serving suite's cases of one variant (fivar.bench.suites.serving) through the bench runner
 SERVING_OPS = ("verify", "mixed")
 #: the serving suite's contenders: fivar's own always (the default call and each target's), the others as --vs picks
-SERVING_OWN = ("fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned")
+SERVING_OWN = ("fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned", "fivar-causal")
 
 
 def serving_cases(name, op, vs, params, cuda_graph: bool = False):

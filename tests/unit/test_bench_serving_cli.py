@@ -43,7 +43,8 @@ def test_verify_runs_the_suites_verify_cases_of_the_variant(ran):
     assert names == [f"softcap verify {form} {n} x32 ctx8192" for n in (8, 16, 64) for form in ("chain", "tree")]
     assert all(c.op == "verify" and c.suite == "serving" for c in ran["cases"])
     assert ran["rounds"] == 3 and ran["results_dir"] is not None  # not the curated results file
-    assert ran["selected"] == {"fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned", "stock", "triton", "flex"}
+    assert ran["selected"] == {"fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned", "fivar-causal", "stock", "triton",
+                               "flex"}
     assert contenders.SELECTED.get() is None  # reset after the run
     assert "softcap verify tree 64" in out and "FAILED" not in out and "error" in out and "0.50x vs stock" in out
 
@@ -59,7 +60,7 @@ def test_mixed_runs_the_mixed_cases_with_the_contenders_asked_for(ran, tmp_path)
     assert ran["cases"][1].shape["chunks"] == [[0, 512], [2048, 1024], [4096, 1536], [6144, 2048]]
     assert ran["cases"][2].shape["batch"] == 68 and ran["cases"][2].shape["decodes"] == 64
     assert all(c.shape["page_size"] == 16 and c.shape["heads"] == "32/8" and c.op == "mixed" for c in ran["cases"])
-    assert ran["selected"] == {"fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned", "triton"}
+    assert ran["selected"] == {"fivar", "fivar-fa3", "fivar-fa2", "fivar-fa3-planned", "fivar-causal", "triton"}
     rows = json.loads(path.read_text())
     assert len(rows) == 9 and {r["case"] for r in rows} == set(names)
 

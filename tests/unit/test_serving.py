@@ -353,3 +353,36 @@ def test_the_serving_suites_useful_work_counts_the_pairs_the_variant_keeps():
     causal_only = sum(bool(rows[b, j, t]) and t <= kv - n + j for b in range(batch) for j in range(n)
                       for t in range(kv))
     assert kept_pairs(fivar.load("softcap"), {"softcap": 30.0}, rows) == causal_only * hq > want * hq
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "softcap"])
+def test_the_serving_suites_causal_contender_computes_a_chains_function(name, monkeypatch):
+    """`fivar-causal` (chains only): the one-shot call with causal and no custom mask is the chain's function, as the
+    suite checks it against the reference with the chain's rows (here on the twin: auto needs a GPU); a tree has no
+    such contender."""
+    import functools
+
+    from fivar.bench import contenders as C
+    from fivar.bench.suites import serving
+    torch.manual_seed(0)
+    v = fivar.load(name)
+    monkeypatch.setattr(v, "batch_prefill_paged", functools.partial(type(v).batch_prefill_paged, v,
+                                                                     backend="triton"))
+    token = C.SELECTED.set({"fivar-causal"})
+    try:
+        for form in ("chain", "tree"):
+            v, t, params = serving._problem(v, 6, form, VARIANTS[name], batch=3, context=40, heads=(HQ, HKV),
+                                            head_dim=D, dtype=torch.float16, device="cpu")
+            made = serving._contenders(v, t, params)
+            assert [c.name for c in made] == (["fivar-causal"] if form == "chain" else [])
+            for c in made:
+                n, kv = t["drafts"], t["kv"]
+                out = c.fn()
+                for b in range(3):
+                    qs, ks = slice(b * n, (b + 1) * n), slice(b * kv, (b + 1) * kv)
+                    ref = reference_attention(v, t["q"][qs].double(), t["k"][ks].double(), t["v"][ks].double(),
+                                              causal=True, params=params, batch_idx=b, batch_size=3,
+                                              custom_mask=t["rows"][b], float_dtype=torch.float64)
+                    torch.testing.assert_close(out[qs].double(), ref, atol=2e-3, rtol=2e-3)
+    finally:
+        C.SELECTED.reset(token)

@@ -2,15 +2,16 @@
 random draft tree, fivar.integrations.serving), batch 32 x 8192 keys of context, page 16, bf16, head dim 128, GQA
 32/8, causal; soft-cap, sliding window (512) and gpt-oss (a sink per head in a 128-key window).
 
-Contenders: `fivar` (the one-shot `batch_prefill_paged(..., packed_custom_mask=)`, backend auto: FA2's tile list
-for up to 32 drafts, else FA3's), `fivar-fa3` (the same call on FA3's tile-list form), `fivar-fa3-planned`
-(`plan_paged` once on FA3, then `run`), `fivar-fa2` (the one-shot call on FA2's tile-list form), `triton` (the
-twin's prefill reading the pages through the page table and the mask's bits), `stock` (FlashInfer's
-BatchPrefillWithPagedKVCacheWrapper with the same mask and `logits_soft_cap` / `window_left`, where those compute
-the variant; for gpt-oss its BatchAttentionWithAttentionSinkWrapper, whose kernel reads no custom mask: chain
-drafts only, as causal, on FA2 up to 32 drafts, else auto) and `flex` (FlexAttention over the batch gathered dense,
-its block mask from the variant's mask and the custom mask; a sink joined after from Flex's log-sum-exp). Ratios
-against stock, else the Triton twin.
+Contenders: `fivar` (the one-shot `batch_prefill_paged(..., packed_custom_mask=)`, backend auto: FA2's tile list for
+up to 32 drafts, else FA3's), `fivar-fa3` (the same call on FA3's tile-list form), `fivar-fa3-planned` (`plan_paged`
+once on FA3, then `run`), `fivar-fa2` (the one-shot call on FA2's tile-list form), `fivar-causal` (chains: the
+one-shot call with causal and no custom mask, the same function, as stock's sink wrapper and vLLM's chain drafts
+pass it), `triton` (the twin's prefill reading the pages through the page table and the mask's bits), `stock`
+(FlashInfer's BatchPrefillWithPagedKVCacheWrapper with the same mask and `logits_soft_cap` / `window_left`, where
+those compute the variant; for gpt-oss its BatchAttentionWithAttentionSinkWrapper, whose kernel reads no custom
+mask: chain drafts only, as causal, on FA2 up to 32 drafts, else auto) and `flex` (FlexAttention over the batch
+gathered dense, its block mask from the variant's mask and the custom mask; a sink joined after from Flex's
+log-sum-exp). Ratios against stock, else the Triton twin.
 
 Verify replayed from CUDA graphs ("verify graph" cases, the same steps): `fivar-graph` (`plan_paged(...,
 cuda_graph=True, uniform_qo_len=True)` with the case's batch, drafts and pages as its capacity, `run` captured)
@@ -96,6 +97,9 @@ def _contenders(v, t, params) -> list[Contender]:
         out.append(Contender("fivar-fa2", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, backend="fa2",
                                                                         **mask, **params),
                              "one call, FA2's tile list (a GQA group's rows in one query tile)"))
+    if t["form"] == "chain" and selected("fivar-causal"):  # a chain's mask is causal: what vLLM passes, no mask
+        out.append(Contender("fivar-causal", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, **params),
+                             "one call, the chain as causal with no custom mask (as stock's sink wrapper gets it)"))
     if selected("triton"):
         out.append(Contender("triton", lambda: v.batch_prefill_paged(q, cache, *paged, causal=True, backend="triton",
                                                                      **mask, **params),
