@@ -10,8 +10,9 @@ A mixed step (`mixed_step`): prefill chunks and decodes of the same variant in o
 its decodes run on FA2 and its chunks on FA3, in one plan (fivar.runtime.mixed).
 
 A verify step replayed in a CUDA graph takes the same metadata and masks: `v.plan_paged(..., cuda_graph=True,
-max_batch=, max_qo_len=, max_pages=)` once, then `plan.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-packed_custom_mask=, mask_indptr=)` before each replay (fivar.runtime.graph_verify).
+max_batch=, max_qo_len=, max_pages=)` once (`uniform_qo_len=True` where every request carries max_qo_len drafts),
+then `plan.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, packed_custom_mask=, mask_indptr=)` before each
+replay (fivar.runtime.graph_verify).
 """
 from __future__ import annotations
 
