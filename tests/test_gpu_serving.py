@@ -112,17 +112,19 @@ def test_a_verify_step_captured_in_a_cuda_graph_replays_new_steps(backend, name,
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3", "triton"])
 @pytest.mark.parametrize("name", ["softcap", "gpt_oss", "document_mask"])
-def test_a_uniform_verify_plan_replays_steps_of_fewer_requests(backend, name):
-    """uniform_qo_len=True (every request max_qo_len drafts; on FA2 padding requests of those rows and no keys cover
-    q's rows past a step's): replays against the reference, the rows past a step's zeros."""
-    _replays_new_steps(backend, name, True, uniform=True)
+@pytest.mark.parametrize("drafts", [4, 31, 40])  # FA2's tile-list tile at GQA 32/8: 32 rows
+def test_a_uniform_verify_plan_replays_steps_of_fewer_requests(backend, name, drafts):
+    """uniform_qo_len=True (every request max_qo_len drafts; on FA2 below its query tile, padding requests of those
+    rows and no keys cover q's rows past a step's, and FlashInfer gets the promise): replays against the reference,
+    the rows past a step's zeros (the output's memory poisoned first)."""
+    _replays_new_steps(backend, name, True, uniform=True, max_qo=drafts)
 
 
-def _replays_new_steps(backend, name, causal, uniform):
+def _replays_new_steps(backend, name, causal, uniform, max_qo=16):
     if backend == "fa3" and not _sm90():
         pytest.skip("FA3 needs an sm90 GPU")
     v = fivar.load(name)
-    max_batch, max_qo, page, pool = 4, (random.randint(2, 12) if uniform else 16), 16, 256
+    max_batch, page, pool = 4, 16, 256
     k_cache = torch.randn(pool, page, HKV, D, dtype=DTYPE, device="cuda")
     v_cache = torch.randn(pool, page, HKV, D, dtype=DTYPE, device="cuda")
     params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=max_batch, max_len=pool * page,
@@ -142,6 +144,9 @@ def _replays_new_steps(backend, name, causal, uniform):
         assert not out[n:].any()
 
     q_static[:sum(qo)].normal_()
+    if backend == "fa2" and uniform:  # the promise reached FlashInfer where the drafts are below its tile
+        assert plan._uniform == ({"uniform_q_len": max_qo} if max_qo < 32 else {}), plan._uniform
+    torch.full((max_batch * max_qo, HQ, D), float("nan"), dtype=DTYPE, device="cuda")  # freed: the block run reuses
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (module load, lazy allocations)

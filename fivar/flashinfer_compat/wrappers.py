@@ -207,14 +207,19 @@ def direct_paged_run(wrapper, variant_name: str, device, args, rows: int | None 
     return DirectPagedRun(w, variant_name, device, rows, planned_rows)
 
 
-def uniform_plan_kwargs(wrapper, rows: int | None) -> dict:
-    """A paged wrapper's plan kwargs promising every request `rows` query rows (FlashInfer's `uniform_q_len`: its FA2
-    CUDA-graph scheduler then sizes the query tile for them, not for the ragged worst case), where this FlashInfer's
-    plan takes the promise; {} for None or an older plan."""
+def plan_takes_uniform_q_len() -> bool:
+    """Whether this FlashInfer's paged prefill `plan` takes `uniform_q_len` (every request that many query rows: its
+    FA2 CUDA-graph scheduler then sizes the query tile for them, not for the ragged worst case)."""
     import inspect
-    if rows is None or "uniform_q_len" not in inspect.signature(type(wrapper).plan).parameters:
-        return {}
-    return {"uniform_q_len": rows}
+
+    import flashinfer
+    return "uniform_q_len" in inspect.signature(flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan).parameters
+
+
+def uniform_plan_kwargs(rows: int | None) -> dict:
+    """A paged wrapper's plan kwargs promising every request `rows` query rows, where this FlashInfer's plan takes the
+    promise; {} for None or an older plan."""
+    return {"uniform_q_len": rows} if rows is not None and plan_takes_uniform_q_len() else {}
 
 
 def plan_layout(wrapper) -> tuple:

@@ -30,7 +30,10 @@ uniform_qo_len=True promises every request of every step max_qo_len queries (a f
 target verify): on FA2, for requests shorter than its query tile, each request is then one tile-list request of
 max_qo_len rows, padding requests too (over q's rows past the step's, no keys: zeros), and FlashInfer's scheduler is
 told so (`uniform_q_len`): it sizes its query tile for those rows instead of for one request holding every row of
-the capacity. A step breaking the promise is a one-line FivarError.
+the capacity. A step breaking the promise is a one-line FivarError. The padding requests are work items of
+FlashInfer's schedule (it clamps their key count to one): in a step far below max_batch they take most of its budget
+for splitting the real requests' keys (2 x SMs / KV heads work items), so the promise suits graphs captured per
+batch size, as engines capture them, not one graph of a large capacity replayed with a few long requests.
 
 Keep the plan alive as long as the graph may replay (the graph holds its buffers' addresses). Params are bound at
 plan creation (batch size max_batch; tensor params read through their pointers: update them in place). The module is
@@ -46,7 +49,7 @@ import torch
 from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 from ..codegen.tile_list import TILE_FIELDS, mask_reads_head
 from ..errors import FivarError
-from ..flashinfer_compat.wrappers import plan_layout, uniform_plan_kwargs
+from ..flashinfer_compat.wrappers import plan_layout, plan_takes_uniform_q_len, uniform_plan_kwargs
 from ..jit.build import DTYPES
 from ..jit.module_key import ModuleKey
 from ..jit.targets import runs_twin, target_of
@@ -125,6 +128,13 @@ def capacity(max_batch: int, max_qo_len: int, max_pages: int, page_size: int, ro
     return Capacity(max_batch * tiles, entries, entries * (TILE_WIDTH // page_size_for(cache_page_size=page_size)))
 
 
+def _check_uniform(variant, uniform) -> bool:
+    if not isinstance(uniform, bool):
+        raise FivarError(f"variant '{variant.name}': uniform_qo_len must be True (every request of every step holds "
+                         f"max_qo_len queries) or False, got {uniform!r}")
+    return uniform
+
+
 def _check_limits(variant, **limits) -> None:
     for arg, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -138,9 +148,10 @@ class VerifyTiles:
 
     def __init__(self, variant, bound, *, target: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, causal: bool, sm_scale: float, max_batch: int, max_qo_len: int, max_pages: int,
-                 device, uniform: bool = False):
+                 device, uniform: bool = False, hint: bool = False):
         name = variant.name
         _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+        _check_uniform(variant, uniform)
         self.variant, self.bound, self.target, self.device = variant, bound, target, torch.device(device)
         self.heads_kv = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.causal, self.sm_scale = page_size, causal, sm_scale
@@ -148,10 +159,11 @@ class VerifyTiles:
         self.rows = tile_rows(target, num_qo_heads, num_kv_heads, head_dim)
         # uniform (every step's requests hold max_qo_len queries) and shorter than FA2's query tile: each request is
         # one tile-list request of max_qo_len rows, padding requests too, and FlashInfer's FA2 CUDA-graph scheduler,
-        # told so, sizes its query tile for them, not for one request holding every row of the capacity (8 drafts x
-        # 4 heads in a 128-row tile: a quarter of its work used). Longer requests fill whole tiles either way.
+        # told so (`hint`: its plan takes the promise), sizes its query tile for them, not for one request holding
+        # every row of the capacity (8 drafts x 4 heads in a 128-row tile: a quarter of its work used). Longer
+        # requests fill whole tiles either way; without the hint padding requests keep no rows (no work items).
         self.uniform = uniform
-        self.uniform_rows = max_qo_len if uniform and target_of(target).packs_query_heads \
+        self.uniform_rows = max_qo_len if uniform and hint and target_of(target).packs_query_heads \
             and max_qo_len < self.rows else None
         self.page = page_size_for(cache_page_size=page_size)
         self.heads = num_qo_heads if mask_reads_head(variant) else 1  # the bits' heads (block_map's)
@@ -294,7 +306,7 @@ class GraphVerifyPlan:
         tiles = VerifyTiles(variant, bound, target=target, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, page_size=page_size, causal=causal, sm_scale=sm_scale,
                             max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages, device=self.device,
-                            uniform=uniform_qo_len)
+                            uniform=uniform_qo_len, hint=plan_takes_uniform_q_len())
         # replays change the lengths: position tables cover the capacity (fivar.runtime.position_tables)
         bound = tiles.bound = position_tables.bind(variant, bound, (max_qo_len, max_pages * page_size))
         self._tiles = tiles
@@ -308,7 +320,7 @@ class GraphVerifyPlan:
             paged_kv_indptr_buf=tiles.kv_indptr, paged_kv_indices_buf=tiles.kv_indices,
             paged_kv_last_page_len_buf=tiles.kv_last_page_len, backend=target)
         attach(self._wrapper, fmod.load(), fmod, False)
-        self._uniform = uniform_plan_kwargs(self._wrapper, tiles.uniform_rows)
+        self._uniform = uniform_plan_kwargs(tiles.uniform_rows)
         # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
         self._split = {"disable_split_kv": True} if t.splits_kv and not variant.softmax else {}
         self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None, tables=tiles.tables())
@@ -335,7 +347,8 @@ class GraphVerifyPlan:
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None, packed_custom_mask=None,
              mask_indptr=None) -> None:
         """This step's lengths, page table and custom mask (host work and copies into the fixed buffers): call it
-        outside the graph, before each replay. Up to max_batch requests of max_qo_len queries, max_pages pages."""
+        outside the graph, before each replay. Up to max_batch requests of up to max_qo_len queries (exactly, with
+        uniform_qo_len), max_pages pages."""
         qo, kv, last, n_pages = self._tiles.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
                                                  packed_custom_mask, mask_indptr)
         self._plan_wrapper(qo, kv, self._tiles.kv_indices[:n_pages], last)
@@ -351,7 +364,7 @@ class GraphVerifyPlan:
     def run(self, q, paged_kv_cache, *, return_lse: bool = False):
         """q [max_batch * max_qo_len, Hq, D]: this step's tokens first, request by request (the rows past them are
         padding); capture this call in the graph. Returns [max_batch * max_qo_len, Hq, D] (zeros past the step's
-        tokens), and the LSE [rows, Hq] with return_lse."""
+        tokens), and the LSE [rows, Hq] with return_lse (past the step's tokens unspecified: a row of no keys)."""
         if torch.compiler.is_compiling():  # under torch.compile: the plan_run custom op (fivar.runtime.ops)
             from . import ops
             return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
@@ -418,7 +431,7 @@ class TwinGraphVerifyPlan:
         self.mask = torch.zeros(max_qo_len * self._max_kv // 8 + max_batch, dtype=torch.uint8, device=self.device)
         self.mask_indptr = torch.zeros(max_batch + 1, **i32)
         self._rows = torch.arange(self.max_tokens, device=self.device)
-        self._uniform = uniform_qo_len  # checked on each step; the twin's grid is max_qo_len rows either way
+        self._uniform = _check_uniform(variant, uniform_qo_len)  # checked on each step; the grid is the same
         self._map = None  # the block map's fixed buffers (a mask beyond a band)
         self._used = (0, 0)  # mask bytes and cut tiles the last step wrote
         self.batch = 0
@@ -501,10 +514,7 @@ class TwinGraphVerifyPlan:
 
 def graph_verify_plan(variant, *args, backend: str = "auto", **kwargs):
     """v.plan_paged(..., cuda_graph=True): the twin's plan for backend="triton", else FlashInfer's (GraphVerifyPlan)."""
-    uniform = kwargs.get("uniform_qo_len", False)
-    if not isinstance(uniform, bool):
-        raise FivarError(f"variant '{variant.name}': uniform_qo_len is True (every request of every step holds "
-                         f"max_qo_len queries) or False, got {uniform!r}")
+    _check_uniform(variant, kwargs.get("uniform_qo_len", False))  # before a plan's device checks
     if runs_twin(backend):
         return TwinGraphVerifyPlan(variant, *args, **kwargs)
     return GraphVerifyPlan(variant, *args, backend=backend, **kwargs)

@@ -84,7 +84,7 @@ class _Calls:
                 max_qo_len=max_qo_len, max_pages=max_pages, dtype=dtype, causal=causal, sm_scale=sm_scale,
                 backend=backend, device=device, params=params, kv_dtype=kv_dtype, custom_mask=custom_mask,
                 packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr, uniform_qo_len=uniform_qo_len)
-        if (max_batch, max_qo_len, max_pages, uniform_qo_len) != (None, None, None, False):
+        if (max_batch, max_qo_len, max_pages) != (None, None, None) or uniform_qo_len is not False:
             raise FivarError(f"variant '{self.name}': max_batch, max_qo_len, max_pages and uniform_qo_len shape a "
                              "cuda_graph=True plan; pass cuda_graph=True with them")
         rt = _runtime()

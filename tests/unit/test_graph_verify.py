@@ -4,7 +4,7 @@ twin's block map under TRITON_INTERPRET=1.
 A plan's buffers, refilled for a second step (other lengths, draft trees and pages, fewer requests than the
 capacity), must hold exactly what a fresh plan of that step holds, at the same addresses; read the way the struct
 reads them they keep exactly the pairs of the variant's mask, causal and the custom mask; the padding requests have
-no query rows and no pages. A step past a limit is a one-line FivarError naming the variant and the limit, and
+no pages, and no query rows unless a uniform plan on FA2 gives them its drafts' rows. A step past a limit is a one-line FivarError naming the variant and the limit, and
 leaves the buffers as they were.
 """
 import math
@@ -205,14 +205,15 @@ def test_a_uniform_plan_gives_every_request_and_padding_its_drafts_and_refuses_a
     q = torch.zeros(1, HEADS, D, dtype=torch.float16)
     bound, sm_scale = _prepare(v, params, q, KV_HEADS, max_batch, None)
 
-    def tiles(uniform):
+    def tiles(uniform, hint=True):
         return VerifyTiles(v, bound, target=target, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D,
                            page_size=page_size, causal=True, sm_scale=sm_scale, max_batch=max_batch,
-                           max_qo_len=max_qo, max_pages=40, device="cpu", uniform=uniform)
+                           max_qo_len=max_qo, max_pages=40, device="cpu", uniform=uniform, hint=hint)
     uniform, ragged = tiles(True), tiles(False)
     assert max_qo < uniform.rows  # the tile is larger than the drafts: the case the promise serves
     rows = max_qo if target == "fa2" else None
     assert uniform.uniform_rows == rows and ragged.uniform_rows is None
+    assert tiles(True, hint=False).uniform_rows is None  # a FlashInfer without the hint: padding keeps no rows
     seed_qo = uniform.seed()[0]
     assert seed_qo.numel() - 1 == max_batch and (seed_qo.diff() == max_qo).all()
     step = Step(2, max_qo, 150, page_size, qo=[max_qo, max_qo])
@@ -238,7 +239,10 @@ def test_a_uniform_plan_gives_every_request_and_padding_its_drafts_and_refuses_a
     with pytest.raises(fivar.FivarError) as e:
         v.plan_paged(*step.args, cuda_graph=True, uniform_qo_len=max_qo, num_qo_heads=HEADS, num_kv_heads=KV_HEADS,
                      head_dim=64, page_size=page_size, device="cpu", **step.mask, **params)
-    _one_line(e, "sliding_window", "uniform_qo_len is True")
+    _one_line(e, "sliding_window", "uniform_qo_len must be True")
+    with pytest.raises(fivar.FivarError) as e:  # a plan made directly checks it too
+        tiles(1)
+    _one_line(e, "sliding_window", "uniform_qo_len must be True")
     with pytest.raises(fivar.FivarError) as e:
         v.plan_paged(*step.args, uniform_qo_len=True, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=64,
                      page_size=page_size, device="cpu", **step.mask, **params)

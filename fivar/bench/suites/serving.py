@@ -142,7 +142,7 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
     kw = dict(causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
 
     def uniform(w):  # every request the case's drafts: the promise a graph's FA2 scheduler sizes its tiles by
-        return uniform_plan_kwargs(w, t["drafts"]) if cuda_graph else {}
+        return uniform_plan_kwargs(t["drafts"]) if cuda_graph else {}
     if sunk is not None:
         backend = _sink_backend(t["drafts"])
         label = f"{sunk.label} ({backend}), causal: the chain's mask"
@@ -167,7 +167,8 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
                    **uniform(w))
             return lambda: w.run(q, cache)
     if cuda_graph:
-        return label + ", use_cuda_graph, uniform_q_len, replayed", lambda: _replayed(build())
+        promise = ", uniform_q_len" if uniform_plan_kwargs(t["drafts"]) else ""
+        return label + f", use_cuda_graph{promise}, replayed", lambda: _replayed(build())
     return label, build
 
 
