@@ -23,6 +23,11 @@ _XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if _XDIST_WORKER:
     # xdist's workers run with COLUMNS=80; the CLI tests read its output as a pipe gets it (fivar.console)
     os.environ.pop("COLUMNS", None)
+    # nvcc jobs per worker: the cores shared among the workers (ninja's default, cores + 2 jobs in each worker, ran 8
+    # nvcc processes of up to several GiB each at once on a 2-core box)
+    if "MAX_JOBS" not in os.environ:
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        os.environ["MAX_JOBS"] = str(max(1, (os.cpu_count() or 1) // workers))
 if os.environ.get("FIVAR_TEST_FRESH_JIT_CACHE", "1") == "1" and not _XDIST_WORKER:
     # A fresh FlashInfer cache per test run, so the build tests really run nvcc (FlashInfer fixes
     # its cache directory at import, which happens after this).

@@ -146,10 +146,11 @@ def _replays_new_steps(backend, name, causal, uniform, max_qo=16):
     q_static[:sum(qo)].normal_()
     if backend == "fa2" and uniform:  # the promise reached FlashInfer where the drafts are below its tile
         assert plan._uniform == ({"uniform_q_len": max_qo} if max_qo < 32 else {}), plan._uniform
-    torch.full((max_batch * max_qo, HQ, D), float("nan"), dtype=DTYPE, device="cuda")  # freed: the block run reuses
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (module load, lazy allocations)
+        # freed at once, on the stream the run allocates on: the block its output gets (rows it did not write: NaN)
+        torch.full((max_batch * max_qo, HQ, D), float("nan"), dtype=DTYPE, device="cuda")
         eager = plan.run(q_static, (k_cache, v_cache))
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
