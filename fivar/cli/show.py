@@ -116,6 +116,8 @@ def show(name, target, op, sources, dtype, head_dim, arch, explain, verbose):
     from ..codegen import fa2, fa3
     from ..codegen.tile_list import bits_kernel
     if not sources:
+        from ..jit.module_key import ModuleKey
+        ModuleKey(op, target, dtype, head_dim).checked(v)  # an op the target has no kernel for: its one-line error
         tiles = fa3.uses_tile_list(v, op)  # the tile-list form on both, its struct the shared mask-free one
         s = bits_kernel(v) if tiles else v
         decl = (fa3.variant_decl(s, tile_list=tiles, logits_range=fa3.softmax_range(v, dtype))

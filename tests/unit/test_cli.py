@@ -176,7 +176,10 @@ def test_show_refuses_what_build_refuses_and_list_reports_spec_errors(tmp_path, 
     from fivar.cli import main
     for args, says in ((["show", "softcap", "--head-dim", "100"], "head_dim 100 is not supported"),
                        (["show", "softcap", "--target", "fa3", "--dtype", "fp32"], "dtype 'fp32' is not supported"),
-                       (["show", "sofcap"], "no variant named 'sofcap' (did you mean 'softcap'?)")):
+                       (["show", "sofcap"], "no variant named 'sofcap' (did you mean 'softcap'?)"),
+                       (["show", "softcap", "--target", "fa3", "--op", "batch_decode"],
+                        "FlashInfer has no FA3 kernel for batch_decode"),
+                       (["show", "gpt_oss", "--op", "batch_decode"], "a sink runs decode on FA2 batch prefill")):
         r = CliRunner().invoke(main, args)
         assert r.exit_code != 0 and says in " ".join(r.output.split()), (args, r.output)
     (tmp_path / "typo.py").write_text(
