@@ -207,11 +207,10 @@ def direct_paged_run(wrapper, variant_name: str, device, args, rows: int | None 
     return DirectPagedRun(w, variant_name, device, rows, planned_rows)
 
 
+@functools.cache
 def plan_takes_uniform_q_len() -> bool:
     """Whether this FlashInfer's paged prefill `plan` takes `uniform_q_len` (every request that many query rows: its
     FA2 CUDA-graph scheduler then sizes the query tile for them, not for the ragged worst case)."""
-    import inspect
-
     import flashinfer
     return "uniform_q_len" in inspect.signature(flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan).parameters
 

@@ -417,7 +417,7 @@ class _FunctionParser:
         """A literal zero is refused here, an unguarded Scalar divisor on every call (`divisor_scalars`: under a
         condition, `q_idx % params.w if params.w > 0 else 0`, a 0 can be what the spec means); any other divisor
         is the spec's promise, which the reference checks where the result is used (fivar.codegen.torch_ref)."""
-        value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+        value = self.resolved(b)
         if self.zero(b):
             raise self.error(node.right, f"integer `{'//' if isinstance(node.op, ast.FloorDiv) else '%'}` by zero",
                              "division by zero")
@@ -428,9 +428,13 @@ class _FunctionParser:
             self.divisor_scalars.setdefault(value.name, self.where(node))
         return b
 
+    def resolved(self, b: ir.Expr) -> ir.Expr:
+        """`b`, or the expression a local `b` holds."""
+        return dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+
     def zero(self, b: ir.Expr) -> bool:
         """Whether divisor `b` is a zero written in the spec (a literal, a module constant, a local holding one)."""
-        value = dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+        value = self.resolved(b)
         return isinstance(value, ir.Const) and value.value == 0
 
     def expr_UnaryOp(self, node):

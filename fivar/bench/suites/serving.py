@@ -139,17 +139,16 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
                 paged_kv_indptr_buf=torch.empty(BATCH + 1, **i32),
                 paged_kv_indices_buf=torch.empty(t["kv_indices"].numel(), **i32),
                 paged_kv_last_page_len_buf=torch.empty(BATCH, **i32)) if cuda_graph else {}
-    kw = dict(causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
-
-    def uniform(w):  # every request the case's drafts: the promise a graph's FA2 scheduler sizes its tiles by
-        return uniform_plan_kwargs(t["drafts"]) if cuda_graph else {}
+    # a graph's: every request the case's drafts, the promise FlashInfer's FA2 graph scheduler sizes its tiles by
+    kw = dict(causal=True, q_data_type=DTYPE, kv_data_type=DTYPE,
+              **(uniform_plan_kwargs(t["drafts"]) if cuda_graph else {}))
     if sunk is not None:
         backend = _sink_backend(t["drafts"])
         label = f"{sunk.label} ({backend}), causal: the chain's mask"
 
         def build():
             w = sunk.wrapper(HEAD_DIM, DTYPE, backend, **bufs)
-            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, **kw, **sunk.plan_kwargs, **uniform(w))
+            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, **kw, **sunk.plan_kwargs)
             return lambda: sunk.run(w, q, cache)
     else:
         label = mapped[1] + ", custom mask"
@@ -163,11 +162,10 @@ def _stock_verify(v, t, params, cuda_graph: bool = False):
                 stock_workspace(), "NHD", **bufs)
             # The bool mask, which the wrapper packs itself: given only packed_custom_mask, FlashInfer 0.7 offsets
             # each request by its mask's bit count where its kernel reads bytes (an illegal access past a few).
-            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, custom_mask=t["rows"].reshape(-1), **kw, **mapped[0],
-                   **uniform(w))
+            w.plan(*paged, hq, hkv, HEAD_DIM, PAGE, custom_mask=t["rows"].reshape(-1), **kw, **mapped[0])
             return lambda: w.run(q, cache)
     if cuda_graph:
-        promise = ", uniform_q_len" if uniform_plan_kwargs(t["drafts"]) else ""
+        promise = ", uniform_q_len" if "uniform_q_len" in kw else ""
         return label + f", use_cuda_graph{promise}, replayed", lambda: _replayed(build())
     return label, build
 
