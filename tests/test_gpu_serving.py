@@ -48,7 +48,7 @@ def test_verify_matches_the_reference_and_its_plan(backend, name, page):
     if backend == "fa3" and not _sm90():
         pytest.skip("FA3 needs an sm90 GPU")
     v = fivar.load(name)
-    for form, causal in (("chain", True), ("tree", False), ("tree", True)):
+    for form, causal in (("chain", True), ("chain", False), ("tree", False), ("tree", True)):
         qo, kv, prefixes, parents, masks = _batch(form)
         if backend == "auto":  # short requests only (the 64-draft one left out): auto picks FA2's tile list
             qo, kv, prefixes, parents, masks = (x[:-1] for x in (qo, kv, prefixes, parents, masks))
@@ -73,15 +73,17 @@ def test_verify_matches_the_reference_and_its_plan(backend, name, page):
                                 head_dim=D, page_size=page, dtype=DTYPE, causal=causal, backend=backend,
                                 packed_custom_mask=packed, mask_indptr=mask_indptr, **params)
             assert torch.equal(plan.run(q, cache), out)
+            if form == "chain":  # the bits add nothing to causal: the band form runs, reading none
+                assert not plan.reads_custom_mask
 
 
-def _graph_step(batch, max_qo, max_prefix, page, pool, uniform: bool = False):
+def _graph_step(batch, max_qo, max_prefix, page, pool, uniform: bool = False, chain: bool = False):
     """A verify step over a shared pool of pages: (qo lens, kv lens, masks, (qo_indptr, kv_indptr, kv_indices, last),
-    the packed mask's kwargs), draft trees of 1..max_qo tokens (uniform: max_qo each) after prefixes of up to
-    max_prefix keys."""
+    the packed mask's kwargs), draft trees (chain: chains) of 1..max_qo tokens (uniform: max_qo each) after prefixes
+    of up to max_prefix keys."""
     drafts = [max_qo if uniform else random.randint(1, max_qo) for _ in range(batch)]
     prefixes = [random.randint(0, max_prefix) for _ in range(batch)]
-    parents = [[-1] + [random.randrange(-1, j) for j in range(1, n)] for n in drafts]
+    parents = [chain_parents(n) if chain else [-1] + [random.randrange(-1, j) for j in range(1, n)] for n in drafts]
     masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), tree_rows(par)], 1).cuda()
              for n, p, par in zip(drafts, prefixes, parents)]
     kv = [p + n for p, n in zip(prefixes, drafts)]
@@ -120,7 +122,18 @@ def test_a_uniform_verify_plan_replays_steps_of_fewer_requests(backend, name, dr
     _replays_new_steps(backend, name, True, uniform=True, max_qo=drafts)
 
 
-def _replays_new_steps(backend, name, causal, uniform, max_qo=16):
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "auto"])
+@pytest.mark.parametrize("name", ["softcap", "gpt_oss", "sliding_window", "document_mask"])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_a_verify_plan_made_without_a_custom_mask_replays_chains(backend, name, uniform):
+    """Chains planned as causal with no mask (as engines plan them): FA2 runs a band's requests in its own causal and
+    window modes (no tile list), other masks and FA3 the tile list of the mask alone; steps giving a mask refused."""
+    plan = _replays_new_steps(backend, name, True, uniform=uniform, max_qo=8, masked=False)
+    band = plan.target == "fa2" and not fivar.load(name).scans_mask
+    assert type(plan._tiles).__name__ == ("VerifyRequests" if band else "VerifyTiles"), (plan.target, name)
+
+
+def _replays_new_steps(backend, name, causal, uniform, max_qo=16, masked: bool = True):
     if backend == "fa3" and not _sm90():
         pytest.skip("FA3 needs an sm90 GPU")
     v = fivar.load(name)
@@ -129,7 +142,8 @@ def _replays_new_steps(backend, name, causal, uniform, max_qo=16):
     v_cache = torch.randn(pool, page, HKV, D, dtype=DTYPE, device="cuda")
     params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=max_batch, max_len=pool * page,
                             device="cuda")
-    qo, kv, masks, meta, mask = _graph_step(max_batch, max_qo, 600, page, pool, uniform)
+    qo, kv, masks, meta, mask = _graph_step(max_batch, max_qo, 600, page, pool, uniform, chain=not masked)
+    mask = mask if masked else {}
     plan = v.plan_paged(*meta, cuda_graph=True, max_batch=max_batch, max_qo_len=max_qo, max_pages=pool,
                         num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=page, dtype=DTYPE, causal=causal,
                         backend=backend, uniform_qo_len=uniform, **mask, **params)
@@ -138,7 +152,8 @@ def _replays_new_steps(backend, name, causal, uniform, max_qo=16):
     def check(out, qo, kv, masks, meta, what):
         n = sum(qo)
         k, vv = (_gathered(c, meta[1], meta[2], kv) for c in (k_cache, v_cache))
-        ref = _reference(v, q_static[:n], k, vv, qo, kv, causal, params, masks, max_batch, torch.float64)
+        ref = _reference(v, q_static[:n], k, vv, qo, kv, causal, params, masks if masked else [None] * len(qo),
+                         max_batch, torch.float64)
         r = compare(v.name, f"verify in a CUDA graph, {what} [{backend}]", out[:n], ref, DTYPE)
         assert r.passed, r
         assert not out[n:].any()
@@ -159,8 +174,11 @@ def _replays_new_steps(backend, name, causal, uniform, max_qo=16):
     with torch.cuda.graph(graph):
         captured = plan.run(q_static, (k_cache, v_cache))
     for batch, prefix in ((2, 200), (3, 900), (1, 30)):
-        qo, kv, masks, meta, mask = _graph_step(batch, max_qo, prefix, page, pool, uniform)
-        plan.plan(*meta, **mask)
+        qo, kv, masks, meta, mask = _graph_step(batch, max_qo, prefix, page, pool, uniform, chain=not masked)
+        if not masked:
+            with pytest.raises(fivar.FivarError, match="made without a custom mask"):
+                plan.plan(*meta, **mask)
+        plan.plan(*meta, **(mask if masked else {}))
         q_static.zero_()
         q_static[:sum(qo)].normal_()
         graph.replay()
@@ -168,3 +186,4 @@ def _replays_new_steps(backend, name, causal, uniform, max_qo=16):
         check(captured, qo, kv, masks, meta, f"{batch} of {max_batch} requests")
     with pytest.raises(fivar.FivarError, match="max_batch=4"):
         plan.plan(*_graph_step(5, max_qo, 10, page, pool)[3])
+    return plan

@@ -55,6 +55,44 @@ def pack(custom_mask: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Tensor
     return CustomMask(words.to(torch.uint8), byte_indptr.to(device=dev, dtype=torch.int32))
 
 
+# bits of a mask checked per device pass against the causal region (bounds the pass's index tensors)
+_IMPLIED_CHUNK = 1 << 24
+
+
+def causal_implied(mask: CustomMask, qo_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool) -> bool | None:
+    """The causal flag that keeps exactly what `mask` and `causal` keep together, where the mask's bits add nothing
+    to it (a chain of drafts: its bits are the causal triangle), else None. A kernel given that flag and no bits
+    runs the band form instead of reading bits. True: the bits keep the whole causal region (row i of a request of
+    qo_len queries over kv_len keys keeps keys j <= kv_len - qo_len + i) and, without causal, nothing else; False:
+    no causal and every bit set. One device pass over the bits, one host read."""
+    dev = mask.packed.device
+    qo_lens, kv_lens = qo_lens.long().cpu(), kv_lens.long().cpu()
+    sizes = qo_lens * kv_lens
+    bit_start = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    total = int(bit_start[-1])
+    starts, kv_of, qo_of = bit_start.to(dev), kv_lens.to(dev), qo_lens.to(dev)
+    first_bit = mask.indptr.long()[:-1] * 8
+    missing, kept, dropped = (torch.zeros((), dtype=torch.bool, device=dev) for _ in range(3))
+    for lo in range(0, total, _IMPLIED_CHUNK):
+        flat = torch.arange(lo, min(total, lo + _IMPLIED_CHUNK), device=dev)
+        req = torch.searchsorted(starts, flat, right=True) - 1  # each bit's request (none of no bits)
+        local = flat - starts[req]
+        kv = kv_of[req]
+        row, col = local // kv, local % kv
+        pos = first_bit[req] + local
+        bit = ((mask.packed[pos >> 3].long() >> (pos & 7)) & 1).bool()
+        inside = col <= kv - qo_of[req] + row
+        missing |= (inside & ~bit).any()  # a clear bit on or left of the diagonal
+        kept |= (~inside & bit).any()  # a set bit right of it
+        dropped |= (~inside & ~bit).any()  # a clear bit right of it
+    missing, kept, dropped = (bool(x) for x in torch.stack([missing, kept, dropped]).cpu())
+    if missing:
+        return None
+    if causal or not kept:
+        return True
+    return False if not dropped else None
+
+
 def _got(t) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
 

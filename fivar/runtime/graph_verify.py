@@ -36,9 +36,12 @@ for splitting the real requests' keys (2 x SMs / KV heads work items), so the pr
 batch size, as engines capture them, not one graph of a large capacity replayed with a few long requests.
 
 Keep the plan alive as long as the graph may replay (the graph holds its buffers' addresses). Params are bound at
-plan creation (batch size max_batch; tensor params read through their pointers: update them in place). The module is
-the tile-list kernel reading cut tiles as bits (custom_mask=True): a step without a custom mask runs the same module
-over the bits of the variant's mask and causal alone.
+plan creation (batch size max_batch; tensor params read through their pointers: update them in place). A plan made
+with a custom mask runs the tile-list kernel reading cut tiles as bits (custom_mask=True): a step without a custom
+mask runs the same module over the bits of the variant's mask and causal alone. A plan made without one (draft
+chains planned as causal, as engines plan chains) takes none in its steps: on FA2, for a variant whose mask is a band,
+it runs the requests themselves (VerifyRequests) through the variant's batch-prefill module in FlashInfer's causal
+and window modes, as stock's graph does, with no tile list; elsewhere the tile list of the mask alone.
 """
 from __future__ import annotations
 
@@ -50,14 +53,14 @@ from ..codegen.fa3 import BLOCKS, CUT_BITS, TILE_KEYS, TILE_WIDTH
 from ..codegen.tile_list import TILE_FIELDS, mask_reads_head
 from ..errors import FivarError
 from ..flashinfer_compat.wrappers import plan_layout, plan_takes_uniform_q_len, uniform_plan_kwargs
-from ..jit.build import DTYPES
 from ..jit.module_key import ModuleKey
 from ..jit.targets import runs_twin, target_of
 from ..spec.inputs import check_lse
 from . import position_tables
 from .custom_mask import check_custom_mask, paged_kv_lens
 from .fa3_tile_list import CUT_WORDS_PAST, block_map, page_size_for, paged_keys, tile_list, tile_rows
-from .forms import _check_backend, _kernel_causal
+from .forms import (_check_backend, _kernel_causal, _owns_mask, _paged_args, _plan_causal, _split_kwargs,
+                    _window_left)
 from .graph import check_graph_plan
 from .fp8_kv import plan_kv_dtype
 from .launch import (_check_indptr, _check_pages, _module, _paged_kv, _prepare, _workspace, attach,
@@ -269,6 +272,73 @@ class VerifyTiles:
         return qo, kv, last, n_pages
 
 
+_SMALLEST_KV_CHUNK = 128  # keys: FlashInfer's FA2 scheduler splits a request's keys in chunks of at least this
+
+
+def _refuse_step_mask(variant, masks) -> None:
+    """A plan made without a custom mask runs a kernel reading no bits: its steps take none either."""
+    if any(m is not None for m in masks):
+        raise FivarError(f"variant '{variant.name}': this verify plan was made without a custom mask (its steps run "
+                         "the variant's own mask and causal, reading no bits); make the plan with the first step's "
+                         "packed_custom_mask and mask_indptr to take draft trees")
+
+
+class VerifyRequests:
+    """The planning half of a verify plan made without a custom mask on FA2, for a variant whose mask is a band (draft
+    chains run as causal, as engines run chains): the requests themselves in fixed buffers, FlashInfer's own causal
+    and window modes deciding, no tile list and no bits (the FA2 batch-prefill module stock's graph runs).
+    Padding requests have no pages; with the promise (uniform_rows) they hold q's rows past the step's, which the
+    kernel writes as zeros (no keys), and FlashInfer's scheduler sizes its query tile for max_qo_len rows."""
+
+    def __init__(self, variant, *, page_size: int, max_batch: int, max_qo_len: int, max_pages: int, device,
+                 uniform: bool = False, hint: bool = False):
+        _check_limits(variant, max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages)
+        self.variant, self.device, self.page = variant, torch.device(device), page_size
+        self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
+        self.uniform = _check_uniform(variant, uniform)
+        self.uniform_rows = max_qo_len if uniform and hint else None
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.qo_indptr = torch.zeros(max_batch + 1, **i32)
+        self.kv_indptr = torch.zeros(max_batch + 1, **i32)
+        self.kv_indices = torch.zeros(max(max_pages, max_batch), **i32)  # the seed's page a request too
+        self.kv_last_page_len = torch.zeros(max_batch, **i32)
+        self._pages = 0  # pages the last step wrote
+        self.requests = self.batch = 0
+
+    def tables(self) -> dict:
+        return {}
+
+    def seed(self):
+        """The capacity's largest batch (max_batch requests of max_qo_len queries over a page each): FlashInfer's
+        CUDA-graph planner sizes its schedule by its first plan's rows."""
+        n = self.max_batch
+        return (indptr(torch.full((n,), self.max_qo_len)), torch.arange(n + 1, dtype=torch.int32),
+                self.kv_indices[:n], torch.ones(n, dtype=torch.int32))
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask=None, packed_custom_mask=None,
+             mask_indptr=None):
+        """Check this step and write it, padded to max_batch requests, into the buffers; returns the padded host
+        (qo_indptr, kv_indptr, kv_last_page_len) and the step's page count. Nothing is written unless every check
+        passes."""
+        v = self.variant
+        _refuse_step_mask(v, (custom_mask, packed_custom_mask, mask_indptr))
+        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages,
+                             self.uniform)
+        kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, self.page, self.device)
+        batch, n_pages = qo.numel() - 1, int(kv[-1])
+        pad = self.max_batch - batch
+        qo = torch.cat([qo, qo[-1:] + (self.uniform_rows or 0) * torch.arange(1, pad + 1)]).to(torch.int32)
+        kv = torch.cat([kv, kv[-1:].expand(pad)]).to(torch.int32)
+        last = torch.cat([last.cpu().to(torch.int32), torch.zeros(pad, dtype=torch.int32)])
+        self.qo_indptr.copy_(qo)
+        self.kv_indptr.copy_(kv)
+        self.kv_last_page_len.copy_(last)
+        self.kv_indices[:n_pages].copy_(kv_indices[:n_pages])
+        self.kv_indices[n_pages:self._pages].zero_()
+        self._pages, self.requests, self.batch = n_pages, batch, batch
+        return qo, kv, last, n_pages
+
+
 class GraphVerifyPlan:
     """A verify step over a paged KV cache with buffers of fixed capacity (this module's docstring)."""
 
@@ -303,27 +373,48 @@ class GraphVerifyPlan:
         probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, max_batch, sm_scale)
         causal = _kernel_causal(variant, causal)
-        tiles = VerifyTiles(variant, bound, target=target, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                            head_dim=head_dim, page_size=page_size, causal=causal, sm_scale=sm_scale,
-                            max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages, device=self.device,
-                            uniform=uniform_qo_len, hint=plan_takes_uniform_q_len())
+        t = target_of(target)
+        # made without a custom mask, a band's steps need no bits: FA2 runs the requests themselves in its causal and
+        # window modes (as stock's graph runs them); else the tile list, its cut tiles read as bits
+        self.maskless = all(m is None for m in (custom_mask, packed_custom_mask, mask_indptr))
+        band = self.maskless and t.packs_query_heads and not variant.scans_mask
         # replays change the lengths: position tables cover the capacity (fivar.runtime.position_tables)
-        bound = tiles.bound = position_tables.bind(variant, bound, (max_qo_len, max_pages * page_size))
+        bound = position_tables.bind(variant, bound, (max_qo_len, max_pages * page_size))
+        if band:
+            tiles = VerifyRequests(variant, page_size=page_size, max_batch=max_batch, max_qo_len=max_qo_len,
+                                   max_pages=max_pages, device=self.device, uniform=uniform_qo_len,
+                                   hint=plan_takes_uniform_q_len())
+            fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim), bound, sm_scale)
+            window_left = _window_left(variant, target, bound)
+            self._mode = dict(causal=_plan_causal(variant, target, causal, window_left), window_left=window_left)
+            self._split = _split_kwargs(variant, target, causal, window_left)
+            if causal and 0 <= window_left and window_left + max_qo_len <= 2 * max(_SMALLEST_KV_CHUNK, page_size):
+                # FlashInfer's CUDA-graph schedule always splits, merging after every replay; a causal window this
+                # short has at most two of its smallest key chunks a request to split into: not worth the merge pass
+                self._split = {"disable_split_kv": True}
+            owns_mask = _owns_mask(variant, target, causal, window_left)
+            self._args = _paged_args(variant, target, bound, sm_scale, causal, tiles.qo_indptr, tiles.kv_indptr,
+                                     tiles.kv_last_page_len, page_size)
+        else:
+            tiles = VerifyTiles(variant, bound, target=target, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                head_dim=head_dim, page_size=page_size, causal=causal, sm_scale=sm_scale,
+                                max_batch=max_batch, max_qo_len=max_qo_len, max_pages=max_pages, device=self.device,
+                                uniform=uniform_qo_len, hint=plan_takes_uniform_q_len())
+            fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=t.keys_tile_list,
+                                              custom_mask=True), bound, sm_scale)
+            self._mode, owns_mask = dict(causal=False), False  # the list's bits hold causal and the mask
+            # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
+            self._split = {"disable_split_kv": True} if t.splits_kv and not variant.softmax else {}
+            self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None, tables=tiles.tables())
         self._tiles = tiles
         self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
         self.max_tokens = max_batch * max_qo_len
-        t = target_of(target)
-        fmod = _module(variant, ModuleKey("batch_prefill", target, dtype, head_dim, tile_list=t.keys_tile_list,
-                                          custom_mask=True), bound, sm_scale)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             _workspace(self.device, target), kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=tiles.qo_indptr,
             paged_kv_indptr_buf=tiles.kv_indptr, paged_kv_indices_buf=tiles.kv_indices,
             paged_kv_last_page_len_buf=tiles.kv_last_page_len, backend=target)
-        attach(self._wrapper, fmod.load(), fmod, False)
+        attach(self._wrapper, fmod.load(), fmod, owns_mask)
         self._uniform = uniform_plan_kwargs(tiles.uniform_rows)
-        # FA2 may split a request's keys: not without softmax (its partials merge through the LSE)
-        self._split = {"disable_split_kv": True} if t.splits_kv and not variant.softmax else {}
-        self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None, tables=tiles.tables())
         self._plan_wrapper(*tiles.seed())
         self._layout = plan_layout(self._wrapper)  # what a captured launch replays with
         # the module's paged_run on q of max_tokens rows (the wrapper's run wants qo_indptr[-1] of them)
@@ -341,14 +432,16 @@ class GraphVerifyPlan:
 
     def _plan_wrapper(self, qo, kv, indices, last):
         hq, hkv, d, _, dtype = self._shape
-        self._wrapper.plan(qo, kv, indices, last, hq, hkv, d, self._tiles.page, causal=False, q_data_type=dtype,
-                           kv_data_type=dtype, o_data_type=dtype, **self._split, **self._uniform)
+        self._wrapper.plan(qo, kv, indices, last, hq, hkv, d, self._tiles.page, q_data_type=dtype,
+                           kv_data_type=dtype, o_data_type=dtype, **self._mode, **self._split, **self._uniform)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None, packed_custom_mask=None,
              mask_indptr=None) -> None:
         """This step's lengths, page table and custom mask (host work and copies into the fixed buffers): call it
         outside the graph, before each replay. Up to max_batch requests of up to max_qo_len queries (exactly, with
         uniform_qo_len), max_pages pages."""
+        if self.maskless:
+            _refuse_step_mask(self.variant, (custom_mask, packed_custom_mask, mask_indptr))
         qo, kv, last, n_pages = self._tiles.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
                                                  packed_custom_mask, mask_indptr)
         self._plan_wrapper(qo, kv, self._tiles.kv_indices[:n_pages], last)
@@ -375,146 +468,3 @@ class GraphVerifyPlan:
         # keys as pages of the list's `page` (a view of the cache's own pages)
         k, v = (x.reshape(-1, self._tiles.page, hkv, d) for x in (k_cache, v_cache))
         return self._direct(q, k, v, self._args, return_lse)
-
-
-class TwinGraphVerifyPlan:
-    """The Triton twin's verify step for CUDA graphs (backend="triton"): the twin's paged prefill reads its lengths,
-    page table and custom mask through device tensors, so the graph holds one launch over max_batch requests and a
-    grid of max_qo_len rows; `plan` writes the step into those tensors (a request past the step's has no queries and
-    no keys: its programs return at once) and, for a mask beyond a band, the twin's block map of the step into fixed
-    buffers. Runs on the CPU too under TRITON_INTERPRET=1 (float16), where there is nothing to capture."""
-
-    kv_form = "paged"
-
-    def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads: int,
-                 num_kv_heads: int, head_dim: int, page_size: int, max_batch: int | None = None,
-                 max_qo_len: int | None = None, max_pages: int | None = None, dtype=None, causal: bool = False,
-                 sm_scale=None, device="cuda", params=None, kv_dtype=None, custom_mask=None, packed_custom_mask=None,
-                 mask_indptr=None, uniform_qo_len: bool = False):
-        import os
-        from ..codegen.triton import kernel_arg_values
-        from ..jit.triton_module import load_triton_module
-        from .triton_attention import TRITON_HEAD_DIMS
-        register_plan(self)
-        self.variant, self.device = variant, torch.device(device)
-        name = variant.name
-        dtype = dtype or torch.bfloat16
-        interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-        if dtype not in DTYPES.values() or (kv_dtype is not None and kv_dtype != dtype) or \
-                (interpreted and dtype != torch.float16):
-            raise FivarError(f"variant '{name}': the twin's verify plan runs float16 or bfloat16 with the cache in q's "
-                             f"dtype (float16 on the CPU), got {dtype}{f' and a {kv_dtype} cache' if kv_dtype else ''}")
-        if head_dim not in TRITON_HEAD_DIMS or num_qo_heads % num_kv_heads:
-            raise FivarError(f"variant '{name}': head_dim must be one of {TRITON_HEAD_DIMS} and num_qo_heads a multiple "
-                             f"of num_kv_heads (got {head_dim}, {num_qo_heads}/{num_kv_heads})")
-        if not (interpreted or (self.device.type == "cuda" and torch.cuda.is_available())):
-            raise FivarError(f"variant '{name}': a CUDA-graph verify plan needs a CUDA GPU (device "
-                             f"{str(self.device)!r}; the twin runs on the CPU under TRITON_INTERPRET=1)")
-        qo_h = _check_indptr(variant, "qo_indptr", qo_indptr, "cpu")
-        kv_h = _check_indptr(variant, "kv_indptr", kv_indptr, "cpu")
-        max_batch, max_qo_len, max_pages = _limits(variant, qo_h, kv_h, max_batch, max_qo_len, max_pages)
-        self.max_batch, self.max_qo_len, self.max_pages = max_batch, max_qo_len, max_pages
-        self.max_tokens, self._max_kv = max_batch * max_qo_len, max_pages * page_size
-        self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        probe = torch.empty(1, num_qo_heads, head_dim, dtype=dtype, device=self.device)
-        bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, max_batch, sm_scale)
-        bound = position_tables.bind(variant, bound, (max_qo_len, self._max_kv))
-        self._causal = bool(causal)
-        self._module = load_triton_module(variant)
-        self._args = kernel_arg_values(variant, bound, sm_scale)
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self.qo_indptr = torch.zeros(max_batch + 1, **i32)
-        self.kv_indptr = torch.zeros(max_batch + 1, **i32)  # the requests' key counts, as an indptr
-        self.page_indptr = torch.zeros(max_batch + 1, **i32)
-        self.kv_indices = torch.zeros(max_pages, **i32)
-        # each request's bits from a byte of its own: sum ceil(qo * kv / 8) <= max_qo_len * keys / 8 + max_batch
-        self.mask = torch.zeros(max_qo_len * self._max_kv // 8 + max_batch, dtype=torch.uint8, device=self.device)
-        self.mask_indptr = torch.zeros(max_batch + 1, **i32)
-        self._rows = torch.arange(self.max_tokens, device=self.device)
-        self._uniform = _check_uniform(variant, uniform_qo_len)  # checked on each step; the grid is the same
-        self._map = None  # the block map's fixed buffers (a mask beyond a band)
-        self._used = (0, 0)  # mask bytes and cut tiles the last step wrote
-        self.batch = 0
-        self.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask=custom_mask,
-                  packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr)
-
-    @property
-    def page_size(self) -> int:
-        return self._shape[3]
-
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, custom_mask=None, packed_custom_mask=None,
-             mask_indptr=None) -> None:
-        """This step's lengths, page table and custom mask, written into the plan's tensors (outside the graph)."""
-        from .custom_mask import mask_indptr_for
-        v, name = self.variant, self.variant.name
-        qo, kv = _check_step(v, qo_indptr, kv_indptr, self.max_batch, self.max_qo_len, self.max_pages,
-                             self._uniform)
-        batch, pages = qo.numel() - 1, int(kv[-1])
-        page_size = self.page_size
-        kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, page_size, self.device)
-        kv_lens = paged_kv_lens(kv, last, page_size)
-        custom = check_custom_mask(v, custom_mask, packed_custom_mask, mask_indptr, qo.diff(), kv_lens, self.device)
-        pad = self.max_batch - batch  # padding requests: no queries, no keys, no pages, no mask bytes
-        mask_ind = mask_indptr_for(qo.diff(), kv_lens)
-        n_bytes = int(mask_ind[-1])
-
-        def padded(t):
-            return torch.cat([t.long(), t[-1:].long().expand(pad)]).to(torch.int32)
-        self.qo_indptr.copy_(padded(qo))
-        self.kv_indptr.copy_(padded(indptr(kv_lens)))
-        self.page_indptr.copy_(padded(kv))
-        self.kv_indices[:pages].copy_(kv_indices[:pages])
-        self.kv_indices[pages:].zero_()
-        self.mask_indptr.copy_(padded(mask_ind))
-        if custom is None:  # every pair kept: the mask and causal decide
-            self.mask[:n_bytes].fill_(0xFF)
-        else:
-            self.mask[:n_bytes].copy_(custom.packed[:n_bytes])
-        self.mask[n_bytes:self._used[0]].zero_()
-        n_cut = self._used[1]
-        if hasattr(self._module, "block_map"):  # the twin's map of the step, at the plan's grid
-            hq, hkv = self._shape[:2]
-            fresh = self._module.block_map(self.qo_indptr, self.kv_indptr, self.max_qo_len, self._max_kv, hq,
-                                           hq // hkv, self._causal, self._args)
-            if self._map is None:  # the map's shapes follow from the plan's grid; its cut tiles are bounded by
-                # max(1, ceil(kv / keys)) a row of tiles, as the tile list's (capacity)
-                heads, n_q = fresh.tiles.shape[1:3]
-                cap = heads * n_q * (self._max_kv // fresh.block[1] + self.max_batch)
-                self._map = fresh._replace(**{f: getattr(fresh, f).clone() for f in ("tiles", "counts", "slots",
-                                                                                    "kinds")},
-                                           bits=fresh.bits.new_zeros(cap, fresh.block[0]))
-            n_cut = fresh.bits.shape[0]
-            if n_cut > self._map.bits.shape[0]:  # bounded as graph_verify.capacity bounds the tile list's
-                raise FivarError(f"variant '{name}': this step's block map has {n_cut} cut tiles, the plan's buffer "
-                                 f"{self._map.bits.shape[0]} (a fivar bug)")
-            for field in ("tiles", "counts", "slots", "kinds"):
-                getattr(self._map, field).copy_(getattr(fresh, field))
-            self._map.bits[:n_cut].copy_(fresh.bits)
-            self._map.bits[n_cut:self._used[1]].zero_()
-        self._used, self.batch = (n_bytes, n_cut), batch
-
-    def run(self, q, paged_kv_cache, *, return_lse: bool = False):
-        """As GraphVerifyPlan.run: q [max_batch * max_qo_len, Hq, D], the step's tokens first; zeros past them."""
-        from .triton_attention import _check_inputs
-        return_lse = check_lse(self.variant, return_lse)
-        k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
-        _check_inputs(self.variant, q, k_cache, v_cache, paged=True)
-        _check_run(self, q, k_cache, check_kv_dtype=False)
-        result = self._module.prefill(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr, self.max_qo_len,
-                                      self._causal, self._args, return_lse, plan=self._map,
-                                      custom=(self.mask, self.mask_indptr),
-                                      pages=(self.kv_indices, self.page_indptr, self._max_kv))
-        past = self._rows >= self.qo_indptr[-1]  # rows no program writes: zeros, on the device (no sync)
-        out, lse = result if return_lse else (result, None)
-        out.masked_fill_(past[:, None, None], 0)
-        if return_lse:
-            lse.masked_fill_(past[:, None], 0)
-        return result
-
-
-def graph_verify_plan(variant, *args, backend: str = "auto", **kwargs):
-    """v.plan_paged(..., cuda_graph=True): the twin's plan for backend="triton", else FlashInfer's (GraphVerifyPlan)."""
-    _check_uniform(variant, kwargs.get("uniform_qo_len", False))  # before a plan's device checks
-    if runs_twin(backend):
-        return TwinGraphVerifyPlan(variant, *args, **kwargs)
-    return GraphVerifyPlan(variant, *args, backend=backend, **kwargs)

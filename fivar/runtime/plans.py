@@ -19,7 +19,7 @@ from .ops import register_plan
 from . import fa2_blocks, mixed, segments
 from .lse import merge_into
 from .segments import mask_scan
-from .custom_mask import check_custom_mask, paged_kv_lens
+from .custom_mask import causal_implied, check_custom_mask, paged_kv_lens
 from .fa3_tile_list import TileListPrefill
 from .launch import (_check_indptr, _check_pages, _check_qkv, _module, _paged_kv, _prepare, direct_paged_run,
                      release_wrapper, take_wrapper)
@@ -243,7 +243,8 @@ class PagedAttentionPlan(_OwnsWrapper):
     one request per query block over the pages it may keep (fivar.runtime.fa2_blocks). `keys_read`: keys read and
     the unsplit form's. A custom mask (custom_mask or packed_custom_mask with mask_indptr,
     fivar.runtime.custom_mask) runs the tile-list form (FA2 or FA3) whatever the variant's mask, the custom bits
-    ANDed into the block map and the tiles' bits.
+    ANDed into the block map and the tiles' bits, unless its bits add nothing to causal (a chain of drafts:
+    custom_mask.causal_implied), which then runs as causal with no bits (`reads_custom_mask` False).
     """
 
     def __init__(self, variant, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_qo_heads,
@@ -261,6 +262,12 @@ class PagedAttentionPlan(_OwnsWrapper):
         custom = check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_indptr.diff(),
                                    paged_kv_lens(kv_indptr, kv_last_page_len, page_size), self.device)
         qo_lens = qo_indptr.diff().cpu()
+        if custom is not None:  # bits adding nothing to causal (a chain of drafts): the band form, no bits read
+            implied = causal_implied(custom, qo_lens, paged_kv_lens(kv_indptr, kv_last_page_len, page_size),
+                                     _kernel_causal(variant, causal))
+            if implied is not None:
+                custom, causal = None, implied
+        self.reads_custom_mask = custom is not None
         if custom is None and mixed.splits(variant, backend, self.target, qo_lens, head_dim):
             def part(*meta, backend, params):  # the call's own arguments, over the part's requests
                 return PagedAttentionPlan(variant, *meta, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,

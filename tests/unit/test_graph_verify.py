@@ -336,3 +336,74 @@ def test_the_twins_graph_plan_runs_new_steps_through_its_fixed_tensors(name, cau
     with pytest.raises(fivar.FivarError) as e:
         plan.plan(*Step(4, 2, 5, page_size, pool=pool).args)
     _one_line(e, name if name != "head_window_sinks" else "map_head_window_sinks", "max_batch=3 (4)")
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("hint", [False, True])
+def test_a_maskless_plans_requests_are_the_steps_own_padded_to_the_capacity(uniform, hint):
+    """A verify plan made without a custom mask on FA2 (VerifyRequests): its buffers hold the step's own requests
+    then padding ones of no pages (and, promised uniform with FlashInfer told so, max_qo_len rows each, q's rows
+    past the step's), at the same addresses; pages past the step's zeros; a step giving a mask and one past a limit
+    are one-line errors leaving the buffers as they were."""
+    from fivar.runtime.graph_verify import VerifyRequests
+    v = fivar.load("softcap")
+    max_batch, max_qo, page = 5, 6, 16
+    plan = VerifyRequests(v, page_size=page, max_batch=max_batch, max_qo_len=max_qo, max_pages=40, device="cpu",
+                          uniform=uniform, hint=hint)
+    addresses = [t.data_ptr() for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len)]
+    for batch, prefix in ((4, 90), (2, 30), (3, 5)):
+        step = Step(batch, max_qo, prefix, page, qo=[max_qo] * batch if uniform else None)
+        qo_h, kv_h, table, last = step.args
+        plan.plan(*step.args)
+        rows = max_qo if uniform and hint else 0
+        pad = max_batch - batch
+        want_qo = torch.cat([qo_h, qo_h[-1] + rows * torch.arange(1, pad + 1)])
+        assert plan.qo_indptr.tolist() == want_qo.tolist()
+        assert plan.kv_indptr.tolist() == kv_h.tolist() + [int(kv_h[-1])] * pad
+        assert plan.kv_last_page_len.tolist() == last.tolist() + [0] * pad
+        n = int(kv_h[-1])
+        assert plan.kv_indices[:n].tolist() == table.tolist() and not plan.kv_indices[n:].any()
+        assert plan.batch == batch
+        assert addresses == [t.data_ptr() for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
+                                                    plan.kv_last_page_len)]
+    before = [t.clone() for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len)]
+    step = Step(2, max_qo, 10, page, qo=[max_qo] * 2)
+    with pytest.raises(fivar.FivarError) as e:
+        plan.plan(*step.args, **step.mask)
+    _one_line(e, "softcap", "made without a custom mask")
+    with pytest.raises(fivar.FivarError) as e:
+        plan.plan(*Step(max_batch + 1, max_qo, 10, page, qo=[max_qo] * (max_batch + 1)).args)
+    _one_line(e, "softcap", f"max_batch={max_batch}")
+    assert all(torch.equal(a, b) for a, b in zip(before, (plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
+                                                          plan.kv_last_page_len)))
+
+
+def test_the_twins_plan_made_without_a_mask_runs_its_steps_without_one():
+    """backend="triton" keeps the same rule as FlashInfer's plans: made without a custom mask, a step runs the
+    variant's mask and causal alone (against the float64 reference), and a step giving a mask is refused."""
+    from fivar.codegen.torch_ref import reference_attention
+    page_size, max_batch, max_qo = 16, 3, 6
+    pool = 3 * math.ceil(40 / page_size) + 4
+    v, params = _setup("softcap", max_batch, pool * page_size)
+    k_cache = torch.randn(pool, page_size, KV_HEADS, D).half()
+    v_cache = torch.randn(pool, page_size, KV_HEADS, D).half()
+    first, second = (Step(n, max_qo, 30, page_size, pool=pool) for n in (3, 2))
+    plan = v.plan_paged(*first.args, cuda_graph=True, backend="triton", device="cpu", max_batch=max_batch,
+                        max_qo_len=max_qo, max_pages=pool, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D,
+                        page_size=page_size, dtype=torch.float16, causal=True, **params)
+    with pytest.raises(fivar.FivarError) as e:
+        plan.plan(*second.args, **second.mask)
+    _one_line(e, "softcap", "made without a custom mask")
+    plan.plan(*second.args)
+    n = sum(second.qo)
+    q_static = torch.zeros(max_batch * max_qo, HEADS, D, dtype=torch.float16)
+    q_static[:n] = torch.randn(n, HEADS, D).half()
+    out = plan.run(q_static, (k_cache, v_cache))
+    k, vv = _gathered(k_cache, second), _gathered(v_cache, second)
+    refs, a, b = [], 0, 0
+    for r, (lq, lk) in enumerate(zip(second.qo, second.kv)):
+        refs.append(reference_attention(v, q_static[a:a + lq], k[b:b + lk], vv[b:b + lk], causal=True, params=params,
+                                        batch_idx=r, batch_size=max_batch, float_dtype=torch.float64))
+        a, b = a + lq, b + lk
+    assert (out[:n].double() - torch.cat(refs)).abs().max() < 2e-2
+    assert not out[n:].any()

@@ -6,6 +6,7 @@ Random batches: 1..3 requests of 1..16 draft tokens as a chain or a random tree 
 16 keys, causal on and off, variants without a mask (soft-cap), with a window, with sinks and a window, and with a
 mask beyond a band (documents). Dropping the custom mask must fail the same checks.
 """
+import itertools
 import random
 
 import numpy as np
@@ -88,6 +89,63 @@ def test_pack_is_segment_packbits_little_endian():
         for b, (lq, lk) in enumerate(zip(qo.tolist(), kv.tolist())):
             assert torch.equal(got.request(b, lq, lk), flat[a:a + lq * lk].view(lq, lk))
             a += lq * lk
+
+
+def _request_bits(kind: str, qo: int, kv: int) -> torch.Tensor:
+    """bool [qo, kv] of one kind: the causal region (a chain after its prefix), every pair, a random tree, or the
+    causal region with one pair added or taken away."""
+    inside = torch.arange(kv)[None, :] <= kv - qo + torch.arange(qo)[:, None]
+    if kind == "all":
+        return torch.ones(qo, kv, dtype=torch.bool)
+    if kind == "tree":
+        rows = tree_rows([-1] + [random.randrange(-1, j) for j in range(1, qo)]) if qo else torch.zeros(0, 0)
+        return torch.cat([torch.ones(qo, kv - qo, dtype=torch.bool), rows.bool()], 1) if kv >= qo else inside
+    bits = inside.clone()
+    if kind in ("plus", "minus") and qo * kv:
+        where = (~inside if kind == "plus" else inside).nonzero()
+        if len(where):
+            i, j = where[random.randrange(len(where))].tolist()
+            bits[i, j] = kind == "plus"
+    return bits
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 24])
+def test_causal_implied_names_the_causal_flag_a_mask_adds_nothing_to(chunk, monkeypatch):
+    """The flag returned keeps exactly the pairs the bits and the call's causal keep together (None where the bits
+    are more than that), against per-request matrices, and the float64 reference agrees: attention with the flag
+    and no mask equals attention with the bits."""
+    from fivar.runtime import custom_mask as cm
+    monkeypatch.setattr(cm, "_IMPLIED_CHUNK", chunk)  # the device pass in pieces too (a bit's request per piece)
+    v = fivar.load("softcap")
+    seen = set()
+    for kind, causal, _ in itertools.product(["causal", "all", "tree", "plus", "minus"], [False, True], range(10)):
+        qo = torch.randint(0, 7, (random.randint(1, 4),))
+        kv = (qo + torch.randint(-2, 20, qo.shape)).clamp(min=0)
+        mats = [_request_bits(kind if random.random() < 0.75 else "causal", lq, lk)
+                for lq, lk in zip(qo.tolist(), kv.tolist())]
+        got = cm.causal_implied(pack(torch.cat([m.reshape(-1) for m in mats]), qo, kv), qo, kv, causal)
+        want = None
+        regions = [torch.arange(lk)[None, :] <= lk - lq + torch.arange(lq)[:, None]
+                   for lq, lk in zip(qo.tolist(), kv.tolist())]
+        kept = [m & r if causal else m for m, r in zip(mats, regions)]
+        if all(torch.equal(k, r) for k, r in zip(kept, regions)):
+            want = True
+        elif not causal and all(bool(m.all()) for m in mats):
+            want = False
+        assert got is want, (kind, causal, qo.tolist(), kv.tolist(), got, want)
+        seen.add(got)
+        if got is not None and int(qo.sum()):
+            b = int(torch.argmax(qo))  # a request with queries: the reference with the flag alone
+            lq, lk = int(qo[b]), int(kv[b])
+            q = torch.randn(lq, 4, 32, dtype=torch.float64)
+            k, vv = (torch.randn(lk, 2, 32, dtype=torch.float64) for _ in range(2))
+            params = example_params(v, num_qo_heads=4, num_kv_heads=2, batch_size=1, max_len=max(lk, 1),
+                                    device="cpu")
+            with_bits = reference_attention(v, q, k, vv, causal=causal, custom_mask=mats[b], params=params,
+                                            float_dtype=torch.float64)
+            flag = reference_attention(v, q, k, vv, causal=got, params=params, float_dtype=torch.float64)
+            assert torch.allclose(with_bits, flag, equal_nan=True), (kind, causal, lq, lk)
+    assert seen == {True, False, None}
 
 
 def test_tree_rows_keep_exactly_the_ancestors():

@@ -14,7 +14,8 @@ gathered dense, its block mask from the variant's mask and the custom mask; a si
 log-sum-exp). Ratios against stock, else the Triton twin.
 
 Verify replayed from CUDA graphs ("verify graph" cases, the same steps): `fivar-graph` (`plan_paged(...,
-cuda_graph=True, uniform_qo_len=True)` with the case's batch, drafts and pages as its capacity, `run` captured)
+cuda_graph=True, uniform_qo_len=True)` with the case's batch, drafts and pages as its capacity, `run` captured; a
+chain's plan made without a custom mask, causal, as an engine plans chains)
 against `stock-graph` (stock's wrapper above with use_cuda_graph, fixed buffers and `uniform_q_len` = the drafts,
 `run` captured), each timed as its graph's replay; ratios against stock-graph.
 
@@ -217,15 +218,18 @@ def _graph_contenders(v, t, params) -> list[Contender]:
     paged = (t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["last"])
     out = []
     if selected("fivar-graph"):
+        # a chain's mask is causal: an engine plans its graph without one (its steps then take none)
+        chain = t["form"] == "chain"
+        mask = {} if chain else dict(packed_custom_mask=t["packed"], mask_indptr=t["mask_indptr"])
+
         def build():
             plan = v.plan_paged(*paged, cuda_graph=True, max_batch=BATCH, max_qo_len=t["drafts"],
                                 max_pages=t["kv_indices"].numel(), uniform_qo_len=True, num_qo_heads=hq,
-                                num_kv_heads=hkv,
-                                head_dim=HEAD_DIM, page_size=PAGE, dtype=DTYPE, causal=True,
-                                packed_custom_mask=t["packed"], mask_indptr=t["mask_indptr"], **params)
+                                num_kv_heads=hkv, head_dim=HEAD_DIM, page_size=PAGE, dtype=DTYPE, causal=True,
+                                **mask, **params)
             return _replayed(lambda: plan.run(q, cache))
-        out.append(_built("fivar-graph", "plan_paged(cuda_graph=True, uniform_qo_len=True), backend auto, "
-                          "replayed", build))
+        out.append(_built("fivar-graph", "plan_paged(cuda_graph=True, uniform_qo_len=True), backend auto"
+                          + (", the chain as causal with no custom mask" if chain else "") + ", replayed", build))
     stock = _stock_verify(v, t, params, cuda_graph=True) if selected("stock-graph") else None
     if stock is not None:
         out.append(_built("stock-graph", *stock))
