@@ -200,13 +200,10 @@ def batch_prefill_paged(variant, q, paged_kv_cache, qo_indptr, kv_indptr, kv_ind
     sm_scale = _k_scaled(sm_scale, q, k_scale)
     masks = (custom_mask, packed_custom_mask, mask_indptr)
     if torch.compiler.is_compiling():
-        if any(m is not None for m in masks):
-            raise FivarError(f"variant '{variant.name}': custom_mask is not supported under torch.compile (the mask's "
-                             "checks read it on the host); call batch_prefill_paged outside the compiled region")
         from . import ops
         return scaled_output(ops.paged(variant, q, *_paged_kv(variant, paged_kv_cache), qo_indptr, kv_indptr,
                                        kv_indices, kv_last_page_len, causal=causal, sm_scale=sm_scale, backend=backend,
-                                       params=params or {}, return_lse=return_lse), v_scale, return_lse)
+                                       params=params or {}, return_lse=return_lse, masks=masks), v_scale, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     backend = _cache_backend(variant, backend, q, k_cache, v_cache)
     if runs_twin(backend):

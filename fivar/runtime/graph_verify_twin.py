@@ -137,6 +137,9 @@ class TwinGraphVerifyPlan:
     def run(self, q, paged_kv_cache, *, return_lse: bool = False):
         """As GraphVerifyPlan.run: q [max_batch * max_qo_len, Hq, D], the step's tokens first; zeros past them."""
         from .triton_attention import _check_inputs
+        if torch.compiler.is_compiling():  # under torch.compile: the plan_run custom op (fivar.runtime.ops)
+            from . import ops
+            return ops.plan_run(self, q, *_paged_kv(self.variant, paged_kv_cache), return_lse)
         return_lse = check_lse(self.variant, return_lse)
         k_cache, v_cache = _paged_kv(self.variant, paged_kv_cache)
         _check_inputs(self.variant, q, k_cache, v_cache, paged=True)

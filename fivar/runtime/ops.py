@@ -11,8 +11,8 @@ variants never share an op, and the same variant loaded twice reuses it. The ops
 
     prefill(q, k, v, causal, sm_scale, backend, return_lse, *params)                       -> (out, lse)
     ragged(q, k, v, qo_indptr, kv_indptr, causal, sm_scale, backend, return_lse, *params)  -> (out, lse)
-    paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, backend,
-          return_lse, *params)                                                             -> (out, lse)
+    paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask, packed_custom_mask,
+          mask_indptr, causal, sm_scale, backend, return_lse, *params)                    -> (out, lse)
     decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, backend, return_lse,
            *params)                                                                        -> (out, lse)
     plan_run(plan, q, k, v, return_lse)                                                    -> (out, lse)
@@ -38,7 +38,8 @@ _HEADS = {
     "ragged": "Tensor q, Tensor k, Tensor v, Tensor qo_indptr, Tensor kv_indptr, bool causal, float? sm_scale, "
               "str backend, bool return_lse",
     "paged": "Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
-             "Tensor kv_last_page_len, bool causal, float? sm_scale, str backend, bool return_lse",
+             "Tensor kv_last_page_len, Tensor? custom_mask, Tensor? packed_custom_mask, Tensor? mask_indptr, "
+             "bool causal, float? sm_scale, str backend, bool return_lse",
     "decode": "Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, "
               "Tensor kv_last_page_len, float? sm_scale, str backend, bool return_lse",
 }
@@ -78,12 +79,13 @@ class OpFamily:
                                                        sm_scale=sm_scale, backend=backend, return_lse=return_lse,
                                                        **self._params(params)), q, return_lse)
 
-    def _paged(self, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale,
-               backend, return_lse, *params):
+    def _paged(self, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
+               packed_custom_mask, mask_indptr, causal, sm_scale, backend, return_lse, *params):
         return _pair(self.variant.batch_prefill_paged(q, (k_cache, v_cache), qo_indptr, kv_indptr, kv_indices,
                                                       kv_last_page_len, causal=causal, sm_scale=sm_scale,
                                                       backend=backend, return_lse=return_lse,
-                                                      **self._params(params)), q, return_lse)
+                                                      custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+                                                      mask_indptr=mask_indptr, **self._params(params)), q, return_lse)
 
     def _decode(self, q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, backend, return_lse,
                 *params):
@@ -176,9 +178,10 @@ def ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal, sm_scale, backend,
 
 
 def paged(variant, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, causal, sm_scale,
-          backend, params, return_lse):
+          backend, params, return_lse, masks=(None, None, None)):
+    """masks: (custom_mask, packed_custom_mask, mask_indptr), checked when the graph runs, as every index tensor."""
     return _result(ops_of(variant).paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                         bool(causal), sm_scale, backend, bool(return_lse),
+                                         *masks, bool(causal), sm_scale, backend, bool(return_lse),
                                          *_param_args(variant, params, return_lse)), return_lse)
 
 

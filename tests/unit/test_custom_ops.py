@@ -113,7 +113,8 @@ def test_fake_shapes_and_dtypes_of_every_op():
             lse_shape = (37, 8) if return_lse else (0,)
             outs = [torch_ops.prefill(q, k, k, True, None, "fa2", return_lse, 0.5, bias),
                     torch_ops.ragged(q, k, k, ind, ind, False, 0.1, "fa3", return_lse, None, bias),
-                    torch_ops.paged(q, kc, kc, ind, ind, ind, ind, False, None, "auto", return_lse, 1.0, bias),
+                    torch_ops.paged(q, kc, kc, ind, ind, ind, ind, None, ind, ind, False, None, "auto", return_lse,
+                                    1.0, bias),
                     torch_ops.plan_run(q, 7, kc, kc, return_lse)]
             qd = q[:3]
             outs.append(torch_ops.decode(qd, kc, kc, ind, ind, ind, None, "fa2", return_lse, None, bias))
@@ -175,3 +176,45 @@ def test_cuda_graph_plan_needs_a_gpu():
     with pytest.raises(fivar.FivarError, match="variant 'softcap': a CUDA-graph decode plan needs a CUDA GPU"):
         variant.plan_decode(indptr, indices, last, cuda_graph=True, max_batch=4, max_pages=16, num_qo_heads=8,
                             num_kv_heads=2, head_dim=128, page_size=16, device="cpu", softcap=20.0)
+
+
+def test_a_compiled_verify_step_keeps_its_custom_mask_and_graph_plan_in_one_graph():
+    """The verify entry points under torch.compile(fullgraph=True): the one-shot paged call with a packed draft-tree
+    mask (its mask tensors are the op's arguments, checked when the graph runs) and a CUDA-graph verify plan's run
+    (the twin's plan here), each equal to the eager call, with no graph break."""
+    from fivar.integrations.serving import tree_mask
+    variant = fivar.load("softcap")
+    hq, hkv, d, page = 4, 2, 16, 4
+    drafts, prefixes = [3, 5], [6, 9]
+    parents = [[-1, 0, 0], [-1, 0, 1, 1, 3]]
+    kv_lens = [p + n for p, n in zip(prefixes, drafts)]
+    q, k, v = _qkv(sum(drafts), sum(kv_lens), hq, hkv, d)
+    cache, indptr, indices, last = _to_paged(k, v, kv_lens, page_size=page)
+    qo_indptr = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed, mask_indptr = tree_mask(prefixes, parents)
+
+    def step(q, cache_k, cache_v, packed, mask_indptr):
+        return variant.batch_prefill_paged(q, (cache_k, cache_v), qo_indptr, indptr, indices, last, causal=True,
+                                           backend="triton", packed_custom_mask=packed, mask_indptr=mask_indptr,
+                                           softcap=20.0) * 2
+
+    explanation = torch._dynamo.explain(step)(q, *cache, packed, mask_indptr)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *cache, packed, mask_indptr)
+    want = step(q, *cache, packed, mask_indptr)
+    _close(got, want)
+    unmasked = variant.batch_prefill_paged(q, cache, qo_indptr, indptr, indices, last, causal=True, backend="triton",
+                                           softcap=20.0) * 2
+    assert (got.float() - unmasked.float()).abs().max() > 1e-2  # the trees drop pairs causal keeps: the mask ran
+
+    plan = variant.plan_paged(qo_indptr, indptr, indices, last, cuda_graph=True, backend="triton", device="cpu",
+                              max_batch=2, max_qo_len=5, max_pages=int(indptr[-1]), num_qo_heads=hq,
+                              num_kv_heads=hkv, head_dim=d, page_size=page, dtype=DTYPE, causal=True,
+                              packed_custom_mask=packed, mask_indptr=mask_indptr, softcap=20.0)
+    q_static = torch.zeros(10, hq, d, dtype=DTYPE)
+    q_static[:8] = q
+    replay = lambda q, c0, c1: plan.run(q, (c0, c1)) + 1  # noqa: E731
+    explanation = torch._dynamo.explain(replay)(q_static, *cache)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    got = torch.compile(replay, fullgraph=True, backend="aot_eager")(q_static, *cache)
+    _close(got[:8], want / 2 + 1)
