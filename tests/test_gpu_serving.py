@@ -77,6 +77,32 @@ def test_verify_matches_the_reference_and_its_plan(backend, name, page):
                 assert not plan.reads_custom_mask
 
 
+@pytest.mark.parametrize("backend", ["fa2", "auto", "triton"])
+def test_a_compiled_verify_call_keeps_its_mask(backend):
+    """torch.compile(fullgraph=True) over the one-shot verify call with a packed tree mask: one graph, equal to the
+    eager call, which passes the float64 reference."""
+    v = fivar.load("softcap")
+    qo, kv, prefixes, parents, masks = (x[:-1] for x in _batch("tree"))  # short requests: FA2 under auto
+    params = example_params(v, num_qo_heads=HQ, num_kv_heads=HKV, batch_size=len(qo), max_len=max(kv), device="cuda")
+    q = torch.randn(sum(qo), HQ, D, dtype=DTYPE, device="cuda")
+    k, vv = (torch.randn(sum(kv), HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
+    cache, kv_indptr, kv_indices, last = _to_paged(k, vv, kv, 16)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32, device="cuda")
+    packed, mask_indptr = tree_mask(prefixes, parents, device="cuda")
+
+    def step(q, c0, c1, packed, mask_indptr):
+        return v.batch_prefill_paged(q, (c0, c1), qo_indptr, kv_indptr, kv_indices, last, causal=True,
+                                     backend=backend, packed_custom_mask=packed, mask_indptr=mask_indptr, **params)
+
+    explanation = torch._dynamo.explain(step)(q, *cache, packed, mask_indptr)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    got = torch.compile(step, fullgraph=True)(q, *cache, packed, mask_indptr)
+    assert torch.equal(got, step(q, *cache, packed, mask_indptr))
+    r = compare(v.name, f"compiled verify [{backend}]", got, _reference(v, q, k, vv, qo, kv, True, params, masks),
+                DTYPE)
+    assert r.passed, r
+
+
 def _graph_step(batch, max_qo, max_prefix, page, pool, uniform: bool = False, chain: bool = False):
     """A verify step over a shared pool of pages: (qo lens, kv lens, masks, (qo_indptr, kv_indptr, kv_indices, last),
     the packed mask's kwargs), draft trees (chain: chains) of 1..max_qo tokens (uniform: max_qo each) after prefixes
