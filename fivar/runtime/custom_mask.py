@@ -55,8 +55,8 @@ def pack(custom_mask: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Tensor
     return CustomMask(words.to(torch.uint8), byte_indptr.to(device=dev, dtype=torch.int32))
 
 
-# bits of a mask checked per device pass against the causal region (bounds the pass's index tensors)
-_IMPLIED_CHUNK = 1 << 24
+# bits checked per device pass against the causal region (bounds its int64 index tensors: tens of bytes a bit)
+_IMPLIED_CHUNK = 1 << 22
 
 
 def causal_implied(mask: CustomMask, qo_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool) -> bool | None:
@@ -64,7 +64,7 @@ def causal_implied(mask: CustomMask, qo_lens: torch.Tensor, kv_lens: torch.Tenso
     to it (a chain of drafts: its bits are the causal triangle), else None. A kernel given that flag and no bits
     runs the band form instead of reading bits. True: the bits keep the whole causal region (row i of a request of
     qo_len queries over kv_len keys keeps keys j <= kv_len - qo_len + i) and, without causal, nothing else; False:
-    no causal and every bit set. One device pass over the bits, one host read."""
+    no causal and every bit set. One device pass over the bits (a host read per 4M bits past the first)."""
     dev = mask.packed.device
     qo_lens, kv_lens = qo_lens.long().cpu(), kv_lens.long().cpu()
     sizes = qo_lens * kv_lens
@@ -85,6 +85,8 @@ def causal_implied(mask: CustomMask, qo_lens: torch.Tensor, kv_lens: torch.Tenso
         missing |= (inside & ~bit).any()  # a clear bit on or left of the diagonal
         kept |= (~inside & bit).any()  # a set bit right of it
         dropped |= (~inside & ~bit).any()  # a clear bit right of it
+        if lo + _IMPLIED_CHUNK < total and bool(missing | (kept & dropped & (not causal))):
+            return None  # decided (a long mask: one host read a chunk to stop early)
     missing, kept, dropped = (bool(x) for x in torch.stack([missing, kept, dropped]).cpu())
     if missing:
         return None
