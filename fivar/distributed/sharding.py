@@ -27,6 +27,9 @@ class Sharding:
     runs: tuple[tuple[tuple[int, int], ...], ...]
 
     def __post_init__(self):
+        # a rank's runs that follow each other in position as in storage are one run (one kernel call a pair, not
+        # two: zigzag's middle chunks on 2 ranks)
+        object.__setattr__(self, "runs", tuple(_joined(runs) for runs in self.runs))
         seen = torch.zeros(self.seq_len, dtype=torch.int32)
         for r, runs in enumerate(self.runs):
             for s, e in runs:
@@ -133,6 +136,18 @@ class Sharding:
     def _check_full(self, x: torch.Tensor):
         if x.shape[0] != self.seq_len:
             raise FivarError(f"sharding: the tensor has {x.shape[0]} positions, the sharding covers {self.seq_len}")
+
+
+def _joined(runs) -> tuple:
+    """`runs` with each run that starts where the one before it ends joined to it."""
+    pair = lambda r: isinstance(r, (tuple, list)) and len(r) == 2 and all(isinstance(x, int) for x in r)  # noqa: E731
+    out = []
+    for run in runs:
+        if out and pair(run) and pair(out[-1]) and out[-1][1] == run[0]:
+            out[-1] = (out[-1][0], run[1])
+        else:
+            out.append(tuple(run) if pair(run) else run)
+    return tuple(out)
 
 
 def _check_split(seq_len, world_size):

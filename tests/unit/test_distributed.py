@@ -277,6 +277,22 @@ def test_zigzag_shards_round_trip():
             assert [run[0] for run in sharding.runs[0]] == [0, seq_len * (2 * world - 1) // (2 * world)]
 
 
+def test_a_ranks_runs_that_follow_each_other_are_one_run():
+    """Runs adjacent in position and in storage join (one kernel call a pair): zigzag's middle chunks on 2 ranks,
+    and a user's sharding; rows stored as before (shard / unshard round trip); runs out of order stay apart."""
+    zig = Sharding.zigzag(16, 2)
+    assert zig.runs == (((0, 4), (12, 16)), ((4, 12),))
+    for runs in ((((0, 3), (3, 5), (9, 12)), ((5, 9),)), (((3, 5), (0, 3)), ((5, 12),))):
+        sharding = Sharding(12, runs)
+        x = torch.randn(12, 2)
+        parts = [torch.cat([x[s:e] for s, e in rank_runs]) for rank_runs in runs]  # stored as given
+        assert all(torch.equal(sharding.shard(x, r), parts[r]) for r in range(2))
+        assert torch.equal(sharding.unshard(parts), x)
+        joined = [[(s, e) for s, e in r] for r in sharding.runs]
+        assert all(a[1] != b[0] for r in joined for a, b in zip(r, r[1:]))  # nothing left to join
+    assert Sharding(12, runs).runs[0] == ((3, 5), (0, 3))  # in storage order 3..5 then 0..3: not one run
+
+
 def _transfer_order(rank, world):
     """Every ring transfer is posted before the compute it overlaps and waited for after it: the next step's key/value
     slices in the forward and the backward, and in the backward a step's gradients on their way back to their owner
