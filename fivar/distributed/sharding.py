@@ -5,7 +5,8 @@ rows, back to back in run order. `zigzag` balances causal work: with R ranks the
 and rank r holds chunks r and 2R-1-r, so every rank has as many early (cheap) as late (costly) query rows.
 `balanced` does the same for any mask: its 2R pieces hold equal attention work (the tiles the mask keeps, by fivar's
 interval classification) rather than equal lengths, so packed documents of uneven lengths, a window or a prefix
-split as evenly as causal does under zigzag.
+split as evenly as causal does under zigzag; and where the work stays by the diagonal (a window), R contiguous
+pieces of equal work, one run a rank.
 """
 from __future__ import annotations
 
@@ -89,28 +90,40 @@ class Sharding:
         """A sharding whose ranks get near-equal attention work under the variant's mask: `zigzag` (equal rows),
         unless zigzag over pieces of equal work (2R pieces cut at block edges, each holding 1/2R of the tiles the
         mask keeps with `causal`; rank r holds pieces r and 2R-1-r) lowers the busiest rank's work by more than
-        BALANCE_GAIN. The work is counted over `blocks` x `blocks` tiles by fivar's interval classification; `params`
-        are the variant's, as the call gets them (tensor params read on the host once)."""
+        BALANCE_GAIN; and R contiguous pieces of equal work (one run a rank: one kernel call a pair, transfers only
+        where the mask crosses a boundary) where they cost no more than that choice by BALANCE_GAIN, both by the
+        busiest rank's work and by the ring in lockstep (`ring_cost`): a window or short documents, whose work stays
+        near the diagonal, not causal attention. The work is counted over `blocks` x `blocks` tiles by fivar's
+        interval classification; `params` are the variant's, as the call gets them (tensor params read on the host
+        once)."""
         zig = Sharding.zigzag(seq_len, world_size)
         if seq_len == 0:
             return zig
-        n = 2 * world_size
-        edges, work = block_work(variant, seq_len, blocks, causal=causal, num_qo_heads=num_qo_heads,
-                                 num_kv_heads=num_kv_heads, params=params)
-        cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(work.double(), 0)])
-        total = float(cum[-1])
-        if total == 0:
+        edges, weights = block_weights(variant, seq_len, blocks, causal=causal, num_qo_heads=num_qo_heads,
+                                       num_kv_heads=num_kv_heads, params=params)
+        cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(weights.sum(1), 0)])
+        if float(cum[-1]) == 0:
             return zig
-        cuts = [0]
-        for c in range(1, n):  # the first block edge where the work so far reaches c/n of the total
-            at = int(torch.searchsorted(cum, total * c / n))
-            cuts.append(max(cuts[-1], int(edges[min(at, edges.numel() - 1)])))
-        cuts.append(seq_len)
-        chunk = [(cuts[c], cuts[c + 1]) for c in range(n)]
+
+        def pieces(n):  # n pieces of equal work: cut at the first block edge where the work so far reaches c/n
+            cuts = [0]
+            for c in range(1, n):
+                at = int(torch.searchsorted(cum, float(cum[-1]) * c / n))
+                cuts.append(max(cuts[-1], int(edges[min(at, edges.numel() - 1)])))
+            return [(a, b) for a, b in zip(cuts, cuts[1:] + [seq_len])]
+        n = 2 * world_size
+        chunk = pieces(n)
         even = Sharding(seq_len, tuple(tuple(run for run in (chunk[r], chunk[n - 1 - r]) if run[1] > run[0])
                                        for r in range(world_size)))
-        busiest = lambda sh: max(sum(_work_between(edges, cum, s, e) for s, e in runs) for runs in sh.runs)  # noqa: E731
-        return even if busiest(even) < (1 - BALANCE_GAIN) * busiest(zig) else zig
+        contiguous = Sharding(seq_len, tuple((run,) if run[1] > run[0] else () for run in pieces(world_size)))
+        busiest = lambda sh: max(float(_cover(edges, runs) @ weights.sum(1)) for runs in sh.runs)  # noqa: E731
+        lockstep = lambda sh: ring_cost(sh, edges, weights)  # noqa: E731
+        chosen = even if busiest(even) < (1 - BALANCE_GAIN) * busiest(zig) else zig
+        # one run a rank where that costs no more by either bound of the ring's time: the busiest rank's work (ranks
+        # never wait for each other) and the sum of each step's busiest pair (ranks in lockstep)
+        if all(cost(contiguous) <= (1 + BALANCE_GAIN) * cost(chosen) for cost in (busiest, lockstep)):
+            return contiguous
+        return chosen
 
     def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s rows of a full-sequence tensor (dim 0 is the position)."""
@@ -156,11 +169,11 @@ def _check_split(seq_len, world_size):
                          f"{world_size!r}")
 
 
-def block_work(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads: int, num_kv_heads: int,
-               params: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(edges [m+1], work [m]): the sequence cut into m <= `blocks` equal query blocks, and for each the key blocks
-    the mask (with causal) keeps, by fivar's interval classification (fivar.spec.sparsity): FULL ones count 1,
-    PARTIAL ones 1/2: about the kernel tiles visited for those rows."""
+def block_weights(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads: int, num_kv_heads: int,
+                  params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(edges [m+1], weights [m, m]): the sequence cut into m <= `blocks` equal blocks, and per (query block, key
+    block) the mask's (with causal) keep by fivar's interval classification (fivar.spec.sparsity): FULL 1, PARTIAL
+    1/2 (a block much larger than a kernel's tile is about half kept tiles there: a diagonal, a document's edge)."""
     from ..spec import ir
     from ..spec.inputs import bind_params
     from ..spec.sparsity import FULL, PARTIAL, classify_bounds
@@ -171,7 +184,7 @@ def block_work(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads
     program = variant.ir.mask
     if program is None:
         if not causal:
-            return edges, torch.full((lo.numel(),), float(lo.numel()), dtype=torch.float64)
+            return edges, torch.ones(lo.numel(), lo.numel(), dtype=torch.float64)
         program = ir.Program([], ir.Const(ir.BOOL, True))
     host = {k: t.detach().cpu() if isinstance(t, torch.Tensor) else t for k, t in params.items()}
     bound = bind_params(variant, host, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, batch_size=1,
@@ -179,15 +192,23 @@ def block_work(variant, seq_len: int, blocks: int, *, causal: bool, num_qo_heads
     kinds = classify_bounds(program, lo, hi, lo, hi, scalars=dict(bound.scalars),
                             tensors={k: t.detach().cpu() for k, t in bound.tensors.items()},
                             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, causal=causal)
-    # a PARTIAL block (much larger than a kernel's tile) is about half kept tiles: a diagonal, a document's edge
-    return edges, (kinds == FULL).sum(1).double() + 0.5 * (kinds == PARTIAL).sum(1).double()
+    return edges, (kinds == FULL).double() + 0.5 * (kinds == PARTIAL).double()
 
 
-def _work_between(edges: torch.Tensor, cum: torch.Tensor, start: int, end: int) -> float:
-    """The work of query rows start..end-1, each block's work spread evenly over its rows (cum[b]: the work of the
-    blocks before edge b)."""
-    def before(x: int) -> float:
-        b = min(max(int(torch.searchsorted(edges, x, right=True)) - 1, 0), edges.numel() - 2)
-        frac = (x - int(edges[b])) / max(1, int(edges[b + 1] - edges[b]))
-        return float(cum[b]) + frac * float(cum[b + 1] - cum[b])
-    return before(end) - before(start)
+def _cover(edges: torch.Tensor, runs) -> torch.Tensor:
+    """float64 [m]: the share of each block's rows the runs hold."""
+    lo, hi = edges[:-1].double(), edges[1:].double()
+    share = torch.zeros(lo.numel(), dtype=torch.float64)
+    for s, e in runs:
+        share += ((hi.clamp(max=e) - lo.clamp(min=s)).clamp(min=0)) / (hi - lo)
+    return share
+
+
+def ring_cost(sharding: "Sharding", edges: torch.Tensor, weights: torch.Tensor) -> float:
+    """The ring's work along its critical path: at step k rank r computes its rows against rank (r - k) mod R's
+    keys, and a step lasts as long as its busiest rank's pair; a pair's work is the block weights its rows and keys
+    cover (fractions of a block at a run's ends)."""
+    cover = [_cover(edges, runs) for runs in sharding.runs]
+    world = len(cover)
+    pair = [[float(cover[r] @ weights @ cover[o]) for o in range(world)] for r in range(world)]
+    return sum(max(pair[r][(r - k) % world] for r in range(world)) for k in range(world))
