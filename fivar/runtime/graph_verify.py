@@ -248,12 +248,7 @@ class VerifyTiles:
         if step and bool((qo.diff() != step).any()):
             raise FivarError(f"variant '{name}': a uniform verify step's tile list has requests of other than "
                              f"{step} rows (a fivar bug)")
-        qo = torch.cat([qo, qo[-1:] + step * torch.arange(1, pad + 1, dtype=qo.dtype)]).to(torch.int32)
-        kv = torch.cat([kv, kv[-1:].expand(pad)]).to(torch.int32)
-        last = torch.cat([last.to(torch.int32), torch.zeros(pad, dtype=torch.int32)])
-        self.qo_indptr.copy_(qo)
-        self.kv_indptr.copy_(kv)
-        self.kv_last_page_len.copy_(last)
+        qo, kv, last = _write_padded(self, qo, kv, last, pad, step)
         old_pages, old_req, old_entries, old_words = self._used
         if layout is not None:
             self.kv_indices[:n_pages].copy_(layout.kv_indices)
@@ -270,6 +265,17 @@ class VerifyTiles:
         self.cut_bits[:, n_words:old_words].zero_()
         self._used, self.requests = sizes, n_req
         return qo, kv, last, n_pages
+
+
+def _write_padded(plan, qo, kv, last, pad: int, rows: int):
+    """A step's host (qo_indptr, kv_indptr, kv_last_page_len) with `pad` padding requests of `rows` query rows each
+    and no pages after its own, written into the plan's fixed buffers; returned as written (int32)."""
+    qo = torch.cat([qo, qo[-1:] + rows * torch.arange(1, pad + 1, dtype=qo.dtype)]).to(torch.int32)
+    kv = torch.cat([kv, kv[-1:].expand(pad)]).to(torch.int32)
+    last = torch.cat([last.to(torch.int32), torch.zeros(pad, dtype=torch.int32)])
+    for buf, t in ((plan.qo_indptr, qo), (plan.kv_indptr, kv), (plan.kv_last_page_len, last)):
+        buf.copy_(t)
+    return qo, kv, last
 
 
 _SMALLEST_KV_CHUNK = 128  # keys: FlashInfer's FA2 scheduler splits a request's keys in chunks of at least this
@@ -326,13 +332,7 @@ class VerifyRequests:
                              self.uniform)
         kv_indices, last = _check_pages(v, kv, kv_indices, kv_last_page_len, 1 << 62, self.page, self.device)
         batch, n_pages = qo.numel() - 1, int(kv[-1])
-        pad = self.max_batch - batch
-        qo = torch.cat([qo, qo[-1:] + (self.uniform_rows or 0) * torch.arange(1, pad + 1)]).to(torch.int32)
-        kv = torch.cat([kv, kv[-1:].expand(pad)]).to(torch.int32)
-        last = torch.cat([last.cpu().to(torch.int32), torch.zeros(pad, dtype=torch.int32)])
-        self.qo_indptr.copy_(qo)
-        self.kv_indptr.copy_(kv)
-        self.kv_last_page_len.copy_(last)
+        qo, kv, last = _write_padded(self, qo, kv, last.cpu(), self.max_batch - batch, self.uniform_rows or 0)
         self.kv_indices[:n_pages].copy_(kv_indices[:n_pages])
         self.kv_indices[n_pages:self._pages].zero_()
         self._pages, self.requests, self.batch = n_pages, batch, batch

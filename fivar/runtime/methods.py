@@ -6,6 +6,7 @@ runtime, fivar.fusion.variant). Each call is thin: the work lives in fivar.runti
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 from ..errors import FivarError
@@ -81,14 +82,12 @@ class _Calls:
             from .graph_verify import GraphVerifyPlan, _check_uniform
             from .graph_verify_twin import TwinGraphVerifyPlan
             _check_uniform(self, uniform_qo_len)  # before a plan's device checks
-            twin = runs_twin(backend)
-            return (TwinGraphVerifyPlan if twin else GraphVerifyPlan)(
-                self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, max_batch=max_batch,
-                max_qo_len=max_qo_len, max_pages=max_pages, dtype=dtype, causal=causal, sm_scale=sm_scale,
-                **({} if twin else {"backend": backend}), device=device, params=params, kv_dtype=kv_dtype,
-                custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr,
-                uniform_qo_len=uniform_qo_len)
+            plan = TwinGraphVerifyPlan if runs_twin(backend) else functools.partial(GraphVerifyPlan, backend=backend)
+            return plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads=num_qo_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, max_batch=max_batch,
+                        max_qo_len=max_qo_len, max_pages=max_pages, dtype=dtype, causal=causal, sm_scale=sm_scale,
+                        device=device, params=params, kv_dtype=kv_dtype, custom_mask=custom_mask,
+                        packed_custom_mask=packed_custom_mask, mask_indptr=mask_indptr, uniform_qo_len=uniform_qo_len)
         if (max_batch, max_qo_len, max_pages) != (None, None, None) or uniform_qo_len is not False:
             raise FivarError(f"variant '{self.name}': max_batch, max_qo_len, max_pages and uniform_qo_len shape a "
                              "cuda_graph=True plan; pass cuda_graph=True with them")

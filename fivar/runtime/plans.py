@@ -259,12 +259,11 @@ class PagedAttentionPlan(_OwnsWrapper):
         # no cache to bound the page numbers by here (run takes it): int32 is the bound
         kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, 1 << 62,
                                                     page_size, self.device)
-        custom = check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_indptr.diff(),
-                                   paged_kv_lens(kv_indptr, kv_last_page_len, page_size), self.device)
-        qo_lens = qo_indptr.diff().cpu()
+        qo_lens, kv_lens = qo_indptr.diff().cpu(), paged_kv_lens(kv_indptr, kv_last_page_len, page_size)
+        custom = check_custom_mask(variant, custom_mask, packed_custom_mask, mask_indptr, qo_lens, kv_lens,
+                                   self.device)
         if custom is not None:  # bits adding nothing to causal (a chain of drafts): the band form, no bits read
-            implied = causal_implied(custom, qo_lens, paged_kv_lens(kv_indptr, kv_last_page_len, page_size),
-                                     _kernel_causal(variant, causal))
+            implied = causal_implied(custom, qo_lens, kv_lens, _kernel_causal(variant, causal))
             if implied is not None:
                 custom, causal = None, implied
         self.reads_custom_mask = custom is not None

@@ -3,10 +3,11 @@ random draft tree, fivar.integrations.serving), batch 32 x 8192 keys of context,
 32/8, causal; soft-cap, sliding window (512) and gpt-oss (a sink per head in a 128-key window).
 
 Contenders: `fivar` (the one-shot `batch_prefill_paged(..., packed_custom_mask=)`, backend auto: FA2's tile list for
-up to 32 drafts, else FA3's; a chain's mask, adding nothing to causal, runs as causal with no bits), `fivar-fa3` (the same call on FA3's tile-list form), `fivar-fa3-planned` (`plan_paged`
-once on FA3, then `run`), `fivar-fa2` (the one-shot call on FA2's tile-list form), `fivar-causal` (chains: the
-one-shot call with causal and no custom mask, the same function, as stock's sink wrapper and vLLM's chain drafts
-pass it), `triton` (the twin's prefill reading the pages through the page table and the mask's bits), `stock`
+up to 32 drafts, else FA3's; a chain's mask, adding nothing to causal, runs as causal with no bits), `fivar-fa3`
+(the same call on FA3's tile-list form), `fivar-fa3-planned` (`plan_paged` once on FA3, then `run`), `fivar-fa2`
+(the one-shot call on FA2's tile-list form), `fivar-causal` (chains: the one-shot call with causal and no custom
+mask, the same function, as stock's sink wrapper and vLLM's chain drafts pass it), `triton` (the twin's prefill
+reading the pages through the page table and the mask's bits), `stock`
 (FlashInfer's BatchPrefillWithPagedKVCacheWrapper with the same mask and `logits_soft_cap` / `window_left`, where
 those compute the variant; for gpt-oss its BatchAttentionWithAttentionSinkWrapper, whose kernel reads no custom
 mask: chain drafts only, as causal, on FA2 up to 32 drafts, else auto) and `flex` (FlexAttention over the batch
