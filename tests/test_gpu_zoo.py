@@ -92,11 +92,9 @@ def test_zoo_per_head_windows_on_fa3(causal):
 
 
 @pytest.mark.gpu
-def test_zoo_prefix_lm_as_rectangles_and_triangles_on_fa3():
-    """A non-causal prefix-LM batch on FA3: the mask-free kernel's kNone rectangles and kCausal triangles merged by
-    LSE. Prefixes of no key, one key, past every key (the triangle request has no keys: its rows are zeros, -inf)
-    and inside; requests of one row and with more keys than rows; output and LSE against the reference, planned and
-    one-shot."""
+def test_zoo_prefix_lm_batch_on_fa3():
+    """A non-causal prefix-LM batch on FA3 (the tile list): prefixes of no key, one key, past every key and inside;
+    requests of one row and with more keys than rows; output and LSE against the reference, planned and one-shot."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FA3 needs Hopper")
     from fivar.testing import _ragged_reference
@@ -111,9 +109,9 @@ def test_zoo_prefix_lm_as_rectangles_and_triangles_on_fa3():
     ref, ref_lse = _ragged_reference(v, q, k, vv, qo_lens, kv_lens, False, params, return_lse=True)
     plan = v.plan_ragged(qo, kv, num_qo_heads=hq, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16,
                          backend="fa3", **params)
-    assert plan.segments is not None and plan._merged is not None  # both launches
+    assert plan.segments is None and plan._tile_list is not None
     for out, lse in (plan.run(q, k, vv, return_lse=True),
                      v.batch_prefill_ragged(q, k, vv, qo, kv, backend="fa3", return_lse=True, **params)):
-        r = compare("prefix_lm", "fa3 rectangles + triangles", out, ref, torch.bfloat16)
+        r = compare("prefix_lm", "fa3 non-causal batch", out, ref, torch.bfloat16)
         assert r.passed, r
         assert torch.allclose(lse.float(), ref_lse.float(), atol=2e-2, rtol=0)

@@ -65,12 +65,6 @@ def runs_unmapped(variant) -> bool:
         p is not None and {"q_idx", "kv_idx", "batch"} & ir.uses(p) for p in (variant.lowered.logits, variant.ir.sink))
 
 
-def runs_split(variant) -> bool:
-    """Whether a non-causal batch may run as rectangles and triangles merged by LSE (fivar.runtime.segments
-    .split_layout): runs_unmapped, with a softmax (an LSE to merge by) and no sink (each launch would add it once)."""
-    return runs_unmapped(variant) and variant.softmax and variant.ir.sink is None
-
-
 def reads_heads(variant) -> bool:
     """Whether the kernel's struct reads the query or KV head (its logits or sink): the tile list's request per head
     (fivar.runtime.fa3_tile_list.HeadRequests) runs every head as head 0, so such a variant keeps the union."""

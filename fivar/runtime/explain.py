@@ -8,7 +8,7 @@ long (--verbose).
 from __future__ import annotations
 
 from ..codegen import fa2, fa3
-from ..codegen.tile_list import reads_heads, runs_split, runs_unmapped
+from ..codegen.tile_list import reads_heads, runs_unmapped
 from .attention import trims_decode_pages
 from ..spec import ir, sparsity
 from ..spec.ir import format_expr
@@ -80,8 +80,6 @@ def _fa3_short(v) -> str:
                 "(device block map); whole tiles unmasked, cut tiles " + _cut_tiles(v)
                 + " once per KV tile; no mask in the kernel: one module per logits and sink"
                 + ("; causal documents as segments (kCausal)" if runs_unmapped(v) else "")
-                + ("; a non-causal prefix as rectangles (kNone) and triangles (kCausal), merged" if runs_split(v)
-                   else "")
                 + ("; a request per head where heads differ" if fa3.mask_reads_head(v) and not reads_heads(v) else ""))
     return "fa3 prefill: " + {
         "no mask": "FlashInfer's kernel; causal skips the upper triangle; no mask",

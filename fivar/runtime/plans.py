@@ -8,7 +8,7 @@ import types
 import torch
 
 from ..codegen import fa2
-from ..codegen.tile_list import runs_split, runs_unmapped
+from ..codegen.tile_list import runs_unmapped
 from ..errors import FivarError
 from ..jit.build import DTYPES, HEAD_DIMS, module_for
 from ..jit.module_key import ModuleKey
@@ -17,7 +17,6 @@ from ..spec.inputs import check_lse
 from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv_dtype, scaled_output
 from .ops import register_plan
 from . import fa2_blocks, mixed, segments
-from .lse import merge_into
 from .segments import mask_scan
 from .custom_mask import causal_implied, check_custom_mask, paged_kv_lens
 from .fa3_tile_list import TileListPrefill
@@ -393,7 +392,6 @@ class RaggedAttentionPlan(_OwnsWrapper):
         bound, sm_scale = _prepare(variant, params or {}, probe, num_kv_heads, self.batch, sm_scale)
         self._shape = (num_qo_heads, num_kv_heads, head_dim, dtype)
         self._tile_list = None
-        self._merged = None  # a second wrapper whose output merges into the first's by LSE (_plan_split)
         self.segments = None  # the segments form: how many requests it runs
         if variant.scans_mask and (target_of(self.target).runs_key_segments or runs_unmapped(variant)) \
                 and self._plan_segments(variant, bound, sm_scale, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
@@ -423,20 +421,16 @@ class RaggedAttentionPlan(_OwnsWrapper):
         """Causal: when the mask cuts the batch into segments (documents, chunks), a request of FlashInfer's ragged
         kernel per segment in kCausal mode (fivar.runtime.segments), as stock FlashInfer runs documents, no mask
         evaluated: on FA2 the struct's key segments map each request back to its positions; on FA3 the mask-free
-        kernel of the logits (bits_kernel), which reads no position (runs_unmapped). Not causal, on FA3: rows that
-        keep one run ending at or past themselves (a prefix-LM) as rectangles and triangles (segments.split_layout).
-        False when the mask is more than that on this batch."""
-        fa2_form = target_of(self.target).runs_key_segments
-        if not causal and (fa2_form or not runs_split(variant)):
+        kernel of the logits (bits_kernel), which reads no position (runs_unmapped). False when the mask is more
+        than that on this batch, or the call is not causal."""
+        if not causal:
             return False
+        fa2_form = target_of(self.target).runs_key_segments
         max_qo_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
         _, kind, runs = mask_scan(variant, bound, qo_indptr, kv_indptr, max_qo_len, num_qo_heads, num_kv_heads,
                                   sm_scale, self.device)
         if kind != 1:
             return False
-        if not causal:
-            return self._plan_split(variant, bound, sm_scale, segments.split_layout(runs, qo_indptr, kv_indptr),
-                                    qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, dtype)
         layout = segments.segment_layout(runs, qo_indptr, kv_indptr)
         if layout is None:
             return False
@@ -453,33 +447,6 @@ class RaggedAttentionPlan(_OwnsWrapper):
         self.segments = layout.qo_indptr.numel() - 1
         return True
 
-    def _plan_split(self, variant, bound, sm_scale, layout, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads,
-                    head_dim, dtype) -> bool:
-        """The split layout's launches on the logits' mask-free FA3 kernel: the triangles in kCausal mode, the
-        rectangles in kNone (`_merged`, merged into the first by LSE when there are both)."""
-        if layout is None:
-            return False
-        fmod = _module(variant, ModuleKey("batch_prefill", self.target, dtype, head_dim, mask_free=True), bound,
-                       sm_scale)
-        launches = [(indptrs, causal) for indptrs, causal in ((layout.triangles, True), (layout.rectangles, False))
-                    if indptrs is not None]
-        if not launches:  # no query rows
-            return False
-        wrappers = []
-        for (qo, kv), causal in launches:
-            w = take_wrapper("ragged", fmod, self.device, False)
-            w.plan(qo.to(self.device), kv.to(self.device), num_qo_heads, num_kv_heads, head_dim, causal=causal,
-                   q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype,
-                   **_split_kwargs(variant, self.target, causal))
-            wrappers.append(w)
-        self._release = ("ragged", fmod, self.device)
-        self._args = kernel_args(fmod.kernel_variant, bound, sm_scale, None,
-                                 lengths=lambda: max_lengths(qo_indptr, kv_indptr))
-        self._wrapper = wrappers[0]
-        self._merged = wrappers[1] if len(wrappers) > 1 else None
-        self.segments = sum(qo.numel() - 1 for (qo, _), _ in launches)
-        return True
-
     def run(self, q, k, v, *, return_lse=False):
         if torch.compiler.is_compiling():
             from . import ops
@@ -494,17 +461,10 @@ class RaggedAttentionPlan(_OwnsWrapper):
                              f"k {tuple(k.shape)}, {q.dtype}")
         if self._tile_list is not None:
             return self._tile_list.run(q, k, v, return_lse=return_lse)
-        if self._merged is None:
-            return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
-        out, lse = self._wrapper.run(q, k, v, *self._args, return_lse=True)
-        merge_into(out, lse, *self._merged.run(q, k, v, *self._args, return_lse=True))
-        return (out, lse) if return_lse else out
+        return self._wrapper.run(q, k, v, *self._args, return_lse=return_lse)
 
     def release(self):
         if self._tile_list is not None:
             self._tile_list.release()
             return
-        if self._merged is not None:
-            release_wrapper(*self._release, self._merged)
-            self._merged = None
         _OwnsWrapper.release(self)

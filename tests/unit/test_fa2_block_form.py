@@ -16,8 +16,8 @@ from fivar.runtime import attention, fa3_tile_list, plans
 from fivar.testing import _ragged_reference, _to_paged
 
 from kernel_standin import attend
-from test_sparsity import (_variant, m_causal, m_causal_window, m_chunk, m_chunk_causal, m_document, m_document_causal,
-                           m_hole, m_per_head_window, m_prefix_lm, m_sinks_window, m_two_sided, m_window)
+from test_sparsity import (_variant, m_causal, m_causal_window, m_chunk_causal, m_document, m_document_causal, m_hole,
+                           m_per_head_window, m_prefix_lm, m_sinks_window)
 
 
 #: FlashInfer's FA2 KV tile (keys per iteration) the stand-in emulates: 64 at CTA_TILE_Q 128 and head dim 128, 128
@@ -307,15 +307,13 @@ def test_fa3_runs_documents_as_segments_on_the_logits_alone(cpu_fa3, mask, segme
     assert torch.allclose(out.double(), ref.double(), atol=2e-3), (out.double() - ref.double()).abs().max()
 
 
-#: the launches (kernel causal modes) a layout must have, and those it must not
-@pytest.mark.parametrize("mask,launches", [(m_prefix_lm, ({True, False}, set())), (m_document, ({False}, set())),
-                                           (m_document_causal, ({True}, {False})), (m_sinks_window, None)],
-                         ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize("mask", [m_prefix_lm, m_document, m_document_causal, m_sinks_window],
+                         ids=lambda f: f.__name__)
 @pytest.mark.parametrize("seed", range(3))
-def test_fa3_runs_a_non_causal_prefix_as_rectangles_and_triangles(cpu_fa3, mask, launches, seed):
-    """FA3, not causal: rows keeping one run that ends at or past themselves (a prefix-LM, documents seen both ways
-    or causally) run on the logits' mask-free kernel as a kCausal launch of triangles and a kNone launch of
-    rectangles, merged by LSE; out and LSE equal the reference's, with every random draw of the batch."""
+def test_fa3_runs_a_non_causal_batch_of_a_mask_beyond_a_band_in_the_tile_list(cpu_fa3, mask, seed):
+    """FA3, not causal: a mask beyond a band (a prefix-LM, documents seen both ways) runs in the tile list, whatever
+    its row runs on the batch; one that implies causal (documents seen causally) as causal segments. Out and LSE
+    equal the reference's, with every random draw."""
     current, made = cpu_fa3
     gen = torch.Generator().manual_seed(20 + seed)
     v, qo_lens, kv_lens, params = _case(mask, gen)
@@ -323,13 +321,10 @@ def test_fa3_runs_a_non_causal_prefix_as_rectangles_and_triangles(cpu_fa3, mask,
     current[0] = v
     q, k, vv = _qkv(qo_lens, kv_lens, gen)
     plan = _ragged_plan(v, qo_lens, kv_lens, params, False, "fa3")
-    if launches is None:
-        assert plan.segments is None and plan._tile_list is not None
+    if mask is m_document_causal:
+        assert plan.segments and made[-1].mask_free and plan._wrapper.p["causal"]
     else:
-        key = made[-1]
-        assert key.target == "fa3" and key.mask_free and key.kernel_variant.mask is None
-        modes = [plan._wrapper.p["causal"]] + ([plan._merged.p["causal"]] if plan._merged is not None else [])
-        assert launches[0] <= set(modes) and not launches[1] & set(modes)
+        assert plan.segments is None and plan._tile_list is not None and made[-1].tile_list
     ref, ref_lse = _ragged_reference(v, q.float(), k.float(), vv.float(), qo_lens, kv_lens, False, params,
                                      return_lse=True)
     out, lse = plan.run(q, k, vv, return_lse=True)
@@ -349,8 +344,7 @@ def _prefix_lm_with(**extra):
 @pytest.mark.parametrize("extra", [dict(sink=lambda qo_head, params: params.sinks[qo_head]), dict(softmax=False)],
                          ids=["sink", "no softmax"])
 def test_fa3_keeps_a_prefix_with_a_sink_or_no_softmax_in_the_tile_list(cpu_fa3, extra):
-    """Rectangles and triangles merge by LSE, once per row: a sink would join each launch's denominator, and without a
-    softmax there is no LSE to merge by; such a prefix-LM runs in the tile list."""
+    """Not causal, a prefix-LM with a sink or without a softmax runs in the tile list too."""
     current, made = cpu_fa3
     v = _prefix_lm_with(**extra)
     current[0] = v
@@ -359,16 +353,7 @@ def test_fa3_keeps_a_prefix_with_a_sink_or_no_softmax_in_the_tile_list(cpu_fa3, 
     if "sink" in extra:
         params["sinks"] = torch.randn(4, generator=gen)
     plan = _ragged_plan(v, qo_lens, kv_lens, params, False, "fa3")
-    assert plan.segments is None and plan._merged is None and plan._tile_list is not None
-
-
-def test_fa3_plans_a_non_causal_prefix_batch_of_no_rows(cpu_fa3):
-    """Every request empty of queries: no launch has rows, and the plan does not take the split layout."""
-    current, made = cpu_fa3
-    current[0] = v = _variant(m_prefix_lm)
-    _, _, _, params = _case(m_prefix_lm, torch.Generator().manual_seed(8))
-    plan = _ragged_plan(v, [0, 0, 0], [37, 90, 150], params, False, "fa3")
-    assert plan._merged is None
+    assert plan.segments is None and plan._tile_list is not None
 
 
 def _batch_scaled(score, b, h, kh, q, kv, p):
@@ -492,99 +477,6 @@ def test_segments_attend_exactly_the_kept_keys(mask, seed):
         got[:, :, kv_idx] = (kv_idx.view(1, -1) <= q_idx.view(-1, 1)).expand(heads, -1, -1)
         assert torch.equal(got, want), (s, b)
     assert bool((seen == 1).all())
-
-
-def _launch_keeps(indptrs, causal, qo_total, kv_total):
-    """bool [rows, tokens]: the pairs one ragged launch computes (kCausal bottom-right aligned in each request)."""
-    got = torch.zeros(qo_total, kv_total, dtype=torch.bool)
-    if indptrs is None:
-        return got
-    qo, kv = (t.long() for t in indptrs)
-    assert qo.diff().ge(0).all() and kv.diff().ge(0).all()
-    for s in range(qo.numel() - 1):
-        rows, keys = int(qo[s + 1] - qo[s]), int(kv[s + 1] - kv[s])
-        block = torch.ones(rows, keys, dtype=torch.bool)
-        if causal:
-            block = torch.arange(keys).view(1, -1) <= torch.arange(rows).view(-1, 1) + keys - rows
-        got[qo[s]:qo[s + 1], kv[s]:kv[s + 1]] = block
-    return got
-
-
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("mask", [m_prefix_lm, m_document, m_document_causal, m_chunk, m_causal, m_window,
-                                  m_sinks_window, m_hole, m_per_head_window, m_strictly_before, m_two_sided],
-                         ids=lambda f: f.__name__)
-def test_split_layout_computes_exactly_the_kept_pairs(mask, seed):
-    """split_layout against the mask on every (row, key, head) of a non-causal batch: when it gives a layout, the
-    kNone launch's rectangles and the kCausal launch's triangles never both compute a pair, and together compute
-    exactly the pairs the mask keeps; a prefix-LM and documents always give one."""
-    from fivar.runtime.segments import split_layout
-    from fivar.runtime.params import bind_params
-    gen = torch.Generator().manual_seed(100 + seed)
-    v = _variant(mask)
-    qo_lens = [int(x) for x in torch.randint(1, 60, (3,), generator=gen)]
-    kv_lens = [lq + int(torch.randint(0, 40, (), generator=gen)) for lq in qo_lens]
-    qo_lens[1] = 0 if seed % 2 else qo_lens[1]
-    heads = 2
-    draw = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
-    params = {"w": draw(2, 20), "r": 3, "c": draw(3, 30), "n_sink": 3, "hole": 2,
-              "doc": torch.randint(0, 5, (3, max(kv_lens)), generator=gen).sort(1).values.to(torch.int32),
-              "prefix": torch.randint(1, 50, (3,), generator=gen).to(torch.int32),
-              "hw": torch.randint(1, 20, (heads,), generator=gen).to(torch.int32)}
-    qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
-    kv = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
-    layout = split_layout(_brute_runs(v, params, qo_lens, kv_lens, heads), qo, kv)
-    if mask in (m_prefix_lm, m_document, m_document_causal):
-        assert layout is not None
-    if layout is None:
-        return
-    bound = bind_params(v, params, num_qo_heads=heads, num_kv_heads=heads, batch_size=3, device="cpu")
-    want = torch.zeros(int(qo[-1]), int(kv[-1]), dtype=torch.bool)
-    for b, (lq, lk) in enumerate(zip(qo_lens, kv_lens)):
-        kept = _kept(v, bound, b, lq, lk, heads, causal=False)
-        assert bool((kept == kept[:1]).all())  # the layout is the batch's: every head keeps the same keys
-        want[qo[b]:qo[b + 1], kv[b]:kv[b + 1]] = kept[0]
-    rect = _launch_keeps(layout.rectangles, False, *want.shape)
-    tri = _launch_keeps(layout.triangles, True, *want.shape)
-    assert not bool((rect & tri).any())
-    assert torch.equal(rect | tri, want)
-
-
-def _one_request_runs(a0, a1):
-    """The pre-pass's runs ([1, 1, rows, 2]) of one request whose rows keep [a0[r], a1[r])."""
-    return torch.tensor([a0, a1], dtype=torch.int32).T.reshape(1, 1, -1, 2)
-
-
-#: four rows over 12 keys sit at positions 8..11
-@pytest.mark.parametrize("a0,a1,kv_len", [
-    ([0, 0, 0, 0], [11, 12, 11, 12], 12),  # rectangle rows of growing bounds (11, 12): overlapping rectangles
-    ([0, 0, 0, 0], [11, 10, 11, 12], 12),  # a triangle row (p = 9) inside its segment's rectangle [0, 11)
-    ([0, 0, 0, 0], [11, 9, 11, 12], 12),   # a row ending before itself
-])
-def test_split_layout_refuses_what_two_launches_cannot_compute(a0, a1, kv_len):
-    """Rows whose runs are not one rectangle then one triangle per segment give no layout, and a layout given for
-    them would compute other pairs than they keep (checked against the brute force when one is given)."""
-    from fivar.runtime.segments import split_layout
-    rows = len(a0)
-    qo, kv = torch.tensor([0, rows], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32)
-    assert split_layout(_one_request_runs(a0, a1), qo, kv) is None
-
-
-def test_split_layout_splits_a_rectangle_then_a_triangle_and_a_new_bound():
-    """Rows keeping [0, 6) then [0, p] (p >= 5), then a segment starting at 6: its rows keep [6, 9) then [6, p]."""
-    from fivar.runtime.segments import split_layout
-    kv_len, rows = 12, 12
-    p = list(range(rows))
-    a0 = [0] * 6 + [6] * 6
-    a1 = [6, 6, 6, 6, 6, 6, 9, 9, 9, 10, 11, 12]
-    layout = split_layout(_one_request_runs(a0, a1), torch.tensor([0, rows]), torch.tensor([0, kv_len]))
-    want = torch.zeros(rows, kv_len, dtype=torch.bool)
-    for r in range(rows):
-        want[r, a0[r]:a1[r]] = True
-    assert p[5] + 1 == a1[5]
-    rect = _launch_keeps(layout.rectangles, False, rows, kv_len)
-    tri = _launch_keeps(layout.triangles, True, rows, kv_len)
-    assert not bool((rect & tri).any()) and torch.equal(rect | tri, want)
 
 
 @pytest.mark.parametrize("kv_lens,page", [([48, 80, 160], 16), ([40, 88, 152], 8), ([38, 90, 150], 2)])

@@ -256,8 +256,8 @@ def test_the_module_compiles_and_defines_every_entry_it_links(monkeypatch):
 
 
 def test_the_mask_free_module_compiles_the_ragged_kernels_alone(monkeypatch):
-    """The logits' mask-free module runs ragged requests alone (segments; a prefix as rectangles and triangles, in
-    kNone and kCausal): its ragged kernels in both modes, its paged entry points stubs in a unit of their own."""
+    """The logits' mask-free module runs ragged requests alone (a causal batch's segments): its ragged kernels in
+    both modes, its paged entry points stubs in a unit of their own."""
     from fivar.jit.build import gen_module
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     m = gen_module(_variant("flagged")[0], "batch_prefill", "fa3", mask_free=True)
