@@ -35,7 +35,8 @@ def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, n
     config = _render_flashinfer(config_t, **kwargs)
     if tiles:
         config += fa3.render("fa3/cta_tile_decl.inc.jinja", head_dim=head_dim, mask_modes=list(tiles), **kwargs)
-    modes = [fa2.MASK_NONE] if key.tile_list else fa3.mask_modes(variant)
+    # the tile list runs kNone with its bits; the mask-free module, a causal batch's segments in kCausal
+    modes = [fa2.MASK_NONE] if key.tile_list else [fa2.MASK_CAUSAL] if key.mask_free else fa3.mask_modes(variant)
     sources = {config_name: config + dispatch_override(config, variant, modes), **fivar_headers(decl.source)}
     for inst_t in inst_ts:
         stem = inst_t.removesuffix("_inst.jinja")

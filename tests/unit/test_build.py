@@ -445,7 +445,8 @@ def test_an_arch_nvcc_rejects_is_named_not_called_a_fivar_bug(tmp_path, monkeypa
 @pytest.mark.nvcc
 def test_fa3_module_compiles_for_sm90a(monkeypatch):
     """The Hopper struct (mask folded into LogitsTransform, request index from the block coordinate); compiled the
-    few-cores way, the second tile's unit inside its mode's (test_fa3_tiles links the many-cores way)."""
+    few-cores way, the second tile's unit inside its mode's (test_fa3_tiles renders the many-cores way), both mask
+    modes' dispatch defined with kernels of the module's tiles alone."""
     from fivar.jit import toolchain
     monkeypatch.setattr(toolchain, "cpu_count", lambda: 2)
     m = gen_module(fivar.load("softcap_sliding_window"), op="single_prefill", target="fa3")
@@ -460,7 +461,15 @@ def test_fa3_module_compiles_for_sm90a(monkeypatch):
     if shutil.which("nm"):  # the second tile's launcher is defined in the library, and local to it
         syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True).stdout.splitlines()
         assert [ln.split()[1] for ln in syms if "fivar_single_prefill_mask_0_tile_1(" in ln] == ["t"], syms[:5]
-        assert not [ln for ln in syms if "SinglePrefillWithKVCacheDispatched<" in ln and ln.split()[0] == "U"]
+        dispatch = [ln for ln in syms if "SinglePrefillWithKVCacheDispatched<" in ln]
+        assert not [ln for ln in dispatch if ln.split()[0] == "U"], dispatch
+        for mode in ("(flashinfer::MaskMode)0", "(flashinfer::MaskMode)1"):  # both defined, in place of FlashInfer's
+            assert any(f"SinglePrefillWithKVCacheDispatched<128u, 128u, {mode}" in ln and " T " in ln
+                       for ln in dispatch), (mode, dispatch)
+        text = "\n".join(syms)  # kernels of the module's own tiles (fa3.MUFU_BOUND_WINDOW_TILE), none of FlashInfer's
+        traits = "AttentionKernelTraits<true, 128, 128, {}, {}, 2"
+        assert all(traits.format(q, kv) in text for q, kv in ((192, 64), (128, 128)))
+        assert traits.format(128, 192) not in text
     assert not list(m.build_dir.glob("*tile1.cuda.o"))  # the tile unit compiled inside its mode's
 
 

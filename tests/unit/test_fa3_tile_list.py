@@ -256,17 +256,17 @@ def test_the_module_compiles_and_defines_every_entry_it_links(monkeypatch):
 
 
 def test_the_mask_free_module_compiles_the_ragged_kernels_alone(monkeypatch):
-    """The logits' mask-free module runs ragged requests alone (a causal batch's segments): its ragged kernels in
-    both modes, its paged entry points stubs in a unit of their own."""
+    """The logits' mask-free module runs ragged requests alone, a causal batch's segments: its ragged kernel in
+    kCausal mode alone, its paged entry points stubs in a unit of their own."""
     from fivar.jit.build import gen_module
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     m = gen_module(_variant("flagged")[0], "batch_prefill", "fa3", mask_free=True)
     assert sorted(n for n in m.sources if "kernel" in n) == [
-        "batch_prefill_paged_sm90_kernel_stubs.cu", "batch_prefill_ragged_sm90_kernel_mask_0.cu",
-        "batch_prefill_ragged_sm90_kernel_mask_1.cu"]
+        "batch_prefill_paged_sm90_kernel_stubs.cu", "batch_prefill_ragged_sm90_kernel_mask_1.cu"]
     stubs = m.sources["batch_prefill_paged_sm90_kernel_stubs.cu"]
-    assert "template cudaError_t" not in stubs and stubs.count("cudaErrorNotSupported") == 4
-    for mode in ("kNone", "kCausal"):  # the host unit's dispatch: both modes, either schedule (the stub macro's
+    assert "template cudaError_t" not in stubs and stubs.count("cudaErrorNotSupported") == 2
+    assert "MaskMode::kNone" not in stubs and "MaskMode::kNone" not in m.sources["batch_prefill_sm90_config.inc"]
+    for mode in ("kCausal",):  # the host unit's dispatch: kCausal alone, either schedule (the stub macro's
         # definitions link as the tile-list module's do: test_the_module_compiles_and_defines_every_entry_it_links)
         for same in ("true", "false"):
             assert (f"BatchPrefillWithPagedKVCacheDispatched<128, 128, MaskMode::{mode},\n    /*USE_SLIDING_WINDOW=*/"
