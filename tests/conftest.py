@@ -51,13 +51,15 @@ def pytest_configure(config):
 # Each test file's seconds in the last run that ran it (pytest's cache, written by the run's controller), so the next
 # run starts the longest files first. Without a record (a fresh clone, CI): these, measured on 2 cores.
 _FILE_SECONDS = "fivar/file_seconds"
-_MEASURED = {"test_build.py": 1200, "test_fa3_tiles.py": 620, "test_fa3_tile_list.py": 380,
-             "test_cache_reliability.py": 250, "test_sccache.py": 210, "test_cache_races.py": 150,
-             "test_distributed.py": 62, "test_triton_backward.py": 60,
-             "test_triton_attention.py": 50, "test_bench_context_parallel.py": 24, "test_fa2_block_form.py": 32,
-             "test_fa2_tile_list.py": 32, "test_cache_environments.py": 22, "test_flashinfer_compat.py": 25,
-             "test_mixed_batches.py": 18, "test_fuzz_spec.py": 13, "test_cli.py": 18, "test_hostile_battery.py": 12,
-             "test_transformers_compile.py": 11}
+_MEASURED = {"test_build.py": 1207, "test_fa3_tile_list.py": 285, "test_triton_backward.py": 219,
+             "test_sccache.py": 179, "test_cache_races.py": 163, "test_fa2_tile_list.py": 149,
+             "test_triton_attention.py": 123, "test_cache_reliability.py": 117, "test_fa2_block_form.py": 105,
+             "test_sinks.py": 85, "test_bench_context_parallel.py": 74, "test_distributed.py": 74,
+             "test_fusion_build.py": 73, "test_position_tables.py": 61, "test_fuzz_spec.py": 59,
+             "test_fp8_kv.py": 44, "test_cli.py": 43, "test_serving.py": 39, "test_triton_ops.py": 31,
+             "test_block_map.py": 30, "test_mask_ranges.py": 29, "test_flashinfer_compat.py": 28,
+             "test_training_lowering.py": 27, "test_cache_environments.py": 24, "test_fusion_spec.py": 21,
+             "test_wave_split.py": 21}
 _seconds_run: dict[str, float] = {}
 
 
