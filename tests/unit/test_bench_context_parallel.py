@@ -119,8 +119,9 @@ def test_lse_check_catches_a_shifted_row():
 def test_the_suite_lists_its_cases_and_modules_without_a_gpu(capsys):
     assert runner.main(["--suite", "context-parallel", "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert len(listed) == 5 and all("baseline=single-gpu" in x for x in listed)
-    assert any("S=524288" in x for x in listed)
+    assert len(listed) == 8 and all("baseline=single-gpu" in x for x in listed)
+    long = [x for x in listed if "S=524288" in x]  # 512k: documents and the window, forward and forward+backward
+    assert len(long) == 4 and sum("fwd+bwd" in x for x in long) == 2 and sum("softcap" in x for x in long) == 2
     quick = cp.cases(quick=True)
     assert {c.shape["seqlen"] for c in quick} == {cp.QUICK_SEQ}
     # the prebuild lists the single-GPU prefill's modules and the per-pair variant's (causal is the kernels' own)

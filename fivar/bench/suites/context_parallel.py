@@ -550,7 +550,9 @@ def cases(quick: bool = False) -> list:
     docs = Config("document_mask", seq, docs=DOCS[seq], seed=1)
     window = Config("softcap_sliding_window", seq, window=WINDOW, seed=2)
     out = [docs, window]
-    if not quick:
-        out.append(Config("document_mask", LONG_SEQ, docs=DOCS[LONG_SEQ], seed=3, budget_s=1.5, warmup=1))
     out += [replace(docs, backward=True), replace(window, backward=True)]
+    if not quick:  # 512k: the documents and the window again, forward and forward+backward
+        long_docs = Config("document_mask", LONG_SEQ, docs=DOCS[LONG_SEQ], seed=3, budget_s=1.5, warmup=1)
+        long_window = Config("softcap_sliding_window", LONG_SEQ, window=WINDOW, seed=4, budget_s=1.5, warmup=1)
+        out += [long_docs, long_window, replace(long_docs, backward=True), replace(long_window, backward=True)]
     return [_case(c, quick) for c in out]
