@@ -335,25 +335,61 @@ class ContextParallel(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         plan, transport = ctx.plan, ctx.transport
         q, k, v, out, lse, *learnable = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = RowGrads(plan, q)
         dparams = [torch.zeros_like(t, dtype=torch.float32) for t in learnable]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = None if dlse is None else dlse.contiguous()  # None: the loss does not read the lse
         for owner, ko, vo, dkv in transport.backward(k, v):
-            for _, qrows, qs, kvrows, ks in plan.pairs_with(owner):
+            for i, qrows, qs, kvrows, ks in plan.pairs_with(owner):
                 grads = plan.pair_grads(q[qrows], ko[kvrows], vo[kvrows], qs, ks, out[qrows], lse[qrows],
                                         dout[qrows], None if dlse is None else dlse[qrows])
-                dq[qrows] += grads[0].float()
-                if grads[1] is not None:
-                    dkv[0, kvrows] += grads[1].float()
+                dq.add(i, qrows, grads[0])
+                if grads[1] is not None:  # an in-place add casts as it reads: no float32 copy of the gradient
+                    dkv[0, kvrows] += grads[1]
                 if grads[2] is not None:
-                    dkv[1, kvrows] += grads[2].float()
+                    dkv[1, kvrows] += grads[2]
                 for name, acc in zip(plan.learnable, dparams):
                     if grads[3].get(name) is not None:
-                        acc += grads[3][name].float()
+                        acc += grads[3][name]
         dk, dv = transport.result()
-        return (None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+        return (None, None, dq.result(), dk.to(k.dtype), dv.to(v.dtype),
                 *(g.to(t.dtype) for g, t in zip(dparams, learnable)))
+
+
+class RowGrads:
+    """dq of this rank's query runs. A run whose rows no two pairs share (a window's contiguous shard: one pair a
+    row) takes each pair's gradient as the backward gives it, as one GPU's would: no float32 buffer to fill, add
+    into and cast back, each a pass over all of q; a run whose rows several pairs share sums them in float32."""
+
+    def __init__(self, plan, q):
+        spans: dict[int, list] = {}
+        for owner in range(plan.world):
+            for i, qrows, *_ in plan.pairs_with(owner):
+                spans.setdefault(i, []).append((qrows.start, qrows.stop))
+        self.out = torch.empty_like(q)
+        self.shared = {}  # run -> (its first row in q, float32 sum over its rows)
+        for i, (qs, qe, at) in enumerate(plan.q_runs):
+            s = sorted(spans.get(i, []))
+            if any(b[0] < a[1] for a, b in zip(s, s[1:])):
+                self.shared[i] = (at, torch.zeros((qe - qs, *q.shape[1:]), dtype=torch.float32, device=q.device))
+                continue
+            end = at  # rows no pair computes keep no key: gradient zero
+            for a, b in s + [(at + qe - qs, None)]:
+                if a > end:
+                    self.out[end:a] = 0
+                end = b if b is not None else end
+
+    def add(self, run: int, rows: slice, g: torch.Tensor) -> None:
+        if run in self.shared:
+            at, acc = self.shared[run]
+            acc[rows.start - at:rows.stop - at] += g
+        else:
+            self.out[rows] = g
+
+    def result(self) -> torch.Tensor:
+        for at, acc in self.shared.values():
+            self.out[at:at + acc.shape[0]] = acc
+        return self.out
 
 
 def run(plan: Plan, transport, q, k, v, return_lse: bool):

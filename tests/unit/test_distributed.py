@@ -718,3 +718,38 @@ def test_pieces_merge_when_close_and_stay_few():
                 assert got == [tuple(r) for r in runs], (ranges, got)
     finally:
         core.MIN_GAP, core.MAX_PIECES = saved
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_query_gradients_sum_each_rows_pairs_and_zero_rows_of_none(seed):
+    """RowGrads against brute force, fresh random runs and pairs: a row's dq is the sum of the gradients of the pairs
+    that compute it (float32 where several do), zero where none does; a run whose pairs share no row keeps each
+    gradient as given, with no float32 buffer."""
+    from types import SimpleNamespace
+
+    from fivar.distributed.core import RowGrads
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(1, 40, (3,), generator=gen)]
+    q_runs, at = [], 0
+    for n in lengths:
+        q_runs.append((1000 + at, 1000 + at + n, at))
+        at += n
+    pairs = {o: [] for o in range(2)}
+    for i, (_, _, start) in enumerate(q_runs):
+        for _ in range(int(torch.randint(0, 4, (), generator=gen))):
+            lo = int(torch.randint(0, lengths[i], (), generator=gen))
+            hi = lo + 1 + int(torch.randint(0, lengths[i] - lo, (), generator=gen))
+            pairs[int(torch.randint(0, 2, (), generator=gen))].append((i, slice(start + lo, start + hi)))
+    plan = SimpleNamespace(world=2, q_runs=q_runs, pairs_with=lambda o: [(i, r, 0, None, 0) for i, r in pairs[o]])
+    q = torch.randn(at, 2, 4, dtype=torch.bfloat16, generator=gen)
+    dq, want = RowGrads(plan, q), torch.zeros(at, 2, 4, dtype=torch.float64)
+    for o in range(2):
+        for i, rows in pairs[o]:
+            g = torch.randn(rows.stop - rows.start, 2, 4, generator=gen).to(torch.bfloat16)
+            dq.add(i, rows, g)
+            want[rows] += g.double()
+    got = dq.result()
+    assert got.dtype == q.dtype and torch.allclose(got.double(), want, atol=2e-2, rtol=1e-2)
+    for i, (_, _, start) in enumerate(q_runs):
+        spans = sorted((r.start, r.stop) for o in range(2) for j, r in pairs[o] if j == i)
+        assert (i in dq.shared) == any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
