@@ -357,9 +357,10 @@ class ContextParallel(torch.autograd.Function):
 
 
 class RowGrads:
-    """dq of this rank's query runs. A run whose rows no two pairs share (a window's contiguous shard: one pair a
-    row) takes each pair's gradient as the backward gives it, as one GPU's would: no float32 buffer to fill, add
-    into and cast back, each a pass over all of q; a run whose rows several pairs share sums them in float32."""
+    """dq of this rank's query runs. A row that one pair alone computes (all of a window's contiguous shard but the
+    first window's rows) takes that pair's gradient as the backward gives it, as one GPU's would: no float32 buffer
+    to fill, add into and cast back, each a pass over all of q. Rows that several pairs share sum in float32, over
+    the span from the first such row of a run to the last."""
 
     def __init__(self, plan, q):
         spans: dict[int, list] = {}
@@ -367,24 +368,33 @@ class RowGrads:
             for i, qrows, *_ in plan.pairs_with(owner):
                 spans.setdefault(i, []).append((qrows.start, qrows.stop))
         self.out = torch.empty_like(q)
-        self.shared = {}  # run -> (its first row in q, float32 sum over its rows)
+        self.shared = {}  # run -> (first shared row, float32 sum over the shared span)
         for i, (qs, qe, at) in enumerate(plan.q_runs):
-            s = sorted(spans.get(i, []))
-            if any(b[0] < a[1] for a, b in zip(s, s[1:])):
-                self.shared[i] = (at, torch.zeros((qe - qs, *q.shape[1:]), dtype=torch.float32, device=q.device))
-                continue
-            end = at  # rows no pair computes keep no key: gradient zero
-            for a, b in s + [(at + qe - qs, None)]:
-                if a > end:
-                    self.out[end:a] = 0
-                end = b if b is not None else end
+            pairs = torch.zeros(qe - qs + 1, dtype=torch.int32)  # how many pairs compute each row of the run
+            for a, b in spans.get(i, []):
+                pairs[a - at] += 1
+                pairs[b - at] -= 1
+            pairs = pairs.cumsum(0)[:-1]
+            if bool((pairs == 0).any()):  # rows no pair computes keep no key: gradient zero
+                self.out[at:at + qe - qs][(pairs == 0).to(q.device)] = 0
+            both = torch.nonzero(pairs >= 2).flatten()
+            if both.numel():
+                lo, hi = at + int(both[0]), at + int(both[-1]) + 1
+                self.shared[i] = (lo, torch.zeros((hi - lo, *q.shape[1:]), dtype=torch.float32, device=q.device))
 
     def add(self, run: int, rows: slice, g: torch.Tensor) -> None:
+        lo, hi, acc = rows.start, rows.stop, None
         if run in self.shared:
             at, acc = self.shared[run]
-            acc[rows.start - at:rows.stop - at] += g
-        else:
+            lo, hi = max(lo, at), min(hi, at + acc.shape[0])
+        if acc is None or lo >= hi:
             self.out[rows] = g
+            return
+        acc[lo - at:hi - at] += g[lo - rows.start:hi - rows.start]
+        if rows.start < lo:
+            self.out[rows.start:lo] = g[:lo - rows.start]
+        if hi < rows.stop:
+            self.out[hi:rows.stop] = g[hi - rows.start:]
 
     def result(self) -> torch.Tensor:
         for at, acc in self.shared.values():
