@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .core import Plan, Transport, add_returned, run
+from .core import KeyGrads, Plan, Transport, add_returned, run
 
 
 class AllGatherTransport(Transport):
@@ -69,7 +69,7 @@ class AllGatherTransport(Transport):
     def backward(self, k, v):
         plan = self.plan
         sent, received = self._counts()
-        self._mine = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        self._mine = KeyGrads(plan, k)
         # every copy's gradients side by side, as the return exchange sends them
         grads = torch.zeros(2 * sum(received) * k.shape[1] * k.shape[2], dtype=torch.float32, device=k.device)
         parts = self._parts(grads, received, k)
@@ -83,7 +83,7 @@ class AllGatherTransport(Transport):
                 add_returned(self._mine, part, plan.transfer(p, plan.rank))
 
     def result(self):
-        return self._mine[0], self._mine[1]
+        return self._mine.result()
 
 
 def all_gather_attention(variant, q, k, v, sharding, *, causal: bool = False, sm_scale: float | None = None,

@@ -270,16 +270,18 @@ def split(ranges) -> list[tuple[int, int]]:
 class Transport:
     """How key/value shards travel: `forward(k, v)` yields (owner, k, v) for every rank, k and v this rank's copy of
     the owner's keys (`Plan.held`: its own shard, another's the slices this rank's rows keep); `backward(k, v)`
-    yields (owner, k, v, dkv) where dkv [2, rows of that copy, Hkv, D] float32 takes the gradient contributions to
-    them, and after the loop `result()` is this rank's own dk/dv summed over all ranks."""
+    yields (owner, k, v, dkv) where dkv takes the gradient contributions to them (`add_kv`: the own shard's
+    KeyGrads, another's [2, rows of that copy, Hkv, D] float32, sent back), and after the loop `result()` is this
+    rank's own dk/dv summed over all ranks, in k's dtype."""
 
 
-def add_returned(acc: torch.Tensor, back: torch.Tensor, rows) -> None:
-    """acc [2, shard rows, ...] += the gradients `back` [2, n, ...] of the shard rows a receiver was sent (`rows`,
+def add_returned(acc, back: torch.Tensor, rows) -> None:
+    """The own shard's KeyGrads take the gradients `back` [2, n, ...] of the shard rows a receiver was sent (`rows`,
     Plan.transfer, back to back in `back`)."""
     at = 0
     for a, b in rows:
-        acc[:, a:b] += back[:, at:at + b - a]
+        for which in (0, 1):
+            acc.add(which, slice(a, b), back[which, at:at + b - a])
         at += b - a
 
 
@@ -335,71 +337,99 @@ class ContextParallel(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         plan, transport = ctx.plan, ctx.transport
         q, k, v, out, lse, *learnable = ctx.saved_tensors
-        dq = RowGrads(plan, q)
+        dq = query_grads(plan, q)
         dparams = [torch.zeros_like(t, dtype=torch.float32) for t in learnable]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = None if dlse is None else dlse.contiguous()  # None: the loss does not read the lse
         for owner, ko, vo, dkv in transport.backward(k, v):
-            for i, qrows, qs, kvrows, ks in plan.pairs_with(owner):
+            for _, qrows, qs, kvrows, ks in plan.pairs_with(owner):
                 grads = plan.pair_grads(q[qrows], ko[kvrows], vo[kvrows], qs, ks, out[qrows], lse[qrows],
                                         dout[qrows], None if dlse is None else dlse[qrows])
-                dq.add(i, qrows, grads[0])
-                if grads[1] is not None:  # an in-place add casts as it reads: no float32 copy of the gradient
-                    dkv[0, kvrows] += grads[1]
-                if grads[2] is not None:
-                    dkv[1, kvrows] += grads[2]
+                dq.add(qrows, grads[0])
+                for which, g in ((0, grads[1]), (1, grads[2])):
+                    if g is not None:
+                        add_kv(dkv, which, kvrows, g)
                 for name, acc in zip(plan.learnable, dparams):
                     if grads[3].get(name) is not None:
                         acc += grads[3][name]
         dk, dv = transport.result()
-        return (None, None, dq.result(), dk.to(k.dtype), dv.to(v.dtype),
+        return (None, None, dq.result(), dk, dv,
                 *(g.to(t.dtype) for g, t in zip(dparams, learnable)))
 
 
-class RowGrads:
-    """dq of this rank's query runs. A row that one pair alone computes (all of a window's contiguous shard but the
-    first window's rows) takes that pair's gradient as the backward gives it, as one GPU's would: no float32 buffer
-    to fill, add into and cast back, each a pass over all of q. Rows that several pairs share sum in float32, over
-    the span from the first such row of a run to the last."""
+class SpanSum:
+    """A gradient over the rows (dim 0) of `like` that several contributions write. A row one contribution covers
+    takes it as given, in like's dtype, as one GPU's backward would: no float32 buffer to fill, add into and cast
+    back, each a pass over every row. The rows that two or more share sum in float32, over the span from a
+    segment's first such row to its last; rows none covers are zero. `segments`: the (start, stop) row ranges no
+    contribution crosses (a rank's runs); `spans`: the (start, stop) of every contribution to come."""
 
-    def __init__(self, plan, q):
-        spans: dict[int, list] = {}
-        for owner in range(plan.world):
-            for i, qrows, *_ in plan.pairs_with(owner):
-                spans.setdefault(i, []).append((qrows.start, qrows.stop))
-        self.out = torch.empty_like(q)
-        self.shared = {}  # run -> (first shared row, float32 sum over the shared span)
-        for i, (qs, qe, at) in enumerate(plan.q_runs):
-            pairs = torch.zeros(qe - qs + 1, dtype=torch.int32)  # how many pairs compute each row of the run
-            for a, b in spans.get(i, []):
-                pairs[a - at] += 1
-                pairs[b - at] -= 1
-            pairs = pairs.cumsum(0)[:-1]
-            if bool((pairs == 0).any()):  # rows no pair computes keep no key: gradient zero
-                self.out[at:at + qe - qs][(pairs == 0).to(q.device)] = 0
-            both = torch.nonzero(pairs >= 2).flatten()
+    def __init__(self, like: torch.Tensor, segments, spans):
+        self.out = torch.empty_like(like)
+        self.shared = []  # (first shared row, float32 sum over the shared span), one at most a segment
+        for lo, hi in segments:
+            count = torch.zeros(hi - lo + 1, dtype=torch.int32)  # how many contributions cover each row
+            for a, b in spans:
+                if lo <= a < hi:
+                    count[a - lo] += 1
+                    count[b - lo] -= 1
+            count = count.cumsum(0)[:-1]
+            if bool((count == 0).any()):
+                self.out[lo:hi][(count == 0).to(like.device)] = 0
+            both = torch.nonzero(count >= 2).flatten()
             if both.numel():
-                lo, hi = at + int(both[0]), at + int(both[-1]) + 1
-                self.shared[i] = (lo, torch.zeros((hi - lo, *q.shape[1:]), dtype=torch.float32, device=q.device))
+                at = lo + int(both[0])
+                self.shared.append((at, torch.zeros((int(both[-1]) + 1 - int(both[0]), *like.shape[1:]),
+                                                    dtype=torch.float32, device=like.device)))
 
-    def add(self, run: int, rows: slice, g: torch.Tensor) -> None:
-        lo, hi, acc = rows.start, rows.stop, None
-        if run in self.shared:
-            at, acc = self.shared[run]
-            lo, hi = max(lo, at), min(hi, at + acc.shape[0])
-        if acc is None or lo >= hi:
-            self.out[rows] = g
-            return
-        acc[lo - at:hi - at] += g[lo - rows.start:hi - rows.start]
-        if rows.start < lo:
-            self.out[rows.start:lo] = g[:lo - rows.start]
-        if hi < rows.stop:
-            self.out[hi:rows.stop] = g[hi - rows.start:]
+    def add(self, rows: slice, g: torch.Tensor) -> None:
+        for at, acc in self.shared:
+            lo, hi = max(rows.start, at), min(rows.stop, at + acc.shape[0])
+            if lo < hi:
+                acc[lo - at:hi - at] += g[lo - rows.start:hi - rows.start]
+                if rows.start < lo:
+                    self.out[rows.start:lo] = g[:lo - rows.start]
+                if hi < rows.stop:
+                    self.out[hi:rows.stop] = g[hi - rows.start:]
+                return
+        self.out[rows] = g
 
     def result(self) -> torch.Tensor:
-        for at, acc in self.shared.values():
+        for at, acc in self.shared:
             self.out[at:at + acc.shape[0]] = acc
         return self.out
+
+
+def query_grads(plan, q) -> SpanSum:
+    """dq of this rank's query runs: each pair's rows (`Plan.pairs_with`) are a contribution."""
+    spans = [(r.start, r.stop) for owner in range(plan.world) for _, r, *_ in plan.pairs_with(owner)]
+    return SpanSum(q, [(at, at + qe - qs) for qs, qe, at in plan.q_runs], spans)
+
+
+class KeyGrads:
+    """dK and dV of this rank's own shard: its own pairs' key rows and the slices it sends others (their gradients
+    come back) are the contributions, so a key only this rank's rows keep costs no float32 pass."""
+
+    def __init__(self, plan, k):
+        spans = [(r.start, r.stop) for *_, r, _ in plan.pairs_with(plan.rank)]
+        spans += [ab for p in range(plan.world) if p != plan.rank for ab in plan.transfer(p, plan.rank)]
+        whole = [(0, k.shape[0])]  # one segment: a transfer joins slices adjacent in the shard across its runs
+        self.parts = (SpanSum(k, whole, spans), SpanSum(k, whole, spans))
+
+    def add(self, which: int, rows: slice, g: torch.Tensor) -> None:
+        self.parts[which].add(rows, g)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.parts[0].result(), self.parts[1].result()
+
+
+def add_kv(dkv, which: int, rows: slice, g: torch.Tensor) -> None:
+    """A pair's dK (which 0) or dV (1) into the buffer a transport gave for those keys: the own shard's KeyGrads,
+    or a received copy's float32 buffer, which goes back to its owner (an in-place add casts as it reads)."""
+    if isinstance(dkv, KeyGrads):
+        dkv.add(which, rows, g)
+    else:
+        dkv[which, rows] += g
 
 
 def run(plan: Plan, transport, q, k, v, return_lse: bool):

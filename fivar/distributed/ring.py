@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .core import Plan, Transport, add_returned, p2p_ready, run
+from .core import KeyGrads, Plan, Transport, add_returned, p2p_ready, run
 
 
 def _wait(requests) -> None:
@@ -79,7 +79,7 @@ class RingTransport(Transport):
         plan = self.plan
         k, v = k.contiguous(), v.contiguous()
         p2p_ready(plan.group, k.device)
-        mine = self._dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        mine = self._dkv = KeyGrads(plan, k)
         held, returning = (k, v), None  # returning: (requests, buffer, step) of the gradients coming back
         for step in range(plan.world):
             pending = self._keys(k, v, step + 1) if step < plan.world - 1 else None
@@ -100,7 +100,7 @@ class RingTransport(Transport):
         add_returned(self._dkv, back, plan.transfer((plan.rank + step) % plan.world, plan.rank))
 
     def result(self):
-        return self._dkv[0], self._dkv[1]
+        return self._dkv.result()
 
 
 def ring_attention(variant, q, k, v, sharding, *, causal: bool = False, sm_scale: float | None = None,
