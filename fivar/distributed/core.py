@@ -211,7 +211,8 @@ class Plan:
                             torch.zeros((), device=q.device))
         do = dout.float()
         g_o = (share.unsqueeze(-1) * do).to(o_c.dtype)
-        g_l = share * (LN2 * (do * (o_c.detach().float() - out.float())).sum(-1) + (0 if dlse is None else dlse.float()))
+        g_l = share * (LN2 * (do * (o_c.detach().float() - out.float())).sum(-1)
+                       + (0 if dlse is None else dlse.float()))
         grads = torch.autograd.grad((o_c, l_c), [qr, kr, vr, *leaves.values()], (g_o, g_l.to(l_c.dtype)),
                                     allow_unused=True)
         return (*grads[:3], dict(zip(leaves, grads[3:])))
@@ -374,8 +375,10 @@ class SpanSum:
                     count[a - lo] += 1
                     count[b - lo] -= 1
             count = count.cumsum(0)[:-1]
-            if bool((count == 0).any()):
-                self.out[lo:hi][(count == 0).to(like.device)] = 0
+            none = torch.cat([torch.zeros(1, dtype=torch.int32), (count == 0).int(), torch.zeros(1, dtype=torch.int32)])
+            edges = torch.nonzero(none.diff()).flatten().tolist()  # host side: slices, no device sync
+            for a, b in zip(edges[::2], edges[1::2]):
+                self.out[lo + a:lo + b] = 0
             both = torch.nonzero(count >= 2).flatten()
             if both.numel():
                 at = lo + int(both[0])
