@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import difflib
 import math
+import operator
 import builtins
 import dataclasses
 import textwrap
@@ -38,6 +39,8 @@ SINK_HEAD_ARGS = ("qo_head", "params")
 _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv",
            ast.Mod: "mod"}
 _SYMBOLS = {"div": "/", "floordiv": "//", "mod": "%"}
+_CONST_OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
+              "floordiv": operator.floordiv, "mod": operator.mod}
 _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
 _MODULE_FUNCS = {  # functions reachable as module.attr, mapped to fivar's names
     "math": {"tanh": "tanh", "exp": "exp", "log": "log", "sqrt": "sqrt", "floor": "floor",
@@ -433,9 +436,31 @@ class _FunctionParser:
         return dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
 
     def zero(self, b: ir.Expr) -> bool:
-        """Whether divisor `b` is a zero written in the spec (a literal, a module constant, a local holding one)."""
-        value = self.resolved(b)
-        return isinstance(value, ir.Const) and value.value == 0
+        """Whether divisor `b` is a zero written in the spec: a literal, a module constant, a local holding one, or
+        arithmetic on those (`3 - 3`, `W // 8` with W = 4), which the parser keeps as written."""
+        return self.constant(b) == 0
+
+    def constant(self, e: ir.Expr):
+        """The value of `e` where it is built from constants alone (Python's arithmetic, as the reference's), else
+        None: a divisor only this computes is still one the kernels would divide by."""
+        e = self.resolved(e)
+        if isinstance(e, ir.Const):
+            return None if isinstance(e.value, bool) else e.value
+        if isinstance(e, ir.Cast):
+            x = self.constant(e.x)
+            return None if x is None else (float(x) if e.type == F32 else int(x))
+        if isinstance(e, ir.Unary) and e.op == "neg":
+            x = self.constant(e.x)
+            return None if x is None else -x
+        if isinstance(e, ir.Call) and e.fn in ("minimum", "maximum", "abs"):
+            xs = [self.constant(a) for a in e.args]
+            return None if None in xs else {"minimum": min, "maximum": max, "abs": abs}[e.fn](*xs)
+        if isinstance(e, ir.Binary) and e.op in _CONST_OPS:
+            a, b = self.constant(e.a), self.constant(e.b)
+            if a is None or b is None or (b == 0 and e.op in ("div", "floordiv", "mod")):
+                return None
+            return _CONST_OPS[e.op](a, b)
+        return None
 
     def expr_UnaryOp(self, node):
         x = self.expr(node.operand)

@@ -430,6 +430,42 @@ def test_float_division_by_a_zero_written_in_the_spec():
     _expect(logits3, match="`//` by zero")
 
 
+WIDTH = 4
+
+
+def test_a_divisor_computed_from_constants_alone_is_refused_where_it_is_zero():
+    """`3 - 3`, `WIDTH // 8`, `min(WIDTH, 0)`: arithmetic on constants the parser keeps as written is still a divisor
+    known to be zero (the kernels would divide by it: undefined in CUDA, the reference alone refused it per call)."""
+    def mask(b, h, kh, qi, ki, p):
+        return qi % (3 - 3) == 0  # BAD
+    _expect(mask, role="mask", match="integer `%` by zero")
+
+    def mask2(b, h, kh, qi, ki, p):
+        return qi // (WIDTH // 8) == ki  # BAD
+    _expect(mask2, role="mask", match="integer `//` by zero")
+
+    def logits(s, b, h, kh, qi, ki, p):
+        return s / float(min(WIDTH, 0))  # BAD
+    _expect(logits, match="`/` by zero")
+
+
+def test_a_nonzero_divisor_computed_from_constants_is_fine():
+    import torch
+    from fivar.codegen.torch_ref import reference_attention
+
+    def mask(b, h, kh, qi, ki, p):
+        return qi // (WIDTH - 2 + WIDTH % 3) == ki // (-(-WIDTH // 3) * 1)  # (4 - 2 + 1) = 3 and 2
+
+    v = AttentionVariant(name="okconst", mask=mask)
+    q, k = torch.randn(10, 1, 8, dtype=torch.float64), torch.randn(10, 1, 8, dtype=torch.float64)
+    out = reference_attention(v, q, k, k, params={}, float_dtype=torch.float64)
+    idx = torch.arange(10)
+    keep = (idx.view(-1, 1) // 3) == (idx.view(1, -1) // 2)
+    s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(8)
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~keep, -math.inf), -1), k)
+    torch.testing.assert_close(out.nan_to_num(), want.nan_to_num())
+
+
 def test_float_division_by_a_nonzero_constant_is_fine():
     import torch
 
