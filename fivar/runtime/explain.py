@@ -18,10 +18,18 @@ from ..spec.params import Scalar
 SAMPLE_LEN, SAMPLE_Q_BLOCK, SAMPLE_KV_BLOCK = 8192, 128, 128
 
 
+def _shifted(sign: int, e) -> str:
+    """`q_idx + sign * e` as a person writes it: `q_idx` for 0, `q_idx - 3` rather than `q_idx + -3`."""
+    if isinstance(e, ir.Const):
+        k = sign * e.value
+        return "q_idx" if k == 0 else f"q_idx {'+' if k > 0 else '-'} {abs(k)}"
+    return f"q_idx {'+' if sign > 0 else '-'} {format_expr(e)}"
+
+
 def _band_text(v) -> str:
     band = v.kv_band
-    sides = [f"kv_idx >= q_idx - {format_expr(band.left)}"] if band.left is not None else []
-    sides += [f"kv_idx <= q_idx + {format_expr(band.right)}"] if band.right is not None else []
+    sides = [f"kv_idx >= {_shifted(-1, band.left)}"] if band.left is not None else []
+    sides += [f"kv_idx <= {_shifted(1, band.right)}"] if band.right is not None else []
     if not sides:
         return "the mask implies no band"
     return f"the mask {'is exactly' if band.exact else 'implies'} the band {' and '.join(sides)}"

@@ -163,6 +163,9 @@ def _simplify(e: ir.Expr) -> ir.Expr:
             if isinstance(b, ir.Const) and b.value == 0:
                 return a
             if isinstance(a, ir.Const) and a.value == 0:
-                return b if n.op == "add" else ir.Unary(I32, "neg", b)
+                return b if n.op == "add" else again(ir.Unary(I32, "neg", b))
         return None
+
+    def again(n):  # a node a fold made is folded too (`0 - (-w)` is `w`, not `-(-w)`)
+        return fold(n) or n
     return ir.rewrite(e, fold)

@@ -139,3 +139,41 @@ def test_block_map_shares_depend_only_on_what_the_mask_reads():
 
     per_call = AttentionVariant(name="flags", mask=flagged, params={"keep": Tensor("int32", ("batch", "n"))})
     assert "block map made per call" in short_paths(per_call)[0]
+
+
+def _random_band_term(rng) -> str:
+    """One side of a band, written in one of the ways people write it (either index first, constants or a Scalar
+    on either side, negated)."""
+    c = rng.choice(["params.w", "-params.w", str(rng.randint(-6, 9)), "params.w - 2", "3 - params.w"])
+    lhs, rhs = rng.choice([("q_idx - kv_idx", c), ("kv_idx - q_idx", c), (c, "kv_idx - q_idx"),
+                           ("kv_idx + " + c.lstrip("-") if not c.startswith("-") else "kv_idx - " + c[1:], "q_idx"),
+                           ("q_idx", "kv_idx + (" + c + ")")])
+    return f"({lhs} {rng.choice(['<', '<=', '>', '>='])} {rhs})"
+
+
+def test_the_band_explain_states_is_the_mask_itself(tmp_path):
+    """For random band masks (one or two sides written any way round), the band `--explain` prints, read back as
+    Python, keeps exactly the pairs the mask keeps, and reads as a person writes it (no `-(-x)`, no `+ 0`)."""
+    import random
+    rng = random.Random()
+    seen = 0
+    for i in range(24):
+        terms = [_random_band_term(rng) for _ in range(rng.choice([1, 2]))]
+        text = " and ".join(terms)
+        f = tmp_path / f"band{i}.py"
+        f.write_text("from fivar import AttentionVariant, Scalar\n\n\ndef mask(batch, qo_head, kv_head, q_idx, kv_idx, "
+                     f"params):\n    return {text}\n\n\nvariant = AttentionVariant(name='band{i}', mask=mask, "
+                     "params={'w': Scalar(int, default=5)})\n")
+        line = next(x for x in _explain(f) if x.startswith("mask: "))
+        if "is exactly the band " not in line:
+            continue
+        band = line.split("is exactly the band ", 1)[1].split(";", 1)[0]
+        assert "-(-" not in band and "+ 0" not in band and "- 0" not in band and "+ -" not in band, (text, band)
+        seen += 1
+        w = rng.randint(-3, 12)
+        params = type("P", (), {"w": w})()
+        for q in range(-2, 30):
+            for kv in range(-2, 30):
+                env = {"q_idx": q, "kv_idx": kv, "params": params, "minimum": min, "maximum": max}
+                assert eval(band, env) == eval(text, env), (text, band, w, q, kv)
+    assert seen >= 12, seen
