@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cache_cli import VARIANT, as_json, fake_built, invoke, iso, module  # noqa: F401 - the fixture
+from test_cache_cli import as_json, fake_built, invoke, iso, module  # noqa: F401 - the fixture
 
 from fivar.jit import build as jb
 from fivar.jit import locks, records
@@ -332,28 +332,33 @@ def test_a_load_after_an_eviction_rebuilds_instead_of_failing(iso, monkeypatch):
     assert m.manifest_ok() and len(loaded) == 1 and loaded[0] == m.library_path.read_bytes()
 
 
+FUSION = ('from fivar import FusionVariant\n\nvariant = FusionVariant(name="cachefuse", norm="rmsnorm", '
+          'norm_scope="row", dtype="fp16")\n')
+
+
 @pytest.mark.nvcc
-def test_two_real_prewarms_race_on_the_smallest_fa2_modules(tmp_path):
+def test_two_real_prewarms_race_on_the_smallest_modules(tmp_path):
     """Two `fivar build --prewarm` processes with nvcc, same workspace, released together: each module is
-    compiled once, both succeed, every library is an ELF file its manifest describes."""
+    compiled once, both succeed, every library is an ELF file its manifest describes. The modules are a row fusion's
+    (one nvcc unit each, the cheapest real modules: the lock protocol is the attention modules' own, FivarModule)."""
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     if not os.path.exists(nvcc):
         pytest.skip("nvcc not installed")
     vdir = tmp_path / "variants"
     vdir.mkdir()
-    (vdir / "cachev.py").write_text(VARIANT)
+    (vdir / "cachefuse.py").write_text(FUSION)
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "ws"),
            "FIVAR_CACHE_DIR": str(tmp_path / "fivar"), "FIVAR_VARIANT_PATH": str(vdir), "MAX_JOBS": "2",
            "FLASHINFER_CUDA_ARCH_LIST": "9.0a", "COLUMNS": "250"}
-    args = [sys.executable, "-m", "fivar", "build", "cachev", "--prewarm", "--ops", "single_prefill",
-            "--targets", "fa2", "--dtypes", "fp16,bf16", "--head-dims", "64"]
+    args = [sys.executable, "-m", "fivar", "build", "cachefuse", "--prewarm", "--targets", "fusion",
+            "--dtypes", "fp16,bf16"]
     procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert not any("rebuilding" in o for o in outs), outs
-    code = ("import json, fivar\nfrom fivar.jit.build import gen_module\n"
-            "ms = [gen_module(fivar.load('cachev'), 'single_prefill', 'fa2', dt, 64) for dt in ('fp16', 'bf16')]\n"
+    code = ("import json, fivar\nfrom fivar.fusion.build import gen_fusion_module\n"
+            "ms = [gen_fusion_module(fivar.load('cachefuse'), dt) for dt in ('fp16', 'bf16')]\n"
             "print(json.dumps([[m.uri, m.manifest_ok(), m.library_path.read_bytes()[:4].hex()] for m in ms]))")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     state = json.loads(r.stdout.strip().splitlines()[-1])
