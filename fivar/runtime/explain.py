@@ -19,11 +19,25 @@ SAMPLE_LEN, SAMPLE_Q_BLOCK, SAMPLE_KV_BLOCK = 8192, 128, 128
 
 
 def _shifted(sign: int, e) -> str:
-    """`q_idx + sign * e` as a person writes it: `q_idx` for 0, `q_idx - 3` rather than `q_idx + -3`."""
-    if isinstance(e, ir.Const):
-        k = sign * e.value
-        return "q_idx" if k == 0 else f"q_idx {'+' if k > 0 else '-'} {abs(k)}"
-    return f"q_idx {'+' if sign > 0 else '-'} {format_expr(e)}"
+    """`q_idx + sign * e` as a person writes it: the sum flattened into terms, negations carried into their signs and
+    constants summed (`q_idx`, `q_idx - 3`, `q_idx - params.w + 1`; never `q_idx + -3` or `q_idx - (-w)`)."""
+    terms, const = [], 0
+
+    def walk(x, s):
+        nonlocal const
+        if isinstance(x, ir.Const):
+            const += s * x.value
+        elif isinstance(x, ir.Unary) and x.op == "neg":
+            walk(x.x, -s)
+        elif isinstance(x, ir.Binary) and x.op in ("add", "sub"):
+            walk(x.a, s)
+            walk(x.b, s if x.op == "add" else -s)
+        else:
+            terms.append((s, format_expr(x)))
+    walk(e, sign)
+    if const:
+        terms.append((1 if const > 0 else -1, str(abs(const))))
+    return "q_idx" + "".join(f" {'+' if s > 0 else '-'} {t}" for s, t in terms)
 
 
 def _band_text(v) -> str:

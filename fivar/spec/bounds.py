@@ -151,6 +151,8 @@ def kv_band(mask: ir.Program | None) -> KvBand:
 def _simplify(e: ir.Expr) -> ir.Expr:
     """Fold the integer constants the normalisation introduced, so generated code stays readable."""
     def fold(n):
+        if isinstance(n, ir.Call) and n.fn == "abs" and isinstance(n.args[0], ir.Const):
+            return ir.Const(I32, abs(n.args[0].value))
         if isinstance(n, ir.Unary) and n.op == "neg":
             if isinstance(n.x, ir.Const):
                 return ir.Const(I32, -n.x.value)

@@ -90,6 +90,7 @@ class _FunctionParser:
             self.first_line, self.col_offset = 1, 0
         self.env: dict[str, ir.Expr] = {}  # python name -> expr (args) or Local
         self.lets: list[tuple[str, ir.Expr]] = []
+        self.let_values: dict[str, int | float | None] = {}  # a local's value where constants alone give it
         self.let_names: set[str] = set()
         self.let_depth: dict[str, int] = {}  # local -> how deep its expression nests, through the locals it reads
         self.nesting = 0  # of the expression being parsed
@@ -243,6 +244,7 @@ class _FunctionParser:
         self.let_depth[cname] = self.check_depth(value, node)
         self.let_names.add(cname)
         self.lets.append((cname, value))
+        self.let_values[cname] = self.constant(value)
         self.env[name] = ir.Local(value.type, cname)
 
     # --- expressions ---------------------------------------------------------------------------
@@ -373,9 +375,21 @@ class _FunctionParser:
             if op in ("div", "floordiv", "mod") and self.zero(b):  # written in the spec: Python would raise here
                 raise self.error(node.right, f"`{ast.unparse(node)}`: `{_SYMBOLS[op]}` by zero", "division by zero")
             return ir.Binary(F32, op, self.to_f32(a), self.to_f32(b))
+        self.check_int_arithmetic(op, a, b, node)
         if op in ("floordiv", "mod"):
             return ir.Binary(I32, op, a, self.integer_divisor(b, node), where=self.where(node))
         return ir.Binary(I32, op, a, b)
+
+    def check_int_arithmetic(self, op: str, a: ir.Expr, b: ir.Expr, node) -> None:
+        """Integer arithmetic on constants alone past int32 (`65536 * 65536`) is refused where it is written: the
+        kernels would wrap it (to 0 there) while Python and the reference would not."""
+        x = self.constant(a)
+        y = None if x is None else self.constant(b)
+        if y is None or (y == 0 and op in ("floordiv", "mod")):
+            return
+        why = out_of_range(_CONST_OPS[op](x, y), I32)
+        if why:
+            raise self.error(node, f"`{ast.unparse(node)}` = {why}", "constant out of range")
 
     def power(self, node, x: ir.Expr, y: ir.Expr) -> ir.Expr:
         for v, n in ((x, node.left), (y, node.right)):
@@ -432,8 +446,10 @@ class _FunctionParser:
         return b
 
     def resolved(self, b: ir.Expr) -> ir.Expr:
-        """`b`, or the expression a local `b` holds."""
-        return dict(self.lets).get(b.name, b) if isinstance(b, ir.Local) else b
+        """`b`, or the expression a local `b` holds (through locals holding locals)."""
+        while isinstance(b, ir.Local):
+            b = next(v for n, v in reversed(self.lets) if n == b.name)
+        return b
 
     def zero(self, b: ir.Expr) -> bool:
         """Whether divisor `b` is a zero written in the spec: a literal, a module constant, a local holding one, or
@@ -442,25 +458,36 @@ class _FunctionParser:
 
     def constant(self, e: ir.Expr):
         """The value of `e` where it is built from constants alone (Python's arithmetic, as the reference's), else
-        None: a divisor only this computes is still one the kernels would divide by."""
-        e = self.resolved(e)
+        None: a divisor only this computes is still one the kernels would divide by. An int past int32 (where the
+        kernels wrap and Python does not), a float past float64 or NaN gives None: not known to be zero."""
+        if isinstance(e, ir.Local):
+            return self.let_values.get(e.name)  # each local's value is computed once, as it is bound
         if isinstance(e, ir.Const):
-            return None if isinstance(e.value, bool) else e.value
-        if isinstance(e, ir.Cast):
-            x = self.constant(e.x)
-            return None if x is None else (float(x) if e.type == F32 else int(x))
-        if isinstance(e, ir.Unary) and e.op == "neg":
-            x = self.constant(e.x)
-            return None if x is None else -x
-        if isinstance(e, ir.Call) and e.fn in ("minimum", "maximum", "abs"):
-            xs = [self.constant(a) for a in e.args]
-            return None if None in xs else {"minimum": min, "maximum": max, "abs": abs}[e.fn](*xs)
-        if isinstance(e, ir.Binary) and e.op in _CONST_OPS:
-            a, b = self.constant(e.a), self.constant(e.b)
-            if a is None or b is None or (b == 0 and e.op in ("div", "floordiv", "mod")):
+            return int(e.value) if isinstance(e.value, bool) else e.value
+        try:
+            if isinstance(e, ir.Cast):
+                x = self.constant(e.x)
+                value = None if x is None else (float(x) if e.type == F32 else int(x))
+            elif isinstance(e, ir.Unary) and e.op == "neg":
+                x = self.constant(e.x)
+                value = None if x is None else -x
+            elif isinstance(e, ir.Call) and e.fn in ("minimum", "maximum", "abs"):
+                xs = [self.constant(a) for a in e.args]
+                value = None if None in xs else {"minimum": min, "maximum": max, "abs": abs}[e.fn](*xs)
+            elif isinstance(e, ir.Binary) and e.op in _CONST_OPS:
+                a = self.constant(e.a)
+                b = None if a is None else self.constant(e.b)
+                value = None if b is None or (b == 0 and e.op in ("div", "floordiv", "mod")) else \
+                    _CONST_OPS[e.op](a, b)
+            else:
                 return None
-            return _CONST_OPS[e.op](a, b)
-        return None
+        except (OverflowError, ValueError, ZeroDivisionError):
+            return None
+        if isinstance(value, int) and not -2 ** 31 <= value < 2 ** 31:
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return value
 
     def expr_UnaryOp(self, node):
         x = self.expr(node.operand)

@@ -449,6 +449,50 @@ def test_a_divisor_computed_from_constants_alone_is_refused_where_it_is_zero():
     _expect(logits, match="`/` by zero")
 
 
+def test_a_zero_divisor_through_locals_and_casts_is_refused():
+    def mask(b, h, kh, qi, ki, p):
+        a = 3 - 3
+        c = a
+        return qi // c == ki  # BAD
+    _expect(mask, role="mask", match="integer `//` by zero")
+
+    def mask2(b, h, kh, qi, ki, p):
+        return qi % int(False) == 0  # BAD
+    _expect(mask2, role="mask", match="integer `%` by zero")
+
+
+def test_int_arithmetic_on_constants_past_int32_is_refused_where_written():
+    """The kernels' ints are 32-bit: `65536 * 65536` is 0 there (a zero divisor) and 2**32 in the reference."""
+    def mask(b, h, kh, qi, ki, p):
+        return qi // (65536 * 65536) == ki  # BAD
+    _expect(mask, role="mask", match="does not fit the kernels' 32-bit ints")
+
+
+def _mask_file(tmp_path, name: str, body: str):
+    f = tmp_path / f"{name}.py"
+    f.write_text("from fivar import AttentionVariant\n\nINF = float('inf')\nNAN = float('nan')\n\n\n"
+                 f"def mask(b, h, kh, qi, ki, p):\n{body}\n\nvariant = AttentionVariant(name='{name}', mask=mask)\n")
+    return f
+
+
+def test_constant_divisors_python_cannot_evaluate_give_no_traceback(tmp_path):
+    """int(inf), int(nan), a float past float64: not known to be zero, so not refused as one, and no Python error
+    escapes the parser (a clear refusal would do too)."""
+    for i, expr in enumerate(("int(INF)", "int(NAN)", "int(1e308 * 10)", "int(-INF) + 1")):
+        f = _mask_file(tmp_path, f"odd{i}", f"    return qi // {expr} == ki\n")
+        try:
+            fivar.load(str(f)).ir
+        except FivarSpecError as e:
+            assert f"{f}:" in str(e), e
+
+
+def test_a_long_chain_of_locals_parses_at_once(tmp_path):
+    """Sixty rebindings that each double the last (`a = a + a`): every local's constant value is worked out once,
+    as it is bound, not by walking back through the chain at every use (2**60 steps)."""
+    f = _mask_file(tmp_path, "chain", "    a = qi\n" + "    a = a + a\n" * 60 + "    return qi // a == ki\n")
+    assert fivar.load(str(f)).ir.mask is not None
+
+
 def test_a_nonzero_divisor_computed_from_constants_is_fine():
     import torch
     from fivar.codegen.torch_ref import reference_attention
