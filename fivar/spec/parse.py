@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import difflib
 import math
-import operator
 import builtins
 import dataclasses
 import textwrap
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import lang
 from ..errors import FivarSpecError
-from . import ir, power
+from . import constants, ir, power
 from .ir import BOOL, F32, I32, NUMERIC
 from .params import Tensor, out_of_range
 from .source import function_source, sink_lambda
@@ -39,8 +38,6 @@ SINK_HEAD_ARGS = ("qo_head", "params")
 _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv",
            ast.Mod: "mod"}
 _SYMBOLS = {"div": "/", "floordiv": "//", "mod": "%"}
-_CONST_OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
-              "floordiv": operator.floordiv, "mod": operator.mod}
 _CMPOPS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
 _MODULE_FUNCS = {  # functions reachable as module.attr, mapped to fivar's names
     "math": {"tanh": "tanh", "exp": "exp", "log": "log", "sqrt": "sqrt", "floor": "floor",
@@ -244,7 +241,7 @@ class _FunctionParser:
         self.let_depth[cname] = self.check_depth(value, node)
         self.let_names.add(cname)
         self.lets.append((cname, value))
-        self.let_values[cname] = self.constant(value)
+        self.let_values[cname] = constants.value(value, self.let_values)
         self.env[name] = ir.Local(value.type, cname)
 
     # --- expressions ---------------------------------------------------------------------------
@@ -383,11 +380,11 @@ class _FunctionParser:
     def check_int_arithmetic(self, op: str, a: ir.Expr, b: ir.Expr, node) -> None:
         """Integer arithmetic on constants alone past int32 (`65536 * 65536`) is refused where it is written: the
         kernels would wrap it (to 0 there) while Python and the reference would not."""
-        x = self.constant(a)
-        y = None if x is None else self.constant(b)
+        x = constants.value(a, self.let_values)
+        y = None if x is None else constants.value(b, self.let_values)
         if y is None or (y == 0 and op in ("floordiv", "mod")):
             return
-        why = out_of_range(_CONST_OPS[op](x, y), I32)
+        why = out_of_range(constants.OPS[op](x, y), I32)
         if why:
             raise self.error(node, f"`{ast.unparse(node)}` = {why}", "constant out of range")
 
@@ -454,40 +451,7 @@ class _FunctionParser:
     def zero(self, b: ir.Expr) -> bool:
         """Whether divisor `b` is a zero written in the spec: a literal, a module constant, a local holding one, or
         arithmetic on those (`3 - 3`, `W // 8` with W = 4), which the parser keeps as written."""
-        return self.constant(b) == 0
-
-    def constant(self, e: ir.Expr):
-        """The value of `e` where it is built from constants alone (Python's arithmetic, as the reference's), else
-        None: a divisor only this computes is still one the kernels would divide by. An int past int32 (where the
-        kernels wrap and Python does not), a float past float64 or NaN gives None: not known to be zero."""
-        if isinstance(e, ir.Local):
-            return self.let_values.get(e.name)  # each local's value is computed once, as it is bound
-        if isinstance(e, ir.Const):
-            return int(e.value) if isinstance(e.value, bool) else e.value
-        try:
-            if isinstance(e, ir.Cast):
-                x = self.constant(e.x)
-                value = None if x is None else (float(x) if e.type == F32 else int(x))
-            elif isinstance(e, ir.Unary) and e.op == "neg":
-                x = self.constant(e.x)
-                value = None if x is None else -x
-            elif isinstance(e, ir.Call) and e.fn in ("minimum", "maximum", "abs"):
-                xs = [self.constant(a) for a in e.args]
-                value = None if None in xs else {"minimum": min, "maximum": max, "abs": abs}[e.fn](*xs)
-            elif isinstance(e, ir.Binary) and e.op in _CONST_OPS:
-                a = self.constant(e.a)
-                b = None if a is None else self.constant(e.b)
-                value = None if b is None or (b == 0 and e.op in ("div", "floordiv", "mod")) else \
-                    _CONST_OPS[e.op](a, b)
-            else:
-                return None
-        except (OverflowError, ValueError, ZeroDivisionError):
-            return None
-        if isinstance(value, int) and not -2 ** 31 <= value < 2 ** 31:
-            return None
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        return value
+        return constants.value(b, self.let_values) == 0
 
     def expr_UnaryOp(self, node):
         x = self.expr(node.operand)
