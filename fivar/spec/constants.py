@@ -17,8 +17,9 @@ _CALLS = {"minimum": min, "maximum": max, "abs": abs}
 
 def value(e: ir.Expr, local_values: Mapping[str, int | float | None]):
     """`e`'s value, or None where it is not known from constants alone. A local's is looked up in `local_values` (the
-    parser fills it as each local is bound, so a chain of locals is walked once). An int past int32 (which the
-    kernels wrap and Python does not), a float past float64, NaN, or an error Python raises gives None."""
+    parser fills it as each local is bound, so a chain of locals is walked once). An int past int32 (which every
+    target wraps and Python does not), a float past float64, NaN, int() of a computed float (rounded differently in
+    float32), or an error Python raises gives None."""
     if isinstance(e, ir.Local):
         return local_values.get(e.name)
     if isinstance(e, ir.Const):
@@ -26,6 +27,8 @@ def value(e: ir.Expr, local_values: Mapping[str, int | float | None]):
     try:
         if isinstance(e, ir.Cast):
             x = value(e.x, local_values)
+            if e.type != F32 and isinstance(x, float) and not isinstance(e.x, ir.Const):
+                return None  # float64 here, float32 in the kernels: int(1.0 - 1e-16) is 0 here and 1 there
             out = None if x is None else (float(x) if e.type == F32 else int(x))
         elif isinstance(e, ir.Unary) and e.op == "neg":
             x = value(e.x, local_values)

@@ -378,8 +378,8 @@ class _FunctionParser:
         return ir.Binary(I32, op, a, b)
 
     def check_int_arithmetic(self, op: str, a: ir.Expr, b: ir.Expr, node) -> None:
-        """Integer arithmetic on constants alone past int32 (`65536 * 65536`) is refused where it is written: the
-        kernels would wrap it (to 0 there) while Python and the reference would not."""
+        """Integer arithmetic on constants alone past int32 (`65536 * 65536`) is refused where it is written, as a
+        literal that large is: an int is int32 in every target and the reference, where it would wrap (to 0 here)."""
         x = constants.value(a, self.let_values)
         y = None if x is None else constants.value(b, self.let_values)
         if y is None or (y == 0 and op in ("floordiv", "mod")):

@@ -462,7 +462,8 @@ def test_a_zero_divisor_through_locals_and_casts_is_refused():
 
 
 def test_int_arithmetic_on_constants_past_int32_is_refused_where_written():
-    """The kernels' ints are 32-bit: `65536 * 65536` is 0 there (a zero divisor) and 2**32 in the reference."""
+    """Ints are 32-bit in every target and the reference: `65536 * 65536` would wrap to 0 (a zero divisor), so it is
+    refused as a literal past int32 is."""
     def mask(b, h, kh, qi, ki, p):
         return qi // (65536 * 65536) == ki  # BAD
     _expect(mask, role="mask", match="does not fit the kernels' 32-bit ints")
@@ -873,3 +874,13 @@ def test_a_good_example_is_returned_as_it_is():
     got = example_params(_example_variant(lambda num_qo_heads, num_kv_heads, batch_size, max_len, device: {
         "slopes": slopes}), num_qo_heads=4, num_kv_heads=2, batch_size=1, max_len=8, device="cpu")
     assert got.keys() == {"slopes"} and got["slopes"] is slopes
+
+
+def test_int_of_a_computed_float_is_not_taken_for_a_zero(tmp_path):
+    """int(1.0 - 1e-16) is 0 in Python's float64 and 1 in the kernels' float32: not known, so not refused; a float
+    literal's int() is known (int(0.5) is 0 everywhere) and refused."""
+    f = _mask_file(tmp_path, "f32", "    return qi // int(1.0 - 1e-16) == ki\n")
+    assert fivar.load(str(f)).ir.mask is not None
+    f = _mask_file(tmp_path, "half", "    return qi // int(0.5) == ki\n")
+    with pytest.raises(FivarSpecError, match="integer `//` by zero"):
+        fivar.load(str(f)).ir
