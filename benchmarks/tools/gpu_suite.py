@@ -1,18 +1,21 @@
 """Run the GPU test files on a GPU host: one file per pytest process, in lanes that share one JIT cache.
 
-    python3 benchmarks/tools/gpu_suite.py --logs /tmp/gl --lanes 3 [FILE_STEM ...]   (default: every tests/test_gpu_*.py)
+    python3 benchmarks/tools/gpu_suite.py --logs /tmp/gl --lanes 3 [FILE_STEM[:SHARDS] ...]   (default: every file)
 
-Files are dealt to the lanes roughly longest first (ORDER); each lane runs its files one after another, so a module
-the lanes share compiles once (FlashInfer's and fivar's file locks) and the GPU is shared. Each file's pytest output
-goes to LOGS/<stem>.log, ending with its exit status; LOGS/summary.txt has a line per file, and LOGS/all.done
-appears when every lane is done, so a detached run (`setsid nohup ... &`) can be polled. The exit status is 1 if
-any file failed. The pyproject's xdist options are dropped (one process per file; a GPU host need not have
+Files are taken roughly longest first (ORDER) by the lanes, each lane taking the next file when its last one ends,
+so a module the lanes share compiles once (FlashInfer's and fivar's file locks) and the GPU is shared. `kernels:4`
+splits a file's tests into 4 contiguous shards, one process each: one pytest process compiles one module at a
+time, so a long file on a cold cache is bound by its modules' chain, not by the host's cores. Each process's
+output goes to LOGS/<stem>.log (LOGS/<stem>.<k>.log for a shard), ending with its exit status; LOGS/summary.txt
+has a line per process, and LOGS/all.done appears when every lane is done, so a detached run (`setsid nohup ...
+&`) can be polled. The exit status is 1 if any process failed. The pyproject's xdist options are dropped (one process per file; a GPU host need not have
 pytest-xdist).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -25,12 +28,38 @@ ORDER = ["zoo", "sparsity", "kernels", "backward", "serving", "mask_battery", "i
          "fusions", "mixed_batches", "tables", "triton", "fp8", "index_layouts"]
 
 
-def run_lane(files: list[str], logs: Path, env: dict, timeout_s: int, status: dict) -> None:
-    for stem in files:
-        with open(logs / f"{stem}.log", "w") as out:
-            # a session of its own, so a file past its time is stopped with the compilers it started
+def collect(stem: str, env: dict) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
+                          "no:cacheprovider", f"tests/test_gpu_{stem}.py"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def plan_jobs(specs: list[str], env: dict) -> list[tuple[str, list[str]]]:
+    """(log name, pytest arguments) per process: a whole file, or one contiguous shard of its tests."""
+    jobs = []
+    for spec in specs:
+        stem, _, shards = spec.partition(":")
+        n = int(shards or 1)
+        if n == 1:
+            jobs.append((stem, [f"tests/test_gpu_{stem}.py"]))
+            continue
+        ids = collect(stem, env)
+        size = -(-len(ids) // n)
+        jobs += [(f"{stem}.{k}", ids[k * size:(k + 1) * size]) for k in range(n) if ids[k * size:(k + 1) * size]]
+    return jobs
+
+
+def run_lane(todo: queue.Queue, logs: Path, env: dict, timeout_s: int, status: dict) -> None:
+    while True:
+        try:
+            name, targets = todo.get_nowait()
+        except queue.Empty:
+            return
+        with open(logs / f"{name}.log", "w") as out:
+            # a session of its own, so a process past its time is stopped with the compilers it started
             p = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-o", "addopts=", "-p", "no:cacheprovider",
-                                  "-rfE", f"tests/test_gpu_{stem}.py"], cwd=ROOT, env=env, stdout=out,
+                                  "-rfE", *targets], cwd=ROOT, env=env, stdout=out,
                                  stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 rc = p.wait(timeout=timeout_s)
@@ -39,12 +68,13 @@ def run_lane(files: list[str], logs: Path, env: dict, timeout_s: int, status: di
                 p.wait()
                 rc = "timeout"
             out.write(f"\nrc={rc}\n")
-        status[stem] = rc
+        status[name] = rc
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="*", help="test file stems (test_gpu_<stem>.py); default: all")
+    ap.add_argument("files", nargs="*", help="test file stems (test_gpu_<stem>.py), each with an optional :SHARDS; "
+                    "default: every file, whole")
     ap.add_argument("--logs", type=Path, default=Path("/tmp/gpu-suite"))
     ap.add_argument("--lanes", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=None, help="nvcc jobs per lane (default: cores / lanes)")
@@ -55,26 +85,32 @@ def main(argv=None) -> int:
     args.logs = args.logs.resolve()  # the children run in the repository root
     every = sorted(p.stem[len("test_gpu_"):] for p in (ROOT / "tests").glob("test_gpu_*.py"))
     files = args.files or every
-    unknown = sorted(set(files) - set(every))
+    unknown = sorted({f.partition(":")[0] for f in files} - set(every))
     if unknown:
         ap.error(f"no tests/test_gpu_<stem>.py for: {', '.join(unknown)}")
-    files.sort(key=lambda s: ORDER.index(s) if s in ORDER else len(ORDER))
+    bad = [f for f in files if ":" in f and not (f.partition(":")[2].isdigit() and int(f.partition(":")[2]) > 0)]
+    if bad:
+        ap.error(f"a shard count is a positive integer: {', '.join(bad)}")
+    files.sort(key=lambda f: ORDER.index(f.partition(":")[0]) if f.partition(":")[0] in ORDER else len(ORDER))
     args.logs.mkdir(parents=True, exist_ok=True)
     (args.logs / "all.done").unlink(missing_ok=True)
-    lanes = [files[i::args.lanes] for i in range(args.lanes)]
     jobs = args.jobs or max(1, (os.cpu_count() or 1) // args.lanes)
     # one JIT cache for every lane (the tests' conftest would give each process a fresh one)
     env = {**os.environ, "FIVAR_TEST_FRESH_JIT_CACHE": "0", "MAX_JOBS": str(jobs),
            "FLASHINFER_WORKSPACE_BASE": os.environ.get("FLASHINFER_WORKSPACE_BASE", str(args.logs / "jit")),
            "FIVAR_CACHE_DIR": os.environ.get("FIVAR_CACHE_DIR", str(args.logs / "fivar-cache"))}
+    todo: queue.Queue = queue.Queue()
+    planned = plan_jobs(files, env)
+    for job in planned:
+        todo.put(job)
     status: dict = {}
-    threads = [threading.Thread(target=run_lane, args=(lane, args.logs, env, args.timeout_s, status))
-               for lane in lanes if lane]
+    threads = [threading.Thread(target=run_lane, args=(todo, args.logs, env, args.timeout_s, status))
+               for _ in range(min(args.lanes, len(planned)))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    (args.logs / "summary.txt").write_text("".join(f"{stem} rc={status[stem]}\n" for stem in files))
+    (args.logs / "summary.txt").write_text("".join(f"{name} rc={status[name]}\n" for name, _ in planned))
     (args.logs / "all.done").touch()
     return 0 if all(rc == 0 for rc in status.values()) else 1
 
