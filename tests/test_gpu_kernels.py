@@ -480,7 +480,10 @@ def test_planned_decode_matches_reference(name):
 def test_fa2_module_pinned_for_other_shared_memory_refuses_to_launch(monkeypatch):
     """An FA2 prefill module whose KV tile was pinned for GPUs of another shared-memory size (here: 100 KB, as on
     sm_86/89) does not launch a kernel picked for them: the launch fails and says why (fivar_pinned_kv_tiles.cuh)."""
+    from fivar.flashinfer_compat import problem
     from fivar.jit import build, pinned_kv_tiles
+    if problem("fa2_pinned_kv_tiles"):  # the installed FlashInfer's launchers keep their own run-time choice
+        pytest.skip(f"FA2 KV tiles are not pinned with this FlashInfer: {problem('fa2_pinned_kv_tiles')}")
     monkeypatch.setitem(pinned_kv_tiles.SMEM_BY_ARCH, (9, 0), (102400, 101376))
     monkeypatch.setattr(build, "_memo", {})
     for qo_len in (512, 4):  # CTA_TILE_Q 128 and 16

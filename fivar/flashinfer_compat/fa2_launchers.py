@@ -102,44 +102,97 @@ def batch_prefill_split_problem() -> str | None:
 
 
 # The steps of FlashInfer's launchers that fivar_pinned_kv_tiles.cuh repeats with the build's shared memory, and
-# the dispatch that takes their result (prefill.cuh, FlashInfer 0.7.2), whitespace aside.
-_LAUNCHER_STEPS = (
+# the dispatch that takes their result (prefill.cuh), whitespace aside: 0.7.2's, and 0.7.4's with its FP8
+# token-head-scale terms (the unit then defines FIVAR_PINNED_TOKEN_HEAD_SF for the macro to pass them).
+_DISPATCH_STEP = "DISPATCH_NUM_MMA_KV( min(static_cast<uint32_t>(max_num_mma_kv_smem), max_num_mma_kv_reg), NUM_MMA_KV, {"
+_CTAS_PER_SM_STEPS = (
     "const int num_ctas_per_sm = max_smem_per_sm >= 2 * (kFixedSmem + kMinValidMmaKV * kKVSmemPerMmaKV) ? 2 : 1;",
     "const int max_smem_per_threadblock = min(max_smem_per_sm / num_ctas_per_sm, max_smem_per_block_optin);",
-    "const int max_num_mma_kv_smem = (max_smem_per_threadblock - static_cast<int>(kFixedSmem)) / "
-    "static_cast<int>(kKVSmemPerMmaKV);",
-    "DISPATCH_NUM_MMA_KV( min(static_cast<uint32_t>(max_num_mma_kv_smem), max_num_mma_kv_reg), NUM_MMA_KV, {",
 )
+LAUNCHER_STEPS = {
+    "0.7.2": (*_CTAS_PER_SM_STEPS,
+              "const int max_num_mma_kv_smem = (max_smem_per_threadblock - static_cast<int>(kFixedSmem)) / "
+              "static_cast<int>(kKVSmemPerMmaKV);",
+              _DISPATCH_STEP),
+    "token_head_sf": (
+        "const bool kSmemFitsRepackWithScale = (kFixedSmem + kMinValidMmaKV * (kKVSmemPerMmaKV + kScaleSmemPerMmaKV))"
+        " <= (uint32_t)max_smem_per_block_optin;",
+        "const bool disable_repack = USE_TOKEN_HEAD_SF && !kSmemFitsRepackWithScale;",
+        "const uint32_t kKVSmemPerMmaKVEffective = disable_repack ? kKVSmemPerMmaKVNoRepack : kKVSmemPerMmaKV;",
+        *_CTAS_PER_SM_STEPS,
+        "const int max_num_mma_kv_smem_occ = (max_smem_per_threadblock - static_cast<int>(kFixedSmem)) / "
+        "static_cast<int>(kKVSmemPerMmaKVEffective);",
+        "int max_num_mma_kv_smem = max_num_mma_kv_smem_occ;",
+        "if (USE_TOKEN_HEAD_SF) {",
+        "const int max_num_mma_kv_smem_scale = (max_smem_per_block_optin - static_cast<int>(kFixedSmem)) / "
+        "static_cast<int>(kKVSmemPerMmaKVEffective + kScaleSmemPerMmaKV);",
+        "max_num_mma_kv_smem = min(max_num_mma_kv_smem_occ, max_num_mma_kv_smem_scale);",
+        _DISPATCH_STEP),
+}
 _DISPATCH_CASES = re.compile(r"#define DISPATCH_NUM_MMA_KV\(max_mma_kv, NUM_MMA_KV, \.\.\.\)((?:[^\n]*\\\n)+)")
+
+
+def _launcher_form(launcher: str) -> str | None:
+    """Which LAUNCHER_STEPS a launcher's text (up to its DISPATCH_NUM_MMA_KV) follows, in order, or None."""
+    for form, steps in LAUNCHER_STEPS.items():
+        at = 0
+        for step in steps:
+            at = launcher.find(norm(step), at)
+            if at < 0:
+                break
+        else:
+            return form
+    return None
+
+
+def pinned_launcher_form_in(prefill: str, utils: str, tile_template: str = "") -> tuple[str | None, str | None]:
+    """(the LAUNCHER_STEPS form every DISPATCH_NUM_MMA_KV of these sources follows, None; or None, why the pinned
+    dispatch does not fit them): prefill.cuh's launchers, all in one form, and the macro's cases 8, 4, 2, 1.
+    fivar's single-prefill launcher (its tile template, 0.7.2's text) counts only where prefill.cuh is in 0.7.2's
+    form: elsewhere its body differs from FlashInfer's, so the split that compiles it is off
+    (single_prefill_split_problem)."""
+    m = _DISPATCH_CASES.search(utils)
+    if not m or re.findall(r"NUM_MMA_KV = (\d+);", m.group(1)) != ["8", "4", "2", "1"]:
+        return None, "DISPATCH_NUM_MMA_KV in utils.cuh is not the 8/4/2/1 dispatch fivar pins"
+    forms = set()
+    for name, text in (("prefill.cuh", prefill), ("fivar's single-prefill launcher", tile_template)):
+        # every launcher: from well before its DISPATCH_NUM_MMA_KV to it, the steps in order
+        starts = [i.start() for i in re.finditer(r"DISPATCH_NUM_MMA_KV\(", text)]
+        if name == "prefill.cuh" and not starts:
+            return None, "prefill.cuh has no DISPATCH_NUM_MMA_KV"
+        if name != "prefill.cuh" and forms != {"0.7.2"}:
+            break
+        for start in starts:
+            form = _launcher_form(norm(text[max(0, start - 5000):start + 200]))
+            if form is None:
+                return None, f"a DISPATCH_NUM_MMA_KV in {name} follows neither 0.7.2's nor 0.7.4's steps"
+            forms.add(form)
+    if len(forms) != 1:
+        return None, "the DISPATCH_NUM_MMA_KV launchers in prefill.cuh follow different steps"
+    return forms.pop(), None
 
 
 def pinned_kv_tiles_problem_in(prefill: str, utils: str, tile_template: str = "") -> str | None:
     """Why the pinned dispatch does not fit these launcher sources (prefill.cuh, utils.cuh and fivar's copy of the
-    single-prefill launcher), or None: every DISPATCH_NUM_MMA_KV must follow FlashInfer 0.7.2's three steps, with
-    their locals, and the macro's cases must be 8, 4, 2, 1."""
-    m = _DISPATCH_CASES.search(utils)
-    if not m or re.findall(r"NUM_MMA_KV = (\d+);", m.group(1)) != ["8", "4", "2", "1"]:
-        return "DISPATCH_NUM_MMA_KV in utils.cuh is not the 8/4/2/1 dispatch fivar pins"
-    for name, text in (("prefill.cuh", prefill), ("fivar's single-prefill launcher", tile_template)):
-        # every launcher: from its num_ctas_per_sm to its DISPATCH_NUM_MMA_KV, the steps in order
-        starts = [i.start() for i in re.finditer(r"DISPATCH_NUM_MMA_KV\(", text)]
-        if name == "prefill.cuh" and not starts:
-            return "prefill.cuh has no DISPATCH_NUM_MMA_KV"
-        for start in starts:
-            launcher = norm(text[max(0, start - 4000):start + 200])
-            at = 0
-            for step in _LAUNCHER_STEPS:
-                at = launcher.find(norm(step), at)
-                if at < 0:
-                    return f"a DISPATCH_NUM_MMA_KV in {name} does not follow '{step}'"
-    return None
+    single-prefill launcher), or None."""
+    return pinned_launcher_form_in(prefill, utils, tile_template)[1]
+
+
+def _tile_template() -> str:
+    return (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text()
 
 
 @functools.lru_cache(maxsize=None)
 @safe
 def pinned_kv_tiles_problem() -> str | None:
     """pinned_kv_tiles_problem_in for the installed FlashInfer."""
-    return pinned_kv_tiles_problem_in(_prefill(), _utils(), (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text())
+    return pinned_kv_tiles_problem_in(_prefill(), _utils(), _tile_template())
+
+
+@functools.lru_cache(maxsize=None)
+def pinned_launcher_form() -> str | None:
+    """The LAUNCHER_STEPS form of the installed FlashInfer's launchers (None where the pinned dispatch does not fit)."""
+    return pinned_launcher_form_in(_prefill(), _utils(), _tile_template())[0]
 
 
 COUPLINGS = [

@@ -9,7 +9,7 @@ import time
 
 from ..codegen import fa2
 from ..flashinfer_compat import fa2_launchers
-from ..flashinfer_compat.templates import render_template
+from ..flashinfer_compat.templates import release_kwargs, render_template
 from ..flashinfer_layout import FA2_LAYOUT
 from ..paths import templates_dir
 from . import toolchain
@@ -76,9 +76,12 @@ def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
     problem = (_single_prefill_split_problem() if op == "single_prefill" else
                fa2_launchers.batch_prefill_split_problem())
     flashinfer_units: dict[int, str] = {}
+    release_args: dict = {}  # what the installed release's instantiations take beyond fivar's kwargs (0.7.4's SF flag)
     if op == "single_prefill":
         tiles = list(_dispatch_cta_tiles())
     else:
+        for inst_t in FA2_LAYOUT[op][1]:
+            release_args.update({k: v for k, v in release_kwargs(inst_t, kwargs).items() if k not in kwargs})
         for mode in modes:
             code = fa2.MASK_CODES[mode]
             flashinfer_units[code] = "".join(
@@ -95,7 +98,8 @@ def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
             texts = []
             for j, group in enumerate(groups):
                 text = fa2.render(f"fa2/{op}_tile_inst.jinja", op=op, mask_mode=mask_mode_literal[code],
-                                  tiles=group, merge_here=i == 0 and j == 0, softmax=variant.softmax, **kwargs)
+                                  tiles=group, merge_here=i == 0 and j == 0, softmax=variant.softmax, **kwargs,
+                                  **release_args)
                 suffix = "" if j == 0 and op == "single_prefill" else "_cta" + "_".join(map(str, group))
                 units[f"{op}_kernel_mask_{code}{suffix}.cu"] = text
                 texts.append(text)

@@ -68,10 +68,12 @@ def pinned_smem(archs, on: bool | None = None) -> tuple[int, int] | None:
 def unit_prefix(smem: tuple[int, int]) -> str:
     """What a kernel unit starts with to compile pinned KV tiles: before any FlashInfer header."""
     per_sm, per_block = smem
+    token_head_sf = fa2_launchers.pinned_launcher_form() == "token_head_sf"  # 0.7.4's launcher steps
     return (f"// fivar: KV tiles pinned to {per_sm} bytes of shared memory per SM ({HEADER})\n"
             f"#define FIVAR_PINNED_SMEM_PER_SM {per_sm}\n"
             f"#define FIVAR_PINNED_SMEM_PER_BLOCK_OPTIN {per_block}\n"
-            f'#include "{HEADER}"\n')
+            + ("#define FIVAR_PINNED_TOKEN_HEAD_SF 1\n" if token_head_sf else "")
+            + f'#include "{HEADER}"\n')
 
 
 def header_text() -> str:

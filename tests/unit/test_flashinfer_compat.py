@@ -34,6 +34,31 @@ def test_each_check_can_fail():
         "changed since fivar's x was written against 0.7.2")
 
 
+def test_kv_tiles_are_pinned_in_each_release_launcher_steps():
+    """The installed prefill.cuh's launchers are read in their own release's form (0.7.4 adds the token-head-scale
+    steps the pinned macro then repeats); launchers in two forms, or one in neither, are not pinned."""
+    from flashinfer.jit import env as jit_env
+    inc = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer"
+    prefill, utils = (inc / "attention" / "prefill.cuh").read_text(), (inc / "utils.cuh").read_text()
+    form, why = fa2_launchers.pinned_launcher_form_in(prefill, utils)
+    assert (form, why) == ({"0.7.2": "0.7.2", "0.7.4": "token_head_sf"}[compat.release()], None)
+    pad = "\n// ...\n" * 800  # launchers lie thousands of lines apart
+    launcher = {f: "\n".join(steps) for f, steps in fa2_launchers.LAUNCHER_STEPS.items()}
+    for f, text in launcher.items():
+        assert fa2_launchers.pinned_launcher_form_in(pad + text + pad + text, utils) == (f, None)
+    mixed = fa2_launchers.pinned_launcher_form_in(pad + launcher["0.7.2"] + pad + launcher["token_head_sf"], utils)
+    assert mixed[0] is None and "different steps" in mixed[1]
+    # 0.7.4's launcher without its bound by the per-block limit with the scales: neither form
+    broken = launcher["token_head_sf"].replace("min(max_num_mma_kv_smem_occ, max_num_mma_kv_smem_scale)",
+                                               "max_num_mma_kv_smem_occ")
+    assert "neither" in fa2_launchers.pinned_launcher_form_in(pad + broken, utils)[1]
+    # fivar's single-prefill launcher copy (0.7.2's text) is held to prefill.cuh's form only where it is 0.7.2's
+    tile = fa2_launchers._tile_template()
+    assert fa2_launchers.pinned_launcher_form_in(pad + launcher["token_head_sf"], utils, tile)[1] is None
+    assert "single-prefill launcher" in fa2_launchers.pinned_launcher_form_in(
+        pad + launcher["0.7.2"], utils, tile.replace("kMinValidMmaKV *", ""))[1]
+
+
 def test_a_changed_flashinfer_turns_the_fa3_tile_off_and_says_which_once(monkeypatch, caplog):
     """The FA3 tile and schedule defaults used to fall back to FlashInfer's silently: now one warning each names
     the optimisation, and doctor's report lists it as disabled with the reason."""

@@ -17,16 +17,16 @@ from fivar.jit.module_key import ModuleKey
 
 #: (variant, op, target, form) -> the URI it renders with the toolchain in PINNED_WITH: forms across both targets
 PINNED = {
-    ("softcap", "single_prefill", "fa2", ()): "fivar_softcap_fa2_single_prefill_bf16_hd128_a029d4d5357d",
+    ("softcap", "single_prefill", "fa2", ()): "fivar_softcap_fa2_single_prefill_bf16_hd128_88d02656fe15",
     ("softcap", "single_prefill", "fa3", ()): "fivar_softcap_fa3_single_prefill_bf16_hd128_d9b4f6cd8f96",
     ("softcap", "single_prefill", "fa3", (("bounded_softmax", False),)):
         "fivar_softcap_fa3_single_prefill_bf16_hd128_d1ea6534f83f",
     ("document_window", "batch_prefill", "fa2", (("kv_segments", True), ("mask_free", True))):
-        "fivar_document_window_fa2_batch_prefill_kvsegfree_bf16_hd128_0314052d8c3b",
+        "fivar_document_window_fa2_batch_prefill_kvsegfree_bf16_hd128_fdc124011d30",
     ("document_window", "batch_prefill", "fa2", (("tile_list", True),)):
-        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_069b74a36548",
+        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_8a047befda6f",
     ("document_window", "batch_prefill", "fa2", (("custom_mask", True),)):
-        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_069b74a36548",
+        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_8a047befda6f",
     ("document_window", "batch_prefill", "fa3", (("custom_mask", True),)):
         "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_ed6ee3400f1f",
     ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_ed6ee3400f1f",
