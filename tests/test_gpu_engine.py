@@ -125,10 +125,9 @@ def test_paged_runs_write_every_output_row(name, window, backend, monkeypatch):
     dq = torch.randn(len(kv_lens), 32, 128, dtype=DTYPE, device="cuda")
     shape = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=DTYPE)
     plan = v.plan_paged(qo_indptr, indptr, indices, last, causal=True, backend=backend, **shape, **params)
+    assert (plan._tiles is not None) == v.scans_mask  # a mask beyond a band runs in the tile-list form
     if plan._tiles is None:  # a band: FlashInfer's paged kernels, launched without the wrapper's run
         assert plan._direct[0] is not None, "the planned paged run fell back to FlashInfer's wrapper.run"
-    else:
-        assert v.scans_mask, "a band's plan ran in the tile-list form"
     runs = [("prefill one-shot", q, lambda: v.batch_prefill_paged(q, cache, qo_indptr, indptr, indices, last,
                                                                   causal=True, backend=backend, **params)),
             ("prefill plan", q, lambda: plan.run(q, cache))]

@@ -133,13 +133,17 @@ _DISPATCH_CASES = re.compile(r"#define DISPATCH_NUM_MMA_KV\(max_mma_kv, NUM_MMA_
 
 
 def _launcher_form(launcher: str) -> str | None:
-    """Which LAUNCHER_STEPS a launcher's text (up to its DISPATCH_NUM_MMA_KV) follows, in order, or None."""
+    """Which LAUNCHER_STEPS a launcher's text (up to its DISPATCH_NUM_MMA_KV) follows, in order, with nothing
+    assigning max_num_mma_kv_smem again between its last step and the dispatch; or None."""
     for form, steps in LAUNCHER_STEPS.items():
-        at = 0
+        at, end = 0, 0
         for step in steps:
-            at = launcher.find(norm(step), at)
+            at = launcher.find(norm(step), end)
             if at < 0:
                 break
+            if step == _DISPATCH_STEP and re.search(r"\bmax_num_mma_kv_smem\s*[-+*/]?=(?!=)", launcher[end:at]):
+                break
+            end = at + len(norm(step))
         else:
             return form
     return None
@@ -154,22 +158,23 @@ def pinned_launcher_form_in(prefill: str, utils: str, tile_template: str = "") -
     m = _DISPATCH_CASES.search(utils)
     if not m or re.findall(r"NUM_MMA_KV = (\d+);", m.group(1)) != ["8", "4", "2", "1"]:
         return None, "DISPATCH_NUM_MMA_KV in utils.cuh is not the 8/4/2/1 dispatch fivar pins"
-    forms = set()
+    forms: dict[str, str] = {}  # form -> where first seen
     for name, text in (("prefill.cuh", prefill), ("fivar's single-prefill launcher", tile_template)):
         # every launcher: from well before its DISPATCH_NUM_MMA_KV to it, the steps in order
         starts = [i.start() for i in re.finditer(r"DISPATCH_NUM_MMA_KV\(", text)]
         if name == "prefill.cuh" and not starts:
             return None, "prefill.cuh has no DISPATCH_NUM_MMA_KV"
-        if name != "prefill.cuh" and forms != {"0.7.2"}:
+        if name != "prefill.cuh" and set(forms) != {"0.7.2"}:
             break
         for start in starts:
             form = _launcher_form(norm(text[max(0, start - 5000):start + 200]))
             if form is None:
                 return None, f"a DISPATCH_NUM_MMA_KV in {name} follows neither 0.7.2's nor 0.7.4's steps"
-            forms.add(form)
+            forms.setdefault(form, name)
     if len(forms) != 1:
-        return None, "the DISPATCH_NUM_MMA_KV launchers in prefill.cuh follow different steps"
-    return forms.pop(), None
+        return None, f"the DISPATCH_NUM_MMA_KV launchers in {' and '.join(sorted(set(forms.values())))} follow " \
+                     f"different steps"
+    return next(iter(forms)), None
 
 
 def pinned_kv_tiles_problem_in(prefill: str, utils: str, tile_template: str = "") -> str | None:

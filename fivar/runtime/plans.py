@@ -35,7 +35,7 @@ class _OwnsWrapper:
     kv_form = "paged"  # run(q, paged_kv_cache); fivar.runtime.ops' plan_run passes the caches as one pair
     _rest = None  # (wrapper, ScaledArgs) of a second launch writing the rows the first skips (fa2_blocks)
     _direct = (None, None)  # DirectPagedRun of the wrapper and of _rest's (a paged plan's; None: wrapper.run)
-    _tiles = None  # FA3's tile-list form of a paged plan (fivar.runtime.fa3_tile_list), which then runs it all
+    _tiles = None  # the tile-list form of a paged plan, FA2 or FA3 (fivar.runtime.fa3_tile_list), which then runs it all
     _mixed = None  # a paged batch of short and long requests as two plans (fivar.runtime.mixed), which run it all
 
     def release(self):

@@ -47,11 +47,15 @@ def test_kv_tiles_are_pinned_in_each_release_launcher_steps():
     for f, text in launcher.items():
         assert fa2_launchers.pinned_launcher_form_in(pad + text + pad + text, utils) == (f, None)
     mixed = fa2_launchers.pinned_launcher_form_in(pad + launcher["0.7.2"] + pad + launcher["token_head_sf"], utils)
-    assert mixed[0] is None and "different steps" in mixed[1]
+    assert mixed[0] is None and mixed[1] == "the DISPATCH_NUM_MMA_KV launchers in prefill.cuh follow different steps"
     # 0.7.4's launcher without its bound by the per-block limit with the scales: neither form
     broken = launcher["token_head_sf"].replace("min(max_num_mma_kv_smem_occ, max_num_mma_kv_smem_scale)",
                                                "max_num_mma_kv_smem_occ")
     assert "neither" in fa2_launchers.pinned_launcher_form_in(pad + broken, utils)[1]
+    # the budget assigned again after the steps, before the dispatch takes it: not the value the macro computes
+    for f, text in launcher.items():
+        again = text.replace("DISPATCH_NUM_MMA_KV(", "max_num_mma_kv_smem = 8; DISPATCH_NUM_MMA_KV(")
+        assert "neither" in fa2_launchers.pinned_launcher_form_in(pad + again, utils)[1], f
     # fivar's single-prefill launcher copy (0.7.2's text) is held to prefill.cuh's form only where it is 0.7.2's
     tile = fa2_launchers._tile_template()
     assert fa2_launchers.pinned_launcher_form_in(pad + launcher["token_head_sf"], utils, tile)[1] is None
