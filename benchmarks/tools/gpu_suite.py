@@ -6,7 +6,8 @@ Files are taken roughly longest first (ORDER) by the lanes, each lane taking the
 so a module the lanes share compiles once (FlashInfer's and fivar's file locks) and the GPU is shared. `kernels:4`
 splits a file's tests into 4 contiguous shards, one process each: one pytest process compiles one module at a
 time, so a long file on a cold cache is bound by its modules' chain, not by the host's cores; `--max-tests 80`
-shards every file of more tests than that. Each process's output goes to LOGS/<stem>.log (LOGS/<stem>.<k>.log for
+shards every file of more tests than that; `-k EXPR` selects tests in every file (a file left with none passes).
+Each process's output goes to LOGS/<stem>.log (LOGS/<stem>.<k>.log for
 a shard), ending with its exit status; LOGS/summary.txt has a line per process, and LOGS/all.done appears when
 every lane is done, so a detached run (`setsid nohup ... &`) can be polled. The exit status is 1 if any process
 failed. The pyproject's xdist options are dropped (a GPU host need not have pytest-xdist).
@@ -28,10 +29,10 @@ ORDER = ["zoo", "sparsity", "kernels", "backward", "serving", "mask_battery", "i
          "fusions", "mixed_batches", "tables", "triton", "fp8", "index_layouts"]
 
 
-def collect(stems: list[str], env: dict) -> dict[str, list[str]]:
-    """Each file's test ids, in order, from one collecting pytest process."""
+def collect(stems: list[str], env: dict, keyword: list[str]) -> dict[str, list[str]]:
+    """Each file's test ids (those `keyword`, ["-k", EXPR] or [], selects), in order, from one collecting process."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
-                          "no:cacheprovider", *(f"tests/test_gpu_{s}.py" for s in stems)], cwd=ROOT, env=env,
+                          "no:cacheprovider", *keyword, *(f"tests/test_gpu_{s}.py" for s in stems)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     ids: dict[str, list[str]] = {s: [] for s in stems}
     for line in out.stdout.splitlines():
@@ -41,18 +42,19 @@ def collect(stems: list[str], env: dict) -> dict[str, list[str]]:
     return ids
 
 
-def plan_jobs(specs: list[str], env: dict, max_tests: int | None = None) -> list[tuple[str, list[str]]]:
+def plan_jobs(specs: list[str], env: dict, max_tests: int | None = None,
+              keyword: list[str] = ()) -> list[tuple[str, list[str]]]:
     """(log name, pytest arguments) per process: a whole file, or one contiguous shard of its tests (FILE:N, or as
     many shards as keep each within max_tests)."""
     wanted = {stem: int(n or 1) for stem, _, n in (spec.partition(":") for spec in specs)}
-    ids = collect([s for s, n in wanted.items() if n > 1 or max_tests], env) if max_tests or any(
+    ids = collect([s for s, n in wanted.items() if n > 1 or max_tests], env, list(keyword)) if max_tests or any(
         n > 1 for n in wanted.values()) else {}
     jobs = []
     for stem, n in wanted.items():
         if max_tests and stem in ids and n == 1:
             n = max(1, -(-len(ids[stem]) // max_tests))
         if n == 1 or not ids.get(stem):  # whole: also a file whose tests did not collect (its error then shows)
-            jobs.append((stem, [f"tests/test_gpu_{stem}.py"]))
+            jobs.append((stem, [*keyword, f"tests/test_gpu_{stem}.py"]))
             continue
         size = -(-len(ids[stem]) // n)
         jobs += [(f"{stem}.{k}", ids[stem][k * size:(k + 1) * size]) for k in range(n)
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=None, help="nvcc jobs per lane (default: cores / lanes)")
     ap.add_argument("--timeout-s", type=int, default=3600, help="per process")
+    ap.add_argument("-k", dest="keyword", default=None, help="pytest's -k expression, for every file")
     ap.add_argument("--max-tests", type=int, default=None,
                     help="split every file of more tests than this into shards of at most this many")
     args = ap.parse_args(argv)
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
            "FLASHINFER_WORKSPACE_BASE": os.environ.get("FLASHINFER_WORKSPACE_BASE", str(args.logs / "jit")),
            "FIVAR_CACHE_DIR": os.environ.get("FIVAR_CACHE_DIR", str(args.logs / "fivar-cache"))}
     todo: queue.Queue = queue.Queue()
-    planned = plan_jobs(files, env, args.max_tests)
+    planned = plan_jobs(files, env, args.max_tests, ["-k", args.keyword] if args.keyword else [])
     for job in planned:
         todo.put(job)
     status: dict = {}
@@ -124,7 +127,8 @@ def main(argv=None) -> int:
         t.join()
     (args.logs / "summary.txt").write_text("".join(f"{name} rc={status[name]}\n" for name, _ in planned))
     (args.logs / "all.done").touch()
-    return 0 if planned and all(rc == 0 for rc in status.values()) else 1
+    # pytest's 5: no test selected, which -k may rightly do to a file
+    return 0 if planned and all(rc == 0 or (rc == 5 and args.keyword) for rc in status.values()) else 1
 
 
 if __name__ == "__main__":
