@@ -4,13 +4,13 @@
 
 Files are taken roughly longest first (ORDER) by the lanes, each lane taking the next file when its last one ends,
 so a module the lanes share compiles once (FlashInfer's and fivar's file locks) and the GPU is shared. `kernels:4`
-splits a file's tests into 4 contiguous shards, one process each: one pytest process compiles one module at a
-time, so a long file on a cold cache is bound by its modules' chain, not by the host's cores; `--max-tests 80`
-shards every file of more tests than that; `-k EXPR` selects tests in every file (a file left with none passes).
-Each process's output goes to LOGS/<stem>.log (LOGS/<stem>.<k>.log for
-a shard), ending with its exit status; LOGS/summary.txt has a line per process, and LOGS/all.done appears when
-every lane is done, so a detached run (`setsid nohup ... &`) can be polled. The exit status is 1 if any process
-failed. The pyproject's xdist options are dropped (a GPU host need not have pytest-xdist).
+splits a file's tests into 4 contiguous shards, one process each: one pytest process compiles one module at a time,
+so a long file on a cold cache is bound by its modules' chain, not by the host's cores; `--max-tests 80` shards
+every file of more tests than that; `-k EXPR` selects tests in every file (a file left with none passes). Each
+process's output goes to LOGS/<stem>.log (LOGS/<stem>.<k>.log for a shard), ending with its exit status;
+LOGS/summary.txt has a line per process, and LOGS/all.done appears when every lane is done, so a detached run
+(`setsid nohup ... &`) can be polled. The exit status is 1 if any process failed. The pyproject's xdist options are
+dropped (a GPU host need not have pytest-xdist).
 """
 from __future__ import annotations
 
