@@ -13,11 +13,10 @@ from . import fa2_headers, fa2_launchers, fa3_launchers, wrappers
 from ._base import SUPPORTED, WRITTEN_AGAINST, Coupling, warn_once  # noqa: F401 (re-exported)
 
 #: Per supported release line, the couplings whose FlashInfer text changed in it, so that their optimisation is off
-#: there and the module is built FlashInfer's way (0.7.4: new FP8 token-head-scale steps in the FA2 single-prefill
-#: launcher fivar's cut copies). Doctor and the tests expect exactly these.
+#: there and the module is built FlashInfer's way. Doctor and the tests expect exactly these.
 OFF_IN_RELEASE = {
     "0.7.2": frozenset(),
-    "0.7.4": frozenset({"fa2_single_prefill_split"}),
+    "0.7.4": frozenset(),
 }
 
 COUPLINGS: dict[str, Coupling] = {c.name: c for m in (fa2_launchers, fa2_headers, fa3_launchers, wrappers)

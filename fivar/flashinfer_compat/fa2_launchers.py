@@ -1,7 +1,7 @@
-"""FA2 prefill: fivar's cut of FlashInfer's single-prefill launcher (templates/fa2/single_prefill_{tile,dispatch}.cuh),
-its grouping of batch-prefill instantiations by CTA tile, and its KV tiles pinned at compile time
-(csrc/fivar_pinned_kv_tiles.cuh) repeat FlashInfer's launcher text (FlashInfer 0.7.2,
-include/flashinfer/attention/prefill.cuh and utils.cuh). Each is used only while that text matches, token for token."""
+"""FA2 prefill: fivar's cut of the installed FlashInfer's single-prefill launcher at its CTA-tile switch
+(single_prefill_cut), its grouping of batch-prefill instantiations by CTA tile, and its KV tiles pinned at compile
+time (csrc/fivar_pinned_kv_tiles.cuh) read FlashInfer's launcher text (include/flashinfer/attention/prefill.cuh and
+utils.cuh, 0.7.2 and 0.7.4). Each is used only while that text has the form it relies on."""
 from __future__ import annotations
 
 import functools
@@ -14,13 +14,9 @@ _SIGNATURE = (r"(template <uint32_t HEAD_DIM_QK[^>]*>\s*cudaError_t SinglePrefil
               r"Params params, typename Params::DTypeO\* tmp,\s*cudaStream_t stream\))")
 
 
-#: a C++ string literal: its text is an error message, never code, so the copy may word it as fivar's own
-_STRING_LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"')
-
-
-def _code(text: str) -> str:
-    """`norm(text)` with every string literal emptied: what the copied launcher body must match."""
-    return norm(_STRING_LITERAL.sub('""', text))
+def _code_only(text: str) -> str:
+    """C++ text without its string literals and // comments (an error message may name cta_tile_q)."""
+    return re.sub(r'"(?:\\.|[^"\\\n])*"|//[^\n]*', "", text)
 
 
 def _utils() -> str:
@@ -38,44 +34,116 @@ def dispatch_cta_tiles() -> tuple[int, ...]:
     return tuple(int(c) for c in re.findall(r"case (\d+):", m.group(1))) if m else ()
 
 
+_FUNCTION = re.compile(_SIGNATURE + r" \{\n(.*?)\n  DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \{\n(.*?)\n  \}\);\n"
+                       r"  return cudaSuccess;\n\}\n", re.S)
+
+
+def _single_prefill_parts(prefill: str, host: str) -> tuple[tuple[str, str, str] | None, str | None]:
+    """((signature, preamble, per-tile body) of FlashInfer's SinglePrefillWithKVCacheDispatched, None), or (None,
+    why it is not of the form fivar cuts: a preamble choosing cta_tile_q, then DISPATCH_CTA_TILE_Q over a body,
+    declared as defined in csrc/single_prefill.cu)."""
+    fi = _FUNCTION.search(prefill)
+    if not fi:
+        return None, "prefill.cuh has no SinglePrefillWithKVCacheDispatched of the form fivar splits"
+    sig, preamble, body = fi.groups()
+    decl = re.search(_SIGNATURE + ";", host)
+    if not decl or norm(decl.group(1)) != norm(sig):
+        return None, "csrc/single_prefill.cu declares another SinglePrefillWithKVCacheDispatched"
+    if not re.search(r"\bcta_tile_q\s*=", preamble) or re.search(r"\bcta_tile_q\b", _code_only(body)):
+        return None, "SinglePrefillWithKVCacheDispatched's body reads cta_tile_q or its preamble sets none"
+    if not dispatch_cta_tiles():
+        return None, "utils.cuh has no DISPATCH_CTA_TILE_Q of the expected form"
+    return (sig, preamble, body), None
+
+
 @functools.lru_cache(maxsize=None)
 @safe
 def single_prefill_split_problem() -> str | None:
-    """Why fivar's cut of FlashInfer's single-prefill launcher does not fit the installed FlashInfer, or None.
+    """Why the installed FlashInfer's single-prefill launcher cannot be cut per CTA tile (single_prefill_cut), or
+    None."""
+    return _single_prefill_parts(_prefill(), (csrc_dir() / "single_prefill.cu").read_text())[1]
 
-    templates/fa2/single_prefill_tile.cuh and single_prefill_dispatch.cuh carry FlashInfer's text (0.7.2,
-    prefill.cuh's SinglePrefillWithKVCacheDispatched); this compares them token for token (whitespace and the text
-    of string literals aside) with the installed prefill.cuh, and fivar's dispatcher signature with the declaration
-    in csrc/single_prefill.cu."""
-    prefill, host = _prefill(), (csrc_dir() / "single_prefill.cu").read_text()
-    tile = (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text()
-    dispatch = (templates_dir() / "fa2" / "single_prefill_dispatch.cuh").read_text()
-    fi = re.search(_SIGNATURE + r" \{\n(.*?)\n  DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \{\n(.*?)\n  \}\);\n"
-                   r"  return cudaSuccess;\n\}\n", prefill, re.S)
-    if not fi:
-        return "prefill.cuh has no SinglePrefillWithKVCacheDispatched of the form fivar splits"
-    fi_sig, fi_preamble, fi_body = fi.groups()
-    decl = re.search(_SIGNATURE + ";", host)
-    ours_sig = re.search(_SIGNATURE + " {", dispatch)
-    ours_preamble = re.search(r"// ---- BEGIN FlashInfer preamble[^\n]*\n(.*?)\n  // ---- END FlashInfer preamble",
-                              dispatch, re.S)
-    ours_body = re.search(r"// ---- BEGIN FlashInfer DISPATCH_CTA_TILE_Q body[^\n]*\n  \{\n(.*?)\n  \}\n"
-                          r"  // ---- END FlashInfer DISPATCH_CTA_TILE_Q body", tile, re.S)
-    tile_locals = re.search(r"cudaError_t fivar_single_prefill_tile\([^)]*\) \{\n(.*?)\n  // ---- BEGIN", tile, re.S)
-    if not (decl and ours_sig and ours_preamble and ours_body and tile_locals):
-        return "fivar's single-prefill templates or FlashInfer's single_prefill.cu lack the expected markers"
-    if not norm(fi_sig) == norm(decl.group(1)) == norm(ours_sig.group(1)):
-        return "the signature of SinglePrefillWithKVCacheDispatched changed"
-    if norm(fi_preamble) != norm(ours_preamble.group(1)):
-        return "the preamble of SinglePrefillWithKVCacheDispatched changed"
-    if _code(fi_body) != _code(ours_body.group(1)):
-        return "the DISPATCH_CTA_TILE_Q body of SinglePrefillWithKVCacheDispatched changed"
-    fi_lines = {line.strip() for line in fi_preamble.splitlines()}
-    if any(line.strip() not in fi_lines for line in tile_locals.group(1).splitlines()):
-        return "a local the tile function copies from FlashInfer's preamble changed"
-    if not dispatch_cta_tiles():
-        return "utils.cuh has no DISPATCH_CTA_TILE_Q of the expected form"
-    return None
+
+def _template_params(signature: str) -> list[str]:
+    """The template parameters of a `template <...> cudaError_t f(...)` signature, as declared."""
+    return [" ".join(p.split()) for p in signature[signature.index("<") + 1:signature.index(">")].split(",")]
+
+
+_TILE_HEADER = """\
+// fivar: ONE CTA_TILE_Q of FlashInfer {version}'s FA2 single-prefill launcher, SinglePrefillWithKVCacheDispatched
+// (include/flashinfer/attention/prefill.cuh), so that each tile's kernels compile in a unit of their own. Cut from
+// the installed text by fivar.flashinfer_compat.fa2_launchers.single_prefill_cut: FlashInfer's preamble (its
+// checks run again here, its cta_tile_q unread), then its DISPATCH_CTA_TILE_Q body for this tile, token for token.
+#pragma once
+#include <flashinfer/attention/prefill.cuh>
+
+namespace flashinfer {{
+
+template <uint32_t CTA_TILE_Q, {params}>
+cudaError_t fivar_single_prefill_tile(Params params, typename Params::DTypeO* tmp, cudaStream_t stream) {{
+{preamble}
+  {{
+{body}
+  }}
+  return cudaSuccess;
+}}
+
+}}  // namespace flashinfer
+"""
+
+_DISPATCH_HEADER = """\
+// fivar: FlashInfer {version}'s SinglePrefillWithKVCacheDispatched with each DISPATCH_CTA_TILE_Q case calling
+// fivar_single_prefill_tile (fivar_single_prefill_tile.cuh), instantiated in the kernel units, one unit per tile:
+// FlashInfer's signature and preamble, token for token, so its checks and its tile choice (FA2DetermineCtaTileQ).
+// Host code only: the module's host unit includes it.
+#pragma once
+#include <flashinfer/attention/mask.cuh>
+#include <flashinfer/pos_enc.cuh>
+#include <flashinfer/utils.cuh>
+
+#include <sstream>
+
+namespace flashinfer {{
+
+template <uint32_t CTA_TILE_Q, {params}>
+cudaError_t fivar_single_prefill_tile(Params params, typename Params::DTypeO* tmp, cudaStream_t stream);
+
+{signature} {{
+{preamble}
+  DISPATCH_CTA_TILE_Q(cta_tile_q, CTA_TILE_Q, {{
+    return fivar_single_prefill_tile<CTA_TILE_Q, {names}>(params, tmp, stream);
+  }});
+  return cudaSuccess;
+}}
+
+}}  // namespace flashinfer
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def single_prefill_cut() -> dict[str, str]:
+    """The installed FlashInfer's single-prefill launcher cut at its CTA-tile switch: {header name: text} for the
+    per-tile function (fivar_single_prefill_tile.cuh, included by each kernel unit) and the dispatcher
+    (fivar_single_prefill_dispatch.cuh, in the host unit). Call only where single_prefill_split_problem() is None."""
+    from ..jit.toolchain import flashinfer_version
+    parts, why = _single_prefill_parts(_prefill(), (csrc_dir() / "single_prefill.cu").read_text())
+    if parts is None:
+        raise RuntimeError(why)
+    sig, preamble, body = parts
+    params = _template_params(sig)
+    fields = dict(version=flashinfer_version(), params=", ".join(params), preamble=preamble, body=body,
+                  signature=sig, names=", ".join(p.split()[-1] for p in params))
+    return {"fivar_single_prefill_tile.cuh": _TILE_HEADER.format(**fields),
+            "fivar_single_prefill_dispatch.cuh": _DISPATCH_HEADER.format(**fields)}
+
+
+def single_prefill_tile_statements(flashinfer_unit: str, tile: int) -> list[str]:
+    """FlashInfer's explicit instantiations of SinglePrefillWithKVCacheDispatched in one of its rendered kernel
+    units, as instantiations of fivar_single_prefill_tile for `tile`: the same arguments, whatever the release."""
+    return [f"template cudaError_t fivar_single_prefill_tile</*CTA_TILE_Q=*/{tile}, {' '.join(args.split())}>"
+            f"({' '.join(fargs.split())});"
+            for args, fargs in re.findall(r"^template cudaError_t SinglePrefillWithKVCacheDispatched<(.*?)>\((.*?)\);",
+                                          flashinfer_unit, re.S | re.M)]
 
 
 def inst_statements(text: str) -> list[str]:
@@ -149,60 +217,49 @@ def _launcher_form(launcher: str) -> str | None:
     return None
 
 
-def pinned_launcher_form_in(prefill: str, utils: str, tile_template: str = "") -> tuple[str | None, str | None]:
-    """(the LAUNCHER_STEPS form every DISPATCH_NUM_MMA_KV of these sources follows, None; or None, why the pinned
-    dispatch does not fit them): prefill.cuh's launchers, all in one form, and the macro's cases 8, 4, 2, 1.
-    fivar's single-prefill launcher (its tile template, 0.7.2's text) counts only where prefill.cuh is in 0.7.2's
-    form: elsewhere its body differs from FlashInfer's, so the split that compiles it is off
-    (single_prefill_split_problem)."""
+def pinned_launcher_form_in(prefill: str, utils: str) -> tuple[str | None, str | None]:
+    """(the LAUNCHER_STEPS form every DISPATCH_NUM_MMA_KV of prefill.cuh follows, None; or None, why the pinned
+    dispatch does not fit it): its launchers all in one form, and the macro's cases 8, 4, 2, 1. The per-tile
+    single-prefill units carry the same launcher text (single_prefill_cut), so the same form."""
     m = _DISPATCH_CASES.search(utils)
     if not m or re.findall(r"NUM_MMA_KV = (\d+);", m.group(1)) != ["8", "4", "2", "1"]:
         return None, "DISPATCH_NUM_MMA_KV in utils.cuh is not the 8/4/2/1 dispatch fivar pins"
-    forms: dict[str, str] = {}  # form -> where first seen
-    for name, text in (("prefill.cuh", prefill), ("fivar's single-prefill launcher", tile_template)):
-        # every launcher: from well before its DISPATCH_NUM_MMA_KV to it, the steps in order
-        starts = [i.start() for i in re.finditer(r"DISPATCH_NUM_MMA_KV\(", text)]
-        if name == "prefill.cuh" and not starts:
-            return None, "prefill.cuh has no DISPATCH_NUM_MMA_KV"
-        if name != "prefill.cuh" and set(forms) != {"0.7.2"}:
-            break
-        for start in starts:
-            form = _launcher_form(norm(text[max(0, start - 5000):start + 200]))
-            if form is None:
-                return None, f"a DISPATCH_NUM_MMA_KV in {name} follows neither 0.7.2's nor 0.7.4's steps"
-            forms.setdefault(form, name)
+    # every launcher: from well before its DISPATCH_NUM_MMA_KV to it, the steps in order
+    starts = [i.start() for i in re.finditer(r"DISPATCH_NUM_MMA_KV\(", prefill)]
+    if not starts:
+        return None, "prefill.cuh has no DISPATCH_NUM_MMA_KV"
+    forms = set()
+    for start in starts:
+        form = _launcher_form(norm(prefill[max(0, start - 5000):start + 200]))
+        if form is None:
+            return None, "a DISPATCH_NUM_MMA_KV in prefill.cuh follows neither 0.7.2's nor 0.7.4's steps"
+        forms.add(form)
     if len(forms) != 1:
-        return None, f"the DISPATCH_NUM_MMA_KV launchers in {' and '.join(sorted(set(forms.values())))} follow " \
-                     f"different steps"
-    return next(iter(forms)), None
+        return None, "the DISPATCH_NUM_MMA_KV launchers in prefill.cuh follow different steps"
+    return forms.pop(), None
 
 
-def pinned_kv_tiles_problem_in(prefill: str, utils: str, tile_template: str = "") -> str | None:
-    """Why the pinned dispatch does not fit these launcher sources (prefill.cuh, utils.cuh and fivar's copy of the
-    single-prefill launcher), or None."""
-    return pinned_launcher_form_in(prefill, utils, tile_template)[1]
-
-
-def _tile_template() -> str:
-    return (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text()
+def pinned_kv_tiles_problem_in(prefill: str, utils: str) -> str | None:
+    """Why the pinned dispatch does not fit these launcher sources (prefill.cuh, utils.cuh), or None."""
+    return pinned_launcher_form_in(prefill, utils)[1]
 
 
 @functools.lru_cache(maxsize=None)
 @safe
 def pinned_kv_tiles_problem() -> str | None:
     """pinned_kv_tiles_problem_in for the installed FlashInfer."""
-    return pinned_kv_tiles_problem_in(_prefill(), _utils(), _tile_template())
+    return pinned_kv_tiles_problem_in(_prefill(), _utils())
 
 
 @functools.lru_cache(maxsize=None)
 def pinned_launcher_form() -> str | None:
     """The LAUNCHER_STEPS form of the installed FlashInfer's launchers (None where the pinned dispatch does not fit)."""
-    return pinned_launcher_form_in(_prefill(), _utils(), _tile_template())[0]
+    return pinned_launcher_form_in(_prefill(), _utils())[0]
 
 
 COUPLINGS = [
-    Coupling("fa2_single_prefill_split", "SinglePrefillWithKVCacheDispatched's text (prefill.cuh) and its declaration "
-             "(csrc/single_prefill.cu), token for token", "FA2 single prefill kernel units split per CTA tile",
+    Coupling("fa2_single_prefill_split", "SinglePrefillWithKVCacheDispatched's form (prefill.cuh: a preamble choosing "
+             "cta_tile_q, then DISPATCH_CTA_TILE_Q over the body) and its declaration (csrc/single_prefill.cu)", "FA2 single prefill kernel units split per CTA tile",
              "one kernel unit per mask mode, FlashInfer's layout", single_prefill_split_problem),
     Coupling("fa2_batch_prefill_split", "the /*CTA_TILE_Q=*/ instantiations of batch_prefill_*_kernel_inst.jinja",
              "FA2 batch prefill kernel units split per CTA tile", "one kernel unit per mask mode, FlashInfer's layout",

@@ -1,6 +1,6 @@
 """FA2 prefill compiled one kernel unit per CTA tile (`split_cta_tiles`): the same kernels as FlashInfer's unit per
-mask mode, cut so that ninja runs them side by side, while the cut copy of FlashInfer's launcher matches the installed
-one token for token (fivar.flashinfer_compat.fa2_launchers)."""
+mask mode, cut so that ninja runs them side by side, from the installed FlashInfer's own launcher text and
+instantiations (fivar.flashinfer_compat.fa2_launchers)."""
 from __future__ import annotations
 
 import logging
@@ -11,16 +11,11 @@ from ..codegen import fa2
 from ..flashinfer_compat import fa2_launchers
 from ..flashinfer_compat.templates import release_kwargs, render_template
 from ..flashinfer_layout import FA2_LAYOUT
-from ..paths import templates_dir
 from . import toolchain
 
 log = logging.getLogger("fivar")
 
-#: What each FA2 prefill op's split kernel units include: fivar's cut of FlashInfer's launcher (source name
-#: in the module -> file under templates/fa2), and the header the host unit includes (see _fa2_tile_split).
-_SPLIT_HEADERS = {"single_prefill": {"fivar_single_prefill_tile.cuh": "single_prefill_tile.cuh",
-                                     "fivar_single_prefill_dispatch.cuh": "single_prefill_dispatch.cuh"},
-                  "batch_prefill": {}}
+#: The header the host unit of each FA2 prefill op's split includes (see _fa2_tile_split).
 _SPLIT_HOST_INCLUDES = {"single_prefill": ("fivar_single_prefill_dispatch.cuh",), "batch_prefill": ()}
 _split_warned: set[str] = set()
 
@@ -60,9 +55,10 @@ def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
     FA2DetermineCtaTileQ can pick gets a unit of its own; the kernels, their launch configuration and the
     tile choice at run time are FlashInfer's:
       - single_prefill: FlashInfer's SinglePrefillWithKVCacheDispatched picks the tile at run time inside one
-        function; fivar's copy is cut at that switch (templates/fa2/single_prefill_tile.cuh: the per-tile
-        body; single_prefill_dispatch.cuh: the preamble and switch, compiled into the host unit). Used only
-        while the copy matches the installed FlashInfer token for token (_single_prefill_split_problem).
+        function; the installed text is cut at that switch (fivar.flashinfer_compat.fa2_launchers.
+        single_prefill_cut: the per-tile function, and the preamble and switch compiled into the host unit),
+        each unit instantiating the tile function with FlashInfer's own instantiation's arguments. Used where
+        the function has that form (_single_prefill_split_problem).
       - batch_prefill: CTA_TILE_Q is already a template parameter, picked by FlashInfer's host code; the
         units hold FlashInfer's own explicit instantiations, paged and ragged, grouped by tile (checked
         statement for statement against FlashInfer's rendered *_kernel_inst.jinja).
@@ -77,29 +73,36 @@ def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
                fa2_launchers.batch_prefill_split_problem())
     flashinfer_units: dict[int, str] = {}
     release_args: dict = {}  # what the installed release's instantiations take beyond fivar's kwargs (0.7.4's SF flag)
-    if op == "single_prefill":
-        tiles = list(_dispatch_cta_tiles())
-    else:
-        for inst_t in FA2_LAYOUT[op][1]:
-            release_args.update({k: v for k, v in release_kwargs(inst_t, kwargs).items() if k not in kwargs})
+    for inst_t in FA2_LAYOUT[op][1]:
+        release_args.update({k: v for k, v in release_kwargs(inst_t, kwargs).items() if k not in kwargs})
+    if problem is None:
         for mode in modes:
             code = fa2.MASK_CODES[mode]
             flashinfer_units[code] = "".join(
                 render_template(inst_t, mask_mode=mask_mode_literal[code], **kwargs)
                 for inst_t in FA2_LAYOUT[op][1])
+    if op == "single_prefill":
+        tiles = list(_dispatch_cta_tiles())
+    else:
         tiles = [int(c) for c in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", "".join(flashinfer_units.values()))]
-        if not tiles:
+        if not tiles and problem is None:
             problem = "FlashInfer's batch prefill instantiations name no CTA_TILE_Q"
     units: dict[str, str] = {}
     if problem is None:
         groups = _tile_groups(tiles, kwargs["head_dim_qk"], kwargs["head_dim_vo"])
         for i, mode in enumerate(modes):
             code = fa2.MASK_CODES[mode]
+            if op == "single_prefill" and len(_inst_statements(flashinfer_units[code])) != 1:
+                problem = "FlashInfer's single prefill unit does not instantiate its launcher once"
+                break
             texts = []
             for j, group in enumerate(groups):
+                # single prefill: FlashInfer's own instantiations, of the per-tile function (any release's arguments)
+                statements = [st for t in group for st in fa2_launchers.single_prefill_tile_statements(
+                    flashinfer_units[code], t)] if op == "single_prefill" else []
                 text = fa2.render(f"fa2/{op}_tile_inst.jinja", op=op, mask_mode=mask_mode_literal[code],
-                                  tiles=group, merge_here=i == 0 and j == 0, softmax=variant.softmax, **kwargs,
-                                  **release_args)
+                                  tiles=group, merge_here=i == 0 and j == 0, softmax=variant.softmax,
+                                  instantiations=statements, **kwargs, **release_args)
                 suffix = "" if j == 0 and op == "single_prefill" else "_cta" + "_".join(map(str, group))
                 units[f"{op}_kernel_mask_{code}{suffix}.cu"] = text
                 texts.append(text)
@@ -113,5 +116,5 @@ def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
             log.warning("fivar: FlashInfer %s: %s; compiling its %s kernels unsplit (one unit per mask mode; "
                         "`fivar doctor` lists every coupling)", toolchain.flashinfer_version(), problem, op)
         return None
-    headers = {name: (templates_dir() / "fa2" / src).read_text() for name, src in _SPLIT_HEADERS[op].items()}
+    headers = fa2_launchers.single_prefill_cut() if op == "single_prefill" else {}
     return units, headers, _SPLIT_HOST_INCLUDES[op]

@@ -181,38 +181,54 @@ def test_fa2_prefill_kernels_are_one_unit_per_mask_mode_and_cta_tile(op, variant
         assert "fivar_single_prefill_tile.cuh" in m.sources
 
 
-@_needs('fa2_single_prefill_split')
-def test_single_prefill_split_is_used_only_while_fivar_copy_matches_flashinfer(tmp_path, monkeypatch, caplog):
-    """fivar's tile function carries FlashInfer's launcher body; a FlashInfer whose body differs (here: the
-    256-row minimum KV chunk of its split-KV heuristic changed) gets FlashInfer's own unsplit units."""
-    import logging
-
+def _installed_with(tmp_path, monkeypatch, edit):
+    """The installed FlashInfer's headers with prefill.cuh's SinglePrefillWithKVCacheDispatched edited, in use."""
     from flashinfer.jit import env as jit_env
-
-    from fivar.jit import build
-    assert build._single_prefill_split_problem() is None  # the installed FlashInfer: split
     inc = tmp_path / "include"
     shutil.copytree(jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer", inc / "flashinfer")
     prefill = inc / "flashinfer" / "attention" / "prefill.cuh"
     text = prefill.read_text()
-    body_at = text.index("cudaError_t SinglePrefillWithKVCacheDispatched(")
-    line = "uint32_t chunk_size = max(ceil_div(kv_len, max_num_kv_chunks), 256);"
-    assert text.index(line, body_at) > body_at
-    prefill.write_text(text[:body_at] + text[body_at:].replace(line, line.replace("256", "512"), 1))
+    at = text.index("cudaError_t SinglePrefillWithKVCacheDispatched(")
+    prefill.write_text(text[:at] + edit(text[at:]))
     monkeypatch.setattr(jit_env, "FLASHINFER_INCLUDE_DIR", inc)
-    build._single_prefill_split_problem.cache_clear()
+
+
+def test_single_prefill_split_cuts_the_installed_launcher_and_needs_only_its_form(tmp_path, monkeypatch, caplog):
+    """The per-tile function is cut from the installed FlashInfer's launcher: a changed body (here the 256-row
+    minimum KV chunk of its split-KV heuristic) is carried into the units; a launcher not of the form fivar cuts
+    (no DISPATCH_CTA_TILE_Q over its body) gets FlashInfer's own unsplit units, said once."""
+    import logging
+
+    from fivar.flashinfer_compat import fa2_launchers
+    from fivar.jit import build
+    line = "uint32_t chunk_size = max(ceil_div(kv_len, max_num_kv_chunks), 256);"
+    cached = (build._single_prefill_split_problem, fa2_launchers.single_prefill_cut)
     try:
+        assert build._single_prefill_split_problem() is None  # the installed FlashInfer: split
+        _installed_with(tmp_path / "a", monkeypatch, lambda t: t.replace(line, line.replace("256", "512"), 1))
+        for f in cached:
+            f.cache_clear()
+        m = gen_module(fivar.load("softcap"), split_cta_tiles=True)
+        tile = m.sources["fivar_single_prefill_tile.cuh"]
+        assert line.replace("256", "512") in tile and line not in tile
+        assert m.uri != gen_module(fivar.load("softcap"), split_cta_tiles=False).uri
+        _installed_with(tmp_path / "b", monkeypatch,
+                        lambda t: t.replace("DISPATCH_CTA_TILE_Q(cta_tile_q, CTA_TILE_Q, {", "SWITCH_TILE({", 1))
+        for f in cached:
+            f.cache_clear()
         with caplog.at_level(logging.WARNING, logger="fivar"):
             m = gen_module(fivar.load("softcap"), split_cta_tiles=True)
         assert build._single_prefill_split_problem() == \
-            "the DISPATCH_CTA_TILE_Q body of SinglePrefillWithKVCacheDispatched changed"
+            "prefill.cuh has no SinglePrefillWithKVCacheDispatched of the form fivar splits"
         assert sorted(n for n in m.sources if "kernel" in n and n.endswith(".cu")) == [
             "single_prefill_kernel_mask_0.cu", "single_prefill_kernel_mask_1.cu"]
         assert "fivar_single_prefill_tile.cuh" not in m.sources
         assert m.uri == gen_module(fivar.load("softcap"), split_cta_tiles=False).uri
         assert any("compiling its single_prefill kernels unsplit" in r.getMessage() for r in caplog.records)
     finally:
-        build._single_prefill_split_problem.cache_clear()
+        monkeypatch.undo()
+        for f in cached:
+            f.cache_clear()
         build._split_warned.clear()
 
 
@@ -497,11 +513,8 @@ def test_fa3_is_refused_for_archs_without_sm90a(monkeypatch):
 
 def _flashinfer_launcher_texts():
     from flashinfer.jit import env as jit_env
-
-    from fivar.paths import templates_dir
     include = jit_env.FLASHINFER_INCLUDE_DIR / "flashinfer"
-    return ((include / "attention" / "prefill.cuh").read_text(), (include / "utils.cuh").read_text(),
-            (templates_dir() / "fa2" / "single_prefill_tile.cuh").read_text())
+    return (include / "attention" / "prefill.cuh").read_text(), (include / "utils.cuh").read_text()
 
 
 @_needs('fa2_pinned_kv_tiles')
@@ -541,19 +554,15 @@ def test_fa2_build_switches_refuse_what_they_cannot_read(monkeypatch, env, optio
 
 @_needs('fa2_pinned_kv_tiles')
 def test_kv_tile_pinning_checks_the_installed_launchers_follow_the_steps_it_repeats():
-    from fivar.flashinfer_compat import release
     from fivar.jit.pinned_kv_tiles import flashinfer_problem
-    prefill, utils, tile = _flashinfer_launcher_texts()
-    assert flashinfer_problem(prefill, utils, tile) is None
+    prefill, utils = _flashinfer_launcher_texts()
+    assert flashinfer_problem(prefill, utils) is None
     assert prefill.count("DISPATCH_NUM_MMA_KV(") == 3  # single prefill, batch prefill ragged and paged
-    # a launcher whose budget is computed another way, in FlashInfer or in fivar's copy: not pinned
+    # a launcher whose budget is computed another way: not pinned
     changed = prefill.replace("min(max_smem_per_sm / num_ctas_per_sm, max_smem_per_block_optin)",
                               "max_smem_per_sm / num_ctas_per_sm", 1)
-    assert "follows neither" in flashinfer_problem(changed, utils, tile)
-    if release() == "0.7.2":  # fivar's copy of 0.7.2's launcher: held to its steps where prefill.cuh has them
-        assert "fivar's single-prefill launcher" in flashinfer_problem(prefill, utils,
-                                                                      tile.replace("kMinValidMmaKV *", ""))
-    assert "8/4/2/1" in flashinfer_problem(prefill, utils.replace("NUM_MMA_KV = 8;", "NUM_MMA_KV = 16;"), tile)
+    assert "follows neither" in flashinfer_problem(changed, utils)
+    assert "8/4/2/1" in flashinfer_problem(prefill, utils.replace("NUM_MMA_KV = 8;", "NUM_MMA_KV = 16;"))
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -56,11 +56,6 @@ def test_kv_tiles_are_pinned_in_each_release_launcher_steps():
     for f, text in launcher.items():
         again = text.replace("DISPATCH_NUM_MMA_KV(", "max_num_mma_kv_smem = 8; DISPATCH_NUM_MMA_KV(")
         assert "neither" in fa2_launchers.pinned_launcher_form_in(pad + again, utils)[1], f
-    # fivar's single-prefill launcher copy (0.7.2's text) is held to prefill.cuh's form only where it is 0.7.2's
-    tile = fa2_launchers._tile_template()
-    assert fa2_launchers.pinned_launcher_form_in(pad + launcher["token_head_sf"], utils, tile)[1] is None
-    assert "single-prefill launcher" in fa2_launchers.pinned_launcher_form_in(
-        pad + launcher["0.7.2"], utils, tile.replace("kMinValidMmaKV *", ""))[1]
 
 
 def test_a_changed_flashinfer_turns_the_fa3_tile_off_and_says_which_once(monkeypatch, caplog):
