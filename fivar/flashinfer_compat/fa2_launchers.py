@@ -15,8 +15,8 @@ _SIGNATURE = (r"(template <uint32_t HEAD_DIM_QK[^>]*>\s*cudaError_t SinglePrefil
 
 
 def _code_only(text: str) -> str:
-    """C++ text without its string literals and // comments (an error message may name cta_tile_q)."""
-    return re.sub(r'"(?:\\.|[^"\\\n])*"|//[^\n]*', "", text)
+    """C++ text without its string and character literals and comments (an error message may name cta_tile_q)."""
+    return re.sub(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', "", text, flags=re.S)
 
 
 def _utils() -> str:
@@ -34,6 +34,8 @@ def dispatch_cta_tiles() -> tuple[int, ...]:
     return tuple(int(c) for c in re.findall(r"case (\d+):", m.group(1))) if m else ()
 
 
+#: the preamble's tile choice, left out of the per-tile copy (its device queries would run on every launch)
+_CTA_TILE_Q_STEP = re.compile(r"\n *uint32_t cta_tile_q =[^;]*;")
 _FUNCTION = re.compile(_SIGNATURE + r" \{\n(.*?)\n  DISPATCH_CTA_TILE_Q\(cta_tile_q, CTA_TILE_Q, \{\n(.*?)\n  \}\);\n"
                        r"  return cudaSuccess;\n\}\n", re.S)
 
@@ -49,11 +51,23 @@ def _single_prefill_parts(prefill: str, host: str) -> tuple[tuple[str, str, str]
     decl = re.search(_SIGNATURE + ";", host)
     if not decl or norm(decl.group(1)) != norm(sig):
         return None, "csrc/single_prefill.cu declares another SinglePrefillWithKVCacheDispatched"
-    if not re.search(r"\bcta_tile_q\s*=", preamble) or re.search(r"\bcta_tile_q\b", _code_only(body)):
-        return None, "SinglePrefillWithKVCacheDispatched's body reads cta_tile_q or its preamble sets none"
+    if len(_CTA_TILE_Q_STEP.findall(preamble)) != 1 or re.search(r"\bcta_tile_q\b", _code_only(body)):
+        return None, "SinglePrefillWithKVCacheDispatched's body reads cta_tile_q or its preamble sets it otherwise"
+    # the per-tile function runs the preamble again (but the tile choice): it must only declare and check
+    code = _code_only(preamble)
+    if re.search(r"\b(params|tmp|stream)\b(\.\w+|\[[^]]*\])*\s*([-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--|\bstatic\b|"
+                 r"\bcuda\w*\(|<<<", code):
+        return None, "SinglePrefillWithKVCacheDispatched's preamble has effects the per-tile copy would repeat"
+    if re.search(r"=|\.\.\.|//|/\*", _template_params_text(sig)):
+        return None, "SinglePrefillWithKVCacheDispatched's template parameters have defaults, packs or comments"
     if not dispatch_cta_tiles():
         return None, "utils.cuh has no DISPATCH_CTA_TILE_Q of the expected form"
     return (sig, preamble, body), None
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_single_prefill_parts():
+    return _single_prefill_parts(_prefill(), (csrc_dir() / "single_prefill.cu").read_text())
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,19 +75,25 @@ def _single_prefill_parts(prefill: str, host: str) -> tuple[tuple[str, str, str]
 def single_prefill_split_problem() -> str | None:
     """Why the installed FlashInfer's single-prefill launcher cannot be cut per CTA tile (single_prefill_cut), or
     None."""
-    return _single_prefill_parts(_prefill(), (csrc_dir() / "single_prefill.cu").read_text())[1]
+    return _installed_single_prefill_parts()[1]
+
+
+def _template_params_text(signature: str) -> str:
+    return signature[signature.index("<") + 1:signature.index(">")]
 
 
 def _template_params(signature: str) -> list[str]:
-    """The template parameters of a `template <...> cudaError_t f(...)` signature, as declared."""
-    return [" ".join(p.split()) for p in signature[signature.index("<") + 1:signature.index(">")].split(",")]
+    """The template parameters of a `template <...> cudaError_t f(...)` signature (no defaults, packs or comments:
+    _single_prefill_parts), as declared."""
+    return [" ".join(p.split()) for p in _template_params_text(signature).split(",")]
 
 
 _TILE_HEADER = """\
 // fivar: ONE CTA_TILE_Q of FlashInfer {version}'s FA2 single-prefill launcher, SinglePrefillWithKVCacheDispatched
 // (include/flashinfer/attention/prefill.cuh), so that each tile's kernels compile in a unit of their own. Cut from
 // the installed text by fivar.flashinfer_compat.fa2_launchers.single_prefill_cut: FlashInfer's preamble (its
-// checks run again here, its cta_tile_q unread), then its DISPATCH_CTA_TILE_Q body for this tile, token for token.
+// declarations and checks, which have no other effect; not its tile choice), then its DISPATCH_CTA_TILE_Q body for
+// this tile, token for token.
 #pragma once
 #include <flashinfer/attention/prefill.cuh>
 
@@ -81,7 +101,7 @@ namespace flashinfer {{
 
 template <uint32_t CTA_TILE_Q, {params}>
 cudaError_t fivar_single_prefill_tile(Params params, typename Params::DTypeO* tmp, cudaStream_t stream) {{
-{preamble}
+{tile_preamble}
   {{
 {body}
   }}
@@ -97,6 +117,7 @@ _DISPATCH_HEADER = """\
 // FlashInfer's signature and preamble, token for token, so its checks and its tile choice (FA2DetermineCtaTileQ).
 // Host code only: the module's host unit includes it.
 #pragma once
+// not prefill.cuh: it defines the function this replaces; the preamble's names come from these
 #include <flashinfer/attention/mask.cuh>
 #include <flashinfer/pos_enc.cuh>
 #include <flashinfer/utils.cuh>
@@ -120,18 +141,18 @@ cudaError_t fivar_single_prefill_tile(Params params, typename Params::DTypeO* tm
 """
 
 
-@functools.lru_cache(maxsize=None)
 def single_prefill_cut() -> dict[str, str]:
     """The installed FlashInfer's single-prefill launcher cut at its CTA-tile switch: {header name: text} for the
     per-tile function (fivar_single_prefill_tile.cuh, included by each kernel unit) and the dispatcher
     (fivar_single_prefill_dispatch.cuh, in the host unit). Call only where single_prefill_split_problem() is None."""
     from ..jit.toolchain import flashinfer_version
-    parts, why = _single_prefill_parts(_prefill(), (csrc_dir() / "single_prefill.cu").read_text())
+    parts, why = _installed_single_prefill_parts()
     if parts is None:
         raise RuntimeError(why)
     sig, preamble, body = parts
     params = _template_params(sig)
     fields = dict(version=flashinfer_version(), params=", ".join(params), preamble=preamble, body=body,
+                  tile_preamble=_CTA_TILE_Q_STEP.sub("", preamble),
                   signature=sig, names=", ".join(p.split()[-1] for p in params))
     return {"fivar_single_prefill_tile.cuh": _TILE_HEADER.format(**fields),
             "fivar_single_prefill_dispatch.cuh": _DISPATCH_HEADER.format(**fields)}

@@ -92,20 +92,22 @@ def _fa2_tile_split(op: str, variant, kwargs: dict, modes: list[str]):
         groups = _tile_groups(tiles, kwargs["head_dim_qk"], kwargs["head_dim_vo"])
         for i, mode in enumerate(modes):
             code = fa2.MASK_CODES[mode]
-            if op == "single_prefill" and len(_inst_statements(flashinfer_units[code])) != 1:
-                problem = "FlashInfer's single prefill unit does not instantiate its launcher once"
-                break
             texts = []
             for j, group in enumerate(groups):
                 # single prefill: FlashInfer's own instantiations, of the per-tile function (any release's arguments)
                 statements = [st for t in group for st in fa2_launchers.single_prefill_tile_statements(
                     flashinfer_units[code], t)] if op == "single_prefill" else []
+                if op == "single_prefill" and len(statements) != len(group):
+                    problem = "FlashInfer's single prefill unit does not instantiate its launcher once"
+                    break
                 text = fa2.render(f"fa2/{op}_tile_inst.jinja", op=op, mask_mode=mask_mode_literal[code],
                                   tiles=group, merge_here=i == 0 and j == 0, softmax=variant.softmax,
                                   instantiations=statements, **kwargs, **release_args)
                 suffix = "" if j == 0 and op == "single_prefill" else "_cta" + "_".join(map(str, group))
                 units[f"{op}_kernel_mask_{code}{suffix}.cu"] = text
                 texts.append(text)
+            if problem is not None:
+                break
             if op == "batch_prefill" and _inst_statements("".join(texts)) != _inst_statements(
                     flashinfer_units[code]):
                 problem = "fivar's batch prefill units do not instantiate what FlashInfer's do"

@@ -202,16 +202,27 @@ def test_single_prefill_split_cuts_the_installed_launcher_and_needs_only_its_for
     from fivar.flashinfer_compat import fa2_launchers
     from fivar.jit import build
     line = "uint32_t chunk_size = max(ceil_div(kv_len, max_num_kv_chunks), 256);"
-    cached = (build._single_prefill_split_problem, fa2_launchers.single_prefill_cut)
+    cached = (build._single_prefill_split_problem, fa2_launchers._installed_single_prefill_parts)
     try:
         assert build._single_prefill_split_problem() is None  # the installed FlashInfer: split
+        installed = gen_module(fivar.load("softcap"), split_cta_tiles=True)
+        # the tile function: FlashInfer's preamble (but its tile choice) and body, the dispatcher its preamble
+        assert "FA2DetermineCtaTileQ" not in installed.sources["fivar_single_prefill_tile.cuh"]
+        assert "FA2DetermineCtaTileQ" in installed.sources["fivar_single_prefill_dispatch.cuh"]
+        assert line in installed.sources["fivar_single_prefill_tile.cuh"]
         _installed_with(tmp_path / "a", monkeypatch, lambda t: t.replace(line, line.replace("256", "512"), 1))
         for f in cached:
             f.cache_clear()
         m = gen_module(fivar.load("softcap"), split_cta_tiles=True)
         tile = m.sources["fivar_single_prefill_tile.cuh"]
         assert line.replace("256", "512") in tile and line not in tile
-        assert m.uri != gen_module(fivar.load("softcap"), split_cta_tiles=False).uri
+        assert m.uri != installed.uri  # the URI follows FlashInfer's text
+        # a preamble with an effect the per-tile copy would repeat: not cut
+        _installed_with(tmp_path / "c", monkeypatch, lambda t: t.replace(
+            "const uint32_t group_size", "params.kv_len += 1;\n  const uint32_t group_size", 1))
+        for f in cached:
+            f.cache_clear()
+        assert "effects the per-tile copy would repeat" in build._single_prefill_split_problem()
         _installed_with(tmp_path / "b", monkeypatch,
                         lambda t: t.replace("DISPATCH_CTA_TILE_Q(cta_tile_q, CTA_TILE_Q, {", "SWITCH_TILE({", 1))
         for f in cached:
