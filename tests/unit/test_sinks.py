@@ -202,8 +202,8 @@ def test_triton_decode_adds_the_sink_once_over_its_splits(v, kind):
     cache, indptr, indices, last = _to_paged(k, vv, kv_lens, page_size=4)
     out, lse = v.decode(q, cache, indptr, indices, last, backend="triton", return_lse=True, **p)
     ref = _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, p)
-    if kind == "large":
-        torch.testing.assert_close(out.double(), ref.double(), atol=1e-6, rtol=0)
+    if kind == "large":  # the sink takes nearly all the weight: outputs near zero, within fp16's rounding of them
+        torch.testing.assert_close(out.double(), ref.double(), atol=1e-6, rtol=2 ** -10)
     else:
         _check(v.name, f"decode {kind}", out, ref)
     want, off = [], 0
