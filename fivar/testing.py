@@ -117,6 +117,28 @@ def compare(variant_name: str, case: str, out: torch.Tensor, ref: torch.Tensor, 
     return CheckResult(variant_name, case, rel, mx, rel <= rel_tol and mx <= abs_tol * scale)
 
 
+def generation_mismatch(tokens, logits, want_tokens, want_logits, tol: float) -> str | None:
+    """Why a greedy generation (`tokens` [batch, prompt + steps], `logits` [batch, steps, vocab]) is not the reference
+    one up to rounding, or None. Logits must agree within `tol` up to the first step whose token differs (later steps
+    continue different sequences), and that token may differ only where the reference's own top two are within `tol`
+    (a near tie rounding may break either way)."""
+    steps = logits.shape[1]
+    prompt = tokens.shape[1] - steps
+    for row in range(tokens.shape[0]):
+        differ = (tokens[row, prompt:] != want_tokens[row, prompt:]).nonzero()
+        last = int(differ[0]) if len(differ) else steps - 1
+        err = float((logits[row, :last + 1] - want_logits[row, :last + 1]).abs().max())
+        if err >= tol:
+            return f"row {row}: logits differ by {err:.4g} (allowed {tol:.4g}) within the first {last + 1} step(s)"
+        if len(differ):
+            ref = want_logits[row, last]
+            gap = float(ref.max() - ref[tokens[row, prompt + last]])
+            if gap >= tol:
+                return (f"row {row}: step {last} chose token {int(tokens[row, prompt + last])}, "
+                        f"{gap:.4g} below the reference's choice (a tie is within {tol:.4g})")
+    return None
+
+
 def _qkv(lq, lk, hq, hkv, d, dtype, device):
     return (torch.randn(lq, hq, d, dtype=dtype, device=device), torch.randn(lk, hkv, d, dtype=dtype, device=device),
             torch.randn(lk, hkv, d, dtype=dtype, device=device))

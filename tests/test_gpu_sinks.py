@@ -8,7 +8,7 @@ import torch
 
 import fivar
 from fivar import AttentionVariant, Tensor
-from fivar.testing import _ragged_reference, _to_paged, compare, example_params
+from fivar.testing import _ragged_reference, _to_paged, compare, example_params, generation_mismatch
 
 pytestmark = pytest.mark.gpu
 DTYPE, HQ, HKV, D = torch.bfloat16, 32, 8, 128
@@ -131,14 +131,15 @@ def test_decode(v, hkv, large):
 
 def test_gpt_oss_generate_matches_eager():
     """A tiny random gpt-oss (a sliding-window layer and a full one, both with sinks) through fivar's transformers
-    attention on FA2 (prefill and decode steps as ragged batches): eager attention's greedy tokens, close logits."""
+    attention on FA2 (prefill and decode steps as ragged batches): eager attention's greedy tokens, close logits.
+    Every token goes to every expert: a top-k router turns an attention rounding into a jump in the logits."""
     transformers = pytest.importorskip("transformers")
     import fivar.integrations.transformers as fivar_hf
 
     def model(attn_implementation):
         config = transformers.GptOssConfig(
             vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=HQ,
-            num_key_value_heads=HKV, head_dim=64, sliding_window=16, num_local_experts=4, num_experts_per_tok=2,
+            num_key_value_heads=HKV, head_dim=64, sliding_window=16, num_local_experts=4, num_experts_per_tok=4,
             max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"])
         torch.manual_seed(0)
         m = transformers.GptOssForCausalLM(config).to(DTYPE).cuda().eval()
@@ -157,5 +158,5 @@ def test_gpt_oss_generate_matches_eager():
     ids = torch.randint(1, 512, (1, 37), device="cuda")
     tokens, logits = generate(model(fivar_hf.register("fivar_fa2", backend="fa2")), ids)
     want_tokens, want_logits = generate(model("eager"), ids)
-    assert torch.equal(tokens, want_tokens)
-    assert (logits - want_logits).abs().max() < 3e-2 * max(1.0, want_logits.abs().max().item())
+    tol = 3e-2 * max(1.0, want_logits.abs().max().item())
+    assert (why := generation_mismatch(tokens, logits, want_tokens, want_logits, tol)) is None, why
