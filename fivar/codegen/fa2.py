@@ -49,6 +49,15 @@ def window_form(variant) -> bool:
     return variant.lowered.mask is not None and variant.kv_band.window
 
 
+def trims_decode_pages(variant) -> bool:
+    """Decode reads only the pages holding kept keys, in the key-segments form (fivar.runtime.decode_pages), or
+    the tiles holding them in the tile-list form where the mask keeps many runs of them, for a mask that depends on
+    the key position and is not exactly a band with a left edge (whose window_left reads exactly the window; a band
+    a mask only implies, such as a chunk's, reads more than the kept keys)."""
+    mask, band = variant.ir.mask, variant.kv_band
+    return mask is not None and "kv_idx" in ir.uses(mask) and not (band.exact and band.left is not None)
+
+
 def mask_modes(variant, kv_segments: bool = False, mask_free: bool = False) -> list[str]:
     """A variant with a mask owns it on every tile (kCustom) and folds `causal` in itself; a window-form mask
     also gets kCausal (window_form), and so does the key-segments form (its kCausal launch:

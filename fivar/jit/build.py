@@ -18,7 +18,7 @@ import time
 import torch
 
 from .. import config as fivar_config
-from ..codegen import fa3
+from ..codegen import fa2, fa3
 from ..codegen.tile_list import bits_kernel, reads_bits, runs_unmapped
 from ..config import FA2BuildConfig, FA3KernelConfig
 from ..errors import FivarError
@@ -129,11 +129,18 @@ def serving_modules(variant, op: str, target: str, dtype: str = "bf16", head_dim
     """What a build or prewarm of (variant, op, target) compiles: the modules that run `op` at runtime (a mask
     that is more than a band on FA3: its tile-list form, one module; with the bounded softmax, the
     running-max modules too; decode: also FA2 batch prefill, which runs it once a KV head serves >= 4 query heads
-    or without softmax, fivar.runtime.attention.batch_decode)."""
+    or without softmax, fivar.runtime.attention.batch_decode; a mask trimming decode's pages runs only that, in its
+    key-segments and tile-list forms)."""
     asked = ModuleKey(op, target, dtype, head_dim)
-    if op == "batch_decode":  # without softmax or with a sink, decode always runs on FA2 batch prefill
+    if op == "batch_decode":
+        prefill = asked.replace(op="batch_prefill", target="fa2")
+        if fa2.trims_decode_pages(variant):  # FA2 batch prefill over the pages holding kept keys, always; the
+            # tile-list form where a mask beyond a band keeps many runs of them (fivar.runtime.plans)
+            return [gen_module(variant, k) for k in [prefill.replace(kv_segments=True)]
+                    + ([prefill.replace(tile_list=True)] if variant.scans_mask else [])]
+        # without softmax or with a sink, decode always runs on FA2 batch prefill
         return ([gen_module(variant, asked)] if variant.softmax and variant.sink is None else []) + [
-            gen_module(variant, asked.replace(op="batch_prefill", target="fa2"))]
+            gen_module(variant, prefill)]
     key = asked.replace(op=serving_op(variant, op, target))
     keys = [key]  # FA3 batch prefill of a mask beyond a band is the tile-list form: one module
     if key.kernels.runs_key_segments and key.op in ("single_prefill", "batch_prefill") and variant.scans_mask:

@@ -4,7 +4,8 @@ A mask with a left band already reads only its window (window_left, fivar.runtim
 keys the band cannot describe: a document mask keeps the query's own document, StreamingLLM keeps its sink tokens
 and a window (two ranges). fivar.spec.sparsity.classify_decode finds, per request and page, whether the mask may
 keep a key there; this module keeps the first run of such pages and the hull of the rest (a mask whose kept pages
-form more than two runs reads the gaps after the first), and rebuilds kv_indptr / kv_indices / kv_last_page_len
+form more than two runs would read the gaps after the first: past HULL_SLACK times the keys of the tiles holding
+kept keys, such a batch runs in the tile-list form instead, fivar.runtime.fa3_tile_list, which reads only those), and rebuilds kv_indptr / kv_indices / kv_last_page_len
 for them on the device.
 
 The kernel then sees shorter requests: the key-segments form of fivar's FA2 struct (fivar.codegen.fa2,
@@ -22,9 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.fa2 import NO_SECOND_RUN
+from ..codegen.tile_list import TILE_WIDTH
 from ..spec.sparsity import EMPTY, FULL
 
 MIN_CTA_TILE_KV = 16  # FlashInfer's FA2 KV tile: NUM_MMA_KV x 16 keys
+#: keys the hull may read per key of the tiles holding kept keys before decode leaves it for the tile list (the KV
+#: bytes a mask's decode may read: 1.15x those of the tiles holding its kept keys)
+HULL_SLACK = 1.15
 
 
 @dataclass
@@ -36,13 +41,21 @@ class TrimmedPages:
     pages_read: int                 # kept pages, for the record
     pages_total: int
     causal: bool = False            # one run of pages a request: the kCausal launch (module docstring)
+    keys_read: int = 0              # the keys of the pages kept
+    tile_keys: int = 0              # the keys of the tiles holding a kept key, which the tile-list form reads
+
+    def tile_list_reads_less(self) -> bool:
+        """The hull reads more than HULL_SLACK times the keys of the tiles holding kept keys (the mask keeps more
+        than two runs a request: global keys, a dilated or periodic pattern), so the tile-list form, which reads
+        only those tiles, runs instead (fivar.runtime.plans)."""
+        return self.keys_read > HULL_SLACK * self.tile_keys
 
 
 def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-               kv_last_page_len: torch.Tensor, page_size: int) -> TrimmedPages | None:
-    """The trimmed page lists of a decode batch from its page map (kinds [batch, max pages]), or None when no
-    page can be dropped and some page needs the mask (every page FULL, a prefix-LM's last query: the lists as they
-    are, in kCausal mode with no mask evaluated). One device-to-host copy (the page counts)."""
+               kv_last_page_len: torch.Tensor, page_size: int) -> TrimmedPages:
+    """The trimmed page lists of a decode batch from its page map (kinds [batch, max pages]); every page where
+    none can be dropped (every page FULL, a prefix-LM's last query: in kCausal mode with no mask evaluated; else
+    the mask on every key, as the plain kernel would: one module for decode). One device-to-host copy."""
     dev = kinds.device
     batch, width = kinds.shape
     indptr = kv_indptr.long()
@@ -63,10 +76,9 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
         (has_b.view(-1, 1) & (col >= b0.view(-1, 1)) & (col < b1.view(-1, 1)))
     new_n = sel.sum(1)
     not_full = sel & (kinds != FULL)
-    total_new, total, n_not_full = (int(x) for x in torch.stack([new_n.sum(), n_pages.sum(),
-                                                                  not_full.sum()]).tolist())
-    if total_new == total and n_not_full:
-        return None  # nothing to drop, and the mask is needed on every page: the plain form
+    per = max(1, TILE_WIDTH // page_size)  # pages of one tile of the tile-list form (tiles start at key 0)
+    tiles = torch.nn.functional.pad(kept, (0, -width % per)).view(batch, -1, per).any(2)
+    total_new, total, n_tiles = (int(x) for x in torch.stack([new_n.sum(), n_pages.sum(), tiles.sum()]).tolist())
     new_indptr = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), new_n.cumsum(0)])
     pos = (indptr[:-1].view(-1, 1) + col)[sel]  # row-major: each request's pages in order
     new_indices = kv_indices.long()[pos]
@@ -94,7 +106,8 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
     segments = torch.stack([seg, shift_a, shift_b, kv_len - local_len, torch.arange(batch, device=dev), *tail],
                            1).to(torch.int32).contiguous()
     return TrimmedPages(new_indptr.to(torch.int32), new_indices.to(torch.int32), new_last.to(torch.int32),
-                        segments, total_new, total, causal)
+                        segments, total_new, total, causal, total_new * page_size,
+                        n_tiles * max(TILE_WIDTH, page_size))
 
 
 def local_to_kv_idx(segments: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

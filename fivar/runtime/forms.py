@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..codegen import fa2
+from ..codegen.fa2 import trims_decode_pages  # noqa: F401 (the forms' one list)
 from ..errors import FivarError
 from ..jit.targets import AUTO, FLASHINFER_TARGETS, target_of
 from ..spec import ir
@@ -132,14 +133,6 @@ def _decode_on_tensor_cores(variant, num_qo_heads: int, num_kv_heads: int) -> bo
     kernel has no per-row hook that knows its KV chunk: fivar.codegen.fa2)."""
     return (not variant.softmax or variant.sink is not None or num_qo_heads // num_kv_heads >= 4
             or variant.kv_band.left is not None)
-
-
-def trims_decode_pages(variant) -> bool:
-    """Decode trims each request's pages to those holding kept keys (fivar.runtime.decode_pages) for a mask that
-    depends on the key position and is not exactly a band with a left edge (whose window_left reads exactly the
-    window; a band a mask only implies, such as a chunk's, reads more than the kept keys)."""
-    mask, band = variant.ir.mask, variant.kv_band
-    return mask is not None and "kv_idx" in ir.uses(mask) and not (band.exact and band.left is not None)
 
 
 def _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices, kv_last_page_len, page_size, num_qo_heads,

@@ -202,8 +202,9 @@ def verify_target(target: str, backend: str, qo_lens: torch.Tensor, head_dim: in
 
 def tile_list_form(variant, target: str, one_query: bool = False, kv_dtype: str | None = None) -> bool:
     """Whether a batch of a mask beyond a band runs in the tile-list form (fivar.runtime.fa3_tile_list): always on
-    FA3; on FA2 but for a batch of one query a request (decode's forms: trimmed pages, else the block form) and an
-    FP8 cache (the block form, fivar.runtime.fa2_blocks: the tile-list module reads q's dtype)."""
+    FA3; on FA2 but for a batch of one query a request (decode's forms: trimmed pages, else the block form; the
+    tile list where trimming would read the gaps between many runs, PagedAttentionPlan) and an FP8 cache (the block
+    form, fivar.runtime.fa2_blocks: the tile-list module reads q's dtype)."""
     return variant.scans_mask and (target_of(target).tile_lists_every_mask or (not one_query and kv_dtype is None))
 
 
@@ -236,7 +237,9 @@ class PagedAttentionPlan(_OwnsWrapper):
     """A planned paged batch: validate and plan once per batch layout, then `run(q, cache)` per layer.
 
     This is FlashInfer's plan/run split. A batch of one query per request on FA2 (decode) whose mask drops
-    whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total).
+    whole pages reads only the pages holding kept keys (fivar.runtime.decode_pages; `pages_read`: kept and total),
+    as at most two runs a request; a mask keeping more runs than that (global keys, a dilated pattern) runs in the
+    tile-list form, over only the tiles holding kept keys.
     A mask that is more than a band runs one request per query tile over its non-empty key tiles, the tile-list
     form (fivar.runtime.fa3_tile_list), on either target; on FA2 a batch of one query a request, or an FP8 cache,
     one request per query block over the pages it may keep (fivar.runtime.fa2_blocks). `keys_read`: keys read and
@@ -292,7 +295,14 @@ class PagedAttentionPlan(_OwnsWrapper):
         lengths = lambda q=qo_indptr, k=kv_indptr, p=kv_last_page_len: max_lengths(q, k, p, page_size)  # noqa: E731
         kv_segments, self.pages_read, self.keys_read = None, None, None
         self._shape = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        if tile_list_form(variant, self.target, one_query, kv_name) or custom is not None:
+        trimmed = None
+        if runs_segments and trims_decode_pages(variant) and one_query:
+            # one query per request (decode): read only the pages holding kept keys, in the key-segments form
+            trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
+                                            kv_last_page_len.to(self.device), page_size, num_qo_heads, num_kv_heads)
+        # more than two runs of kept pages a request: the hull's gaps cost more than the tile list's planning
+        scattered = trimmed is not None and variant.scans_mask and kv_name is None and trimmed.tile_list_reads_less()
+        if tile_list_form(variant, self.target, one_query, kv_name) or custom is not None or scattered:
             self._tiles = TileListPrefill(  # fivar.runtime.fa3_tile_list
                 variant, qo_indptr, kv_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, dtype=dtype, causal=causal, bound=bound, sm_scale=sm_scale, device=self.device,
@@ -300,16 +310,11 @@ class PagedAttentionPlan(_OwnsWrapper):
             self.keys_read = self._tiles.keys_read
             return
         block_causal, rest_segments = False, None  # FA2's block form: a kCausal launch, and a kCustom one for the rest
-        if runs_segments and trims_decode_pages(variant) and one_query:
-            # one query per request (decode): read only the pages holding kept keys, in the key-segments form
-            trimmed = _trimmed_decode_pages(variant, bound, kv_indptr, kv_indices.to(self.device),
-                                            kv_last_page_len.to(self.device), page_size, num_qo_heads, num_kv_heads)
-            if trimmed is not None:
-                kv_indptr, kv_indices, kv_last_page_len = trimmed.kv_indptr, trimmed.kv_indices, \
-                    trimmed.kv_last_page_len
-                kv_segments = trimmed.segments
-                self.pages_read = (trimmed.pages_read, trimmed.pages_total)
-                block_causal = trimmed.causal  # one run of pages a request: kCausal (fivar.runtime.decode_pages)
+        if trimmed is not None:
+            kv_indptr, kv_indices, kv_last_page_len = trimmed.kv_indptr, trimmed.kv_indices, trimmed.kv_last_page_len
+            kv_segments = trimmed.segments
+            self.pages_read = (trimmed.pages_read, trimmed.pages_total)
+            block_causal = trimmed.causal  # one run of pages a request: kCausal (fivar.runtime.decode_pages)
         elif runs_segments and variant.scans_mask:
             # a mask that is more than a band: one request per query block over the keys it may keep
             kv_h, last_h = kv_indptr.long().cpu(), kv_last_page_len.long().cpu()

@@ -3,6 +3,7 @@ end on the CPU: PagedAttentionPlan / RaggedAttentionPlan build their page lists 
 stand-in for FlashInfer's paged wrapper runs them with the kernel's semantics and the struct's (each request's rows
 and pages, the key-segments mapping of positions and batch, or the tile list's, the causal guard, the mask and
 logits evaluated by the torch reference's evaluator). The result must be the reference's for the whole batch."""
+import os
 import types
 
 import pytest
@@ -12,12 +13,15 @@ import torch
 from fivar.codegen import fa2, tile_list
 from fivar.codegen.cuda import additional_params
 from fivar.jit import build
-from fivar.runtime import attention, fa3_tile_list, plans
+from fivar.runtime import attention, fa3_tile_list, forms, plans
+from fivar.codegen.tile_list import TILE_WIDTH
+from fivar.runtime.decode_pages import HULL_SLACK
+from fivar.runtime.params import bind_params
 from fivar.testing import _ragged_reference, _to_paged
 
 from kernel_standin import attend
 from test_sparsity import (_variant, m_causal, m_causal_window, m_chunk_causal, m_document, m_document_causal, m_hole,
-                           m_per_head_window, m_prefix_lm, m_sinks_window)
+                           m_mod_keys, m_per_head_window, m_prefix_lm, m_sinks_window)
 
 
 #: FlashInfer's FA2 KV tile (keys per iteration) the stand-in emulates: 64 at CTA_TILE_Q 128 and head dim 128, 128
@@ -521,6 +525,60 @@ def test_trimmed_decode_matches_the_reference(cpu_fa2, monkeypatch, mask, cta_kv
     ref = _ragged_reference(v, dq.float(), k.float(), vv.float(), [1, 1, 1], kv_lens, False, params).double()
     assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
 
+
+
+def m_global_window(b, h, kh, q, kv, p):
+    return (p.doc[b, kv] == 3 or q - kv < p.w) and kv <= q  # a window and keys a tensor flags, anywhere before it
+
+
+def m_dilated(b, h, kh, q, kv, p):
+    return (q - kv) % p.c == 0 and q - kv < 8 * p.c  # every c-th key back over 8 of them
+
+
+@pytest.mark.parametrize("page", [4, 16, 64])
+@pytest.mark.parametrize("mask,spacing", [(m_global_window, "sparse"), (m_dilated, "sparse"), (m_mod_keys, "sparse"),
+                                          (m_dilated, "dense"), (m_mod_keys, "dense")],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_decode_of_scattered_keys_reads_the_fewer_keys(cpu_fa2, mask, spacing, page):
+    """A mask keeping more than two runs of pages a request (flagged global keys, a dilated window, periodic keys)
+    would read the gaps of its pages' hull: decode runs the tile-list form where that reads fewer keys (kept keys
+    four or more tiles apart), else the trimmed pages (kept keys under a tile apart: every tile holds one). Either
+    way the result is the reference's (fresh draws: flags, lengths, window, stride)."""
+    current, made = cpu_fa2
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    v = _variant(mask)
+    current[0] = v
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
+    unit = max(page, TILE_WIDTH)  # what either form reads around a kept key
+    stride = draw(4 * unit, 6 * unit) if spacing == "sparse" else draw(unit // 2, unit)
+    kv_lens = [draw(30 * unit, 40 * unit) for _ in range(3)]  # five runs of kept keys or more a request
+    flags = torch.zeros(3, max(kv_lens), dtype=torch.int32)  # keys flagged global: doc == 3, `stride` or so apart
+    for row in flags:
+        at = torch.randint(0, 20, (1,), generator=gen) + (stride + torch.randint(0, 3, (20,), generator=gen)).cumsum(0)
+        row[at[at < row.numel()]] = 3
+    params = {"w": draw(8, 40), "c": stride, "r": 3, "n_sink": 5, "hole": 2, "doc": flags.to(torch.int32),
+              "prefix": torch.tensor([5, 40, 17], dtype=torch.int32),
+              "hw": torch.randint(0, 40, (4,), generator=gen).to(torch.int32)}
+    _, k, vv = _qkv([1], kv_lens, gen)
+    dq = torch.randn(3, 4, 16, generator=gen).half()
+    (k_cache, v_cache), indptr, indices, last = _to_paged(k, vv, kv_lens, page)
+    trimmed = forms._trimmed_decode_pages(v, bind_params(v, params, num_qo_heads=4, num_kv_heads=2, batch_size=3,
+                                                         device="cpu"), indptr, indices, last, page, 4, 2)
+    dplan = attention.PagedAttentionPlan(v, torch.arange(4, dtype=torch.int32), indptr, indices, last,
+                                         num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=page,
+                                         dtype=torch.float16, backend="fa2", device="cpu", params=params)
+    sparse = spacing == "sparse"
+    if sparse:
+        assert trimmed.tile_list_reads_less(), (kv_lens, stride, trimmed.keys_read, trimmed.tile_keys)
+        assert dplan._tiles is not None and made[-1].tile_list and dplan.pages_read is None
+        assert dplan.keys_read[0] * HULL_SLACK < trimmed.keys_read, (kv_lens, stride, dplan.keys_read, trimmed)
+    else:  # the trimmed pages (every page, where each holds a kept key)
+        assert not trimmed.tile_list_reads_less(), (trimmed.keys_read, trimmed.tile_keys)
+        assert dplan._tiles is None and made[-1].kv_segments and not made[-1].tile_list
+        assert dplan.pages_read == (trimmed.keys_read // page, trimmed.pages_total)
+    out = dplan.run(dq, (k_cache, v_cache)).double()
+    ref = _ragged_reference(v, dq.float(), k.float(), vv.float(), [1, 1, 1], kv_lens, False, params).double()
+    assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
 
 def m_left_pad(b, h, kh, q, kv, p):
     return kv >= p.prefix[b]  # left padding: a block's first rows keep no key, its hull starts after them
