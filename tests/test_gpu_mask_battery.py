@@ -1,5 +1,5 @@
 """The mask battery (benchmarks/masks/*.py) and seeded random masks from the spec grammar, on every prefill entry point
-and backend, against the float64 torch reference (marked `gpu`).
+and backend and on decode, against the float64 torch reference (marked `gpu`).
 
 None of these masks has a form fivar recognises: on FA3 and FA2 they run the tile-list form over the device block map
 (fivar.runtime.fa3_tile_list; on FA2 a causal batch the mask cuts into documents runs as segments), on Triton the
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fivar.bench.suites import masks as battery, random_masks
-from fivar.testing import check_batch_prefill, check_single_prefill, compare, example_params
+from fivar.testing import (_ragged_reference, _to_paged, check_batch_prefill, check_single_prefill, compare,
+                           example_params)
 
 pytestmark = pytest.mark.gpu
 
@@ -55,6 +56,27 @@ def test_batch_prefill(name, _, heads, paged, backend):
     kv = [300, 700, 1023, 129]
     _ok(check_batch_prefill(v, qo_lens=qo, kv_lens=kv, paged=paged, causal=causal, backend=backend,
                             num_qo_heads=heads[0], num_kv_heads=heads[1]))
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (4, 4)])
+@pytest.mark.parametrize("name,_", CASES)
+def test_decode_one_shot_and_planned(name, _, heads):
+    """Decode reads the trimmed pages, or the tile list where the mask keeps many runs of them (global keys, dilated
+    and strided keys): one-shot and planned against the reference, and the planned run is the one-shot's."""
+    v, _ = _variant(name)
+    kv_lens = [1, 300, 777, SIZE]
+    hq, hkv = heads
+    q = torch.randn(len(kv_lens), hq, 128, dtype=torch.bfloat16, device="cuda")
+    k, vv = (torch.randn(sum(kv_lens), hkv, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    params = example_params(v, num_qo_heads=hq, num_kv_heads=hkv, batch_size=len(kv_lens), max_len=SIZE,
+                            device="cuda")
+    cache, indptr, indices, last = _to_paged(k, vv, kv_lens, 16)
+    ref = _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params)
+    one = v.decode(q, cache, indptr, indices, last, **params)
+    _ok(compare(v.name, f"decode {hq}/{hkv}", one, ref, torch.bfloat16))
+    plan = v.plan_decode(indptr, indices, last, num_qo_heads=hq, num_kv_heads=hkv, head_dim=128, page_size=16,
+                         dtype=torch.bfloat16, **params)
+    _ok(compare(v.name, f"planned decode {hq}/{hkv}", plan.run(q, cache), one, torch.bfloat16))
 
 
 @pytest.mark.parametrize("backend", ["fa3", "fa2"])

@@ -3,10 +3,10 @@
 A mask with a left band already reads only its window (window_left, fivar.runtime.attention). Other masks keep
 keys the band cannot describe: a document mask keeps the query's own document, StreamingLLM keeps its sink tokens
 and a window (two ranges). fivar.spec.sparsity.classify_decode finds, per request and page, whether the mask may
-keep a key there; this module keeps the first run of such pages and the hull of the rest (a mask whose kept pages
-form more than two runs would read the gaps after the first: past HULL_SLACK times the keys of the tiles holding
-kept keys, such a batch runs in the tile-list form instead, fivar.runtime.fa3_tile_list, which reads only those), and rebuilds kv_indptr / kv_indices / kv_last_page_len
-for them on the device.
+keep a key there; this module keeps the first run of such pages and the hull of the rest, and rebuilds kv_indptr /
+kv_indices / kv_last_page_len for them on the device. A mask whose kept pages form more than two runs would read the
+gaps after the first: where that is past HULL_SLACK times the keys of the tiles holding kept keys, the batch runs in
+the tile-list form instead (fivar.runtime.fa3_tile_list), which reads only those tiles.
 
 The kernel then sees shorter requests: the key-segments form of fivar's FA2 struct (fivar.codegen.fa2,
 KV_SEGMENTS) maps each local key back to its kv_idx (one shift below the second run, another from it on) and the
