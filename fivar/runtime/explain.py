@@ -8,8 +8,9 @@ long (--verbose).
 from __future__ import annotations
 
 from ..codegen import fa2, fa3
-from ..codegen.tile_list import reads_heads, runs_unmapped
+from ..codegen.tile_list import TILE_WIDTH, reads_heads, runs_unmapped
 from .attention import trims_decode_pages
+from .decode_pages import HULL_SLACK
 from ..spec import ir, sparsity
 from ..spec.ir import format_expr
 from ..spec.params import Scalar
@@ -195,8 +196,9 @@ def _decode_short(v) -> str:
     return "decode: " + {
         "no mask": "FlashInfer's paged kernel reads every page; no mask",
         "window": "the tensor-core paged kernel with window_left: reads only the window's pages, like stock decode",
-        "trimmed pages": ("pages trimmed to those the block map may keep (key-segments form); one run a request: "
-                          "kCausal, the mask on its first and last tile; else the mask on every key read"),
+        "trimmed pages": ("the pages the block map may keep (key-segments form; one run a request: kCausal, the mask "
+                          "on its first and last tile, else on every key read)"
+                          + ("; many runs: the tile list" if v.scans_mask else "")),
         "every page": "reads every page (the mask does not depend on the key position); the mask on every key",
     }[_decode_form(v)]
 
@@ -214,9 +216,12 @@ def _decode_line(v) -> str:
                 "those that may hold kept keys (the block map per page, on the device): the first run of such pages "
                 "and the hull of the rest, read on the tensor-core paged kernel in the key-segments form "
                 "(fivar.runtime.decode_pages), which maps each key back to its kv_idx; a mask keeping more than two "
-                "runs reads the gaps after the first. A batch keeping one run a request (a chunk, a document) runs "
+                "runs would read the gaps after the first. A batch keeping one run a request (a chunk, a document) runs "
                 "in kCausal mode, as stock decode runs a window: the mask is evaluated only on the first KV tile "
-                "(a partial first page) and the last; two runs (sinks and a window) evaluate it on every key read")
+                "(a partial first page) and the last; two runs (sinks and a window) evaluate it on every key read"
+                + (f"; where the hull would read more than {HULL_SLACK}x the keys of the {TILE_WIDTH}-key tiles holding "
+                   "kept keys (global keys, a dilated or periodic pattern), the batch runs in the tile-list form instead: only those "
+                   "tiles, whole ones with no mask, cut ones from their bits" if v.scans_mask else ""))
     return "decode: reads every page of each request (the mask does not depend on the key position)"
 
 
