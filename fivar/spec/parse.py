@@ -527,6 +527,9 @@ class _FunctionParser:
             return self.select(node, *args)
         if name in ("float", "int"):
             x = args[0]
+            if name == "int" and isinstance(c := constants.value(x, self.let_values), float) and not math.isfinite(c):
+                raise self.error(node, f"`{ast.unparse(node)}`: int() of {c} (no integer; kernels and reference "
+                                 "would each pick their own)", "non-finite int")
             want = F32 if name == "float" else I32
             return x if x.type == want else ir.Cast(want, x)
         for a, n in zip(args, node.args):

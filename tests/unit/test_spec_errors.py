@@ -477,14 +477,23 @@ def _mask_file(tmp_path, name: str, body: str):
 
 
 def test_constant_divisors_python_cannot_evaluate_give_no_traceback(tmp_path):
-    """int(inf), int(nan), a float past float64: not known to be zero, so not refused as one, and no Python error
-    escapes the parser (a clear refusal would do too)."""
-    for i, expr in enumerate(("int(INF)", "int(NAN)", "int(1e308 * 10)", "int(-INF) + 1")):
-        f = _mask_file(tmp_path, f"odd{i}", f"    return qi // {expr} == ki\n")
-        try:
-            fivar.load(str(f)).ir
-        except FivarSpecError as e:
-            assert f"{f}:" in str(e), e
+    """A float past float64: not known to be zero, so not refused as one, and no Python error escapes the parser (a
+    clear refusal would do too)."""
+    f = _mask_file(tmp_path, "odd", "    return qi // int(1e308 * 10) == ki\n")
+    try:
+        fivar.load(str(f)).ir
+    except FivarSpecError as e:
+        assert f"{f}:" in str(e), e
+
+
+@pytest.mark.parametrize("expr", ["int(INF)", "int(NAN)", "int(-INF) + 1", "int(w)"])
+def test_int_of_an_infinite_or_nan_constant_is_refused_where_written(tmp_path, expr):
+    """int() of inf or NaN has no value: CUDA's conversion saturates (NaN to 0, a zero divisor), the reference's torch
+    gives INT_MIN on x86. Refused at its line, through a local too."""
+    f = _mask_file(tmp_path, "nonfinite", f"    w = -INF\n    return qi // ({expr}) == ki\n")
+    with pytest.raises(FivarSpecError, match=r"int\(\) of (-?inf|nan)") as e:
+        fivar.load(str(f)).ir
+    assert f"{f}:9:" in str(e.value) and "\n" not in str(e.value), e.value
 
 
 def test_a_long_chain_of_locals_parses_at_once(tmp_path):
