@@ -110,6 +110,23 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
                         n_tiles * max(TILE_WIDTH, page_size))
 
 
+def kept_page_list(kinds: torch.Tensor, kv_indptr: torch.Tensor, page_size: int):
+    """(kept_indptr int32 [batch + 1], kept_pages int32: each request's numbers of its pages that may keep a key, in
+    order, the most keys a request's kept pages hold): the Triton twin's decode reads only those, any number of runs
+    (its kernel maps each local key back through the list). A request keeping no key reads its first page, masked
+    like any other (zeros out). One device-to-host copy (the list's length and the longest)."""
+    batch, width = kinds.shape
+    n_pages = kv_indptr.long().diff()
+    col = torch.arange(width, device=kinds.device).view(1, -1)
+    kept = (kinds != EMPTY) & (col < n_pages.view(-1, 1))
+    kept[:, 0] |= ~kept.any(1) & (n_pages > 0)
+    counts = kept.sum(1)
+    pages = col.expand(batch, width)[kept]
+    longest = int(counts.max()) if batch else 0
+    return (torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32), pages.to(torch.int32),
+            longest * page_size)
+
+
 def local_to_kv_idx(segments: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """kv_idx of local keys ([batch, n]), the mapping the key-segments struct applies (for checks)."""
     seg, shift_a, shift_b = (segments[:, i].long().view(-1, 1) for i in range(3))

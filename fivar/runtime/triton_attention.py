@@ -9,11 +9,14 @@ import os
 
 import torch
 
+from ..codegen.fa2 import trims_decode_pages
 from ..codegen.triton import kernel_arg_values
 from ..jit.triton_module import load_triton_module
 from ..spec.inputs import check_lse
+from ..spec.sparsity import classify_decode
 from ..errors import FivarError
 from .custom_mask import check_custom_mask, paged_kv_lens
+from .decode_pages import kept_page_list
 from .launch import (_check_decode_indptr, _check_indptr, _check_out, _check_pages, _check_qkv, _check_ragged_indptr,
                      _paged_kv, _prepare)
 from .rows import indptr
@@ -136,6 +139,11 @@ def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_pag
     page_size = k_cache.shape[1]
     kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * page_size + kv_last_page_len
     bound = position_tables.bind(variant, bound, lambda: (1, int(kv_lens.max())))
+    kept = None
+    if trims_decode_pages(variant):  # only the pages that may hold kept keys, as many runs of them as there are
+        kinds = classify_decode(variant.ir.mask, kv_lens, page_size=page_size, scalars=bound.scalars,
+                                tensors=bound.tensors, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2])
+        kept = kept_page_list(kinds, kv_indptr, page_size)
     return load_triton_module(variant).decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
                                               int(kv_lens.max()), kernel_arg_values(variant, bound, sm_scale),
-                                              return_lse)
+                                              return_lse, kept=kept)

@@ -92,6 +92,38 @@ def test_decode_merges_several_splits():
     assert mod.decode_splits(programs=1, max_kv_len=40, device=torch.device("cpu")) == 3
 
 
+
+def _global_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return (params.flag[batch, kv_idx] == 1 or q_idx - kv_idx < params.w) and kv_idx <= q_idx
+
+
+def _strided(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return (q_idx - kv_idx) % params.c == 0
+
+
+@pytest.mark.parametrize("mask", [_global_window, _strided], ids=lambda f: f.__name__)
+def test_decode_reads_only_the_pages_holding_kept_keys(mask, monkeypatch):
+    """A mask keeping keys in many runs (flagged global keys and a window, every c-th key back): the twin's decode
+    reads only the pages that may keep a key, through a list of them (any number of runs, over several splits),
+    and matches the reference; the lists hold fewer pages than the requests."""
+    from fivar.runtime import triton_attention
+    v = AttentionVariant(name=f"kept_pages{mask.__name__}", mask=mask, params={
+        "w": Scalar(int, default=3), "c": Scalar(int, default=9), "flag": Tensor("int32", ("batch", "position"))})
+    lists = []
+    listing = triton_attention.kept_page_list
+    monkeypatch.setattr(triton_attention, "kept_page_list", lambda *a: lists.append(listing(*a)) or lists[-1])
+    kv_lens, hq, hkv, d, page = [1, 70, 131], 4, 2, 16, 4
+    q = torch.randn(len(kv_lens), hq, d, dtype=DTYPE)
+    _, k, vv = _qkv(1, sum(kv_lens), hq, hkv, d)
+    params = {"w": int(torch.randint(2, 6, ())), "c": int(torch.randint(9, 20, ())),
+              "flag": (torch.rand(len(kv_lens), max(kv_lens)) < 0.03).to(torch.int32)}
+    cache, indptr, indices, last = _to_paged(k, vv, kv_lens, page_size=page)
+    out = v.decode(q, cache, indptr, indices, last, backend="triton", **params)
+    _check(v.name, "decode of kept pages", out,
+           _ragged_reference(v, q, k, vv, [1] * len(kv_lens), kv_lens, False, params))
+    (kept_indptr, kept_pages, longest), = lists
+    assert int(kept_indptr[-1]) == kept_pages.numel() < int(indptr[-1]) and longest < max(kv_lens), (kept_pages, indptr)
+
 # --- semantics the emitter must get right: Python // and %, int() truncation, clamped indices, masks
 def _semantics_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     d = kv_idx - q_idx
