@@ -253,7 +253,8 @@ def _triton_line(v) -> str:
            f"evaluate the mask (about {cost} operations a pair, no more than reading bits would cost)")
     return ("triton: the block map (made on the device from the mask, once per call signature and params): each "
             "query tile visits only its non-empty key tiles, the tiles the mask keeps whole with no mask at all, "
-            "the tiles it cuts " + cut)
+            "the tiles it cuts " + cut + ("; decode reads only the pages that may keep a key, from a list of them per "
+                                          "request (any number of runs)" if trims_decode_pages(v) else ""))
 
 
 def mask_skipping(v) -> list[str]:
