@@ -51,6 +51,16 @@ class TrimmedPages:
         return self.keys_read > HULL_SLACK * self.tile_keys
 
 
+def _kept_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor):
+    """(pages per request, page numbers [1, width], bool [batch, width]: the pages that may keep a key). A request
+    that keeps no key still reads one page, masked in the kernel like any other (zeros out)."""
+    n_pages = kv_indptr.long().diff()
+    col = torch.arange(kinds.shape[1], device=kinds.device).view(1, -1)
+    kept = (kinds != EMPTY) & (col < n_pages.view(-1, 1))
+    kept[:, 0] |= ~kept.any(1) & (n_pages > 0)
+    return n_pages, col, kept
+
+
 def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                kv_last_page_len: torch.Tensor, page_size: int) -> TrimmedPages:
     """The trimmed page lists of a decode batch from its page map (kinds [batch, max pages]); every page where
@@ -59,12 +69,7 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
     dev = kinds.device
     batch, width = kinds.shape
     indptr = kv_indptr.long()
-    n_pages = indptr.diff()
-    col = torch.arange(width, device=dev).view(1, -1)
-    kept = (kinds != EMPTY) & (col < n_pages.view(-1, 1))
-    # a request that keeps no key still reads one page, masked in the kernel like any other (zeros out)
-    none = ~kept.any(1) & (n_pages > 0)
-    kept[:, 0] |= none
+    n_pages, col, kept = _kept_pages(kinds, kv_indptr)
     big = torch.full_like(col, width).expand(batch, width)
     a0 = torch.where(kept, col, big).amin(1)
     a1 = torch.where((col >= a0.view(-1, 1)) & ~kept, col, big).amin(1)  # the first run is [a0, a1)
@@ -113,13 +118,10 @@ def trim_pages(kinds: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.T
 def kept_page_list(kinds: torch.Tensor, kv_indptr: torch.Tensor, page_size: int):
     """(kept_indptr int32 [batch + 1], kept_pages int32: each request's numbers of its pages that may keep a key, in
     order, the most keys a request's kept pages hold): the Triton twin's decode reads only those, any number of runs
-    (its kernel maps each local key back through the list). A request keeping no key reads its first page, masked
-    like any other (zeros out). One device-to-host copy (the list's length and the longest)."""
+    (its kernel maps each local key back through the list). One device-to-host copy (the list's length and the
+    longest)."""
     batch, width = kinds.shape
-    n_pages = kv_indptr.long().diff()
-    col = torch.arange(width, device=kinds.device).view(1, -1)
-    kept = (kinds != EMPTY) & (col < n_pages.view(-1, 1))
-    kept[:, 0] |= ~kept.any(1) & (n_pages > 0)
+    _, col, kept = _kept_pages(kinds, kv_indptr)
     counts = kept.sum(1)
     pages = col.expand(batch, width)[kept]
     longest = int(counts.max()) if batch else 0

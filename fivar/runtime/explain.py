@@ -216,12 +216,13 @@ def _decode_line(v) -> str:
                 "those that may hold kept keys (the block map per page, on the device): the first run of such pages "
                 "and the hull of the rest, read on the tensor-core paged kernel in the key-segments form "
                 "(fivar.runtime.decode_pages), which maps each key back to its kv_idx; a mask keeping more than two "
-                "runs would read the gaps after the first. A batch keeping one run a request (a chunk, a document) runs "
-                "in kCausal mode, as stock decode runs a window: the mask is evaluated only on the first KV tile "
+                "runs would read the gaps after the first. A batch keeping one run a request (a chunk, a document) "
+                "runs in kCausal mode, as stock decode runs a window: the mask is evaluated only on the first KV tile "
                 "(a partial first page) and the last; two runs (sinks and a window) evaluate it on every key read"
-                + (f"; where the hull would read more than {HULL_SLACK}x the keys of the {TILE_WIDTH}-key tiles holding "
-                   "kept keys (global keys, a dilated or periodic pattern), the batch runs in the tile-list form instead: only those "
-                   "tiles, whole ones with no mask, cut ones from their bits" if v.scans_mask else ""))
+                + (f"; where the hull would read more than {HULL_SLACK}x the keys of the {TILE_WIDTH}-key tiles "
+                   "holding kept keys (global keys, a dilated or periodic pattern), the batch runs in the tile-list "
+                   "form instead: only those tiles, whole ones with no mask, cut ones from their bits"
+                   if v.scans_mask else ""))
     return "decode: reads every page of each request (the mask does not depend on the key position)"
 
 
