@@ -121,10 +121,10 @@ def kept_page_list(kinds: torch.Tensor, kv_indptr: torch.Tensor, page_size: int)
     (its kernel maps each local key back through the list). One device-to-host copy (the list's length and the
     longest)."""
     batch, width = kinds.shape
-    _, col, kept = _kept_pages(kinds, kv_indptr)
+    _, _, kept = _kept_pages(kinds, kv_indptr)
     counts = kept.sum(1)
-    pages = col.expand(batch, width)[kept]
-    longest = int(counts.max()) if batch else 0
+    total, longest = (int(x) for x in torch.stack([counts.sum(), counts.max()]).tolist()) if batch else (0, 0)
+    pages = torch.nonzero_static(kept.view(-1), size=total).view(-1) % width  # row-major: each request's in order
     return (torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32), pages.to(torch.int32),
             longest * page_size)
 
