@@ -132,18 +132,26 @@ def triton_decode(variant, q, paged_kv_cache, kv_indptr, kv_indices, kv_last_pag
     return_lse = check_lse(variant, return_lse)
     k_cache, v_cache = _paged_kv(variant, paged_kv_cache)
     _check_inputs(variant, q, k_cache, v_cache, paged=True)
+    given = (kv_indptr, kv_last_page_len)  # the key's: the checked copies may be new tensors every call
     kv_indptr, batch = _check_decode_indptr(variant, q, kv_indptr)
     kv_indices, kv_last_page_len = _check_pages(variant, kv_indptr, kv_indices, kv_last_page_len, k_cache.shape[0],
                                                 k_cache.shape[1], q.device)
     bound, sm_scale = _prepare(variant, params or {}, q, k_cache.shape[2], batch, sm_scale)
     page_size = k_cache.shape[1]
-    kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * page_size + kv_last_page_len
-    bound = position_tables.bind(variant, bound, lambda: (1, int(kv_lens.max())))
-    kept = None
-    if trims_decode_pages(variant):  # only the pages that may hold kept keys, as many runs of them as there are
-        kinds = classify_decode(variant.ir.mask, kv_lens, page_size=page_size, scalars=bound.scalars,
-                                tensors=bound.tensors, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2])
-        kept = kept_page_list(kinds, kv_indptr, page_size)
+
+    def lengths_and_kept():  # kept like the prefill's block maps: a later step of the same batch only launches
+        kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * page_size + kv_last_page_len
+        max_kv_len = int(kv_lens.max())
+        if not trims_decode_pages(variant):
+            return max_kv_len, None
+        # only the pages that may hold kept keys, as many runs of them as there are
+        scanned = position_tables.bind(variant, bound, (1, max_kv_len))
+        kinds = classify_decode(variant.ir.mask, kv_lens, page_size=page_size, scalars=scanned.scalars,
+                                tensors=scanned.tensors, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[2])
+        return max_kv_len, kept_page_list(kinds, kv_indptr, page_size)
+    max_kv_len, kept = _maps.get(("decode", variant, sm_scale, params or {}, *given, q.shape[1:], k_cache.shape,
+                                  q.device), lengths_and_kept)
+    bound = position_tables.bind(variant, bound, (1, max_kv_len))
     return load_triton_module(variant).decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
-                                              int(kv_lens.max()), kernel_arg_values(variant, bound, sm_scale),
+                                              max_kv_len, kernel_arg_values(variant, bound, sm_scale),
                                               return_lse, kept=kept)

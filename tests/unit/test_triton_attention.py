@@ -124,6 +124,41 @@ def test_decode_reads_only_the_pages_holding_kept_keys(mask, monkeypatch):
     (kept_indptr, kept_pages, longest), = lists
     assert int(kept_indptr[-1]) == kept_pages.numel() < int(indptr[-1]) and longest < max(kv_lens), (kept_pages, indptr)
 
+
+def test_decode_keeps_its_page_list_between_steps_until_an_input_changes(monkeypatch):
+    """The kept-page list is made once per batch layout and params (like the prefill's block maps): a second step
+    with the same tensors makes none, and a write to the flags or to a request's last page makes a new one, whose
+    output still matches the reference (no stale list)."""
+    from fivar.runtime import triton_attention
+    v = AttentionVariant(name="kept_pages_reused", mask=_global_window, params={
+        "w": Scalar(int, default=3), "c": Scalar(int, default=9), "flag": Tensor("int32", ("batch", "position"))})
+    made = []
+    listing = triton_attention.kept_page_list
+    monkeypatch.setattr(triton_attention, "kept_page_list", lambda *a: made.append(1) or listing(*a))
+    kv_lens, hq, hkv, d, page = [37, 70, 131], 4, 2, 16, 4
+    q = torch.randn(len(kv_lens), hq, d, dtype=DTYPE)
+    _, k, vv = _qkv(1, sum(kv_lens), hq, hkv, d)
+    flag = (torch.rand(len(kv_lens), max(kv_lens)) < 0.03).to(torch.int32)
+    cache, indptr, indices, last = _to_paged(k, vv, kv_lens, page_size=page)
+
+    def step(what):
+        lens = [int(n) for n in (indptr[1:] - indptr[:-1] - 1) * page + last]
+        out = v.decode(q, cache, indptr, indices, last, backend="triton", flag=flag)
+        keys = [k[sum(kv_lens[:b]):sum(kv_lens[:b]) + n] for b, n in enumerate(lens)]
+        values = [vv[sum(kv_lens[:b]):sum(kv_lens[:b]) + n] for b, n in enumerate(lens)]
+        ref = _ragged_reference(v, q, torch.cat(keys), torch.cat(values), [1] * len(lens), lens, False,
+                                {"flag": flag})
+        _check(v.name, what, out, ref)
+    step("first step")
+    step("same inputs")
+    assert len(made) == 1, made
+    flag[1, int(torch.randint(0, kv_lens[1] - 8, ()))] = 1 - flag[1, 0]  # an in-place write: a new version
+    step("flags written")
+    assert len(made) == 2, made
+    last[2] = int(torch.randint(1, int(last[2]), ()))  # 131 keys in pages of 4: its last page held 3
+    step("a request's last page shortened")
+    assert len(made) == 3, made
+
 # --- semantics the emitter must get right: Python // and %, int() truncation, clamped indices, masks
 def _semantics_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     d = kv_idx - q_idx
