@@ -37,8 +37,9 @@ def _interpreting() -> bool:
 def load_triton_module(variant, training: bool = False) -> ModuleType:
     """The variant's Triton twin; `training`: the module that also holds the backward kernels
     (fivar.codegen.triton_bwd)."""
-    from ..config import lowering_config
-    key = (id(variant), _interpreting(), training, lowering_config())  # the lowering decides the text
+    from ..config import lowering_config, triton_config
+    # the lowering decides the text; the Triton settings what its import makes of it (autotuning, TMA)
+    key = (id(variant), _interpreting(), training, lowering_config(), triton_config())
     hit = _by_variant.get(key)
     if hit is not None and hit[0] is variant:
         return hit[1]
@@ -56,8 +57,11 @@ def _import(variant, training: bool = False) -> ModuleType:
         text = render_training(variant)
     else:
         text = render_attention(variant)
+    from ..config import TritonConfig, triton_config
     name = module_name(variant, text)
-    import_name = name + ("_interpreted" if _interpreting() else "")
+    settings = triton_config()  # read when the text is executed: another setting is another import of it
+    import_name = name + ("_interpreted" if _interpreting() else "") + "".join(
+        f"_no_{f}" for f in ("autotune", "tma", "gluon") if getattr(settings, f) != getattr(TritonConfig(), f))
     mod = _loaded.get(import_name)
     if mod is not None:
         return mod

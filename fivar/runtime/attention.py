@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .. import config
 from ..codegen import fa2, fa3
 from ..errors import FivarError
 from ..jit.module_key import ModuleKey
@@ -32,9 +33,11 @@ from .plans import (_OwnsWrapper, explicit_plan, _launch_one, DecodePlan, _no_sc
 
 def _meanwhile(run):
     """The Triton twin's result while the call's modules build (fivar.runtime.cold_start), or None where the twin
-    refuses the call (a shape or feature it lacks): the call then waits for its modules."""
+    refuses the call (a shape or feature it lacks): the call then waits for its modules. The stand-in compiles one
+    launch config per kernel, not every autotuning candidate: it serves only until the modules are ready."""
     try:
-        return run()
+        with config.override(triton_autotune=False):
+            return run()
     except FivarError:
         return None
 

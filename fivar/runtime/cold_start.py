@@ -34,6 +34,7 @@ class _Build:
 
     def _run(self):
         from ..jit.build import build_many
+        _lower_priority()
         try:
             build_many(self.modules)
         except BaseException as e:  # said by the call that next needs the module (it builds, and fails, itself)
@@ -42,6 +43,24 @@ class _Build:
     @property
     def done(self) -> bool:
         return not self.thread.is_alive()
+
+
+#: How much lower the background build's compilers run than the caller: the twin's compile, and the user's own work,
+#: come first on cores that nvcc's jobs would otherwise all take
+BUILD_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Lowers the calling thread's CPU priority by BUILD_NICENESS; the compilers it starts inherit it. On Linux a
+    priority is per thread (the caller's other threads keep theirs); elsewhere the call is skipped."""
+    import os
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BUILD_NICENESS))
+    except OSError:  # a sandbox refusing it: the build runs at the caller's priority
+        pass
 
 
 _builds: dict[tuple, _Build] = {}

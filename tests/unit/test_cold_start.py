@@ -113,3 +113,36 @@ def test_the_entry_point_runs_the_twin_and_falls_back_where_it_refuses(monkeypat
     monkeypatch.setattr(attention, "_prepare", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("modules")))
     with pytest.raises(RuntimeError, match="modules"):
         attention.single_prefill(v, q, k, k, backend="auto")
+
+
+def test_the_stand_in_compiles_one_config_of_its_own_import(monkeypatch):
+    """While the modules build, the twin runs with autotuning off (one launch config per kernel to compile), through
+    an import of its own: the twin a later call asks for by name keeps autotuning."""
+    from fivar.jit import triton_module
+    v = fivar.load("softcap")
+    seen = []
+    monkeypatch.setattr(attention, "_check_qkv", lambda *a, **kw: None)
+    monkeypatch.setattr(attention, "_check_backend", lambda *a, **kw: "fa3")
+    monkeypatch.setattr(cold_start, "runs_triton", lambda *a: True)
+    monkeypatch.setattr(attention, "triton_prefill", lambda *a, **kw: seen.append(
+        triton_module.load_triton_module(v)) or torch.zeros(1))
+    q = torch.randn(5, 4, 64, dtype=torch.float16)
+    attention.single_prefill(v, q, q, q, backend="auto")
+    tuned = triton_module.load_triton_module(v)
+    assert seen[0].AUTOTUNE is False and tuned.AUTOTUNE is True and seen[0] is not tuned
+    assert seen[0].__name__ == tuned.__name__ + "_no_autotune"
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread priority: Linux")
+def test_the_background_build_runs_below_the_caller(stand_ins, monkeypatch):
+    """The build's thread, and so every compiler it starts, runs BUILD_NICENESS below the caller (capped at 19);
+    the caller's own thread keeps its priority."""
+    import os
+    seen = []
+    monkeypatch.setattr(jb, "build_many", lambda mods: seen.append(
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert _ask(fivar.load("document_mask"), stand_ins.q)[0]
+    cold_start.wait_for_builds(10)
+    assert seen == [min(19, mine + cold_start.BUILD_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
