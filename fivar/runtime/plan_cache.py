@@ -142,7 +142,10 @@ def _tensors(x):
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(-1).view(torch.uint8)
+    t = t.detach().reshape(-1)
+    if t.numel() and t.stride(0) != 1:  # a strided view (one element keeps its stride through .contiguous())
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
 
 
 def _host_bytes(ts: list) -> bytes:

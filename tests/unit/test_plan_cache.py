@@ -196,6 +196,21 @@ def test_writes_past_the_version_counter_replan(write, which):
     assert cache.get(parts(), make) is made[-1]
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_strided_views_of_one_or_more_elements_are_keyed_by_their_contents(n):
+    """A strided host view (every other element; one element of it keeps its stride through .contiguous()) is
+    copied and compared like a dense tensor: the same contents hit, a write through .numpy() replans."""
+    cache = PlanCache()
+    made, make = _make_counter()
+    base = torch.randint(1, 16, (2 * n + 1,), dtype=torch.int64)
+    view = base[::2][:n]
+    parts = lambda: ("decode", view)  # noqa: E731
+    first = cache.get(parts(), make)
+    assert cache.get(parts(), make) is first
+    base.numpy()[2 * (n - 1)] += 1  # the view's last element, past its version counter
+    assert cache.get(parts(), make) is not first and len(made) == 2
+
+
 def test_inference_mode_tensors_are_keyed_by_their_contents():
     """A tensor made under torch.inference_mode has no version counter (reading it raised): its contents decide."""
     cache = PlanCache()
