@@ -83,15 +83,18 @@ def _expected(modules) -> str:
     return "; " + expected_text((slowest or modules)[0]) if modules else ""
 
 
-def runs_triton(variant, op: str, target: str, backend: str, q) -> bool:
+def runs_triton(variant, op: str, target: str, backend: str, q, params=None, sm_scale=None) -> bool:
     """Whether this one-shot call runs on the Triton twin because its `target` modules are still building: only a
     default call (backend "auto") on a CUDA device with q in fp16/bf16, in mode "triton". Starts the build the first
-    time (and says so); False once it is done, or if it failed (the call then builds, and reports, itself)."""
+    time (and says so); False once it is done, or if it failed (the call then builds, and reports, itself).
+    `params`, `sm_scale`: the call's, which pick the one softmax form of a bounded transform it runs (the build
+    leaves the other form, which these params never run, to a call that needs it)."""
     t = named(target)
     if backend != AUTO or t is None or not t.is_flashinfer or getattr(q, "device", None) is None \
             or q.device.type != "cuda" or str(q.dtype).removeprefix("torch.") not in _TWIN_DTYPES:
         return False
-    key = (id(variant), op, target, str(q.dtype), q.shape[-1], config.state_key())
+    form = softmax_form(variant, q, params, sm_scale)
+    key = (id(variant), op, target, str(q.dtype), q.shape[-1], form, config.state_key())
     if key in _ready:
         return False
     with _lock:
@@ -99,7 +102,7 @@ def runs_triton(variant, op: str, target: str, backend: str, q) -> bool:
         if build is None:
             if mode() == "wait":
                 return False
-            modules = _modules(variant, op, target, q)
+            modules = call_modules(variant, op, target, q, form)
             if all(m.manifest_ok() for m in modules):
                 _ready.add(key)
                 return False
@@ -118,9 +121,34 @@ def runs_triton(variant, op: str, target: str, backend: str, q) -> bool:
     return False
 
 
-def _modules(variant, op, target, q) -> list:
+def call_modules(variant, op, target, q, bounded: bool | None = None) -> list:
+    """A call's modules: what a build of (op, target) compiles, less the softmax form `bounded` (softmax_form of
+    the call's params) rules out."""
     from ..jit.build import dtype_name, serving_modules
-    return serving_modules(variant, op, target, dtype_name(q.dtype), q.shape[-1])
+    modules = serving_modules(variant, op, target, dtype_name(q.dtype), q.shape[-1])
+    if bounded is None:
+        return modules
+    return [m for m in modules if m.options.get("bounded_softmax", bounded) is bounded]
+
+
+def softmax_form(variant, q, params=None, sm_scale=None) -> bool | None:
+    """Whether these params run FA3's bounded softmax (fivar.runtime.launch.runs_bounded_softmax); None where the
+    variant has one form, or the params cannot tell before the call's own checks (which then report them)."""
+    from ..codegen.fa3 import softmax_range
+    from ..jit.build import dtype_name
+    from ..spec.inputs import check_sm_scale, checked_scalar
+    from ..spec.params import Scalar
+    from .launch import runs_bounded_softmax
+    dtype = dtype_name(q.dtype)
+    if softmax_range(variant, dtype) is None:
+        return None
+    given = params or {}
+    try:
+        scalars = {n: p.default if given.get(n) is None else checked_scalar(variant, n, given[n])
+                   for n, p in variant.params.items() if isinstance(p, Scalar)}
+        return runs_bounded_softmax(variant, dtype, scalars, check_sm_scale(variant.name, sm_scale, q.shape[-1]))
+    except (FivarError, KeyError, TypeError, ValueError, ArithmeticError):
+        return None
 
 
 def wait_for_builds(timeout: float | None = None) -> None:

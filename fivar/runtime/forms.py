@@ -91,7 +91,7 @@ def _window_left(variant, target: str, bound) -> int:
     lowest = target_of(target).window_floor(variant)  # None: FA3's tile-list form skips through its block map
     if lowest is None:
         return -1
-    return min(max(int(_invariant(variant, left, bound)), lowest), 1 << 30)
+    return min(max(int(_invariant(variant, left, bound.scalars)), lowest), 1 << 30)
 
 
 def _owns_mask(variant, target: str, causal: bool, window_left: int) -> bool:

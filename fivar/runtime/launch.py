@@ -51,15 +51,15 @@ def _check_qkv(variant, q, k, v, *, paged: bool = False, allow_cpu: bool = False
 _invariants: dict = {}
 
 
-def _invariant(variant, expr, bound, sm_scale: float = 1.0) -> float:
+def _invariant(variant, expr, scalars: dict, sm_scale: float = 1.0) -> float:
     """Value of an invariant IR expression for these scalar params, evaluated once per distinct values
     (not on every launch)."""
-    key = (id(variant), id(expr), tuple(sorted(bound.scalars.items())), sm_scale)
+    key = (id(variant), id(expr), tuple(sorted(scalars.items())), sm_scale)
     value = _invariants.get(key)
     if value is None:
         if len(_invariants) > 4096:
             _invariants.clear()
-        value = _invariants[key] = eval_scalar(expr, bound.scalars, sm_scale, variant.lowered.hoisted)
+        value = _invariants[key] = eval_scalar(expr, scalars, sm_scale, variant.lowered.hoisted)
     return value
 
 
@@ -74,23 +74,30 @@ def _check_output_scale(variant, bound, sm_scale):
     scale = variant.lowered.output_scale
     if scale is None:
         return
-    factor = _invariant(variant, scale, bound, sm_scale)
+    factor = _invariant(variant, scale, bound.scalars, sm_scale)
     if not (factor > 0 and math.isfinite(factor)):
         text = ir.format_expr(_expanded(variant, scale)).replace("params.sm_scale", "sm_scale")
         raise FivarError(f"variant '{variant.name}': the logits factor `{text}` evaluates to {factor} for these "
                          f"params; it must be a positive finite number (fivar folds it into the softmax scale)")
 
 
+def runs_bounded_softmax(variant, dtype: str, scalars: dict, sm_scale: float) -> bool:
+    """Whether a launch of FA3 in `dtype` with these scalar params runs the bounded softmax's module: the variant's
+    transform is bounded (fa3.softmax_range, the config allowing) and the range times the folded factor is narrow
+    enough (fa3.bounded_softmax_applies)."""
+    rng = fa3.softmax_range(variant, dtype)
+    if rng is None:
+        return False
+    scale = variant.lowered.output_scale
+    return fa3.bounded_softmax_applies(rng, 1.0 if scale is None else _invariant(variant, scale, scalars, sm_scale))
+
+
 def _module(variant, key: ModuleKey, bound, sm_scale):
     """The module a launch runs: module_for, except that an FA3 module built with the bounded softmax is swapped
-    for the one with the running max when these params make the range too wide (fa3.bounded_softmax_applies)."""
-    if key.kernels.bounds_softmax:
-        rng = fa3.softmax_range(variant, key.dtype)
-        if rng is not None:
-            scale = variant.lowered.output_scale
-            factor = 1.0 if scale is None else _invariant(variant, scale, bound, sm_scale)
-            if not fa3.bounded_softmax_applies(rng, factor):
-                return module_for(variant, key.replace(bounded_softmax=False))
+    for the one with the running max when these params make the range too wide (runs_bounded_softmax)."""
+    if key.kernels.bounds_softmax and fa3.softmax_range(variant, key.dtype) is not None \
+            and not runs_bounded_softmax(variant, key.dtype, bound.scalars, sm_scale):
+        return module_for(variant, key.replace(bounded_softmax=False))
     return module_for(variant, key)
 
 

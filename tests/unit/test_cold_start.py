@@ -38,7 +38,8 @@ def stand_ins(monkeypatch):
         built[0] = True
     fail = [False]
     monkeypatch.setattr(jb, "build_many", build_many)
-    monkeypatch.setattr(cold_start, "_modules", lambda variant, op, target, q: [_Module(built), _Module(built)])
+    monkeypatch.setattr(cold_start, "call_modules",
+                        lambda variant, op, target, q, bounded=None: [_Module(built), _Module(built)])
     monkeypatch.setattr(cold_start, "_builds", {})
     monkeypatch.setattr(cold_start, "_ready", set())
     q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(7, 4, 128))
@@ -146,3 +147,23 @@ def test_the_background_build_runs_below_the_caller(stand_ins, monkeypatch):
     cold_start.wait_for_builds(10)
     assert seen == [min(19, mine + cold_start.BUILD_NICENESS)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+def test_calls_whose_params_run_other_softmax_forms_build_each_its_own(stand_ins, monkeypatch):
+    """A soft-cap's cold calls: a cap the bounded softmax takes builds that form, a wide cap the running max's, each
+    once; a second call of the first cap starts nothing."""
+    asked = []
+
+    def modules(variant, op, target, q, bounded=None):
+        asked.append(bounded)
+        return [_Module(stand_ins.built)]
+    monkeypatch.setattr(cold_start, "call_modules", modules)
+    v = fivar.load("softcap")
+    with fivar.codegen.fa3.bounded_softmax():
+        for cap in (20.0, 60.0, 20.0):
+            err = io.StringIO()
+            with redirect_stderr(err):
+                assert cold_start.runs_triton(v, "single_prefill", "fa3", "auto", stand_ins.q, {"softcap": cap})
+    assert asked == [True, False] and stand_ins.started == [1, 1]
+    stand_ins.go.set()
+    cold_start.wait_for_builds(10)

@@ -277,3 +277,43 @@ def test_a_mask_the_module_never_evaluates_per_score_costs_no_mufu(monkeypatch):
     per_head = AttentionVariant(name="softmax_head_chunks", mask=head_chunks, params={"chunk": Scalar(int, default=64)})
     assert fa3.mufu_ops_per_score(per_head) > 0
     assert gen_module(per_head, "batch_prefill", "fa3").uri == m.uri
+
+
+def test_a_cold_call_builds_only_the_softmax_form_its_params_run(monkeypatch):
+    """A cold one-shot call's background build (fivar.runtime.cold_start) takes the softmax form its params and
+    sm_scale select, the one launch's _module would pick; `fivar build` still builds both (above). Params that
+    cannot tell (a bad value, checked by the call itself) and one-form variants build what a build would."""
+    import types
+
+    import torch
+
+    from fivar.jit.build import serving_modules
+    from fivar.jit.module_key import ModuleKey
+    from fivar.runtime import cold_start
+    from fivar.runtime.attention import _module
+    from fivar.runtime.params import bind_params
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    softcap = fivar.load("softcap")
+    q = types.SimpleNamespace(dtype=torch.bfloat16, shape=(9, 8, 128))
+    with fa3.bounded_softmax():
+        for cap in (float(torch.empty(()).uniform_(5.0, 33.0)), float(torch.empty(()).uniform_(33.4, 80.0))):
+            for sm_scale in (None, float(torch.empty(()).uniform_(0.02, 0.2))):
+                form = cold_start.softmax_form(softcap, q, {"softcap": cap}, sm_scale)
+                b = bind_params(softcap, {"softcap": cap}, num_qo_heads=8, num_kv_heads=8, batch_size=1, device="cpu")
+                launched = _module(softcap, ModuleKey("single_prefill", "fa3", torch.bfloat16, 128), b,
+                                   sm_scale or 128 ** -0.5)
+                assert form is launched.options["bounded_softmax"], (cap, sm_scale)
+                for op in ("single_prefill", "batch_prefill"):
+                    mods = cold_start.call_modules(softcap, op, "fa3", q, form)
+                    assert [m.options["bounded_softmax"] for m in mods] == [form], (cap, sm_scale, op)
+                assert launched.uri in {m.uri for m in cold_start.call_modules(softcap, "single_prefill", "fa3", q,
+                                                                                 form)}
+        assert cold_start.softmax_form(softcap, q, {"softcap": "wide"}) is None
+        assert len(cold_start.call_modules(softcap, "single_prefill", "fa3", q, None)) == 2
+        assert cold_start.softmax_form(softcap, types.SimpleNamespace(dtype=torch.float16, shape=(9, 8, 128))) is None
+        alibi = fivar.load("alibi")
+        assert cold_start.softmax_form(alibi, q) is None
+        assert [m.uri for m in cold_start.call_modules(alibi, "single_prefill", "fa3", q, None)] == \
+            [m.uri for m in serving_modules(alibi, "single_prefill", "fa3")]
+        decode = cold_start.call_modules(softcap, "batch_decode", "fa2", q, True)  # FA2 modules have one form
+        assert [m.uri for m in decode] == [m.uri for m in serving_modules(softcap, "batch_decode", "fa2")]
