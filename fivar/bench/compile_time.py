@@ -308,15 +308,15 @@ def measure_first_prefill(variant_file: str, dtype: str = "bf16", head_dim: int 
         first = v.prefill(q, k, vv, causal=causal, **params)
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
-        on_twin = cold_start.runs_triton(v, "single_prefill", target, "auto", q, params)  # building: the twin ran
+        on_twin = cold_start.runs_triton(v, "single_prefill", target, "auto", q, params, causal=causal)  # the twin ran
         cold_start.wait_for_builds()
         ready_s = time.perf_counter() - t0
         out = v.prefill(q, k, vv, causal=causal, **params)
         torch.cuda.synchronize()
         in_use_s = time.perf_counter() - t0
-        if cold_start.runs_triton(v, "single_prefill", target, "auto", q, params):
+        if cold_start.runs_triton(v, "single_prefill", target, "auto", q, params, causal=causal):
             raise RuntimeError(f"the {target} modules were not in use after their build")
-    mods = cold_start.call_modules(v, "single_prefill", target, q, cold_start.softmax_form(v, q, params))
+    mods = cold_start.call_modules(v, "single_prefill", target, q, cold_start.softmax_form(v, q, params), causal)
     missing = [m.uri for m in mods if not m.manifest_ok()]
     if missing:
         raise RuntimeError(f"the background build left {', '.join(missing)} unbuilt")

@@ -72,7 +72,7 @@ def single_prefill(variant, q, k, v, *, causal=False, sm_scale=None, backend="fa
         raise FivarError(f"variant '{variant.name}': causal attention with qo_len ({q.shape[0]}) > kv_len "
                          f"({k.shape[0]}) is not supported by FlashInfer's kernels (the first rows would see no "
                          "key); use backend='triton', which returns zeros for those rows like the reference")
-    if cold_start.runs_triton(variant, "single_prefill", target, backend, q, params, sm_scale):  # building
+    if cold_start.runs_triton(variant, "single_prefill", target, backend, q, params, sm_scale, causal):
         done = _meanwhile(lambda: triton_prefill(variant, q, k, v, causal=causal, sm_scale=sm_scale, out=out,
                                                  params=params, return_lse=return_lse))
         if done is not None:
@@ -170,7 +170,7 @@ def batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, *, causal=False
     if plan is None:
         _check_qkv(variant, q, k, v)
         target = _check_backend(variant, backend, "batch_prefill", q.device)
-        if cold_start.runs_triton(variant, "batch_prefill", target, backend, q, params, sm_scale):  # building
+        if cold_start.runs_triton(variant, "batch_prefill", target, backend, q, params, sm_scale, causal):
             done = _meanwhile(lambda: triton_batch_prefill_ragged(variant, q, k, v, qo_indptr, kv_indptr, causal=causal,
                                                                   sm_scale=sm_scale, params=params,
                                                                   return_lse=return_lse))

@@ -83,18 +83,19 @@ def _expected(modules) -> str:
     return "; " + expected_text((slowest or modules)[0]) if modules else ""
 
 
-def runs_triton(variant, op: str, target: str, backend: str, q, params=None, sm_scale=None) -> bool:
+def runs_triton(variant, op: str, target: str, backend: str, q, params=None, sm_scale=None,
+                causal: bool | None = None) -> bool:
     """Whether this one-shot call runs on the Triton twin because its `target` modules are still building: only a
     default call (backend "auto") on a CUDA device with q in fp16/bf16, in mode "triton". Starts the build the first
     time (and says so); False once it is done, or if it failed (the call then builds, and reports, itself).
-    `params`, `sm_scale`: the call's, which pick the one softmax form of a bounded transform it runs (the build
-    leaves the other form, which these params never run, to a call that needs it)."""
+    `params`, `sm_scale`, `causal`: the call's, which rule out modules it never runs (call_modules): the build leaves
+    them to a call that needs them."""
     t = named(target)
     if backend != AUTO or t is None or not t.is_flashinfer or getattr(q, "device", None) is None \
             or q.device.type != "cuda" or str(q.dtype).removeprefix("torch.") not in _TWIN_DTYPES:
         return False
     form = softmax_form(variant, q, params, sm_scale)
-    key = (id(variant), op, target, str(q.dtype), q.shape[-1], form, config.state_key())
+    key = (id(variant), op, target, str(q.dtype), q.shape[-1], form, causal is False, config.state_key())
     if key in _ready:
         return False
     with _lock:
@@ -102,7 +103,7 @@ def runs_triton(variant, op: str, target: str, backend: str, q, params=None, sm_
         if build is None:
             if mode() == "wait":
                 return False
-            modules = call_modules(variant, op, target, q, form)
+            modules = call_modules(variant, op, target, q, form, causal)
             if all(m.manifest_ok() for m in modules):
                 _ready.add(key)
                 return False
@@ -121,14 +122,17 @@ def runs_triton(variant, op: str, target: str, backend: str, q, params=None, sm_
     return False
 
 
-def call_modules(variant, op, target, q, bounded: bool | None = None) -> list:
+def call_modules(variant, op, target, q, bounded: bool | None = None, causal: bool | None = None) -> list:
     """A call's modules: what a build of (op, target) compiles, less the softmax form `bounded` (softmax_form of
-    the call's params) rules out."""
+    the call's params) rules out, and for a call that is not causal the mask-free modules (the segments a causal
+    batch of documents runs, fivar.runtime.plans)."""
     from ..jit.build import dtype_name, serving_modules
     modules = serving_modules(variant, op, target, dtype_name(q.dtype), q.shape[-1])
-    if bounded is None:
-        return modules
-    return [m for m in modules if m.options.get("bounded_softmax", bounded) is bounded]
+    if bounded is not None:
+        modules = [m for m in modules if m.options.get("bounded_softmax", bounded) is bounded]
+    if causal is False:
+        modules = [m for m in modules if not m.options.get("mask_free")]
+    return modules
 
 
 def softmax_form(variant, q, params=None, sm_scale=None) -> bool | None:

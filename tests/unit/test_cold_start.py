@@ -16,6 +16,8 @@ from fivar import config
 from fivar.jit import build as jb
 from fivar.runtime import attention, cold_start
 
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
 
 class _Module:
     def __init__(self, built):
@@ -39,7 +41,7 @@ def stand_ins(monkeypatch):
     fail = [False]
     monkeypatch.setattr(jb, "build_many", build_many)
     monkeypatch.setattr(cold_start, "call_modules",
-                        lambda variant, op, target, q, bounded=None: [_Module(built), _Module(built)])
+                        lambda variant, op, target, q, bounded=None, causal=None: [_Module(built), _Module(built)])
     monkeypatch.setattr(cold_start, "_builds", {})
     monkeypatch.setattr(cold_start, "_ready", set())
     q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, shape=(7, 4, 128))
@@ -154,7 +156,7 @@ def test_calls_whose_params_run_other_softmax_forms_build_each_its_own(stand_ins
     once; a second call of the first cap starts nothing."""
     asked = []
 
-    def modules(variant, op, target, q, bounded=None):
+    def modules(variant, op, target, q, bounded=None, causal=None):
         asked.append(bounded)
         return [_Module(stand_ins.built)]
     monkeypatch.setattr(cold_start, "call_modules", modules)
@@ -167,3 +169,19 @@ def test_calls_whose_params_run_other_softmax_forms_build_each_its_own(stand_ins
     assert asked == [True, False] and stand_ins.started == [1, 1]
     stand_ins.go.set()
     cold_start.wait_for_builds(10)
+
+
+def test_a_call_that_is_not_causal_leaves_the_mask_free_modules_to_later(monkeypatch):
+    """The mask-free modules run only a causal batch cut into segments (fivar.runtime.plans._plan_segments): a
+    non-causal cold call's build leaves them out, on FA3 and FA2; a causal call's keeps every module a build has."""
+    from fivar.jit.build import serving_modules
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    q = types.SimpleNamespace(dtype=torch.bfloat16, shape=(9, 8, 128))
+    for v in (fivar.load("document_mask"), fivar.load(str(ROOT / "benchmarks" / "compile" / "local_global.py"))):
+        for target in ("fa3", "fa2"):
+            for op in ("single_prefill", "batch_prefill"):
+                built = serving_modules(v, op, target)
+                assert any(m.options.get("mask_free") for m in built), (v.name, target, op)
+                assert [m.uri for m in cold_start.call_modules(v, op, target, q, None, True)] == [m.uri for m in built]
+                assert [m.uri for m in cold_start.call_modules(v, op, target, q, None, False)] == \
+                    [m.uri for m in built if not m.options.get("mask_free")]
