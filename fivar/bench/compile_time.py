@@ -357,7 +357,66 @@ def measure_flex_first_call(variant_file: str, dtype: str = "bf16", head_dim: in
             "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
 
 
-MODES = {"build": measure_build_set, "first-prefill": measure_first_prefill, "flex": measure_flex_first_call}
+def measure_first_train_step(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
+    """A cold first training step of the variant (`v.attention` forward and backward, the generated Triton
+    backward compiled cold, its forward auto's) and the second step, for FlexAttention's of the same function."""
+    skipped = _no_gpu("a first training step")
+    if skipped:
+        return skipped
+    import torch
+
+    import fivar
+    v = fivar.load(variant_file)
+    q, k, vv, params, causal = _first_call_inputs(v, dtype, head_dim)
+    q, k, vv = (t.requires_grad_() for t in (q, k, vv))
+    do = torch.randn_like(q)
+
+    def step():
+        v.attention(q, k, vv, causal=causal, **params).backward(do)
+        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    first_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    step()
+    log(f"fivar first training step {v.name}: {first_s:.1f} s")
+    return {"variant": v.name, "first_step_s": first_s, "second_step_ms": (time.perf_counter() - t1) * 1e3,
+            "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
+
+
+def measure_flex_first_train_step(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
+    """FlexAttention's first training step of the variant: its forward and backward compiled by torch.compile,
+    block mask creation included, fresh caches; and the second step."""
+    skipped = _no_gpu("FlexAttention's first training step")
+    if skipped:
+        return skipped
+    import torch
+
+    import fivar
+    from ..flex import flex_attention_fn
+    v = fivar.load(variant_file)
+    q, k, vv, params, causal = _first_call_inputs(v, dtype, head_dim)
+    q, k, vv = (t.requires_grad_() for t in (q, k, vv))
+    do = torch.randn_like(q)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run = flex_attention_fn(v, params, q, k, vv, causal=causal)  # builds the block mask
+
+    def step():
+        run().backward(do)
+        torch.cuda.synchronize()
+    step()
+    first_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    step()
+    log(f"flex first training step {v.name}: {first_s:.1f} s")
+    return {"variant": v.name, "first_step_s": first_s, "second_step_ms": (time.perf_counter() - t1) * 1e3,
+            "torch": torch.__version__, "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
+
+
+MODES = {"build": measure_build_set, "first-prefill": measure_first_prefill, "flex": measure_flex_first_call,
+         "first-train": measure_first_train_step, "flex-train": measure_flex_first_train_step}
 
 
 def _write_json(res: dict, path: str | None) -> None:

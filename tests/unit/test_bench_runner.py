@@ -382,6 +382,38 @@ def _cold_start_reports():
 
 
 @pytest.mark.parametrize("gpu", [True, False])
+def test_compile_suite_compares_a_cold_first_training_step_with_flexs(monkeypatch, tmp_path, gpu):
+    """Each not-bundled variant's cold first training step and Flex's, each from a child process of its own (stood
+    in for), as rows with the ratio against Flex; a failed contender is its error row alone; no GPU, no rows."""
+    from fivar.bench.suites import compile as suite
+    step = {"variant": "local_global", "first_step_s": 30.0, "second_step_ms": 9.0, "shape": {"seqlen": 4096}}
+    reports = {"first-train": step, "flex-train": dict(step, first_step_s=45.0, second_step_ms=20.0)}
+    asked = []
+
+    def fake_child(mode, file, timeout_s):
+        asked.append((mode, Path(file).name))
+        return reports[mode]
+    monkeypatch.setattr(suite, "_child", fake_child)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    cases = [c for c in suite.cases() if c.op == "cold_train"]
+    assert [c.shape["variant"] for c in cases] == list(suite.COLD_VARIANTS) and all(c.baseline == "flex" for c in cases)
+    rows = run(cases[:1], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    if not gpu:
+        assert rows == [] and asked == []
+        return
+    for r in rows:
+        validate_row(r)
+    by = {r["contender"]: r for r in rows}
+    assert asked == [("first-train", "local_global.py"), ("flex-train", "local_global.py")]
+    assert by["fivar first step"]["value"] == 30.0 and by["fivar first step"]["ratio"] == 1.5
+    assert by["flex"]["ratio"] == 1.0 and by["fivar first step"]["detail"]["second_step_ms"] == 9.0
+    reports["flex-train"] = {"error": "flex-train: RuntimeError: inductor failed"}
+    rows = run(cases[:1], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
+    by = {r["contender"]: r for r in rows}
+    assert by["flex"]["check"] == "error" and by["fivar first step"]["value"] == 30.0
+
+
+@pytest.mark.parametrize("gpu", [True, False])
 def test_compile_suite_compares_a_cold_fivar_build_and_first_call_with_flexs_first_call(monkeypatch, tmp_path, gpu):
     """Each not-bundled variant is one case: its cold `fivar build`, cold first prefill and Flex's first call, each
     from a child process of its own (stood in for), as rows with ratios against Flex; without a GPU the first

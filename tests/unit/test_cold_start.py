@@ -185,3 +185,36 @@ def test_a_call_that_is_not_causal_leaves_the_mask_free_modules_to_later(monkeyp
                 assert [m.uri for m in cold_start.call_modules(v, op, target, q, None, True)] == [m.uri for m in built]
                 assert [m.uri for m in cold_start.call_modules(v, op, target, q, None, False)] == \
                     [m.uri for m in built if not m.options.get("mask_free")]
+
+
+def test_a_cold_training_step_runs_the_twins_forward_while_fa3_builds(monkeypatch):
+    """`v.attention` with backend "auto" whose FA3 forward is still building runs the Triton forward (its output and
+    gradients the reference's); once the build is done, FA3's. The op of a batch of several requests is batch
+    prefill's, of one single prefill's; a forward asked for by name never takes the twin."""
+    from fivar.runtime import autograd
+    v = fivar.load("softcap")
+    asked = []
+    building = [True]
+    monkeypatch.setattr(autograd, "forward_target", lambda *a: ("fa3", "FA3 forward"))
+    monkeypatch.setattr(cold_start, "runs_triton", lambda variant, op, target, backend, q, *rest: asked.append(
+        (op, target, backend)) or (building[0] and backend == "auto"))
+    q, k = torch.randn(7, 4, 16, dtype=torch.float16), torch.randn(9, 2, 16, dtype=torch.float16)
+    assert autograd._call_args(v, q, k, k, True, None, "auto", None, None, {})[0] == "triton"
+    indptr = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    assert autograd._call_args(v, q, k, k, False, None, "auto", *indptr, {})[0] == "triton"
+    assert asked == [("single_prefill", "fa3", "auto"), ("batch_prefill", "fa3", "auto")]
+    building[0] = False
+    assert autograd._call_args(v, q, k, k, True, None, "auto", None, None, {})[0] == "fa3"
+    asked.clear()
+    monkeypatch.setattr(autograd, "forward_target", lambda *a: ("fa3", "backend='fa3' was requested"))
+    building[0] = True
+    assert autograd._call_args(v, q, k, k, True, None, "fa3", None, None, {})[0] == "fa3" and asked == []
+    monkeypatch.setattr(autograd, "forward_target", lambda *a: ("fa3", "FA3 forward"))
+    vv = torch.randn(9, 2, 16, dtype=torch.float16)
+    do = torch.randn(7, 4, 16, dtype=torch.float16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, vv)]
+    v.attention(*leaves, causal=True).backward(do)
+    exact = [t.double().requires_grad_() for t in (q, k, vv)]
+    ref = v.reference(*exact, causal=True)
+    ref.backward(do.double())
+    assert all((a.grad.double() - b.grad).abs().max() < 2e-2 * (1 + b.grad.abs().max()) for a, b in zip(leaves, exact))

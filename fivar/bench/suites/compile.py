@@ -10,7 +10,9 @@ writes them), fivar's cold start against FlexAttention's: a cold `fivar build` o
 seconds, each module's own seconds in the detail), a cold first `v.prefill` (seconds to the first result, which the
 Triton twin gives while the modules build, and until the modules backend="auto" picks are in use), and Flex's first
 call (torch.compile of flex_attention with the variant's score_mod/mask_mod, block mask included); ratios against
-Flex's first call. The first calls need a GPU: without one those rows are left out."""
+Flex's first call. And a cold first training step of each (`v.attention` forward and backward: the generated Triton
+backward compiled cold, the forward the Triton twin's while the FA3 modules build) against Flex's (its forward and
+backward compiled). The first calls need a GPU: without one those rows are left out."""
 from __future__ import annotations
 
 import json
@@ -132,6 +134,28 @@ def measure_cold_start(name: str, timeout_s: float = 3600) -> list[Measurement]:
     return cold_start_rows(build, first, flex)
 
 
+def cold_train_rows(first: dict, flex: dict) -> list[Measurement]:
+    """Rows of one variant's cold first training step (forward and backward) and Flex's (a report with "skipped":
+    no rows; with "error": one error row for that contender)."""
+    rows = []
+    for contender, report, label in (("fivar first step", first, "forward + backward, cold caches"),
+                                     ("flex", flex, "forward + backward: torch.compile + block mask")):
+        if "error" in report:
+            rows.append(Measurement(contender, "s", None, "error", detail={"error": report["error"]}))
+        elif "skipped" not in report:
+            rows.append(Measurement(contender, "s", report["first_step_s"], label=label,
+                                    detail={"second_step_ms": report["second_step_ms"], "shape": report["shape"]}))
+    return rows
+
+
+def measure_cold_train(name: str, timeout_s: float = 3600) -> list[Measurement]:
+    import torch
+    if not torch.cuda.is_available():  # a training step runs kernels
+        return []
+    file = str(variants_dir() / f"{name}.py")
+    return cold_train_rows(_child("first-train", file, timeout_s), _child("flex-train", file, timeout_s))
+
+
 def cases(quick: bool = False) -> list:
     from ...jit.targets import FLASHINFER_TARGETS
     out = []
@@ -144,4 +168,8 @@ def cases(quick: bool = False) -> list:
                         {"variant": name, "file": f"benchmarks/compile/{name}.py", "dtype": COLD_DTYPE,
                          "head_dim": COLD_HEAD_DIM, **FIRST_CALL},
                         lambda n=name: Prepared(measure=lambda: measure_cold_start(n)), baseline="flex"))
+        out.append(Case("compile", f"{name} cold first training step vs Flex", "cold_train",
+                        {"variant": name, "file": f"benchmarks/compile/{name}.py", "dtype": COLD_DTYPE,
+                         "head_dim": COLD_HEAD_DIM, **FIRST_CALL},
+                        lambda n=name: Prepared(measure=lambda: measure_cold_train(n)), baseline="flex"))
     return out
