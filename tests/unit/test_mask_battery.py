@@ -302,3 +302,15 @@ def test_random_mask_triton_twins(tmp_path):
         out = v.prefill(q, k, vv, causal=m.causal, backend="triton", **params)
         r = compare(m.name, f"triton L={L}", out, ref, torch.float16)
         assert r.passed, (r, m.source)
+
+
+def test_random_mask_twin_decode(tmp_path):
+    """Decode of masks drawn from a fresh seed on the Triton twin (a mask that trims decode's pages reads its
+    kept-page list), paged at a drawn page size, against the reference."""
+    from fivar.testing import check_decode
+    for m in RM.generate(random.randrange(1 << 20), 3, size=L):
+        v = RM.load(m, tmp_path)
+        page = random.choice([1, 4, 16])
+        r = check_decode(v, kv_lens=[1, 33, 2 * L], page_size=page, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                         dtype=torch.float16, device="cpu", backend="triton")
+        assert r.passed, (page, r, m.source)
