@@ -9,13 +9,16 @@ from .. import config as fivar_config
 from ..codegen import fa2, fa3
 from ..config import FA2BuildConfig
 from ..errors import FivarError
-from ..flashinfer_compat.templates import render_template as _render_flashinfer
+from ..flashinfer_compat.templates import release_kwargs, render_template as _render_flashinfer
 from ..flashinfer_layout import FA2_LAYOUT
 from . import pinned_kv_tiles, toolchain, unused_headers
 from .fa2_tile_split import _fa2_tile_split
 from .module_key import ModuleKey
 from .sources import (Rendered, add_host_sources, dispatch_override, fivar_headers, flashinfer_kwargs,
                       mask_mode_units)
+
+#: The tile-list module's ragged entry-point stubs: a header its host unit includes (fa2/tile_list_ragged_stubs.inc)
+RAGGED_STUBS = "fivar_fa2_ragged_stubs.inc"
 
 
 def fa2_sources(variant, key: ModuleKey, given: FA2BuildConfig, nvcc_parallel_passes: bool, cta_tile=None,
@@ -50,12 +53,16 @@ def fa2_sources(variant, key: ModuleKey, given: FA2BuildConfig, nvcc_parallel_pa
     else:
         for inst_t in inst_ts:
             stem = inst_t.removesuffix("_inst.jinja")
-            if tile_list:  # FlashInfer's paged kernels in kNone; the ragged entry point's stubs in a unit of their own
+            if tile_list:  # FlashInfer's paged kernels in kNone; the ragged entry point's stubs in the host unit
                 code = fa2.MASK_CODES[fa2.MASK_NONE]
                 inst = _render_flashinfer(inst_t, mask_mode=mask_mode_literal[code], **kwargs)
-                sources[f"{stem}_mask_{code}.cu"] = inst if "paged" in inst_t else fa2.render(
-                    "fa2/tile_list_ragged_stubs.cu.jinja",
-                    tiles=sorted({int(t) for t in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", inst)}), **kwargs)
+                if "paged" in inst_t:
+                    sources[f"{stem}_mask_{code}.cu"] = inst
+                else:
+                    sources[RAGGED_STUBS] = fa2.render(  # with the release's template parameters (0.7.4's SF flag)
+                        "fa2/tile_list_ragged_stubs.inc.jinja", **release_kwargs(inst_t, kwargs),
+                        tiles=sorted({int(t) for t in re.findall(r"/\*CTA_TILE_Q=\*/(\d+)", inst)}))
+                    host_includes += (RAGGED_STUBS,)
             elif op != "batch_decode":  # decode has no mask-mode dispatch
                 sources.update(mask_mode_units(inst_t, modes, kwargs))
             else:

@@ -12,6 +12,9 @@ from .module_key import ModuleKey
 from .sources import (Rendered, add_host_sources, dispatch_override, fivar_headers, flashinfer_kwargs,
                       mask_mode_units)
 
+#: The mask-free module's paged entry-point stubs: a header its host unit includes (fa3/paged_stubs.inc.jinja)
+PAGED_STUBS = "fivar_fa3_paged_stubs.inc"
+
 
 def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, nvcc_parallel_passes: bool,
                 shared: bool) -> Rendered:
@@ -38,21 +41,24 @@ def fa3_sources(user_variant, variant, key: ModuleKey, given: FA3KernelConfig, n
     # the tile list runs kNone with its bits; the mask-free module, a causal batch's segments in kCausal
     modes = [fa2.MASK_NONE] if key.tile_list else [fa2.MASK_CAUSAL] if key.mask_free else fa3.mask_modes(variant)
     sources = {config_name: config + dispatch_override(config, variant, modes), **fivar_headers(decl.source)}
+    host_includes: list[str] = []
     for inst_t in inst_ts:
         stem = inst_t.removesuffix("_inst.jinja")
         if key.tile_list:  # the per-head paged kernel alone (fa3/tile_list_unit.cu.jinja), stubs for the rest
             if "paged" in inst_t:
                 sources[f"{stem}_mask_0.cu"] = fa3.render("fa3/tile_list_unit.cu.jinja", **kwargs)
-        elif key.mask_free and "paged" in inst_t:  # it runs ragged requests alone (fivar.runtime.segments)
-            sources[f"{stem}_stubs.cu"] = fa3.render("fa3/paged_stubs_unit.cu.jinja", mask_modes=[
+        elif key.mask_free and "paged" in inst_t:  # it runs ragged requests alone (fivar.runtime.segments): the
+            # paged entry points are stubs, defined in the host unit (no nvcc run of their own)
+            sources[PAGED_STUBS] = fa3.render("fa3/paged_stubs.inc.jinja", mask_modes=[
                 mask_mode_literal[fa2.MASK_CODES[m]] for m in modes], **kwargs)
+            host_includes.append(PAGED_STUBS)
         elif tiles:  # FA3 single prefill on fivar's tiles: its units are fivar's (fa3.single_prefill_kernel_units)
             sources.update(fa3.single_prefill_kernel_units(stem, tiles, schedules, head_dim, **kwargs))
         else:
             sources.update(mask_mode_units(inst_t, modes, kwargs))
     if "persistent" in schedules.values():
         sources.update(fivar_headers('#include "fivar_fa3_persistent.cuh"'))
-    add_host_sources(sources, host_files)
+    add_host_sources(sources, host_files, tuple(host_includes))
     cuda_cflags = list(sm90a_nvcc_flags) + toolchain.parallel_passes_flags(nvcc_parallel_passes)
     built = FA3KernelConfig(**{**vars(kernel.config), "nvcc_parallel_passes": nvcc_parallel_passes})
     return Rendered(sources, cuda_cflags, decl.additional, built)

@@ -226,10 +226,13 @@ def test_the_module_is_the_paged_kernel_in_knone_alone(monkeypatch):
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     holes, heads = _variant(m_hole), _variant(m_per_head_window)
     m = gen_module(holes, "batch_prefill", "fa2", tile_list=True)
-    units = sorted(n for n in m.sources if n.endswith(".cu") and "kernel" in n)
-    assert units == ["batch_prefill_paged_kernel_mask_0.cu", "batch_prefill_ragged_kernel_mask_0.cu"]
+    from fivar.jit.fa2_sources import RAGGED_STUBS
+    units = sorted(n for n in m.sources if n.endswith(".cu"))
+    assert units == ["batch_prefill_jit_binding.cu", "batch_prefill_paged_kernel_mask_0.cu"]  # stubs: no unit
     assert "_fa2_batch_prefill_tiles_" in m.uri and m.options["tile_list"]
-    paged, ragged = (m.sources[u] for u in units)
+    paged, ragged = m.sources[units[1]], m.sources[RAGGED_STUBS]
+    host = m.sources[units[0]]
+    assert host.index(f'#include "{RAGGED_STUBS}"') < host.index("BatchPrefillWithRaggedKVCacheDispatched")
     inst = [ln for ln in paged.splitlines() if "MaskMode::" in ln and "use_custom_mask" not in ln]
     assert paged.count("BatchPrefillWithPagedKVCacheDispatched<") == 6 and "Ragged" not in paged
     assert inst and all("MaskMode::kNone" in ln and "kCustom" not in ln for ln in inst)

@@ -242,28 +242,35 @@ def test_the_module_is_the_paged_kernel_alone_and_says_how_it_reads_cut_tiles(mo
 @pytest.mark.nvcc
 @pytest.mark.skipif(not shutil.which("nm"), reason="no nm to read the library's symbols")
 def test_the_module_compiles_and_defines_every_entry_it_links(monkeypatch):
-    """The host unit calls the paged and ragged dispatch for kNone with either schedule: the library defines all four
-    (the per-head paged kernel, stubs for the rest; a shared library links with undefined symbols, and would only fail
-    at load on the GPU host)."""
-    from fivar.jit.build import gen_module
+    """The host unit calls the paged and ragged dispatch for one mask mode with either schedule: the library defines
+    all four (the tile list's per-head paged kernel, the mask-free module's two ragged kernels, stubs for the rest,
+    which the mask-free module's host unit defines itself; a shared library links with undefined symbols, and would
+    only fail at load on the GPU host)."""
+    from fivar.jit.build import build_many, gen_module
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
-    m = gen_module(_variant("flagged")[0], "batch_prefill", "fa3")
-    assert m.build() == "cold"
-    syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
-    for kind in ("Paged", "Ragged"):
-        found = [ln for ln in syms.splitlines() if f"BatchPrefillWith{kind}KVCacheDispatched<" in ln]
-        assert len(found) == 2 and not [ln for ln in found if ln.split()[0] == "U"], found
+    flagged = _variant("flagged")[0]
+    tiles = gen_module(flagged, "batch_prefill", "fa3")
+    free = gen_module(flagged, "batch_prefill", "fa3", mask_free=True)
+    assert [kind for kind, _ in build_many([tiles, free])] == ["cold", "cold"]
+    for m in (tiles, free):
+        syms = subprocess.run(["nm", "-C", str(m.library_path)], capture_output=True, text=True, check=True).stdout
+        for kind in ("Paged", "Ragged"):
+            found = [ln for ln in syms.splitlines() if f"BatchPrefillWith{kind}KVCacheDispatched<" in ln]
+            assert len(found) == 2 and not [ln for ln in found if ln.split()[0] == "U"], (m.uri, found)
 
 
 def test_the_mask_free_module_compiles_the_ragged_kernels_alone(monkeypatch):
     """The logits' mask-free module runs ragged requests alone, a causal batch's segments: its ragged kernel in
-    kCausal mode alone, its paged entry points stubs in a unit of their own."""
+    kCausal mode alone, its paged entry points stubs that the host unit includes (no nvcc unit of their own)."""
     from fivar.jit.build import gen_module
+    from fivar.jit.fa3_sources import PAGED_STUBS
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     m = gen_module(_variant("flagged")[0], "batch_prefill", "fa3", mask_free=True)
-    assert sorted(n for n in m.sources if "kernel" in n) == [
-        "batch_prefill_paged_sm90_kernel_stubs.cu", "batch_prefill_ragged_sm90_kernel_mask_1.cu"]
-    stubs = m.sources["batch_prefill_paged_sm90_kernel_stubs.cu"]
+    assert sorted(n for n in m.sources if n.endswith(".cu")) == [
+        "batch_prefill_ragged_sm90_kernel_mask_1.cu", "batch_prefill_sm90_jit_binding.cu"]
+    host = m.sources["batch_prefill_sm90_jit_binding.cu"]
+    assert host.index(f'#include "{PAGED_STUBS}"') < host.index("BatchPrefillWithPagedKVCacheDispatched")
+    stubs = m.sources[PAGED_STUBS]
     assert "template cudaError_t" not in stubs and stubs.count("cudaErrorNotSupported") == 2
     assert "MaskMode::kNone" not in stubs and "MaskMode::kNone" not in m.sources["batch_prefill_sm90_config.inc"]
     for mode in ("kCausal",):  # the host unit's dispatch: kCausal alone, either schedule (the stub macro's

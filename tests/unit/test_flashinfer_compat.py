@@ -158,3 +158,34 @@ def test_flashinfer_log_opens_lazily_where_read_only_and_logging_is_left_as_it_w
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res == {"opened": [first == "flashinfer"] * 2, "restored": True}
+
+
+def _declaration(text: str, name: str) -> str:
+    """The primary template declaration of `name` in a C++ text, whitespace collapsed."""
+    import re
+    found = re.search(r"template\s*<[^>]*>\s*cudaError_t\s+" + name + r"\([^;{]*\);", text)
+    assert found, name
+    return " ".join(found.group(0).split())
+
+
+@pytest.mark.parametrize("target, form, stubs, host, entry", [
+    ("fa2", {"tile_list": True}, "fivar_fa2_ragged_stubs.inc", "batch_prefill.cu",
+     "BatchPrefillWithRaggedKVCacheDispatched"),
+    ("fa3", {"mask_free": True}, "fivar_fa3_paged_stubs.inc", "batch_prefill_sm90.cu",
+     "BatchPrefillWithPagedKVCacheDispatched")])
+def test_entry_stubs_specialize_the_template_the_installed_release_declares(monkeypatch, target, form, stubs, host,
+                                                                           entry):
+    """The stubs a module's host unit includes declare the entry point as the installed release's host source does
+    (0.7.4's FA2 added a template parameter), and each specialization passes one argument per parameter: otherwise
+    they specialize another template, and the library links with the release's entry point undefined."""
+    from flashinfer.jit import env as jit_env
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    m = gen_module(fivar.load("document_mask"), "batch_prefill", target, **form)
+    ours = _declaration(m.sources[stubs], entry)
+    assert ours == _declaration((jit_env.FLASHINFER_CSRC_DIR / host).read_text(), entry)
+    params = ours[ours.index("<") + 1:ours.index(">")].count(",") + 1
+    specializations = m.sources[stubs].split("template <>")[1:]
+    assert specializations
+    for spec in specializations:
+        args = spec[spec.index(entry + "<") + len(entry) + 1:spec.index(">(")]
+        assert args.count(",") + 1 == params, args
