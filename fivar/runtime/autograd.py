@@ -296,7 +296,7 @@ def _call_args(variant, q, k, v, causal, sm_scale, backend, qo_indptr, kv_indptr
         late_rows = bool((lens[0] > lens[1]).any())
     target, _ = forward_target(variant, backend, q, k, bool(causal), late_rows)
     bound, sm_scale = _prepare(variant, params or {}, q, k.shape[1], batch, sm_scale)
-    if backend == AUTO and target != "triton" and not torch.compiler.is_compiling() and cold_start.runs_triton(
+    if backend == AUTO and not runs_twin(target) and not torch.compiler.is_compiling() and cold_start.runs_triton(
             variant, "single_prefill" if batch == 1 else "batch_prefill", target, AUTO, q, params, sm_scale, causal):
         target = "triton"  # the forward's modules are building (fivar.runtime.cold_start): the twin's meanwhile
     tensors = [bound.tensors[n] for n in variant.tensor_params]  # .contiguous() of the caller's: in its graph

@@ -24,9 +24,9 @@ PINNED = {
     ("document_window", "batch_prefill", "fa2", (("kv_segments", True), ("mask_free", True))):
         "fivar_document_window_fa2_batch_prefill_kvsegfree_bf16_hd128_fdc124011d30",
     ("document_window", "batch_prefill", "fa2", (("tile_list", True),)):
-        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_8a047befda6f",
+        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_1e810608e87a",
     ("document_window", "batch_prefill", "fa2", (("custom_mask", True),)):
-        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_8a047befda6f",
+        "fivar_any_mask_fa2_batch_prefill_tiles_bf16_hd128_1e810608e87a",
     ("document_window", "batch_prefill", "fa3", (("custom_mask", True),)):
         "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_ed6ee3400f1f",
     ("bigbird", "batch_prefill", "fa3", ()): "fivar_any_mask_fa3_batch_prefill_tiles_bf16_hd128_ed6ee3400f1f",
