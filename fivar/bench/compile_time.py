@@ -357,10 +357,10 @@ def measure_flex_first_call(variant_file: str, dtype: str = "bf16", head_dim: in
             "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
 
 
-def measure_first_train_step(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
-    """A cold first training step of the variant (`v.attention` forward and backward, the generated Triton
-    backward compiled cold, its forward auto's) and the second step, for FlexAttention's of the same function."""
-    skipped = _no_gpu("a first training step")
+def _first_train_step(variant_file: str, dtype: str, head_dim: int, log, who: str, forward_of) -> dict:
+    """Seconds of a cold first training step (forward and backward; `forward_of(v, params, q, k, v, causal)` makes
+    the step's forward, timed with it) and milliseconds of the second, on FIRST_CALL's shape."""
+    skipped = _no_gpu(f"{who}'s first training step")
     if skipped:
         return skipped
     import torch
@@ -370,49 +370,35 @@ def measure_first_train_step(variant_file: str, dtype: str = "bf16", head_dim: i
     q, k, vv, params, causal = _first_call_inputs(v, dtype, head_dim)
     q, k, vv = (t.requires_grad_() for t in (q, k, vv))
     do = torch.randn_like(q)
-
-    def step():
-        v.attention(q, k, vv, causal=causal, **params).backward(do)
-        torch.cuda.synchronize()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    forward = forward_of(v, params, q, k, vv, causal)
+
+    def step():
+        forward().backward(do)
+        torch.cuda.synchronize()
     step()
     first_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     step()
-    log(f"fivar first training step {v.name}: {first_s:.1f} s")
+    log(f"{who} first training step {v.name}: {first_s:.1f} s")
     return {"variant": v.name, "first_step_s": first_s, "second_step_ms": (time.perf_counter() - t1) * 1e3,
-            "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
+            "torch": torch.__version__, "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
+
+
+def measure_first_train_step(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
+    """A cold first training step of the variant: `v.attention` forward and backward (the generated Triton backward
+    compiled cold; the forward auto's, the Triton twin while its FA3 modules build), and the second step."""
+    return _first_train_step(variant_file, dtype, head_dim, log, "fivar", lambda v, params, q, k, vv, causal: (
+        lambda: v.attention(q, k, vv, causal=causal, **params)))
 
 
 def measure_flex_first_train_step(variant_file: str, dtype: str = "bf16", head_dim: int = 128, log=print) -> dict:
     """FlexAttention's first training step of the variant: its forward and backward compiled by torch.compile,
     block mask creation included, fresh caches; and the second step."""
-    skipped = _no_gpu("FlexAttention's first training step")
-    if skipped:
-        return skipped
-    import torch
-
-    import fivar
     from ..flex import flex_attention_fn
-    v = fivar.load(variant_file)
-    q, k, vv, params, causal = _first_call_inputs(v, dtype, head_dim)
-    q, k, vv = (t.requires_grad_() for t in (q, k, vv))
-    do = torch.randn_like(q)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    run = flex_attention_fn(v, params, q, k, vv, causal=causal)  # builds the block mask
-
-    def step():
-        run().backward(do)
-        torch.cuda.synchronize()
-    step()
-    first_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    step()
-    log(f"flex first training step {v.name}: {first_s:.1f} s")
-    return {"variant": v.name, "first_step_s": first_s, "second_step_ms": (time.perf_counter() - t1) * 1e3,
-            "torch": torch.__version__, "shape": dict(FIRST_CALL, head_dim=head_dim, dtype=dtype, causal=causal)}
+    return _first_train_step(variant_file, dtype, head_dim, log, "flex", lambda v, params, q, k, vv, causal:
+                             flex_attention_fn(v, params, q, k, vv, causal=causal))  # builds the block mask
 
 
 MODES = {"build": measure_build_set, "first-prefill": measure_first_prefill, "flex": measure_flex_first_call,
