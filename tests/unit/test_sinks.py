@@ -397,8 +397,9 @@ def test_generation_mismatch_allows_only_near_ties_and_rounding():
     later = tokens.clone()
     later[0, 3 + step + 1:] = (later[0, 3 + step + 1:] + 1) % vocab  # a different continuation after the split
     assert generation_mismatch(later, tied, want_tokens, tied, tol) is None
-    assert "below the reference's choice" in generation_mismatch(tokens, want, want_tokens, want, tol) or \
-        float(want[0, step].max() - want[0, step, other]) < tol
+    # unless the draw itself put the runner-up within tol (then a near tie, which passes)
+    near = float(want[0, step].max() - want[0, step, other]) < tol
+    assert near or "below the reference's choice" in generation_mismatch(tokens, want, want_tokens, want, tol)
 
 
 def _generate(model, ids):
