@@ -381,13 +381,9 @@ def _cold_start_reports():
     return {"build": build, "first-prefill": first, "flex": flex}
 
 
-@pytest.mark.parametrize("gpu", [True, False])
-def test_compile_suite_compares_a_cold_first_training_step_with_flexs(monkeypatch, tmp_path, gpu):
-    """Each not-bundled variant's cold first training step and Flex's, each from a child process of its own (stood
-    in for), as rows with the ratio against Flex; a failed contender is its error row alone; no GPU, no rows."""
-    from fivar.bench.suites import compile as suite
-    step = {"variant": "local_global", "first_step_s": 30.0, "second_step_ms": 9.0, "shape": {"seqlen": 4096}}
-    reports = {"first-train": step, "flex-train": dict(step, first_step_s=45.0, second_step_ms=20.0)}
+def _stand_in_children(monkeypatch, suite, reports: dict, gpu: bool) -> list:
+    """The compile suite's child processes answered from `reports` (by mode; read at each call), the GPU there or
+    not: the (mode, variant file) each call asked for, in order."""
     asked = []
 
     def fake_child(mode, file, timeout_s):
@@ -395,6 +391,17 @@ def test_compile_suite_compares_a_cold_first_training_step_with_flexs(monkeypatc
         return reports[mode]
     monkeypatch.setattr(suite, "_child", fake_child)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    return asked
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_compile_suite_compares_a_cold_first_training_step_with_flexs(monkeypatch, tmp_path, gpu):
+    """Each not-bundled variant's cold first training step and Flex's, each from a child process of its own (stood
+    in for), as rows with the ratio against Flex; a failed contender is its error row alone; no GPU, no rows."""
+    from fivar.bench.suites import compile as suite
+    step = {"variant": "local_global", "first_step_s": 30.0, "second_step_ms": 9.0, "shape": {"seqlen": 4096}}
+    reports = {"first-train": step, "flex-train": dict(step, first_step_s=45.0, second_step_ms=20.0)}
+    asked = _stand_in_children(monkeypatch, suite, reports, gpu)
     cases = [c for c in suite.cases() if c.op == "cold_train"]
     assert [c.shape["variant"] for c in cases] == list(suite.COLD_VARIANTS) and all(c.baseline == "flex" for c in cases)
     rows = run(cases[:1], CPU, tmp_path, build=False, log=lambda s: None, env=ENV)
@@ -419,13 +426,8 @@ def test_compile_suite_compares_a_cold_fivar_build_and_first_call_with_flexs_fir
     from a child process of its own (stood in for), as rows with ratios against Flex; without a GPU the first
     calls have no rows and nothing runs them."""
     from fivar.bench.suites import compile as suite
-    reports, asked = _cold_start_reports(), []
-
-    def fake_child(mode, file, timeout_s):
-        asked.append((mode, Path(file).name))
-        return reports[mode]
-    monkeypatch.setattr(suite, "_child", fake_child)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    reports = _cold_start_reports()
+    asked = _stand_in_children(monkeypatch, suite, reports, gpu)
     cases = [c for c in suite.cases() if c.op == "cold_start"]
     assert [c.shape["variant"] for c in cases] == list(suite.COLD_VARIANTS) and all(c.baseline == "flex" for c in cases)
     for name in suite.COLD_VARIANTS:  # written as a user would, not bundled
