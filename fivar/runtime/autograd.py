@@ -42,10 +42,12 @@ def _bound(variant, tensors: list, scalars: list, lengths=None, heads=(1, 1), de
     return bound if lengths is None else position_tables.bind(variant, bound, lengths)
 
 
-def _training():
+def _training(variant):
     """The training lowering (fivar.spec.optimize): the Triton training module's kernels, their arguments and
-    tables (the derivatives' own beside the logits')."""
-    return override(training=True)
+    tables (the derivatives' own beside the logits'). While the variant's modules build in the background
+    (fivar.runtime.cold_start) the step's kernels stand in like an inference call's twin: one launch config each,
+    not every autotuning candidate (the first step of a cold start; the steps after the build autotune)."""
+    return override(training=True, **({"triton_autotune": False} if cold_start.building(variant) else {}))
 
 
 def _module(variant):
@@ -67,7 +69,7 @@ def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # was traced (torch.compile), so the capture is noticed here: the Triton forward records its pre-pass.
     if target_of(target).is_flashinfer and not capturing():
         return _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars)
-    with _training():
+    with _training(var):
         return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
                         scalars)
 
@@ -153,7 +155,7 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
     loss's gradient of the forward's lse, None where the loss does not read it."""
     from ..codegen.triton_bwd import learnable_params
     var = variant_by_key(variant)
-    with _training():
+    with _training(var):
         bound = _bound(var, tensors, scalars, (max_qo_len, max_kv_len), (q.shape[1], k.shape[1]), q.device)
         grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
                  for n in learnable_params(var)}

@@ -161,6 +161,11 @@ def softmax_form(variant, q, params=None, sm_scale=None) -> bool | None:
         return None
 
 
+def building(variant) -> bool:
+    """Whether a background build of the variant's modules is still running (its calls meanwhile run the twin)."""
+    return any(b.variant is variant and not b.done for b in list(_builds.values()))
+
+
 def wait_for_builds(timeout: float | None = None) -> None:
     """Block until every background build has finished (a script about to exit, a benchmark about to time)."""
     for build in list(_builds.values()):

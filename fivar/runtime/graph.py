@@ -38,7 +38,7 @@ from ..codegen import fa2
 from .attention import _decode_on_tensor_cores, _owns_mask, _paged_args, _split_kwargs, _window_left, choose_target
 from .launch import _check_indptr, _integer, _module, _paged_kv, _prepare, _workspace, attach
 from . import position_tables
-from .ops import register_plan
+from .plan_handles import register_plan
 from .params import kernel_args
 
 

@@ -65,7 +65,7 @@ from .graph import check_graph_plan
 from .fp8_kv import plan_kv_dtype
 from .launch import (_check_indptr, _check_pages, _module, _paged_kv, _prepare, _workspace, attach,
                      direct_paged_run)
-from .ops import register_plan
+from .plan_handles import register_plan
 from .params import kernel_args
 from .rows import indptr
 

@@ -11,7 +11,7 @@ from . import position_tables
 from .custom_mask import check_custom_mask, paged_kv_lens
 from .graph_verify import _check_run, _check_step, _check_uniform, _limits, _refuse_step_mask
 from .launch import _check_indptr, _check_pages, _paged_kv, _prepare
-from .ops import register_plan
+from .plan_handles import register_plan
 from .rows import indptr
 
 

@@ -24,13 +24,13 @@ in FlashInfer, and `.run` is the op.
 """
 from __future__ import annotations
 
-import itertools
 import weakref
 
 import torch
 
 from ..spec.live import variant_by_key
 from ..spec.params import Scalar
+from .plan_handles import plan_handle, plan_of
 
 #: Arguments before the params, per op (schema text).
 _HEADS = {
@@ -94,7 +94,7 @@ class OpFamily:
                                          **self._params(params)), q, return_lse)
 
     def _plan_run(self, q, plan, k, v, return_lse):
-        p = _plans[plan]
+        p = plan_of(plan)
         result = p.run(q, k, v, return_lse=return_lse) if p.kv_form == "ragged" else \
             p.run(q, (k, v), return_lse=return_lse)
         return _pair(result, q, return_lse)
@@ -189,27 +189,6 @@ def decode(variant, q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len
            return_lse):
     return _result(ops_of(variant).decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale,
                                           backend, bool(return_lse), *_param_args(variant, params, return_lse)), return_lse)
-
-
-_plans: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_plan_ids = itertools.count(1)
-
-
-def register_plan(plan):
-    """Give a plan the int the plan_run op knows it by (each plan's constructor calls it first), so a compiled graph
-    reads `plan.op_handle` as a constant."""
-    plan.op_handle = next(_plan_ids)
-    _plans[plan.op_handle] = plan
-    return plan
-
-
-def plan_handle(plan) -> int:
-    handle = getattr(plan, "op_handle", None)
-    if handle is None:
-        from ..errors import FivarError
-        raise FivarError(f"variant '{plan.variant.name}': {type(plan).__name__} has no op handle (its constructor "
-                         "calls fivar.runtime.ops.register_plan), so torch.compile cannot call its run")
-    return handle
 
 
 def plan_run(plan, q, k, v, return_lse):

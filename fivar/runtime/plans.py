@@ -15,7 +15,7 @@ from ..jit.module_key import ModuleKey
 from ..jit.targets import AUTO, FA2, named, runs_twin, target_of
 from ..spec.inputs import check_lse
 from .fp8_kv import ScaledArgs, check_q_dtype, check_scale, fp8_backend, plan_kv_dtype, scaled_output
-from .ops import register_plan
+from .plan_handles import register_plan
 from . import fa2_blocks, mixed, segments
 from .segments import mask_scan
 from .custom_mask import causal_implied, check_custom_mask, paged_kv_lens

@@ -223,3 +223,36 @@ def test_a_cold_training_step_runs_the_twins_forward_while_fa3_builds(monkeypatc
     ref = v.reference(*exact, causal=True)
     ref.backward(do.double())
     assert all((a.grad.double() - b.grad).abs().max() < 2e-2 * (1 + b.grad.abs().max()) for a, b in zip(leaves, exact))
+
+
+def test_the_eager_entry_points_do_not_import_dynamo():
+    """A first call imports the runtime (plans included) but not Dynamo, which only torch.compile needs and which
+    took seconds of a cold first call; the compile path's ops still import once asked for."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, fivar\n"
+            "import fivar.runtime.attention, fivar.runtime.autograd, fivar.runtime.graph, fivar.runtime.graph_verify\n"
+            "fivar.load('softcap')\n"
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'\n"
+            "import fivar.runtime.ops\n"
+            "assert 'torch._dynamo' in sys.modules\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_a_training_step_while_its_modules_build_compiles_one_config(stand_ins, monkeypatch):
+    """While a background build of the variant runs, the training module (forward and backward) is the stand-in's,
+    autotuning off; after it, and for another variant, autotuning is on."""
+    from fivar.runtime import autograd
+    v, other = fivar.load("document_mask"), fivar.load("softcap")
+    seen = []
+    monkeypatch.setattr(autograd, "_module", lambda var: seen.append(config.triton_config().autotune))
+    assert _ask(v, stand_ins.q)[0] and cold_start.building(v) and not cold_start.building(other)
+    for var in (v, other):
+        with autograd._training(var):
+            autograd._module(var)
+    stand_ins.go.set()
+    cold_start.wait_for_builds(10)
+    with autograd._training(v):
+        autograd._module(v)
+    assert seen == [False, True, True] and not cold_start.building(v)

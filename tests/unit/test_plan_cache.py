@@ -266,7 +266,7 @@ class _Explicit(attention._OwnsWrapper):
     released: list = []
 
     def __init__(self, variant, indptr):
-        from fivar.runtime.ops import register_plan
+        from fivar.runtime.plan_handles import register_plan
         register_plan(self)
         self.variant = variant
         if bool((indptr < 0).any()):
