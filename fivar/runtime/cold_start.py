@@ -162,8 +162,9 @@ def softmax_form(variant, q, params=None, sm_scale=None) -> bool | None:
 
 
 def building(variant) -> bool:
-    """Whether a background build of the variant's modules is still running (its calls meanwhile run the twin)."""
-    return any(b.variant is variant and not b.done for b in list(_builds.values()))
+    """Whether a background build of the variant's modules (of any object of its spec: the same key) is still running
+    (its calls meanwhile run the twin)."""
+    return any(b.variant.key == variant.key and not b.done for b in list(_builds.values()))
 
 
 def wait_for_builds(timeout: float | None = None) -> None:
