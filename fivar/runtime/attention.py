@@ -34,9 +34,9 @@ from .plans import (_OwnsWrapper, explicit_plan, _launch_one, DecodePlan, _no_sc
 def _meanwhile(run):
     """The Triton twin's result while the call's modules build (fivar.runtime.cold_start), or None where the twin
     refuses the call (a shape or feature it lacks): the call then waits for its modules. The stand-in compiles one
-    launch config per kernel, not every autotuning candidate: it serves only until the modules are ready."""
+    launch config per kernel (cold_start.STAND_IN)."""
     try:
-        with config.override(triton_autotune=False):
+        with config.override(**cold_start.STAND_IN):
             return run()
     except FivarError:
         return None

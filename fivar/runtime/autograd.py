@@ -47,7 +47,7 @@ def _training(variant):
     tables (the derivatives' own beside the logits'). While the variant's modules build in the background
     (fivar.runtime.cold_start) the step's kernels stand in like an inference call's twin: one launch config each,
     not every autotuning candidate (the first step of a cold start; the steps after the build autotune)."""
-    return override(training=True, **({"triton_autotune": False} if cold_start.building(variant) else {}))
+    return override(training=True, **(cold_start.STAND_IN if cold_start.building(variant) else {}))
 
 
 def _module(variant):

@@ -21,6 +21,9 @@ from ..jit.targets import AUTO, named, target_of
 MODES = ("triton", "wait")
 #: the Triton twin's dtypes (fp16/bf16 only)
 _TWIN_DTYPES = ("float16", "bfloat16")
+#: The stand-in's Triton settings (fivar.config.override keywords): one launch config per kernel, not every
+#: autotuning candidate, since it serves only until the modules are ready
+STAND_IN = {"triton_autotune": False}
 
 
 class _Build:

@@ -22,7 +22,11 @@ def register_plan(plan):
 
 def plan_of(handle: int):
     """The live plan registered as `handle`."""
-    return _plans[handle]
+    plan = _plans.get(handle)
+    if plan is None:  # the graph outlived its plan: say so, not a KeyError from inside the op
+        raise FivarError(f"plan handle {handle} (a compiled graph's plan_run) names no live plan: the plan object was "
+                         "freed; keep the plan referenced for as long as a compiled graph runs it")
+    return plan
 
 
 def plan_handle(plan) -> int:

@@ -314,3 +314,19 @@ def test_invalidate_plans_drops_every_kept_plan_and_device_tensors_are_keyed_by_
     assert compared(t) and compared(torch.empty(2, device="meta")) is False
     with torch.inference_mode():
         assert compared(torch.empty(2, device="meta"))  # no version counter: only its contents can tell
+
+
+def test_a_freed_plans_handle_is_one_clear_error():
+    """A compiled graph holds a plan's int handle: while the plan lives the handle finds it; once the plan is freed,
+    a run through the handle is one FivarError saying so, not a KeyError from inside the op."""
+    import gc
+
+    from fivar.runtime.plan_handles import plan_handle, plan_of
+    v = fivar.load("softcap")
+    plan = _Explicit(v, torch.tensor([0, 3], dtype=torch.int32))
+    handle = plan_handle(plan)
+    assert plan_of(handle) is plan
+    del plan
+    gc.collect()
+    with pytest.raises(fivar.FivarError, match=f"plan handle {handle} .*names no live plan.*keep the plan referenced"):
+        plan_of(handle)
