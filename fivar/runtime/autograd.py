@@ -93,38 +93,22 @@ def _no_lse(q):
     return torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
 
 
-class _KeptRanges:
-    """The mask pre-pass's ranges of one batch layout and params (mask_ranges), and their transpose for the dK/dV
-    programs (rows_of_keys), made when first needed."""
-
-    def __init__(self, module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, num_qo_heads, group, args):
-        self.ranges = module.mask_ranges(qo_indptr, kv_indptr, max_qo_len, num_qo_heads, group, args)
-        self._module, self._key_rows, self._orders = module, None, None
-        self._shape = (qo_indptr.numel() - 1, num_qo_heads, num_qo_heads // group, max_qo_len, max_kv_len)
-
-    def backward_args(self) -> dict:
-        """The backward's ranges, their transpose and the programs' order buffers (written once per block shape)."""
-        if self._key_rows is None:
-            self._key_rows = self._module.rows_of_keys(self.ranges, self._shape[-1])
-            self._orders = self._module.order_buffers(*self._shape, self.ranges.device)
-        return {"ranges": self.ranges, "key_rows": self._key_rows, "orders": self._orders}
-
-
-#: The pre-pass's ranges, kept between the forward and the backward of a step and across steps with the same batch
-#: layout and params (fivar.runtime.plan_cache: tensors by identity and version, so a document-id table written in
-#: place is scanned again): the mask pre-pass and its transpose otherwise ran twice a step. Not while a CUDA graph is
-#: captured (`recorded`): a replay after new document ids were copied in then scans them.
+#: The backward's tile lists (the module's bwd_tile_lists: the mask's block map at the backward's tiles), kept across
+#: steps with the same batch layout, params and causal flag (fivar.runtime.plan_cache: tensors by identity and
+#: version, so a document-id table written in place is classified again). Not while a CUDA graph is captured
+#: (`recorded`): a replay after new document ids were copied in then classifies them.
 _kept = PlanCache(capacity=8, recorded=True)
 
 
-def _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars, args):
-    """_KeptRanges for this call, or None when the variant's mask needs no pre-pass."""
-    if not hasattr(module, "mask_ranges"):
+def _tile_lists(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars,
+                args):
+    """bwd_tile_lists for this call, or None when the variant's mask needs no block map."""
+    if not hasattr(module, "bwd_tile_lists"):
         return None
-    parts = (var.key, sm_scale, tensors, scalars, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
-             k.shape[1], q.device)
-    return _kept.get(parts, lambda: _KeptRanges(module, qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
-                                                q.shape[1] // k.shape[1], args))
+    parts = (var.key, sm_scale, tensors, scalars, qo_indptr, kv_indptr, max_qo_len, max_kv_len, bool(causal),
+             q.shape[1], k.shape[1], q.device)
+    return _kept.get(parts, lambda: module.bwd_tile_lists(qo_indptr, kv_indptr, max_qo_len, max_kv_len, q.shape[1],
+                                                          q.shape[1] // k.shape[1], causal, args))
 
 
 def _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors, scalars):
@@ -160,12 +144,12 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
         grads = {n: torch.zeros(bound.tensors[n].shape, dtype=torch.float32, device=q.device)
                  for n in learnable_params(var)}
         module, args = _module(var), kernel_arg_values(var, bound, sm_scale)
-        kept = _ranges(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, sm_scale, tensors, scalars,
-                       args)
+        lists = _tile_lists(var, module, q, k, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale,
+                            tensors, scalars, args)
         # without softmax the lse is zeros, a constant: a loss reading it adds nothing
         delta = module.softmax_delta(o, do, dlse) if var.softmax else None
         dq, dk, dv = module.backward(q, k, v, o, lse, do, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, args,
-                                     grads, delta=delta, **({} if kept is None else kept.backward_args()))
+                                     grads, tile_lists=lists, delta=delta)
     if var.ir.sink is not None and grads:
         _add_sink_grads(var, bound, lse, delta, qo_indptr, grads)
     return dq, dk, dv, list(grads.values())

@@ -196,3 +196,101 @@ def test_costly_masks_read_bits_and_cheap_ones_evaluate():
 
 def _documents(batch, qo_head, kv_head, q_idx, kv_idx, params):
     return params.doc[batch, q_idx] == params.doc[batch, kv_idx]
+
+
+# --- the backward's tile lists (bwd_tile_lists of the training module): the same map at each kernel's tile ---------
+def _tile_lists(v, params, qo, kv, causal):
+    """The training module and its tile lists for these params, their args as a training step makes them (the
+    training lowering's position tables included)."""
+    from fivar.runtime import autograd
+    q = torch.zeros(max(sum(qo), 1), HEADS, DIM, dtype=torch.float16)
+    bound, sm_scale = _prepare(v, params, q, KV_HEADS, len(qo), None)
+    ind = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    with autograd._training(v):
+        module = autograd._module(v)
+        trained = autograd._bound(v, [bound.tensors[n] for n in v.tensor_params],
+                                  [bound.scalars[n] for n in v.scalar_params], (max(qo), max(kv)), (HEADS, KV_HEADS))
+        args = kernel_arg_values(v, trained, sm_scale)
+    return module, module.bwd_tile_lists(ind(qo), ind(kv), max(qo), max(kv), HEADS, HEADS // KV_HEADS, causal,
+                                         args), bound
+
+
+def tile_list_errors(v, bound, module, lists, qo, kv, causal) -> list[str]:
+    """Where the backward's lists disagree with every pair: the dK/dV kernel's (per key tile, its query tiles) and
+    the dQ kernel's (per query tile, its key tiles), each row its whole tiles (every pair kept, the tile inside its
+    request's rows and keys) then its cut ones, in the order the kernels visit them; and each kernel's program order
+    a permutation, the programs with the most tiles first."""
+    errors = []
+    group = HEADS // KV_HEADS
+    keeps = [keep_matrix(v.ir.mask, qo_len=lq, kv_len=lk, scalars=bound.scalars, tensors=bound.tensors,
+                         num_qo_heads=HEADS, num_kv_heads=KV_HEADS, batch_idx=b, causal=causal)
+             for b, (lq, lk) in enumerate(zip(qo, kv))]
+    for kernel, (bm, bn) in (("dkdv", module.DKDV_TILE), ("dq", module.DQ_TILE)):
+        tiles, counts, order = (getattr(lists, f"{kernel}_{x}") for x in ("tiles", "counts", "order"))
+        heads = tiles.shape[1]
+        n_q, n_k = -(-max(qo) // bm), -(-max(kv) // bn)
+        work = {}
+        for b, (lq, lk) in enumerate(zip(qo, kv)):
+            for h in range(heads):
+                kind = {}
+                for qt in range(n_q):
+                    for kt in range(n_k):
+                        pairs = keeps[b][h][qt * bm:min((qt + 1) * bm, lq), kt * bn:min((kt + 1) * bn, lk)]
+                        inside = (qt + 1) * bm <= lq and (kt + 1) * bn <= lk
+                        kind[qt, kt] = 0 if not pairs.any() else 2 if inside and pairs.all() else 1
+                rows = ([(kt, [(qt, kt) for qt in reversed(range(n_q))]) for kt in range(n_k)] if kernel == "dkdv"
+                        else [(qt, [(qt, kt) for kt in range(n_k)]) for qt in range(n_q)])
+                for r, cells in rows:
+                    want = [[c[0 if kernel == "dkdv" else 1] for c in cells if kind[c] == k] for k in (2, 1)]
+                    n_whole, n_cut = counts[b, h, r].tolist()
+                    listed = tiles[b, h, r].tolist()
+                    if [listed[:n_whole], listed[n_whole:n_whole + n_cut]] != want:
+                        errors.append(f"{kernel} request {b} head {h} row {r}: lists {listed[:n_whole + n_cut]} "
+                                      f"({n_whole} whole), pairs say whole {want[0]}, cut {want[1]}")
+                    work[b, h, r] = n_whole + n_cut
+        if kernel == "dkdv":  # programs (request, key tile, KV head), the group's heads' tiles summed
+            ids = [(b, r, g) for b in range(len(qo)) for r in range(n_k) for g in range(KV_HEADS)]
+            cost = [sum(work[b, h if heads > 1 else 0, r] for h in range(g * group, g * group + group))
+                    for b, r, g in ids]
+        else:  # programs (request, query tile, query head)
+            ids = [(b, r, h) for b in range(len(qo)) for r in range(n_q) for h in range(HEADS)]
+            cost = [work[b, h if heads > 1 else 0, r] for b, r, h in ids]
+        seq = order.tolist()
+        if sorted(seq) != list(range(len(ids))):
+            errors.append(f"{kernel} order is not a permutation of its {len(ids)} programs")
+        elif any(cost[a] < cost[c] for a, c in zip(seq, seq[1:])):
+            errors.append(f"{kernel} order does not put the programs with the most tiles first")
+    return errors
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_backward_tile_lists_match_every_pair(name, causal):
+    v, draw = _variant(name)
+    for _ in range(2):
+        qo, kv = _batch()
+        params = draw(len(qo), max(kv))
+        module, lists, bound = _tile_lists(v, params, qo, kv, causal)
+        assert tile_list_errors(v, bound, module, lists, qo, kv, causal) == []
+
+
+@pytest.mark.parametrize("corrupt", ["whole", "order", "count", "programs"])
+def test_corrupted_tile_lists_fail_the_check(corrupt):
+    v, _ = _variant("frames")
+    qo, kv = [70, 0, 37], [96, 20, 50]  # the last request's last query tile is short: never whole
+    module, lists, bound = _tile_lists(v, {"frame": 20}, qo, kv, False)
+    assert tile_list_errors(v, bound, module, lists, qo, kv, False) == []
+    counts = lists.dq_counts.view(-1, 2)
+    row = int(((counts[:, 0] > 0) & (counts[:, 1] > 0)).nonzero()[0])
+    if corrupt == "whole":  # a cut tile run as whole
+        counts[row, 0] += 1
+        counts[row, 1] -= 1
+    elif corrupt == "order":
+        listed = lists.dkdv_tiles.view(-1, lists.dkdv_tiles.shape[-1])
+        r = int((lists.dkdv_counts.view(-1, 2).sum(1) > 1).nonzero()[0])
+        listed[r, :2] = listed[r, :2].flip(0)
+    elif corrupt == "count":
+        counts[row, 1] -= 1
+    else:
+        lists.dq_order[:] = lists.dq_order.flip(0).clone()  # the fewest tiles first
+    assert tile_list_errors(v, bound, module, lists, qo, kv, False)

@@ -101,7 +101,7 @@ def test_full_and_edge_tiles(name, causal):
 
 
 def _head_band_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
-    # a band per head, known only from the data: the pre-pass finds it, and each 16 rows keep a different full range
+    # a band per head, known only from the data: the block map finds it, and each tile row keeps different whole tiles
     return q_idx - kv_idx < params.left[qo_head] and kv_idx - q_idx < params.right
 
 
@@ -110,9 +110,9 @@ HEAD_BAND = AttentionVariant(name="head_band", mask=_head_band_mask, params={
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_full_tiles_from_the_pre_pass(causal):
-    """A mask the pre-pass reads (a band per head): a block's full keys are where every one of its row groups keeps
-    all of them, and a key block's full rows where every one of its key groups is kept whole."""
+def test_full_tiles_from_the_block_map(causal):
+    """A mask the block map classifies (a band per head): each kernel runs the tiles every pair of which the mask
+    keeps with no test, the cut ones pair by pair, per head."""
     assert HEAD_BAND.scans_mask
     q, k, vv = _qkv(90, 97, 4, 2, 16)
     params = {"left": torch.tensor([70, 45, 33, 100], dtype=torch.int32), "right": 29}
@@ -123,7 +123,7 @@ def test_full_tiles_from_the_pre_pass(causal):
 @pytest.mark.parametrize("name", ["document_mask", "head_band", "two_sided"])
 def test_full_tiles_in_a_ragged_batch(name):
     """Requests of different lengths (one with more queries than keys, one of a single query): full tiles, edges and
-    (for the pre-pass) the programs' order, each program finding its request, block and head from its id."""
+    (for a classified mask) the programs' order, each program finding its request, block and head from its id."""
     v = {"head_band": HEAD_BAND, **BANDS}.get(name) or fivar.load(name)
     qo_lens, kv_lens = [83, 40, 1], [101, 29, 17]
     q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 2, 1, 16)  # GQA 2/1: heads add programs, not tile kinds
@@ -137,9 +137,9 @@ def test_full_tiles_in_a_ragged_batch(name):
     assert r.passed, r
 
 
-def test_no_kept_pre_pass_while_a_cuda_graph_is_captured(monkeypatch):
-    """Under capture a cached pre-pass would not be recorded, and a replay after new document ids were copied in
-    would attend with the old ones: each step scans afresh then (recorded into the graph)."""
+def test_no_kept_tile_lists_while_a_cuda_graph_is_captured(monkeypatch):
+    """Under capture a cached block map would not be recorded, and a replay after new document ids were copied in
+    would attend with the old ones: each step classifies afresh then (recorded into the graph)."""
     from fivar.runtime import autograd, plan_cache, triton_attention
     monkeypatch.setattr(plan_cache, "capturing", lambda: True)
     v = fivar.load("document_mask")
@@ -147,7 +147,7 @@ def test_no_kept_pre_pass_while_a_cuda_graph_is_captured(monkeypatch):
     params = _documents([30, 22, 18])
     scans = []
     module = autograd._module(v)
-    for name in ("mask_ranges", "block_map"):  # the backward's pre-pass, the forward's block map
+    for name in ("bwd_tile_lists", "block_map"):  # the backward's block map, the forward's
         monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **kw:
                             scans.append(_n) or _f(*a, **kw))
     kept = lambda: (autograd._kept.misses, autograd._kept.hits, triton_attention._maps.misses,  # noqa: E731
@@ -156,7 +156,7 @@ def test_no_kept_pre_pass_while_a_cuda_graph_is_captured(monkeypatch):
     for _ in range(2):
         r = check_gradients(v, q, k, vv, qo_lens=[70], kv_lens=[70], causal=True, params=params, dtype=DTYPE)
         assert r.passed, r
-    assert kept() == before and sorted(scans) == ["block_map"] * 2 + ["mask_ranges"] * 2  # each step, twice
+    assert kept() == before and sorted(scans) == ["block_map"] * 2 + ["bwd_tile_lists"] * 2  # each step, twice
 
 
 def _gated_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
@@ -185,9 +185,9 @@ def test_rows_whose_logits_are_all_minus_infinity():
         assert compare("gated_rows", f"d{name}", got.detach(), ref[name], DTYPE).passed, name
 
 
-def test_pre_pass_kept_for_the_backward_and_redone_after_an_in_place_write():
-    """One forward block map and one backward pre-pass for steps with one batch layout and params, each kept for
-    the next step. Document ids rewritten in place are scanned again (a stale map or ranges, or a stale order of the
+def test_tile_lists_kept_for_the_backward_and_redone_after_an_in_place_write():
+    """One forward block map and one backward tile list for steps with one batch layout and params, each kept for
+    the next step. Document ids rewritten in place are classified again (a stale map or lists, or a stale order of the
     programs, would drop or keep the wrong keys: the gradients would not match)."""
     from fivar.runtime import autograd, triton_attention
     v = fivar.load("document_mask")
@@ -201,36 +201,9 @@ def test_pre_pass_kept_for_the_backward_and_redone_after_an_in_place_write():
         before = counts()
         r = check_gradients(v, q, k, vv, qo_lens=[70], kv_lens=[70], causal=True, params=params, dtype=DTYPE)
         assert r.passed, (lengths, r)
-        # a step after a write: one block map (forward) and one pre-pass (backward); a step with nothing written:
+        # a step after a write: one block map (forward) and one tile list (backward); a step with nothing written:
         # both kept from the step before
         assert tuple(a - b for a, b in zip(counts(), before)) == ((1, 0, 1, 0) if written else (0, 1, 0, 1))
-
-
-@pytest.mark.parametrize("block", [32, 64, 128])
-def test_programs_order_is_a_permutation_longest_first(block):
-    """The pre-hooks' order, for the block shapes the GPU tunes over (the interpreter runs one): every program once,
-    and first the one with the most work: the key block holding the longest document's first key (dK/dV), the
-    query block holding its last row (dQ)."""
-    from fivar.codegen.triton import kernel_arg_values
-    from fivar.jit.triton_module import load_triton_module
-    from fivar.runtime.params import BoundParams
-    v = fivar.load("document_mask")
-    module = load_triton_module(v, training=True)
-    lengths = [70, 220, 30, 90]  # the longest document: rows and keys [70, 290)
-    total = sum(lengths)
-    indptr = torch.tensor([0, total], dtype=torch.int32)
-    args = kernel_arg_values(v, BoundParams({}, _documents(lengths)), 0.125)
-    ranges = module.mask_ranges(indptr, indptr, total, 4, 2, args)
-    dkdv_order, dq_order = module.order_buffers(1, 4, 2, total, total, "cpu")
-    common = {"qo_indptr": indptr, "kv_indptr": indptr, "CAUSAL": True}
-    module._dkdv_order({**common, "KeyRows": module.rows_of_keys(ranges, total), "Order": dkdv_order,
-                        "BLOCK_N": block, "fv_heads": 2})
-    module._dq_order({**common, "Ranges": ranges, "Order": dq_order, "BLOCK_M": block, "fv_heads": 4})
-    for order, heads in ((dkdv_order, 2), (dq_order, 4)):
-        n = heads * -(-total // block)
-        assert sorted(order[:n].tolist()) == list(range(n))
-    # program ids are (block, head) with the heads varying fastest
-    assert dkdv_order[0] // 2 == 70 // block and dq_order[0] // 4 == 289 // block
 
 
 # --- a variant with every kind of learnable read: per program, per query row, per element ----------------------
@@ -348,51 +321,6 @@ def test_scattered_learnable_reads():
     params = {"t": torch.randn(2, 7), "u": torch.randn(7)}
     r = check_gradients(SCATTERED, q, k, vv, qo_lens=[19], kv_lens=[40], causal=True, params=params, dtype=DTYPE)
     assert r.passed, r
-
-
-def test_rows_of_keys_is_the_transpose_of_the_ranges():
-    """For each 16 keys, the rows of the 16-row groups whose [lo, hi) reaches them, first to last, and the rows of
-    the groups whose [full_lo, full_hi) covers all 16 when those groups are one run, a group whose gap holds all 16
-    not reaching them: against a brute force over random ranges (empty ones included), one key group a slice or all
-    at once."""
-    from fivar.jit.triton_module import load_triton_module
-    module = load_triton_module(fivar.load("document_mask"), training=True)
-    gen = torch.Generator().manual_seed(3)
-    runs = gaps = 0
-    for trial in range(4):
-        lo = torch.randint(0, 300, (2, 3, 11), generator=gen)
-        hi = lo + torch.randint(-40, 120, (2, 3, 11), generator=gen)  # hi <= lo: the group keeps nothing
-        # full ranges inside [lo, hi), some empty; nested runs so that covering groups are often, not always, one run
-        full_lo = lo + torch.randint(0, 30, (2, 3, 11), generator=gen)
-        full_hi = torch.minimum(hi, full_lo + torch.randint(-10, 90, (2, 3, 11), generator=gen))
-        if trial % 2:  # a shared full range, as documents give: long runs of covering groups
-            full_hi[..., 1:9] = full_lo[..., 1:9]  # and, around it, groups covering no key
-            full_lo[..., 2:8], full_hi[..., 2:8], lo[..., 2:8], hi[..., 2:8] = 100, 260, 90, 270
-        # some groups drop a gap of keys between two runs (a sink and a window); the others none ([0, 0))
-        gap_lo = lo + torch.randint(0, 60, (2, 3, 11), generator=gen)
-        gap_hi = gap_lo + torch.randint(0, 100, (2, 3, 11), generator=gen)
-        no_gap = torch.rand(2, 3, 11, generator=gen) < 0.5
-        gap_lo[no_gap], gap_hi[no_gap] = 0, 0
-        ranges = torch.zeros(2, 3, 11, 6, dtype=torch.int32)
-        for i, x in enumerate((lo, hi, full_lo, full_hi, gap_lo, gap_hi)):
-            ranges[..., i] = x.to(torch.int32)
-        for pairs in (1, 264, 1 << 22):  # a key group a slice, four (the last one short), all
-            got = module.rows_of_keys(ranges, 400, pairs=pairs)
-            for b in range(2):
-                for h in range(3):
-                    for j in range(25):  # ceil(400 / 16)
-                        keys = (16 * j, 16 * j + 16)
-                        reach = [g for g in range(11) if lo[b, h, g] < keys[1] and hi[b, h, g] > keys[0]
-                                 and not gap_lo[b, h, g] <= keys[0] < keys[1] <= gap_hi[b, h, g]]
-                        gaps += len(reach) < sum(1 for g in range(11) if lo[b, h, g] < keys[1] and hi[b, h, g] > keys[0])
-                        want = [16 * min(reach), 16 * (max(reach) + 1)] if reach else [16 * 11, 0]
-                        full = [g for g in reach if full_lo[b, h, g] <= keys[0] and full_hi[b, h, g] >= keys[1]]
-                        one_run = bool(full) and full == list(range(full[0], full[-1] + 1))
-                        runs += one_run and len(full) > 1
-                        want += [16 * full[0], 16 * (full[-1] + 1)] if one_run else [0, 0]
-                        assert got[b, h, j].tolist() == want, (trial, pairs, b, h, j)
-    assert runs, "no key group had a run of covering groups: the draw tests nothing"
-    assert gaps, "no group's gap held a key group: the draw tests nothing"
 
 
 def test_bench_train_rows():
@@ -636,9 +564,9 @@ def test_flashinfer_forward_feeds_the_backward(monkeypatch, name, ragged):
 
 
 def test_sink_and_window_gradients_skip_the_gap():
-    """A mask of two runs per row (attention sinks and a causal window, StreamingLLM's): the backward skips the key
-    tiles every row of a block drops between them (dQ as the forward does, dK/dV through rows_of_keys), and the
-    gradients still match float64 autograd; single and ragged."""
+    """A mask of two runs per row (attention sinks and a causal window, StreamingLLM's): the backward's tile lists
+    leave out the tiles every row of a block drops between them (both kernels), and the gradients still match
+    float64 autograd; single and ragged."""
     def sink_window(batch, qo_head, kv_head, q_idx, kv_idx, params):
         return kv_idx < params.sinks or q_idx - kv_idx < params.window
     v = AttentionVariant(name="sink_window_train", mask=sink_window,
@@ -653,16 +581,21 @@ def test_sink_and_window_gradients_skip_the_gap():
     indptr = torch.tensor([0, 130], dtype=torch.int32)
     bound = bind_params(v, {"sinks": 4, "window": 24}, num_qo_heads=4, num_kv_heads=2, batch_size=1, device="cpu")
     args = kernel_arg_values(v, bound, 0.25)
-    ranges = module.mask_ranges(indptr, indptr, 130, 4, 2, args)
-    key_rows = module.rows_of_keys(ranges, 130)
-    # keys 48..63: the rows up to 86 keep them (the window; rows before 48 too, the mask alone being two-sided),
-    # the rows from 87 on drop them, and from 96 on (a whole row group) they lie in the group's gap: not visited
-    assert key_rows[0, 0, 3, 1] == 96
+    lists = module.bwd_tile_lists(indptr, indptr, 130, 130, 4, 2, True, args)
+    (rows, keys), (dq_rows, dq_keys) = module.DKDV_TILE, module.DQ_TILE
+    # keys 32..63 (the window keeps them for rows up to 86): no query tile from row 96 on visits them
+    key_tile = 32 // keys
+    listed = lists.dkdv_tiles[0, 0, key_tile, :int(lists.dkdv_counts[0, 0, key_tile].sum())]
+    assert listed.numel() and int(listed.max()) * rows < 96 <= (int(listed.max()) + 1) * rows
+    # rows 96..127 keep keys 0..3 and 73..127 only: none of the key tiles between
+    query_tile = 96 // dq_rows
+    listed = set(lists.dq_tiles[0, 0, query_tile, :int(lists.dq_counts[0, 0, query_tile].sum())].tolist())
+    assert listed == set(range(4 // dq_keys + 1)) | set(range(73 // dq_keys, -(-128 // dq_keys)))
 
 
 def test_flashinfer_forward_not_while_a_cuda_graph_is_captured(monkeypatch):
     """A compiled step chose the FA3 forward when it was traced; captured into a CUDA graph (reduce-overhead), the
-    op runs the Triton forward instead, whose mask pre-pass the graph records (a kept FlashInfer plan would replay
+    op runs the Triton forward instead, whose block map the graph records (a kept FlashInfer plan would replay
     the document ids it was made with)."""
     import fivar.runtime.attention as rt
     import fivar.runtime.autograd  # noqa: F401 - registers the ops
