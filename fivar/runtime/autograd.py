@@ -1,7 +1,8 @@
 """Training with a variant: `variant.attention(q, k, v, ...)`, differentiable through a backward generated from the
 spec (the Triton twin's); the forward is the variant's FA3 kernel on sm90, the Triton twin's elsewhere.
 
-Two torch.library custom ops carry the work, so `torch.compile` sees opaque, shape-described calls:
+Two torch.library custom ops carry the work under `torch.compile`, which sees opaque, shape-described calls (an
+eager step runs their implementations through a `torch.autograd.Function`, without the ops' dispatch):
 
 * `fivar::attention_fwd` -> (o, lse): the forward, also writing each row's log2-sum-exp (softmax variants; zeros
   without softmax): the variant's FA3 kernel on an sm90 GPU (`backend="auto"`), else the Triton twin;
@@ -59,8 +60,7 @@ def _module(variant):
 TRAINING_BACKENDS = ("auto", "triton", "fa3", "fa2")
 
 
-@torch.library.custom_op("fivar::attention_fwd", mutates_args=())
-def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
+def _attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
                   kv_indptr: torch.Tensor, max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float,
                   tensors: list[torch.Tensor], scalars: list[float], target: str) -> tuple[torch.Tensor, torch.Tensor]:
     var = variant_by_key(variant)
@@ -72,6 +72,9 @@ def attention_fwd(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     with _training(var):
         return _forward(var, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, tensors,
                         scalars)
+
+
+attention_fwd = torch.library.custom_op("fivar::attention_fwd", _attention_fwd, mutates_args=())
 
 
 def _flashinfer_forward(var, target, q, k, v, qo_indptr, kv_indptr, causal, sm_scale, tensors, scalars):
@@ -129,8 +132,7 @@ def _(variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm
     return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
-@torch.library.custom_op("fivar::attention_bwd", mutates_args=())
-def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, lse: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                   max_qo_len: int, max_kv_len: int, causal: bool, sm_scale: float, tensors: list[torch.Tensor],
                   scalars: list[float], dlse: Optional[torch.Tensor] = None
@@ -153,6 +155,9 @@ def attention_bwd(variant: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tens
     if var.ir.sink is not None and grads:
         _add_sink_grads(var, bound, lse, delta, qo_indptr, grads)
     return dq, dk, dv, list(grads.values())
+
+
+attention_bwd = torch.library.custom_op("fivar::attention_bwd", _attention_bwd, mutates_args=())
 
 
 def _add_sink_grads(var, bound, lse, delta, qo_indptr, grads):
@@ -199,21 +204,45 @@ def _setup(ctx, inputs, output):
     ctx.max_qo_len, ctx.max_kv_len = max_qo_len, max_kv_len
 
 
-def _backward(ctx, do, dlse):
+def _gradients(ctx, do, dlse, run_bwd):
+    """dq, dk, dv and the tensor params' gradients (None for those not learnable) from the saved step."""
     from ..codegen.triton_bwd import learnable_params
     q, k, v, o, lse, qo_indptr, kv_indptr, *tensors = ctx.saved_tensors
     var = variant_by_key(ctx.variant)
     if do is None:  # a loss that reads only the lse; the op's schema takes a tensor (and delta is then -dlse log2(e))
         do = torch.zeros_like(o)
-    dq, dk, dv, dparams = attention_bwd(ctx.variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, ctx.max_qo_len,
-                                        ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars, dlse)
+    dq, dk, dv, dparams = run_bwd(ctx.variant, do, q, k, v, o, lse, qo_indptr, kv_indptr, ctx.max_qo_len,
+                                  ctx.max_kv_len, ctx.causal, ctx.sm_scale, tensors, ctx.scalars, dlse)
     by_name = dict(zip(learnable_params(var), dparams))
-    dtensors = [by_name[n].to(t.dtype) if n in by_name else None for n, t in zip(var.tensor_params, tensors)]
+    return dq, dk, dv, [by_name[n].to(t.dtype) if n in by_name else None for n, t in zip(var.tensor_params, tensors)]
+
+
+def _backward(ctx, do, dlse):
+    dq, dk, dv, dtensors = _gradients(ctx, do, dlse, attention_bwd)
     # a list of numbers is one leaf of the inputs' structure, an empty list is a list (torch's pytree)
     return None, dq, dk, dv, None, None, None, None, None, None, dtensors, (None if ctx.scalars else []), None
 
 
 torch.library.register_autograd("fivar::attention_fwd", _backward, setup_context=_setup)
+
+
+class _EagerStep(torch.autograd.Function):
+    """An eager step's forward and backward: the ops' implementations without torch.library's dispatch around them
+    (each op call flattens its arguments, checks them against its schema and runs under torch._disable_dynamo,
+    whose first call imports Dynamo). torch.compile traces the ops instead (attention)."""
+
+    @staticmethod
+    def forward(ctx, variant, target, call, q, k, v, *tensors):
+        qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale, _, scalars = call
+        o, lse = _attention_fwd(variant, q, k, v, qo_indptr, kv_indptr, max_qo_len, max_kv_len, causal, sm_scale,
+                                list(tensors), scalars, target)
+        _setup(ctx, (variant, q, k, v, *call[:6], list(tensors), scalars, target), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        dq, dk, dv, dtensors = _gradients(ctx, do, dlse, _attention_bwd)
+        return None, None, None, dq, dk, dv, *dtensors
 
 
 def forward_target(variant, backend: str, q, k, causal: bool, late_rows: bool) -> tuple[str, str]:
@@ -258,7 +287,10 @@ def attention(variant, q, k, v, *, causal=False, sm_scale=None, backend="auto", 
     `logits * log2(e)`; zeros without softmax). `backend`: the forward's kernel (forward_target); the backward is
     the generated Triton one."""
     target, call = _call_args(variant, q, k, v, causal, sm_scale, backend, qo_indptr, kv_indptr, params)
-    o, lse = attention_fwd(variant.key, q, k, v, *call, target)
+    if torch.compiler.is_compiling():
+        o, lse = attention_fwd(variant.key, q, k, v, *call, target)
+    else:
+        o, lse = _EagerStep.apply(variant.key, target, call, q, k, v, *call[6])
     return (o, lse) if return_lse else o
 
 

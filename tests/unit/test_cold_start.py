@@ -227,13 +227,18 @@ def test_a_cold_training_step_runs_the_twins_forward_while_fa3_builds(monkeypatc
 
 def test_the_eager_entry_points_do_not_import_dynamo():
     """A first call imports the runtime (plans included) but not Dynamo, which only torch.compile needs and which
-    took seconds of a cold first call; a compiled call imports the ops as Dynamo traces it, in one graph."""
+    took seconds of a cold first call, nor does an eager training step (forward and backward); a compiled call
+    imports the ops as Dynamo traces it, in one graph."""
     import subprocess
     import sys
     code = ("import sys, torch, fivar\n"
             "import fivar.runtime.attention, fivar.runtime.autograd, fivar.runtime.graph, fivar.runtime.graph_verify\n"
             "fivar.load('softcap')\n"
             "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'\n"
+            "t = fivar.load('softcap')\n"
+            "q, k = (torch.randn(8, h, 16, dtype=torch.float16, requires_grad=True) for h in (2, 1))\n"
+            "t.attention(q, k, k, causal=True, backend='triton').float().sum().backward()\n"
+            "assert q.grad is not None and 'torch._dynamo' not in sys.modules, 'a training step imported dynamo'\n"
             # the first torch.compile of a call imports the ops while Dynamo traces it, and keeps it in one graph
             "v = fivar.load('softcap')\n"
             "q, k = torch.randn(8, 2, 16, dtype=torch.float16), torch.randn(8, 1, 16, dtype=torch.float16)\n"
