@@ -184,7 +184,7 @@ def _render_training(variant) -> str:
                       kernel_args=[a.name for a in emit.args], variant_args=emit.variant_args(),
                       unspecialized=emit.unspecialized(), reads=reads,
                       band_left=band.left is not None, band_right=band.right is not None, band_exact=band.exact,
-                      prescan=variant.scans_mask,
+                      tile_lists=variant.scans_mask,
                       has_mask=emit.lowered.mask is not None, gluon_functions=gluon_fns,
                       col_prologue=gluon.read_lines(gluon.col_loads), gl_cols=gluon.function_cols)
     # the template's parts are included whole, each followed by blank lines: at most two between definitions

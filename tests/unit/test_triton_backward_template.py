@@ -165,7 +165,7 @@ def test_gluon_kernels_render_at_their_own_indentation_and_prune_to_defined_name
             pruned = _Pruned(switches).visit(kernel)
             missing = _undefined_names(pruned, _module_names(tree))
             assert not missing, f"{name}: {kernel.name} reads undefined {sorted(missing)}"
-    flags = {k: {dict(s)[k] for s in shapes} for k in ("BWD_SOFTMAX", "BWD_MASK", "BWD_PRESCAN", "BWD_BAND_LEFT")}
+    flags = {k: {dict(s)[k] for s in shapes} for k in ("BWD_SOFTMAX", "BWD_MASK", "BWD_TILE_LISTS", "BWD_BAND_LEFT")}
     assert all(v == {True, False} for v in flags.values()), flags  # both sides of each switch were rendered
 
 
