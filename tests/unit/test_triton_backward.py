@@ -222,6 +222,34 @@ READS = AttentionVariant(name="learnable_reads", logits=_reads_logits, params={
 })
 
 
+def _dilated_head_mask(batch, qo_head, kv_head, q_idx, kv_idx, params):
+    # every `stride`-th key within a window per head, plus a local band: empty, whole and cut tiles at once
+    return q_idx - kv_idx < params.band or ((q_idx - kv_idx) % params.stride == 0
+                                            and q_idx - kv_idx < params.windows[qo_head])
+
+
+DILATED_READS = AttentionVariant(name="dilated_reads", logits=_reads_logits, mask=_dilated_head_mask, params={
+    **READS.params, "windows": Tensor("int32", ("qo_head",)), "band": Scalar(int, default=20),
+    "stride": Scalar(int, default=3)})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_learnable_reads_on_tile_lists(causal):
+    """A mask no band describes, read per head, with learnable reads of every kind: the backward runs on its tile
+    lists (whole tiles with no test, so their rows' and programs' sums take every pair; a tile of rows past its
+    request's end is cut). Ragged requests, one with a short last tile and one of a single query; every gradient
+    against float64 autograd."""
+    assert DILATED_READS.scans_mask
+    qo_lens, kv_lens = [75, 1, 40], [90, 33, 40]
+    q, k, vv = _qkv(sum(qo_lens), sum(kv_lens), 4, 2, 16)
+    params = {"rel": torch.randn(4, 7), "cap": torch.rand(4) * 3 + 2, "row": torch.randn(5),
+              "windows": torch.tensor([90, 0, 45, 12], dtype=torch.int32), "band": 48, "stride": 3}
+    r = check_gradients(DILATED_READS, q, k, vv, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal, params=params,
+                        dtype=DTYPE)
+    assert {"drel", "dcap", "drow"} <= {x.case for x in r.results}
+    assert r.passed, r
+
+
 def _scattered_logits(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     # indices fivar cannot bound over a tile (a modulo, the score itself): the kernel reduces each tile's offsets
     return score + params.t[qo_head, (kv_idx + 2 * q_idx) % 7] * 0.5 + params.u[clamp(int(score * 2.0), -3, 3) + 3]
