@@ -351,5 +351,6 @@ def attention_grads(variant, q, k, v, o, lse, do, dlse=None, *, causal=False, sm
     share of the whole row, so the result is these keys' part of the whole row's gradients."""
     from ..codegen.triton_bwd import learnable_params
     _, call = _call_args(variant, q, k, v, causal, sm_scale, "triton", None, None, params)
-    dq, dk, dv, dparams = attention_bwd(variant.key, do, q, k, v, o, lse, *call, dlse)
+    run = attention_bwd if torch.compiler.is_compiling() else _attention_bwd  # eager: no op dispatch (_EagerStep)
+    dq, dk, dv, dparams = run(variant.key, do, q, k, v, o, lse, *call, dlse)
     return dq, dk, dv, dict(zip(learnable_params(variant), dparams))
