@@ -127,9 +127,11 @@ def _gluon_functions(variant, derivatives: list[tuple[str, ir.Program, tuple]], 
     program, arguments: the backward's own functions, derived from `logits`, by default the lowered ones); and
     their emitter (col_loads, function_cols)."""
     emit = _GluonEmitter(variant)
+    emit.table_tile_test = False
     fns = [emit.function(emit.lowered.logits, "gl_variant_logits", ("qk",) + ir.INDEX_VARS)]
     if emit.lowered.mask:
         fns.append(emit.function(emit.lowered.mask, "gl_variant_mask", ir.INDEX_VARS))
+    emit.table_tile_test = True
     for name, program, args in derivatives:
         emit.let_exprs = dict((logits or emit.lowered.logits).lets)
         fns.append(emit.function(program, "gl_" + name, args))

@@ -38,6 +38,14 @@ def table_offset(length: int) -> int:
     return length - 1 + TABLE_PAD
 
 
+def table_offset_param(load: ir.Load) -> ir.ScalarParam:
+    """The offset scalar a table read adds to the distance (its column index is `distance_index`'s form): the
+    column of distance 0, so that twice it is the table's last column."""
+    column = load.indices[-1]
+    assert isinstance(column, ir.Binary) and column.op == "add" and isinstance(column.b, ir.ScalarParam), column
+    return column.b
+
+
 HEADS = ("qo_head", "kv_head")
 COSTLY_FUNCS = ("tanh", "exp", "exp2", "log", "sigmoid", "sqrt", "floor")
 
@@ -98,9 +106,12 @@ class Analysis:
         return any(self.reads_head(c) for c in e.children())
 
     def costly(self, e: ir.Expr) -> bool:
-        """A transcendental, a floor or float->int conversion, an integer // or %, or a gather whose index is
-        costly or itself gathered: what a table read beats."""
+        """A transcendental, a floor or float->int conversion, a float division by a variable, an integer // or %,
+        or a gather whose index is costly or itself gathered: what a table read beats (a division is a reciprocal
+        on the same unit as the softmax's exponential, and its refinement)."""
         if isinstance(e, ir.Call) and e.fn in COSTLY_FUNCS:
+            return True
+        if isinstance(e, ir.Binary) and e.op == "div" and e.type == F32 and not isinstance(e.b, ir.Const):
             return True
         if isinstance(e, ir.Cast) and e.type == I32 and e.x.type == F32:
             return True

@@ -97,10 +97,21 @@ def position_free(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
     return score + exp(params.slopes[qo_head])
 
 
+def saturating_distance(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    d = abs(float(kv_idx - q_idx))
+    return score - params.slopes[qo_head] * d / (1.0 + params.c * d) + float(kv_idx - q_idx) / 64.0
+
+
+def divides_by_score(score, batch, qo_head, kv_head, q_idx, kv_idx, params):
+    return score / (1.0 + abs(score)) + float(kv_idx - q_idx) / 8.0
+
+
 # (function, tables in "costly" mode, tables in "all" mode)
 CASES = [(t5, 1, 1), (learned_clamped, 0, 1), (gather_chain, 1, 1), (per_head_decay, 2, 2),
          (softcap_times_position, 1, 1), (alibi, 0, 1), (reads_q_alone, 0, 0), (reads_kv_alone, 0, 0),
-         (reads_score, 0, 0), (reads_batch, 0, 0), (per_pair_tensor, 0, 0), (position_free, 0, 0)]
+         (reads_score, 0, 0), (reads_batch, 0, 0), (per_pair_tensor, 0, 0), (position_free, 0, 0),
+         # a division by a variable is costly (a reciprocal beside the softmax's exponential), by a constant not
+         (saturating_distance, 1, 2), (divides_by_score, 0, 1)]
 
 
 @pytest.mark.parametrize("fn,costly,all_", CASES, ids=[c[0].__name__ for c in CASES])
@@ -369,3 +380,19 @@ def test_position_terms_are_found_whatever_they_cost(name, has):
     zoo = Path(__file__).resolve().parents[2] / "benchmarks" / "zoo"
     v = load_file(zoo / f"{name}.py")
     assert has_position_term(v.ir.logits) is has
+
+
+def test_table_reads_share_one_distance_clamp_and_the_gluon_logits_skip_the_tile_test():
+    """Every table's distance column is clamped by the same expression (twice the offset: the table's last column),
+    so a kernel reading several tables computes it once; the Triton functions keep a table's gather behind the tile
+    test (a branch never taken, which keeps the pipeliner from staging the gather), the Gluon kernels' logits read it
+    plainly."""
+    from fivar.codegen.triton_bwd import render_training
+    v = _variant(saturating_distance)
+    with override(position_tables="all"):
+        text = render_training(v)
+    clamp = "tl.minimum(tl.maximum(((kv_idx - q_idx) + fvp_fv_pos_offset), 0), 2 * fvp_fv_pos_offset)"
+    body = lambda name: text.split(f"def {name}(")[1].split("):\n", 1)[1].split("\n\n\n")[0]  # noqa: E731
+    assert "fvsize1_fv_pos_table" not in body("variant_logits") + body("gl_variant_logits")
+    assert body("variant_logits").count(clamp) >= 2 and "if (" in body("variant_logits")
+    assert body("gl_variant_logits").count(clamp) == 2 and "if (" not in body("gl_variant_logits")
