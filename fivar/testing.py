@@ -78,7 +78,8 @@ def _checked_example(variant, params):
             try:
                 checked_scalar(variant, name, value)
             except FivarError as e:
-                raise FivarError(f"{head} {value!r} for '{name}' ({str(e).split(': ', 1)[-1]})") from None
+                why = str(e).split(f"variant '{variant.name}': ", 1)[-1]  # after where the param was declared
+                raise FivarError(f"{head} {value!r} for '{name}' ({why})") from None
         elif not isinstance(value, torch.Tensor) or value.dtype != getattr(torch, p.dtype) or value.dim() != p.ndim:
             got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
                 type(value).__name__

@@ -120,23 +120,30 @@ def same_device(a, b) -> bool:
     return a.index == b.index
 
 
+def declared(variant, pname: str) -> str:
+    """How an error about a parameter's value starts: where it was declared, the variant and the parameter."""
+    where = getattr(variant.params.get(pname), "where", None) or {}
+    at = f"{where['filename']}:{where['line']}: " if where.get("filename") and where.get("line") else ""
+    return f"{at}variant '{variant.name}': parameter '{pname}'"
+
+
 def checked_scalar(variant, pname: str, value) -> float | int:
     """`value` for the variant's Scalar `pname`, as its declared type, or a FivarError naming both."""
     name, p = variant.name, variant.params[pname]
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise FivarError(f"variant '{name}': parameter '{pname}' must be a Python "
+        raise FivarError(f"{declared(variant, pname)} must be a Python "
                          f"{p.dtype.__name__}, got {type(value).__name__}")
     if not math.isfinite(value):  # the kernels would turn every score it touches into NaN
-        raise FivarError(f"variant '{name}': parameter '{pname}' must be finite, got {value!r}")
+        raise FivarError(f"{declared(variant, pname)} must be finite, got {value!r}")
     if p.dtype is float and abs(value) > FLOAT32_MAX:  # float in the kernels: it would arrive as inf
-        raise FivarError(f"variant '{name}': parameter '{pname}' = {value!r} does not fit the kernels' 32-bit "
+        raise FivarError(f"{declared(variant, pname)} = {value!r} does not fit the kernels' 32-bit "
                          f"floats (|x| <= {FLOAT32_MAX!r})")
     if p.dtype is int and not float(value).is_integer():
-        raise FivarError(f"variant '{name}': parameter '{pname}' is an int parameter, got {value!r}")
+        raise FivarError(f"{declared(variant, pname)} is an int parameter, got {value!r}")
     if p.dtype is int and not -2**31 <= value < 2**31:  # int32_t in the kernels
-        raise FivarError(f"variant '{name}': parameter '{pname}' = {value} does not fit the kernels' 32-bit "
+        raise FivarError(f"{declared(variant, pname)} = {value} does not fit the kernels' 32-bit "
                          f"integers [-2**31, 2**31)")
     if value == 0 and pname in variant.ir.divisor_scalars:
         raise FivarError(f"{variant.ir.divisor_scalars[pname]}: parameter '{pname}' is 0 and divides "
@@ -149,8 +156,8 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
     name = variant.name
     unknown = sorted(set(given) - set(variant.params))
     if unknown:
-        declared = ", ".join(f"{k}: {_describe(p)}" for k, p in variant.params.items()) or "none"
-        raise FivarError(f"variant '{name}': unknown parameter(s) {', '.join(unknown)} (declared: {declared})")
+        listed = ", ".join(f"{k}: {_describe(p)}" for k, p in variant.params.items()) or "none"
+        raise FivarError(f"variant '{name}': unknown parameter(s) {', '.join(unknown)} (declared: {listed})")
     scalars, tensors = {}, {}
     known = {"qo_head": num_qo_heads, "kv_head": num_kv_heads, "batch": batch_size}
     for pname, p in variant.params.items():
@@ -165,23 +172,23 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
             scalars[pname] = checked_scalar(variant, pname, value)
             continue
         if not isinstance(value, torch.Tensor):
-            raise FivarError(f"variant '{name}': parameter '{pname}' must be a torch.Tensor "
+            raise FivarError(f"{declared(variant, pname)} must be a torch.Tensor "
                              f"({_describe(p)}), got {type(value).__name__}")
         want = getattr(torch, p.dtype)
         if value.dtype != want:
-            raise FivarError(f"variant '{name}': parameter '{pname}' must have dtype torch.{p.dtype}, "
+            raise FivarError(f"{declared(variant, pname)} must have dtype torch.{p.dtype}, "
                              f"got {value.dtype}")
         if value.dim() != p.ndim:
-            raise FivarError(f"variant '{name}': parameter '{pname}' must have {p.ndim} dimension(s) "
+            raise FivarError(f"{declared(variant, pname)} must have {p.ndim} dimension(s) "
                              f"{p.dims}, got shape {tuple(value.shape)}")
         for d, dim in enumerate(p.dims):
             if dim in known and value.shape[d] != known[dim]:
-                raise FivarError(f"variant '{name}': parameter '{pname}' dimension {d} ('{dim}') must be "
+                raise FivarError(f"{declared(variant, pname)} dimension {d} ('{dim}') must be "
                                  f"{known[dim]}, got {value.shape[d]}")
             if value.shape[d] == 0:
-                raise FivarError(f"variant '{name}': parameter '{pname}' has an empty dimension {d}")
+                raise FivarError(f"{declared(variant, pname)} has an empty dimension {d}")
         if same_device(device, value.device) is False:
-            raise FivarError(f"variant '{name}': parameter '{pname}' is on {value.device}, the inputs are "
+            raise FivarError(f"{declared(variant, pname)} is on {value.device}, the inputs are "
                              f"on {device}")
         tensors[pname] = value.contiguous()
     return BoundParams(scalars, tensors, num_qo_heads, num_kv_heads, device)

@@ -893,3 +893,26 @@ def test_int_of_a_computed_float_is_not_taken_for_a_zero(tmp_path):
     f = _mask_file(tmp_path, "half", "    return qi // int(0.5) == ki\n")
     with pytest.raises(FivarSpecError, match="integer `//` by zero"):
         fivar.load(str(f)).ir
+
+
+@pytest.mark.parametrize("given,says", [
+    (dict(slopes=torch.rand(3)), "dimension 0 \\('qo_head'\\) must be 2, got 3"),
+    (dict(slopes=torch.rand(2, 1)), "must have 1 dimension"),
+    (dict(slopes=torch.rand(2).double()), "must have dtype torch.float32"),
+    (dict(slopes=[1.0, 2.0]), "must be a torch.Tensor"),
+    (dict(slopes=torch.rand(2), scale=float("nan")), "must be finite"),
+])
+def test_a_bad_param_value_names_the_line_that_declared_it(tmp_path, given, says):
+    f = tmp_path / "badvalue.py"
+    f.write_text("from fivar import AttentionVariant, Scalar, Tensor\n\n"
+                 "def logits(s, b, h, kh, qi, ki, p):\n    return s * p.scale + p.slopes[h]\n\n"
+                 "variant = AttentionVariant(name='badvalue', logits=logits, params={\n"
+                 "    'slopes': Tensor('float32', ('qo_head',)),\n"
+                 "    'scale': Scalar(float, default=1.0),\n"
+                 "})\n")
+    v = fivar.load(str(f))
+    line = 8 if "scale" in given else 7
+    q = torch.randn(3, 2, 8)
+    with pytest.raises(fivar.FivarError, match=f"^{f}:{line}: variant 'badvalue': parameter '(slopes|scale)' {says}") as e:
+        v.reference(q, q[:, :1], q[:, :1], **given)
+    assert "\n" not in str(e.value)
