@@ -129,7 +129,7 @@ def declared(variant, pname: str) -> str:
 
 def checked_scalar(variant, pname: str, value) -> float | int:
     """`value` for the variant's Scalar `pname`, as its declared type, or a FivarError naming both."""
-    name, p = variant.name, variant.params[pname]
+    p = variant.params[pname]
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
