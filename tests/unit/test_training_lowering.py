@@ -43,6 +43,7 @@ def _term(r: random.Random, depth: int) -> str:
         lambda: f"((abs(clamp({t()}, -3.0, 3.0)) + 0.5) ** clamp(p.u[h], 0.25, 1.75))",
         lambda: f"p.t[minimum(int(log(float({_distance(r)}) + 1.0) * 2.0), {TABLE - 1}), h]",
         lambda: f"({t()} if {_distance(r)} < {r.randint(1, 6)} else {t()})",
+        lambda: f"({t()} / (1.0 + abs({t()})))",  # a division by a variable: a table, its quotient rule too
     ])()
 
 
