@@ -1,8 +1,13 @@
 """The generated backward's kernels compiled for sm_90a with no GPU: registers, spills and, per loop holding wgmma,
 its instruction mix (HGMMA, barriers, local-memory spill traffic, shared loads, MUFU), from Triton's own ptxas.
 
-    CUDA_HOME=/usr/local/cuda python3 benchmarks/tools/backward_sass.py variants/alibi.py [--kernel dkdv|dq]
-        [--config 64,128,8,2] [--no-tma] [--group 4] [--causal]
+    CUDA_HOME=/usr/local/cuda python3 benchmarks/tools/backward_sass.py variants/alibi.py
+        [--kernel dkdv|dq|gl_dkdv|gl_dq] [--config 64,128,8,2] [--no-tma] [--group 4] [--causal] [--frozen]
+
+`gl_dkdv` and `gl_dq` are the Hopper Gluon kernels at the tiles and warps their launcher uses (64 x 64, four warps;
+--config is the Triton kernels'); they need the Triton the kernels are written for (3.6: put its wheel's
+contents first on PYTHONPATH where the installed one is newer). `--frozen`: the variant with its learnable tensors
+held (fivar.bench.train.learnable_copy), what the learnable gradients cost against.
 
 A static view, for comparing two versions of a kernel before spending GPU time on them (times come from
 benchmarks/tools/profile_backward.py on the GPU). The signature marks every pointer and stride 16-divisible and the
@@ -103,22 +108,36 @@ def loop_mix(sass: str) -> list[dict]:
     return loops
 
 
-def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, group: int, causal: bool) -> dict:
+def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, group: int, causal: bool,
+                   frozen: bool = False) -> dict:
     block_short, block_long, warps, stages = config
     variant = load_file(Path(variant_file))
+    if frozen:
+        from fivar.bench.train import learnable_copy
+        variant = learnable_copy(variant, learnable=False)
     module_src = render_training(variant)
     with tempfile.TemporaryDirectory() as tmp:
         source = os.path.join(tmp, "module.py")  # Triton reads a kernel's source through its file
         Path(source).write_text(module_src)
         namespace: dict = {"__name__": "fivar_backward_sass", "__file__": source}
         exec(compile(module_src, source, "exec"), namespace)  # noqa: S102 - fivar's own rendering
-        jit = namespace["bwd_dkdv_kernel" if kernel == "dkdv" else "bwd_dq_kernel"].fn
-        blocks = {"BLOCK_M": block_long, "BLOCK_N": block_short} if kernel == "dq" else \
-            {"BLOCK_M": block_short, "BLOCK_N": block_long}
-        sig, const, attrs = _signature(jit, {"GROUP": group, "HEAD_DIM": 128, "CAUSAL": causal, "USE_TMA": tma,
-                                             **blocks}, _variant_types(variant))
-        compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        if kernel.startswith("gl_"):  # the launcher's tiles and warps (templates/triton/bwd/launch.jinja)
+            from triton.experimental.gluon._runtime import GluonASTSource
+            jit, warps = namespace[f"gl_bwd_{kernel[3:]}_kernel"], 4
+            sig, const, attrs = _signature(jit, {"GROUP": group, "HEAD_DIM": 128, "CAUSAL": causal, "BLOCK_M": 64,
+                                                 "BLOCK_N": 64, "num_warps": warps}, _variant_types(variant))
+            source = GluonASTSource(jit, sig, constexprs={(jit.arg_names.index(n),): v for n, v in const.items()},
+                                    attrs=attrs)
+            options = {"num_warps": warps}
+        else:
+            jit = namespace["bwd_dkdv_kernel" if kernel == "dkdv" else "bwd_dq_kernel"].fn
+            blocks = {"BLOCK_M": block_long, "BLOCK_N": block_short} if kernel == "dq" else \
+                {"BLOCK_M": block_short, "BLOCK_N": block_long}
+            sig, const, attrs = _signature(jit, {"GROUP": group, "HEAD_DIM": 128, "CAUSAL": causal, "USE_TMA": tma,
+                                                 **blocks}, _variant_types(variant))
+            source = ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs)
+            options = {"num_warps": warps, "num_stages": stages}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(compiled.asm["ptx"])
@@ -128,7 +147,8 @@ def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, gro
         sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
     regs = re.search(r"Used (\d+) registers", info)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    return {"kernel": kernel, "config": config, "tma": tma, "registers": int(regs.group(1)) if regs else None,
+    return {"kernel": kernel, "config": (64, 64, 4) if kernel.startswith("gl_") else config, "tma": tma,
+            "shared_bytes": compiled.metadata.shared, "registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spill.group(1)) if spill else None,
             "spill_load_bytes": int(spill.group(2)) if spill else None, "loops": loop_mix(sass)}
 
@@ -136,15 +156,17 @@ def compile_kernel(variant_file: str, kernel: str, config: tuple, tma: bool, gro
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("variant_file")
-    ap.add_argument("--kernel", choices=("dkdv", "dq"), action="append")
+    ap.add_argument("--kernel", choices=("dkdv", "dq", "gl_dkdv", "gl_dq"), action="append")
     ap.add_argument("--config", default="64,128,8,2", help="short side, long side, warps, stages")
     ap.add_argument("--no-tma", action="store_true")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--frozen", action="store_true", help="the learnable tensors held")
     args = ap.parse_args(argv)
     config = tuple(int(x) for x in args.config.split(","))
     for kernel in args.kernel or ("dkdv", "dq"):
-        print(compile_kernel(args.variant_file, kernel, config, not args.no_tma, args.group, args.causal))
+        print(compile_kernel(args.variant_file, kernel, config, not args.no_tma, args.group, args.causal,
+                             args.frozen))
 
 
 if __name__ == "__main__":
