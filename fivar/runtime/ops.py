@@ -152,13 +152,9 @@ def ops_of(variant):
 def _param_args(variant, params: dict, return_lse: bool) -> list:
     """The op's param arguments; what the fake cannot know (an LSE without softmax, a misspelt param) is refused
     here, while tracing, rather than when the graph first runs."""
-    from ..errors import FivarError
-    from ..spec.inputs import check_lse
+    from ..spec.inputs import check_known_params, check_lse
     check_lse(variant, return_lse)
-    unknown = sorted(set(params) - set(variant.params))
-    if unknown:  # the entry point would name it too, but only when the graph runs
-        raise FivarError(f"variant '{variant.name}': unknown parameter(s) {', '.join(unknown)} (declared: "
-                         f"{', '.join(variant.params) or 'none'})")
+    check_known_params(variant, params)  # the entry point would name it too, but only when the graph runs
     return [params.get(name) for name in variant.params]
 
 

@@ -122,9 +122,13 @@ def same_device(a, b) -> bool:
 
 def declared(variant, pname: str) -> str:
     """How an error about a parameter's value starts: where it was declared, the variant and the parameter."""
-    where = getattr(variant.params.get(pname), "where", None) or {}
-    at = f"{where['filename']}:{where['line']}: " if where.get("filename") and where.get("line") else ""
-    return f"{at}variant '{variant.name}': parameter '{pname}'"
+    return f"{_at(getattr(variant.params.get(pname), 'where', None))}variant '{variant.name}': parameter '{pname}'"
+
+
+def _at(where: dict | None) -> str:
+    """`file:line: ` of a recorded source location, or nothing."""
+    where = where or {}
+    return f"{where['filename']}:{where['line']}: " if where.get("filename") and where.get("line") else ""
 
 
 def checked_scalar(variant, pname: str, value) -> float | int:
@@ -151,13 +155,20 @@ def checked_scalar(variant, pname: str, value) -> float | int:
     return p.dtype(value)
 
 
-def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, batch_size: int,
-                device) -> BoundParams:
-    name = variant.name
+def check_known_params(variant, given: dict) -> None:
+    """Refuse a param the variant does not declare (a misspelt name), at the variant's code, listing those it does."""
     unknown = sorted(set(given) - set(variant.params))
     if unknown:
         listed = ", ".join(f"{k}: {_describe(p)}" for k, p in variant.params.items()) or "none"
-        raise FivarError(f"variant '{name}': unknown parameter(s) {', '.join(unknown)} (declared: {listed})")
+        fn = variant.logits or variant.mask or variant.sink  # the variant's own code: where its params are read
+        raise FivarError(f"{_at(variant._where(fn))}variant '{variant.name}': unknown parameter(s) "
+                         f"{', '.join(unknown)} (declared: {listed})")
+
+
+def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, batch_size: int,
+                device) -> BoundParams:
+    name = variant.name
+    check_known_params(variant, given)
     scalars, tensors = {}, {}
     known = {"qo_head": num_qo_heads, "kv_head": num_kv_heads, "batch": batch_size}
     for pname, p in variant.params.items():
@@ -165,8 +176,8 @@ def bind_params(variant, given: dict, *, num_qo_heads: int, num_kv_heads: int, b
             if isinstance(p, Scalar) and p.default is not None:
                 scalars[pname] = p.default
                 continue
-            raise FivarError(f"variant '{name}': missing parameter '{pname}' ({_describe(p)}); pass it as "
-                             f"{pname}=...")
+            raise FivarError(f"{_at(p.where)}variant '{name}': missing parameter '{pname}' ({_describe(p)}); pass "
+                             f"it as {pname}=...")
         value = given[pname]
         if isinstance(p, Scalar):
             scalars[pname] = checked_scalar(variant, pname, value)
