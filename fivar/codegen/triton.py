@@ -28,6 +28,8 @@ _CALLS = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt"
           "abs": "tl.abs", "minimum": "tl.minimum", "maximum": "tl.maximum", "sigmoid": "tl.sigmoid",
           "tanh": "_tanh"}
 _TL_TYPE = {F32: "tl.float32", I32: "tl.int32"}
+#: functions that never decrease: an interval's image is the interval of its ends' images
+MONOTONE_FUNCS = ("exp", "exp2", "log", "sqrt", "floor")
 #: After the index variables, every variant function takes the tile's query and key index ranges.
 TILE_RANGE_ARGS = ("fv_q_lo", "fv_q_hi", "fv_kv_lo", "fv_kv_hi")
 
@@ -268,9 +270,45 @@ class TritonEmitter:
             return self.interval(self.let_exprs[e.name]) if e.name in self.let_exprs else None
         if isinstance(e, ir.Cast) and e.type == I32 and e.x.type == I32:
             return self.interval(e.x)
+        if isinstance(e, ir.Cast):  # int <-> float: monotone (the truncation to int too)
+            b = self.interval(e.x)
+            return None if b is None else tuple(f"tl.cast({x}, {_TL_TYPE[e.type]})" for x in b)
         if isinstance(e, ir.Unary) and e.op == "neg":
             b = self.interval(e.x)
             return None if b is None else (f"(-{b[1]})", f"(-{b[0]})")
+        if isinstance(e, ir.Select):  # the branch the condition takes over the whole tile, else both's hull
+            a, b, decided = self.interval(e.a), self.interval(e.b), self.decided(e.cond)
+            if a is None or b is None:
+                return None
+            lo, hi = f"tl.minimum({a[0]}, {b[0]})", f"tl.maximum({a[1]}, {b[1]})"
+            if decided is None:
+                return lo, hi
+            always, never = decided
+            return (f"tl.where({always}, {a[0]}, tl.where({never}, {b[0]}, {lo}))",
+                    f"tl.where({always}, {a[1]}, tl.where({never}, {b[1]}, {hi}))")
+        if isinstance(e, ir.Call) and e.fn in MONOTONE_FUNCS:
+            b = self.interval(e.args[0])
+            if b is None:
+                return None
+            f = _CALLS[e.fn]
+            self.helpers.add("nan_to")
+            # a bound outside the function's domain (NaN) widens to the infinite one: never one element
+            return (f"_fv_nan_to({f}({b[0]}), float('-inf'))", f"_fv_nan_to({f}({b[1]}), float('inf'))")
+        if isinstance(e, ir.Binary) and e.op == "div" and e.type == F32 and isinstance(
+                e.b, (ir.Const, ir.ScalarParam, ir.Hoisted, ir.Local)):
+            a, b = self.interval(e.a), self.interval(e.b)
+            if a is None or b is None or b[0] != b[1]:  # a divisor that is one value over the tile
+                return None
+            self.helpers.add("nan_to")  # a zero divisor: NaN bounds, widened to infinite ones
+            x, y = f"({a[0]} / {b[0]})", f"({a[1]} / {b[0]})"
+            return (f"_fv_nan_to(tl.minimum({x}, {y}), float('-inf'))", f"_fv_nan_to(tl.maximum({x}, {y}), float('inf'))")
+        if isinstance(e, ir.Binary) and e.op == "floordiv" and e.type == I32:  # monotone in a, given one b
+            a, b = self.interval(e.a), self.interval(e.b)
+            if a is None or b is None or b[0] != b[1]:
+                return None
+            self.helpers.add("floordiv")
+            x, y = f"_py_floordiv({a[0]}, {b[0]})", f"_py_floordiv({a[1]}, {b[0]})"
+            return f"tl.minimum({x}, {y})", f"tl.maximum({x}, {y})"
         kids = [self.interval(c) for c in e.children()]
         if None in kids or not kids:
             return None
@@ -280,18 +318,36 @@ class TritonEmitter:
         if isinstance(e, ir.Binary) and e.op == "sub":
             (alo, ahi), (blo, bhi) = kids
             return f"({alo} - {bhi})", f"({ahi} - {blo})"
-        if isinstance(e, ir.Binary) and e.op == "mul" and e.type == I32:
+        if isinstance(e, ir.Binary) and e.op == "mul":
             (alo, ahi), (blo, bhi) = kids
             corners = [f"{a} * {b}" for a in (alo, ahi) for b in (blo, bhi)]
             lo, hi = corners[0], corners[0]
             for c in corners[1:]:
                 lo, hi = f"tl.minimum({lo}, {c})", f"tl.maximum({hi}, {c})"
             return lo, hi
-        if isinstance(e, ir.Call) and e.fn in ("minimum", "maximum") and e.type == I32:
+        if isinstance(e, ir.Call) and e.fn in ("minimum", "maximum"):
             (alo, ahi), (blo, bhi) = kids
             f = f"tl.{e.fn}"
             return f"{f}({alo}, {blo})", f"{f}({ahi}, {bhi})"
+        if isinstance(e, ir.Call) and e.fn == "abs":
+            ((lo, hi),) = kids
+            return (f"tl.where({lo} >= 0, {lo}, tl.where({hi} <= 0, -({hi}), 0))",
+                    f"tl.maximum(tl.abs({lo}), tl.abs({hi}))")
         return None
+
+    def decided(self, cond: ir.Expr) -> tuple[str, str] | None:
+        """For a comparison of two bounded expressions: (holds for the whole tile, fails for the whole tile) as
+        scalar expressions; None for another condition."""
+        if isinstance(cond, ir.Local) and cond.name in self.let_exprs:
+            return self.decided(self.let_exprs[cond.name])
+        if not (isinstance(cond, ir.Binary) and cond.op in ("lt", "le", "gt", "ge")):
+            return None
+        a, b = self.interval(cond.a), self.interval(cond.b)
+        if a is None or b is None:
+            return None
+        (alo, ahi), (blo, bhi) = a, b
+        return {"lt": (f"({ahi} < {blo})", f"({alo} >= {bhi})"), "le": (f"({ahi} <= {blo})", f"({alo} > {bhi})"),
+                "gt": (f"({alo} > {bhi})", f"({ahi} <= {blo})"), "ge": (f"({alo} >= {bhi})", f"({ahi} < {blo})")}[cond.op]
 
     def fold(self, e: ir.Expr):
         """Constant subtrees are computed here (float32, the reference's semantics): Triton would

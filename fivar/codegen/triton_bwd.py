@@ -157,7 +157,7 @@ def _render_training(variant) -> str:
     logits = lowered.gradient_logits
     derivatives = [(name, program, ("qk",) + ir.INDEX_VARS) for name, program in lowered.gradients]
     prologue, row_prologue = emit.prologue(), emit.row_prologue()
-    tile_fns, reads = [], []
+    tile_fns, tile_tests, reads = [], [], []
     for i, load in enumerate(lowered.learnable_loads):
         emit.let_exprs = dict(logits.lets)  # read_kind and tile_ranges follow the index through the lets
         kind = emit.read_kind(load)
@@ -170,14 +170,15 @@ def _render_training(variant) -> str:
         offset_args = ir.INDEX_VARS + (("qk",) if kind == "element" else ())  # not first: no tile broadcast
         derivatives.append((f"fv_grad_offset{i}", ir.Program(index_lets, _GradOffset(I32, load)), offset_args))
         if tile_test:
-            tile_fns.append(emit.function(ir.Program(index_lets, _TileElement(I32, load)), f"fv_grad_tile{i}",
-                                          ir.INDEX_VARS))
+            tile_program = ir.Program(index_lets, _TileElement(I32, load))
+            tile_fns.append(emit.function(tile_program, f"fv_grad_tile{i}", ir.INDEX_VARS))
+            tile_tests.append((f"fv_grad_tile{i}", tile_program, ir.INDEX_VARS))
     fns = []
     for name, program, args in derivatives:  # then the Gluon kernels' copies of the same (_gluon_functions)
         emit.let_exprs = dict(logits.lets)
         fns.append(emit.function(program, name, args))
     fns += tile_fns
-    gluon_fns, gluon = _gluon_functions(variant, derivatives, logits)
+    gluon_fns, gluon = _gluon_functions(variant, derivatives + tile_tests, logits)
     # the module's helper functions (_py_mod & co.) are the forward's: it defines those the derivatives use too
     forward = render_attention(variant, extra_helpers=emit.helpers | gluon.helpers)
     band = variant.kv_band

@@ -276,8 +276,12 @@ def test_distance_buckets_far_and_near():
     from fivar.codegen.triton_bwd import render_training
     from fivar.config import override
     with override(position_tables="off"):  # as training renders it: every term per element
-        dq = render_training(BUCKETS).split("def bwd_dq_kernel")[1]
+        module = render_training(BUCKETS)
+    dq = module.split("def bwd_dq_kernel")[1]
     assert dq.count("if fv_first == fv_last:") == 1 and "fv_diag" in dq  # the diagonal form, with the one-entry test
+    # Hopper's Gluon dQ kernel runs it too: the one-element tiles by the tile's bounds, the others through the skew
+    gl_dq = module.split("def gl_bwd_dq_kernel")[1]
+    assert "GLUON_DQ = True" in module and "fv_one = gl_fv_grad_tile0(" in gl_dq and "fv_skew_in.store(" in gl_dq
     q, k, vv = _qkv(150, 150, 2, 1, 16)
     r = check_gradients(BUCKETS, q, k, vv, qo_lens=[150], kv_lens=[150], causal=True,
                         params={"table": torch.randn(4, 2)}, dtype=DTYPE)
